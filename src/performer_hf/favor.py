@@ -1,0 +1,27 @@
+"""Public FAVOR+ kernel API: pure tensor functions, no configuration objects.
+
+>>> from performer_hf.favor import draw_projection, favor_attention
+>>> W = draw_projection(256, 64)                      # (nb_features, head_dim)
+>>> out = favor_attention(q, k, v, W, causal=True)    # q, k, v: (batch, heads, seq, head_dim)
+"""
+
+from .favor_attention import DEFAULT_CHUNK_SIZE, FavorState, favor_attention
+from .favor_features import FEATURE_MAPS, FeatureMap, feature_map, get_feature_map
+from .favor_projection import draw_projection
+from .favor_reference import exact_attention, explicit_feature_attention
+
+KERNELS = tuple(FEATURE_MAPS)
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "FEATURE_MAPS",
+    "KERNELS",
+    "FavorState",
+    "FeatureMap",
+    "draw_projection",
+    "exact_attention",
+    "explicit_feature_attention",
+    "favor_attention",
+    "feature_map",
+    "get_feature_map",
+]
