@@ -88,6 +88,18 @@ class PerformerConfig(PreTrainedConfig):
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def layer_types(self) -> list[str]:
+        """Cache layer type per block: FAVOR+ keeps a constant-size recurrent state
+        (``"favor_attention"``, see ``cache_performer.py``), exact attention a key/value cache."""
+        layer_type = "full_attention" if self.attention_kernel == "exact" else "favor_attention"
+        return [layer_type] * self.num_hidden_layers
+
+    def validate_layer_type(self):
+        """Part of `@strict` validation. `layer_types` is derived from `attention_kernel` (checked in
+        `validate_architecture`); its `"favor_attention"` entries name a cache layer type that
+        `cache_performer.py` registers, outside transformers' list of built-in types."""
+
     def validate_architecture(self):
         """Part of `@strict` validation: reject settings the model cannot be built with."""
         if self.hidden_size % self.num_attention_heads != 0:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -25,6 +26,7 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
 
+from .cache_performer import FavorCacheLayer
 from .configuration_performer import PerformerConfig
 from .favor_attention import favor_attention
 from .favor_projection import draw_projection
@@ -126,33 +128,77 @@ class PerformerAttention(nn.Module):
         batch, length, _ = x.shape
         return x.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, D)
 
-    def _exact(self, q, k, v, key_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        length = q.shape[2]
+    def _exact(self, q, k, v, key_mask: torch.Tensor | None, causal: bool, output_attentions: bool):
+        """Softmax attention. q: (B, H, Lq, D); k, v: (B, H, Lk, D), the Lk - Lq cached keys first;
+        key_mask: (B, Lk). Returns the context (B, H, Lq, D) and the weights (B, H, Lq, Lk) or None."""
+        q_len, k_len = q.shape[2], k.shape[2]
         visible = None
         if key_mask is not None:
-            visible = key_mask[:, None, None, :]  # (B, 1, 1, L)
+            visible = key_mask[:, None, None, :]  # (B, 1, 1, Lk)
         if causal:
-            tril = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+            past = k_len - q_len  # query i sits at position past + i and sees keys j <= past + i
+            tril = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=past)  # (Lq, Lk)
             visible = tril if visible is None else visible & tril
-            visible = visible | torch.eye(length, dtype=torch.bool, device=q.device)  # no empty rows
+            own = torch.arange(k_len, device=q.device) == torch.arange(past, k_len, device=q.device)[:, None]
+            visible = visible | own  # a query always sees itself: no empty rows (left padding)
         dropout = self.dropout_prob if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout)
+        if not output_attentions:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout), None
+        scores = (q @ k.transpose(-2, -1)) * self.head_dim**-0.5  # (B, H, Lq, Lk)
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        weights = scores.float().softmax(dim=-1).to(q.dtype)
+        return F.dropout(weights, p=dropout, training=self.training) @ v, weights
 
-    def forward(self, hidden_states: torch.Tensor, key_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """hidden_states: (B, L, hidden); key_mask: (B, L) bool, True for real tokens."""
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        causal: bool,
+        past_key_values: Cache | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend over the new tokens and, when ``past_key_values`` is given, the cached ones.
+
+        Args:
+            hidden_states: (B, L, hidden), the L new tokens.
+            key_mask: (B, P + L) bool, True for real tokens, covering the P cached tokens too.
+            causal: mask future keys.
+            past_key_values: causal only; this layer's entry is read and updated in place: a
+                :class:`FavorCacheLayer` (constant-size state) for FAVOR+, keys/values for ``"exact"``.
+            output_attentions: ``"exact"`` only: also return the weights (B, H, L, P + L).
+
+        Returns:
+            The output (B, L, hidden) and the attention weights or None.
+        """
         q = self._split_heads(self.query(hidden_states))  # (B, H, L, D)
         k = self._split_heads(self.key(hidden_states))
         v = self._split_heads(self.value(hidden_states))
+        weights = None
         if self.kernel == "exact":
-            context = self._exact(q, k, v, key_mask, causal)
+            if past_key_values is not None:
+                k, v = past_key_values.update(k, v, self.layer_idx)  # (B, H, P + L, D)
+            context, weights = self._exact(q, k, v, key_mask, causal, output_attentions)
         else:
-            context = favor_attention(
-                q, k, v, self.projection, causal=causal, kernel=self.kernel,
-                key_padding_mask=key_mask, chunk_size=self.chunk_size,
-            )  # fmt: skip
+            length = q.shape[2]
+            new_key_mask = None if key_mask is None else key_mask[:, -length:]  # (B, L): past keys live in the state
+            favor_kwargs = {"causal": causal, "kernel": self.kernel, "key_padding_mask": new_key_mask,
+                            "chunk_size": self.chunk_size}  # fmt: skip
+            # The kernel computes in float32 whatever the input dtype; autocast must not lower its
+            # exponentials and prefix sums to bf16/fp16.
+            with torch.autocast(q.device.type, enabled=False):
+                if past_key_values is None:
+                    context = favor_attention(q, k, v, self.projection, **favor_kwargs)
+                else:
+                    layer_cache = past_key_values.layers[self.layer_idx]
+                    context, state = favor_attention(
+                        q, k, v, self.projection, initial_state=layer_cache.get_state(), return_state=True,
+                        **favor_kwargs,
+                    )  # fmt: skip
+                    layer_cache.update_state(state, num_new_tokens=length)
         batch, _, length, _ = context.shape
         context = context.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)  # (B, L, hidden)
-        return self.output(context)
+        return self.output(context), weights
 
 
 class PerformerMLP(nn.Module):
@@ -178,16 +224,24 @@ class PerformerLayer(GradientCheckpointingLayer):
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, hidden_states: torch.Tensor, key_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        causal: bool,
+        past_key_values: Cache | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states: (B, L, hidden) -> (B, L, hidden), attention weights or None."""
         if self.pre_norm:
-            hidden_states = hidden_states + self.dropout(
-                self.attention(self.attention_norm(hidden_states), key_mask, causal)
+            attended, weights = self.attention(
+                self.attention_norm(hidden_states), key_mask, causal, past_key_values, output_attentions
             )
-            return hidden_states + self.dropout(self.mlp(self.mlp_norm(hidden_states)))
-        hidden_states = self.attention_norm(
-            hidden_states + self.dropout(self.attention(hidden_states, key_mask, causal))
-        )
-        return self.mlp_norm(hidden_states + self.dropout(self.mlp(hidden_states)))
+            hidden_states = hidden_states + self.dropout(attended)
+            return hidden_states + self.dropout(self.mlp(self.mlp_norm(hidden_states))), weights
+        attended, weights = self.attention(hidden_states, key_mask, causal, past_key_values, output_attentions)
+        hidden_states = self.attention_norm(hidden_states + self.dropout(attended))
+        return self.mlp_norm(hidden_states + self.dropout(self.mlp(hidden_states))), weights
 
 
 class PerformerEncoder(nn.Module):
@@ -199,17 +253,36 @@ class PerformerEncoder(nn.Module):
         )
         self.gradient_checkpointing = False
 
-    def forward(self, hidden_states, key_mask, causal: bool, output_hidden_states: bool = False):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        causal: bool,
+        past_key_values: Cache | None = None,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ):
+        """Returns the last hidden state and the per-layer hidden states / attention weights (or None)."""
         all_hidden = [hidden_states] if output_hidden_states else None
+        all_weights = [] if output_attentions else None
         for layer in self.layer:
-            hidden_states = layer(hidden_states, key_mask, causal)
+            # past_key_values as a keyword: gradient checkpointing drops it (the replay would update it twice)
+            hidden_states, weights = layer(
+                hidden_states, key_mask, causal, past_key_values=past_key_values, output_attentions=output_attentions
+            )
             if output_hidden_states:
                 all_hidden.append(hidden_states)
+            if output_attentions:
+                all_weights.append(weights)
         if self.final_norm is not None:
             hidden_states = self.final_norm(hidden_states)
             if output_hidden_states:
                 all_hidden[-1] = hidden_states
-        return hidden_states, (tuple(all_hidden) if output_hidden_states else None)
+        return (
+            hidden_states,
+            tuple(all_hidden) if output_hidden_states else None,
+            tuple(all_weights) if output_attentions else None,
+        )
 
 
 class PerformerPooler(nn.Module):
@@ -250,6 +323,16 @@ class PerformerPreTrainedModel(PreTrainedModel):
             if isinstance(module, PerformerAttention):
                 module.redraw_projection(seed * 1_000_003 + module.layer_idx)
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained`` (safetensors + config + the modeling code), with every
+        Performer class listed in ``config.auto_map``: any ``AutoModel*.from_pretrained(folder,
+        trust_remote_code=True)`` then loads the folder where ``performer_hf`` is not installed."""
+        module = self.__class__.__module__.rsplit(".", 1)[-1]
+        auto_map = dict(getattr(self.config, "auto_map", None) or {})
+        auto_map.update({auto: f"{module}.{cls.__name__}" for cls, auto in _AUTO_CLASSES.items()})
+        self.config.auto_map = auto_map
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
 
 class PerformerModel(PerformerPreTrainedModel):
     """The bare Performer: embeddings, blocks and (optionally) the pooler."""
@@ -267,6 +350,22 @@ class PerformerModel(PerformerPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
 
+    def _check_cache(self, past_key_values) -> None:
+        if not isinstance(past_key_values, Cache):
+            raise ValueError(
+                f"past_key_values must be a transformers Cache, got {type(past_key_values).__name__}: "
+                "pass DynamicCache(config=model.config) (what generate builds)."
+            )
+        if self.config.attention_kernel == "exact":
+            return
+        layers = past_key_values.layers
+        if len(layers) != self.config.num_hidden_layers or not all(isinstance(c, FavorCacheLayer) for c in layers):
+            raise ValueError(
+                f"past_key_values holds {[type(c).__name__ for c in layers]}, but FAVOR+ attention needs one "
+                f"FavorCacheLayer per layer ({self.config.num_hidden_layers}): build it with "
+                "DynamicCache(config=model.config)."
+            )
+
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -274,39 +373,77 @@ class PerformerModel(PerformerPreTrainedModel):
         token_type_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
         causal: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPoolingAndCrossAttentions | tuple:
-        """``causal`` overrides ``config.is_decoder`` (the task heads set it)."""
+        """Encode ``input_ids`` (B, L) or ``inputs_embeds`` (B, L, hidden).
+
+        Args:
+            attention_mask: (B, P + L), 1 for real tokens, 0 for padding; with a cache it covers the P
+                cached tokens too (the Hugging Face convention).
+            position_ids: (B, L); by default ``P, P + 1, ...`` (RoBERTa style when ``position_offset > 0``).
+            past_key_values: causal only: the cache of the preceding tokens, updated in place. FAVOR+
+                keeps a constant-size state per layer (see ``cache_performer.py``), ``"exact"`` keys and values.
+            use_cache: causal only: return the cache (a new ``DynamicCache(config)`` when none is passed).
+                Defaults to ``config.use_cache`` for causal attention in eval mode.
+            output_attentions: only for ``attention_kernel="exact"``; FAVOR+ never forms the attention matrix.
+            causal: overrides ``config.is_decoder`` (the task heads set it).
+        """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        if output_attentions:
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        if output_attentions and self.config.attention_kernel != "exact":
             raise ValueError(
-                "output_attentions is not available: FAVOR+ never forms the attention matrix. "
-                "Use attention_kernel='exact' to inspect attention weights."
+                f"output_attentions is not available for attention_kernel={self.config.attention_kernel!r}: FAVOR+ "
+                "never forms the attention matrix. Use attention_kernel='exact' to inspect attention weights."
             )
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         causal = self.config.is_decoder if causal is None else causal
-        key_mask = None if attention_mask is None else attention_mask.to(torch.bool)  # (B, L)
-        if key_mask is not None and key_mask.dim() != 2:
+        if not causal and (use_cache or past_key_values is not None):
             raise ValueError(
-                f"attention_mask must be 2D (batch, seq) with 1 for real tokens; got {tuple(key_mask.shape)}."
+                "use_cache / past_key_values need causal attention: use PerformerForCausalLM or is_decoder=True."
+            )
+        if use_cache is None:
+            use_cache = causal and self.config.use_cache and not self.training
+        if use_cache and self.encoder.gradient_checkpointing and self.training:
+            logger.warning_once("use_cache=True is incompatible with gradient checkpointing; setting use_cache=False.")
+            use_cache = False
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if past_key_values is not None:
+            self._check_cache(past_key_values)
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+
+        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        key_mask = None if attention_mask is None else attention_mask.to(torch.bool)  # (B, P + L)
+        if key_mask is not None and (key_mask.dim() != 2 or key_mask.shape[1] != past_length + length):
+            raise ValueError(
+                f"attention_mask must be 2D (batch, past + new tokens) = (batch, {past_length + length}) with 1 for "
+                f"real tokens; got {tuple(key_mask.shape)}."
             )
 
         hidden_states = self.embeddings(
             input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
+            inputs_embeds=inputs_embeds, past_length=past_length,
         )  # fmt: skip
-        sequence_output, all_hidden = self.encoder(hidden_states, key_mask, causal, output_hidden_states)
+        sequence_output, all_hidden, all_weights = self.encoder(
+            hidden_states, key_mask, causal, past_key_values, output_hidden_states, output_attentions
+        )
         pooled = self.pooler(sequence_output) if self.pooler is not None else None
         output = BaseModelOutputWithPoolingAndCrossAttentions(
-            last_hidden_state=sequence_output, pooler_output=pooled, hidden_states=all_hidden
+            last_hidden_state=sequence_output,
+            pooler_output=pooled,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=all_hidden,
+            attentions=all_weights,
         )
         return output if return_dict else output.to_tuple()
 
@@ -325,6 +462,19 @@ class PerformerMaskedLMHead(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = self.layer_norm(self.act(self.dense(hidden_states)))
         return self.decoder(hidden_states) + self.bias  # (B, L, vocab)
+
+
+def _token_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    """Cross entropy of (..., C) logits against (...) labels, -100 ignored.
+
+    The mean over scored tokens; with ``num_items_in_batch`` (passed by the HF ``Trainer``) the sum
+    divided by it, which keeps gradient accumulation exact.
+    """
+    labels = labels.to(logits.device).reshape(-1)
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    if num_items_in_batch is None:
+        return F.cross_entropy(logits, labels)
+    return F.cross_entropy(logits, labels, reduction="sum") / num_items_in_batch
 
 
 class PerformerForMaskedLM(PerformerPreTrainedModel):
@@ -351,6 +501,7 @@ class PerformerForMaskedLM(PerformerPreTrainedModel):
         inputs_embeds=None,
         labels=None,
         return_dict=None,
+        num_items_in_batch=None,
         **kwargs,
     ) -> MaskedLMOutput | tuple:
         """``labels``: (B, L) token ids, -100 where no prediction is scored."""
@@ -359,15 +510,22 @@ class PerformerForMaskedLM(PerformerPreTrainedModel):
             inputs_embeds=inputs_embeds, return_dict=True, causal=False, **kwargs,
         )  # fmt: skip
         logits = self.lm_head(outputs.last_hidden_state)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.view(-1))
-        output = MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        loss = None if labels is None else _token_loss(logits, labels, num_items_in_batch)
+        output = MaskedLMOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
         return output if return_dict is not False else output.to_tuple()
 
 
 class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
-    """Always causal; the LM head is a plain (tied) linear map, as in GPT-2."""
+    """Always causal; the LM head is a plain (tied) linear map, as in GPT-2.
+
+    ``generate`` decodes with a constant-size cache: per layer the running FAVOR+ state
+    (``FavorCacheLayer``), so each new token costs the same whatever the context length. The
+    prompt is prefilled with the chunked causal kernel. ``attention_kernel="exact"`` uses a
+    key/value ``DynamicCache``. Left-padded batches work: ``generate`` derives the position ids from
+    the attention mask and padded keys are left out of the state.
+    """
 
     _tied_weights_keys = {"lm_head.weight": "performer.embeddings.word_embeddings.weight"}
 
@@ -375,6 +533,8 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.performer = PerformerModel(config, add_pooling_layer=False)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # a recurrent state cannot be rolled back to check draft tokens (assisted generation)
+        self._is_stateful = config.attention_kernel != "exact"
         self.post_init()
 
     def get_output_embeddings(self):
@@ -383,28 +543,49 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
+        # `generate` numbers real tokens from 0; RoBERTa-style checkpoints count from position_offset.
+        position_ids = super()._prepare_position_ids_for_generation(inputs_tensor, model_kwargs)
+        return position_ids + self.config.position_offset
+
     def forward(
         self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        return_dict=None,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        labels: torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        return_dict: bool | None = None,
+        num_items_in_batch=None,
         **kwargs,
     ) -> CausalLMOutputWithCrossAttentions | tuple:
-        """``labels``: (B, L) token ids (shifted inside), -100 where no prediction is scored."""
+        """``labels``: (B, L) token ids (shifted inside), -100 where no prediction is scored.
+        ``logits_to_keep``: compute logits for the last N positions only (0: all; ``generate`` uses 1),
+        or for the positions in a 1D index tensor."""
         outputs = self.performer(
             input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, return_dict=True, causal=True, **kwargs,
+            inputs_embeds=inputs_embeds, past_key_values=past_key_values, use_cache=use_cache, return_dict=True,
+            causal=True, **kwargs,
         )  # fmt: skip
-        logits = self.lm_head(outputs.last_hidden_state)  # (B, L, vocab)
+        hidden_states = outputs.last_hidden_state  # (B, L, hidden)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep])  # (B, L or N, vocab)
         loss = None
         if labels is not None:
-            shifted_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-            loss = F.cross_entropy(shifted_logits, labels[:, 1:].reshape(-1))
-        output = CausalLMOutputWithCrossAttentions(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+            if logits.shape[1] != labels.shape[1]:
+                raise ValueError(f"labels need logits for every position; got logits_to_keep={logits_to_keep}.")
+            loss = _token_loss(logits[:, :-1], labels[:, 1:], num_items_in_batch)
+        output = CausalLMOutputWithCrossAttentions(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
         return output if return_dict is not False else output.to_tuple()
 
 
@@ -426,6 +607,9 @@ def _classification_loss(config: PerformerConfig, logits: torch.Tensor, labels: 
 
 class PerformerForSequenceClassification(PerformerPreTrainedModel):
     """Pooler (first token, dense + tanh) + dropout + linear classifier; bidirectional."""
+
+    # the loss is a per-sequence mean: the Trainer scales it for gradient accumulation itself
+    accepts_loss_kwargs = False
 
     def __init__(self, config: PerformerConfig):
         super().__init__(config)
@@ -454,7 +638,9 @@ class PerformerForSequenceClassification(PerformerPreTrainedModel):
         )  # fmt: skip
         logits = self.classifier(self.dropout(outputs.pooler_output))  # (B, num_labels)
         loss = None if labels is None else _classification_loss(self.config, logits, labels)
-        output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        output = SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
         return output if return_dict is not False else output.to_tuple()
 
 
@@ -477,6 +663,7 @@ class PerformerForTokenClassification(PerformerPreTrainedModel):
         inputs_embeds=None,
         labels=None,
         return_dict=None,
+        num_items_in_batch=None,
         **kwargs,
     ) -> TokenClassifierOutput | tuple:
         """``labels``: (B, L) class ids, -100 where no prediction is scored."""
@@ -485,14 +672,17 @@ class PerformerForTokenClassification(PerformerPreTrainedModel):
             inputs_embeds=inputs_embeds, return_dict=True, causal=False, **kwargs,
         )  # fmt: skip
         logits = self.classifier(self.dropout(outputs.last_hidden_state))  # (B, L, num_labels)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.view(-1, self.num_labels).float(), labels.view(-1))
-        output = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        loss = None if labels is None else _token_loss(logits, labels, num_items_in_batch)
+        output = TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
         return output if return_dict is not False else output.to_tuple()
 
 
 class PerformerForQuestionAnswering(PerformerPreTrainedModel):
+    # the loss is a per-sequence mean: the Trainer scales it for gradient accumulation itself
+    accepts_loss_kwargs = False
+
     def __init__(self, config: PerformerConfig):
         super().__init__(config)
         self.performer = PerformerModel(config, add_pooling_layer=False)
@@ -524,9 +714,28 @@ class PerformerForQuestionAnswering(PerformerPreTrainedModel):
             end_loss = F.cross_entropy(end_logits.float(), end_positions.clamp(0, length), ignore_index=length)
             loss = (start_loss + end_loss) / 2
         output = QuestionAnsweringModelOutput(
-            loss=loss, start_logits=start_logits, end_logits=end_logits, hidden_states=outputs.hidden_states
+            loss=loss,
+            start_logits=start_logits,
+            end_logits=end_logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
         )
         return output if return_dict is not False else output.to_tuple()
+
+
+# Remote code: `save_pretrained` copies this file and its sibling imports next to the weights and
+# writes an `auto_map`, so the checkpoint loads with `trust_remote_code=True` without performer_hf.
+_AUTO_CLASSES = {
+    PerformerModel: "AutoModel",
+    PerformerForMaskedLM: "AutoModelForMaskedLM",
+    PerformerForCausalLM: "AutoModelForCausalLM",
+    PerformerForSequenceClassification: "AutoModelForSequenceClassification",
+    PerformerForTokenClassification: "AutoModelForTokenClassification",
+    PerformerForQuestionAnswering: "AutoModelForQuestionAnswering",
+}
+PerformerConfig.register_for_auto_class()
+for _model_class, _auto_class in _AUTO_CLASSES.items():
+    _model_class.register_for_auto_class(_auto_class)
 
 
 __all__ = [

@@ -1,0 +1,90 @@
+"""Constant-size decoding cache for causal FAVOR+ attention, built on transformers' cache classes.
+
+A causal FAVOR+ layer summarises every token it has seen in a :class:`FavorState`: the running
+``(B, H, m, d + 1)`` matrix ``sum_j phi(k_j) [v_j, 1]^T`` and its ``(B, H)`` log-shift. Its size does
+not depend on the context length, so each generated token costs the same at context 256 and at 16K.
+
+:class:`FavorCacheLayer` stores that state as the two recurrent states of a transformers
+``LinearAttentionLayer`` and also counts the tokens it has absorbed (so ``Cache.get_seq_length``,
+which ``generate`` and the position ids rely on, keeps working). It registers itself as the cache
+layer type ``"favor_attention"``: ``PerformerConfig.layer_types`` names it, so
+``DynamicCache(config=model.config)`` (what ``generate`` builds) holds one per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
+
+from .favor_attention import FavorState
+
+_KV, _SHIFT = 0, 1  # recurrent-state slots of a FavorCacheLayer
+
+
+class FavorCacheLayer(LinearAttentionLayer, CacheLayerMixin):
+    """One layer's recurrent FAVOR+ state: ``kv`` (B, H, m, d + 1) and ``shift`` (B, H), kept in float32.
+
+    It is a ``LinearAttentionLayer`` (so beam-search reordering and resets work as for other recurrent
+    models) and a ``CacheLayerMixin`` that reports how many tokens it has absorbed.
+    """
+
+    _layer_type = "favor_attention"
+    # The prompt's 2D padding mask must reach the model: a compileable cache would make `generate` turn
+    # it into a 4D mask, which linear attention has no use for.
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, **kwargs):
+        CacheLayerMixin.__init__(self)
+        LinearAttentionLayer.__init__(self, number_of_states=2)
+        self.cumulative_length = 0
+
+    def get_state(self) -> FavorState | None:
+        """The state after the tokens seen so far, or ``None`` before the first one."""
+        if not self.has_previous_state[_KV]:
+            return None
+        return FavorState(kv=self.recurrent_states[_KV], shift=self.recurrent_states[_SHIFT])
+
+    def update_state(self, state: FavorState, num_new_tokens: int) -> FavorState:
+        """Store the state after ``num_new_tokens`` more tokens; returns the stored state."""
+        kv = self.update_recurrent_state(state.kv.detach(), _KV)
+        shift = self.update_recurrent_state(state.shift.detach(), _SHIFT)
+        self.has_previous_state[_KV] = self.has_previous_state[_SHIFT] = True
+        self.cumulative_length += num_new_tokens
+        return FavorState(kv=kv, shift=shift)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise ValueError(
+            "A FAVOR+ cache layer keeps a constant-size recurrent state, not keys and values. Use "
+            "get_state() / update_state(); for a key/value cache set attention_kernel='exact'."
+        )
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        super().reset()
+        self.cumulative_length = 0
+
+    def _select(self, index_fn) -> None:
+        for slot in (_KV, _SHIFT):
+            if self.is_recurrent_states_initialized[slot]:
+                self.recurrent_states[slot] = index_fn(self.recurrent_states[slot])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(lambda state: state.index_select(0, beam_idx.to(state.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(lambda state: state.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(lambda state: state[indices])
+
+
+__all__ = ["FavorCacheLayer"]

@@ -1,0 +1,376 @@
+"""Tiny-config model tester for the Performer family: shapes, losses, padding, causality, save/load,
+Auto classes, gradient checkpointing, redraw, mixed precision and configuration validation.
+
+Generation and the recurrent cache: test_modeling_performer_generation.py. Hub remote code, the HF
+Trainer and parity with transformers' BERT / GPT-2: test_modeling_performer_integration.py.
+"""
+
+import json
+
+import pytest
+import torch
+from huggingface_hub.errors import StrictDataclassClassValidationError
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+
+from performer_hf import (
+    PerformerConfig,
+    PerformerForCausalLM,
+    PerformerForMaskedLM,
+    PerformerForQuestionAnswering,
+    PerformerForSequenceClassification,
+    PerformerForTokenClassification,
+    PerformerModel,
+)
+
+VOCAB, HIDDEN, LAYERS, HEADS, FEATURES = 99, 32, 2, 4, 16
+KERNELS = ["softmax", "relu", "exact"]
+LN_POSITIONS = ["post", "pre"]
+HEAD_AUTO = {
+    PerformerModel: AutoModel,
+    PerformerForMaskedLM: AutoModelForMaskedLM,
+    PerformerForCausalLM: AutoModelForCausalLM,
+    PerformerForSequenceClassification: AutoModelForSequenceClassification,
+    PerformerForTokenClassification: AutoModelForTokenClassification,
+    PerformerForQuestionAnswering: AutoModelForQuestionAnswering,
+}
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Tiny tensors: thread start-up and contention with other jobs on the shared CPU cost far more
+    than they save (a tiny forward takes ~100x longer with 2 busy threads than with 1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(**overrides) -> PerformerConfig:
+    """vocab 99, hidden 32, 2 layers, 4 heads, 16 features; no dropout; causal chunks of 4 positions
+    so that short inputs cross chunk boundaries."""
+    kwargs = {
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "intermediate_size": 37,
+        "max_position_embeddings": 64,
+        "nb_features": FEATURES,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "causal_chunk_size": 4,
+        "num_labels": 3,
+    }
+    kwargs.update(overrides)
+    return PerformerConfig(**kwargs)
+
+
+def tiny_model(model_class=PerformerForCausalLM, seed=0, **overrides):
+    torch.manual_seed(seed)
+    return model_class(tiny_config(**overrides)).eval()
+
+
+def random_ids(batch=2, length=11, seed=0) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def main_output(model, **inputs) -> torch.Tensor:
+    out = model(**inputs)
+    return out.last_hidden_state if isinstance(model, PerformerModel) else out[0]
+
+
+# ---------------------------------------------------------------- heads, shapes, losses
+
+
+@pytest.mark.parametrize("ln", LN_POSITIONS)
+def test_every_head_has_the_right_shapes_and_a_loss(ln):
+    B, L = 2, 11
+    ids, mask = random_ids(B, L), torch.ones(B, L, dtype=torch.long)
+    mask[1, 8:] = 0
+    g = torch.Generator().manual_seed(1)
+    labels = {
+        PerformerForMaskedLM: {"labels": torch.randint(0, VOCAB, (B, L), generator=g)},
+        PerformerForCausalLM: {"labels": ids},
+        PerformerForSequenceClassification: {"labels": torch.tensor([0, 2])},
+        PerformerForTokenClassification: {"labels": torch.randint(0, 3, (B, L), generator=g)},
+        PerformerForQuestionAnswering: {"start_positions": torch.tensor([1, 3]), "end_positions": torch.tensor([4, 6])},
+    }
+    for head in HEAD_AUTO:
+        model = tiny_model(head, layer_norm_position=ln).train()
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **labels.get(head, {}))
+        assert len(out.hidden_states) == LAYERS + 1
+        assert all(h.shape == (B, L, HIDDEN) for h in out.hidden_states)
+        if head is PerformerModel:
+            assert out.last_hidden_state.shape == (B, L, HIDDEN) and out.pooler_output.shape == (B, HIDDEN)
+            torch.testing.assert_close(out.hidden_states[-1], out.last_hidden_state)
+            continue
+        expected = {
+            PerformerForMaskedLM: ("logits", (B, L, VOCAB)),
+            PerformerForCausalLM: ("logits", (B, L, VOCAB)),
+            PerformerForSequenceClassification: ("logits", (B, 3)),
+            PerformerForTokenClassification: ("logits", (B, L, 3)),
+            PerformerForQuestionAnswering: ("start_logits", (B, L)),
+        }[head]
+        assert getattr(out, expected[0]).shape == expected[1], head.__name__
+        assert out.loss.dim() == 0 and torch.isfinite(out.loss), head.__name__
+        out.loss.backward()
+        grads = [p.grad for p in model.parameters() if p.requires_grad]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads), head.__name__
+
+
+def test_causal_lm_loss_is_shifted_cross_entropy_and_honours_num_items():
+    model = tiny_model()
+    ids = random_ids(2, 9)
+    labels = ids.clone()
+    labels[0, 5:] = -100
+    out = model(input_ids=ids, labels=labels)
+    ref = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+    torch.testing.assert_close(out.loss, ref)
+    scored = int((labels[:, 1:] != -100).sum())
+    summed = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(2 * scored)).loss
+    torch.testing.assert_close(summed, ref / 2)
+
+
+def test_logits_to_keep_returns_the_last_positions():
+    model = tiny_model()
+    ids = random_ids(2, 9)
+    full = model(input_ids=ids).logits
+    torch.testing.assert_close(model(input_ids=ids, logits_to_keep=1).logits, full[:, -1:])
+
+
+def test_output_attentions_exact_returns_weights_favor_raises():
+    ids = random_ids(2, 7)
+    model = tiny_model(attention_kernel="exact", layer_norm_position="pre")
+    out = model(input_ids=ids, output_attentions=True)
+    assert len(out.attentions) == LAYERS and out.attentions[0].shape == (2, HEADS, 7, 7)
+    torch.testing.assert_close(out.attentions[0].sum(-1), torch.ones(2, HEADS, 7))
+    assert (out.attentions[1].triu(diagonal=1) == 0).all()  # causal
+    torch.testing.assert_close(out.logits, model(input_ids=ids).logits)  # same result as the SDPA path
+    with pytest.raises(ValueError, match="output_attentions is not available"):
+        tiny_model(attention_kernel="softmax")(input_ids=ids, output_attentions=True)
+
+
+def test_cache_arguments_on_a_bidirectional_model_raise():
+    model = tiny_model(PerformerModel)
+    with pytest.raises(ValueError, match="need causal attention"):
+        model(input_ids=random_ids(), use_cache=True)
+
+
+def test_attention_mask_of_the_wrong_length_raises():
+    with pytest.raises(ValueError, match="attention_mask must be 2D"):
+        tiny_model()(input_ids=random_ids(2, 5), attention_mask=torch.ones(2, 6))
+
+
+# ---------------------------------------------------------------- padding and causality
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("ln", LN_POSITIONS)
+@pytest.mark.parametrize("head", [PerformerModel, PerformerForCausalLM])
+def test_right_padding_leaves_real_positions_unchanged(kernel, ln, head):
+    model = tiny_model(head, attention_kernel=kernel, layer_norm_position=ln)
+    ids = random_ids(2, 13)
+    lengths = [13, 8]
+    padded, mask = ids.clone(), torch.ones_like(ids)
+    padded[1, 8:], mask[1, 8:] = 0, 0
+    with torch.no_grad():
+        batched = main_output(model, input_ids=padded, attention_mask=mask)
+        for row, n in enumerate(lengths):
+            alone = main_output(model, input_ids=ids[row : row + 1, :n])
+            torch.testing.assert_close(batched[row, :n], alone[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_causal_outputs_do_not_see_later_tokens(kernel):
+    model = tiny_model(attention_kernel=kernel, layer_norm_position="pre")
+    ids = random_ids(2, 13)
+    changed = ids.clone()
+    changed[:, 9] = (changed[:, 9] + 7) % VOCAB
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, model(input_ids=changed).logits
+    torch.testing.assert_close(a[:, :9], b[:, :9], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:, 9:], b[:, 9:])
+
+
+def test_encoder_heads_are_bidirectional():
+    model = tiny_model(PerformerModel)
+    ids = random_ids(1, 9)
+    changed = ids.clone()
+    changed[0, 8] = (changed[0, 8] + 7) % VOCAB
+    with torch.no_grad():
+        a, b = main_output(model, input_ids=ids), main_output(model, input_ids=changed)
+    assert not torch.allclose(a[:, 0], b[:, 0])
+
+
+# ---------------------------------------------------------------- save / load / Auto
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "exact"])
+def test_save_load_round_trip_is_bit_identical(tmp_path, kernel):
+    ids, mask = random_ids(2, 9), torch.ones(2, 9, dtype=torch.long)
+    mask[0, 6:] = 0
+    for head, auto in HEAD_AUTO.items():
+        model = tiny_model(head, attention_kernel=kernel)
+        model.redraw_projections(seed=5)  # the checkpoint must carry the current features, not re-derive them
+        folder = tmp_path / head.__name__
+        model.save_pretrained(folder)
+        assert (folder / "model.safetensors").exists()
+        for reloaded in (head.from_pretrained(folder).eval(), auto.from_pretrained(folder).eval()):
+            assert type(reloaded) is head
+            with torch.no_grad():
+                before = main_output(model, input_ids=ids, attention_mask=mask)
+                after = main_output(reloaded, input_ids=ids, attention_mask=mask)
+            assert torch.equal(before, after), head.__name__
+            for name, buffer in model.named_buffers():
+                assert torch.equal(buffer, reloaded.get_buffer(name)), name
+
+
+def test_auto_config_and_auto_model_from_config():
+    config = tiny_config()
+    assert type(AutoConfig.for_model("performer", hidden_size=HIDDEN, num_attention_heads=HEADS)) is PerformerConfig
+    for head, auto in HEAD_AUTO.items():
+        assert type(auto.from_config(config)) is head
+
+
+def test_save_pretrained_lists_every_head_for_remote_code(tmp_path):
+    tiny_model(PerformerForMaskedLM).save_pretrained(tmp_path)
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoConfig"] == "configuration_performer.PerformerConfig"
+    for head, auto in HEAD_AUTO.items():
+        assert auto_map[auto.__name__] == f"modeling_performer.{head.__name__}"
+    copied = {p.name for p in tmp_path.glob("*.py")}
+    assert {"modeling_performer.py", "configuration_performer.py", "cache_performer.py", "favor_attention.py",
+            "favor_features.py", "favor_projection.py"} <= copied  # fmt: skip
+
+
+# ---------------------------------------------------------------- gradient checkpointing
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_gives_equal_gradients(kernel, reentrant):
+    ids, mask = random_ids(2, 10), torch.ones(2, 10, dtype=torch.long)
+    mask[1, 7:] = 0
+
+    def grads(checkpointing: bool):
+        model = tiny_model(PerformerForCausalLM, attention_kernel=kernel, layer_norm_position="pre").train()
+        if checkpointing:
+            model.activation_checkpointing_enable({"use_reentrant": reentrant})
+        calls = []
+        for layer in model.performer.encoder.layer:
+            layer.attention.register_forward_hook(lambda *_: calls.append(1))
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        assert len(calls) == LAYERS * (2 if checkpointing else 1)  # checkpointed layers re-run in backward
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, checkpointed = grads(False), grads(True)
+    assert plain.keys() == checkpointed.keys() and len(plain) > 10
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+# ---------------------------------------------------------------- random features
+
+
+def _projections(model) -> list[torch.Tensor]:
+    return [b.clone() for n, b in model.named_buffers() if n.endswith("attention.projection")]
+
+
+def test_projections_are_seeded_buffers_and_redraw_is_deterministic():
+    a, b = tiny_model(seed=0), tiny_model(seed=1)  # different weights, same projection_seed
+    assert all(torch.equal(x, y) for x, y in zip(_projections(a), _projections(b), strict=True))
+    first = _projections(a)
+    assert not torch.equal(first[0], first[1])  # one draw per layer
+    a.redraw_projections(seed=3)
+    b.redraw_projections(seed=3)
+    redrawn = _projections(a)
+    assert all(torch.equal(x, y) for x, y in zip(redrawn, _projections(b), strict=True))
+    assert not any(torch.equal(x, y) for x, y in zip(redrawn, first, strict=True))
+    a.redraw_projections(seed=4)
+    assert not any(torch.equal(x, y) for x, y in zip(_projections(a), redrawn, strict=True))
+    other_seed = tiny_model(projection_seed=7)
+    assert not torch.equal(_projections(other_seed)[0], first[0])
+
+
+def test_forward_never_redraws():
+    model = tiny_model(feature_redraw_interval=1)
+    before = _projections(model)
+    ids = random_ids()
+    for mode in (model.train, model.eval):
+        mode()
+        for _ in range(3):
+            model(input_ids=ids, labels=ids).loss.backward()
+    assert all(torch.equal(x, y) for x, y in zip(before, _projections(model), strict=True))
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+# ---------------------------------------------------------------- mixed precision
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_half_precision_outputs_are_finite_and_close(dtype, kernel):
+    model = tiny_model(attention_kernel=kernel, layer_norm_position="pre")
+    ids, mask = random_ids(2, 12), torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        half = model.to(dtype)(input_ids=ids, attention_mask=mask).logits
+    assert half.dtype == dtype and torch.isfinite(half).all()
+    assert (half.float() - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_bf16_autocast_training_step_is_finite():
+    model = tiny_model(PerformerForMaskedLM).train()
+    ids = random_ids(2, 12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"hidden_size": 30}, "multiple of num_attention_heads"),
+        ({"attention_kernel": "cosine"}, "attention_kernel='cosine' is not supported"),
+        ({"feature_coupling": "gaussian"}, "feature_coupling"),
+        ({"feature_row_norms": "unit"}, "feature_row_norms"),
+        ({"layer_norm_position": "sandwich"}, "layer_norm_position"),
+        ({"nb_features": 0}, "nb_features must be a positive integer"),
+        ({"causal_chunk_size": 0}, "causal_chunk_size must be a positive integer"),
+        ({"feature_redraw_interval": 0}, "feature_redraw_interval"),
+        ({"position_offset": -1}, "position_offset"),
+    ],
+)
+def test_config_validation_names_the_problem(overrides, message):
+    with pytest.raises((ValueError, StrictDataclassClassValidationError), match=message):
+        tiny_config(**overrides)
+
+
+def test_config_json_round_trip(tmp_path):
+    config = tiny_config(
+        attention_kernel="relu", layer_norm_position="pre", position_offset=2, feature_redraw_interval=100,
+        feature_coupling="iid", feature_row_norms="sqrt_d", is_decoder=True, type_vocab_size=0,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path)
+    reloaded = PerformerConfig.from_pretrained(tmp_path)
+    assert reloaded.to_dict() == config.to_dict()
+    assert PerformerConfig.from_dict(json.loads(config.to_json_string())).to_dict() == config.to_dict()
+    assert reloaded.layer_types == ["favor_attention"] * LAYERS
+    assert tiny_config(attention_kernel="exact").layer_types == ["full_attention"] * LAYERS
+    assert "layer_types" not in json.loads(config.to_json_string())  # derived, not stored
