@@ -1,0 +1,136 @@
+"""Generation with PerformerForCausalLM: the constant-size FAVOR+ cache against full recomputation."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from performer_hf.cache_performer import FavorCacheLayer
+from performer_hf.favor import FavorState, favor_attention
+
+from .test_modeling_performer import FEATURES, HEADS, HIDDEN, LAYERS, VOCAB, random_ids, single_thread, tiny_model
+
+__all__ = ["single_thread"]  # the autouse fixture, imported to apply here too
+
+KERNELS = ["softmax", "relu", "exact"]
+
+
+def greedy(model, ids, use_cache, **kwargs):
+    return model.generate(
+        ids, max_new_tokens=8, do_sample=False, use_cache=use_cache, output_scores=True,
+        return_dict_in_generate=True, pad_token_id=0, **kwargs,
+    )  # fmt: skip
+
+
+def count_new_tokens_per_call(model) -> list[int]:
+    lengths = []
+    model.performer.embeddings.register_forward_hook(lambda _m, _args, out: lengths.append(out.shape[1]))
+    return lengths
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("ln", ["post", "pre"])
+def test_greedy_generation_is_identical_with_and_without_cache(kernel, ln):
+    model = tiny_model(attention_kernel=kernel, layer_norm_position=ln)
+    ids = random_ids(2, 9)
+    calls = count_new_tokens_per_call(model)
+    cached = greedy(model, ids, use_cache=True)
+    assert calls == [9] + [1] * 7  # prefill once, then one token per step
+    calls.clear()
+    recomputed = greedy(model, ids, use_cache=False)
+    assert calls == list(range(9, 17))
+    assert torch.equal(cached.sequences, recomputed.sequences)
+    for a, b in zip(cached.scores, recomputed.scores, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+def test_generate_keeps_a_constant_size_favor_state(kernel):
+    model = tiny_model(attention_kernel=kernel)
+    out = greedy(model, random_ids(2, 9), use_cache=True)
+    cache = out.past_key_values
+    assert isinstance(cache, DynamicCache) and len(cache.layers) == LAYERS
+    assert all(isinstance(layer, FavorCacheLayer) for layer in cache.layers)
+    assert cache.get_seq_length() == 9 + 8 - 1  # the last token is sampled, not yet absorbed
+    state = cache.layers[0].get_state()
+    assert state.kv.shape == (2, HEADS, FEATURES, HIDDEN // HEADS + 1) and state.shift.shape == (2, HEADS)
+    assert state.kv.dtype == torch.float32
+
+
+def test_exact_kernel_generates_with_a_key_value_cache():
+    out = greedy(tiny_model(attention_kernel="exact"), random_ids(2, 9), use_cache=True)
+    assert all(isinstance(layer, DynamicLayer) for layer in out.past_key_values.layers)
+    assert out.past_key_values.layers[0].keys.shape == (2, HEADS, 16, HIDDEN // HEADS)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_left_padded_batch_generates_what_each_prompt_generates_alone(kernel):
+    model = tiny_model(attention_kernel=kernel, layer_norm_position="pre")
+    ids = random_ids(3, 9, seed=4)
+    lengths = [9, 6, 3]
+    padded, mask = ids.clone(), torch.ones_like(ids)
+    for row, n in enumerate(lengths):
+        padded[row, : 9 - n], mask[row, : 9 - n] = 0, 0
+    batched = greedy(model, padded, use_cache=True, attention_mask=mask)
+    for row, n in enumerate(lengths):
+        alone = greedy(model, ids[row : row + 1, 9 - n :], use_cache=True)
+        assert torch.equal(batched.sequences[row, 9:], alone.sequences[0, n:]), f"row {row}"
+        for step_batched, step_alone in zip(batched.scores, alone.scores, strict=True):
+            torch.testing.assert_close(step_batched[row], step_alone[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_manual_decoding_continues_positions_and_matches_a_full_forward(kernel):
+    model = tiny_model(attention_kernel=kernel, layer_norm_position="pre")
+    ids = random_ids(2, 14)
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        out = model(input_ids=ids[:, :10], use_cache=True)
+        cache = out.past_key_values
+        assert cache.get_seq_length() == 10
+        steps = [out.logits[:, -1]]
+        for t in range(10, 14):
+            out = model(input_ids=ids[:, t : t + 1], past_key_values=cache, attention_mask=torch.ones(2, t + 1))
+            steps.append(out.logits[:, -1])
+        assert cache.get_seq_length() == 14
+    torch.testing.assert_close(torch.stack(steps[:-1], 1), full[:, 9:13], rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_state_equals_the_kernel_state():
+    """The cache holds exactly the FavorState that the chunked kernel returns for the prompt."""
+    model = tiny_model(layer_norm_position="pre")
+    attention = model.performer.encoder.layer[0].attention
+    inputs = []
+    attention.register_forward_pre_hook(lambda _m, args: inputs.append(args[0]))
+    with torch.no_grad():
+        cache = model(input_ids=random_ids(1, 10), use_cache=True).past_key_values
+        heads = [attention._split_heads(proj(inputs[0])) for proj in (attention.query, attention.key, attention.value)]
+        _, expected = favor_attention(*heads, attention.projection, causal=True, return_state=True, chunk_size=4)
+    state = cache.layers[0].get_state()
+    assert isinstance(state, FavorState)
+    torch.testing.assert_close(state.kv, expected.kv)
+    torch.testing.assert_close(state.shift, expected.shift)
+
+
+def test_cache_reset_and_beam_reorder():
+    model = tiny_model()
+    with torch.no_grad():
+        cache = model(input_ids=random_ids(3, 6), use_cache=True).past_key_values
+    layer = cache.layers[1]
+    kv = layer.get_state().kv.clone()
+    cache.reorder_cache(torch.tensor([2, 0, 0]))
+    assert torch.equal(layer.get_state().kv, kv[[2, 0, 0]])
+    cache.reset()
+    assert cache.get_seq_length() == 0 and layer.get_state() is None
+
+
+def test_beam_search_runs_with_the_recurrent_cache():
+    model = tiny_model()
+    out = model.generate(random_ids(2, 6), max_new_tokens=4, num_beams=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 10) and (out < VOCAB).all()
+
+
+def test_a_cache_without_favor_layers_is_rejected():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="FavorCacheLayer"):
+        model(input_ids=random_ids(), past_key_values=DynamicCache(), use_cache=True)
