@@ -359,7 +359,9 @@ class PerformerModel(PerformerPreTrainedModel):
         if self.config.attention_kernel == "exact":
             return
         layers = past_key_values.layers
-        if len(layers) != self.config.num_hidden_layers or not all(isinstance(c, FavorCacheLayer) for c in layers):
+        # compared by layer type, not class: each copy of this code (package, remote-code folders) has its own class
+        is_favor = [getattr(c, "_layer_type", None) == FavorCacheLayer._layer_type for c in layers]
+        if len(layers) != self.config.num_hidden_layers or not all(is_favor):
             raise ValueError(
                 f"past_key_values holds {[type(c).__name__ for c in layers]}, but FAVOR+ attention needs one "
                 f"FavorCacheLayer per layer ({self.config.num_hidden_layers}): build it with "
