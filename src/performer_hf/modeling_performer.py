@@ -132,6 +132,10 @@ class PerformerAttention(nn.Module):
         """Softmax attention. q: (B, H, Lq, D); k, v: (B, H, Lk, D), the Lk - Lq cached keys first;
         key_mask: (B, Lk). Returns the context (B, H, Lq, D) and the weights (B, H, Lq, Lk) or None."""
         q_len, k_len = q.shape[2], k.shape[2]
+        dropout = self.dropout_prob if self.training else 0.0
+        if causal and key_mask is None and q_len == k_len and not output_attentions:
+            # SDPA's fused causal path: no (L, L) mask in memory
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True), None
         visible = None
         if key_mask is not None:
             visible = key_mask[:, None, None, :]  # (B, 1, 1, Lk)
@@ -141,7 +145,6 @@ class PerformerAttention(nn.Module):
             visible = tril if visible is None else visible & tril
             own = torch.arange(k_len, device=q.device) == torch.arange(past, k_len, device=q.device)[:, None]
             visible = visible | own  # a query always sees itself: no empty rows (left padding)
-        dropout = self.dropout_prob if self.training else 0.0
         if not output_attentions:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout), None
         scores = (q @ k.transpose(-2, -1)) * self.head_dim**-0.5  # (B, H, Lq, Lk)
