@@ -134,3 +134,23 @@ def test_a_cache_without_favor_layers_is_rejected():
     model = tiny_model()
     with pytest.raises(ValueError, match="FavorCacheLayer"):
         model(input_ids=random_ids(), past_key_values=DynamicCache(), use_cache=True)
+
+
+def test_generate_from_inputs_embeds_matches_generate_from_ids():
+    model = tiny_model()
+    ids = random_ids(2, 7)
+    from_embeds = model.generate(
+        inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=5, do_sample=False, pad_token_id=0
+    )
+    assert torch.equal(from_embeds, model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)[:, 7:])
+
+
+def test_generation_positions_follow_the_roberta_offset():
+    """position_offset > 0 (RoBERTa): generate's position ids agree with the model's own numbering."""
+    model = tiny_model(position_offset=2, pad_token_id=1)
+    ids = random_ids(2, 7).clamp_min(2)
+    out = greedy(model, ids, use_cache=True)
+    with torch.no_grad():
+        first_step = model(input_ids=ids).logits[:, -1]
+    torch.testing.assert_close(out.scores[0], first_step)
+    assert torch.equal(out.sequences, greedy(model, ids, use_cache=False).sequences)

@@ -204,8 +204,10 @@ def test_hf_trainer_reduces_the_loss(tmp_path):
         learning_rate=1e-2, warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
         disable_tqdm=True, dataloader_num_workers=0, activation_checkpointing=True,
     )  # fmt: skip
-    trainer = Trainer(model=model, args=args, train_dataset=_CopyTask())
+    trainer = Trainer(model=model, args=args, train_dataset=_CopyTask(), eval_dataset=_CopyTask(size=16))
+    before = trainer.evaluate()["eval_loss"]
     trainer.train()
+    assert trainer.evaluate()["eval_loss"] < before
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 30 and all(torch.isfinite(torch.tensor(losses)))
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
