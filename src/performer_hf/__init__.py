@@ -15,6 +15,7 @@ from transformers import (
 )
 
 from .configuration_performer import PerformerConfig
+from .conversion import convert
 from .modeling_performer import (
     PerformerForCausalLM,
     PerformerForMaskedLM,
@@ -49,4 +50,5 @@ __all__ = [
     "PerformerForTokenClassification",
     "PerformerModel",
     "PerformerPreTrainedModel",
+    "convert",
 ]

@@ -1,0 +1,274 @@
+"""``convert``: a pretrained BERT / RoBERTa / GPT-2 checkpoint in, a Performer checkpoint out."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import modeling_performer
+from ..configuration_performer import PerformerConfig
+from .errors import ConversionError
+from .fidelity import FidelityReport, measure_fidelity, sample_batch
+from .mapping import POSITION_TABLE, MappingResult, extend_positions, map_weights
+from .model_card import build_model_card, source_license
+from .source import SourceCheckpoint, _one_line, load_weights, read_source, resolve_source
+
+logger = logging.getLogger(__name__)
+
+# Fields the source weights determine: overriding them would not match the tensors.
+FIXED_BY_SOURCE = frozenset(
+    {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
+     "type_vocab_size", "layer_norm_eps", "pad_token_id", "is_decoder", "tie_word_embeddings",
+     "layer_norm_position", "position_offset", "transformers_version", "architectures"}
+)  # fmt: skip
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model")  # fmt: skip
+REPORT_FILE = "conversion_report.json"
+
+
+def _overridable_fields() -> list[str]:
+    return sorted({f.name for f in dataclasses.fields(PerformerConfig)} - FIXED_BY_SOURCE)
+
+
+def performer_config(checkpoint: SourceCheckpoint, overrides: dict[str, Any]) -> PerformerConfig:
+    """The PerformerConfig for ``checkpoint``, with ``overrides`` (PerformerConfig fields) applied.
+
+    ``max_position_embeddings`` counts tokens: RoBERTa's table gets ``position_offset`` more rows.
+    """
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(PerformerConfig)})
+    if unknown:
+        raise ConversionError(f"unknown PerformerConfig field(s) {unknown}; choose from {_overridable_fields()}.")
+    fixed = sorted(set(overrides) & FIXED_BY_SOURCE)
+    if fixed:
+        raise ConversionError(f"{fixed} are fixed by the source weights and cannot be overridden.")
+    fields = checkpoint.family.map_config(checkpoint.config)
+    if checkpoint.architecture.endswith("ForSequenceClassification"):
+        source = checkpoint.config
+        fields.update(id2label=dict(source.id2label), label2id=dict(source.label2id), problem_type=source.problem_type)
+    overrides = dict(overrides)
+    if overrides.get("max_position_embeddings") is not None:
+        overrides["max_position_embeddings"] += fields["position_offset"]
+    try:
+        return PerformerConfig(**{**fields, **overrides})
+    except (ValueError, TypeError) as error:
+        raise ConversionError(f"invalid Performer settings: {_one_line(error)}") from None
+
+
+def build_model(target_class: str, config: PerformerConfig, pooler: bool) -> torch.nn.Module:
+    """A fresh Performer of ``target_class``; a bare ``PerformerModel`` only gets a pooler if the source had one."""
+    cls = getattr(modeling_performer, target_class)
+    model = cls(config, add_pooling_layer=pooler) if target_class == "PerformerModel" else cls(config)
+    return model.eval()
+
+
+def _fill_model(model: torch.nn.Module, mapping: MappingResult) -> list[str]:
+    """Load the mapped tensors strictly; return the target names left to their fresh values (projections)."""
+    expected = model.state_dict()
+    source_of = {target: source for source, targets in mapping.used.items() for target in targets}
+    unexpected = sorted(set(mapping.tensors) - set(expected))
+    if unexpected:
+        raise ConversionError(
+            f"the weights have tensors the config does not describe ({', '.join(source_of[t] for t in unexpected[:5])}"
+            f"): config.json does not match the weights (e.g. num_hidden_layers)."
+        )
+    for name, tensor in mapping.tensors.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ConversionError(
+                f"{source_of[name]} has shape {tuple(tensor.shape)} but config.json implies "
+                f"{tuple(expected[name].shape)} for {name}: the config does not match the weights."
+            )
+    filled_storage = {expected[name].data_ptr() for name in mapping.tensors}
+    new = [name for name in expected if name not in mapping.tensors and name.endswith(".attention.projection")]
+    missing = [
+        name
+        for name in expected
+        if name not in mapping.tensors and name not in new and expected[name].data_ptr() not in filled_storage
+    ]  # tied weights share storage with a filled tensor
+    if missing:
+        raise ConversionError(
+            f"the checkpoint lacks tensors the converted model needs: {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            + ". The weights are incomplete or do not match config.json."
+        )
+    model.load_state_dict(mapping.tensors, strict=False)
+    return new
+
+
+def _load_source_model(checkpoint: SourceCheckpoint) -> torch.nn.Module:
+    """The source model as transformers itself loads it: the independent reference for the report."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # unused-weight notices (e.g. the NSP head) are in our own report
+    try:
+        cls = getattr(transformers, checkpoint.architecture)
+        return cls.from_pretrained(checkpoint.folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    except Exception as error:  # any failure here means transformers itself cannot read the checkpoint
+        raise ConversionError(f"transformers cannot load the source checkpoint ({_one_line(error)}).") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _load_tokenizer(folder: Path):
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as error:  # a broken tokenizer only costs the report its real text
+        logger.warning("could not load the tokenizer of %s (%s); measuring on random token ids", folder, error)
+        return None
+
+
+def fidelity_report(
+    checkpoint: SourceCheckpoint, model: torch.nn.Module, target_class: str, pooler: bool, tokenizer
+) -> FidelityReport:
+    """Measure ``model`` against the source checkpoint and against its own exact-kernel twin."""
+    exact_config = PerformerConfig.from_dict({**model.config.to_dict(), "attention_kernel": "exact"})
+    exact = build_model(target_class, exact_config, pooler)
+    exact.load_state_dict(model.state_dict())
+    source = _load_source_model(checkpoint)
+    batch = sample_batch(model.config, tokenizer)
+    text = "Python documentation text" if tokenizer is not None else "random token ids (no tokenizer in the source)"
+    return measure_fidelity(source, model, exact, batch, text)
+
+
+def _copy_tokenizer(source: Path, target: Path, positions: int, extended: bool) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, target / name)
+            copied.append(name)
+    config_file = target / "tokenizer_config.json"
+    if extended and config_file.is_file():  # let the tokenizer produce the longer inputs the model now reads
+        tokenizer_config = json.loads(config_file.read_text())
+        tokenizer_config["model_max_length"] = positions
+        config_file.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    return copied
+
+
+def _check_output_dir(output_dir: Path, overwrite: bool) -> None:
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConversionError(f"output {output_dir} exists and is not a folder.")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
+        raise ConversionError(f"output folder {output_dir} exists and is not empty; pass --overwrite to replace it.")
+
+
+def _publish(staging: Path, output_dir: Path) -> None:
+    """Move the finished ``staging`` folder to ``output_dir``, replacing what was there only now."""
+    if output_dir.exists():
+        backup = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
+        output_dir.rename(backup / output_dir.name)
+        staging.rename(output_dir)
+        shutil.rmtree(backup)
+    else:
+        staging.rename(output_dir)
+
+
+def convert(
+    source: str | Path,
+    output_dir: str | Path,
+    *,
+    overwrite: bool = False,
+    base_model: str | None = None,
+    revision: str | None = None,
+    fidelity: bool = True,
+    **overrides: Any,
+) -> Path:
+    """Convert a pretrained BERT / RoBERTa / GPT-2 checkpoint into a Performer checkpoint.
+
+    Args:
+        source: a local checkpoint folder or a Hub id (fetched with ``huggingface_hub``, so
+            ``HF_ENDPOINT``, ``HF_HUB_OFFLINE`` and the local cache apply). Supported architectures:
+            see ``performer_hf.conversion.SUPPORTED_ARCHITECTURES``.
+        output_dir: the folder to write: ``config.json``, ``model.safetensors``, the remote code, the
+            tokenizer files, a ``README.md`` model card and ``conversion_report.json``. It is written
+            beside its final place and renamed when complete, so a failure leaves nothing behind.
+        overwrite: replace a non-empty ``output_dir`` (only once the conversion has succeeded).
+        base_model: the Hub id named in the model card (default: the Hub id of ``source``, or the
+            folder name for a local folder).
+        revision: Hub revision of ``source``.
+        fidelity: measure the fidelity report on sample text (see ``fidelity.py``) and put it in the card.
+        **overrides: ``PerformerConfig`` fields, e.g. ``attention_kernel="exact"``, ``nb_features=128``,
+            ``max_position_embeddings=4096`` (tokens; the pretrained position table is tiled to fill it).
+
+    Returns:
+        The output folder.
+
+    Raises:
+        ConversionError: with a one-line cause, for an unsupported architecture, missing or corrupt
+            weights, a config that does not match the weights, or an existing non-empty output folder.
+    """
+    output_dir = Path(output_dir).expanduser().absolute()
+    _check_output_dir(output_dir, overwrite)
+    folder, repo_id = resolve_source(source, revision)
+    checkpoint = read_source(folder, repo_id)
+    head = checkpoint.family.heads[checkpoint.architecture]
+    config = performer_config(checkpoint, overrides)
+
+    weights = load_weights(folder)
+    mapping = map_weights(weights, checkpoint.family, checkpoint.architecture, config.hidden_size,
+                          config.tie_word_embeddings)  # fmt: skip
+    pretrained_rows = mapping.tensors[POSITION_TABLE].shape[0] if POSITION_TABLE in mapping.tensors else 0
+    extended = overrides.get("max_position_embeddings") is not None and pretrained_rows > 0
+    if extended:
+        mapping.tensors[POSITION_TABLE] = extend_positions(
+            mapping.tensors[POSITION_TABLE], config.max_position_embeddings, config.position_offset
+        )
+    pooler = head.pooler and "performer.pooler.dense.weight" in mapping.tensors
+    model = build_model(head.target_class, config, pooler)
+    if model.base_model is model:
+        mapping.strip_target_prefix(model.base_model_prefix + ".")
+    new = _fill_model(model, mapping)
+    logger.info(
+        "mapped %d source tensors to a %s, dropped %d (%s), %d new (random-feature projections)",
+        len(mapping.used), head.target_class, len(mapping.dropped),
+        ", ".join(sorted(set(mapping.dropped.values()))) or "none", len(new),
+    )  # fmt: skip
+
+    tokenizer = _load_tokenizer(folder)
+    report = fidelity_report(checkpoint, model, head.target_class, pooler, tokenizer) if fidelity else None
+    if report is not None:
+        logger.info("%s", report.format_table())
+
+    base_model = base_model or repo_id or folder.name
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    try:
+        model.save_pretrained(staging)
+        positions = config.max_position_embeddings - config.position_offset
+        copied = _copy_tokenizer(folder, staging, positions, extended)
+        card = build_model_card(
+            base_model=base_model, license_name=source_license(folder), source_architecture=checkpoint.architecture,
+            target_class=head.target_class, config=config, dropped=mapping.dropped, report=report,
+            pretrained_positions=pretrained_rows - config.position_offset,
+        )  # fmt: skip
+        card.save(staging / "README.md")
+        summary = {
+            "source": str(source),
+            "base_model": base_model,
+            "source_architecture": checkpoint.architecture,
+            "target_class": head.target_class,
+            "used": mapping.used,
+            "dropped": mapping.dropped,
+            "new": new,
+            "tokenizer_files": copied,
+            "positions": {"pretrained": pretrained_rows - config.position_offset, "converted": positions},
+            "fidelity": report.to_dict() if report is not None else None,
+        }
+        (staging / REPORT_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        _publish(staging, output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("wrote %s", output_dir)
+    return output_dir

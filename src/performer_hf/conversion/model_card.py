@@ -1,0 +1,130 @@
+"""The README.md model card written next to a converted checkpoint."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from .fidelity import FidelityReport
+
+logger = logging.getLogger(__name__)
+
+_KERNEL_NAMES = {
+    "softmax": "FAVOR+ positive random features (unbiased softmax kernel)",
+    "softmax_hyperbolic": "FAVOR+ hyperbolic positive random features (softmax kernel)",
+    "softmax_trig": "trigonometric random features (softmax kernel)",
+    "relu": "generalized attention with ReLU features",
+    "elu": "elu + 1 features",
+    "exact": "exact softmax attention (no approximation)",
+}
+
+
+def source_license(folder: Path) -> str:
+    """The ``license`` of the source model card's YAML metadata, or ``"unknown"``."""
+    card = folder / "README.md"
+    if card.is_file():
+        try:
+            license_name = ModelCard.load(card).data.license
+        except Exception as error:  # a malformed card must not stop a conversion; say so and carry on
+            logger.warning("could not read the source model card %s (%s); license set to 'unknown'", card, error)
+            return "unknown"
+        if license_name:
+            return str(license_name)
+    return "unknown"
+
+
+def build_model_card(
+    *,
+    base_model: str,
+    license_name: str,
+    source_architecture: str,
+    target_class: str,
+    config,
+    pretrained_positions: int,
+    dropped: dict[str, str],
+    report: FidelityReport | None,
+) -> ModelCard:
+    """A model card whose metadata names the base model, license, library and tags, and whose text
+    states the FAVOR+ settings and the fidelity measured at conversion."""
+    data = ModelCardData(
+        base_model=base_model,
+        license=license_name,
+        library_name="transformers",
+        tags=["performer", "favor+", "linear-attention", "long-context", "performer-hf"],
+    )
+    positions = config.max_position_embeddings - config.position_offset
+    redraw = (
+        "fixed (never redrawn; evaluation is deterministic)"
+        if config.feature_redraw_interval is None
+        else f"redrawn every {config.feature_redraw_interval} optimizer steps during training by the training "
+        "code (`model.redraw_projections(step)`); never inside `forward`, so evaluation is deterministic"
+    )
+    coupling = "orthogonal" if config.feature_coupling == "orthogonal" else "i.i.d."
+    lines = [
+        f"# Performer conversion of {base_model}",
+        "",
+        f"This checkpoint is [{base_model}](https://huggingface.co/{base_model}) ({source_architecture}) converted "
+        f"to a `{target_class}` by performer-hf: every pretrained "
+        "weight is kept and softmax attention is replaced by FAVOR+ linear attention (Choromanski et al., "
+        "*Rethinking Attention with Performers*, ICLR 2021). It has **not** been finetuned after the swap.",
+        "",
+        "## FAVOR+ settings",
+        "",
+        f"- attention kernel: `{config.attention_kernel}` ({_KERNEL_NAMES.get(config.attention_kernel, '')})",
+        f"- nb_features (random features per head): {config.nb_features}",
+        f"- feature coupling: {coupling}, row norms `{config.feature_row_norms}`, seed {config.projection_seed}",
+        f"- redraw policy: {redraw}",
+        f"- causal: {'yes' if config.is_decoder or target_class == 'PerformerForCausalLM' else 'no'}",
+        f"- positions: {positions} (pretrained: {pretrained_positions}"
+        + (", extended by tiling the pretrained table)" if positions > pretrained_positions else ")"),
+        "",
+        "## Usage",
+        "",
+        "```python",
+        "import performer_hf  # registers the Performer classes with the Auto* factories",
+        "from transformers import AutoModel, AutoTokenizer",
+        "",
+        'model = AutoModel.from_pretrained("path/to/this/folder")',
+        "# or, without performer-hf installed:",
+        '# model = AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=True)',
+        "```",
+        "",
+        "## Fidelity measured at conversion",
+        "",
+    ]
+    if report is None:
+        lines.append("Not measured (conversion ran with the fidelity report switched off).")
+    else:
+        lines += [
+            f"Measured on {report.num_sequences} sequences ({report.num_tokens} tokens) of {report.text}, "
+            f"against {base_model} and against the same weights with exact softmax attention.",
+            "",
+            "| layer | attention rel. error (same input) | attention rel. error (propagated) |",
+            "| --- | --- | --- |",
+        ]
+        for i, (local, propagated) in enumerate(
+            zip(report.attention_error_local, report.attention_error_propagated, strict=True)
+        ):
+            lines.append(f"| {i} | {local:.4f} | {propagated:.4f} |")
+        lines += [
+            "",
+            f"- final hidden states vs the source: mean cosine {report.hidden_cosine:.4f}, relative error "
+            f"{report.hidden_relative_error:.4f}",
+        ]
+        lines += [f"- {name} vs the source: {value:.4f}" for name, value in report.head.items()]
+        exact = ", ".join(f"{name} {value:.1e}" for name, value in report.exact_max_abs_diff.items())
+        lines.append(f'- same weights with `attention_kernel="exact"` vs the source, max abs difference: {exact}')
+        lines += [
+            "",
+            "FAVOR+ approximates softmax attention; a pretrained model swapped to it without finetuning loses some "
+            "accuracy (the Performer paper recovers it with a short finetune). Finetune before relying on it.",
+        ]
+    if dropped:
+        lines += ["", "## Source tensors not carried over", ""]
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in sorted(dropped.items()):
+            by_reason.setdefault(reason, []).append(f"`{name}`")
+        lines += [f"- {reason}: {', '.join(names)}" for reason, names in by_reason.items()]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")

@@ -1,0 +1,141 @@
+"""Reading a source checkpoint: resolve a folder or Hub id, read its config and its weights safely.
+
+Weights are read with ``safetensors`` or ``torch.load(weights_only=True)``: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ConversionError
+from .mapping import SUPPORTED_ARCHITECTURES, Family, find_family
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_FILE, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+PYTORCH_FILE, PYTORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+# everything but the weights: config, tokenizer, model card
+_METADATA_PATTERNS = ["*.json", "*.txt", "*.model", "README.md"]
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def resolve_source(source: str | Path, revision: str | None = None) -> tuple[Path, str | None]:
+    """A local folder, or a Hub id fetched with ``huggingface_hub.snapshot_download`` (so HF_ENDPOINT,
+    HF_HUB_OFFLINE and the local cache apply). Returns the folder and the Hub id (None for a folder)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path.resolve(), None
+    if path.exists():
+        raise ConversionError(f"source {source} is a file; pass the checkpoint folder or a Hub id.")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    repo_id = str(source)
+    try:
+        folder = Path(
+            snapshot_download(repo_id, revision=revision, allow_patterns=_METADATA_PATTERNS + ["*.safetensors"])
+        )
+        if not any(folder.glob("*.safetensors")):
+            folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=["pytorch_model*.bin"]))
+    except HFValidationError:
+        raise ConversionError(f"source {source!r} is neither an existing folder nor a valid Hub id.") from None
+    except Exception as error:  # huggingface_hub raises many types (offline, 404, HTTP); all mean "not found"
+        raise ConversionError(
+            f"source {source!r} is not a local folder and could not be fetched from the Hub ({_one_line(error)})."
+        ) from None
+    return folder, repo_id
+
+
+@dataclass
+class SourceCheckpoint:
+    folder: Path
+    repo_id: str | None
+    config: Any  # the transformers config (BertConfig, RobertaConfig, GPT2Config)
+    architecture: str
+    family: Family
+
+
+def read_source(folder: Path, repo_id: str | None) -> SourceCheckpoint:
+    """Read ``config.json`` and pick the family / head that converts it."""
+    from transformers import CONFIG_MAPPING
+
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ConversionError(f"{folder} has no config.json; it is not a transformers checkpoint.")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConversionError(f"{config_file} is not valid JSON ({_one_line(error)}).") from None
+    architectures = raw.get("architectures") or []
+    if len(architectures) != 1:
+        raise ConversionError(
+            f"config.json must name exactly one architecture (got {architectures}); supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
+    family = find_family(architectures[0])
+    if raw.get("model_type") != family.model_type:
+        raise ConversionError(
+            f"config.json has model_type={raw.get('model_type')!r} but architecture {architectures[0]} needs "
+            f"{family.model_type!r}."
+        )
+    try:
+        config = CONFIG_MAPPING[family.model_type].from_dict(raw)
+    except (ValueError, TypeError) as error:
+        raise ConversionError(
+            f"{config_file} is not a valid {family.model_type} config ({_one_line(error)})."
+        ) from None
+    return SourceCheckpoint(folder, repo_id, config, architectures[0], family)
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    for single, index in ((SAFETENSORS_FILE, SAFETENSORS_INDEX), (PYTORCH_FILE, PYTORCH_INDEX)):
+        if (folder / single).is_file():
+            return [folder / single]
+        if (folder / index).is_file():
+            try:
+                shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, AttributeError, UnicodeDecodeError) as error:
+                raise ConversionError(f"{folder / index} is not a valid shard index ({_one_line(error)}).") from None
+            missing = [name for name in shards if not (folder / name).is_file()]
+            if missing:
+                raise ConversionError(f"{folder} is missing weight shards listed in {index}: {', '.join(missing)}.")
+            return [folder / name for name in shards]
+    raise ConversionError(
+        f"{folder} has no weights: expected {SAFETENSORS_FILE}, {PYTORCH_FILE} or a sharded index of either."
+    )
+
+
+def load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint in ``folder``, as float32 (integer buffers kept as they are)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _weight_files(folder):
+        try:
+            if file.suffix == ".safetensors":
+                part = load_file(file)
+            else:
+                part = torch.load(file, map_location="cpu", weights_only=True)
+                if not isinstance(part, dict) or not all(isinstance(t, torch.Tensor) for t in part.values()):
+                    raise ConversionError(f"{file} does not hold a flat state dict of tensors.")
+        except ConversionError:
+            raise
+        except (SafetensorError, OSError, RuntimeError, EOFError, ValueError) as error:
+            raise ConversionError(f"cannot read weights from {file} ({_one_line(error)}).") from None
+        except Exception as error:  # torch.load(weights_only=True) refuses pickled objects with UnpicklingError
+            raise ConversionError(f"refusing to read {file}: not plain tensors ({_one_line(error)}).") from None
+        tensors.update(part)
+    if not tensors:
+        raise ConversionError(f"the weights in {folder} are empty.")
+    return {name: t.float() if t.is_floating_point() else t for name, t in tensors.items()}
