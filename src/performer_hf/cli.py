@@ -1,0 +1,112 @@
+"""The ``performer-hf`` command line.
+
+``performer-hf convert SOURCE OUT [options]`` converts a BERT / RoBERTa / GPT-2 checkpoint (a folder
+or a Hub id) into a Performer checkpoint; ``performer-hf demo`` runs the offline demo on the real
+all-MiniLM-L6-v2. Problems with the inputs end with a one-line message and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .conversion import SUPPORTED_ARCHITECTURES, ConversionError, convert
+
+# PerformerConfig fields with their own option; any other field goes through --set FIELD=VALUE.
+_CONFIG_OPTIONS = (
+    ("attention_kernel", str, "FAVOR+ feature map (softmax, softmax_hyperbolic, softmax_trig, relu, elu) or exact"),
+    ("nb_features", int, "random features per head (default 256)"),
+    ("feature_coupling", str, "orthogonal (default) or iid"),
+    ("feature_row_norms", str, "chi (default, unbiased) or sqrt_d"),
+    ("projection_seed", int, "seed of the random features (default 0)"),
+    ("feature_redraw_interval", int, "optimizer steps between feature redraws in training (default: never)"),
+    ("causal_chunk_size", int, "positions per chunk of the causal scan"),
+    ("max_position_embeddings", int, "tokens the model reads; the pretrained position table is tiled to fill it"),
+)
+
+
+def _field_value(text: str):
+    """``--set`` values: JSON (numbers, true/false/null, lists) or else a plain string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="performer-hf", description="Performers (FAVOR+) for Hugging Face models.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    conv = commands.add_parser(
+        "convert",
+        help="convert a BERT / RoBERTa / GPT-2 checkpoint into a Performer",
+        description=f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.",
+    )
+    conv.add_argument("source", help="checkpoint folder or Hub id")
+    conv.add_argument("output_dir", help="folder to write (must be empty or absent, unless --overwrite)")
+    for name, kind, text in _CONFIG_OPTIONS:
+        conv.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
+    conv.add_argument("--set", dest="fields", action="append", default=[], metavar="FIELD=VALUE",
+                      help="any other PerformerConfig field, e.g. --set hidden_dropout_prob=0.0")  # fmt: skip
+    conv.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder after success")
+    conv.add_argument("--base-model", help="Hub id named in the model card (default: the source's)")
+    conv.add_argument("--revision", help="Hub revision of the source")
+    conv.add_argument("--no-fidelity", dest="fidelity", action="store_false", help="skip the fidelity report")
+    conv.add_argument("-q", "--quiet", action="store_true", help="print only the output folder")
+
+    demo = commands.add_parser("demo", help="convert the real all-MiniLM-L6-v2 and compare it with the source at 4K")
+    demo.add_argument("--output-dir", help="keep the converted checkpoint here (default: a temporary folder)")
+    demo.add_argument("--overwrite", action="store_true", help="replace a non-empty --output-dir")
+    demo.add_argument("--length", type=int, default=4096, help="tokens for the speed / memory comparison")
+    demo.add_argument("--sentences", type=int, default=200, help="English sentences for the embedding comparison")
+    demo.add_argument("--repeats", type=int, default=3, help="timed forward passes per model")
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    overrides = {name: getattr(args, name) for name, _, _ in _CONFIG_OPTIONS if getattr(args, name) is not None}
+    for item in args.fields:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ConversionError(f"--set expects FIELD=VALUE, got {item!r}.")
+        overrides[name.strip()] = _field_value(value)
+    return overrides
+
+
+def _setup_logging(quiet: bool) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    package_logger = logging.getLogger("performer_hf")
+    package_logger.handlers[:] = [handler]
+    package_logger.setLevel(logging.WARNING if quiet else logging.INFO)
+    package_logger.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``performer-hf`` console script; returns the exit status."""
+    args = _parser().parse_args(argv)
+    _setup_logging(getattr(args, "quiet", False))
+    try:
+        if args.command == "convert":
+            output = convert(args.source, args.output_dir, overwrite=args.overwrite, base_model=args.base_model,
+                             revision=args.revision, fidelity=args.fidelity, **_overrides(args))  # fmt: skip
+            print(output)
+        else:
+            from .conversion.demo import format_demo, run_demo
+
+            result = run_demo(args.output_dir, length=args.length, num_sentences=args.sentences,
+                              repeats=args.repeats, overwrite=args.overwrite)  # fmt: skip
+            print(format_demo(result))
+    except ConversionError as error:
+        print(f"performer-hf: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
