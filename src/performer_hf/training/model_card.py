@@ -1,34 +1,76 @@
-"""The model card (README.md) written next to a trained model."""
+"""The model card (README.md) written next to a trained model.
+
+A model trained from a converted checkpoint keeps the ``base_model`` and ``license`` that the
+converter's card (``performer_hf.conversion.model_card``) recorded, so the lineage survives
+finetuning; the text describes the training run and its final evaluation.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from huggingface_hub import ModelCard, ModelCardData
+
+logger = logging.getLogger(__name__)
 
 TASK_PIPELINES = {"mlm": "fill-mask", "clm": "text-generation", "classification": "text-classification"}
 TASK_NAMES = {"mlm": "masked language modeling", "clm": "causal language modeling", "classification": "classification"}
 
 FAVOR_FIELDS = ("attention_kernel", "nb_features", "feature_coupling", "feature_row_norms", "feature_redraw_interval")
+SETUP_FIELDS = ("max_seq_length", "learning_rate", "lr_scheduler_type", "num_warmup_steps",
+                "per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "weight_decay",
+                "seed")  # fmt: skip
 
 
-def build_model_card(task: str, config, base_model: str | None, data_source: str, metrics: dict, args: dict) -> str:
-    """Markdown with YAML metadata: base model, FAVOR+ settings, training setup, final metrics."""
+def starting_card_metadata(folder: str | None) -> dict:
+    """``base_model`` and ``license`` from the README.md card of the checkpoint training started from."""
+    card_path = os.path.join(folder, "README.md") if folder else None
+    if not card_path or not os.path.isfile(card_path):
+        return {}
+    try:
+        data = ModelCard.load(card_path).data
+    except Exception as error:  # a malformed card of the starting point must not fail a finished run
+        logger.warning("Could not read the model card %s (%s); not inheriting its metadata.", card_path, error)
+        return {}
+    return {key: getattr(data, key, None) for key in ("base_model", "license") if getattr(data, key, None)}
+
+
+def build_model_card(
+    task: str,
+    config,
+    started_from: str | None,
+    data_source: str,
+    metrics: dict,
+    args: dict,
+    starting_folder: str | None = None,
+) -> str:
+    """Markdown with YAML metadata: lineage, FAVOR+ settings, architecture, training setup, final metrics.
+
+    ``started_from`` names the checkpoint (or source converted) training began with (None: from
+    scratch); ``starting_folder`` is where it was loaded from, whose card metadata is inherited.
+    """
+    inherited = starting_card_metadata(starting_folder)
+    hub_id = started_from if started_from and not os.path.isdir(started_from) else None
     card_data = ModelCardData(
         library_name="transformers",
         pipeline_tag=TASK_PIPELINES[task],
-        tags=["performer", "favor+", "linear-attention"],
-        base_model=base_model if base_model and not os.path.isdir(base_model) else None,
+        tags=["performer", "favor+", "linear-attention", "performer-hf"],
+        base_model=inherited.get("base_model") or hub_id,
+        license=inherited.get("license"),
     )
     favor = {field: getattr(config, field, None) for field in FAVOR_FIELDS}
     architecture = {
-        "layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
-        "heads": config.num_attention_heads, "max_position_embeddings": config.max_position_embeddings,
+        "num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "max_position_embeddings": config.max_position_embeddings,
+        "layer_norm_position": config.layer_norm_position,
     }  # fmt: skip
-    setup = {key: args.get(key) for key in ("max_seq_length", "learning_rate", "per_device_train_batch_size",
-                                           "gradient_accumulation_steps", "max_train_steps", "max_grad_norm",
-                                           "seed")}  # fmt: skip
+    setup = {key: args.get(key) for key in SETUP_FIELDS}
+    setup["optimizer_steps"] = metrics.get("train_steps")
+    rows = [f"| {name} | {value:.4g} |" if isinstance(value, float) else f"| {name} | {value} |"
+            for name, value in metrics.items() if name.startswith("eval_")]  # fmt: skip
     lines = [
         "---",
         card_data.to_yaml(),
@@ -36,17 +78,20 @@ def build_model_card(task: str, config, base_model: str | None, data_source: str
         "",
         f"# Performer for {TASK_NAMES[task]}",
         "",
-        "A Performer (FAVOR+ linear attention, Choromanski et al., 2021) trained with "
-        f"`training/run_{task}.py` of performer-hf.",
+        "A Performer (FAVOR+ linear attention; Choromanski et al., *Rethinking Attention with Performers*, "
+        f"ICLR 2021) trained with `training/run_{task}.py` of performer-hf.",
         "",
-        f"- Started from: {base_model or 'random initialisation'}",
-        f"- Data: {data_source}",
+        f"- started from: {started_from or 'random initialisation (trained from scratch)'}",
+        f"- training data: {data_source}",
         "",
         "## FAVOR+ settings",
         "",
         "```json",
         json.dumps(favor, indent=2),
         "```",
+        "",
+        "The random features were redrawn every `feature_redraw_interval` optimizer steps during training "
+        "(seeded from the step) and are fixed in this checkpoint, so inference is deterministic.",
         "",
         "## Architecture",
         "",
@@ -64,12 +109,19 @@ def build_model_card(task: str, config, base_model: str | None, data_source: str
         "",
         "| metric | value |",
         "|---|---|",
-        *(f"| {name} | {value:.4g} |" if isinstance(value, float) else f"| {name} | {value} |"
-          for name, value in metrics.items()),
+        *rows,
         "",
-        "Load it with `import performer_hf` and the matching `AutoModelFor...` class.",
+        "## Usage",
         "",
-    ]  # fmt: skip
+        "```python",
+        "import performer_hf  # registers the Performer classes with the Auto* factories",
+        "from transformers import AutoModel",
+        "",
+        'model = AutoModel.from_pretrained("path/to/this/folder")',
+        '# without performer-hf: AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=True)',
+        "```",
+        "",
+    ]
     return ModelCard("\n".join(lines)).content
 
 

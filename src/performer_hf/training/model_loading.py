@@ -68,18 +68,26 @@ def load_tokenizer(args: argparse.Namespace) -> PreTrainedTokenizerBase:
 
 
 def _convert_source(args: argparse.Namespace, accelerator, overrides: dict) -> str:
-    """Convert ``--convert_from`` into ``<output_dir>/converted`` (main process) and return the folder."""
+    """Convert ``--convert_from`` into ``<output_dir>/converted`` (main process) and return the folder.
+
+    ``--config_overrides`` go to the converter (e.g. ``max_position_embeddings=4096`` tiles the
+    pretrained position table). The converter's fidelity report is skipped: the run's own
+    evaluation measures the model.
+    """
     try:
-        from performer_hf import convert  # imported lazily: the converter is optional for other paths
+        from performer_hf.conversion import ConversionError, convert  # lazily: only this path needs it
     except ImportError as error:
         raise TrainingInputError(
-            "--convert_from needs performer_hf.convert, which this installation does not provide; convert with "
-            "`performer-hf convert` first and pass the result as --model_name_or_path."
+            "--convert_from needs performer_hf.conversion, which this installation does not provide; convert "
+            "with `performer-hf convert` first and pass the result as --model_name_or_path."
         ) from error
     destination = os.path.join(args.output_dir, CONVERTED_SUBDIR)
     if accelerator.is_main_process:
         logger.info("Converting %s to a Performer in %s", args.convert_from, destination)
-        convert(args.convert_from, destination, **overrides)
+        try:
+            convert(args.convert_from, destination, overwrite=True, fidelity=False, **overrides)
+        except ConversionError as error:
+            raise TrainingInputError(f"--convert_from {args.convert_from!r}: {error}") from error
     accelerator.wait_for_everyone()
     return destination
 

@@ -326,8 +326,10 @@ def _save_final(args, task: TrainingTask, accelerator: Accelerator, model, token
     tokenizer.save_pretrained(args.output_dir)
     with open(os.path.join(args.output_dir, RESULTS_FILE), "w") as handle:
         json.dump(metrics, handle, indent=2)
-    base_model = args.model_name_or_path or args.convert_from
-    card = build_model_card(task.name, unwrapped.config, base_model, data_source, metrics, _config_for_trackers(args))
+    card = build_model_card(
+        task.name, unwrapped.config, args.model_name_or_path or args.convert_from, data_source, metrics,
+        _config_for_trackers(args), starting_folder=unwrapped.config._name_or_path or None,
+    )  # fmt: skip
     write_model_card(args.output_dir, card)
     logger.info("Saved the model, tokenizer and card to %s", args.output_dir)
     if args.push_to_hub:
