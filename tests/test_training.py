@@ -32,6 +32,7 @@ from transformers import (
 
 from performer_hf import PerformerForMaskedLM
 from performer_hf.training.arguments import TrainingInputError
+from performer_hf.training.checkpointing import find_latest_checkpoint, resume_position
 from performer_hf.training.classification import train_classifier
 from performer_hf.training.data import build_label_mapping, group_into_blocks
 from performer_hf.training.language_modeling import main as lm_main
@@ -169,6 +170,34 @@ def test_config_overrides_and_label_mapping():
     assert build_label_mapping(["b", "a", "b", "c"]) == {"a": 0, "b": 1, "c": 2}
     assert build_label_mapping([10, 9, 2]) == {"2": 0, "9": 1, "10": 2}
     assert build_label_mapping(["x", "y"], existing={"y": 0, "x": 1}) == {"y": 0, "x": 1}
+
+
+def test_latest_checkpoint_and_resume_position(tmp_path):
+    for name, steps in (("step_4", 4), ("step_12", 12), ("epoch_0", 6)):
+        (tmp_path / name).mkdir()
+        state = {"completed_steps": steps, "epoch": 0, "batches_in_epoch": 6}
+        (tmp_path / name / "trainer_state.json").write_text(json.dumps(state))
+    (tmp_path / "step_20").mkdir()  # incomplete: no trainer_state.json
+    assert find_latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_12")
+    assert resume_position({"epoch": 0, "batches_in_epoch": 6}, batches_per_epoch=6) == (1, 0)
+    assert resume_position({"epoch": 1, "batches_in_epoch": 2}, batches_per_epoch=6) == (1, 2)
+    with pytest.raises(TrainingInputError, match="no checkpoint found"):
+        find_latest_checkpoint(str(tmp_path / "step_20"))
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [("single_gpu", "NO"), ("multi_gpu_ddp", "MULTI_GPU"), ("fsdp", "FSDP"), ("deepspeed_zero2", "DEEPSPEED")],
+)
+def test_accelerate_config_templates_load(name, kind):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(REPO / "training" / "accelerate_configs" / f"{name}.yaml"))
+    assert config.distributed_type.value == kind
+    if kind == "FSDP":
+        assert config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "PerformerLayer"
+    if kind == "DEEPSPEED":
+        assert config.deepspeed_config["zero_stage"] == 2
 
 
 # ----------------------------------------------------------------------------- scripts

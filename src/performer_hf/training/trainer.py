@@ -104,6 +104,20 @@ def _optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.
     return torch.optim.AdamW(groups, lr=args.learning_rate)
 
 
+def _configure_deepspeed(accelerator: Accelerator, args: argparse.Namespace) -> None:
+    """DeepSpeed clips inside its engine: give it --max_grad_norm where its config says 'auto'."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    plugin.fill_match("gradient_clipping", must_match=False, gradient_clipping=args.max_grad_norm)
+    clipping = plugin.get_value("gradient_clipping")
+    if clipping != args.max_grad_norm:
+        logger.warning(
+            "The DeepSpeed config clips gradients at %s, not --max_grad_norm %s; DeepSpeed's value applies.",
+            clipping, args.max_grad_norm,
+        )  # fmt: skip
+
+
 def _batches_per_process(num_examples: int, batch_size: int, num_processes: int) -> int:
     """Length of a prepared dataloader on each process (Accelerate pads shards to even length)."""
     return math.ceil(math.ceil(num_examples / batch_size) / num_processes)
@@ -182,6 +196,7 @@ def run_training(
         num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
         num_training_steps=max_train_steps * accelerator.num_processes,
     )  # fmt: skip
+    _configure_deepspeed(accelerator, args)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
