@@ -14,6 +14,7 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
+from .cache_performer import FavorCacheLayer
 from .configuration_performer import PerformerConfig
 from .conversion import convert
 from .modeling_performer import (
@@ -42,6 +43,7 @@ for _auto, _model in _AUTO_CLASSES.items():
     _auto.register(PerformerConfig, _model, exist_ok=True)
 
 __all__ = [
+    "FavorCacheLayer",
     "PerformerConfig",
     "PerformerForCausalLM",
     "PerformerForMaskedLM",
