@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from .. import modeling_performer
 from ..configuration_performer import PerformerConfig
@@ -57,8 +58,8 @@ def performer_config(checkpoint: SourceCheckpoint, overrides: dict[str, Any]) ->
         overrides["max_position_embeddings"] += fields["position_offset"]
     try:
         return PerformerConfig(**{**fields, **overrides})
-    except (ValueError, TypeError) as error:
-        raise ConversionError(f"invalid Performer settings: {_one_line(error)}") from None
+    except (ValueError, TypeError, StrictDataclassError) as error:  # strict validation wraps the ValueError
+        raise ConversionError(f"invalid Performer settings: {_one_line(error.__cause__ or error)}") from None
 
 
 def build_model(target_class: str, config: PerformerConfig, pooler: bool) -> torch.nn.Module:

@@ -105,9 +105,8 @@ def _rss_bytes() -> int:
 
 def _measure_memory_in_this_process(kind: str, folder: Path, positions: int, length: int) -> dict[str, float]:
     """Peak resident memory of one forward at ``length`` tokens, sampled every millisecond."""
-    torch.set_grad_enabled(False)
     model = _load(kind, folder, positions)
-    input_ids = torch.randint(1000, 20000, (1, length))
+    input_ids = torch.randint(0, model.config.vocab_size, (1, length))
     gc.collect()
     baseline = peak = _rss_bytes()
     done = threading.Event()
@@ -118,11 +117,14 @@ def _measure_memory_in_this_process(kind: str, folder: Path, positions: int, len
             peak = max(peak, _rss_bytes())
             time.sleep(0.001)
 
-    sampler = threading.Thread(target=sample)
+    sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
-    done.set()
-    sampler.join()
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+    finally:
+        done.set()
+        sampler.join()
     peak = max(peak, _rss_bytes())
     return {"forward_peak_mb": (peak - baseline) / 2**20, "process_peak_mb": peak / 2**20}
 
@@ -145,6 +147,8 @@ def run_demo(output_dir: str | Path | None = None, length: int = 4096, num_sente
     from ..modeling_performer import PerformerModel
 
     source_folder = minilm_folder()
+    pretrained = json.loads((source_folder / "config.json").read_text())["max_position_embeddings"]
+    positions = max(length, pretrained)
     steps = 4 + 2 * repeats  # convert, embeddings, timed forwards, two memory runs
     with tempfile.TemporaryDirectory(prefix="performer-demo-") as scratch, tqdm(total=steps, desc="demo") as progress:
         target = Path(output_dir) if output_dir is not None else Path(scratch) / "performer-all-MiniLM-L6-v2"
@@ -153,7 +157,9 @@ def run_demo(output_dir: str | Path | None = None, length: int = 4096, num_sente
         level = convert_logger.level
         convert_logger.setLevel(logging.WARNING)  # the report is printed once, at the end
         try:
-            convert(source_folder, target, base_model=BASE_MODEL, overwrite=overwrite, max_position_embeddings=length)
+            convert(
+                source_folder, target, base_model=BASE_MODEL, overwrite=overwrite, max_position_embeddings=positions
+            )
         finally:
             convert_logger.setLevel(level)
         report = json.loads((target / "conversion_report.json").read_text())
@@ -161,7 +167,7 @@ def run_demo(output_dir: str | Path | None = None, length: int = 4096, num_sente
 
         progress.set_description("sentence embeddings")
         tokenizer = AutoTokenizer.from_pretrained(target)
-        source = extended_source_model(source_folder, length)
+        source = extended_source_model(source_folder, positions)
         performer = PerformerModel.from_pretrained(target).eval()
         sentences = english_sentences(num_sentences)
         agreement = embedding_agreement(
@@ -178,7 +184,7 @@ def run_demo(output_dir: str | Path | None = None, length: int = 4096, num_sente
         progress.set_description("peak memory")
         memory = {}
         for name, kind, folder in zip(MODELS, ("source", "performer"), (source_folder, target), strict=True):
-            memory[name] = peak_memory(kind, folder, length, length)
+            memory[name] = peak_memory(kind, folder, positions, length)
             progress.update(1)
     return {
         "fidelity": report["fidelity"],
