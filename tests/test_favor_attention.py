@@ -126,3 +126,238 @@ def test_bad_inputs_raise_clear_errors():
         favor_attention(q, k, v, _projection(), key_padding_mask=torch.ones(2, 5))
     with pytest.raises(ValueError, match="causal"):
         favor_attention(q, k, v, _projection(), return_state=True)
+
+
+# ---- a grid of shapes, outputs and gradients against the explicit-feature reference ------------
+
+# (name, batch, heads, length, head_dim, value_dim, nb_features, chunk, padding)
+GRID = [
+    ("single token", 1, 1, 1, 8, 8, 8, 4, None),
+    ("odd length, m > d, chunk does not divide L", 2, 3, 37, 16, 16, 48, 8, "right"),
+    ("m not a multiple of d", 3, 2, 65, 8, 8, 20, 16, "right"),
+    ("L below one chunk", 2, 2, 23, 16, 16, 64, 128, None),
+    ("value dim != head dim, left padding", 2, 2, 50, 16, 24, 32, 7, "left"),
+    ("chunk of one, scattered padding", 2, 2, 19, 8, 8, 16, 1, "random"),
+]
+
+
+def _padding_mask(kind, batch, length, seed=0):
+    """(batch, length) bool mask, True = real token; every row keeps at least a few real tokens."""
+    if kind is None:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, length, dtype=torch.bool)
+    for b in range(batch):
+        n_pad = int(torch.randint(1, max(2, length // 3), (1,), generator=g)) if length > 3 else 0
+        if kind == "right":
+            mask[b, length - n_pad :] = False
+        elif kind == "left":
+            mask[b, :n_pad] = False
+        else:
+            mask[b] = torch.rand(length, generator=g) > 0.3
+            mask[b, -1] = True
+    return mask
+
+
+def _grid_inputs(batch, heads, length, head_dim, value_dim, nb_features, padding, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(batch, heads, length, head_dim, generator=g, dtype=torch.float64) * 0.5 for _ in range(2))
+    v = torch.randn(batch, heads, length, value_dim, generator=g, dtype=torch.float64)
+    mask = _padding_mask(padding, batch, length, seed)
+    if mask is not None:  # padded positions hold garbage that must not matter
+        garbage = ~mask[:, None, :, None]
+        k = k.masked_fill(garbage, 7.0)
+        v = v.masked_fill(garbage, -1e3)
+    W = draw_projection(nb_features, head_dim, generator=g, dtype=torch.float64)
+    return q, k, v, W, mask
+
+
+def _visible_queries(mask, causal, batch, length):
+    """(batch, length) bool: queries that see at least one real key (elsewhere the reference is 0/0)."""
+    if mask is None:
+        return torch.ones(batch, length, dtype=torch.bool)
+    return mask.cumsum(dim=1) > 0 if causal else mask.any(dim=1, keepdim=True).expand(batch, length)
+
+
+def _reference_grads(q, k, v, W, mask, probe, causal, kernel):
+    """Gradients of sum(reference * probe) w.r.t. q, k, v, batch element by batch element.
+
+    A causal query before the first real key sees nothing: the reference divides 0 by 0 there,
+    and its NaN would leak into every gradient. Such positions (and the padded keys before them)
+    only get zero gradients, so each element is cut to start at its first real token.
+    """
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for b in range(q.shape[0]):
+        start = 0 if mask is None or not causal else int(mask[b].long().argmax())
+        parts = [t[b : b + 1, :, start:].detach().requires_grad_() for t in (q, k, v)]
+        sub_mask = None if mask is None else mask[b : b + 1, start:]
+        ref = explicit_feature_attention(*parts, W, causal=causal, kernel=kernel, key_padding_mask=sub_mask)
+        part_grads = torch.autograd.grad((ref * probe[b : b + 1, :, start:]).sum(), parts)
+        for grad, part in zip(grads, part_grads, strict=True):
+            grad[b : b + 1, :, start:] = part
+    return grads
+
+
+@pytest.mark.parametrize("kernel", POSITIVE_KERNELS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", GRID, ids=[c[0] for c in GRID])
+def test_grid_outputs_and_gradients_match_the_reference(case, causal, kernel):
+    _, batch, heads, length, head_dim, value_dim, m, chunk, padding = case
+    q, k, v, W, mask = _grid_inputs(batch, heads, length, head_dim, value_dim, m, padding)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    fast = favor_attention(q, k, v, W, causal=causal, kernel=kernel, key_padding_mask=mask, chunk_size=chunk)
+    ref = explicit_feature_attention(q, k, v, W, causal=causal, kernel=kernel, key_padding_mask=mask)
+    assert fast.shape == (batch, heads, length, value_dim)
+    seen = _visible_queries(mask, causal, batch, length)[:, None, :, None].expand_as(fast)
+    # tolerances: the 1e-6 query stabilizer (relative to each query's largest feature) is not in the reference
+    torch.testing.assert_close(fast[seen], ref[seen], rtol=1e-4, atol=3e-5)
+    assert (fast[~seen] == 0).all()  # a query with no visible key gets a zero output, not NaN
+
+    probe = torch.randn(fast.shape, generator=torch.Generator().manual_seed(1), dtype=fast.dtype)
+    g_fast = torch.autograd.grad((fast * probe).sum(), (q, k, v))
+    g_ref = _reference_grads(q, k, v, W, mask, probe, causal, kernel)
+    for name, a, b in zip("qkv", g_fast, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=3e-5, msg=f"d/d{name}")
+    if mask is not None:  # padded keys and values receive exactly no gradient
+        padded = ~mask[:, None, :, None]
+        assert (g_fast[1].masked_select(padded) == 0).all() and (g_fast[2].masked_select(padded) == 0).all()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_cross_attention_and_custom_scaling_match_the_reference(kernel):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2, 13, 16, generator=g, dtype=torch.float64) * 0.5
+    k, v = (torch.randn(2, 2, 29, 16, generator=g, dtype=torch.float64) * 0.5 for _ in range(2))
+    W = _projection()
+    for scaling in (None, 0.05):
+        fast = favor_attention(q, k, v, W, kernel=kernel, scaling=scaling)
+        ref = explicit_feature_attention(q, k, v, W, kernel=kernel, scaling=scaling)
+        torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_including_the_projection(kernel, causal):
+    # Finite differences: an independent check of every hand-written backward, also for W.
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 7, 4, generator=g, dtype=torch.float64) * 0.5 for _ in range(3))
+    W = draw_projection(6, 4, generator=g, dtype=torch.float64)
+    mask = torch.ones(1, 7, dtype=torch.bool)
+    mask[0, 3] = False
+    inputs = tuple(t.requires_grad_() for t in (q, k, v, W))
+
+    def fn(q, k, v, W):
+        return favor_attention(q, k, v, W, causal=causal, kernel=kernel, key_padding_mask=mask, chunk_size=3)
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-3, fast_mode=True)
+
+
+@pytest.mark.parametrize("kernel", POSITIVE_KERNELS)
+def test_causal_output_does_not_depend_on_the_chunk_size(kernel):
+    q, k, v = _qkv(length=45)
+    W = _projection()
+    outs = [favor_attention(q, k, v, W, causal=True, kernel=kernel, chunk_size=c) for c in (1, 5, 16, 45, 64)]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=1e-10, atol=1e-12)
+
+
+def test_no_gradient_flows_from_the_future():
+    q, k, v = (t.requires_grad_() for t in _qkv(length=40))
+    out = favor_attention(q, k, v, _projection(), causal=True, chunk_size=16)
+    t = 23
+    g_q, g_k, g_v = torch.autograd.grad(out[:, :, :t].sum(), (q, k, v))
+    assert (g_k[:, :, t:] == 0).all() and (g_v[:, :, t:] == 0).all() and (g_q[:, :, t:] == 0).all()
+    assert (g_k[:, :, :t] != 0).any()
+
+
+def test_state_carries_across_uneven_pieces_with_padding():
+    q, k, v = _qkv(length=50)
+    W = _projection()
+    mask = torch.ones(2, 50, dtype=torch.bool)
+    mask[0, 10:14] = False
+    mask[1, :3] = False
+    full = favor_attention(q, k, v, W, causal=True, key_padding_mask=mask, chunk_size=8)
+    state, pieces = None, []
+    for a, b in ((0, 7), (7, 8), (8, 31), (31, 50)):
+        out, state = favor_attention(
+            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], W, causal=True, key_padding_mask=mask[:, a:b],
+            initial_state=state, return_state=True, chunk_size=8,
+        )  # fmt: skip
+        pieces.append(out)
+    torch.testing.assert_close(torch.cat(pieces, dim=2), full, rtol=1e-9, atol=1e-9)
+
+
+def test_gradients_flow_through_the_recurrent_state():
+    q, k, v = (t.requires_grad_() for t in _qkv(length=30))
+    W = _projection()
+    probe = torch.randn(2, 3, 30, 16, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    full = favor_attention(q, k, v, W, causal=True, chunk_size=8)
+    first, state = favor_attention(q[:, :, :12], k[:, :, :12], v[:, :, :12], W, causal=True, return_state=True)
+    second = favor_attention(q[:, :, 12:], k[:, :, 12:], v[:, :, 12:], W, causal=True, initial_state=state)
+    g_full = torch.autograd.grad((full * probe).sum(), (q, k, v))
+    g_split = torch.autograd.grad((torch.cat([first, second], dim=2) * probe).sum(), (q, k, v))
+    for a, b in zip(g_full, g_split, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_norm_inputs_stay_finite_and_accurate_in_float32(causal):
+    q, k, v = _qkv(length=200, dtype=torch.float64)
+    q, k = q * 30, k * 30  # log-features in the thousands: a naive exp overflows
+    W = _projection()
+    ref = favor_attention(q, k, v, W, causal=causal)
+    out = favor_attention(q.float(), k.float(), v.float(), W.float(), causal=causal)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_low_precision_inputs_match_float32(dtype, causal):
+    q, k, v = _qkv(length=300, dtype=torch.float32)
+    W = _projection().float()
+    ref = favor_attention(q, k, v, W, causal=causal)
+    out = favor_attention(q.to(dtype), k.to(dtype), v.to(dtype), W.to(dtype), causal=causal)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
+
+
+def _saved_bytes(length, causal, kernel, heads, head_dim, m):
+    """Bytes of the distinct storages autograd keeps for backward in one favor_attention call."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, length, head_dim, generator=g).requires_grad_() for _ in range(3))
+    W = draw_projection(m, head_dim, generator=g)
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()  # views of one tensor share it: count it once
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        favor_attention(q, k, v, W, causal=causal, kernel=kernel, chunk_size=64)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_memory_saved_for_backward_is_linear_and_has_no_L_m_d_tensor(causal, kernel):
+    L, heads, d, m = 1024, 2, 64, 64
+    small = _saved_bytes(L, causal, kernel, heads, d, m)
+    large = _saved_bytes(2 * L, causal, kernel, heads, d, m)
+    assert large <= 2.1 * small  # linear in L
+    per_feature_map = heads * L * m * 4  # one float32 (L, m) tensor per head
+    assert small < 12 * per_feature_map  # a few feature-sized tensors ...
+    assert small < (d + 1) * per_feature_map / 4  # ... far from the L x m x (d + 1) prefix sums of a naive cumsum
+
+
+def test_bad_chunk_size_and_state_arguments():
+    q, k, v = _qkv()
+    W = _projection()
+    with pytest.raises(ValueError, match="chunk_size"):
+        favor_attention(q, k, v, W, causal=True, chunk_size=0)
+    _, state = favor_attention(q, k, v, W, causal=True, return_state=True)
+    with pytest.raises(ValueError, match="causal"):
+        favor_attention(q, k, v, W, initial_state=state)
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        favor_attention(q[:, :, :5], k, v, W, causal=True)

@@ -11,23 +11,37 @@ Numerical safety without leaking the future:
   ``s_i`` through the factor ``exp(s_j - s_i) <= 1`` (the online-softmax trick), so no
   position after ``i`` influences output ``i``, not even through a stabilizer;
 - bidirectional attention uses one shift per (batch, head): the max over all real keys.
+Shifts are constants for autograd (``detach``): they cancel in the attention ratio.
 
 The causal prefix sums run chunk by chunk: exact masked products inside a chunk and a
 running ``(m, d + 1)`` state across chunks. Nothing of size ``L x m x d`` is ever stored.
+
+Speed: the softmax kernels (``exp(w.x - |x|^2 / 2)``) compute their features with one
+fused autograd function (:class:`_ExpFeatures`) that works in place in a single
+``(L, m)`` buffer and back-propagates from the stored features alone; elementwise passes
+over ``(L, m)`` tensors, not the matmuls, dominated the run time on CPU.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from .favor_features import get_feature_map
 
 Tensor = torch.Tensor
+ShiftFn = Callable[[Tensor], Tensor]
 
 # Stand-in for "no key seen yet" in the running shift: finite, so that differences stay defined.
 _EMPTY_SHIFT = -1e30
+# Positions per causal chunk. Chosen from benchmarks/speed.py measurements (2-core CPU, fp32,
+# 8 heads, head_dim 64, m = 256): the intra-chunk product costs C * m per position and the
+# chunk state m * (d + 1), and smaller chunks mean more, smaller matmuls.
 DEFAULT_CHUNK_SIZE = 128
 
 
@@ -44,104 +58,206 @@ class FavorState(NamedTuple):
     shift: Tensor
 
 
-def _query_features(q: Tensor, projection: Tensor, kernel: str) -> Tensor:
-    """phi(q) up to a per-query constant: (B, H, L, d) -> (B, H, L, m)."""
-    fmap = get_feature_map(kernel)
-    base, log_scale = fmap.compute(q, projection)
+# --------------------------------------------------------------------------------------------
+# Shifts: detached functions of the log-features (..., L, m) -> a tensor broadcastable to them.
+
+
+def _row_shift(log_features: Tensor) -> Tensor:
+    """Per-row max (queries): (B, H, L, m) -> (B, H, L, 1)."""
+    return log_features.amax(dim=-1, keepdim=True)
+
+
+def _global_shift(log_features: Tensor) -> Tensor:
+    """One max over all real keys per (batch, head): (B, H, L, m) -> (B, H, 1, 1); 0 if none."""
+    shift = log_features.amax(dim=(-2, -1), keepdim=True)
+    return torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+
+
+def _running_shift(prev_shift: Tensor) -> ShiftFn:
+    """Running max over positions <= j, continuing from ``prev_shift`` (B, H): -> (B, H, L, 1)."""
+
+    def shift_of(log_features: Tensor) -> Tensor:
+        row_max = log_features.amax(dim=-1).nan_to_num(neginf=_EMPTY_SHIFT)  # (B, H, L)
+        row_max = row_max.maximum(prev_shift.unsqueeze(-1))
+        return torch.cummax(row_max, dim=-1).values.unsqueeze(-1)
+
+    return shift_of
+
+
+# --------------------------------------------------------------------------------------------
+# Features
+
+
+def _softmax_directions(projection: Tensor) -> Tensor:
+    return projection  # exp(w.x - |x|^2 / 2) / sqrt(m)
+
+
+def _hyperbolic_directions(projection: Tensor) -> Tensor:
+    return torch.cat([projection, -projection], dim=0)  # [exp(w.x), exp(-w.x)] ... / sqrt(2m)
+
+
+# Kernels whose features are exp(x P^T - |x|^2 / 2) / sqrt(rows of P), by the rows P they use.
+# They must agree with favor_features (the tests compare against the registry's references).
+_EXP_KERNEL_DIRECTIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "softmax": _softmax_directions,
+    "softmax_hyperbolic": _hyperbolic_directions,
+}
+
+
+class _ExpFeatures(torch.autograd.Function):
+    """phi(x) = exp(x P^T - |x|^2 / 2 - log sqrt(m') - shift) + stabilizer, the shift detached.
+
+    Forward works in place in one (..., L, m') buffer. Backward uses only phi, x and P:
+    ``dphi_r / dx = (phi_r - stabilizer) (p_r - x)``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, directions: Tensor, stabilizer: float, keep: Tensor | None, shift_of: ShiftFn):
+        log_phi = x @ directions.T  # (B, H, L, m')
+        log_phi.sub_(0.5 * x.pow(2).sum(dim=-1, keepdim=True) + 0.5 * math.log(directions.shape[0]))
+        if keep is not None:
+            log_phi.masked_fill_(~keep, float("-inf"))  # padded keys: zero features
+        shift = shift_of(log_phi)
+        phi = log_phi.sub_(shift).exp_()
+        if stabilizer:
+            phi.add_(stabilizer)
+        ctx.stabilizer = stabilizer
+        ctx.save_for_backward(x, directions, phi)
+        ctx.mark_non_differentiable(shift)
+        return phi, shift
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_phi: Tensor, _grad_shift: Tensor):
+        x, directions, phi = ctx.saved_tensors
+        g = grad_phi * phi  # (B, H, L, m'): d loss / d log_phi
+        if ctx.stabilizer:
+            g.sub_(grad_phi, alpha=ctx.stabilizer)
+        grad_x = g @ directions  # (B, H, L, d)
+        grad_x.sub_(g.sum(dim=-1, keepdim=True) * x)
+        grad_directions = None
+        if ctx.needs_input_grad[1]:
+            grad_directions = g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])  # (m', d)
+        return grad_x, grad_directions, None, None, None
+
+
+def _features(
+    x: Tensor, projection: Tensor, kernel: str, *, keep: Tensor | None, shift_of: ShiftFn, stabilizer: float = 0.0
+) -> tuple[Tensor, Tensor | None]:
+    """Shifted features of queries or keys: (B, H, L, d) -> ((B, H, L, m'), shift or None).
+
+    ``keep`` (B, 1, L, 1) zeroes the features of padded keys. The shift is ``None`` for maps
+    without an exponential part (relu, elu), which need none.
+    """
+    if kernel in _EXP_KERNEL_DIRECTIONS:
+        directions = _EXP_KERNEL_DIRECTIONS[kernel](projection)
+        return _ExpFeatures.apply(x, directions, stabilizer, keep, shift_of)
+    base, log_scale = get_feature_map(kernel).compute(x, projection)
+    shift = None
     if log_scale is None:
-        features = base
+        features = base if keep is None else base * keep
     else:
-        log_scale = log_scale - log_scale.amax(dim=-1, keepdim=True).detach()
-        features = torch.exp(log_scale) if base is None else base * torch.exp(log_scale)
-    return features + fmap.query_stabilizer if fmap.query_stabilizer else features
-
-
-def _key_log_features(k: Tensor, projection: Tensor, kernel: str, mask: Tensor | None):
-    """phi(k) as (base, log_scale), with padded keys removed: log = -inf or base = 0."""
-    base, log_scale = get_feature_map(kernel).compute(k, projection)
-    if mask is not None:
-        keep = mask[:, None, :, None]  # (B, 1, L, 1)
-        if log_scale is not None:
+        if keep is not None:
             log_scale = log_scale.masked_fill(~keep, float("-inf"))
-        else:
-            base = base * keep
-    return base, log_scale
-
-
-def _combine(base: Tensor | None, log_scale: Tensor, shift: Tensor) -> Tensor:
-    scaled = torch.exp(log_scale - shift)
-    return scaled if base is None else base * scaled
+        shift = shift_of(log_scale.detach())
+        features = torch.exp(log_scale - shift)
+        features = features if base is None else base * features
+    return (features + stabilizer if stabilizer else features), shift
 
 
 def _normalise(out1: Tensor) -> Tensor:
-    """(…, d + 1) numerator|denominator -> (…, d); 0 where no key was visible."""
+    """(…, d + 1) numerator|denominator -> (…, d).
+
+    A query that sees no key at all (causal, before the first real token of a left-padded row)
+    has 0 / 0: it gets a zero output and zero gradients. Positive kernels never reach an exact
+    zero otherwise (the stabilizer keeps each visible key's weight above zero).
+    """
     numerator, denominator = out1[..., :-1], out1[..., -1:]
-    return numerator / denominator.clamp_min(torch.finfo(out1.dtype).tiny)
+    return numerator / torch.where(denominator == 0, torch.ones_like(denominator), denominator)
 
 
-def _bidirectional(qf: Tensor, k_base, k_log, v1: Tensor) -> Tensor:
-    """qf: (B, H, Lq, m), v1: (B, H, Lk, d + 1) -> (B, H, Lq, d + 1)."""
-    if k_log is None:
-        kf = k_base
-    else:
-        shift = k_log.amax(dim=(-2, -1), keepdim=True).detach()  # (B, H, 1, 1)
-        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-        kf = _combine(k_base, k_log, shift)  # (B, H, Lk, m)
-    kv = kf.transpose(-2, -1) @ v1  # (B, H, m, d + 1)
+# --------------------------------------------------------------------------------------------
+# Attention
+
+
+def _bidirectional(q: Tensor, k: Tensor, v1: Tensor, projection: Tensor, kernel: str, mask: Tensor | None) -> Tensor:
+    """q: (B, H, Lq, d), k: (B, H, Lk, d), v1: (B, H, Lk, dv + 1) -> (B, H, Lq, dv + 1)."""
+    stabilizer = get_feature_map(kernel).query_stabilizer
+    keep = None if mask is None else mask[:, None, :, None]  # (B, 1, Lk, 1)
+    qf, _ = _features(q, projection, kernel, keep=None, shift_of=_row_shift, stabilizer=stabilizer)
+    kf, _ = _features(k, projection, kernel, keep=keep, shift_of=_global_shift)  # (B, H, Lk, m)
+    kv = kf.transpose(-2, -1) @ v1  # (B, H, m, dv + 1)
     return qf @ kv
 
 
-def _causal(qf: Tensor, k_base, k_log, v1: Tensor, chunk_size: int, state: FavorState | None):
+def _causal(
+    q: Tensor,
+    k: Tensor,
+    v1: Tensor,
+    projection: Tensor,
+    kernel: str,
+    mask: Tensor | None,
+    chunk_size: int,
+    state: FavorState | None,
+) -> tuple[Tensor, FavorState]:
     """Chunked causal linear attention.
 
-    qf: (B, H, L, m), v1: (B, H, L, d + 1) -> ((B, H, L, d + 1), FavorState)
+    q, k: (B, H, L, d), v1: (B, H, L, dv + 1) -> ((B, H, L, dv + 1), FavorState)
     """
-    B, H, L, m = qf.shape
+    B, H, L, _ = q.shape
     d1 = v1.shape[-1]
     if state is None:
-        kv = qf.new_zeros(B, H, m, d1)
-        prev_shift = qf.new_full((B, H), _EMPTY_SHIFT)
+        prev_kv, prev_shift = None, q.new_full((B, H), _EMPTY_SHIFT)
     else:
-        kv, prev_shift = state.kv.to(qf.dtype), state.shift.to(qf.dtype)
+        prev_kv, prev_shift = state.kv.to(q.dtype), state.shift.to(q.dtype)
 
-    if k_log is None:
-        kf = k_base  # (B, H, L, m)
-        shifts = prev_shift.unsqueeze(-1).expand(B, H, L)  # constant: no rescaling needed
-    else:
-        row_max = k_log.amax(dim=-1).detach()  # (B, H, L)
-        row_max = row_max.nan_to_num(neginf=_EMPTY_SHIFT).maximum(prev_shift.unsqueeze(-1))
-        shifts = torch.cummax(row_max, dim=-1).values  # (B, H, L): s_j, max over positions <= j
-        kf = _combine(k_base, k_log, shifts.unsqueeze(-1))  # (B, H, L, m), entries <= 1
-
-    # Split into N chunks of C positions; the tail is padded with empty keys.
+    # Split into N chunks of C positions; the tail is padded with keys that are masked out.
     C = min(chunk_size, L)
     N = -(-L // C)
     pad = N * C - L
     if pad:
-        qf = torch.nn.functional.pad(qf, (0, 0, 0, pad))
-        kf = torch.nn.functional.pad(kf, (0, 0, 0, pad))
-        v1 = torch.nn.functional.pad(v1, (0, 0, 0, pad))
-        shifts = torch.nn.functional.pad(shifts, (0, pad), mode="replicate")
+        q, k, v1 = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v1))
+        mask = q.new_ones(B, L, dtype=torch.bool) if mask is None else mask
+        mask = F.pad(mask, (0, pad), value=False)
+    keep = None if mask is None else mask[:, None, :, None]  # (B, 1, N * C, 1)
+
+    stabilizer = get_feature_map(kernel).query_stabilizer
+    qf, _ = _features(q, projection, kernel, keep=None, shift_of=_row_shift, stabilizer=stabilizer)
+    kf, shifts = _features(k, projection, kernel, keep=keep, shift_of=_running_shift(prev_shift))
+    m = qf.shape[-1]
     qc = qf.view(B, H, N, C, m)
     kc = kf.view(B, H, N, C, m)
     vc = v1.view(B, H, N, C, d1)
-    sc = shifts.reshape(B, H, N, C)
+    if prev_kv is None:
+        prev_kv = qf.new_zeros(B, H, m, d1)
 
-    # Intra-chunk: exact masked products, key j rescaled to query i's shift by exp(s_j - s_i).
-    causal_mask = torch.ones(C, C, dtype=torch.bool, device=qf.device).tril()  # (C, C)
-    log_decay = sc.unsqueeze(-2) - sc.unsqueeze(-1)  # (B, H, N, C, C): [i, j] = s_j - s_i
-    decay = torch.exp(log_decay.masked_fill(~causal_mask, float("-inf")))
-    scores = (qc @ kc.transpose(-2, -1)) * decay  # (B, H, N, C, C)
+    # Intra-chunk: exact masked products (the product's output is not saved by autograd,
+    # so it can be masked in place).
+    causal_mask = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # (C, C)
+    scores = qc @ kc.transpose(-2, -1)  # (B, H, N, C, C)
+    if shifts is None:  # features without an exponential: a plain prefix sum
+        scores = scores.masked_fill_(~causal_mask, 0.0)
+        chunk_kv = kc.transpose(-2, -1) @ vc  # (B, H, N, m, d + 1)
+        # Exclusive scan over chunks: the state each chunk starts from.
+        start_kv = torch.cat([prev_kv.unsqueeze(2), chunk_kv[:, :, :-1]], dim=2).cumsum(dim=2)
+        out = scores @ vc + qc @ start_kv  # (B, H, N, C, d + 1)
+        kv = start_kv[:, :, -1] + chunk_kv[:, :, -1]
+        return out.reshape(B, H, N * C, d1)[:, :, :L], FavorState(kv=kv, shift=prev_shift)
+
+    # Key j is rescaled to query i's shift by exp(s_j - s_i) <= 1 (a constant for autograd).
+    sc = shifts.view(B, H, N, C)
+    decay = torch.exp((sc.unsqueeze(-2) - sc.unsqueeze(-1)).masked_fill_(~causal_mask, float("-inf")))
+    scores = scores.mul_(decay)  # (B, H, N, C, C)
     out = scores @ vc  # (B, H, N, C, d + 1)
 
     # Per-chunk summaries, relative to the shift at the chunk's last position.
     chunk_shift = sc[..., -1]  # (B, H, N)
     to_chunk_end = torch.exp(sc - chunk_shift.unsqueeze(-1)).unsqueeze(-1)  # (B, H, N, C, 1)
-    chunk_kv = (kc * to_chunk_end).transpose(-2, -1) @ vc  # (B, H, N, m, d + 1)
+    chunk_kv = kc.transpose(-2, -1) @ (vc * to_chunk_end)  # (B, H, N, m, d + 1)
 
     # Exclusive scan over chunks: the state each chunk starts from, and its shift.
     # (unbind, not indexing: the backward of each index would write a full-size zero gradient)
-    states, state_shifts = [], []
+    kv, states, state_shifts = prev_kv, [], []
     for chunk_kv_n, chunk_shift_n in zip(chunk_kv.unbind(2), chunk_shift.unbind(2), strict=True):
         states.append(kv)
         state_shifts.append(prev_shift)
@@ -153,8 +269,7 @@ def _causal(qf: Tensor, k_base, k_log, v1: Tensor, chunk_size: int, state: Favor
     # Inter-chunk: each query reads its chunk's start state, rescaled to its own shift.
     to_query = torch.exp(start_shift.unsqueeze(-1) - sc).unsqueeze(-1)  # (B, H, N, C, 1)
     out = out + (qc @ start_kv) * to_query
-    out = out.reshape(B, H, N * C, d1)[:, :, :L]
-    return out, FavorState(kv=kv, shift=prev_shift)
+    return out.reshape(B, H, N * C, d1)[:, :, :L], FavorState(kv=kv, shift=prev_shift)
 
 
 def _check_inputs(q, k, v, projection, causal, key_padding_mask, state, return_state):
@@ -228,15 +343,13 @@ def favor_attention(
     projection = projection.to(compute_dtype)
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
 
-    qf = _query_features(q, projection, kernel)  # (B, H, Lq, m)
-    k_base, k_log = _key_log_features(k, projection, kernel, mask)
     if mask is not None:
-        v = v * mask[:, None, :, None]
+        v = v.masked_fill(~mask[:, None, :, None], 0.0)  # padded values may hold anything
     v1 = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)  # (B, H, Lk, dv + 1)
 
     if causal:
-        out1, state = _causal(qf, k_base, k_log, v1, chunk_size, initial_state)
+        out1, state = _causal(q, k, v1, projection, kernel, mask, chunk_size, initial_state)
     else:
-        out1, state = _bidirectional(qf, k_base, k_log, v1), None
+        out1, state = _bidirectional(q, k, v1, projection, kernel, mask), None
     out = _normalise(out1).to(out_dtype)
     return (out, state) if return_state else out
