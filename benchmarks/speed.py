@@ -1,0 +1,495 @@
+"""Attention-only speed and memory vs sequence length: FAVOR+ against exact SDPA and performer-pytorch.
+
+One attention call on (batch 1, 8 heads, L, head_dim 64) float32 tensors, m = 256 features:
+
+    favor                  performer_hf.favor.favor_attention, bidirectional (softmax kernel)
+    favor_causal           the same, causal=True (chunked prefix sums)
+    sdpa / sdpa_causal     torch.nn.functional.scaled_dot_product_attention (is_causal for the causal one)
+    identity               out = v: attention that costs nothing (the paper's Fig. 3 "OPT" line)
+    performer_pytorch      performer-pytorch's FastAttention (causal=False), the peer we replace
+    performer_pytorch_causal  FastAttention(causal=True): its CPU path stores L x m x d prefix sums
+
+Time: "forward" runs under torch.no_grad; "forward_backward" runs the call on inputs that require
+grad and back-propagates out.sum(). Every method runs in this one process; the repetitions are
+interleaved (method after method, round after round) so that a load change on the machine hits
+all of them alike, and the median is reported. The first run of each configuration is a warm-up
+unless it took longer than --warmup-cap seconds (then it counts as a sample).
+
+Peak memory: each (method, length, mode) runs once more in a fresh subprocess that imports only
+torch and the method's module and builds the inputs; it then resets the kernel's resident-set
+high-water mark (``echo 5 > /proc/self/clear_refs``), runs the call, and reports
+``VmHWM - VmRSS before the call``: the extra resident memory the call needed at its peak
+(activations, saved tensors, gradients, the allocator's scratch), excluding the inputs. Where
+clear_refs is unavailable it falls back to the ``ru_maxrss`` delta, which can only under-report.
+The subprocess runs under an address-space limit (--memory-cap-gb): a configuration that would
+need more fails with an allocation error and is recorded as skipped, with its time not measured.
+
+Skipped, and recorded as such: lengths above a method's cap (exact SDPA beyond 16K tokens,
+performer-pytorch causal beyond 8K: its L x m x d prefix sums reach 34 s and 5 GB at 8K on a
+2-core machine), and every longer length once a method's median passes --time-cap seconds.
+
+Writes benchmarks/results/speed.json, speed.png and speed.md (tables of times, ratios, memory
+and the issue-2 floors at L = 8192).
+
+    python benchmarks/speed.py                 # full run: L = 1K .. 32K (tens of minutes on 2 cores)
+    python benchmarks/speed.py --quick         # smoke test: L = 256, 512; 1 repetition
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import os
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BATCH, HEADS, HEAD_DIM, NB_FEATURES = 1, 8, 64, 256
+MODES = ("forward", "forward_backward")
+FLOOR_LENGTH = 8192
+logger = logging.getLogger("benchmarks.speed")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    label: str
+    causal: bool
+    max_length: int | None = None  # longer lengths are skipped
+
+
+METHODS = {
+    m.name: m
+    for m in (
+        Method("favor", "FAVOR+ (ours)", causal=False),
+        Method("favor_causal", "FAVOR+ causal (ours)", causal=True),
+        Method("sdpa", "exact SDPA", causal=False, max_length=16384),
+        Method("sdpa_causal", "exact SDPA causal", causal=True, max_length=16384),
+        Method("identity", "identity (out = v)", causal=False),
+        Method("performer_pytorch", "performer-pytorch", causal=False),
+        Method("performer_pytorch_causal", "performer-pytorch causal", causal=True, max_length=8192),
+    )
+}
+# (ours, baseline) pairs whose time ratios the report shows
+COMPARISONS = [
+    ("favor", "sdpa"),
+    ("favor", "performer_pytorch"),
+    ("favor_causal", "sdpa_causal"),
+    ("favor_causal", "performer_pytorch_causal"),
+    ("identity", "favor"),
+]
+
+
+# ---- building and running one attention call ---------------------------------------------------
+
+
+def build(method: str) -> Callable:
+    """The attention call ``fn(q, k, v) -> out`` of a method, with its projection drawn once."""
+    import torch
+    import torch.nn.functional as F
+
+    if method in ("favor", "favor_causal"):
+        from performer_hf.favor import draw_projection, favor_attention
+
+        W = draw_projection(NB_FEATURES, HEAD_DIM, generator=torch.Generator().manual_seed(0))
+        causal = method == "favor_causal"
+        return lambda q, k, v: favor_attention(q, k, v, W, causal=causal)
+    if method in ("sdpa", "sdpa_causal"):
+        causal = method == "sdpa_causal"
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if method == "identity":
+        return lambda q, k, v: v
+    if method in ("performer_pytorch", "performer_pytorch_causal"):
+        torch.manual_seed(0)
+        with contextlib.redirect_stdout(io.StringIO()):  # its causal path prints a CUDA-extension notice
+            from performer_pytorch import FastAttention
+
+            return FastAttention(dim_heads=HEAD_DIM, nb_features=NB_FEATURES, causal=method.endswith("causal"))
+    raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
+
+
+def make_inputs(length: int, requires_grad: bool):
+    import torch
+
+    g = torch.Generator().manual_seed(length)
+    return [torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=g).requires_grad_(requires_grad) for _ in range(3)]
+
+
+def run_once(fn: Callable, inputs, mode: str) -> None:
+    import torch
+
+    if mode == "forward":
+        with torch.no_grad():
+            fn(*inputs)
+        return
+    for t in inputs:
+        t.grad = None
+    fn(*inputs).sum().backward()
+
+
+# ---- peak memory, one subprocess per configuration ----------------------------------------------
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def _kernels_without_package_init() -> None:
+    """Make ``performer_hf.favor`` importable without running ``performer_hf/__init__.py``, which
+    imports transformers: a memory subprocess then starts in about a second instead of several."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.find_spec("performer_hf")
+    package = types.ModuleType("performer_hf")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules.setdefault("performer_hf", package)
+
+
+def memory_worker(method: str, length: int, mode: str, cap_gb: float) -> None:
+    """Child process: print one JSON line with the peak extra resident memory of one call."""
+    _kernels_without_package_init()
+    cap = int(cap_gb * 2**30)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    record: dict = {"ok": True}
+    try:
+        fn = build(method)
+        inputs = make_inputs(length, requires_grad=mode == "forward_backward")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak-RSS high-water mark
+            record["memory_probe"] = "VmHWM after clear_refs"
+        except OSError:
+            record["memory_probe"] = "ru_maxrss delta (clear_refs unavailable)"
+        before_kb = _status_kb("VmRSS")
+        before_max_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        start = time.perf_counter()
+        run_once(fn, inputs, mode)
+        record["seconds"] = time.perf_counter() - start
+        if record["memory_probe"].startswith("VmHWM"):
+            record["peak_mb"] = (_status_kb("VmHWM") - before_kb) / 1024
+        else:
+            record["peak_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_max_kb) / 1024
+    except (RuntimeError, MemoryError) as error:  # allocation failure under the address-space cap
+        record = {"ok": False, "error": f"{type(error).__name__}: {str(error)[:200]}"}
+    print("RESULT" + json.dumps(record), flush=True)
+
+
+def measure_memory(method: str, length: int, mode: str, args) -> dict:
+    argv = [sys.executable, __file__, "--worker", method, str(length), mode, "--memory-cap-gb", str(args.memory_cap_gb)]
+    env = dict(os.environ)
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+    if "RESULT" not in proc.stdout:
+        return {"ok": False, "error": f"exit {proc.returncode}: {proc.stderr.strip()[-200:]}"}
+    return json.loads(proc.stdout.split("RESULT", 1)[1])
+
+
+# ---- the benchmark ------------------------------------------------------------------------------
+
+
+def machine_info() -> dict:
+    import torch
+
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+    }
+    with contextlib.suppress(OSError):
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        info["cpu"] = re.search(r"model name\s*:\s*(.*)", cpuinfo).group(1)
+    with contextlib.suppress(Exception):
+        from importlib.metadata import version
+
+        info["performer_pytorch"] = version("performer-pytorch")
+    return info
+
+
+def run_benchmark(args) -> list[dict]:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    fns = {name: build(name) for name in args.methods}
+    records: dict[tuple[str, int, str], dict] = {}
+    stopped: dict[tuple[str, str], str] = {}  # (method, mode) -> why longer lengths are skipped
+
+    for length in args.lengths:
+        for mode in MODES:
+            live = []
+            for name in args.methods:
+                rec = {"method": name, "length": length, "mode": mode, "times_s": [], "skipped": None}
+                records[(name, length, mode)] = rec
+                cap = METHODS[name].max_length
+                if cap is not None and length > cap and not args.no_caps:
+                    rec["skipped"] = f"length above the method's cap of {cap}"
+                elif (name, mode) in stopped:
+                    rec["skipped"] = stopped[(name, mode)]
+                if rec["skipped"] is None and not args.no_memory:
+                    mem = measure_memory(name, length, mode, args)
+                    if mem["ok"]:
+                        rec["peak_mb"] = mem["peak_mb"]
+                        rec["memory_probe"] = mem["memory_probe"]
+                    else:
+                        rec["skipped"] = f"over the {args.memory_cap_gb:g} GiB memory cap ({mem['error'][:80]})"
+                        stopped[(name, mode)] = rec["skipped"]
+                if rec["skipped"] is None:
+                    live.append(name)
+                else:
+                    logger.info("%-26s L=%-6d %-16s skipped: %s", name, length, mode, rec["skipped"])
+
+            inputs = make_inputs(length, requires_grad=mode == "forward_backward")
+            warm = {}
+            for name in live:  # warm-up; a slow first run counts as a sample
+                start = time.perf_counter()
+                run_once(fns[name], inputs, mode)
+                elapsed = time.perf_counter() - start
+                warm[name] = elapsed
+                if elapsed > args.warmup_cap:
+                    records[(name, length, mode)]["times_s"].append(elapsed)
+            for _ in range(args.reps):
+                for name in live:
+                    rec = records[(name, length, mode)]
+                    if len(rec["times_s"]) >= args.reps:
+                        continue
+                    start = time.perf_counter()
+                    run_once(fns[name], inputs, mode)
+                    rec["times_s"].append(time.perf_counter() - start)
+            for name in live:
+                rec = records[(name, length, mode)]
+                rec["median_s"] = statistics.median(rec["times_s"])
+                rec["warmup_s"] = warm[name]
+                logger.info(
+                    "%-26s L=%-6d %-16s %8.3f s  (runs %s)  peak %s MB",
+                    name, length, mode, rec["median_s"], " ".join(f"{t:.3f}" for t in rec["times_s"]),
+                    f"{rec['peak_mb']:.0f}" if "peak_mb" in rec else "-",
+                )  # fmt: skip
+                if rec["median_s"] > args.time_cap:
+                    stopped[(name, mode)] = f"a shorter length already took over {args.time_cap:g} s"
+            del inputs
+    return list(records.values())
+
+
+# ---- reporting ----------------------------------------------------------------------------------
+
+
+def _median(results, method, length, mode):
+    for r in results:
+        if (r["method"], r["length"], r["mode"]) == (method, length, mode) and r.get("median_s") is not None:
+            return r["median_s"]
+    return None
+
+
+def _peak(results, method, length, mode):
+    for r in results:
+        if (r["method"], r["length"], r["mode"]) == (method, length, mode):
+            return r.get("peak_mb")
+    return None
+
+
+def floors(results) -> list[dict]:
+    """The issue-2 floors, evaluated on this run (None where a figure is missing)."""
+    L, fb = FLOOR_LENGTH, "forward_backward"
+    out = []
+    for ours, base, target in (
+        ("favor", "sdpa", 3.0),
+        ("favor", "performer_pytorch", 1.5),
+        ("favor_causal", "sdpa_causal", 2.0),
+        ("favor_causal", "performer_pytorch_causal", 10.0),
+    ):
+        a, b = _median(results, ours, L, fb), _median(results, base, L, fb)
+        value = None if a is None or b is None else b / a
+        out.append(
+            {
+                "floor": f"{ours} forward+backward at L={L}: {base} time / ours >= {target:g}",
+                "value": value,
+                "target": target,
+                "met": None if value is None else value >= target,
+            }
+        )
+    peak_16k = _peak(results, "favor_causal", 16384, fb)
+    out.append(
+        {
+            "floor": "favor_causal forward+backward peak memory at L=16384 < 2048 MB",
+            "value": peak_16k,
+            "target": 2048.0,
+            "met": None if peak_16k is None else peak_16k < 2048.0,
+        }
+    )
+    peaks = [(r["length"], r["peak_mb"]) for r in results if r["method"] == "favor_causal" and r["mode"] == fb]
+    peaks = sorted(p for p in peaks if p[1] is not None)
+    growth = [b / a for (_, a), (_, b) in zip(peaks, peaks[1:], strict=False)]
+    doubling = [l2 / l1 for (l1, _), (l2, _) in zip(peaks, peaks[1:], strict=False)]
+    linear = bool(growth) and all(g <= 1.25 * x for g, x in zip(growth, doubling, strict=True))
+    out.append(
+        {
+            "floor": "favor_causal forward+backward peak memory grows linearly in L (each step's growth "
+            "<= 1.25 x the length ratio)",
+            "value": growth,
+            "target": doubling,
+            "met": None if not growth else linear,
+        }
+    )
+    return out
+
+
+def write_markdown(payload: dict, path: Path) -> None:
+    results, cfg = payload["results"], payload["config"]
+    methods, lengths = cfg["methods"], cfg["lengths"]
+    lines = [
+        f"# Attention speed and memory (batch {BATCH}, {HEADS} heads, head_dim {HEAD_DIM}, m = {NB_FEATURES}, fp32)",
+        "",
+        f"Machine: {payload['machine'].get('cpu', '?')}, {payload['machine']['cpu_count']} cores, torch "
+        f"{payload['machine']['torch']} ({payload['machine']['torch_threads']} threads); load average "
+        f"{payload['load_average_start']} at the start, {payload['load_average_end']} at the end. "
+        f"Median of {cfg['reps']} interleaved runs; '-' = skipped (see speed.json for why).",
+        "",
+    ]
+    for mode in MODES:
+        lines += [f"## {mode.replace('_', ' + ')} time (s)", ""]
+        lines.append("| L | " + " | ".join(METHODS[m].label for m in methods) + " |")
+        lines.append("|---|" + "---|" * len(methods))
+        for L in lengths:
+            cells = [_median(results, m, L, mode) for m in methods]
+            lines.append(f"| {L} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
+        lines.append("")
+    comparisons = [(a, b) for a, b in COMPARISONS if a in methods and b in methods]
+    for mode in MODES:
+        lines += [f"## {mode.replace('_', ' + ')}: time ratios (baseline / ours; > 1 means ours is faster)", ""]
+        lines.append("| L | " + " | ".join(f"{b} / {a}" for a, b in comparisons) + " |")
+        lines.append("|---|" + "---|" * len(comparisons))
+        for L in lengths:
+            cells = []
+            for a, b in comparisons:
+                ta, tb = _median(results, a, L, mode), _median(results, b, L, mode)
+                cells.append("-" if ta is None or tb is None else f"{tb / ta:.2f}x")
+            lines.append(f"| {L} | " + " | ".join(cells) + " |")
+        lines.append("")
+    for mode in MODES:
+        lines += [f"## {mode.replace('_', ' + ')}: peak extra memory (MB)", ""]
+        lines.append("| L | " + " | ".join(METHODS[m].label for m in methods) + " |")
+        lines.append("|---|" + "---|" * len(methods))
+        for L in lengths:
+            cells = [_peak(results, m, L, mode) for m in methods]
+            lines.append(f"| {L} | " + " | ".join("-" if c is None else f"{c:.0f}" for c in cells) + " |")
+        lines.append("")
+    lines += ["## Floors (issue 2)", "", "| floor | measured | met |", "|---|---|---|"]
+    for f in payload["floors"]:
+        value = f["value"]
+        if isinstance(value, float):
+            shown = f"{value:.2f}"
+        elif isinstance(value, list):
+            shown = ", ".join(f"{v:.2f}" for v in value)
+        else:
+            shown = "-"
+        lines.append(f"| {f['floor']} | {shown} | {'-' if f['met'] is None else ('yes' if f['met'] else 'NO')} |")
+    lines += ["", f"Peak memory: {payload['memory_method']}", ""]
+    path.write_text("\n".join(lines))
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results, methods = payload["results"], payload["config"]["methods"]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    for row, (key, ylabel) in enumerate((("median_s", "time (s)"), ("peak_mb", "peak extra memory (MB)"))):
+        for col, mode in enumerate(MODES):
+            ax = axes[row][col]
+            for name in methods:
+                pts = sorted(
+                    (r["length"], r[key]) for r in results if r["method"] == name and r["mode"] == mode and r.get(key)
+                )
+                if not pts:
+                    continue
+                style = "-" if name.startswith("favor") else (":" if name == "identity" else "--")
+                ax.plot(*zip(*pts, strict=True), style, marker="o", label=METHODS[name].label)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length L")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{mode.replace('_', ' + ')}")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"Attention on CPU: batch {BATCH}, {HEADS} heads, head_dim {HEAD_DIM}, m = {NB_FEATURES}, fp32")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--reps", type=int, default=3, help="timed runs per configuration (median reported)")
+    parser.add_argument("--warmup-cap", type=float, default=5.0, help="a first run longer than this is a sample")
+    parser.add_argument("--time-cap", type=float, default=120.0, help="skip longer lengths past this median (s)")
+    parser.add_argument("--memory-cap-gb", type=float, default=12.0, help="address-space cap of a memory subprocess")
+    parser.add_argument("--no-caps", action="store_true", help="ignore the per-method length caps")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: L = 256 512, 1 run each")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--worker", nargs=3, metavar=("METHOD", "LENGTH", "MODE"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        method, length, mode = args.worker
+        memory_worker(method, int(length), mode, args.memory_cap_gb)
+        return
+    if args.quick:
+        args.lengths, args.reps = [256, 512], 1
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    load_start = os.getloadavg()
+    results = run_benchmark(args)
+    payload = {
+        "benchmark": "attention speed and peak memory vs sequence length",
+        "config": {
+            "batch": BATCH,
+            "heads": HEADS,
+            "head_dim": HEAD_DIM,
+            "nb_features": NB_FEATURES,
+            "dtype": "float32",
+            "lengths": args.lengths,
+            "methods": args.methods,
+            "reps": args.reps,
+            "quick": args.quick,
+            "time_cap_s": args.time_cap,
+            "memory_cap_gb": args.memory_cap_gb,
+        },
+        "machine": machine_info(),
+        "load_average_start": [round(x, 2) for x in load_start],
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],
+        "memory_method": "one fresh subprocess per configuration: VmHWM (reset through /proc/self/clear_refs "
+        "just before the call) minus VmRSS before the call, i.e. the extra resident memory at the call's peak, "
+        "inputs excluded; ru_maxrss delta where clear_refs is unavailable.",
+        "results": results,
+    }
+    payload["floors"] = floors(results)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "speed.json").write_text(json.dumps(payload, indent=2) + "\n")
+    write_markdown(payload, args.out_dir / "speed.md")
+    plot(payload, args.out_dir / "speed.png")
+    logger.info("wrote %s", ", ".join(str(args.out_dir / f"speed.{ext}") for ext in ("json", "md", "png")))
+
+
+if __name__ == "__main__":
+    main()
