@@ -240,6 +240,12 @@ def convert(
     report = fidelity_report(checkpoint, model, head.target_class, pooler, tokenizer) if fidelity else None
     if report is not None:
         logger.info("%s", report.format_table())
+        worst = max(report.exact_max_abs_diff.values())
+        if worst > 1e-3:
+            logger.warning(
+                "with exact attention the converted model differs from the source by up to %.2e: check the mapping",
+                worst,
+            )
 
     base_model = base_model or repo_id or folder.name
     output_dir.parent.mkdir(parents=True, exist_ok=True)
