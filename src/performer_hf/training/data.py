@@ -13,7 +13,7 @@ import logging
 
 import numpy as np
 from datasets import ClassLabel, Dataset, DatasetDict, Value, load_dataset
-from datasets.exceptions import DatasetGenerationError
+from datasets.exceptions import DatasetGenerationError, DatasetNotFoundError
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
@@ -57,7 +57,7 @@ def load_raw_datasets(args: argparse.Namespace) -> DatasetDict:
                     train=load_dataset(builder, data_files=data_files, split=f"train[{percent}%:]", **options),
                     validation=load_dataset(builder, data_files=data_files, split=f"train[:{percent}%]", **options),
                 )
-    except DatasetGenerationError as error:
+    except (DatasetGenerationError, DatasetNotFoundError, ConnectionError) as error:
         cause = error.__cause__ or error
         raise TrainingInputError(f"Could not read the data of {_describe_source(args)}: {cause}") from error
 

@@ -123,8 +123,28 @@ def _batches_per_process(num_examples: int, batch_size: int, num_processes: int)
     return math.ceil(math.ceil(num_examples / batch_size) / num_processes)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """How many batches, optimizer steps and epochs the run takes."""
+
+    batches_per_epoch: int
+    max_train_steps: int
+    num_epochs: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, batches_per_epoch: int) -> _Plan:
+        updates_per_epoch = math.ceil(batches_per_epoch / args.gradient_accumulation_steps)
+        max_train_steps = args.max_train_steps or args.num_train_epochs * updates_per_epoch
+        return cls(batches_per_epoch, max_train_steps, math.ceil(max_train_steps / updates_per_epoch))
+
+
 def _config_for_trackers(args: argparse.Namespace) -> dict:
-    return {key: (value.value if hasattr(value, "value") else value) for key, value in vars(args).items()}
+    """The arguments as plain values, without the Hub token (trackers and cards are often public)."""
+    return {
+        key: (value.value if hasattr(value, "value") else value)
+        for key, value in vars(args).items()
+        if key != "hub_token"
+    }
 
 
 def _evaluate(model, dataloader, accelerator: Accelerator, task: TrainingTask) -> dict:
@@ -184,28 +204,22 @@ def run_training(
     )  # fmt: skip
     optimizer = _optimizer(model, args)
 
-    batches_per_epoch = _batches_per_process(
-        len(train_dataset), args.per_device_train_batch_size, accelerator.num_processes
+    plan = _Plan.from_args(
+        args, _batches_per_process(len(train_dataset), args.per_device_train_batch_size, accelerator.num_processes)
     )
-    updates_per_epoch = math.ceil(batches_per_epoch / args.gradient_accumulation_steps)
-    max_train_steps = args.max_train_steps or args.num_train_epochs * updates_per_epoch
-    num_epochs = math.ceil(max_train_steps / updates_per_epoch)
     # The prepared scheduler steps once per process per optimizer step, hence the factor.
     lr_scheduler = get_scheduler(
         args.lr_scheduler_type, optimizer=optimizer,
         num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
-        num_training_steps=max_train_steps * accelerator.num_processes,
+        num_training_steps=plan.max_train_steps * accelerator.num_processes,
     )  # fmt: skip
     _configure_deepspeed(accelerator, args)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
-    if len(train_dataloader) != batches_per_epoch:
-        batches_per_epoch = len(train_dataloader)
-        updates_per_epoch = math.ceil(batches_per_epoch / args.gradient_accumulation_steps)
-        if args.max_train_steps is None:
-            max_train_steps = args.num_train_epochs * updates_per_epoch
-        num_epochs = math.ceil(max_train_steps / updates_per_epoch)
+    if len(train_dataloader) != plan.batches_per_epoch:  # a backend that shards differently
+        plan = _Plan.from_args(args, len(train_dataloader))
+    max_train_steps = plan.max_train_steps
     if args.with_tracking:
         accelerator.init_trackers(f"performer_{task.name}", _config_for_trackers(args))
 
@@ -214,7 +228,7 @@ def run_training(
     logger.info(
         "***** Running training *****\n  examples = %d, epochs = %d, batch per device = %d, total batch = %d, "
         "accumulation = %d, optimizer steps = %d, feature redraw every %s steps",
-        len(train_dataset), num_epochs, args.per_device_train_batch_size, total_batch,
+        len(train_dataset), plan.num_epochs, args.per_device_train_batch_size, total_batch,
         args.gradient_accumulation_steps, max_train_steps, redraw_interval,
     )  # fmt: skip
 
@@ -226,7 +240,7 @@ def run_training(
         logger.info("Resuming from checkpoint %s", path)
         state = load_checkpoint(accelerator, path)
         progress.completed_steps = state["completed_steps"]
-        progress.epoch, progress.batches_in_epoch = resume_position(state, batches_per_epoch)
+        progress.epoch, progress.batches_in_epoch = resume_position(state, plan.batches_per_epoch)
 
     unwrapped = accelerator.unwrap_model(model)
     progress_bar = tqdm(
@@ -237,7 +251,7 @@ def run_training(
     first_step = progress.completed_steps + 1  # excluded from the throughput figure (warm-up)
     timed_seconds, timed_steps = 0.0, 0
     model.train()
-    for epoch in range(progress.epoch, num_epochs):
+    for epoch in range(progress.epoch, plan.num_epochs):
         if progress.completed_steps >= max_train_steps:
             break
         if epoch != progress.epoch:
@@ -281,13 +295,10 @@ def run_training(
                 logger.info("Redrew the FAVOR+ features after step %d (checksum %012x)", step,
                             projection_checksum(unwrapped))  # fmt: skip
             if args.with_tracking:
-                checksums = accelerator.gather(
-                    torch.tensor([projection_checksum(unwrapped)], dtype=torch.float64, device=accelerator.device)
-                )
                 record = {
                     "train_loss": train_loss, "learning_rate": lr_scheduler.get_last_lr()[0], "epoch": epoch,
                     "step_seconds": step_seconds, "feature_redraw": redrawn,
-                    "projection_checksums": [int(value) for value in checksums.tolist()],
+                    "projection_checksums": _gathered_checksums(accelerator, unwrapped),
                 }  # fmt: skip
                 if grad_norm is not None:
                     record["grad_norm"] = float(grad_norm)
@@ -321,6 +332,12 @@ def run_training(
     _save_final(args, task, accelerator, model, tokenizer, metrics, data_source)
     accelerator.end_training()  # closes the trackers and the process group
     return metrics
+
+
+def _gathered_checksums(accelerator: Accelerator, model) -> list[int]:
+    """Every process's projection checksum, in rank order (a collective: call on all processes)."""
+    local = torch.tensor([projection_checksum(model)], dtype=torch.float64, device=accelerator.device)
+    return [int(value) for value in accelerator.gather(local).tolist()]
 
 
 def _log_eval(accelerator: Accelerator, args: argparse.Namespace, metrics: dict, step: int) -> None:
