@@ -399,6 +399,7 @@ def _write(path: Path, text: str) -> str:
         ("unknown_column", "'body' is not a column"),
         ("too_long", "exceeds the model's 64 positions"),
         ("bad_override", "not a PerformerConfig field"),
+        ("missing_model", "--model_name_or_path .* does not exist"),
     ],
 )
 def test_bad_input_stops_before_training(assets, tmp_path, case, message):
@@ -418,6 +419,8 @@ def test_bad_input_stops_before_training(assets, tmp_path, case, message):
         argv[argv.index("--max_seq_length") + 1] = "100"
     elif case == "bad_override":
         argv[argv.index("--config_overrides") + 1] = "hidden_layers=3"
+    elif case == "missing_model":
+        argv += ["--model_name_or_path", str(tmp_path / "no-such-model")]
     with pytest.raises(TrainingInputError, match=message):
         train_language_model("mlm", argv)
     assert not (out / "train_log.jsonl").exists() and not (out / "model.safetensors").exists()

@@ -220,6 +220,11 @@ def validate_args(args: argparse.Namespace, task: str) -> None:
             "--config_name builds a new model from scratch; it cannot be combined with --model_name_or_path or "
             "--convert_from (use --config_overrides to change a loaded model's config)."
         )
+    for flag in ("model_name_or_path", "convert_from", "config_name", "tokenizer_name"):
+        value = getattr(args, flag)
+        # Hub ids look like 'name' or 'org/name'; anything path-like must exist locally.
+        if value is not None and value.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(value)):
+            raise TrainingInputError(f"--{flag} {value!r} does not exist.")
     if args.tokenizer_name is None and args.model_name_or_path is None and args.convert_from is None:
         raise TrainingInputError("Training from scratch needs a tokenizer: pass --tokenizer_name (a folder or Hub id).")
 

@@ -34,7 +34,10 @@ def _existing_label2id(args) -> dict | None:
     """A loaded classifier's own label mapping, unless it is the LABEL_<i> placeholder."""
     if args.model_name_or_path is None:
         return None
-    config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    except OSError as error:
+        raise TrainingInputError(f"Could not load a model from {args.model_name_or_path!r}: {error}") from error
     label2id = getattr(config, "label2id", None) or {}
     if all(key == f"LABEL_{index}" for key, index in label2id.items()):
         return None
