@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import performer_hf.favor_attention as favor_attention_module
 from performer_hf.favor import (
     KERNELS,
     draw_projection,
@@ -361,3 +362,28 @@ def test_bad_chunk_size_and_state_arguments():
         favor_attention(q, k, v, W, initial_state=state)
     with pytest.raises(ValueError, match="as many queries as keys"):
         favor_attention(q[:, :, :5], k, v, W, causal=True)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "softmax_hyperbolic"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_results_do_not_depend_on_the_slab_size(kernel, causal, monkeypatch):
+    # The exponential kernels run slab by slab (a few chunks at a time); one slab per position or
+    # chunk, a few chunks, or the whole sequence must give the same outputs and gradients.
+    q, k, v, W, mask = _grid_inputs(2, 3, 61, 16, 16, 24, "random")
+    m = W.shape[0] * (2 if kernel == "softmax_hyperbolic" else 1)
+    results = []
+    for slab_elements in (1, 2 * 3 * m * 8 * 3, 2**21):  # 1 position / 1 chunk, 3 chunks, everything
+        monkeypatch.setattr(favor_attention_module, "_SLAB_ELEMENTS", slab_elements)
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, state = (
+            favor_attention(
+                *inputs, W, causal=True, kernel=kernel, key_padding_mask=mask, chunk_size=8, return_state=True
+            )
+            if causal
+            else (favor_attention(*inputs, W, kernel=kernel, key_padding_mask=mask), None)
+        )
+        grads = torch.autograd.grad((out * torch.cos(out)).sum(), inputs)
+        results.append((out, *grads, *(state or ())))
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

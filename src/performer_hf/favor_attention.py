@@ -43,6 +43,10 @@ _EMPTY_SHIFT = -1e30
 # 8 heads, head_dim 64, m = 256): the intra-chunk product costs C * m per position and the
 # chunk state m * (d + 1), and smaller chunks mean more, smaller matmuls.
 DEFAULT_CHUNK_SIZE = 128
+# Entries of one (B, H, S, m) feature buffer per slab (8 MiB in float32): small enough for the
+# allocator to reuse it (no page faults) and to stay in the last-level cache, big enough that
+# the per-op overhead is negligible.
+_SLAB_ELEMENTS = 2**21
 
 
 class FavorState(NamedTuple):
@@ -104,54 +108,235 @@ _EXP_KERNEL_DIRECTIONS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
-class _ExpFeatures(torch.autograd.Function):
-    """phi(x) = exp(x P^T - |x|^2 / 2 - log sqrt(m') - shift) + stabilizer, the shift detached.
+def _exp_log_features(x: Tensor, directions: Tensor, keep: Tensor | None) -> Tensor:
+    """log phi(x) = x P^T - |x|^2 / 2 - log sqrt(m'): (B, H, S, d) -> (B, H, S, m'), -inf where not kept."""
+    log_phi = x @ directions.T
+    log_phi.sub_(0.5 * x.pow(2).sum(dim=-1, keepdim=True) + 0.5 * math.log(directions.shape[0]))
+    if keep is not None:
+        log_phi.masked_fill_(~keep, float("-inf"))  # padded keys: zero features
+    return log_phi
 
-    Forward works in place in one (..., L, m') buffer. Backward uses only phi, x and P:
-    ``dphi_r / dx = (phi_r - stabilizer) (p_r - x)``.
+
+def _exp_query_features(x: Tensor, directions: Tensor) -> Tensor:
+    """phi(x) / max_r phi_r(x): (B, H, S, d) -> (B, H, S, m'), largest entry 1 in every row.
+
+    The per-query terms |x|^2 / 2 and log sqrt(m') cancel in the row shift, so only x P^T is needed.
+    """
+    log_phi = x @ directions.T
+    return log_phi.sub_(log_phi.amax(dim=-1, keepdim=True)).exp_()
+
+
+def _exp_input_grad(g: Tensor, x: Tensor, directions: Tensor) -> Tensor:
+    """d loss / d x from g = d loss / d log phi: sum_r g_r (p_r - x), the shift held constant."""
+    grad_x = g @ directions  # (B, H, S, d)
+    return grad_x.sub_(g.sum(dim=-1, keepdim=True) * x)
+
+
+def _exp_directions_grad(g: Tensor, x: Tensor) -> Tensor:
+    """d loss / d P from g = d loss / d log phi: sum over positions of g_r x. -> (m', d)"""
+    return g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+
+
+def _slabs(length: int, size: int) -> list[tuple[int, int]]:
+    return [(start, min(start + size, length)) for start in range(0, length, size)]
+
+
+def _slab_size(batch_heads: int, width: int, multiple: int = 1) -> int:
+    """Positions per slab so that one (B, H, S, m') buffer holds about _SLAB_ELEMENTS entries."""
+    size = max(1, _SLAB_ELEMENTS // (batch_heads * width))
+    return max(multiple, size // multiple * multiple)
+
+
+class _BidirectionalExp(torch.autograd.Function):
+    """Bidirectional FAVOR+ for exponential features, slab by slab over the sequence.
+
+    Forward keeps only ``kv = phi(K)^T [V, 1]`` (m' x (dv + 1)) and its shift; backward
+    recomputes the features slab by slab. Nothing of size (L, m') outlives a slab, which keeps
+    every buffer small enough to be reused by the allocator (fresh large buffers cost a page
+    fault per 4 KiB on CPU) and in cache.
+
+    q: (B, H, Lq, d), k: (B, H, Lk, d), v1: (B, H, Lk, dv + 1), directions: (m', d),
+    keep: (B, 1, Lk, 1) or None -> (B, H, Lq, dv + 1)
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, directions: Tensor, stabilizer: float, keep: Tensor | None, shift_of: ShiftFn):
-        log_phi = x @ directions.T  # (B, H, L, m')
-        log_phi.sub_(0.5 * x.pow(2).sum(dim=-1, keepdim=True) + 0.5 * math.log(directions.shape[0]))
-        if keep is not None:
-            log_phi.masked_fill_(~keep, float("-inf"))  # padded keys: zero features
-        shift = shift_of(log_phi)
-        phi = log_phi.sub_(shift).exp_()
-        if stabilizer:
-            phi.add_(stabilizer)
-        ctx.stabilizer = stabilizer
-        ctx.save_for_backward(x, directions, phi)
-        ctx.mark_non_differentiable(shift)
-        return phi, shift
+    def forward(ctx, q, k, v1, directions, keep, stabilizer, slab):
+        B, H, Lk, _ = k.shape
+        m = directions.shape[0]
+        kv = q.new_zeros(B, H, m, v1.shape[-1])
+        shift = q.new_full((B, H, 1, 1), _EMPTY_SHIFT)  # online max over all real keys
+        for a, b in _slabs(Lk, slab):
+            log_phi = _exp_log_features(k[:, :, a:b], directions, None if keep is None else keep[:, :, a:b])
+            new_shift = torch.maximum(shift, log_phi.amax(dim=(-2, -1), keepdim=True))
+            kv.mul_(torch.exp(shift - new_shift))
+            kv.add_(log_phi.sub_(new_shift).exp_().transpose(-2, -1) @ v1[:, :, a:b])
+            shift = new_shift
+        out1 = q.new_empty(*q.shape[:-1], v1.shape[-1])
+        for a, b in _slabs(q.shape[2], slab):
+            phi_q = _exp_query_features(q[:, :, a:b], directions)
+            if stabilizer:
+                phi_q.add_(stabilizer)
+            out1[:, :, a:b] = phi_q @ kv
+        ctx.save_for_backward(q, k, v1, directions, kv, shift)
+        ctx.keep, ctx.stabilizer, ctx.slab = keep, stabilizer, slab
+        return out1
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_phi: Tensor, _grad_shift: Tensor):
-        x, directions, phi = ctx.saved_tensors
-        g = grad_phi * phi  # (B, H, L, m'): d loss / d log_phi
-        if ctx.stabilizer:
-            g.sub_(grad_phi, alpha=ctx.stabilizer)
-        grad_x = g @ directions  # (B, H, L, d)
-        grad_x.sub_(g.sum(dim=-1, keepdim=True) * x)
-        grad_directions = None
-        if ctx.needs_input_grad[1]:
-            grad_directions = g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])  # (m', d)
-        return grad_x, grad_directions, None, None, None
+    def backward(ctx, grad_out1):
+        q, k, v1, directions, kv, shift = ctx.saved_tensors
+        keep, stabilizer, slab = ctx.keep, ctx.stabilizer, ctx.slab
+        want_directions = ctx.needs_input_grad[3]
+        grad_q, grad_k, grad_v1 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v1)
+        grad_kv = torch.zeros_like(kv)
+        grad_directions = torch.zeros_like(directions) if want_directions else None
+        for a, b in _slabs(q.shape[2], slab):
+            x, g1 = q[:, :, a:b], grad_out1[:, :, a:b]
+            phi = _exp_query_features(x, directions)  # without the stabilizer
+            g = g1 @ kv.transpose(-2, -1)  # (B, H, S, m'): d loss / d phi
+            grad_kv.add_((phi + stabilizer if stabilizer else phi).transpose(-2, -1) @ g1)
+            g.mul_(phi)  # d loss / d log phi
+            grad_q[:, :, a:b] = _exp_input_grad(g, x, directions)
+            if want_directions:
+                grad_directions.add_(_exp_directions_grad(g, x))
+        for a, b in _slabs(k.shape[2], slab):
+            x, v1_slab = k[:, :, a:b], v1[:, :, a:b]
+            phi = _exp_log_features(x, directions, None if keep is None else keep[:, :, a:b]).sub_(shift).exp_()
+            grad_v1[:, :, a:b] = phi @ grad_kv
+            g = (v1_slab @ grad_kv.transpose(-2, -1)).mul_(phi)  # d loss / d log phi
+            grad_k[:, :, a:b] = _exp_input_grad(g, x, directions)
+            if want_directions:
+                grad_directions.add_(_exp_directions_grad(g, x))
+        return grad_q, grad_k, grad_v1, grad_directions, None, None, None
+
+
+class _CausalExp(torch.autograd.Function):
+    """Chunked causal FAVOR+ for exponential features, a slab of chunks at a time.
+
+    Inside a slab everything is batched over its chunks: exact masked (C, C) products within each
+    chunk, and each chunk's start state (m' x (dv + 1), relative to the running key shift) from a
+    short scan. Forward keeps the chunk start states (L / C of them) and the shifts; backward
+    recomputes features slab by slab and runs the scan in reverse for the state gradient, so
+    that neither pass holds anything of size (L, m') beyond one slab.
+
+    q, k: (B, H, L, d), v1: (B, H, L, dv + 1) with L a multiple of ``chunk`` and ``slab``
+    a multiple of ``chunk``; kv0: (B, H, m', dv + 1); shift0: (B, H); keep: (B, 1, L, 1) or None
+    -> (out1 (B, H, L, dv + 1), kv (B, H, m', dv + 1), shift (B, H))
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v1, directions, kv0, shift0, keep, stabilizer, chunk, slab):
+        B, H, L, _ = q.shape
+        m, d1, C = directions.shape[0], v1.shape[-1], chunk
+        out1 = q.new_empty(B, H, L, d1)
+        shifts = q.new_empty(B, H, L)  # s_j: running max of the key log-features over positions <= j
+        starts = q.new_empty(B, H, L // C, m, d1)  # the state each chunk starts from
+        future = ~torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        kv, prev = kv0.clone(), shift0
+        for a, b in _slabs(L, slab):
+            G = (b - a) // C
+            phi_q = _exp_query_features(q[:, :, a:b], directions)
+            if stabilizer:
+                phi_q.add_(stabilizer)
+            log_phi = _exp_log_features(k[:, :, a:b], directions, None if keep is None else keep[:, :, a:b])
+            row_max = torch.maximum(log_phi.amax(dim=-1).nan_to_num_(neginf=_EMPTY_SHIFT), prev.unsqueeze(-1))
+            s = torch.cummax(row_max, dim=-1).values  # (B, H, S)
+            shifts[:, :, a:b] = s
+            phi_k = log_phi.sub_(s.unsqueeze(-1)).exp_()  # entries <= 1
+            qc, kc = phi_q.view(B, H, G, C, m), phi_k.view(B, H, G, C, m)
+            vc, sc = v1[:, :, a:b].view(B, H, G, C, d1), s.view(B, H, G, C)
+
+            # Intra-chunk: key j rescaled to query i's shift by exp(s_j - s_i) <= 1.
+            decay = (sc.unsqueeze(-2) - sc.unsqueeze(-1)).masked_fill_(future, float("-inf")).exp_()
+            out = (qc @ kc.transpose(-2, -1)).mul_(decay) @ vc  # (B, H, G, C, d + 1)
+
+            # Chunk summaries relative to each chunk's last shift, then the scan over chunks.
+            ends = sc[..., -1]  # (B, H, G)
+            chunk_kv = kc.transpose(-2, -1) @ (vc * torch.exp(sc - ends.unsqueeze(-1)).unsqueeze(-1))
+            begins = torch.cat([prev.unsqueeze(-1), ends[..., :-1]], dim=-1)  # (B, H, G): shift of each start
+            rescale = torch.exp(begins - ends)  # (B, H, G), <= 1
+            n0 = a // C
+            for g in range(G):
+                starts[:, :, n0 + g] = kv
+                kv.mul_(rescale[:, :, g, None, None]).add_(chunk_kv[:, :, g])
+            prev = ends[..., -1]
+
+            # Inter-chunk: each query reads its chunk's start state, rescaled to its own shift.
+            to_query = torch.exp(begins.unsqueeze(-1) - sc).unsqueeze(-1)  # (B, H, G, C, 1)
+            out.add_((qc @ starts[:, :, n0 : n0 + G]).mul_(to_query))
+            out1[:, :, a:b] = out.view(B, H, b - a, d1)
+        ctx.save_for_backward(q, k, v1, directions, shifts, starts, shift0)
+        ctx.keep, ctx.stabilizer, ctx.chunk, ctx.slab = keep, stabilizer, chunk, slab
+        ctx.mark_non_differentiable(prev)
+        return out1, kv, prev
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out1, grad_kv, _grad_shift):
+        q, k, v1, directions, shifts, starts, shift0 = ctx.saved_tensors
+        keep, stabilizer, C, slab = ctx.keep, ctx.stabilizer, ctx.chunk, ctx.slab
+        B, H, L, _ = q.shape
+        m, d1 = directions.shape[0], v1.shape[-1]
+        want_directions = ctx.needs_input_grad[3]
+        grad_q, grad_k, grad_v1 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v1)
+        grad_directions = torch.zeros_like(directions) if want_directions else None
+        # d loss / d (state after the last chunk processed so far, in reverse), relative to its shift
+        state_grad = q.new_zeros(B, H, m, d1) if grad_kv is None else grad_kv.clone()
+        future = ~torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        for a, b in reversed(_slabs(L, slab)):
+            G, n0 = (b - a) // C, a // C
+            xq, xk = q[:, :, a:b], k[:, :, a:b]
+            phi_q = _exp_query_features(xq, directions)  # without the stabilizer
+            phi_q1 = phi_q + stabilizer if stabilizer else phi_q  # as used in the forward
+            s = shifts[:, :, a:b]
+            log_phi = _exp_log_features(xk, directions, None if keep is None else keep[:, :, a:b])
+            phi_k = log_phi.sub_(s.unsqueeze(-1)).exp_()
+            qc, q1c, kc = (t.view(B, H, G, C, m) for t in (phi_q, phi_q1, phi_k))
+            vc, sc = v1[:, :, a:b].view(B, H, G, C, d1), s.view(B, H, G, C)
+            gc = grad_out1[:, :, a:b].reshape(B, H, G, C, d1)
+            prev = shift0 if a == 0 else shifts[:, :, a - 1]
+            ends = sc[..., -1]
+            begins = torch.cat([prev.unsqueeze(-1), ends[..., :-1]], dim=-1)
+            rescale = torch.exp(begins - ends)
+            to_query = torch.exp(begins.unsqueeze(-1) - sc).unsqueeze(-1)  # (B, H, G, C, 1)
+            to_end = torch.exp(sc - ends.unsqueeze(-1)).unsqueeze(-1)  # (B, H, G, C, 1)
+            decay = (sc.unsqueeze(-2) - sc.unsqueeze(-1)).masked_fill_(future, float("-inf")).exp_()
+
+            # Reverse scan: the gradient of the state after each chunk of the slab.
+            reads = (q1c * to_query).transpose(-2, -1) @ gc  # (B, H, G, m', d + 1): how each chunk reads its start
+            after = torch.empty_like(reads)
+            for g in reversed(range(G)):
+                after[:, :, g] = state_grad
+                state_grad = state_grad.mul_(rescale[:, :, g, None, None]).add_(reads[:, :, g])
+
+            # Intra-chunk and inter-chunk terms of the three gradients.
+            dscores = (gc @ vc.transpose(-2, -1)).mul_(decay)  # (B, H, G, C, C)
+            grad_phi_q = dscores @ kc
+            grad_phi_q.add_((gc @ starts[:, :, n0 : n0 + G].transpose(-2, -1)).mul_(to_query))
+            grad_phi_k = dscores.transpose(-2, -1) @ q1c
+            grad_phi_k.add_((vc @ after.transpose(-2, -1)).mul_(to_end))
+            scores = (q1c @ kc.transpose(-2, -1)).mul_(decay)
+            grad_v = scores.transpose(-2, -1) @ gc
+            grad_v.add_((kc @ after).mul_(to_end))
+            grad_v1[:, :, a:b] = grad_v.view(B, H, b - a, d1)
+
+            g_q = grad_phi_q.mul_(qc).view(B, H, b - a, m)  # d loss / d log phi
+            g_k = grad_phi_k.mul_(kc).view(B, H, b - a, m)
+            grad_q[:, :, a:b] = _exp_input_grad(g_q, xq, directions)
+            grad_k[:, :, a:b] = _exp_input_grad(g_k, xk, directions)
+            if want_directions:
+                grad_directions.add_(_exp_directions_grad(g_q, xq)).add_(_exp_directions_grad(g_k, xk))
+        return grad_q, grad_k, grad_v1, grad_directions, state_grad, None, None, None, None, None
 
 
 def _features(
     x: Tensor, projection: Tensor, kernel: str, *, keep: Tensor | None, shift_of: ShiftFn, stabilizer: float = 0.0
 ) -> tuple[Tensor, Tensor | None]:
-    """Shifted features of queries or keys: (B, H, L, d) -> ((B, H, L, m'), shift or None).
+    """Features of any registered map, through autograd: (B, H, L, d) -> ((B, H, L, m'), shift or None).
 
-    ``keep`` (B, 1, L, 1) zeroes the features of padded keys. The shift is ``None`` for maps
-    without an exponential part (relu, elu), which need none.
+    ``keep`` (B, 1, L, 1) zeroes the features of padded keys. The shift (detached) is ``None``
+    for maps without an exponential part (relu, elu), which need none.
     """
-    if kernel in _EXP_KERNEL_DIRECTIONS:
-        directions = _EXP_KERNEL_DIRECTIONS[kernel](projection)
-        return _ExpFeatures.apply(x, directions, stabilizer, keep, shift_of)
     base, log_scale = get_feature_map(kernel).compute(x, projection)
     shift = None
     if log_scale is None:
@@ -184,6 +369,10 @@ def _bidirectional(q: Tensor, k: Tensor, v1: Tensor, projection: Tensor, kernel:
     """q: (B, H, Lq, d), k: (B, H, Lk, d), v1: (B, H, Lk, dv + 1) -> (B, H, Lq, dv + 1)."""
     stabilizer = get_feature_map(kernel).query_stabilizer
     keep = None if mask is None else mask[:, None, :, None]  # (B, 1, Lk, 1)
+    if kernel in _EXP_KERNEL_DIRECTIONS:
+        directions = _EXP_KERNEL_DIRECTIONS[kernel](projection)  # (m', d)
+        slab = _slab_size(q.shape[0] * q.shape[1], directions.shape[0])
+        return _BidirectionalExp.apply(q, k, v1, directions, keep, stabilizer, slab)
     qf, _ = _features(q, projection, kernel, keep=None, shift_of=_row_shift, stabilizer=stabilizer)
     kf, _ = _features(k, projection, kernel, keep=keep, shift_of=_global_shift)  # (B, H, Lk, m)
     kv = kf.transpose(-2, -1) @ v1  # (B, H, m, dv + 1)
@@ -205,12 +394,6 @@ def _causal(
     q, k: (B, H, L, d), v1: (B, H, L, dv + 1) -> ((B, H, L, dv + 1), FavorState)
     """
     B, H, L, _ = q.shape
-    d1 = v1.shape[-1]
-    if state is None:
-        prev_kv, prev_shift = None, q.new_full((B, H), _EMPTY_SHIFT)
-    else:
-        prev_kv, prev_shift = state.kv.to(q.dtype), state.shift.to(q.dtype)
-
     # Split into N chunks of C positions; the tail is padded with keys that are masked out.
     C = min(chunk_size, L)
     N = -(-L // C)
@@ -220,8 +403,30 @@ def _causal(
         mask = q.new_ones(B, L, dtype=torch.bool) if mask is None else mask
         mask = F.pad(mask, (0, pad), value=False)
     keep = None if mask is None else mask[:, None, :, None]  # (B, 1, N * C, 1)
-
     stabilizer = get_feature_map(kernel).query_stabilizer
+
+    if kernel in _EXP_KERNEL_DIRECTIONS:
+        directions = _EXP_KERNEL_DIRECTIONS[kernel](projection)  # (m', d)
+        if state is None:
+            kv0 = q.new_zeros(B, H, directions.shape[0], v1.shape[-1])
+            shift0 = q.new_full((B, H), _EMPTY_SHIFT)
+        else:
+            kv0, shift0 = state.kv.to(q.dtype), state.shift.to(q.dtype)
+        slab = _slab_size(B * H, directions.shape[0], multiple=C)
+        out1, kv, shift = _CausalExp.apply(q, k, v1, directions, kv0, shift0, keep, stabilizer, C, slab)
+        return out1[:, :, :L], FavorState(kv=kv, shift=shift)
+    out1, state = _causal_generic(q, k, v1, projection, kernel, keep, stabilizer, C, state)
+    return out1[:, :, :L], state
+
+
+def _causal_generic(q, k, v1, projection, kernel, keep, stabilizer, C, state):
+    """The chunked scan for any feature map, through autograd (lengths already a multiple of C)."""
+    B, H, L, _ = q.shape
+    N, d1 = L // C, v1.shape[-1]
+    if state is None:
+        prev_kv, prev_shift = None, q.new_full((B, H), _EMPTY_SHIFT)
+    else:
+        prev_kv, prev_shift = state.kv.to(q.dtype), state.shift.to(q.dtype)
     qf, _ = _features(q, projection, kernel, keep=None, shift_of=_row_shift, stabilizer=stabilizer)
     kf, shifts = _features(k, projection, kernel, keep=keep, shift_of=_running_shift(prev_shift))
     m = qf.shape[-1]
@@ -242,7 +447,7 @@ def _causal(
         start_kv = torch.cat([prev_kv.unsqueeze(2), chunk_kv[:, :, :-1]], dim=2).cumsum(dim=2)
         out = scores @ vc + qc @ start_kv  # (B, H, N, C, d + 1)
         kv = start_kv[:, :, -1] + chunk_kv[:, :, -1]
-        return out.reshape(B, H, N * C, d1)[:, :, :L], FavorState(kv=kv, shift=prev_shift)
+        return out.reshape(B, H, N * C, d1), FavorState(kv=kv, shift=prev_shift)
 
     # Key j is rescaled to query i's shift by exp(s_j - s_i) <= 1 (a constant for autograd).
     sc = shifts.view(B, H, N, C)
@@ -269,7 +474,7 @@ def _causal(
     # Inter-chunk: each query reads its chunk's start state, rescaled to its own shift.
     to_query = torch.exp(start_shift.unsqueeze(-1) - sc).unsqueeze(-1)  # (B, H, N, C, 1)
     out = out + (qc @ start_kv) * to_query
-    return out.reshape(B, H, N * C, d1)[:, :, :L], FavorState(kv=kv, shift=prev_shift)
+    return out.reshape(B, H, N * C, d1), FavorState(kv=kv, shift=prev_shift)
 
 
 def _check_inputs(q, k, v, projection, causal, key_padding_mask, state, return_state):
