@@ -16,10 +16,14 @@ Shifts are constants for autograd (``detach``): they cancel in the attention rat
 The causal prefix sums run chunk by chunk: exact masked products inside a chunk and a
 running ``(m, d + 1)`` state across chunks. Nothing of size ``L x m x d`` is ever stored.
 
-Speed: the softmax kernels (``exp(w.x - |x|^2 / 2)``) compute their features with one
-fused autograd function (:class:`_ExpFeatures`) that works in place in a single
-``(L, m)`` buffer and back-propagates from the stored features alone; elementwise passes
-over ``(L, m)`` tensors, not the matmuls, dominated the run time on CPU.
+Speed and memory: for the exponential kernels (``softmax``, ``softmax_hyperbolic``: features
+``exp(w.x - |x|^2 / 2)``) both directions run as autograd functions (:class:`_BidirectionalExp`,
+:class:`_CausalExp`) that walk the sequence a slab of positions at a time and keep for backward
+only the inputs, the chunk start states and the shifts; backward recomputes the features slab
+by slab and runs the chunk scan in reverse. On CPU, elementwise passes over fresh ``(L, m)``
+buffers (a page fault per 4 KiB of every new large allocation), not the matmuls, dominated
+the time of the plain autograd version. The other kernels (relu, elu, softmax_trig) take that
+plain autograd path, which computes the same quantities.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ DEFAULT_CHUNK_SIZE = 128
 # allocator to reuse it (no page faults) and to stay in the last-level cache, big enough that
 # the per-op overhead is negligible.
 _SLAB_ELEMENTS = 2**21
+_MAX_SLAB_CHUNKS = 16
 
 
 class FavorState(NamedTuple):
@@ -141,10 +146,13 @@ def _slabs(length: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, length)) for start in range(0, length, size)]
 
 
-def _slab_size(batch_heads: int, width: int, multiple: int = 1) -> int:
-    """Positions per slab so that one (B, H, S, m') buffer holds about _SLAB_ELEMENTS entries."""
-    size = max(1, _SLAB_ELEMENTS // (batch_heads * width))
-    return max(multiple, size // multiple * multiple)
+def _slab_size(batch_heads: int, width: int, chunk: int = 1) -> int:
+    """Positions per slab: one (B, H, S, m') buffer holds about _SLAB_ELEMENTS entries, and a
+    causal slab at most _MAX_SLAB_CHUNKS chunks (its scan costs (G + 1)^2 m' d per (batch, head))."""
+    chunks = max(1, _SLAB_ELEMENTS // (batch_heads * width * chunk))
+    if chunk > 1:
+        chunks = min(chunks, _MAX_SLAB_CHUNKS)
+    return chunks * chunk
 
 
 class _BidirectionalExp(torch.autograd.Function):
@@ -210,6 +218,39 @@ class _BidirectionalExp(torch.autograd.Function):
         return grad_q, grad_k, grad_v1, grad_directions, None, None, None
 
 
+def _scan_weights(shifts: Tensor) -> Tensor:
+    """The chunk scan of a slab as a (G + 1) x (G + 1) lower-triangular matrix per (batch, head).
+
+    ``shifts`` (B, H, G + 1): p_0 = the shift of the state entering the slab, p_r (r >= 1) = the
+    shift at the end of chunk r - 1. Entry [r, c] = exp(p_c - p_r) for c <= r (<= 1: shifts only
+    grow), 0 above the diagonal. Column 0 weighs the entering state, column c >= 1 the summary
+    of chunk c - 1; row r < G gives the state before chunk r, row G the state after the slab.
+    """
+    G1 = shifts.shape[-1]
+    future = ~torch.ones(G1, G1, dtype=torch.bool, device=shifts.device).tril()
+    return (shifts.unsqueeze(-2) - shifts.unsqueeze(-1)).masked_fill_(future, float("-inf")).exp_()
+
+
+def _scan_forward(weights: Tensor, state: Tensor, summaries: Tensor) -> tuple[Tensor, Tensor]:
+    """state (B, H, m', d + 1), summaries (B, H, G, m', d + 1) -> (start of each chunk, state after)."""
+    B, H, G = summaries.shape[:3]
+    flat, state_flat = summaries.view(B, H, G, -1), state.reshape(B, H, 1, -1)
+    starts = (weights[:, :, :G, 1:] @ flat).addcmul_(weights[:, :, :G, :1], state_flat)
+    after = (weights[:, :, G:, 1:] @ flat).addcmul_(weights[:, :, G:, :1], state_flat)
+    return starts.view(summaries.shape), after.view(state.shape)
+
+
+def _scan_backward(weights: Tensor, start_grads: Tensor, after_grad: Tensor) -> tuple[Tensor, Tensor]:
+    """The adjoint of _scan_forward: -> (gradients of the summaries, gradient of the entering state)."""
+    B, H, G = start_grads.shape[:3]
+    flat, after_flat = start_grads.view(B, H, G, -1), after_grad.reshape(B, H, 1, -1)
+    summary_grads = (weights[:, :, :G, 1:].transpose(-2, -1) @ flat).addcmul_(
+        weights[:, :, G, 1:].unsqueeze(-1), after_flat
+    )
+    state_grad = (weights[:, :, :G, 0].unsqueeze(-2) @ flat).addcmul_(weights[:, :, G:, 0:1], after_flat)
+    return summary_grads.view(start_grads.shape), state_grad.view(after_grad.shape)
+
+
 class _CausalExp(torch.autograd.Function):
     """Chunked causal FAVOR+ for exponential features, a slab of chunks at a time.
 
@@ -230,9 +271,9 @@ class _CausalExp(torch.autograd.Function):
         m, d1, C = directions.shape[0], v1.shape[-1], chunk
         out1 = q.new_empty(B, H, L, d1)
         shifts = q.new_empty(B, H, L)  # s_j: running max of the key log-features over positions <= j
-        starts = q.new_empty(B, H, L // C, m, d1)  # the state each chunk starts from
+        starts = []  # per slab (B, H, G, m', d + 1): the state each chunk starts from
         future = ~torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-        kv, prev = kv0.clone(), shift0
+        kv, prev = kv0, shift0
         for a, b in _slabs(L, slab):
             G = (b - a) // C
             phi_q = _exp_query_features(q[:, :, a:b], directions)
@@ -250,22 +291,20 @@ class _CausalExp(torch.autograd.Function):
             decay = (sc.unsqueeze(-2) - sc.unsqueeze(-1)).masked_fill_(future, float("-inf")).exp_()
             out = (qc @ kc.transpose(-2, -1)).mul_(decay) @ vc  # (B, H, G, C, d + 1)
 
-            # Chunk summaries relative to each chunk's last shift, then the scan over chunks.
+            # Chunk summaries relative to each chunk's last shift, then all start states at once.
             ends = sc[..., -1]  # (B, H, G)
             chunk_kv = kc.transpose(-2, -1) @ (vc * torch.exp(sc - ends.unsqueeze(-1)).unsqueeze(-1))
-            begins = torch.cat([prev.unsqueeze(-1), ends[..., :-1]], dim=-1)  # (B, H, G): shift of each start
-            rescale = torch.exp(begins - ends)  # (B, H, G), <= 1
-            n0 = a // C
-            for g in range(G):
-                starts[:, :, n0 + g] = kv
-                kv.mul_(rescale[:, :, g, None, None]).add_(chunk_kv[:, :, g])
+            begins = torch.cat([prev.unsqueeze(-1), ends], dim=-1)  # (B, H, G + 1): shift before chunk r
+            weights = _scan_weights(begins)
+            chunk_starts, kv = _scan_forward(weights, kv, chunk_kv)  # (B, H, G, m', d + 1), (B, H, m', d + 1)
+            starts.append(chunk_starts)
             prev = ends[..., -1]
 
             # Inter-chunk: each query reads its chunk's start state, rescaled to its own shift.
-            to_query = torch.exp(begins.unsqueeze(-1) - sc).unsqueeze(-1)  # (B, H, G, C, 1)
-            out.add_((qc @ starts[:, :, n0 : n0 + G]).mul_(to_query))
+            to_query = torch.exp(begins[..., :G].unsqueeze(-1) - sc).unsqueeze(-1)  # (B, H, G, C, 1)
+            out.add_((qc @ chunk_starts).mul_(to_query))
             out1[:, :, a:b] = out.view(B, H, b - a, d1)
-        ctx.save_for_backward(q, k, v1, directions, shifts, starts, shift0)
+        ctx.save_for_backward(q, k, v1, directions, shifts, shift0, *starts)
         ctx.keep, ctx.stabilizer, ctx.chunk, ctx.slab = keep, stabilizer, chunk, slab
         ctx.mark_non_differentiable(prev)
         return out1, kv, prev
@@ -273,18 +312,18 @@ class _CausalExp(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out1, grad_kv, _grad_shift):
-        q, k, v1, directions, shifts, starts, shift0 = ctx.saved_tensors
+        q, k, v1, directions, shifts, shift0, *starts = ctx.saved_tensors
         keep, stabilizer, C, slab = ctx.keep, ctx.stabilizer, ctx.chunk, ctx.slab
         B, H, L, _ = q.shape
         m, d1 = directions.shape[0], v1.shape[-1]
         want_directions = ctx.needs_input_grad[3]
         grad_q, grad_k, grad_v1 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v1)
         grad_directions = torch.zeros_like(directions) if want_directions else None
-        # d loss / d (state after the last chunk processed so far, in reverse), relative to its shift
-        state_grad = q.new_zeros(B, H, m, d1) if grad_kv is None else grad_kv.clone()
+        # d loss / d (the state after the slab processed next, going backwards), relative to its shift
+        state_grad = q.new_zeros(B, H, m, d1) if grad_kv is None else grad_kv
         future = ~torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
         for a, b in reversed(_slabs(L, slab)):
-            G, n0 = (b - a) // C, a // C
+            G = (b - a) // C
             xq, xk = q[:, :, a:b], k[:, :, a:b]
             phi_q = _exp_query_features(xq, directions)  # without the stabilizer
             phi_q1 = phi_q + stabilizer if stabilizer else phi_q  # as used in the forward
@@ -296,23 +335,21 @@ class _CausalExp(torch.autograd.Function):
             gc = grad_out1[:, :, a:b].reshape(B, H, G, C, d1)
             prev = shift0 if a == 0 else shifts[:, :, a - 1]
             ends = sc[..., -1]
-            begins = torch.cat([prev.unsqueeze(-1), ends[..., :-1]], dim=-1)
-            rescale = torch.exp(begins - ends)
-            to_query = torch.exp(begins.unsqueeze(-1) - sc).unsqueeze(-1)  # (B, H, G, C, 1)
+            begins = torch.cat([prev.unsqueeze(-1), ends], dim=-1)  # (B, H, G + 1)
+            to_query = torch.exp(begins[..., :G].unsqueeze(-1) - sc).unsqueeze(-1)  # (B, H, G, C, 1)
             to_end = torch.exp(sc - ends.unsqueeze(-1)).unsqueeze(-1)  # (B, H, G, C, 1)
             decay = (sc.unsqueeze(-2) - sc.unsqueeze(-1)).masked_fill_(future, float("-inf")).exp_()
 
-            # Reverse scan: the gradient of the state after each chunk of the slab.
-            reads = (q1c * to_query).transpose(-2, -1) @ gc  # (B, H, G, m', d + 1): how each chunk reads its start
-            after = torch.empty_like(reads)
-            for g in reversed(range(G)):
-                after[:, :, g] = state_grad
-                state_grad = state_grad.mul_(rescale[:, :, g, None, None]).add_(reads[:, :, g])
+            # The scan backwards: from how each chunk reads its start state, and the gradient of the
+            # state after the slab, to the gradient of each chunk summary and of the state before.
+            reads = (q1c * to_query).transpose(-2, -1) @ gc  # (B, H, G, m', d + 1)
+            after, state_grad = _scan_backward(_scan_weights(begins), reads, state_grad)
+            chunk_starts = starts.pop()
 
             # Intra-chunk and inter-chunk terms of the three gradients.
             dscores = (gc @ vc.transpose(-2, -1)).mul_(decay)  # (B, H, G, C, C)
             grad_phi_q = dscores @ kc
-            grad_phi_q.add_((gc @ starts[:, :, n0 : n0 + G].transpose(-2, -1)).mul_(to_query))
+            grad_phi_q.add_((gc @ chunk_starts.transpose(-2, -1)).mul_(to_query))
             grad_phi_k = dscores.transpose(-2, -1) @ q1c
             grad_phi_k.add_((vc @ after.transpose(-2, -1)).mul_(to_end))
             scores = (q1c @ kc.transpose(-2, -1)).mul_(decay)
@@ -412,7 +449,7 @@ def _causal(
             shift0 = q.new_full((B, H), _EMPTY_SHIFT)
         else:
             kv0, shift0 = state.kv.to(q.dtype), state.shift.to(q.dtype)
-        slab = _slab_size(B * H, directions.shape[0], multiple=C)
+        slab = _slab_size(B * H, directions.shape[0], chunk=C)
         out1, kv, shift = _CausalExp.apply(q, k, v1, directions, kv0, shift0, keep, stabilizer, C, slab)
         return out1[:, :, :L], FavorState(kv=kv, shift=shift)
     out1, state = _causal_generic(q, k, v1, projection, kernel, keep, stabilizer, C, state)
