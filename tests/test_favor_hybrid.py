@@ -41,7 +41,7 @@ def _routed_support(x, y, mask, block_q, block_k, left, right, nb_routed):
                     real_k = [j for j in range(k_lo, k_hi) if mask[b, j]]
                     overlaps = k_lo <= qb * block_q + block_q - 1 + right and k_lo + block_k - 1 >= qb * block_q - left
                     if real_k and not overlaps:
-                        scored.append((torch.logsumexp(y[b, h, real_k] @ mean_q, 0).item(), k_lo, k_hi))
+                        scored.append(((y[b, h, real_k] @ mean_q).mean().item(), k_lo, k_hi))
                 for _, k_lo, k_hi in sorted(scored, reverse=True)[:nb_routed]:
                     support[b, h, q_lo:q_hi, k_lo:k_hi] = True
     return support

@@ -11,7 +11,8 @@ large (BigBird's window and global tokens; Scatterbrain's sparse part), approxim
 As in Scatterbrain (Chen et al., NeurIPS 2021), the far sum is the kernel sum over *all* visible
 keys, ``phi_q(x_i) . sum_j phi_k(y_j) [v_j, 1]`` (a linear-attention state), minus the kernel values
 on the support, so nothing of size ``L x L`` is formed: time and memory are linear in ``L``
-(routing adds a ``(L / query_block_size) x L`` score matrix, a small fraction of ``L x L``).
+(routing adds ``L / query_block_size`` block-mean queries scored against every key, computed in
+slabs: ``1 / query_block_size`` of the cost of the full logit matrix).
 
 Far-field kernels (``far_field``):
 
@@ -54,8 +55,9 @@ Tensor = torch.Tensor
 
 _EMPTY_SHIFT = -1e30  # "no key seen yet": finite, so that differences of shifts stay defined
 _NEG_INF = float("-inf")
-# Upper bound on the elements of one (batch, heads, query blocks, block, candidates, feature) slab
-# of the support computation; larger inputs are processed in several slabs of query blocks.
+# Upper bound on the elements of the largest temporary of one slab of query blocks (or of positions,
+# for the polynomial far-field state): inputs are processed slab by slab, so that temporaries stay
+# cache-sized and memory stays linear in the sequence length.
 _SLAB_ELEMENTS = 1 << 24
 
 
@@ -72,16 +74,17 @@ class FarField:
     Attributes:
         name: registry key (the ``far_field`` argument).
         features: ``(u, projection, parameter) -> (base, log)`` for centred queries or keys.
-        pair_value: closed form ``t = u . w -> kernel(u, w)`` for kernels that are a function of
-            the inner product (evaluated on the support from the exact logits at no extra cost);
-            ``None``: the support's kernel values come from feature dot products.
+        quadratic: for the polynomial kernels ``1 + t + quadratic * t^2`` of ``t = u . w``: their
+            values on the support follow from the exact logits, and bidirectional attention builds
+            their state without materialising features. ``None``: random features, whose values on
+            the support come from feature dot products.
         uses_projection: whether a random projection is required.
         uses_parameter: whether the kernel has a per-head parameter (FAVOR++'s ``A``).
     """
 
     name: str
     features: FarFeatureFn
-    pair_value: Callable[[Tensor], Tensor] | None = None
+    quadratic: float | None = None
     uses_projection: bool = True
     uses_parameter: bool = False
 
@@ -105,25 +108,30 @@ def _optimal_features(u: Tensor, projection: Tensor, parameter: Tensor) -> tuple
     return None, optimal_log_features(u, projection, parameter)  # (B, H, L, m)
 
 
-def _quadratic(c2: float) -> tuple[FarFeatureFn, Callable[[Tensor], Tensor]]:
-    """The kernel ``1 + t + c2 t^2`` of ``t = u . w`` (positive for ``c2 >= 1/4``), as features and closed form.
+def _products(u: Tensor, a: int) -> Tensor:
+    """(..., d) -> (..., d - a): u_a * u_b for b >= a."""
+    return u[..., a:] * u[..., a : a + 1]
 
-    Features ``[1, u, q(u)]`` with ``q_aa = sqrt(c2) u_a^2`` and ``q_ab = sqrt(2 c2) u_a u_b`` (a < b), so that
-    ``q(u) . q(w) = c2 (u . w)^2``: width ``1 + d + d (d + 1) / 2``.
+
+def _quadratic_weights(d: int, a: int, c2: float, like: Tensor) -> Tensor:
+    """(d - a,): c2 for the square u_a^2, 2 c2 for each cross term u_a u_b (b > a)."""
+    weights = torch.full((d - a,), 2 * c2, dtype=like.dtype, device=like.device)
+    weights[0] = c2
+    return weights
+
+
+def _quadratic_features(c2: float) -> FarFeatureFn:
+    """Features ``[1, u, q(u)]`` of ``1 + t + c2 t^2`` with ``q(u) . q(w) = c2 (u . w)^2``.
+
+    ``q`` holds ``sqrt(weight) * u_a u_b`` for the ``d (d + 1) / 2`` pairs ``a <= b``: width ``1 + d + d (d + 1) / 2``.
     """
 
     def features(u: Tensor, _projection, _parameter) -> tuple[Tensor, None]:
         d = u.shape[-1]
-        rows, cols = torch.triu_indices(d, d, device=u.device)  # the d (d + 1) / 2 pairs a <= b
-        weight = torch.full((rows.shape[0],), (2 * c2) ** 0.5, dtype=u.dtype, device=u.device)
-        weight[rows == cols] = c2**0.5
-        quadratic = u[..., rows] * u[..., cols] * weight  # (B, H, L, d (d + 1) / 2)
-        return torch.cat([torch.ones_like(u[..., :1]), u, quadratic], dim=-1), None  # (B, H, L, D)
+        quadratic = [_products(u, a) * _quadratic_weights(d, a, c2, u).sqrt() for a in range(d)]
+        return torch.cat([torch.ones_like(u[..., :1]), u, *quadratic], dim=-1), None  # (B, H, L, D)
 
-    def pair_value(t: Tensor) -> Tensor:
-        return 1 + t + c2 * t * t
-
-    return features, pair_value
+    return features
 
 
 FAR_FIELDS: dict[str, FarField] = {
@@ -132,8 +140,8 @@ FAR_FIELDS: dict[str, FarField] = {
         FarField("softmax", _positive_features),
         FarField("softmax_hyperbolic", _hyperbolic_features),
         FarField("softmax_opt", _optimal_features, uses_parameter=True),
-        FarField("taylor2", *_quadratic(0.5), uses_projection=False),
-        FarField("poly2", *_quadratic(0.25), uses_projection=False),
+        FarField("taylor2", _quadratic_features(0.5), quadratic=0.5, uses_projection=False),
+        FarField("poly2", _quadratic_features(0.25), quadratic=0.25, uses_projection=False),
     )
 }
 
@@ -177,10 +185,8 @@ class HybridState(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- helpers
-def _masked_mean(t: Tensor, mask: Tensor | None) -> Tensor:
+def _masked_mean(t: Tensor, mask: Tensor) -> Tensor:
     """(B, H, L, d) -> (B, H, 1, d): mean over real positions (zeros where there are none)."""
-    if mask is None:
-        return t.mean(dim=-2, keepdim=True)
     keep = mask[:, None, :, None].to(t.dtype)  # (B, 1, L, 1)
     return (t * keep).sum(dim=-2, keepdim=True) / keep.sum(dim=-2, keepdim=True).clamp_min(1)
 
@@ -193,7 +199,7 @@ def _as_center(center: Tensor, like: Tensor) -> Tensor:
     return center.unsqueeze(-2)
 
 
-def _features(far: FarField, u: Tensor, projection, parameter, row_log: Tensor):
+def _features(far: FarField, u: Tensor, projection, parameter, row_log: Tensor) -> tuple[Tensor, Tensor]:
     """Far-field features as (normalised features, per-row log scale).
 
     Returns ``feats`` (B, H, L, D) with ``phi(u) * exp(row_log) = feats * exp(scale)`` and
@@ -215,18 +221,37 @@ def _normalise(out1: Tensor) -> Tensor:
     return out1[..., :-1] / out1[..., -1:].clamp_min(torch.finfo(out1.dtype).tiny)
 
 
-# ----------------------------------------------------------------------------- far field sums
-def _bidirectional_far(qf: Tensor, kf: Tensor, klog: Tensor, v1: Tensor) -> tuple[Tensor, Tensor]:
-    """Far-field kernel sums over all keys.
+def _slabs(length: int, per_row: int, step: int = 1):
+    """Slices of ``range(length)`` in multiples of ``step`` with about _SLAB_ELEMENTS / per_row rows each."""
+    rows = max(step, _SLAB_ELEMENTS // max(1, per_row) // step * step)
+    return [slice(start, min(length, start + rows)) for start in range(0, length, rows)]
 
-    qf: (B, H, Lq, D); kf: (B, H, Lk, D); klog: (B, H, Lk, 1) (-inf for padded keys); v1: (B, H, Lk, dv + 1)
-    -> (F (B, H, Lq, dv + 1) relative to the key shift s, s (B, H, 1, 1)).
+
+# ----------------------------------------------------------------------------- far field sums
+def _quadratic_state(w: Tensor, wv1: Tensor, c2: float) -> list[Tensor]:
+    """State of the kernel ``1 + t + c2 t^2`` over all keys, without materialising features.
+
+    w: (B, H, S, d) centred keys; wv1: (B, H, S, dv + 1) their weighted values ``exp(klog - s) [v, 1]``.
+    Returns ``[S_lin (B, H, 1 + d, dv + 1)] + [S_a (B, H, d - a, dv + 1) for a < d]`` with
+    ``S_lin = [1, w]^T wv1`` and ``S_a = (weights_a * w_a w_{a:})^T wv1``.
     """
-    shift = klog.amax(dim=(-2, -1), keepdim=True).detach()  # (B, H, 1, 1)
-    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    kfs = kf * torch.exp(klog - shift)  # (B, H, Lk, D); padded keys -> 0
-    state = kfs.transpose(-2, -1) @ v1  # (B, H, D, dv + 1)
-    return qf @ state, shift
+    B, H, S, d = w.shape
+    state = None
+    for rows in _slabs(S, B * H * d):
+        w_s, wv1_s = w[:, :, rows], wv1[:, :, rows]
+        part = [torch.cat([wv1_s.sum(dim=-2, keepdim=True), w_s.transpose(-2, -1) @ wv1_s], dim=-2)]
+        part += [(_products(w_s, a) * _quadratic_weights(d, a, c2, w)).transpose(-2, -1) @ wv1_s for a in range(d)]
+        state = part if state is None else [acc + p for acc, p in zip(state, part, strict=True)]
+    return state
+
+
+def _quadratic_apply(u: Tensor, state: list[Tensor]) -> Tensor:
+    """u: (B, H, n, d) centred queries -> (B, H, n, dv + 1) kernel sums ``sum_j (1 + t + c2 t^2) wv1_j``."""
+    linear = state[0]
+    out = linear[..., :1, :] + u @ linear[..., 1:, :]
+    for a, state_a in enumerate(state[1:]):
+        out = out + _products(u, a) @ state_a
+    return out
 
 
 def _causal_far(qf, kf, klog, v1, chunk_size: int, far_kv: Tensor | None, far_shift: Tensor | None):
@@ -246,11 +271,10 @@ def _causal_far(qf, kf, klog, v1, chunk_size: int, far_kv: Tensor | None, far_sh
     C = min(chunk_size, L)
     N = -(-L // C)
     pad = N * C - L
+    shifts_p = shifts
     if pad:
         qf, kfs, v1 = (F.pad(t, (0, 0, 0, pad)) for t in (qf, kfs, v1))
         shifts_p = F.pad(shifts, (0, pad), mode="replicate")
-    else:
-        shifts_p = shifts
     qc, kc, vc = qf.view(B, H, N, C, D), kfs.view(B, H, N, C, D), v1.view(B, H, N, C, d1)
     sc = shifts_p.view(B, H, N, C)
 
@@ -272,83 +296,147 @@ def _causal_far(qf, kf, klog, v1, chunk_size: int, far_kv: Tensor | None, far_sh
     return out.reshape(B, H, N * C, d1)[:, :, :L], shifts, kv, prev
 
 
+# ----------------------------------------------------------------------------- keys
+class _Keys(NamedTuple):
+    """Scaled keys with everything the hybrid sums read; sequence axis 2 (mask: axis 1)."""
+
+    y: Tensor  # (B, H, S, d)
+    values1: Tensor  # (B, H, S, dv + 1): [v, 1], zero for padded keys
+    klog: Tensor  # (B, H, S, 1): log scale of the far-field features (-inf for padded keys)
+    mask: Tensor  # (B, S) bool
+    feats: Tensor | None  # (B, H, S, D): far-field features (|.| <= 1 for the exponential kernels)
+
+
+def _key_side(k, v, mask, root, a, c, far, projection, parameter, dtype, with_features: bool) -> _Keys:
+    y = k.to(dtype) * root
+    rk = y @ a.transpose(-2, -1) - (a * c).sum(-1, keepdim=True)  # (B, H, S, 1): a . y_j - a . c
+    keep = mask[:, None, :, None]  # (B, 1, S, 1)
+    feats = None
+    if far.quadratic is not None and not with_features:
+        klog = rk
+    else:
+        feats, klog = _features(far, y - c, projection, parameter, rk)
+        feats = feats * keep
+    v = v.to(dtype) * keep
+    values1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * keep
+    return _Keys(y, values1, klog.masked_fill(~keep, _NEG_INF), mask, feats)
+
+
+def _map_keys(fn, keys: _Keys, mask_fn) -> _Keys:
+    feats = None if keys.feats is None else fn(keys.feats, 0.0)
+    return _Keys(fn(keys.y, 0.0), fn(keys.values1, 0.0), fn(keys.klog, _NEG_INF), mask_fn(keys.mask), feats)
+
+
+def _slice_keys(keys: _Keys, start: int, stop: int) -> _Keys:
+    return _map_keys(lambda t, _: t[:, :, start:stop], keys, lambda m: m[:, start:stop])
+
+
+def _pad_keys(keys: _Keys, before: int, after: int) -> _Keys:
+    """Add empty (masked) keys on both sides of the sequence axis."""
+    if not before and not after:
+        return keys
+    return _map_keys(lambda t, fill: F.pad(t, (0, 0, before, after), value=fill), keys,
+                     lambda m: F.pad(m, (before, after), value=False))  # fmt: skip
+
+
+def _cat_keys(first: _Keys, second: _Keys) -> _Keys:
+    feats = None if first.feats is None else torch.cat([first.feats, second.feats], dim=2)
+    return _Keys(*(torch.cat([f, s], dim=2) for f, s in zip(first[:3], second[:3], strict=True)),
+                 torch.cat([first.mask, second.mask], dim=1), feats)  # fmt: skip
+
+
+def _window_offsets(local_window: int, causal: bool) -> tuple[int, int]:
+    """(left, right): query i computes keys i - left ... i + right exactly (right = -1: none)."""
+    if not local_window:
+        return 0, -1
+    if causal:
+        return local_window - 1, 0
+    left = (local_window - 1) // 2
+    return left, local_window - 1 - left
+
+
 # ----------------------------------------------------------------------------- the support
-@dataclass
-class _Candidates:
-    """Keys that some queries of a query block compute exactly: one group of the support.
-
-    keys: (B|1, H|1, Nq|1, C, d); values1: (.., C, dv + 1); feats: (.., C, D) or None;
-    klog: (.., C, 1); support: (B|1, H|1, Nq, bq, C) bool: is key c in E(i) for query i?
-    """
-
-    keys: Tensor
-    values1: Tensor
-    feats: Tensor | None
-    klog: Tensor
-    support: Tensor
+def _key_block_means(keys: _Keys, block_k: int) -> Tensor:
+    """(B, H, Nk, d): the mean of the real keys of each key block; NaN for blocks without real keys."""
+    B, H, S, d = keys.y.shape
+    keep = keys.mask.view(B, 1, S // block_k, block_k, 1).to(keys.y.dtype)
+    total = (keys.y.view(B, H, S // block_k, block_k, d) * keep).sum(3)
+    return total / keep.sum(3)  # 0 / 0 = NaN marks empty blocks
 
 
-def _unfold_blocks(t: Tensor, block: int, width: int, nb_blocks: int) -> Tensor:
-    """(B, H, S, X) -> (B, H, nb_blocks, width, X): rows [n * block, n * block + width) of t."""
-    windows = t.unfold(2, width, block)[:, :, :nb_blocks]  # (B, H, N, X, width)
-    return windows.transpose(-2, -1)
+def _route(xq: Tensor, q_mask: Tensor, key_means: Tensor, first_block: int, block_k: int, left: int, right: int,
+           nb_routed: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Top key blocks for a slab of query blocks, by the mean logit between the two blocks.
 
-
-def _support_sums(xq, qf, far_scale, key_shift, rq, cands: list[_Candidates], far: FarField):
-    """Exact sums on the support and the far-field kernel sums on it, for a slab of query blocks.
-
-    xq: (B, H, N, bq, d) scaled queries; qf: (B, H, N, bq, D) query features (feature-dot kernels);
-    far_scale: (B, H, N, bq, 1): log of the far field's scale (query shift + key shift s_i);
-    key_shift: (B, H, N, bq, 1): s_i; rq: (B, H, N, bq, 1): the queries' centering log-weights.
-    Returns (exact, kernel, shift): (B, H, N, bq, dv + 1) sums relative to exp(shift) and to
-    exp(far_scale) respectively, and the common log shift (B, H, N, bq, 1).
-    """
-    logits = [xq @ c.keys.transpose(-2, -1) for c in cands]  # (B, H, N, bq, C) each
-    shift = far_scale
-    for lg, c in zip(logits, cands, strict=True):
-        top = lg.detach().masked_fill(~c.support, _NEG_INF).amax(dim=-1, keepdim=True)
-        shift = torch.maximum(shift, top)
-    exact = kernel = 0
-    for lg, c in zip(logits, cands, strict=True):
-        weights = torch.exp(lg.masked_fill(~c.support, _NEG_INF) - shift)  # (B, H, N, bq, C)
-        exact = exact + weights @ c.values1
-        klog = c.klog.transpose(-2, -1)  # (.., 1, C)
-        key_scale = torch.exp((klog - key_shift).masked_fill(~c.support, _NEG_INF))  # (B, H, N, bq, C)
-        if far.pair_value is not None:
-            t = (lg - rq - klog).masked_fill(~c.support, 0.0)  # u_i . w_j from the exact logits
-            pair = far.pair_value(t)
-        else:
-            pair = qf @ c.feats.transpose(-2, -1)  # (B, H, N, bq, C)
-        kernel = kernel + (pair * key_scale) @ c.values1
-    return exact, kernel, shift
-
-
-def _route(x, y, mask, block_q: int, block_k: int, left: int, right: int, nb_routed: int) -> Tensor:
-    """Top key blocks per query block, by the log-sum-exp of the block-mean query's logits.
-
-    x: (B, H, Lp, d), y: (B, H, Lp, d) (Lp a multiple of block_q and block_k); mask (B, Lp) bool.
+    The mean of ``x_i . y_j`` over the real queries ``i`` of a query block and the real keys ``j`` of
+    a key block is the dot product of the two block means.
+    xq: (B, H, n, bq, d); q_mask: (B, n, bq); key_means: (B, H, Nk, d) from :func:`_key_block_means`.
     Key blocks overlapping the query block's window span, and blocks without real keys, are never
-    chosen. Returns the chosen key blocks' first positions (B, H, Nq, t) and whether each choice is
-    real (B, H, Nq, t) (False when fewer than ``nb_routed`` blocks qualify).
+    chosen. Returns the chosen key blocks (B, H, n, t) and whether each choice is real (B, H, n, t)
+    (False when fewer than ``nb_routed`` blocks qualify).
     """
-    B, H, Lp, d = x.shape
-    Nq, Nk = Lp // block_q, Lp // block_k
-    keep_q = mask[:, None, :, None].to(x.dtype)  # (B, 1, Lp, 1)
-    xq = (x * keep_q).view(B, H, Nq, block_q, d).sum(3)
-    xq = xq / keep_q.view(B, 1, Nq, block_q).sum(-1, keepdim=True).clamp_min(1)  # (B, H, Nq, d)
-    scores = (xq @ y.transpose(-2, -1)).masked_fill(~mask[:, None, None, :], _NEG_INF)  # (B, H, Nq, Lp)
-    scores = torch.logsumexp(scores.view(B, H, Nq, Nk, block_k), dim=-1)  # (B, H, Nq, Nk)
-    q_start = torch.arange(Nq, device=x.device) * block_q
-    k_start = torch.arange(Nk, device=x.device) * block_k
-    overlaps = (k_start[None, :] <= (q_start[:, None] + block_q - 1 + right)) & (
+    n, bq = xq.shape[2:4]
+    Nk = key_means.shape[2]
+    keep = q_mask[:, None, :, :, None].to(xq.dtype)  # (B, 1, n, bq, 1)
+    mean_q = (xq * keep).sum(3) / keep.sum(3).clamp_min(1)  # (B, H, n, d)
+    scores = (mean_q @ key_means.transpose(-2, -1)).nan_to_num(nan=_NEG_INF)  # (B, H, n, Nk)
+    q_start = (torch.arange(n, device=xq.device) + first_block) * bq
+    k_start = torch.arange(Nk, device=xq.device) * block_k
+    overlaps = (k_start[None, :] <= (q_start[:, None] + bq - 1 + right)) & (
         (k_start[None, :] + block_k - 1) >= (q_start[:, None] - left)
-    )  # (Nq, Nk)
-    scores = scores.masked_fill(overlaps, _NEG_INF)
-    top = scores.detach().topk(min(nb_routed, Nk), dim=-1)  # (B, H, Nq, t)
-    return top.indices * block_k, torch.isfinite(top.values)
+    )  # (n, Nk)
+    top = scores.detach().masked_fill(overlaps, _NEG_INF).topk(min(nb_routed, Nk), dim=-1)  # (B, H, n, t)
+    return top.indices, torch.isfinite(top.values)
 
 
-# ----------------------------------------------------------------------------- entry point
+def _gather_blocks(t: Tensor, blocks: Tensor, block_k: int) -> Tensor:
+    """t (B, H, S, X), blocks (B, H, n, t) -> (B, H, n, t * block_k, X): the rows of the chosen key blocks."""
+    B, H, S, X = t.shape
+    Nk = S // block_k
+    rows = t.reshape(B * H * Nk, block_k * X)
+    offsets = (torch.arange(B * H, device=t.device) * Nk).view(B, H, 1, 1)
+    picked = rows.index_select(0, (blocks + offsets).flatten())  # (B * H * n * t, block_k * X)
+    return picked.view(*blocks.shape[:3], blocks.shape[3] * block_k, X)
+
+
+def _support_sums(xq, qf, rq, far_scale, key_shift, far_sum, groups, quadratic, shared_shift: bool) -> Tensor:
+    """Hybrid numerator|denominator for a slab of query blocks.
+
+    xq: (B, H, n, bq, d); qf: (B, H, n, bq, D) query features (random-feature kernels) or None;
+    rq: (B, H, n, bq, 1) the queries' centering log-weights; far_scale: (B, H, n, bq, 1) log of the far
+    field's scale (query shift + key shift s_i); key_shift: (B, H, n, bq, 1) s_i (the same for every
+    query when ``shared_shift``); far_sum: (B, H, n, bq, dv + 1) kernel sums over all visible keys
+    relative to exp(far_scale); groups: candidate key sets ``([y, values1, klog(, feats)], support)``
+    with tensors (B, H, n, C, X) and support (B, H, n, bq, C): is key c in E(i)?
+    Returns (B, H, n, bq, dv + 1) relative to a per-query shift.
+    """
+    logits = [xq @ fields[0].transpose(-2, -1) for fields, _ in groups]  # (B, H, n, bq, C) each
+    exact = [lg.masked_fill(~support, _NEG_INF) for lg, (_, support) in zip(logits, groups, strict=True)]
+    shift = far_scale
+    for ex in exact:
+        shift = torch.maximum(shift, ex.detach().amax(dim=-1, keepdim=True))  # (B, H, n, bq, 1)
+    far_weight = torch.exp(far_scale - shift)
+    numerator = kernel_mass = 0
+    for lg, ex, (fields, support) in zip(logits, exact, groups, strict=True):
+        klog = fields[2].transpose(-2, -1).clamp_min(torch.finfo(lg.dtype).min)  # (B, H, n, 1, C); finite
+        if quadratic is not None:
+            t = (lg - rq - klog).masked_fill(~support, 0.0)  # (x_i - a) . (y_j - c), from the exact logits
+            pair = torch.addcmul(1 + t, t, t, value=quadratic)
+        else:
+            pair = qf @ fields[3].transpose(-2, -1)
+        if shared_shift:  # one key shift for all queries: a per-key factor
+            pair = (pair * torch.exp(klog - key_shift[..., :1, :])).masked_fill(~support, 0.0)
+        else:
+            pair = pair * torch.exp((klog - key_shift).masked_fill(~support, _NEG_INF))
+        weights = torch.addcmul(torch.exp(ex - shift), far_weight, pair, value=-1)  # exact minus kernel on E(i)
+        numerator = numerator + weights @ fields[1]  # (B, H, n, bq, dv + 1)
+        kernel_mass = kernel_mass + pair.sum(dim=-1, keepdim=True)
+    # far field = all keys minus the support; its mass cannot be negative (rounding)
+    values = numerator[..., :-1] + far_weight * far_sum[..., :-1]
+    mass = numerator[..., -1:] + far_weight * torch.maximum(far_sum[..., -1:], kernel_mass)
+    return torch.cat([values, mass], dim=-1)
+
+
 def _check(q, k, v, projection, far, causal, key_padding_mask, local_window, num_global_tokens, routed_blocks,
            route_block_size, query_block_size, center, query_center, key_center, initial_state, return_state,
            chunk_size):  # fmt: skip
@@ -430,8 +518,8 @@ def hybrid_attention(
         num_global_tokens: ``g``: the first ``g`` keys are exact for every query, and (bidirectional)
             the first ``g`` queries attend exactly to every key (BigBird's global tokens).
         routed_blocks: bidirectional only: each block of ``query_block_size`` queries also computes
-            exactly the ``routed_blocks`` key blocks of ``route_block_size`` keys with the largest
-            log-sum-exp of logits against the block's mean query (content-based routing).
+            exactly the ``routed_blocks`` key blocks of ``route_block_size`` keys with the largest mean
+            logit against its queries (content-based routing; the window's blocks are not candidates).
         center: centre queries and keys by their means over the sequence before the far-field
             kernel (bidirectional only; see module docs). ``query_center`` / ``key_center``
             (``(d,)``, ``(H, d)`` or ``(B, H, d)``, in units of the scaled queries/keys) fix the
@@ -481,40 +569,37 @@ def hybrid_attention(
         else:
             parameter = optimal_parameter(pair_statistic(x - a, y - c, mask)).to(dtype)  # (B, H)
 
-    qf, q_scale = _features(far, x - a, projection, parameter, rq)  # (B, H, L, D), (B, H, L, 1)
-    keys = _key_side(k, v, mask, root, a, c, far, projection, parameter, dtype)  # y, v1, kf, klog, mask
-
     state = initial_state
+    keys = _key_side(k, v, mask, root, a, c, far, projection, parameter, dtype, with_features=causal)
+    far_kv = far_shift = None
     if causal:
+        qf, q_scale = _features(far, x - a, projection, parameter, rq)  # (B, H, L, D), (B, H, L, 1)
         far_sum, shifts, far_kv, far_shift = _causal_far(
             qf, keys.feats, keys.klog, keys.values1, chunk_size,
             None if state is None else state.far_kv, None if state is None else state.far_shift,
         )  # fmt: skip
-        key_shift = shifts.unsqueeze(-1)  # (B, H, L, 1): s_i
+        far_side = _CausalFar(qf if far.quadratic is None else None, q_scale, shifts.unsqueeze(-1), far_sum)
     else:
-        far_sum, key_shift = _bidirectional_far(qf, keys.feats, keys.klog, keys.values1)
-        key_shift = key_shift.expand(B, H, L, 1)
-    left, right = _window_offsets(local_window, causal)
-    offset = 0 if state is None else state.length
+        far_side = _BidirectionalFar(far, x - a, rq, keys, c, projection, parameter)
 
     # Keys a query may compute exactly besides its own sequence: the window buffer and the first
     # num_global_tokens keys of the preceding tokens (decoding), then this call's first ones.
+    offset = 0 if state is None else state.length
+    left, right = _window_offsets(local_window, causal)
     prefix = None
     if state is not None and left:
-        prefix = _key_side(state.keys, state.values, state.key_mask, root, a, c, far, projection, parameter, dtype)
+        prefix = _key_side(state.keys, state.values, state.key_mask, root, a, c, far, projection, parameter, dtype,
+                           with_features=True)  # fmt: skip
     globals_ = None
     if num_global_tokens:
-        new = max(0, min(num_global_tokens - offset, L))
-        globals_ = _slice_keys(keys, 0, new)
+        globals_ = _slice_keys(keys, 0, max(0, min(num_global_tokens - offset, L)))
         if state is not None and state.global_keys.shape[2]:
             old = _key_side(state.global_keys, state.global_values, state.global_mask, root, a, c, far, projection,
-                            parameter, dtype)  # fmt: skip
+                            parameter, dtype, with_features=True)  # fmt: skip
             globals_ = _cat_keys(old, globals_)
 
-    out1 = _hybrid_sums(
-        x, qf, q_scale, key_shift, rq, far_sum, keys, prefix, globals_, far, causal, left, right, offset,
-        routed_blocks, route_block_size, query_block_size,
-    )  # fmt: skip
+    out1 = _hybrid_sums(x, rq, far_side, keys, prefix, globals_, far, causal, left, right, offset, routed_blocks,
+                        route_block_size, query_block_size)  # fmt: skip
     out = _normalise(out1)
     if not causal and num_global_tokens:
         out = _global_rows(x, keys, out, num_global_tokens)
@@ -524,140 +609,117 @@ def hybrid_attention(
     return out, _next_state(state, far_kv, far_shift, k, v, mask, local_window, num_global_tokens)
 
 
-class _Keys(NamedTuple):
-    """Scaled keys with everything the hybrid sums read; sequence axis 2 (mask: axis 1)."""
+class _CausalFar:
+    """Far-field quantities of causal attention, precomputed for the whole sequence by the chunked scan."""
 
-    y: Tensor  # (B, H, S, d)
-    values1: Tensor  # (B, H, S, dv + 1): [v, 1], zero for padded keys
-    feats: Tensor  # (B, H, S, D): far-field features, |.| <= 1 for the exponential kernels
-    klog: Tensor  # (B, H, S, 1): their log scale (-inf for padded keys)
-    mask: Tensor  # (B, S) bool
+    def __init__(self, qf, q_scale, key_shift, far_sum):
+        self.qf, self.q_scale, self.key_shift, self.far_sum = qf, q_scale, key_shift, far_sum
 
-
-def _key_side(k, v, mask, root, a, c, far, projection, parameter, dtype) -> _Keys:
-    y = k.to(dtype) * root
-    rk = y @ a.transpose(-2, -1) - (a * c).sum(-1, keepdim=True)  # (B, H, S, 1): a . y_j - a . c
-    feats, klog = _features(far, y - c, projection, parameter, rk)
-    keep = mask[:, None, :, None]  # (B, 1, S, 1)
-    klog = klog.masked_fill(~keep, _NEG_INF)  # padded keys vanish from the far field
-    feats = feats * keep
-    v = v.to(dtype) * keep
-    return _Keys(y, torch.cat([v, torch.ones_like(v[..., :1])], dim=-1), feats, klog, mask)
+    def __call__(self, rows: slice):
+        """-> (qf or None, q_scale, key_shift, far_sum) for the query rows, each (B, H, n, X)."""
+        qf = None if self.qf is None else self.qf[:, :, rows]
+        return qf, self.q_scale[:, :, rows], self.key_shift[:, :, rows], self.far_sum[:, :, rows]
 
 
-def _slice_keys(keys: _Keys, start: int, stop: int) -> _Keys:
-    return _Keys(*(t[:, :, start:stop] for t in keys[:4]), keys.mask[:, start:stop])
+class _BidirectionalFar:
+    """Far-field state over all keys (one key shift per batch and head); query sums on demand by slab."""
+
+    def __init__(self, far: FarField, u: Tensor, rq: Tensor, keys: _Keys, c: Tensor, projection, parameter):
+        self.quadratic = far.quadratic
+        shift = keys.klog.amax(dim=(-2, -1), keepdim=True).detach()  # (B, H, 1, 1)
+        self.shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+        weighted = keys.values1 * torch.exp(keys.klog - self.shift)  # (B, H, S, dv + 1); padded keys -> 0
+        self.u, self.rq = u, rq
+        if self.quadratic is not None:
+            self.state = _quadratic_state(keys.y - c, weighted, self.quadratic)
+            self.qf = None
+        else:
+            self.state = keys.feats.transpose(-2, -1) @ weighted  # (B, H, D, dv + 1)
+            self.qf, self.q_scale = _features(far, u, projection, parameter, rq)  # (B, H, L, D), (B, H, L, 1)
+
+    def __call__(self, rows: slice):
+        """-> (qf or None, q_scale, key_shift, far_sum) for the query rows, each (B, H, n, X)."""
+        key_shift = self.shift.expand(*self.rq.shape[:2], rows.stop - rows.start, 1)
+        if self.quadratic is not None:
+            return None, self.rq[:, :, rows], key_shift, _quadratic_apply(self.u[:, :, rows], self.state)
+        qf = self.qf[:, :, rows]
+        return qf, self.q_scale[:, :, rows], key_shift, qf @ self.state
 
 
-def _cat_keys(first: _Keys, second: _Keys) -> _Keys:
-    return _Keys(*(torch.cat([f, s], dim=2) for f, s in zip(first[:4], second[:4], strict=True)),
-                 torch.cat([first.mask, second.mask], dim=1))  # fmt: skip
+def _key_fields(keys: _Keys, with_feats: bool) -> list[Tensor]:
+    """The per-key tensors a candidate set carries: y, values1, klog (and the features)."""
+    return [keys.y, keys.values1, keys.klog] + ([keys.feats] if with_feats else [])
 
 
-def _pad_keys(keys: _Keys, before: int, after: int) -> _Keys:
-    """Add empty (masked) keys on both sides of the sequence axis."""
-    if not before and not after:
-        return keys
-    y, values1, feats, klog = (F.pad(t, (0, 0, before, after)) for t in keys[:4])
-    klog = F.pad(keys.klog, (0, 0, before, after), value=_NEG_INF)
-    return _Keys(y, values1, feats, klog, F.pad(keys.mask, (before, after), value=False))
-
-
-def _window_offsets(local_window: int, causal: bool) -> tuple[int, int]:
-    """(left, right): query i computes keys i - left ... i + right exactly (right = -1: none)."""
-    if not local_window:
-        return 0, -1
-    if causal:
-        return local_window - 1, 0
-    left = (local_window - 1) // 2
-    return left, local_window - 1 - left
-
-
-def _gather_positions(t: Tensor, key_pos: Tensor) -> Tensor:
-    """t (B, H, S, X), key_pos (B, H, n, R) -> (B, H, n, R, X)."""
-    flat = key_pos.flatten(2).unsqueeze(-1).expand(-1, -1, -1, t.shape[-1])  # (B, H, n * R, X)
-    return t.gather(2, flat).view(*key_pos.shape, t.shape[-1])
-
-
-def _hybrid_sums(x, qf, q_scale, key_shift, rq, far_sum, keys: _Keys, prefix, globals_, far: FarField, causal: bool,
-                 left: int, right: int, offset: int, routed: int, block_k: int, block_q: int) -> Tensor:  # fmt: skip
+def _hybrid_sums(x, rq, far_side, keys: _Keys, prefix, globals_, far: FarField, causal: bool, left: int, right: int,
+                 offset: int, routed: int, block_k: int, block_q: int) -> Tensor:  # fmt: skip
     """Numerator|denominator (B, H, L, dv + 1) of the hybrid attention, relative to a per-query shift.
 
-    The queries are processed by blocks of ``block_q``; block ``n`` reads its window keys
-    ``[n * block_q - left, (n + 1) * block_q + right)``, the global keys and its routed key blocks.
+    The queries are processed by blocks of ``block_q``, in slabs of blocks; block ``n`` reads its
+    window keys ``[n * block_q - left, (n + 1) * block_q + right)``, the global keys and its routed
+    key blocks: one candidate set of C keys per block, with a (block_q, C) support mask.
     """
     B, H, L, d = x.shape
     period = math.lcm(block_q, block_k) if routed else block_q
-    Lp = -(-L // period) * period
-    N = Lp // block_q
-    pad = Lp - L
-
-    def by_block(t):  # (B, H, L, X) -> (B, H, N, block_q, X)
-        return F.pad(t, (0, 0, 0, pad)).view(B, H, N, block_q, t.shape[-1])
-
-    xq, far_scale_q, key_shift_q, rq_q, far_sum_q = map(by_block, (x, q_scale + key_shift, key_shift, rq, far_sum))
-    qf_q = by_block(qf) if far.pair_value is None else None
+    pad = -(-L // period) * period - L
+    N = (L + pad) // block_q
     keys_p = _pad_keys(keys, 0, pad)
-    positions = torch.arange(Lp, device=x.device).view(N, block_q, 1) + offset  # absolute query positions
-    nb_global = globals_.y.shape[2] if globals_ is not None else 0
+    with_feats = far.quadratic is None
+    nb_global = 0 if globals_ is None else globals_.y.shape[2]
+    width = block_q + left + right if right >= 0 else 0
+    if width:  # the window context: buffered keys (decoding) or nothing before, nothing after
+        before = prefix if prefix is not None else _slice_keys(keys, 0, 0)
+        window = _cat_keys(_pad_keys(before, left - before.y.shape[2], 0), _pad_keys(keys_p, 0, right))
+        band = torch.arange(width, device=x.device)[None, :] - torch.arange(block_q, device=x.device)[:, None]
+        band = (band >= 0) & (band <= left + right)  # (block_q, width): i - left <= j <= i + right
 
     def in_window(query_pos, key_pos):  # -> (.., n, block_q, C)
         gap = query_pos - key_pos
         return (gap >= -right) & (gap <= left)
 
-    width = block_q + left + right
-    if right >= 0:  # the window context: buffered keys (decoding) or nothing before, nothing after
-        before = prefix if prefix is not None else _slice_keys(keys, 0, 0)
-        window = _cat_keys(_pad_keys(before, left - before.y.shape[2], 0), _pad_keys(keys_p, 0, right))
-        band = torch.arange(width, device=x.device)[None, :] - torch.arange(block_q, device=x.device)[:, None]
-        band = (band >= 0) & (band <= left + right)  # (block_q, width): i - left <= j <= i + right
-    routed_starts = None
-    if routed:
-        routed_starts, routed_real = _route(
-            xq.view(B, H, Lp, d), keys_p.y, keys_p.mask, block_q, block_k, left, right, routed
-        )
-
-    nb_candidates = (width if right >= 0 else 0) + nb_global + routed * block_k
-    per_block = block_q * nb_candidates * max(d, qf.shape[-1] if qf_q is not None else 1)
-    slab = max(1, _SLAB_ELEMENTS // max(1, B * H * per_block))
+    key_means = _key_block_means(keys_p, block_k) if routed else None
+    nb_cand = width + nb_global + routed * block_k
+    widest = max(d, keys.values1.shape[-1], keys.feats.shape[-1] if with_feats else 1)
     outputs = []
-    for n0 in range(0, N, slab):
-        n1 = min(N, n0 + slab)
-        pos = positions[n0:n1]  # (n, block_q, 1)
-        cands = []
-        if right >= 0:
-            lo, hi = n0 * block_q, n1 * block_q + left + right
-            part = [_unfold_blocks(t[:, :, lo:hi], block_q, width, n1 - n0) for t in window[:4]]
-            support = band & window.mask[:, lo:hi].unfold(1, width, block_q)[:, None, :, None, :]  # (B,1,n,bq,width)
-            cands.append(_Candidates(*part, support))
+    for blocks in _slabs(N, B * H * block_q * max(nb_cand, 1) * widest):
+        n0, n1 = blocks.start, blocks.stop
+        n, lo, hi = n1 - n0, n0 * block_q, min(n1 * block_q, L)
+        rows_pad = n * block_q - (hi - lo)
+        qf, q_scale, key_shift, far_sum = (
+            None if t is None else F.pad(t, (0, 0, 0, rows_pad)).view(B, H, n, block_q, -1)
+            for t in far_side(slice(lo, hi))
+        )
+        if not nb_cand:
+            outputs.append(far_sum)
+            continue
+        xq, rq_q = (F.pad(t[:, :, lo:hi], (0, 0, 0, rows_pad)).view(B, H, n, block_q, -1) for t in (x, rq))
+        pos = (torch.arange(lo, lo + n * block_q, device=x.device) + offset).view(n, block_q, 1)  # absolute
+        parts, supports = [], []  # per group: [y, values1, klog(, feats)] of shape (B, H, n, C_g, X)
+        if width:
+            span = slice(lo, n1 * block_q + left + right)
+            parts.append(
+                [t[:, :, span].unfold(2, width, block_q).transpose(-2, -1) for t in _key_fields(window, with_feats)]
+            )
+            supports.append(band & window.mask[:, span].unfold(1, width, block_q)[:, None, :, None, :])
         if nb_global:
+            parts.append([t.unsqueeze(2).expand(-1, -1, n, -1, -1) for t in _key_fields(globals_, with_feats)])
             key_pos = torch.arange(nb_global, device=x.device)  # (G,)
             support = globals_.mask[:, None, None, None, :] & ~in_window(pos, key_pos)  # (B, 1, n, block_q, G)
-            if causal:
-                support = support & (key_pos <= pos)
-            cands.append(_Candidates(*(t.unsqueeze(2) for t in globals_[:4]), support))
+            supports.append(support & (key_pos <= pos) if causal else support)
         if routed:
-            starts = routed_starts[:, :, n0:n1]  # (B, H, n, t)
-            key_pos = (starts.unsqueeze(-1) + torch.arange(block_k, device=x.device)).flatten(-2)  # (B, H, n, R)
-            real = _gather_positions(keys_p.mask[:, None, :, None].expand(B, H, Lp, 1), key_pos).squeeze(-1)
-            real = real & routed_real[:, :, n0:n1].repeat_interleave(block_k, dim=-1)  # (B, H, n, R)
+            q_mask = F.pad(keys.mask[:, lo:hi], (0, rows_pad), value=False).view(B, n, block_q)
+            chosen, chosen_real = _route(xq, q_mask, key_means, n0, block_k, left, right, routed)  # (B, H, n, t)
+            parts.append([_gather_blocks(t, chosen, block_k) for t in _key_fields(keys_p, with_feats)])
+            key_pos = (chosen.unsqueeze(-1) * block_k + torch.arange(block_k, device=x.device)).flatten(-2)
+            real = keys_p.mask.gather(1, key_pos.flatten(1)).view(key_pos.shape)  # (B, H, n, R): real keys
+            real = real & chosen_real.repeat_interleave(block_k, dim=-1)  # ... of blocks that qualified
             key_pos = key_pos.unsqueeze(-2)  # (B, H, n, 1, R)
-            support = real.unsqueeze(-2) & ~in_window(pos, key_pos) & (key_pos >= nb_global)  # (B, H, n, bq, R)
-            feats = _gather_positions(keys_p.feats, key_pos.squeeze(-2)) if qf_q is not None else None
-            gathered = (_gather_positions(t, key_pos.squeeze(-2)) for t in (keys_p.y, keys_p.values1))
-            cands.append(_Candidates(*gathered, feats, _gather_positions(keys_p.klog, key_pos.squeeze(-2)), support))
-        rows = slice(n0, n1)
-        far_scale = far_scale_q[:, :, rows]
-        exact, kernel, shift = 0, 0, far_scale
-        if cands:
-            qf_rows = None if qf_q is None else qf_q[:, :, rows]
-            exact, kernel, shift = _support_sums(
-                xq[:, :, rows], qf_rows, far_scale, key_shift_q[:, :, rows], rq_q[:, :, rows], cands, far
-            )
-        far_part = torch.exp(far_scale - shift) * (far_sum_q[:, :, rows] - kernel)
-        far_part = torch.cat([far_part[..., :-1], far_part[..., -1:].clamp_min(0)], dim=-1)  # no negative mass
-        outputs.append(exact + far_part)
-    return torch.cat(outputs, dim=2).view(B, H, Lp, -1)[:, :, :L]
+            supports.append(real.unsqueeze(-2) & ~in_window(pos, key_pos) & (key_pos >= nb_global))
+        groups = [([t.expand(B, H, n, *t.shape[3:]) for t in part], support.expand(B, H, n, block_q, -1))
+                  for part, support in zip(parts, supports, strict=True)]  # fmt: skip
+        far_scale = q_scale + key_shift
+        outputs.append(_support_sums(xq, qf, rq_q, far_scale, key_shift, far_sum, groups, far.quadratic, not causal))
+    return torch.cat(outputs, dim=2).flatten(2, 3)[:, :, :L]
 
 
 def _global_rows(x, keys: _Keys, out, g: int) -> Tensor:
