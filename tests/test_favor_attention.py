@@ -323,6 +323,22 @@ def test_low_precision_inputs_match_float32(dtype, causal):
     torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bfloat16_autocast_forward_and_backward_match_float32(kernel, causal):
+    """Mixed-precision training calls the kernel under autocast: it must still compute in float32."""
+    q, k, v = (t.float().requires_grad_() for t in _qkv(length=150))
+    W = _projection().float()
+    ref = favor_attention(q, k, v, W, causal=causal, kernel=kernel, chunk_size=32)
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = favor_attention(q, k, v, W, causal=causal, kernel=kernel, chunk_size=32)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    torch.testing.assert_close(out, ref)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref_grad)
+
+
 def _saved_bytes(length, causal, kernel, heads, head_dim, m):
     """Bytes of the distinct storages autograd keeps for backward in one favor_attention call."""
     g = torch.Generator().manual_seed(0)

@@ -589,9 +589,12 @@ def favor_attention(
         v = v.masked_fill(~mask[:, None, :, None], 0.0)  # padded values may hold anything
     v1 = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)  # (B, H, Lk, dv + 1)
 
-    if causal:
-        out1, state = _causal(q, k, v1, projection, kernel, mask, chunk_size, initial_state)
-    else:
-        out1, state = _bidirectional(q, k, v1, projection, kernel, mask), None
-    out = _normalise(out1).to(out_dtype)
+    # The kernels compute in compute_dtype on purpose; autocast must not lower their matmuls
+    # (the autograd functions' saved tensors would disagree in dtype with their backward).
+    with torch.autocast(q.device.type, enabled=False):
+        if causal:
+            out1, state = _causal(q, k, v1, projection, kernel, mask, chunk_size, initial_state)
+        else:
+            out1, state = _bidirectional(q, k, v1, projection, kernel, mask), None
+        out = _normalise(out1).to(out_dtype)
     return (out, state) if return_state else out
