@@ -9,6 +9,11 @@ not depend on the context length, so each generated token costs the same at cont
 which ``generate`` and the position ids rely on, keeps working). It registers itself as the cache
 layer type ``"favor_attention"``: ``PerformerConfig.layer_types`` names it, so
 ``DynamicCache(config=model.config)`` (what ``generate`` builds) holds one per layer.
+
+Hybrid attention (exact window and global tokens plus a linear far field) keeps a
+:class:`HybridState` instead: the far-field state plus the last ``local_window - 1`` keys and values
+and the first ``num_global_tokens`` ones, still constant in the context length.
+:class:`HybridCacheLayer` holds it under the cache layer type ``"hybrid_attention"``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
 from .favor_attention import FavorState
+from .favor_hybrid import HybridState
 
 _KV, _SHIFT = 0, 1  # recurrent-state slots of a FavorCacheLayer
 
@@ -87,4 +93,71 @@ class FavorCacheLayer(LinearAttentionLayer, CacheLayerMixin):
         self._select(lambda state: state[indices])
 
 
-__all__ = ["FavorCacheLayer"]
+class HybridCacheLayer(CacheLayerMixin):
+    """One layer's :class:`HybridState` (far-field state, window buffer, global keys), constant in size.
+
+    The state's tensors all have the batch first, so beam search and batch selection index every
+    one of them alike.
+    """
+
+    _layer_type = "hybrid_attention"
+    is_compileable = False  # as for FavorCacheLayer: generate must pass the 2D padding mask through
+    is_sliding = False
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.state: HybridState | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate ahead: the first :meth:`update_state` stores the state."""
+
+    def get_state(self) -> HybridState | None:
+        """The state after the tokens seen so far, or ``None`` before the first one."""
+        return self.state
+
+    def update_state(self, state: HybridState) -> HybridState:
+        """Store the state returned by ``hybrid_attention(..., return_state=True)``; returns it."""
+        self.state = HybridState(*(t.detach() if torch.is_tensor(t) else t for t in state))
+        self.is_initialized = True
+        return self.state
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise ValueError(
+            "A hybrid-attention cache layer keeps a constant-size HybridState, not all keys and values. Use "
+            "get_state() / update_state(); for a key/value cache set attention_kernel='exact'."
+        )
+
+    def get_seq_length(self) -> int:
+        return 0 if self.state is None else self.state.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self):
+        """Nothing to offload: the state is small."""
+
+    def prefetch(self):
+        """Nothing to prefetch: the state is small."""
+
+    def reset(self) -> None:
+        self.state = None
+        self.is_initialized = False
+
+    def _select(self, index_fn) -> None:
+        if self.state is not None:
+            self.state = HybridState(*(index_fn(t) if torch.is_tensor(t) else t for t in self.state))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(lambda t: t[indices])
+
+
+__all__ = ["FavorCacheLayer", "HybridCacheLayer"]

@@ -8,8 +8,10 @@ from transformers import PreTrainedConfig
 # Kept literal (not imported from the kernels) so this file stays self-contained when the
 # Hub's remote-code loader copies it next to a checkpoint.
 FAVOR_KERNELS = ("softmax", "softmax_hyperbolic", "softmax_trig", "relu", "elu")
-ATTENTION_KERNELS = (*FAVOR_KERNELS, "exact")
-FEATURE_COUPLINGS = ("orthogonal", "iid")
+# Far fields of performer_hf.favor_hybrid.hybrid_attention; the last three exist only there.
+HYBRID_KERNELS = ("softmax", "softmax_hyperbolic", "softmax_opt", "taylor2", "poly2")
+ATTENTION_KERNELS = (*FAVOR_KERNELS, "softmax_opt", "taylor2", "poly2", "exact")
+FEATURE_COUPLINGS = ("orthogonal", "simplex", "iid")
 FEATURE_ROW_NORMS = ("chi", "sqrt_d")
 LAYER_NORM_POSITIONS = ("post", "pre")
 
@@ -31,16 +33,44 @@ class PerformerConfig(PreTrainedConfig):
     FAVOR+ fields:
 
     - `attention_kernel`: a feature map of `performer_hf.favor` (`"softmax"` positive random
-      features, `"softmax_hyperbolic"`, `"softmax_trig"`, `"relu"`, `"elu"`) or `"exact"` for plain
-      softmax attention with the same weights (the reference the approximation is measured against).
-    - `nb_features`: number of random features `m` per head (the paper's default 256).
-    - `feature_coupling`: `"orthogonal"` (orthogonal random features) or `"iid"`.
+      features, `"softmax_hyperbolic"`, `"softmax_trig"`, `"relu"`, `"elu"`), a far field of the
+      hybrid attention below (`"softmax"`, `"softmax_hyperbolic"`, `"softmax_opt"` = FAVOR++ optimal
+      positive random features, `"taylor2"` / `"poly2"` = deterministic second-order polynomial
+      kernels), or `"exact"` for plain softmax attention with the same weights (the reference the
+      approximation is measured against; it ignores every field below).
+    - `nb_features`: number of random features `m` per head (the paper's default 256; unused by
+      `"taylor2"` and `"poly2"`).
+    - `feature_coupling`: `"orthogonal"` (orthogonal random features), `"simplex"` (simplex random
+      features, Reid et al. 2023: lower kernel-estimator MSE, still unbiased) or `"iid"`.
     - `feature_row_norms`: `"chi"` (unbiased) or `"sqrt_d"` (regularised softmax kernel).
     - `projection_seed`: seed of the initial projections; layer `i` draws from `projection_seed + i`.
     - `feature_redraw_interval`: optimizer steps between feature redraws during training, applied
       by training code (`model.redraw_projections(seed)`); `None` keeps the features fixed.
       Forward never redraws.
     - `causal_chunk_size`: positions per chunk of the causal prefix-sum scan (speed/memory only).
+
+    Hybrid attention (`performer_hf.favor_hybrid.hybrid_attention`): exact softmax on a sparse support
+    per query plus the `attention_kernel` as a linear-time far field for every other key, sharing one
+    normaliser. It is used whenever `attention_kernel` is `"softmax_opt"`, `"taylor2"` or `"poly2"`,
+    or any of the fields below is set; with all of them at their defaults the kernels above run as
+    plain FAVOR+ (`performer_hf.favor.favor_attention`).
+
+    - `local_window`: `w` keys around each query computed exactly (bidirectional: `(w - 1) // 2`
+      before, the rest after; causal: the query and the `w - 1` before). `0`: no window.
+    - `num_global_tokens`: the first `g` tokens are exact keys for every query (and, bidirectionally,
+      attend exactly to everything): BigBird's global tokens, where pretrained encoders park mass.
+    - `routed_blocks`: bidirectional only: each block of `query_block_size` queries also computes
+      exactly its `routed_blocks` best key blocks of `route_block_size` keys (by the mean logit
+      between the blocks). Causal models must keep it `0` (routing reads future tokens).
+    - `center_features`: centre queries and keys before the far-field kernel (the mean factor is kept
+      exactly; the kernel only sees the smaller residuals). Bidirectional attention uses each
+      sequence's own means; causal attention uses the fixed per-layer centres stored as the buffers
+      `attention.query_center` / `attention.key_center` (measured at conversion; zeros until then),
+      so that no position reads a later one.
+    - `far_field_parameter`: FAVOR++'s `A` for `attention_kernel="softmax_opt"`: one number for every
+      layer and head, or a `num_hidden_layers x num_attention_heads` list (calibrated at conversion).
+      `None`: the closed-form optimum from each sequence's statistics (bidirectional only; causal
+      models need fixed values).
 
     Example:
 
@@ -84,21 +114,53 @@ class PerformerConfig(PreTrainedConfig):
     feature_redraw_interval: int | None = None
     causal_chunk_size: int = 128
 
+    local_window: int = 0
+    num_global_tokens: int = 0
+    routed_blocks: int = 0
+    route_block_size: int = 8
+    query_block_size: int = 16
+    center_features: bool = False
+    far_field_parameter: float | int | list[list[float | int]] | None = None
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
     @property
+    def uses_hybrid_attention(self) -> bool:
+        """Whether attention runs through the hybrid kernel (see the class docstring)."""
+        if self.attention_kernel == "exact":
+            return False
+        return (
+            self.attention_kernel not in FAVOR_KERNELS
+            or self.local_window > 0
+            or self.num_global_tokens > 0
+            or self.routed_blocks > 0
+            or self.center_features
+            or self.far_field_parameter is not None
+        )
+
+    @property
     def layer_types(self) -> list[str]:
         """Cache layer type per block: FAVOR+ keeps a constant-size recurrent state
-        (``"favor_attention"``, see ``cache_performer.py``), exact attention a key/value cache."""
-        layer_type = "full_attention" if self.attention_kernel == "exact" else "favor_attention"
+        (``"favor_attention"``), hybrid attention that state plus its window and global keys
+        (``"hybrid_attention"``; both in ``cache_performer.py``), exact attention a key/value cache."""
+        if self.attention_kernel == "exact":
+            layer_type = "full_attention"
+        else:
+            layer_type = "hybrid_attention" if self.uses_hybrid_attention else "favor_attention"
         return [layer_type] * self.num_hidden_layers
 
     def validate_layer_type(self):
         """Part of `@strict` validation. `layer_types` is derived from `attention_kernel` (checked in
-        `validate_architecture`); its `"favor_attention"` entries name a cache layer type that
-        `cache_performer.py` registers, outside transformers' list of built-in types."""
+        `validate_architecture`); its `"favor_attention"` / `"hybrid_attention"` entries name cache
+        layer types that `cache_performer.py` registers, outside transformers' list of built-in types."""
+
+    def layer_far_field_parameter(self, layer_idx: int) -> float | list[float] | None:
+        """FAVOR++'s `A` for layer `layer_idx`: one number, one per head, or None (closed form per sequence)."""
+        if isinstance(self.far_field_parameter, list):
+            return self.far_field_parameter[layer_idx]
+        return self.far_field_parameter
 
     def validate_architecture(self):
         """Part of `@strict` validation: reject settings the model cannot be built with."""
@@ -127,6 +189,62 @@ class PerformerConfig(PreTrainedConfig):
             raise ValueError(
                 "feature_redraw_interval must be a positive number of steps or None, "
                 f"got {self.feature_redraw_interval}."
+            )
+        self._validate_hybrid()
+
+    def _validate_hybrid(self):
+        """The hybrid-attention fields: ranges, kernels that can be a far field, causal restrictions."""
+        for name in ("local_window", "num_global_tokens", "routed_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 switches it off), got {getattr(self, name)}.")
+        for name in ("route_block_size", "query_block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}.")
+        self._validate_far_field_parameter()
+        if not self.uses_hybrid_attention:
+            return
+        if self.attention_kernel not in HYBRID_KERNELS:
+            raise ValueError(
+                f"attention_kernel={self.attention_kernel!r} cannot be the far field of hybrid attention "
+                f"(local_window, num_global_tokens, routed_blocks, center_features or far_field_parameter is set); "
+                f"choose one of {HYBRID_KERNELS}, or set those fields to 0 / False / None for plain FAVOR+."
+            )
+        if self.is_decoder and self.routed_blocks:
+            raise ValueError(
+                f"routed_blocks={self.routed_blocks} with is_decoder=True: routing reads every query and key of "
+                "a block, which leaks future tokens in causal attention. Set routed_blocks=0 for causal models."
+            )
+        if self.is_decoder and self.attention_kernel == "softmax_opt" and self.far_field_parameter is None:
+            raise ValueError(
+                "attention_kernel='softmax_opt' with is_decoder=True needs a fixed far_field_parameter (FAVOR++'s A): "
+                "the per-sequence optimum would read future tokens. Convert with --calibrate (or set "
+                "far_field_parameter, e.g. -0.5)."
+            )
+
+    def _validate_far_field_parameter(self):
+        value = self.far_field_parameter
+        if value is None:
+            return
+        if self.attention_kernel not in ("softmax_opt", "exact"):
+            raise ValueError(
+                f"far_field_parameter is FAVOR++'s A and only applies to attention_kernel='softmax_opt' "
+                f"(got attention_kernel={self.attention_kernel!r}); set it to None."
+            )
+        if isinstance(value, list):
+            shape_ok = len(value) == self.num_hidden_layers and all(
+                len(row) == self.num_attention_heads for row in value
+            )
+            if not shape_ok:
+                raise ValueError(
+                    "far_field_parameter given per layer must be a list of num_hidden_layers="
+                    f"{self.num_hidden_layers} lists of num_attention_heads={self.num_attention_heads} numbers."
+                )
+            values = [a for row in value for a in row]
+        else:
+            values = [value]
+        if max(values) >= 0.125:
+            raise ValueError(
+                f"far_field_parameter (FAVOR++'s A) must be below 1/8 (finite variance); got {max(values)}."
             )
 
 

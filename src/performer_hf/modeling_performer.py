@@ -1,4 +1,4 @@
-"""Performer model family: BERT / RoBERTa / GPT-2 style Transformers with FAVOR+ attention.
+"""Performer model family: BERT / RoBERTa / GPT-2 style Transformers with FAVOR+ (or hybrid) attention.
 
 Read top to bottom: embeddings, attention, MLP, layer, encoder, pre-trained base class, the
 bare model, then one class per task head. Only sibling imports (``from .x import y``) are
@@ -26,9 +26,10 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
 
-from .cache_performer import FavorCacheLayer
+from .cache_performer import FavorCacheLayer, HybridCacheLayer
 from .configuration_performer import PerformerConfig
 from .favor_attention import favor_attention
+from .favor_hybrid import get_far_field, hybrid_attention
 from .favor_projection import draw_projection
 
 logger = logging.get_logger(__name__)
@@ -86,10 +87,14 @@ class PerformerEmbeddings(nn.Module):
 
 
 class PerformerAttention(nn.Module):
-    """Multi-head self-attention computed by FAVOR+ (or exactly, for ``attention_kernel="exact"``).
+    """Multi-head self-attention computed by FAVOR+, by hybrid attention (exact on a sparse support,
+    a linear far field elsewhere; see ``PerformerConfig``) or exactly (``attention_kernel="exact"``).
 
     Owns one random projection ``(nb_features, head_dim)`` shared by its heads: a persistent buffer,
     so a saved checkpoint reproduces its outputs. It changes only through :meth:`redraw_projection`.
+    With ``center_features`` it also owns the fixed centres ``query_center`` / ``key_center``
+    ``(heads, head_dim)`` (in units of the queries and keys times ``head_dim ** -0.25``) that causal
+    hybrid attention centres on.
     """
 
     def __init__(self, config: PerformerConfig, layer_idx: int):
@@ -101,19 +106,37 @@ class PerformerAttention(nn.Module):
         self.chunk_size = config.causal_chunk_size
         self.feature_coupling = config.feature_coupling
         self.feature_row_norms = config.feature_row_norms
+        self.hybrid = config.uses_hybrid_attention
+        if self.hybrid:
+            self.hybrid_kwargs = {
+                "far_field": config.attention_kernel,
+                "local_window": config.local_window,
+                "num_global_tokens": config.num_global_tokens,
+                "route_block_size": config.route_block_size,
+                "query_block_size": config.query_block_size,
+                "chunk_size": config.causal_chunk_size,
+            }
+            self.routed_blocks = config.routed_blocks
+            self.center_features = config.center_features
+            self.uses_projection = get_far_field(config.attention_kernel).uses_projection
+            # FAVOR++'s A: a float, a list of one per head, or None; a plain value, as models are built on `meta`
+            self.far_field_parameter = config.layer_far_field_parameter(layer_idx)
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.output = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout_prob = config.attention_probs_dropout_prob
         self.register_buffer("projection", torch.empty(config.nb_features, self.head_dim), persistent=True)
+        if config.center_features:
+            self.register_buffer("query_center", torch.zeros(self.num_heads, self.head_dim), persistent=True)
+            self.register_buffer("key_center", torch.zeros(self.num_heads, self.head_dim), persistent=True)
 
     def draw_projection(self, seed: int) -> torch.Tensor:
         """A fresh ``(nb_features, head_dim)`` projection, reproducible from ``seed``."""
         fresh = draw_projection(
             self.projection.shape[0],
             self.head_dim,
-            orthogonal=self.feature_coupling == "orthogonal",
+            coupling=self.feature_coupling,
             row_norms=self.feature_row_norms,
             generator=torch.Generator().manual_seed(seed),
         )
@@ -153,6 +176,30 @@ class PerformerAttention(nn.Module):
         weights = scores.float().softmax(dim=-1).to(q.dtype)
         return F.dropout(weights, p=dropout, training=self.training) @ v, weights
 
+    def _hybrid(self, q, k, v, key_mask: torch.Tensor | None, causal: bool, layer_cache) -> torch.Tensor:
+        """Hybrid attention. q, k, v: (B, H, L, D), the new tokens only; key_mask: (B, L) or None;
+        layer_cache: this layer's :class:`HybridCacheLayer` (causal decoding) or None. -> (B, H, L, D)."""
+        if causal and self.routed_blocks:
+            raise ValueError(
+                f"routed_blocks={self.routed_blocks} cannot be used in causal attention (routing reads future "
+                "tokens): set routed_blocks=0 in the config (e.g. convert with --routed-blocks 0)."
+            )
+        kwargs = dict(self.hybrid_kwargs, causal=causal, key_padding_mask=key_mask)
+        if not causal:
+            kwargs.update(routed_blocks=self.routed_blocks, center=self.center_features)
+        elif self.center_features:  # fixed centres: causal outputs must not depend on later tokens
+            kwargs.update(query_center=self.query_center, key_center=self.key_center)
+        if self.far_field_parameter is not None:
+            kwargs["far_field_parameter"] = self.far_field_parameter
+        projection = self.projection if self.uses_projection else None
+        if layer_cache is None:
+            return hybrid_attention(q, k, v, projection, **kwargs)
+        context, state = hybrid_attention(
+            q, k, v, projection, initial_state=layer_cache.get_state(), return_state=True, **kwargs
+        )
+        layer_cache.update_state(state)
+        return context
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -168,7 +215,8 @@ class PerformerAttention(nn.Module):
             key_mask: (B, P + L) bool, True for real tokens, covering the P cached tokens too.
             causal: mask future keys.
             past_key_values: causal only; this layer's entry is read and updated in place: a
-                :class:`FavorCacheLayer` (constant-size state) for FAVOR+, keys/values for ``"exact"``.
+                :class:`FavorCacheLayer` (constant-size state) for FAVOR+, a :class:`HybridCacheLayer`
+                for hybrid attention, keys/values for ``"exact"``.
             output_attentions: ``"exact"`` only: also return the weights (B, H, L, P + L).
 
         Returns:
@@ -182,6 +230,11 @@ class PerformerAttention(nn.Module):
             if past_key_values is not None:
                 k, v = past_key_values.update(k, v, self.layer_idx)  # (B, H, P + L, D)
             context, weights = self._exact(q, k, v, key_mask, causal, output_attentions)
+        elif self.hybrid:
+            new_key_mask = None if key_mask is None else key_mask[:, -q.shape[2] :]  # (B, L): the past is in the state
+            layer_cache = None if past_key_values is None else past_key_values.layers[self.layer_idx]
+            with torch.autocast(q.device.type, enabled=False):  # float32 inside, as for FAVOR+
+                context = self._hybrid(q, k, v, new_key_mask, causal, layer_cache)
         else:
             length = q.shape[2]
             new_key_mask = None if key_mask is None else key_mask[:, -length:]  # (B, L): past keys live in the state
@@ -312,6 +365,9 @@ class PerformerPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, PerformerAttention):
             init.copy_(module.projection, module.draw_projection(self.config.projection_seed + module.layer_idx))
+            if self.config.center_features:
+                init.zeros_(module.query_center)
+                init.zeros_(module.key_center)
         elif isinstance(module, PerformerMaskedLMHead):
             init.zeros_(module.bias)
 
@@ -362,12 +418,13 @@ class PerformerModel(PerformerPreTrainedModel):
         if self.config.attention_kernel == "exact":
             return
         layers = past_key_values.layers
+        expected = HybridCacheLayer if self.config.uses_hybrid_attention else FavorCacheLayer
         # compared by layer type, not class: each copy of this code (package, remote-code folders) has its own class
-        is_favor = [getattr(c, "_layer_type", None) == FavorCacheLayer._layer_type for c in layers]
-        if len(layers) != self.config.num_hidden_layers or not all(is_favor):
+        is_expected = [getattr(c, "_layer_type", None) == expected._layer_type for c in layers]
+        if len(layers) != self.config.num_hidden_layers or not all(is_expected):
             raise ValueError(
-                f"past_key_values holds {[type(c).__name__ for c in layers]}, but FAVOR+ attention needs one "
-                f"FavorCacheLayer per layer ({self.config.num_hidden_layers}): build it with "
+                f"past_key_values holds {[type(c).__name__ for c in layers]}, but this attention needs one "
+                f"{expected.__name__} per layer ({self.config.num_hidden_layers}): build it with "
                 "DynamicCache(config=model.config)."
             )
 
