@@ -16,14 +16,20 @@ from .conversion import SUPPORTED_ARCHITECTURES, ConversionError, convert
 
 # PerformerConfig fields with their own option; any other field goes through --set FIELD=VALUE.
 _CONFIG_OPTIONS = (
-    ("attention_kernel", str, "FAVOR+ feature map (softmax, softmax_hyperbolic, softmax_trig, relu, elu) or exact"),
+    ("attention_kernel", str, "FAVOR+ kernel, hybrid far field (softmax_opt = FAVOR++, taylor2, poly2) or exact"),
     ("nb_features", int, "random features per head (default 256)"),
-    ("feature_coupling", str, "orthogonal (default) or iid"),
+    ("feature_coupling", str, "orthogonal (default), simplex or iid"),
     ("feature_row_norms", str, "chi (default, unbiased) or sqrt_d"),
     ("projection_seed", int, "seed of the random features (default 0)"),
     ("feature_redraw_interval", int, "optimizer steps between feature redraws in training (default: never)"),
     ("causal_chunk_size", int, "positions per chunk of the causal scan"),
     ("max_position_embeddings", int, "tokens the model reads; the pretrained position table is tiled to fill it"),
+    ("local_window", int, "hybrid: keys around each query computed exactly (default 17; causal 64; 0: none)"),
+    ("num_global_tokens", int, "hybrid: first tokens attended exactly by every query (default 1)"),
+    ("routed_blocks", int, "hybrid, bidirectional: key blocks per query block chosen by content (default 24)"),
+    ("route_block_size", int, "hybrid: keys per routed block (default 8)"),
+    ("query_block_size", int, "hybrid: queries per routing block (default 16)"),
+    ("far_field_parameter", float, "FAVOR++'s A for --attention-kernel softmax_opt (default: closed form)"),
 )
 
 
@@ -47,7 +53,14 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("source", help="checkpoint folder or Hub id")
     conv.add_argument("output_dir", help="folder to write (must be empty or absent, unless --overwrite)")
     for name, kind, text in _CONFIG_OPTIONS:
-        conv.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
+        flags = ["--" + name.replace("_", "-")] + (["--far-field"] if name == "attention_kernel" else [])
+        conv.add_argument(*flags, dest=name, type=kind, default=None, help=text)
+    conv.add_argument("--center-features", action=argparse.BooleanOptionalAction, default=None,
+                      help="hybrid: centre queries and keys before the far field (default: on)")  # fmt: skip
+    conv.add_argument("--method", choices=("hybrid", "favor"), default=None,
+                      help="attention settings under the options: hybrid (default) or favor")  # fmt: skip
+    conv.add_argument("--calibrate", action="store_true",
+                      help="fix centres / FAVOR++ A per layer and head from sample text")  # fmt: skip
     conv.add_argument("--set", dest="fields", action="append", default=[], metavar="FIELD=VALUE",
                       help="any other PerformerConfig field, e.g. --set hidden_dropout_prob=0.0")  # fmt: skip
     conv.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder after success")
@@ -67,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _overrides(args: argparse.Namespace) -> dict:
     overrides = {name: getattr(args, name) for name, _, _ in _CONFIG_OPTIONS if getattr(args, name) is not None}
+    if args.center_features is not None:
+        overrides["center_features"] = args.center_features
     for item in args.fields:
         name, sep, value = item.partition("=")
         if not sep:
@@ -94,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "convert":
             output = convert(args.source, args.output_dir, overwrite=args.overwrite, base_model=args.base_model,
-                             revision=args.revision, fidelity=args.fidelity, **_overrides(args))  # fmt: skip
+                             revision=args.revision, fidelity=args.fidelity, method=args.method,
+                             calibrate=args.calibrate, **_overrides(args))  # fmt: skip
             print(output)
         else:
             from .conversion.demo import format_demo, run_demo

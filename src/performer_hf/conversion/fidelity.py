@@ -2,10 +2,11 @@
 
 Three views, all on the real (non-padding) tokens of a sample batch:
 
-- per layer, the relative error of the attention output of the FAVOR+ model against the same
-  weights with ``attention_kernel="exact"``: once with the same input (the error FAVOR+ adds in that
-  layer) and once along the FAVOR+ forward pass (the error accumulated up to that layer);
-- the final hidden states and head outputs (logits, labels) of the FAVOR+ model against the source;
+- per layer, the relative error of the attention output of the converted (FAVOR+ or hybrid) model
+  against the same weights with ``attention_kernel="exact"``: once with the same input (the error
+  the approximation adds in that layer) and once along the converted model's forward pass (the error
+  accumulated up to that layer);
+- the final hidden states and head outputs (logits, labels) of the converted model against the source;
 - the exact-kernel Performer against the source: the check that the weights were mapped correctly.
 
 The sample text is English prose from Python's own documentation (``pydoc_data.topics``), which
@@ -140,6 +141,7 @@ class FidelityReport:
     hidden_relative_error: float
     exact_max_abs_diff: dict[str, float]  # exact-kernel Performer vs source
     head: dict[str, float] = field(default_factory=dict)  # top-1 agreement, label agreement, pooled cosine
+    attention: dict = field(default_factory=dict)  # the attention settings measured (convert.attention_settings)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -148,6 +150,7 @@ class FidelityReport:
         """The report as a plain-text table."""
         lines = [
             f"Fidelity on {self.num_sequences} sequences ({self.num_tokens} tokens) of {self.text}",
+            *(["attention: " + ", ".join(f"{k}={v}" for k, v in self.attention.items())] if self.attention else []),
             "layer | attention rel. error, same input | attention rel. error, propagated",
         ]
         for i, (local, propagated) in enumerate(

@@ -15,6 +15,9 @@ _KERNEL_NAMES = {
     "softmax": "FAVOR+ positive random features (unbiased softmax kernel)",
     "softmax_hyperbolic": "FAVOR+ hyperbolic positive random features (softmax kernel)",
     "softmax_trig": "trigonometric random features (softmax kernel)",
+    "softmax_opt": "FAVOR++ optimal positive random features (Likhosherstov et al., 2022)",
+    "taylor2": "deterministic second-order Taylor kernel 1 + t + t^2/2",
+    "poly2": "deterministic second-order polynomial kernel (1 + t/2)^2",
     "relu": "generalized attention with ReLU features",
     "elu": "elu + 1 features",
     "exact": "exact softmax attention (no approximation)",
@@ -33,6 +36,36 @@ def source_license(folder: Path) -> str:
         if license_name:
             return str(license_name)
     return "unknown"
+
+
+def _hybrid_lines(config) -> list[str]:
+    """The hybrid-attention settings as card bullet points."""
+    routed = (
+        f"{config.routed_blocks} blocks of {config.route_block_size} keys per block of {config.query_block_size} "
+        "queries, chosen by the mean logit between the blocks (bidirectional only)"
+        if config.routed_blocks
+        else "none"
+    )
+    if isinstance(config.far_field_parameter, list):
+        parameter = "calibrated per layer and head at conversion"
+    elif config.far_field_parameter is not None:
+        parameter = f"{config.far_field_parameter}"
+    else:
+        parameter = "closed-form optimum from each sequence's statistics"
+    lines = [
+        f"- exact local window: {config.local_window} tokens" if config.local_window else "- exact local window: none",
+        f"- global tokens (exact for every query): {config.num_global_tokens}",
+        f"- routed exact key blocks: {routed}",
+        "- centred queries and keys before the far field: "
+        + (
+            "yes (per-sequence means bidirectionally; fixed per-layer centres, calibrated at conversion, when causal)"
+            if config.center_features
+            else "no"
+        ),  # fmt: skip
+    ]
+    if config.attention_kernel == "softmax_opt":
+        lines.append(f"- FAVOR++ parameter A: {parameter}")
+    return lines
 
 
 def build_model_card(
@@ -61,21 +94,33 @@ def build_model_card(
         else f"redrawn every {config.feature_redraw_interval} optimizer steps during training by the training "
         "code (`model.redraw_projections(step)`); never inside `forward`, so evaluation is deterministic"
     )
-    coupling = "orthogonal" if config.feature_coupling == "orthogonal" else "i.i.d."
+    coupling = {"orthogonal": "orthogonal", "simplex": "simplex", "iid": "i.i.d."}[config.feature_coupling]
+    hybrid = config.uses_hybrid_attention
+    method = (
+        "hybrid attention: exact softmax on a sparse support per query (local window, global tokens, routed key "
+        "blocks) and a linear-time far-field kernel for every other key, sharing one normaliser"
+        if hybrid
+        else "FAVOR+ linear attention (Choromanski et al., *Rethinking Attention with Performers*, ICLR 2021)"
+    )
     lines = [
         f"# Performer conversion of {base_model}",
         "",
         f"This checkpoint is [{base_model}](https://huggingface.co/{base_model}) ({source_architecture}) converted "
         f"to a `{target_class}` by performer-hf: every pretrained "
-        "weight is kept and softmax attention is replaced by FAVOR+ linear attention (Choromanski et al., "
-        "*Rethinking Attention with Performers*, ICLR 2021). It has **not** been finetuned after the swap.",
+        f"weight is kept and softmax attention is replaced by {method}. It has **not** been finetuned after the swap.",
         "",
-        "## FAVOR+ settings",
+        "## Attention settings",
         "",
-        f"- attention kernel: `{config.attention_kernel}` ({_KERNEL_NAMES.get(config.attention_kernel, '')})",
-        f"- nb_features (random features per head): {config.nb_features}",
+        f"- attention kernel{' (far field)' if hybrid else ''}: `{config.attention_kernel}` "
+        f"({_KERNEL_NAMES.get(config.attention_kernel, '')})",
+        f"- nb_features (random features per head): {config.nb_features}"
+        + (" (unused by this deterministic kernel)" if config.attention_kernel in ("taylor2", "poly2") else ""),
         f"- feature coupling: {coupling}, row norms `{config.feature_row_norms}`, seed {config.projection_seed}",
         f"- redraw policy: {redraw}",
+    ]
+    if hybrid:
+        lines += _hybrid_lines(config)
+    lines += [
         f"- causal: {'yes' if config.is_decoder or target_class == 'PerformerForCausalLM' else 'no'}",
         f"- positions: {positions} (pretrained: {pretrained_positions}"
         + (", extended by tiling the pretrained table)" if positions > pretrained_positions else ")"),
@@ -118,8 +163,9 @@ def build_model_card(
         lines.append(f'- same weights with `attention_kernel="exact"` vs the source, max abs difference: {exact}')
         lines += [
             "",
-            "FAVOR+ approximates softmax attention; a pretrained model swapped to it without finetuning loses some "
-            "accuracy (the Performer paper recovers it with a short finetune). Finetune before relying on it.",
+            "The converted attention approximates softmax attention; a pretrained model swapped to it without "
+            "finetuning loses some accuracy (the Performer paper recovers it with a short finetune). Check the "
+            "figures above, and finetune before relying on it.",
         ]
     if dropped:
         lines += ["", "## Source tensors not carried over", ""]

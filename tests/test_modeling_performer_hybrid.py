@@ -1,0 +1,384 @@
+"""Hybrid attention (exact window / global tokens / routed blocks + a linear far field) in the models:
+config fields, the attention module against dense O(L^2) references, padding, causality, the
+constant-size decoding cache, save/load, remote code and conversion with the new settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from huggingface_hub.errors import StrictDataclassClassValidationError
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+from performer_hf import PerformerConfig, PerformerForCausalLM, PerformerForMaskedLM, PerformerModel
+from performer_hf.cache_performer import HybridCacheLayer
+from performer_hf.cli import main
+from performer_hf.conversion import convert
+
+from .test_conversion import CASES, save_source
+from .test_favor_hybrid import reference
+from .test_modeling_performer import HEADS, HIDDEN, LAYERS, random_ids, single_thread, tiny_config
+from .test_modeling_performer_integration import _REMOTE_SCRIPT
+
+__all__ = ["single_thread"]  # the autouse fixture, imported to apply here too
+
+HEAD_DIM = HIDDEN // HEADS
+# bidirectional: window 5, the first token global, 2 routed blocks of 4 keys per block of 4 queries
+BIDIRECTIONAL = dict(attention_kernel="poly2", center_features=True, local_window=5, num_global_tokens=1,
+                     routed_blocks=2, route_block_size=4, query_block_size=4)  # fmt: skip
+CAUSAL = dict(attention_kernel="poly2", center_features=True, local_window=4, num_global_tokens=1)
+PER_LAYER_A = [[-0.05 * (h + 1) for h in range(HEADS)] for _ in range(LAYERS)]
+
+
+def hybrid_model(model_class, seed=0, centres=True, **overrides):
+    """A tiny model (see tiny_config) with random non-zero fixed centres when it centres."""
+    torch.manual_seed(seed)
+    model = model_class(tiny_config(**overrides)).eval()
+    if centres and model.config.center_features:
+        with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "query_center"):
+                    module.query_center.normal_(0, 0.5)
+                    module.key_center.normal_(0, 0.5)
+    return model
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_hybrid_fields_round_trip_through_json(tmp_path):
+    config = tiny_config(
+        attention_kernel="softmax_opt", feature_coupling="simplex", local_window=7, num_global_tokens=2,
+        routed_blocks=3, route_block_size=5, query_block_size=6, center_features=True, far_field_parameter=PER_LAYER_A,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path)
+    reloaded = PerformerConfig.from_pretrained(tmp_path)
+    for name in ("attention_kernel", "feature_coupling", "local_window", "num_global_tokens", "routed_blocks",
+                 "route_block_size", "query_block_size", "center_features", "far_field_parameter"):  # fmt: skip
+        assert getattr(reloaded, name) == getattr(config, name), name
+    assert json.loads((tmp_path / "config.json").read_text())["far_field_parameter"] == PER_LAYER_A
+    assert reloaded.uses_hybrid_attention and reloaded.layer_types == ["hybrid_attention"] * LAYERS
+
+
+@pytest.mark.parametrize(
+    "overrides, hybrid, layer_type",
+    [
+        ({}, False, "favor_attention"),  # plain FAVOR+ stays plain FAVOR+
+        ({"feature_coupling": "simplex"}, False, "favor_attention"),
+        ({"attention_kernel": "poly2"}, True, "hybrid_attention"),  # polynomial kernels exist only in the hybrid
+        ({"local_window": 3}, True, "hybrid_attention"),
+        ({"center_features": True, "attention_kernel": "softmax_hyperbolic"}, True, "hybrid_attention"),
+        ({**BIDIRECTIONAL, "attention_kernel": "exact"}, False, "full_attention"),  # exact ignores the hybrid fields
+    ],
+)
+def test_which_attention_a_config_selects(overrides, hybrid, layer_type):
+    config = tiny_config(**overrides)
+    assert config.uses_hybrid_attention == hybrid and config.layer_types == [layer_type] * LAYERS
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"local_window": -1}, "local_window must be >= 0"),
+        ({"route_block_size": 0}, "route_block_size must be a positive integer"),
+        ({"attention_kernel": "relu", "local_window": 5}, "cannot be the far field of hybrid attention"),
+        ({"attention_kernel": "bogus"}, "attention_kernel='bogus' is not supported"),
+        ({"feature_coupling": "bogus"}, "feature_coupling='bogus' is not supported"),
+        ({"is_decoder": True, "routed_blocks": 2}, "Set routed_blocks=0 for causal models"),
+        ({"is_decoder": True, "attention_kernel": "softmax_opt"}, "needs a fixed far_field_parameter"),
+        ({"attention_kernel": "poly2", "far_field_parameter": -0.1}, "only applies to attention_kernel='softmax_opt'"),
+        ({"attention_kernel": "softmax_opt", "far_field_parameter": [[-0.1] * HEADS]}, "num_hidden_layers=2 lists"),
+        ({"attention_kernel": "softmax_opt", "far_field_parameter": 0.2}, "must be below 1/8"),
+    ],
+)
+def test_invalid_hybrid_settings_name_the_problem(overrides, message):
+    with pytest.raises((ValueError, StrictDataclassClassValidationError), match=message):
+        tiny_config(**overrides)
+
+
+def test_simplex_coupling_reaches_the_projection():
+    model = hybrid_model(PerformerModel, feature_coupling="simplex")
+    directions = torch.nn.functional.normalize(model.encoder.layer[0].attention.projection[:HEAD_DIM].double(), dim=-1)
+    cosines = directions @ directions.T  # one block: a regular simplex, pairwise cosine -1 / (d - 1)
+    off_diagonal = cosines[~torch.eye(HEAD_DIM, dtype=torch.bool)]
+    torch.testing.assert_close(off_diagonal, torch.full_like(off_diagonal, -1 / (HEAD_DIM - 1)))
+
+
+# ---------------------------------------------------------------- the attention module against dense references
+
+
+def _module_inputs(module, length=23, seed=0):
+    """Hidden states (B, L, hidden), their q, k, v (B, H, L, d), and a right-padding mask (B, L), float64."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, length, HIDDEN, generator=g, dtype=torch.float64)
+    q, k, v = (module._split_heads(layer(hidden)) for layer in (module.query, module.key, module.value))
+    mask = torch.arange(length)[None, :] < torch.tensor([length, length - 8])[:, None]
+    return hidden, q, k, v, mask
+
+
+def _merge_heads(module, context):
+    batch, _, length, _ = context.shape
+    return module.output(context.transpose(1, 2).reshape(batch, length, HIDDEN))  # (B, L, hidden)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        BIDIRECTIONAL,
+        {**BIDIRECTIONAL, "attention_kernel": "softmax", "nb_features": 24},
+        {**BIDIRECTIONAL, "attention_kernel": "softmax_opt", "center_features": False},  # A from each sequence
+        {**BIDIRECTIONAL, "attention_kernel": "softmax_opt", "far_field_parameter": PER_LAYER_A},
+    ],
+    ids=["poly2-centred", "softmax-centred", "softmax_opt-closed-form", "softmax_opt-per-layer-A"],
+)
+@torch.no_grad()
+def test_bidirectional_attention_module_equals_the_dense_reference(overrides):
+    module = hybrid_model(PerformerModel, **overrides).double().encoder.layer[1].attention
+    hidden, q, k, v, mask = _module_inputs(module)
+    config = module_config = tiny_config(**overrides)
+    parameter = module_config.layer_far_field_parameter(1)
+    expected = reference(
+        q, k, v, module.projection, far_field=config.attention_kernel, mask=mask, local_window=config.local_window,
+        num_global_tokens=config.num_global_tokens, routed_blocks=config.routed_blocks,
+        route_block_size=config.route_block_size, query_block_size=config.query_block_size,
+        center=config.center_features, far_field_parameter=None if parameter is None else torch.tensor(parameter),
+    )  # fmt: skip
+    got, _ = module(hidden, mask, causal=False)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], _merge_heads(module, expected)[real], rtol=1e-9, atol=1e-9)
+
+
+def _causal_poly2_reference(q, k, v, a, c, local_window, num_global_tokens, mask):
+    """Causal hybrid attention with fixed centres a, c (H, d) and the poly2 far field, as one dense matrix."""
+    L = q.shape[2]
+    x, y = q * HEAD_DIM**-0.25, k * HEAD_DIM**-0.25
+    a, c = a[None, :, None, :], c[None, :, None, :]  # (1, H, 1, d)
+    t = (x - a) @ (y - c).transpose(-2, -1)  # (B, H, L, L)
+    scale = x @ c.transpose(-2, -1) + (y @ a.transpose(-2, -1)).transpose(-2, -1) - (a * c).sum(-1, keepdim=True)
+    kernel = (1 + t / 2) ** 2 * scale.exp()  # estimates exp(x . y)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    support = ((i - j >= 0) & (i - j < local_window)) | (j < num_global_tokens)
+    weights = torch.where(support, (x @ y.transpose(-2, -1)).exp(), kernel) * ((j <= i) & mask[:, None, None, :])
+    return (weights @ v) / weights.sum(-1, keepdim=True)
+
+
+@torch.no_grad()
+def test_causal_attention_module_with_fixed_centres_equals_the_dense_reference():
+    module = hybrid_model(PerformerForCausalLM, **CAUSAL).double().performer.encoder.layer[0].attention
+    hidden, q, k, v, mask = _module_inputs(module)
+    expected = _causal_poly2_reference(q, k, v, module.query_center, module.key_center, 4, 1, mask)
+    got, _ = module(hidden, mask, causal=True)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], _merge_heads(module, expected)[real], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("model_class, overrides", [(PerformerModel, BIDIRECTIONAL), (PerformerForCausalLM, CAUSAL)])
+@torch.no_grad()
+def test_a_window_covering_the_sequence_is_exact_attention(model_class, overrides):
+    length = 13
+    model = hybrid_model(model_class, **{**overrides, "local_window": 2 * length + 1}, layer_norm_position="pre")
+    exact = model_class(tiny_config(attention_kernel="exact", layer_norm_position="pre")).eval()
+    exact.load_state_dict(model.state_dict(), strict=False)  # the exact model has no centres
+    ids, mask = random_ids(2, length), torch.ones(2, length, dtype=torch.long)
+    mask[1, 9:] = 0
+    got, expected = (m(input_ids=ids, attention_mask=mask, use_cache=False)[0] for m in (model, exact))
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- padding and causality
+
+
+@torch.no_grad()
+def test_right_padding_does_not_change_the_real_tokens():
+    model = hybrid_model(PerformerForMaskedLM, **BIDIRECTIONAL)
+    ids = random_ids(2, 29, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    batched = model(input_ids=ids, attention_mask=mask).logits
+    alone = model(input_ids=ids[1:, :17]).logits
+    torch.testing.assert_close(batched[1, :17], alone[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [CAUSAL, {**CAUSAL, "attention_kernel": "softmax_opt", "far_field_parameter": PER_LAYER_A, "nb_features": 24}],
+    ids=["poly2-fixed-centres", "softmax_opt-fixed-A"],
+)
+@torch.no_grad()
+def test_causal_outputs_do_not_depend_on_later_tokens(overrides):
+    model = hybrid_model(PerformerForCausalLM, **overrides)
+    ids = random_ids(2, 21)
+    changed = ids.clone()
+    changed[:, 12:] = random_ids(2, 9, seed=7)
+    before, after = (model(input_ids=t, use_cache=False).logits for t in (ids, changed))
+    torch.testing.assert_close(before[:, :12], after[:, :12], rtol=0, atol=1e-6)
+    assert not torch.allclose(before[:, 12:], after[:, 12:])
+
+
+# ---------------------------------------------------------------- generation with the constant-size cache
+
+
+def _greedy(model, ids, use_cache, **kwargs):
+    return model.generate(
+        ids, max_new_tokens=8, do_sample=False, use_cache=use_cache, output_scores=True,
+        return_dict_in_generate=True, pad_token_id=0, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        CAUSAL,
+        {**CAUSAL, "attention_kernel": "softmax_opt", "far_field_parameter": -0.1},
+        {"attention_kernel": "softmax", "local_window": 3, "num_global_tokens": 2},
+    ],
+    ids=["poly2-fixed-centres", "softmax_opt-fixed-A", "softmax-window"],
+)
+@torch.no_grad()
+def test_cached_greedy_generation_equals_recomputation(overrides):
+    model = hybrid_model(PerformerForCausalLM, layer_norm_position="pre", **overrides)
+    ids = random_ids(2, 9)  # longer than the window: the cache must carry the window's keys
+    cached, recomputed = _greedy(model, ids, use_cache=True), _greedy(model, ids, use_cache=False)
+    assert torch.equal(cached.sequences, recomputed.sequences)
+    for a, b in zip(cached.scores, recomputed.scores, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    cache = cached.past_key_values
+    assert all(isinstance(layer, HybridCacheLayer) for layer in cache.layers)
+    assert cache.get_seq_length() == 9 + 8 - 1
+    state = cache.layers[0].get_state()
+    window = model.config.local_window
+    assert state.keys.shape == (2, HEADS, window - 1, HEAD_DIM)  # constant size: the window, not the context
+    assert state.global_keys.shape == (2, HEADS, model.config.num_global_tokens, HEAD_DIM)
+
+
+@torch.no_grad()
+def test_beam_search_reorders_the_hybrid_cache():
+    model = hybrid_model(PerformerForCausalLM, layer_norm_position="pre", **CAUSAL)
+    ids = random_ids(2, 9)
+    kwargs = {"max_new_tokens": 6, "num_beams": 3, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(ids, use_cache=True, **kwargs), model.generate(ids, use_cache=False, **kwargs))
+
+
+# ---------------------------------------------------------------- save / load and remote code
+
+
+def _save_hybrid_pair(tmp_path):
+    causal = hybrid_model(PerformerForCausalLM, layer_norm_position="pre", type_vocab_size=0, **CAUSAL)
+    mlm = hybrid_model(PerformerForMaskedLM, **{**BIDIRECTIONAL, "attention_kernel": "softmax_opt"})
+    causal.save_pretrained(tmp_path / "causal")
+    mlm.save_pretrained(tmp_path / "mlm")
+    return causal, mlm
+
+
+@torch.no_grad()
+def test_save_and_load_reproduce_the_outputs_bit_for_bit(tmp_path):
+    causal, mlm = _save_hybrid_pair(tmp_path)
+    weights = load_file(tmp_path / "causal" / "model.safetensors")
+    torch.testing.assert_close(
+        weights["performer.encoder.layer.1.attention.key_center"],
+        causal.performer.encoder.layer[1].attention.key_center,
+    )
+    ids = random_ids(2, 19)
+    for model, folder, auto in ((causal, "causal", AutoModelForCausalLM), (mlm, "mlm", AutoModelForMaskedLM)):
+        reloaded = auto.from_pretrained(tmp_path / folder).eval()
+        assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits), folder
+
+
+def test_trust_remote_code_loads_hybrid_checkpoints_without_performer_hf(tmp_path):
+    causal, mlm = _save_hybrid_pair(tmp_path)
+    copied = {p.name for p in (tmp_path / "causal").glob("*.py")}
+    assert {"modeling_performer.py", "favor_hybrid.py", "favor_optimal.py", "cache_performer.py"} <= copied
+    ids = random_ids(2, 9)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-c", _REMOTE_SCRIPT, str(tmp_path / "causal"), str(tmp_path / "mlm"),
+            json.dumps(ids.tolist())]  # fmt: skip
+    result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.split("REPORT", 1)[1])
+    assert report["leaked"] == []
+    with torch.no_grad():
+        assert torch.equal(torch.tensor(report["causal_logits"]), causal(input_ids=ids).logits)
+        assert torch.equal(torch.tensor(report["mlm_logits"]), mlm(input_ids=ids).logits)
+    assert report["generated"] == causal.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0).tolist()
+
+
+# ---------------------------------------------------------------- conversion
+
+
+@pytest.fixture(scope="module")
+def tiny_sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid-sources")
+    cases = {case.name: case for case in CASES}
+    for name in ("bert-mlm", "gpt2-lm"):
+        save_source(cases[name], root / name)
+    return root
+
+
+def test_default_conversion_is_the_hybrid_and_calibrates_causal_centres(tiny_sources, tmp_path):
+    bert = convert(tiny_sources / "bert-mlm", tmp_path / "bert", fidelity=False)
+    config = json.loads((bert / "config.json").read_text())
+    assert {k: config[k] for k in ("attention_kernel", "center_features", "local_window", "num_global_tokens",
+                                   "routed_blocks", "route_block_size", "query_block_size")} == {
+        "attention_kernel": "poly2", "center_features": True, "local_window": 17, "num_global_tokens": 1,
+        "routed_blocks": 24, "route_block_size": 8, "query_block_size": 16,
+    }  # fmt: skip
+    assert "routed exact key blocks: 24 blocks of 8 keys" in (bert / "README.md").read_text()
+
+    gpt2 = convert(tiny_sources / "gpt2-lm", tmp_path / "gpt2", fidelity=False)
+    config = json.loads((gpt2 / "config.json").read_text())
+    assert config["routed_blocks"] == 0 and config["center_features"] and config["local_window"] > 0
+    report = json.loads((gpt2 / "conversion_report.json").read_text())
+    assert report["calibration"]["centres"] and report["attention"]["attention_kernel"] == "poly2"
+    weights = load_file(gpt2 / "model.safetensors")
+    assert weights["performer.encoder.layer.0.attention.query_center"].abs().sum() > 0  # measured, not zeros
+    model = AutoModelForCausalLM.from_pretrained(gpt2).eval()
+    ids = random_ids(1, 7)
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, use_cache=False))
+
+
+def test_convert_command_with_hybrid_flags(tiny_sources, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["convert", str(tiny_sources / "bert-mlm"), str(out), "--local-window", "5", "--num-global-tokens",
+                 "2", "--routed-blocks", "3", "--route-block-size", "4", "--query-block-size", "4", "--far-field",
+                 "softmax_opt", "--feature-coupling", "simplex", "--no-center-features", "--calibrate",
+                 "-q"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    config = json.loads((out / "config.json").read_text())
+    assert (config["local_window"], config["num_global_tokens"], config["routed_blocks"]) == (5, 2, 3)
+    assert (config["attention_kernel"], config["feature_coupling"], config["center_features"]) == (
+        "softmax_opt", "simplex", False,
+    )  # fmt: skip
+    parameter = torch.tensor(config["far_field_parameter"])  # calibrated: one A per layer and head
+    assert parameter.shape == (LAYERS, HEADS) and (parameter < 0).all()
+    model = AutoModelForMaskedLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=random_ids(2, 40)).logits).all()
+    card = (out / "README.md").read_text()
+    assert "FAVOR++ parameter A: calibrated per layer and head" in card and "exact local window: 5 tokens" in card
+
+
+def test_method_favor_converts_to_plain_favor_and_hybrid_rejects_favor_only_kernels(tiny_sources, tmp_path, capsys):
+    out = tmp_path / "favor"
+    assert main(["convert", str(tiny_sources / "bert-mlm"), str(out), "--method", "favor", "--no-fidelity", "-q"]) == 0
+    config = PerformerConfig.from_pretrained(out)
+    assert config.attention_kernel == "softmax" and not config.uses_hybrid_attention
+    relu = tmp_path / "relu"  # a FAVOR+-only kernel picks plain FAVOR+ by itself
+    assert (
+        main(["convert", str(tiny_sources / "bert-mlm"), str(relu), "--attention-kernel", "relu", "--no-fidelity"]) == 0
+    )
+    assert not PerformerConfig.from_pretrained(relu).uses_hybrid_attention
+    capsys.readouterr()
+    code = main(["convert", str(tiny_sources / "bert-mlm"), str(tmp_path / "bad"), "--method", "hybrid",
+                 "--attention-kernel", "relu", "--no-fidelity"])  # fmt: skip
+    assert code == 1 and "convert with --method favor" in capsys.readouterr().err
+    code = main(["convert", str(tiny_sources / "gpt2-lm"), str(tmp_path / "bad"), "--routed-blocks", "2",
+                 "--no-fidelity"])  # fmt: skip
+    assert code == 1 and "Set routed_blocks=0 for causal models" in capsys.readouterr().err
