@@ -220,6 +220,20 @@ def test_causal_outputs_do_not_depend_on_later_tokens(overrides):
     assert not torch.allclose(before[:, 12:], after[:, 12:])
 
 
+@pytest.mark.parametrize(
+    "model_class, overrides", [(PerformerForMaskedLM, BIDIRECTIONAL), (PerformerForCausalLM, CAUSAL)]
+)
+def test_hybrid_models_train(model_class, overrides):
+    model = hybrid_model(model_class, **overrides).train()
+    model.activation_checkpointing_enable()
+    ids = random_ids(2, 21)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert torch.isfinite(loss) and all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert model.performer.encoder.layer[0].attention.query.weight.grad.abs().sum() > 0
+
+
 # ---------------------------------------------------------------- generation with the constant-size cache
 
 
