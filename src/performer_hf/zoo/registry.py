@@ -1,0 +1,112 @@
+"""The zoo registry (``registry.yaml`` beside this file): one entry per model and its recipe."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from .data import DATA_SETS
+from .errors import ZooError
+
+REGISTRY_FILE = "registry.yaml"
+FINETUNE_TASKS = ("classification", "mlm", "clm")
+EVALUATIONS = ("embeddings", "classification", "language_modeling")
+_FIELDS = {"description", "base_model", "license", "pipeline_tag", "source", "convert", "data", "finetune",
+           "evaluate", "quick", "limits"}  # fmt: skip
+_RESERVED_ARGS = ("model_name_or_path", "convert_from", "train_file", "validation_file", "output_dir")
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """One model of the zoo: where its weights start, how it is converted, finetuned and evaluated."""
+
+    name: str
+    description: str
+    license: str
+    pipeline_tag: str
+    source: dict[str, Any]
+    evaluate: dict[str, Any]
+    base_model: str | None = None
+    convert: dict[str, Any] = field(default_factory=dict)
+    data: str | None = None
+    data_limit: int | None = None  # rows per split kept by quick builds
+    finetune: dict[str, Any] | None = None
+    limits: list[str] = field(default_factory=list)
+
+
+def _merge(base: dict, update: dict) -> dict:
+    """``base`` with ``update`` merged in, recursively for nested dicts."""
+    merged = copy.deepcopy(base)
+    for key, value in update.items():
+        nested = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = _merge(merged[key], value) if nested else value
+    return merged
+
+
+def _check(name: str, raw: dict) -> None:
+    """Raise ZooError naming the first malformed field of entry ``name``."""
+    unknown = sorted(set(raw) - _FIELDS - {"data_limit"})
+    if unknown:
+        raise ZooError(f"zoo entry {name!r}: unknown field(s) {unknown}; allowed: {sorted(_FIELDS)}.")
+    for required in ("description", "license", "pipeline_tag", "source", "evaluate"):
+        if not raw.get(required):
+            raise ZooError(f"zoo entry {name!r} lacks {required!r}.")
+    source = raw["source"]
+    kinds = [kind for kind in ("package", "checkpoint", "pretrain") if kind in source]
+    if len(kinds) != 1:
+        raise ZooError(f"zoo entry {name!r}: source needs exactly one of package, checkpoint, pretrain; got {source}.")
+    if "pretrain" in source and source["pretrain"] != "gpt2":
+        raise ZooError(f"zoo entry {name!r}: only 'pretrain: gpt2' is supported, got {source['pretrain']!r}.")
+    data_names = [raw.get("data")] + ([source["data"]] if "pretrain" in source else [])
+    for data in data_names:
+        if data is not None and data not in DATA_SETS:
+            raise ZooError(f"zoo entry {name!r}: unknown data set {data!r}; choose from {sorted(DATA_SETS)}.")
+    finetune = raw.get("finetune")
+    if finetune is not None:
+        if finetune.get("task") not in FINETUNE_TASKS:
+            raise ZooError(f"zoo entry {name!r}: finetune.task must be one of {FINETUNE_TASKS}.")
+        if raw.get("data") is None:
+            raise ZooError(f"zoo entry {name!r}: finetuning needs a data set ('data').")
+        reserved = sorted(set(finetune.get("args", {})) & set(_RESERVED_ARGS))
+        if reserved:
+            raise ZooError(f"zoo entry {name!r}: finetune.args must not set {reserved} (the build sets them).")
+    if raw["evaluate"].get("kind") not in EVALUATIONS:
+        raise ZooError(f"zoo entry {name!r}: evaluate.kind must be one of {EVALUATIONS}.")
+    if raw["evaluate"]["kind"] != "embeddings" and raw.get("data") is None:
+        raise ZooError(f"zoo entry {name!r}: evaluation {raw['evaluate']['kind']!r} needs a data set ('data').")
+
+
+def load_registry(text: str | None = None) -> dict[str, dict]:
+    """The raw registry (``{name: entry dict}``), checked; ``text`` replaces the packaged file (tests)."""
+    if text is None:
+        text = resources.files(__package__).joinpath(REGISTRY_FILE).read_text(encoding="utf-8")
+    registry = yaml.safe_load(text) or {}
+    if not isinstance(registry, dict):
+        raise ZooError("the zoo registry must map model names to entries.")
+    for name, raw in registry.items():
+        if not isinstance(raw, dict):
+            raise ZooError(f"zoo entry {name!r} must be a mapping.")
+        _check(name, raw)
+        if "quick" in raw:
+            _check(name, _merge({k: v for k, v in raw.items() if k != "quick"}, raw["quick"]))
+    return registry
+
+
+def model_names() -> list[str]:
+    """Names of the zoo's models, in registry order."""
+    return list(load_registry())
+
+
+def get_entry(name: str, quick: bool = False, registry: dict[str, dict] | None = None) -> ZooEntry:
+    """The entry ``name`` (with its ``quick`` values merged in when ``quick``)."""
+    registry = load_registry() if registry is None else registry
+    if name not in registry:
+        raise ZooError(f"unknown zoo model {name!r}; choose from: {', '.join(registry)}.")
+    raw = {key: value for key, value in registry[name].items() if key != "quick"}
+    if quick:
+        raw = _merge(raw, registry[name].get("quick", {}))
+    return ZooEntry(name=name, **raw)

@@ -1,0 +1,237 @@
+"""The model zoo: the registry and its checks, the `performer-hf zoo` command and its error paths, and
+quick builds of the MiniLM and GPT-2 recipes end to end, their figures recomputed independently."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+
+from performer_hf import data_assets
+from performer_hf.cli import main
+from performer_hf.conversion.demo import minilm_folder
+from performer_hf.conversion.fidelity import english_sentences
+from performer_hf.zoo import ZooError, build, get_entry, load_registry, model_names
+from performer_hf.zoo import builder as zoo_builder
+
+REMOTE_CODE = {"modeling_performer.py", "configuration_performer.py", "favor_attention.py", "favor_features.py",
+               "favor_projection.py", "cache_performer.py"}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _card(folder: Path) -> ModelCard:
+    return ModelCard.load(folder / "README.md")
+
+
+def _model_index_metrics(card: ModelCard) -> dict[str, float]:
+    return {result.metric_type: result.metric_value for result in card.data.eval_results}
+
+
+# ---------------------------------------------------------------- registry
+
+
+def test_registry_lists_the_required_models_with_complete_recipes():
+    names = model_names()
+    assert names[:3] == ["performer-minilm-l6", "performer-minilm-l6-rotten-tomatoes", "performer-gpt2-tiny"]
+    for name in names:
+        for quick in (False, True):
+            entry = get_entry(name, quick=quick)
+            assert entry.description and entry.license and entry.limits
+            assert entry.convert["method"] == "favor"
+    sentiment = get_entry("performer-minilm-l6-rotten-tomatoes")
+    assert sentiment.data == "rotten_tomatoes" and sentiment.finetune["task"] == "classification"
+    assert sentiment.evaluate == {"kind": "classification", "split": "test"}
+    gpt2 = get_entry("performer-gpt2-tiny")
+    assert gpt2.source["pretrain"] == "gpt2" and gpt2.finetune["task"] == "clm"
+    quick = get_entry("performer-gpt2-tiny", quick=True)
+    # quick values are merged into nested fields, the others kept
+    assert quick.source["training"]["steps"] < gpt2.source["training"]["steps"]
+    assert quick.source["training"]["learning_rate"] == gpt2.source["training"]["learning_rate"]
+    assert quick.finetune["args"]["learning_rate"] == gpt2.finetune["args"]["learning_rate"]
+
+
+GOOD = """
+tiny:
+  description: d
+  license: mit
+  pipeline_tag: text-classification
+  source: {package: some_package}
+  data: rotten_tomatoes
+  finetune: {task: classification, args: {seed: 1}}
+  evaluate: {kind: classification}
+"""
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (("license: mit", "license: mit\n  colour: blue"), "unknown field(s) ['colour']"),
+        (("source: {package: some_package}", "source: {package: a, checkpoint: b}"), "exactly one of"),
+        (("data: rotten_tomatoes", "data: imdb"), "unknown data set 'imdb'"),
+        (("task: classification", "task: ner"), "finetune.task must be one of"),
+        (("{seed: 1}", "{output_dir: x}"), "must not set ['output_dir']"),
+        (("kind: classification", "kind: bleu"), "evaluate.kind must be one of"),
+        (("  license: mit\n", ""), "lacks 'license'"),
+    ],
+)
+def test_registry_checks_name_the_bad_field(edit, message):
+    assert "tiny" in load_registry(GOOD)
+    with pytest.raises(ZooError) as error:
+        load_registry(GOOD.replace(*edit))
+    assert message in str(error.value) and "'tiny'" in str(error.value)
+
+
+def test_registry_checks_quick_values_too():
+    with pytest.raises(ZooError, match="unknown data set 'imdb'"):
+        load_registry(GOOD + "  quick: {data: imdb}\n")
+
+
+# ---------------------------------------------------------------- command line
+
+
+def test_zoo_list_command(capsys):
+    assert main(["zoo", "list"]) == 0
+    out = capsys.readouterr().out
+    for name in model_names():
+        assert f"{name}\n    " in out
+
+
+def test_unknown_model_lists_the_names(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["zoo", "build", "performer-bert-huge", str(out)]) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("performer-hf: error: unknown zoo model 'performer-bert-huge'")
+    assert all(name in error[0] for name in model_names())
+    assert not out.exists()
+
+
+def test_existing_output_needs_overwrite(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["zoo", "build", "performer-minilm-l6", str(out), "--quick"]) == 1
+    assert "pass --overwrite" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_a_failing_step_leaves_no_output(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("evaluation exploded")
+
+    monkeypatch.setattr(zoo_builder, "_evaluate", broken)
+    with pytest.raises(RuntimeError, match="evaluation exploded"):
+        build("performer-minilm-l6", out, overwrite=True, quick=True)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]  # the old output is untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left
+
+
+# ---------------------------------------------------------------- quick builds, end to end
+
+
+@pytest.fixture(scope="module")
+def minilm_build(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zoo") / "performer-minilm-l6"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        assert main(["zoo", "build", "performer-minilm-l6", str(out), "--quick", "-q"]) == 0
+    return out
+
+
+def test_quick_minilm_build_writes_checkpoint_card_and_results(minilm_build):
+    out = minilm_build
+    files = {path.name for path in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "vocab.txt", "README.md", "zoo_results.json",
+            "conversion_report.json"} | REMOTE_CODE <= files  # fmt: skip
+    config = json.loads((out / "config.json").read_text())
+    entry = get_entry("performer-minilm-l6", quick=True)
+    assert config["model_type"] == "performer" and config["auto_map"]["AutoModel"].startswith("modeling_performer.")
+    assert config["nb_features"] == entry.convert["nb_features"] and config["attention_kernel"] == "softmax"
+
+    results = json.loads((out / "zoo_results.json").read_text())
+    assert results["quick"] is True and results["recipe"]["name"] == "performer-minilm-l6"
+    figures = results["evaluation"]["rows"]["this model"]
+
+    card = _card(out)
+    assert card.data.license == "apache-2.0" and card.data.library_name == "transformers"
+    assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2"
+    assert {"performer", "favor+"} <= set(card.data.tags)
+    assert card.data.pipeline_tag == "feature-extraction"
+    assert _model_index_metrics(card) == pytest.approx(figures, abs=1e-4)
+    text = card.text
+    assert "Smoke build" in text and "performer-hf zoo build performer-minilm-l6 OUT_DIR" in text
+    assert f"| random features per head (`nb_features`) | {entry.convert['nb_features']} |" in text
+    assert "never redrawn" in text and f"**Maximum length:** {config['max_position_embeddings']} tokens" in text
+
+
+def test_quick_minilm_figures_match_an_independent_measurement(minilm_build):
+    """Mean cosine between the Performer's and the real BertModel's mean-pooled embeddings, recomputed here."""
+    from transformers import AutoTokenizer, BertModel
+
+    from performer_hf import PerformerModel
+
+    sentences = english_sentences(get_entry("performer-minilm-l6", quick=True).evaluate["sentences"])
+    tokenizer = AutoTokenizer.from_pretrained(minilm_build)
+    batch = tokenizer(sentences, padding=True, return_tensors="pt")
+    weights = batch["attention_mask"].unsqueeze(-1).float()  # (N, L, 1)
+    with torch.no_grad():
+        embeddings = [
+            (model(**batch).last_hidden_state * weights).sum(1) / weights.sum(1)  # (N, H)
+            for model in (BertModel.from_pretrained(minilm_folder()).eval(),
+                          PerformerModel.from_pretrained(minilm_build).eval())
+        ]  # fmt: skip
+    cosine = torch.nn.functional.cosine_similarity(*embeddings, dim=-1).mean().item()
+    reported = json.loads((minilm_build / "zoo_results.json").read_text())["evaluation"]["rows"]["this model"]
+    assert reported["mean_cosine_to_source"] == pytest.approx(cosine, abs=1e-4)
+    assert 0.2 < cosine < 0.999  # FAVOR+ without finetuning: related to the source, not equal to it
+
+
+def test_quick_gpt2_build_pretrains_converts_finetunes_and_evaluates(tmp_path):
+    out = build("performer-gpt2-tiny", tmp_path / "gpt2", quick=True)
+    entry = get_entry("performer-gpt2-tiny", quick=True)
+    results = json.loads((out / "zoo_results.json").read_text())
+    assert results["source"]["pretrain"] == "gpt2" and results["source"]["steps"] == entry.source["training"]["steps"]
+    assert results["training"]["metrics"]["train_steps"] == entry.finetune["args"]["max_train_steps"]
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in log if "train_loss" in row] == [1, 2]
+    rows = results["evaluation"]["rows"]
+    assert list(rows) == ["this model", "softmax source model", "Performer right after conversion (no finetuning)"]
+    assert {(row["tokens"]) for row in rows.values()} == {rows["this model"]["tokens"]}
+
+    # The reported perplexity of the built model, recomputed from the test split with the HF loss.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["is_decoder"] and config["nb_features"] == entry.convert["nb_features"]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model).__name__ == "PerformerForCausalLM"
+    documents = data_assets.python_docs()
+    test = data_assets.seeded_split([{"text": text} for text in documents], 0)["test"][: entry.data_limit]
+    ids = [token for text in test for token in tokenizer(text["text"])["input_ids"]]
+    size = entry.evaluate["block_size"]
+    blocks = torch.tensor(ids[: len(ids) // size * size]).view(-1, size)[: entry.evaluate["max_blocks"]]
+    with torch.no_grad():
+        loss = model(input_ids=blocks, labels=blocks).loss
+    assert rows["this model"]["perplexity"] == pytest.approx(loss.exp().item(), rel=1e-4)
+    assert rows["this model"]["tokens"] == blocks.shape[0] * (size - 1)
+
+    card = _card(out)
+    assert card.data.pipeline_tag == "text-generation" and card.data.base_model is None
+    assert _model_index_metrics(card)["perplexity"] == pytest.approx(rows["this model"]["perplexity"], abs=1e-4)
+    assert "training/run_clm.py" in card.text and "GPT2LMHeadModel" in card.text
+    assert "| softmax source model |" in card.text
