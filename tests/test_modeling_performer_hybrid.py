@@ -13,12 +13,14 @@ import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2LMHeadModel
 
 from performer_hf import PerformerConfig, PerformerForCausalLM, PerformerForMaskedLM, PerformerModel
 from performer_hf.cache_performer import HybridCacheLayer
 from performer_hf.cli import main
 from performer_hf.conversion import convert
+from performer_hf.conversion.convert import METHODS
+from performer_hf.conversion.fidelity import sample_batch
 
 from .test_conversion import CASES, save_source
 from .test_favor_hybrid import reference
@@ -338,20 +340,33 @@ def tiny_sources(tmp_path_factory):
 def test_default_conversion_is_the_hybrid_and_calibrates_causal_centres(tiny_sources, tmp_path):
     bert = convert(tiny_sources / "bert-mlm", tmp_path / "bert", fidelity=False)
     config = json.loads((bert / "config.json").read_text())
-    assert {k: config[k] for k in ("attention_kernel", "center_features", "local_window", "num_global_tokens",
-                                   "routed_blocks", "route_block_size", "query_block_size")} == {
-        "attention_kernel": "poly2", "center_features": True, "local_window": 17, "num_global_tokens": 1,
-        "routed_blocks": 24, "route_block_size": 8, "query_block_size": 16,
-    }  # fmt: skip
-    assert "routed exact key blocks: 24 blocks of 8 keys" in (bert / "README.md").read_text()
+    preset = METHODS["hybrid"]["bidirectional"]
+    assert preset["attention_kernel"] == "poly2" and preset["routed_blocks"] > 0
+    assert {name: config[name] for name in preset} == preset
+    card = (bert / "README.md").read_text()
+    assert f"routed exact key blocks: {preset['routed_blocks']} blocks of {preset['route_block_size']} keys" in card
 
     gpt2 = convert(tiny_sources / "gpt2-lm", tmp_path / "gpt2", fidelity=False)
-    config = json.loads((gpt2 / "config.json").read_text())
-    assert config["routed_blocks"] == 0 and config["center_features"] and config["local_window"] > 0
+    config = PerformerConfig.from_pretrained(gpt2)
+    assert config.routed_blocks == 0 and config.center_features and config.local_window > 0
     report = json.loads((gpt2 / "conversion_report.json").read_text())
-    assert report["calibration"]["centres"] and report["attention"]["attention_kernel"] == "poly2"
+    assert report["calibration"]["centres"] and report["attention"]["attention_kernel"] == config.attention_kernel
+
+    # the centres are the means of the source's own scaled queries / keys on the sample text
+    source = GPT2LMHeadModel.from_pretrained(tiny_sources / "gpt2-lm").eval()
+    batch = sample_batch(config)
+    captured = []
+    source.transformer.h[1].attn.c_attn.register_forward_hook(lambda _m, _a, out: captured.append(out))
+    with torch.no_grad():
+        source(**batch)
+    q, k, _ = captured[0].split(HIDDEN, dim=-1)  # (B, L, hidden) each
+    real = batch["attention_mask"].bool()
     weights = load_file(gpt2 / "model.safetensors")
-    assert weights["performer.encoder.layer.0.attention.query_center"].abs().sum() > 0  # measured, not zeros
+    for name, t in (("query_center", q), ("key_center", k)):
+        expected = (t[real] * HEAD_DIM**-0.25).view(-1, HEADS, HEAD_DIM).mean(0)  # (H, d)
+        stored = weights[f"performer.encoder.layer.1.attention.{name}"]
+        torch.testing.assert_close(stored, expected, rtol=1e-4, atol=1e-5)
+
     model = AutoModelForCausalLM.from_pretrained(gpt2).eval()
     ids = random_ids(1, 7)
     out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -371,7 +386,9 @@ def test_convert_command_with_hybrid_flags(tiny_sources, tmp_path, capsys):
         "softmax_opt", "simplex", False,
     )  # fmt: skip
     parameter = torch.tensor(config["far_field_parameter"])  # calibrated: one A per layer and head
-    assert parameter.shape == (LAYERS, HEADS) and (parameter < 0).all()
+    assert parameter.shape == (LAYERS, HEADS) and (parameter <= 0).all()
+    errors = torch.tensor(json.loads((out / "conversion_report.json").read_text())["calibration"]["far_field_error"])
+    assert errors.shape == (LAYERS, HEADS) and (errors > 0).all()
     model = AutoModelForMaskedLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=random_ids(2, 40)).logits).all()

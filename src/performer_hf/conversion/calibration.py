@@ -6,9 +6,11 @@ beforehand (a statistic of the whole sequence would let a position read later on
 
 - the centres ``a = mean x`` and ``c = mean y`` per layer and head (``center_features``), stored in
   the attention modules' ``query_center`` / ``key_center`` buffers;
-- FAVOR++'s parameter ``A`` per layer and head (``attention_kernel="softmax_opt"``), the closed form
-  of :func:`performer_hf.favor_optimal.optimal_parameter` for the statistic ``rho = mean |u + w|^2 / d``
-  of the centred queries and keys, stored in ``config.far_field_parameter``.
+- FAVOR++'s parameter ``A`` per layer and head (``attention_kernel="softmax_opt"``), starting from the
+  closed form of :func:`performer_hf.favor_optimal.optimal_parameter` for the statistic
+  ``rho = mean |u + w|^2 / d`` of the centred queries and keys, then chosen per head among a few
+  multiples of it by attention-output error against exact attention; stored in
+  ``config.far_field_parameter``.
 
 Both are measured on the real tokens of a little text run through the exact-attention twin of the
 converted model (the same weights as the source, so the source is the teacher): each layer sees the
@@ -33,19 +35,13 @@ def _attention_modules(model: nn.Module) -> list[PerformerAttention]:
 
 
 @torch.no_grad()
-def scaled_queries_and_keys(exact: nn.Module, batch: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
-    """Per layer, the scaled queries and keys of the real tokens of ``batch``: ``(N, H, d)`` each.
-
-    ``exact`` is the converted model with ``attention_kernel="exact"`` (eval mode).
-    """
-    mask = batch["attention_mask"].bool()  # (B, L)
-    captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+def attention_inputs(exact: nn.Module, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Per layer, the hidden states ``(B, L, hidden)`` entering the attention of ``exact`` (the converted
+    model with ``attention_kernel="exact"``, in eval mode) on ``batch``."""
+    captured: list[torch.Tensor] = []
 
     def hook(module: PerformerAttention, args, kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]  # (B, L, hidden)
-        root = module.head_dim**-0.25
-        q, k = (module._split_heads(layer(hidden)) * root for layer in (module.query, module.key))  # (B, H, L, d)
-        captured.append((q.transpose(1, 2)[mask], k.transpose(1, 2)[mask]))  # (N, H, d) each
+        captured.append(args[0] if args else kwargs["hidden_states"])
 
     hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in _attention_modules(exact)]
     try:
@@ -56,46 +52,87 @@ def scaled_queries_and_keys(exact: nn.Module, batch: dict[str, torch.Tensor]) ->
     return captured
 
 
+def _heads(module: PerformerAttention, hidden: torch.Tensor) -> list[torch.Tensor]:
+    """q, k, v: (B, H, L, d) of ``module`` for ``hidden`` (B, L, hidden)."""
+    return [module._split_heads(layer(hidden)) for layer in (module.query, module.key, module.value)]
+
+
+def _head_errors(candidate: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(H,) relative errors over the real tokens; candidate, reference (B, H, L, d), mask (B, L)."""
+    keep = mask[:, None, :, None].to(reference.dtype)
+    diff = ((candidate - reference) * keep).pow(2).sum(dim=(0, 2, 3))
+    return (diff / (reference * keep).pow(2).sum(dim=(0, 2, 3)).clamp_min(1e-30)).sqrt()
+
+
+# Candidate FAVOR++ parameters, as multiples of the closed-form A* (0: plain FAVOR+ features).
+PARAMETER_FACTORS = (1.0, 0.5, 2.0, 0.0)
+
+
+def _select_parameter(module: PerformerAttention, qkv, mask, causal: bool, closed_form: torch.Tensor):
+    """Per head, the candidate ``A`` (:data:`PARAMETER_FACTORS` times ``closed_form`` (H,)) whose
+    attention output is closest to exact attention on the sample. Returns (A per head, its errors)."""
+    q, k, v = qkv
+    reference, _ = module._exact(q, k, v, mask, causal, output_attentions=False)  # (B, H, L, d)
+    errors = []
+    for factor in PARAMETER_FACTORS:
+        module.far_field_parameter = (factor * closed_form).tolist()
+        errors.append(_head_errors(module._hybrid(q, k, v, mask, causal, None), reference, mask))
+    errors = torch.stack(errors)  # (F, H)
+    best = errors.argmin(dim=0)  # (H,)
+    factors = torch.tensor(PARAMETER_FACTORS, dtype=closed_form.dtype)[best]
+    heads = torch.arange(errors.shape[1])
+    return (factors * closed_form).tolist(), errors[best, heads].tolist()
+
+
 @torch.no_grad()
-def calibrate(model: nn.Module, exact: nn.Module, batch: dict[str, torch.Tensor]) -> dict:
+def calibrate(model: nn.Module, exact: nn.Module, batch: dict[str, torch.Tensor], causal: bool) -> dict:
     """Set ``model``'s fixed centres (if ``center_features``) and FAVOR++ ``A`` (if ``"softmax_opt"``).
+
+    The centres are the means of the scaled queries and keys over the sample's real tokens. For ``A``
+    each head starts from the closed form of its statistic ``rho`` and keeps whichever of
+    :data:`PARAMETER_FACTORS` times it gives the lowest attention-output error against exact
+    attention on the sample (label-free: the source is the teacher; the projection is the model's own).
 
     Args:
         model: the converted hybrid Performer (modified in place: buffers, ``config.far_field_parameter``
             and the attention modules' copies of it).
         exact: its exact-attention twin with the same weights.
         batch: ``input_ids``, ``attention_mask`` (and ``token_type_ids``) of sample text.
+        causal: whether the model attends causally (the errors are measured that way).
     Returns:
         What was set, for the conversion report: ``{"centres": bool, "far_field_parameter": list | None,
-        "num_tokens": int}``.
+        "far_field_error": per-layer lists of per-head errors or None, "num_tokens": int}``.
     """
     config = model.config
     if "token_type_ids" in batch and config.type_vocab_size == 0:
         batch = {k: v for k, v in batch.items() if k != "token_type_ids"}
-    statistics = scaled_queries_and_keys(exact, batch)
-    modules = _attention_modules(model)
-    parameters = []
-    for module, (x, y) in zip(modules, statistics, strict=True):
+    mask = batch["attention_mask"].bool()  # (B, L)
+    optimise = config.attention_kernel == "softmax_opt"
+    parameters, errors = [], []
+    for module, hidden in zip(_attention_modules(model), attention_inputs(exact, batch), strict=True):
+        qkv = _heads(module, hidden)
+        root = module.head_dim**-0.25
+        x, y = (t.transpose(1, 2)[mask] * root for t in qkv[:2])  # (N, H, d): scaled, real tokens
         a, c = x.mean(0), y.mean(0)  # (H, d)
         if config.center_features:
             module.query_center.copy_(a)
             module.key_center.copy_(c)
         else:
             a = c = torch.zeros_like(a)
-        u, w = (x - a).double(), (y - c).double()  # (N, H, d)
-        # rho = mean_{i,j} |u_i + w_j|^2 / d = (mean |u|^2 + mean |w|^2 + 2 mean u . mean w) / d
-        rho = (u.pow(2).sum(-1).mean(0) + w.pow(2).sum(-1).mean(0) + 2 * (u.mean(0) * w.mean(0)).sum(-1)) / u.shape[-1]
-        parameters.append(optimal_parameter(rho).tolist())  # (H,)
-    far_field_parameter = None
-    if config.attention_kernel == "softmax_opt":
-        far_field_parameter = parameters
-        config.far_field_parameter = parameters
-        for module, row in zip(modules, parameters, strict=True):
+        if optimise:
+            u, w = (x - a).double(), (y - c).double()  # (N, H, d)
+            # rho = mean_{i,j} |u_i + w_j|^2 / d = (mean |u|^2 + mean |w|^2 + 2 mean u . mean w) / d
+            rho = u.pow(2).sum(-1).mean(0) + w.pow(2).sum(-1).mean(0) + 2 * (u.mean(0) * w.mean(0)).sum(-1)
+            row, error = _select_parameter(module, qkv, mask, causal, optimal_parameter(rho / u.shape[-1]))
             module.far_field_parameter = row
-    num_tokens = int(batch["attention_mask"].sum())
+            parameters.append(row)
+            errors.append(error)
+    if optimise:
+        config.far_field_parameter = parameters
+    num_tokens = int(mask.sum())
     logger.info(
         "calibrated on %d tokens: %s%s", num_tokens, "centres" if config.center_features else "",
-        ", FAVOR++ A per layer and head" if far_field_parameter is not None else "",
+        ", FAVOR++ A per layer and head" if optimise else "",
     )  # fmt: skip
-    return {"centres": bool(config.center_features), "far_field_parameter": far_field_parameter,
-            "num_tokens": num_tokens}  # fmt: skip
+    return {"centres": bool(config.center_features), "far_field_parameter": parameters if optimise else None,
+            "far_field_error": errors if optimise else None, "num_tokens": num_tokens}  # fmt: skip

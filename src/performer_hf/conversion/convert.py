@@ -346,7 +346,7 @@ def convert(
     calibration = None
     if config.uses_hybrid_attention and (calibrate or needs_calibration(config, is_causal(checkpoint))):
         exact = exact_twin(model, head.target_class, pooler)
-        calibration = calibrate_model(model, exact, sample_batch(config, tokenizer))
+        calibration = calibrate_model(model, exact, sample_batch(config, tokenizer), is_causal(checkpoint))
         del exact
     report = fidelity_report(checkpoint, model, head.target_class, pooler, tokenizer) if fidelity else None
     if report is not None:
