@@ -31,21 +31,25 @@ SKIPPED_FILES = ("optimizer.bin", "scheduler.bin", "random_states_0.pkl")
 def remote_code_files(folder: Path, config: dict) -> list[str]:
     """The ``.py`` files that ``trust_remote_code=True`` loading needs: the modules named in
     ``config["auto_map"]`` and every sibling they import (``from .x import y``), recursively."""
-    from transformers.dynamic_module_utils import get_relative_import_files
+    from transformers.dynamic_module_utils import get_relative_imports
 
-    modules = {reference.split(".")[0] for reference in config["auto_map"].values()}
-    files = set()
-    for module in sorted(modules):
-        path = folder / f"{module}.py"
-        if not path.is_file():
-            raise PushError(f"{folder} lacks {path.name}, named in config.json's auto_map; save the model again "
-                             "with save_pretrained (it copies the remote code).")  # fmt: skip
-        files.add(path.name)
-        files.update(Path(name).name for name in get_relative_import_files(str(path)))
-    missing = sorted(name for name in files if not (folder / name).is_file())
+    pending = sorted({reference.split(".")[0] + ".py" for reference in config["auto_map"].values()})
+    found, missing = set(), set()
+    while pending:
+        name = pending.pop()
+        if name in found or name in missing:
+            continue
+        if not (folder / name).is_file():
+            missing.add(name)
+            continue
+        found.add(name)
+        pending += [f"{module}.py" for module in get_relative_imports(str(folder / name))]
     if missing:
-        raise PushError(f"{folder} lacks remote-code files {missing}; save the model again with save_pretrained.")
-    return sorted(files)
+        raise PushError(
+            f"{folder} lacks remote-code files {sorted(missing)} (named in config.json's auto_map or imported by "
+            "its modules); save the model again with save_pretrained, which copies them."
+        )
+    return sorted(found)
 
 
 def checkpoint_files(folder: str | Path) -> list[str]:

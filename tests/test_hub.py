@@ -1,0 +1,290 @@
+"""Publishing and pulling through the Hub protocol.
+
+Push: ``performer_hf.hub.push_to_hub`` / ``performer-hf push`` and transformers' own
+``model.push_to_hub``, against a mocked Hub API (``HfApi.create_repo`` / ``create_commit``): the
+uploaded files must be enough to load the model with ``trust_remote_code=True``.
+
+Pull: a real Hub-protocol server (``olah``, serving a local git repository at ``HF_ENDPOINT``) and
+``AutoModelForMaskedLM.from_pretrained("org/name", trust_remote_code=True)`` in a process in which
+``performer_hf`` cannot be imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+from huggingface_hub import HfApi, ModelCard, ModelCardData
+from transformers import AutoTokenizer
+
+from performer_hf import PerformerConfig, PerformerForMaskedLM
+from performer_hf.cli import main
+from performer_hf.conversion.demo import minilm_folder
+from performer_hf.hub import PushError, push_to_hub
+
+TEXT = ["Performers approximate softmax attention with random features.", "A short one."]
+
+
+def _tiny_checkpoint(folder: Path) -> PerformerForMaskedLM:
+    """A tiny MLM Performer with the real MiniLM tokenizer (vocab 30522), a card and training leftovers."""
+    torch.manual_seed(0)
+    config = PerformerConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=37, max_position_embeddings=64, nb_features=16)  # fmt: skip
+    model = PerformerForMaskedLM(config).eval()
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(minilm_folder()).save_pretrained(folder)
+    data = ModelCardData(license="apache-2.0", library_name="transformers", tags=["performer"])
+    ModelCard(f"---\n{data.to_yaml()}\n---\n\n# tiny performer\n").save(folder / "README.md")
+    (folder / "optimizer.bin").write_bytes(b"training state")  # left by a training run: not uploaded
+    (folder / "step_10").mkdir()
+    (folder / "step_10" / "model.safetensors").write_bytes(b"checkpoint")
+    return model
+
+
+def _relative_imports(source: str) -> set[str]:
+    """Sibling modules a remote-code file imports (``from .x import y``), read independently of transformers."""
+    return {f"{name}.py" for name in re.findall(r"^\s*from \.(\w+) import", source, flags=re.M)}
+
+
+class FakeHub:
+    """Stands in for the Hub API: records the repository created and the files of each commit."""
+
+    def __init__(self):
+        self.repos, self.commits = [], []
+
+    def create_repo(self, repo_id, **kwargs):
+        self.repos.append((repo_id, kwargs))
+        return SimpleNamespace(repo_id=repo_id)
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        files = {}
+        for operation in operations:
+            source = operation.path_or_fileobj
+            files[operation.path_in_repo] = Path(source).read_bytes() if isinstance(source, str) else source
+        self.commits.append({"repo_id": repo_id, "files": files, **kwargs})
+        return SimpleNamespace(commit_url=f"https://hub.invalid/{repo_id}/commit/0", oid="0")
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    hub = FakeHub()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # Instance methods receive self (the HfApi) first: drop it.
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: hub.create_repo(repo_id, **kw))
+    monkeypatch.setattr(HfApi, "create_commit", lambda self, repo_id, **kw: hub.create_commit(repo_id, **kw))
+    return hub
+
+
+def _assert_loadable_upload(files: dict[str, bytes]) -> None:
+    """What trust_remote_code loading needs: weights, config with auto_map, every module it names and imports."""
+    assert "model.safetensors" in files
+    config = json.loads(files["config.json"])
+    assert config["model_type"] == "performer"
+    needed = {reference.split(".")[0] + ".py" for reference in config["auto_map"].values()}
+    assert {"modeling_performer.py", "configuration_performer.py"} <= needed
+    while needed:
+        name = needed.pop()
+        assert name in files, f"{name} is imported but not uploaded"
+        needed |= _relative_imports(files[name].decode()) - {name}
+
+
+def test_push_uploads_model_tokenizer_card_and_remote_code_in_one_commit(tmp_path, fake_hub):
+    folder = tmp_path / "tiny"
+    _tiny_checkpoint(folder)
+    commit = push_to_hub(folder, "org/tiny-performer", private=True)
+
+    assert commit.commit_url.endswith("/org/tiny-performer/commit/0")
+    assert fake_hub.repos == [("org/tiny-performer", {"private": True, "exist_ok": True})]
+    assert len(fake_hub.commits) == 1
+    files = fake_hub.commits[0]["files"]
+    _assert_loadable_upload(files)
+    assert {"README.md", "tokenizer.json", "tokenizer_config.json"} <= set(files)
+    assert files["model.safetensors"] == (folder / "model.safetensors").read_bytes()
+    assert ModelCard(files["README.md"].decode()).data.license == "apache-2.0"
+    assert "optimizer.bin" not in files and not any("/" in name for name in files)  # no training leftovers
+    expected = {p.name for p in folder.iterdir() if p.is_file()} - {"optimizer.bin"}
+    assert set(files) == expected
+
+
+def test_push_command_prints_the_commit(tmp_path, fake_hub, capsys):
+    folder = tmp_path / "tiny"
+    _tiny_checkpoint(folder)
+    assert main(["push", str(folder), "org/tiny-performer", "--message", "first upload"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == "https://hub.invalid/org/tiny-performer/commit/0"
+    assert lines[0].startswith("uploading 13 files to org/tiny-performer: README.md, ")
+    assert fake_hub.commits[0]["commit_message"] == "first upload"
+    _assert_loadable_upload(fake_hub.commits[0]["files"])
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda f: (f / "config.json").unlink(), "has no config.json"),
+        (lambda f: (f / "model.safetensors").unlink(), "has no weights"),
+        (lambda f: (f / "favor_features.py").unlink(), "lacks remote-code files ['favor_features.py']"),
+        (
+            lambda f: (f / "config.json").write_text(
+                json.dumps({k: v for k, v in json.loads((f / "config.json").read_text()).items() if k != "auto_map"})
+            ),
+            "has no auto_map",
+        ),
+    ],
+)
+def test_push_refuses_an_incomplete_checkpoint(tmp_path, fake_hub, capsys, damage, message):
+    folder = tmp_path / "tiny"
+    _tiny_checkpoint(folder)
+    damage(folder)
+    with pytest.raises(PushError, match=re.escape(message)):
+        push_to_hub(folder, "org/tiny-performer")
+    assert main(["push", str(folder), "org/tiny-performer"]) == 1
+    assert message in capsys.readouterr().err
+    assert fake_hub.repos == [] and fake_hub.commits == []  # nothing sent
+
+
+def test_transformers_push_to_hub_uploads_the_remote_code(tmp_path, fake_hub):
+    """``model.push_to_hub`` / ``tokenizer.push_to_hub`` of transformers work for Performers as they are."""
+    model = _tiny_checkpoint(tmp_path / "tiny")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tiny")
+    card = ModelCard("---\nlicense: apache-2.0\n---\n\n# card\n")
+    with mock.patch("transformers.utils.hub.create_and_tag_model_card", return_value=card):  # reads the Hub
+        model.push_to_hub("org/tiny-performer")
+        tokenizer.push_to_hub("org/tiny-performer")
+    model_files, tokenizer_files = (commit["files"] for commit in fake_hub.commits)
+    _assert_loadable_upload(model_files)
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(tokenizer_files)
+
+
+# ---------------------------------------------------------------- pull through olah
+
+_PULL_SCRIPT = textwrap.dedent(
+    """
+    import importlib.abc, json, sys
+
+    class BlockPerformerHF(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "performer_hf":
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+
+    sys.meta_path.insert(0, BlockPerformerHF())
+    import torch
+    from huggingface_hub import snapshot_download
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    repo_id, texts = sys.argv[1], json.loads(sys.argv[2])
+    model = AutoModelForMaskedLM.from_pretrained(repo_id, trust_remote_code=True).eval()
+    # The tokenizer from the snapshot olah served: AutoTokenizer.from_pretrained(repo_id) probes optional files
+    # that this repo lacks, and olah 0.5.4 answers a file missing from a local mirror with 401 RepoNotFound
+    # (the Hub: 404 EntryNotFound), which transformers treats as fatal.
+    snapshot = snapshot_download(repo_id)
+    tokenizer = AutoTokenizer.from_pretrained(snapshot)
+    with torch.no_grad():
+        logits = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits
+    print("REPORT" + json.dumps({
+        "logits": logits.tolist(),
+        "class": type(model).__module__ + "." + type(model).__name__,
+        "snapshot": snapshot,
+        "leaked": sorted(name for name in sys.modules if name.startswith("performer_hf")),
+    }))
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _git(folder: Path, *args: str) -> str:
+    command = ["git", "-c", "user.name=test", "-c", "user.email=test@example.invalid", *args]
+    return subprocess.run(command, cwd=folder, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def olah_server(tmp_path):
+    """An olah server, offline, whose local mirror holds the repository ``org/tiny-performer``.
+
+    Yields (endpoint, repository folder); olah reads the repository's git history."""
+    mirror = tmp_path / "mirrors"
+    port = _free_port()
+    config = tmp_path / "olah.toml"
+    config.write_text(textwrap.dedent(f"""
+        [basic]
+        host = "127.0.0.1"
+        port = {port}
+        repos-path = "{tmp_path / "olah-repos"}"
+        mirrors-path = ["{mirror}"]
+        [accessibility]
+        offline = true
+    """))  # fmt: skip
+    repo = mirror / "models" / "org" / "tiny-performer"
+    repo.mkdir(parents=True)
+    log = (tmp_path / "olah.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "olah.server", "-c", str(config)], cwd=tmp_path,
+                              stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        yield endpoint, repo
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+
+def _wait_for(url: str, server_log: Path, seconds: float = 90) -> dict:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return json.loads(response.read())
+        except OSError as error:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"olah did not answer {url}: {error}\n{server_log.read_text()[-2000:]}") from None
+            time.sleep(0.3)
+
+
+def test_pull_through_a_hub_protocol_server_without_performer_hf(tmp_path, olah_server):
+    endpoint, repo = olah_server
+    model = _tiny_checkpoint(tmp_path / "tiny")
+    for path in (tmp_path / "tiny").iterdir():
+        if path.is_file():
+            shutil.copy2(path, repo / path.name)
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "tiny performer")
+    commit = _git(repo, "rev-parse", "HEAD")
+
+    info = _wait_for(f"{endpoint}/api/models/org/tiny-performer/revision/main", tmp_path / "olah.log")
+    assert info["sha"] == commit
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf-home"), HF_MODULES_CACHE=str(tmp_path / "modules"),
+               NO_PROXY="127.0.0.1,localhost", OMP_NUM_THREADS="1")  # fmt: skip
+    argv = [sys.executable, "-c", _PULL_SCRIPT, "org/tiny-performer", json.dumps(TEXT)]
+    result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.split("REPORT", 1)[1])
+
+    assert report["leaked"] == []
+    assert report["class"].startswith("transformers_modules.") and report["class"].endswith(".PerformerForMaskedLM")
+    snapshot = Path(report["snapshot"])
+    assert snapshot.name == commit and snapshot.parent.parent.name == "models--org--tiny-performer"
+    assert (snapshot / "model.safetensors").read_bytes() == (tmp_path / "tiny" / "model.safetensors").read_bytes()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tiny")
+    with torch.no_grad():
+        expected = model(**tokenizer(TEXT, padding=True, return_tensors="pt")).logits
+    assert torch.equal(torch.tensor(report["logits"]), expected)
