@@ -8,13 +8,13 @@ maximum length, how the model was converted and finetuned, the measured results 
 
 from __future__ import annotations
 
-import json
 from importlib import resources
 from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from ..conversion.model_card import _KERNEL_NAMES
+from ..configuration_performer import PerformerConfig
+from ..conversion.model_card import _KERNEL_NAMES, _hybrid_lines
 from .data import DATA_SETS, HUB_DATASETS
 from .evaluation import THIS_MODEL
 from .registry import ZooEntry
@@ -41,28 +41,25 @@ def _call(function: str, options: dict) -> str:
     return f"`{function}({', '.join(f'{key}={value!r}' for key, value in options.items())})`"
 
 
-def favor_settings(config: dict) -> list[tuple[str, str]]:
-    """(setting, value) rows describing the attention of a Performer config (``config.json`` as a dict)."""
-    kernel = config["attention_kernel"]
+def favor_settings(config: PerformerConfig) -> list[tuple[str, str]]:
+    """(setting, value) rows describing the attention of a Performer config."""
+    kernel = config.attention_kernel
     rows = [
         ("attention kernel", f"`{kernel}` ({_KERNEL_NAMES.get(kernel, 'see PerformerConfig')})"),
-        ("random features per head (`nb_features`)", str(config["nb_features"])),
-        ("head dimension", str(config["hidden_size"] // config["num_attention_heads"])),
-        ("feature coupling / row norms", f"{config['feature_coupling']} / `{config['feature_row_norms']}`"),
-        ("projection seed", str(config["projection_seed"])),
-        ("causal", "yes" if config.get("is_decoder") else "no"),
+        ("random features per head (`nb_features`)", str(config.nb_features)),
+        ("head dimension", str(config.head_dim)),
+        ("feature coupling / row norms", f"{config.feature_coupling} / `{config.feature_row_norms}`"),
+        ("projection seed", str(config.projection_seed)),
+        ("causal", "yes" if config.is_decoder else "no"),
     ]
-    if config.get("is_decoder"):
-        rows.append(("causal chunk size", str(config["causal_chunk_size"])))
-    hybrid = [("exact local window (keys per side)", "local_window"), ("global tokens", "num_global_tokens"),
-              ("routed key blocks", "routed_blocks"), ("centred features", "center_features")]  # fmt: skip
-    rows += [(label, str(config[name])) for label, name in hybrid if config.get(name)]
+    if config.is_decoder:
+        rows.append(("causal chunk size", str(config.causal_chunk_size)))
     return rows
 
 
-def redraw_policy(config: dict, finetuned: bool) -> str:
+def redraw_policy(config: PerformerConfig, finetuned: bool) -> str:
     """What happened to the random features in training, and what holds at inference."""
-    interval = config.get("feature_redraw_interval")
+    interval = config.feature_redraw_interval
     if interval is None:
         done = "never redrawn: the features drawn at conversion were kept"
         done += " through finetuning" if finetuned else ""
@@ -146,7 +143,7 @@ def _eval_results(evaluation: dict) -> list[EvalResult]:
 
 def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard:
     """The README.md card of the zoo model ``entry`` built in ``folder`` with figures ``results``."""
-    config = json.loads((Path(folder) / "config.json").read_text())
+    config = PerformerConfig.from_pretrained(folder)
     evaluation = results["evaluation"]
     metrics = [name for name in evaluation["rows"][THIS_MODEL] if name not in _COUNTS]
     datasets = [HUB_DATASETS[entry.data]] if entry.data in HUB_DATASETS else None
@@ -178,6 +175,7 @@ def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard
         description=entry.description,
         quick=results["quick"],
         favor_settings=favor_settings(config),
+        hybrid_lines=_hybrid_lines(config) if config.uses_hybrid_attention else [],
         redraw_policy=redraw_policy(config, results["training"] is not None),
         max_length=max_length,
         steps=_steps(entry, results),
