@@ -52,6 +52,7 @@ def test_registry_lists_the_required_models_with_complete_recipes():
     sentiment = get_entry("performer-minilm-l6-rotten-tomatoes")
     assert sentiment.data == "rotten_tomatoes" and sentiment.finetune["task"] == "classification"
     assert sentiment.evaluate == {"kind": "classification", "split": "test"}
+    assert sentiment.reference["convert"] == {"attention_kernel": "exact"}  # the softmax model, same finetuning
     gpt2 = get_entry("performer-gpt2-tiny")
     assert gpt2.source["pretrain"] == "gpt2" and gpt2.finetune["task"] == "clm"
     quick = get_entry("performer-gpt2-tiny", quick=True)

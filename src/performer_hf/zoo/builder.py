@@ -91,15 +91,30 @@ def _finetune(task: str, argv: list[str]) -> dict:
     return train_language_model(task, argv)
 
 
-def _evaluate(entry: ZooEntry, final: Path, source: Path, converted: Path, data: dict[str, Path]) -> dict:
+def _build_reference(entry: ZooEntry, source: Path, work: Path, data: dict[str, Path]) -> Path:
+    """The entry's reference model: converted with ``reference.convert`` over the entry's options (e.g.
+    ``attention_kernel: exact``, the softmax model) and finetuned by the same recipe."""
+    converted = work / "reference-converted"
+    convert(source, converted, fidelity=False, **{**entry.convert, **entry.reference["convert"]})
+    finetuned = work / "reference-finetuned"
+    argv = finetune_argv(entry, converted, data, finetuned)
+    logger.info("finetuning the reference (%s): training/run_%s.py %s", entry.reference["label"],
+                entry.finetune["task"], " ".join(argv))  # fmt: skip
+    _finetune(entry.finetune["task"], argv)
+    return finetuned
+
+
+def _evaluate(entry: ZooEntry, final: Path, source: Path, converted: Path, data: dict[str, Path],
+              reference: Path | None) -> dict:  # fmt: skip
     options = {key: value for key, value in entry.evaluate.items() if key != "kind"}
     kind = entry.evaluate["kind"]
     if kind == "embeddings":
         return evaluate_embeddings(final, source, **options)
     split = options.pop("split", "test")
+    references = {entry.reference["label"]: reference} if reference is not None else {}
     if kind == "classification":
-        return evaluate_classification(final, data[split], entry.data, **options)
-    references = {SOFTMAX_REFERENCE: source}
+        return evaluate_classification(final, data[split], entry.data, references=references, **options)
+    references[SOFTMAX_REFERENCE] = source
     if final != converted:
         references[CONVERTED_REFERENCE] = converted
     return evaluate_language_modeling(final, data[split], entry.data, references=references, **options)
@@ -130,7 +145,7 @@ def _run_recipe(entry: ZooEntry, work: Path, staging: Path, quick: bool) -> dict
     timings["convert"] = time.perf_counter() - tick
 
     data = _write_data(entry.data, work, entry.data_limit) if entry.data else {}
-    final, training = converted, None
+    final, training, reference = converted, None, None
     if entry.finetune:
         tick = time.perf_counter()
         final = work / "finetuned"
@@ -139,9 +154,13 @@ def _run_recipe(entry: ZooEntry, work: Path, staging: Path, quick: bool) -> dict
         metrics = _finetune(entry.finetune["task"], argv)
         training = {"task": entry.finetune["task"], "args": entry.finetune.get("args", {}), "metrics": metrics}
         timings["finetune"] = time.perf_counter() - tick
+    if entry.reference is not None:
+        tick = time.perf_counter()
+        reference = _build_reference(entry, source, work, data)
+        timings["reference"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
-    evaluation = _evaluate(entry, final, source, converted, data)
+    evaluation = _evaluate(entry, final, source, converted, data, reference)
     timings["evaluate"] = time.perf_counter() - tick
 
     for item in final.iterdir():

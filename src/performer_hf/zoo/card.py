@@ -103,6 +103,12 @@ def _steps(entry: ZooEntry, results: dict) -> list[str]:
             f"{flags}` on {DATA_SETS[entry.data]}: {metrics['train_steps']} optimizer steps; at the end, on the "
             f"validation split: {figures}. Per-step losses: `train_log.jsonl`."
         )
+    if entry.reference is not None:
+        steps.append(
+            f"Reference for the results: {entry.reference['label']}, converted with "
+            f"{_call('performer_hf.convert', {**entry.convert, **entry.reference['convert']})} and finetuned by the "
+            "same command (same data order, steps and schedule)."
+        )
     evaluation = results["evaluation"]
     split = f", {evaluation['dataset']['split']} split" if "split" in evaluation["dataset"] else ""
     steps.append(f"Evaluated: {evaluation['task']['name']} on {evaluation['dataset']['name']}{split}.")

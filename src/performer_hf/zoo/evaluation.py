@@ -59,19 +59,16 @@ def evaluate_embeddings(model_dir: Path, source_dir: Path, sentences: int = 200)
 
 
 @torch.no_grad()
-def evaluate_classification(model_dir: Path, test_file: Path, data: str, batch_size: int = 64,
-                            max_length: int = 128) -> dict:  # fmt: skip
-    """Accuracy and macro-F1 of the classifier in ``model_dir`` on ``test_file`` (JSON lines with ``text``
-    and ``label``)."""
+def classification_figures(model_dir: Path, records: list[dict], batch_size: int = 64, max_length: int = 128) -> dict:
+    """Accuracy, macro-F1 and the count of ``records`` (``text``, ``label``) for the classifier in ``model_dir``."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = _quiet_load(AutoModelForSequenceClassification, model_dir)
-    rows = read_records(test_file)
     label2id = model.config.label2id
     parts: dict[str, list[torch.Tensor]] = {"loss_sum": [], "predictions": [], "references": []}
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
+    for start in range(0, len(records), batch_size):
+        chunk = records[start : start + batch_size]
         batch = tokenizer([row["text"] for row in chunk], padding=True, truncation=True, max_length=max_length,
                           return_tensors="pt")  # fmt: skip
         logits = model(**batch).logits.float()  # (b, num_labels)
@@ -80,10 +77,23 @@ def evaluate_classification(model_dir: Path, test_file: Path, data: str, batch_s
         parts["predictions"].append(logits.argmax(-1))
         parts["references"].append(labels)
     metrics = classification_metrics(**{name: torch.cat(values) for name, values in parts.items()})
+    return {"accuracy": metrics["accuracy"], "f1": metrics["f1"], "examples": metrics["examples"]}
+
+
+def evaluate_classification(model_dir: Path, test_file: Path, data: str, references: dict[str, Path] | None = None,
+                            **options) -> dict:  # fmt: skip
+    """Accuracy and macro-F1 on ``test_file`` (JSON lines with ``text`` and ``label``) of the classifier in
+    ``model_dir`` and of each reference classifier (e.g. the softmax model finetuned the same way);
+    ``options``: ``batch_size``, ``max_length``."""
+    records = read_records(test_file)
+    rows = {}
+    for name, folder in {THIS_MODEL: model_dir, **(references or {})}.items():
+        rows[name] = classification_figures(folder, records, **options)
+        logger.info("%s: accuracy %.4f, F1 %.4f", name, rows[name]["accuracy"], rows[name]["f1"])
     return {
         "task": {"type": "text-classification", "name": "sentiment classification"},
         "dataset": {"type": data, "name": DATA_SETS[data], "split": "test"},
-        "rows": {THIS_MODEL: {"accuracy": metrics["accuracy"], "f1": metrics["f1"], "examples": metrics["examples"]}},
+        "rows": rows,
     }
 
 

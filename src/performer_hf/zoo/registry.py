@@ -16,7 +16,7 @@ REGISTRY_FILE = "registry.yaml"
 FINETUNE_TASKS = ("classification", "mlm", "clm")
 EVALUATIONS = ("embeddings", "classification", "language_modeling")
 _FIELDS = {"description", "base_model", "license", "pipeline_tag", "source", "convert", "data", "finetune",
-           "evaluate", "quick", "limits"}  # fmt: skip
+           "evaluate", "quick", "limits", "reference"}  # fmt: skip
 _RESERVED_ARGS = ("model_name_or_path", "convert_from", "train_file", "validation_file", "output_dir")
 
 
@@ -35,6 +35,7 @@ class ZooEntry:
     data: str | None = None
     data_limit: int | None = None  # rows per split kept by quick builds
     finetune: dict[str, Any] | None = None
+    reference: dict[str, Any] | None = None  # label + convert options of a model finetuned the same way
     limits: list[str] = field(default_factory=list)
 
 
@@ -74,6 +75,12 @@ def _check(name: str, raw: dict) -> None:
         reserved = sorted(set(finetune.get("args", {})) & set(_RESERVED_ARGS))
         if reserved:
             raise ZooError(f"zoo entry {name!r}: finetune.args must not set {reserved} (the build sets them).")
+    reference = raw.get("reference")
+    if reference is not None:
+        if finetune is None or raw["evaluate"].get("kind") != "classification":
+            raise ZooError(f"zoo entry {name!r}: a reference needs finetuning and a classification evaluation.")
+        if not reference.get("label") or not isinstance(reference.get("convert"), dict):
+            raise ZooError(f"zoo entry {name!r}: reference needs a label and convert options.")
     if raw["evaluate"].get("kind") not in EVALUATIONS:
         raise ZooError(f"zoo entry {name!r}: evaluate.kind must be one of {EVALUATIONS}.")
     if raw["evaluate"]["kind"] != "embeddings" and raw.get("data") is None:
