@@ -367,6 +367,11 @@ def test_default_conversion_is_the_hybrid_and_calibrates_causal_centres(tiny_sou
         stored = weights[f"performer.encoder.layer.1.attention.{name}"]
         torch.testing.assert_close(stored, expected, rtol=1e-4, atol=1e-5)
 
+    if config.attention_kernel == "softmax_opt":  # A calibrated per layer and head
+        assert torch.tensor(config.far_field_parameter).shape == (LAYERS, HEADS)
+        fixed = convert(tiny_sources / "gpt2-lm", tmp_path / "fixed", fidelity=False, far_field_parameter=-0.3)
+        assert PerformerConfig.from_pretrained(fixed).far_field_parameter == -0.3  # the user's A is kept
+
     model = AutoModelForCausalLM.from_pretrained(gpt2).eval()
     ids = random_ids(1, 7)
     out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)

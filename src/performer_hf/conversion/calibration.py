@@ -85,8 +85,11 @@ def _select_parameter(module: PerformerAttention, qkv, mask, causal: bool, close
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, exact: nn.Module, batch: dict[str, torch.Tensor], causal: bool) -> dict:
-    """Set ``model``'s fixed centres (if ``center_features``) and FAVOR++ ``A`` (if ``"softmax_opt"``).
+def calibrate(
+    model: nn.Module, exact: nn.Module, batch: dict[str, torch.Tensor], causal: bool, parameter: bool = True
+) -> dict:
+    """Set ``model``'s fixed centres (if ``center_features``) and FAVOR++ ``A`` (if ``"softmax_opt"``
+    and ``parameter``).
 
     The centres are the means of the scaled queries and keys over the sample's real tokens. For ``A``
     each head starts from the closed form of its statistic ``rho`` and keeps whichever of
@@ -99,6 +102,7 @@ def calibrate(model: nn.Module, exact: nn.Module, batch: dict[str, torch.Tensor]
         exact: its exact-attention twin with the same weights.
         batch: ``input_ids``, ``attention_mask`` (and ``token_type_ids``) of sample text.
         causal: whether the model attends causally (the errors are measured that way).
+        parameter: calibrate ``A`` (False keeps a ``far_field_parameter`` the user chose).
     Returns:
         What was set, for the conversion report: ``{"centres": bool, "far_field_parameter": list | None,
         "far_field_error": per-layer lists of per-head errors or None, "num_tokens": int}``.
@@ -107,7 +111,7 @@ def calibrate(model: nn.Module, exact: nn.Module, batch: dict[str, torch.Tensor]
     if "token_type_ids" in batch and config.type_vocab_size == 0:
         batch = {k: v for k, v in batch.items() if k != "token_type_ids"}
     mask = batch["attention_mask"].bool()  # (B, L)
-    optimise = config.attention_kernel == "softmax_opt"
+    optimise = parameter and config.attention_kernel == "softmax_opt"
     parameters, errors = [], []
     for module, hidden in zip(_attention_modules(model), attention_inputs(exact, batch), strict=True):
         qkv = _heads(module, hidden)
