@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 RESULTS_FILE = "zoo_results.json"
 CONVERTED_REFERENCE = "Performer right after conversion (no finetuning)"
 SOFTMAX_REFERENCE = "softmax source model"
-_CARRIED_FILES = ("all_results.json", "train_log.jsonl", PRETRAINING_FILE)
 
 
 def _source_folder(entry: ZooEntry, work: Path) -> tuple[Path, dict]:
