@@ -4,8 +4,9 @@
    ``pydoc_data.topics`` pages and the standard library's long docstrings), split 90/10 by document
    (seeded); a byte-level BPE tokenizer is trained on the training documents. Documents are joined
    with ``<|endoftext|>`` and cut into blocks of ``--context`` tokens.
-2. Pretraining: an HF ``GPT2LMHeadModel`` (default 4 layers, hidden 256, 4 heads, context 256) with
-   softmax attention, ``--pretrain-steps`` optimizer steps of AdamW.
+2. Pretraining: an HF ``GPT2LMHeadModel`` (default 4 layers, hidden 128, 4 heads of 32, context 256,
+   vocabulary 4096: sized so that 1,500 steps of batch 4 fit in about 10 minutes on one CPU thread)
+   with softmax attention, ``--pretrain-steps`` optimizer steps of AdamW.
 3. Conversion: ``performer_hf.convert`` to a ``PerformerForCausalLM`` with plain FAVOR+ (m = 256
    orthogonal features, no hybrid fields, pinned explicitly), once with positive random features
    (``attention_kernel="softmax"``) and once with trigonometric ones (``"softmax_trig"``). The
@@ -23,7 +24,7 @@ takes only Performer models and does not evaluate before the first step, which t
 
 Writes benchmarks/results/compat_causal.{json,md,png}.
 
-    python benchmarks/compat_causal.py                       # full study
+    python benchmarks/compat_causal.py                       # full study (~20 min, 1 thread)
     python benchmarks/compat_causal.py --quick --out-dir /tmp/compat   # smoke test
 """
 
@@ -328,24 +329,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: a tiny model, 40 + 4 steps")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch CPU threads (default 1: on a shared CPU, more threads than free cores slow every step ~10x)",
+    )  # fmt: skip
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--no-softmax-reference", action="store_true", help="skip the continued softmax GPT-2")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--pretrain-steps", type=int, default=2000)
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--pretrain-steps", type=int, default=1500)
     parser.add_argument("--finetune-fraction", type=float, default=0.1)
     parser.add_argument("--lr", type=float, default=1e-3, help="pretraining learning rate")
-    parser.add_argument("--finetune-lr", type=float, default=3e-4)
+    parser.add_argument("--finetune-lr", type=float, default=5e-4)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--finetune-warmup", type=int, default=10)
-    parser.add_argument("--redraw-interval", type=int, default=20)
+    parser.add_argument("--redraw-interval", type=int, default=15)
     parser.add_argument("--nb-features", type=int, default=256)
-    parser.add_argument("--eval-every", type=int, default=10, help="finetuning steps between evaluations")
-    parser.add_argument("--eval-blocks", type=int, default=64, help="held-out blocks evaluated")
+    parser.add_argument("--eval-every", type=int, default=15, help="finetuning steps between evaluations")
+    parser.add_argument("--eval-blocks", type=int, default=48, help="held-out blocks evaluated")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -358,6 +363,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     result = run(args)

@@ -25,7 +25,7 @@ with whatever else runs: the load average is recorded.
 
 Writes benchmarks/results/compat_long_documents.{json,md,png}.
 
-    python benchmarks/compat_long_documents.py                      # 480 train / 200 test articles
+    python benchmarks/compat_long_documents.py                      # 240 train / 120 test articles, 1 thread
     python benchmarks/compat_long_documents.py --quick --out-dir /tmp/compat   # smoke test
 """
 
@@ -129,7 +129,8 @@ def probe(folder: Path, texts: list[str], max_length: int) -> dict:
 
 def probe_in_fresh_process(folder: Path, texts_file: Path, max_length: int) -> dict:
     """:func:`probe` in a new Python process, so that no earlier arm's allocations hide in its figures."""
-    command = [sys.executable, __file__, "--probe", str(folder), str(texts_file), str(max_length)]
+    command = [sys.executable, __file__, "--probe", str(folder), str(texts_file), str(max_length),
+               str(torch.get_num_threads())]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if done.returncode != 0:
         raise RuntimeError(f"the memory probe of {folder.name} failed:\n{done.stderr[-2000:]}")
@@ -293,14 +294,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: 8 articles, 2 steps of batch 2")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch CPU threads (default 1: on a shared CPU, more threads than free cores slow every step ~10x)",
+    )  # fmt: skip
     parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS))
-    parser.add_argument("--train-docs", type=int, default=480)
-    parser.add_argument("--validation-docs", type=int, default=40)
-    parser.add_argument("--test-docs", type=int, default=200)
+    parser.add_argument("--train-docs", type=int, default=240)
+    parser.add_argument("--validation-docs", type=int, default=24)
+    parser.add_argument("--test-docs", type=int, default=120)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--warmup", type=int, default=5, help="warm-up optimizer steps")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up optimizer steps")
     parser.add_argument("--seed", type=int, default=0, help="training seed (data order, head init, dropout)")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the 80/10/10 split")
     return parser.parse_args(argv)
@@ -308,11 +313,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict | None:
     if argv is None and sys.argv[1:2] == ["--probe"]:  # the child of probe_in_fresh_process
-        folder, texts_file, max_length = sys.argv[2:5]
+        folder, texts_file, max_length, threads = sys.argv[2:6]
+        torch.set_num_threads(int(threads))
         texts = [json.loads(line)["text"] for line in Path(texts_file).read_text(encoding="utf-8").splitlines()]
         print(json.dumps(probe(Path(folder), texts, int(max_length))))
         return None
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     result = run(args)
