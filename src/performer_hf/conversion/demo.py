@@ -33,7 +33,7 @@ from .source import load_weights
 logger = logging.getLogger(__name__)
 
 BASE_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
-MODELS = ("source (BertModel, sdpa)", "performer (default conversion)")
+MODELS = ("source (BertModel, sdpa)", "performer (converted)")
 
 
 def minilm_folder() -> Path:
