@@ -236,3 +236,45 @@ def test_quick_gpt2_build_pretrains_converts_finetunes_and_evaluates(tmp_path):
     assert _model_index_metrics(card)["perplexity"] == pytest.approx(rows["this model"]["perplexity"], abs=1e-4)
     assert "training/run_clm.py" in card.text and "GPT2LMHeadModel" in card.text
     assert "| softmax source model |" in card.text
+
+
+def _synthetic_sentiment(name, folder, limit=None):
+    """Stands in for the Rotten-Tomatoes files (whose sdist the test does not fetch): same layout and labels."""
+    assert name == "rotten_tomatoes"
+    words = {"positive": ["good", "great", "fine", "lovely"], "negative": ["bad", "awful", "dull", "poor"]}
+    paths = {}
+    for offset, split in enumerate(("train", "validation", "test")):
+        records = [{"text": f"a {words[label][(i + offset) % 4]} film number {i}", "label": label}
+                   for i in range(16) for label in ("negative", "positive")]  # fmt: skip
+        paths[split] = data_assets.write_jsonl(records[:limit], Path(folder) / f"{split}.jsonl")
+    return paths
+
+
+def test_quick_sentiment_build_finetunes_the_model_and_its_softmax_reference(tmp_path, monkeypatch):
+    monkeypatch.setattr(zoo_builder, "write_data", _synthetic_sentiment)
+    out = build("performer-minilm-l6-rotten-tomatoes", tmp_path / "rt", quick=True)
+    entry = get_entry("performer-minilm-l6-rotten-tomatoes", quick=True)
+    results = json.loads((out / "zoo_results.json").read_text())
+    rows = results["evaluation"]["rows"]
+    assert list(rows) == ["this model", entry.reference["label"]]
+    assert results["training"]["metrics"]["train_steps"] == entry.finetune["args"]["max_train_steps"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["id2label"] == {"0": "negative", "1": "positive"} and config["attention_kernel"] == "softmax"
+
+    # The reported accuracy, recomputed from the built classifier on the test split.
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    test = _synthetic_sentiment("rotten_tomatoes", tmp_path / "data", entry.data_limit)["test"]
+    records = [json.loads(line) for line in test.read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    with torch.no_grad():
+        logits = model(**tokenizer([r["text"] for r in records], padding=True, return_tensors="pt")).logits
+    predicted = [model.config.id2label[int(i)] for i in logits.argmax(-1)]
+    accuracy = sum(p == r["label"] for p, r in zip(predicted, records, strict=True)) / len(records)
+    assert rows["this model"]["accuracy"] == pytest.approx(accuracy) and rows["this model"]["examples"] == 32
+
+    card = _card(out)
+    assert card.data.datasets == ["cornell-movie-review-data/rotten_tomatoes"]
+    assert _model_index_metrics(card) == pytest.approx({k: rows["this model"][k] for k in ("accuracy", "f1")}, abs=1e-4)
+    assert f"| {entry.reference['label']} |" in card.text and "attention_kernel='exact'" in card.text
