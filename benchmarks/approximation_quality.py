@@ -450,8 +450,9 @@ def markdown(result: dict) -> str:
         "# Approximation quality: all-MiniLM-L6-v2 with its attention swapped, no finetuning",
         "",
         f"Reference: the same model (positions tiled to {lengths['forward']}) with exact SDPA attention. "
-        f"{result['texts']['sentences']}; {result['texts']['docs']}. Medians over projection seeds: "
-        f"{result['seeds']} at m = {SELECT_AT}, {result['seeds_other']} at the other m ({result['skipped_note']}); "
+        f"{result['texts']['sentences']}; {result['texts']['docs']}. Medians over projection seeds: planned "
+        f"{result['seeds']} at m = {SELECT_AT} and {result['seeds_other']} at the other m; {result['skipped_note']} "
+        "(the seeds behind each cell: `median[method][m]['seeds']` in the JSON); "
         "poly2 / taylor2 are deterministic: one run, repeated across m. Per cell: mean embedding cosine / "
         "pairwise-similarity Spearman / mean over layers of the attention-output relative error. "
         "See benchmarks/approximation_quality.py.",
@@ -557,7 +558,7 @@ def plot(result: dict, path: Path) -> None:
             if row == len(metrics) - 1:
                 ax.set_xlabel("random features m")
     axes[0][0].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"all-MiniLM-L6-v2, attention swapped, no finetuning (median of {result['seeds']} seeds)")
+    fig.suptitle("all-MiniLM-L6-v2, attention swapped, no finetuning (medians over the seeds run, see the JSON)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -647,6 +648,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="timing repetitions, each paired with SDPA")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: on a shared 2-core CPU, 2 threads ran far slower)"
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help=f"smoke test: 16 sentences, 2 docs, 1 seed, m = 64, 256, lengths {QUICK_LENGTHS}",
@@ -656,6 +660,7 @@ def main() -> None:
     if args.quick:
         args.sentences, args.docs, args.seeds, args.seeds_other, args.nb_features = 16, 3, 2, 1, [64, 256]
         args.repeats, args.budget_minutes, args.speed_m = 1, 3, [256]
+    torch.set_num_threads(args.threads)
     result = run(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "approximation_quality.json").write_text(json.dumps(result, indent=2) + "\n")
