@@ -332,7 +332,7 @@ def floors(results) -> list[dict]:
             "met": None if peak_16k is None else peak_16k < 2048.0,
         }
     )
-    peaks = [(r["length"], r["peak_mb"]) for r in results if r["method"] == "favor_causal" and r["mode"] == fb]
+    peaks = [(r["length"], r.get("peak_mb")) for r in results if r["method"] == "favor_causal" and r["mode"] == fb]
     peaks = sorted(p for p in peaks if p[1] is not None)
     growth = [b / a for (_, a), (_, b) in zip(peaks, peaks[1:], strict=False)]
     doubling = [l2 / l1 for (l1, _), (l2, _) in zip(peaks, peaks[1:], strict=False)]
