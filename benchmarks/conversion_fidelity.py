@@ -1,11 +1,14 @@
 """How much of all-MiniLM-L6-v2 survives the swap to FAVOR+ without finetuning: ours vs performer-pytorch.
 
 The real sentence-transformers/all-MiniLM-L6-v2 (6 layers, 12 heads of 32 dims) embeds N real English
-sentences (from Python's documentation, ``pydoc_data.topics``) by mean pooling, three ways:
+sentences (from Python's documentation, ``pydoc_data.topics``) by mean pooling, four ways:
 
     source             HF BertModel, exact softmax attention (sdpa): the reference
-    performer-hf       ``performer_hf.convert`` with default settings (softmax kernel, 256 orthogonal
-                       features with chi norms); other seeds via ``model.redraw_projections(seed)``
+    performer-hf default   ``performer_hf.convert`` with its default settings (the hybrid method, see
+                       ``performer_hf.conversion.convert.METHODS``; recorded in the JSON)
+    performer-hf favor+    ``performer_hf.convert(method="favor")``: plain FAVOR+ (softmax kernel, 256
+                       orthogonal features with chi norms), the like-for-like peer of performer-pytorch
+                       other seeds (both performer-hf rows) via ``model.redraw_projections(seed)``
     performer-pytorch  the same BertModel and weights with its attention function replaced by
                        ``performer_pytorch.FastAttention(dim_heads=32, nb_features=256, causal=False)``
                        (one per layer, seeded by ``torch.manual_seed(seed)``), fed q, k, v after BERT's
@@ -48,8 +51,12 @@ from performer_hf.conversion.demo import minilm_folder
 from performer_hf.conversion.fidelity import embedding_agreement, english_sentences
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ("performer-hf", "performer-pytorch")
+# performer-hf rows: the keyword arguments of ``convert`` behind each
+CONVERSIONS = {"performer-hf default": {}, "performer-hf favor+": {"method": "favor"}}
+METHODS = (*CONVERSIONS, "performer-pytorch")
 METRICS = ("mean_cosine", "pairwise_spearman")
+ATTENTION_FIELDS = ("attention_kernel", "nb_features", "feature_coupling", "local_window", "num_global_tokens",
+                    "routed_blocks", "route_block_size", "query_block_size", "center_features")  # fmt: skip
 
 
 def length_buckets(tokenizer, sentences: list[str], batch_size: int) -> list[list[int]]:
@@ -94,14 +101,17 @@ def run(num_sentences: int, seeds: int, batch_size: int) -> dict:
     source = BertModel.from_pretrained(folder, attn_implementation="sdpa").eval()
     reference = embed(source, tokenizer, sentences, buckets)
 
-    records = []
-    with tempfile.TemporaryDirectory() as scratch:
-        ours = PerformerModel.from_pretrained(convert(folder, Path(scratch) / "performer", fidelity=False)).eval()
+    records, settings = [], {}
+    for method, options in CONVERSIONS.items():
+        with tempfile.TemporaryDirectory() as scratch:
+            ours = PerformerModel.from_pretrained(convert(folder, Path(scratch) / "out", fidelity=False, **options))
+        ours.eval()
+        settings[method] = {key: getattr(ours.config, key) for key in ATTENTION_FIELDS}
         for seed in range(seeds):
             if seed > 0:  # seed 0: the projections exactly as converted
                 ours.redraw_projections(seed)
             figures = embedding_agreement(reference, embed(ours, tokenizer, sentences, buckets))
-            records.append({"method": "performer-hf", "seed": seed, **figures})
+            records.append({"method": method, "seed": seed, **figures})
             print(records[-1])
 
     attention_modules = [layer.attention.self for layer in source.encoder.layer]
@@ -127,10 +137,13 @@ def run(num_sentences: int, seeds: int, batch_size: int) -> dict:
         "sentences": len(sentences),
         "text": "plain English sentences from Python's documentation (pydoc_data.topics)",
         "seeds": seeds,
-        "settings": {"nb_features": 256, "kernel": "softmax (positive random features)", "orthogonal": True},
+        "settings": {**settings, "performer-pytorch": {"nb_features": 256, "kernel": "softmax", "orthogonal": True}},
         "records": records,
         "median": summary,
-        "ours_at_least_as_good": all(summary["performer-hf"][m] >= summary["performer-pytorch"][m] for m in METRICS),
+        "ours_at_least_as_good": {
+            method: all(summary[method][m] >= summary["performer-pytorch"][m] for m in METRICS)
+            for method in CONVERSIONS
+        },
     }
 
 
@@ -140,18 +153,17 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, metric in zip(axes, METRICS, strict=True):
         values = [[r[metric] for r in result["records"] if r["method"] == m] for m in METHODS]
         ax.boxplot(values, showmeans=False)
         for i, points in enumerate(values, start=1):
             ax.scatter([i] * len(points), points, s=14, alpha=0.7, zorder=3)
-        ax.set_xticks([1, 2], METHODS)
+        ax.set_xticks(range(1, len(METHODS) + 1), METHODS, fontsize=8)
         ax.set_title(metric.replace("_", " "))
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(
-        f"all-MiniLM-L6-v2 -> FAVOR+ (256 features, no finetuning), {result['sentences']} sentences, "
-        f"{result['seeds']} seeds",
+        f"all-MiniLM-L6-v2 -> Performer (no finetuning), {result['sentences']} sentences, {result['seeds']} seeds",
         fontsize=10,
     )
     fig.tight_layout()
@@ -160,10 +172,12 @@ def plot(result: dict, path: Path) -> None:
 
 def markdown(result: dict) -> str:
     lines = [
-        "# Conversion fidelity: all-MiniLM-L6-v2 swapped to FAVOR+ without finetuning",
+        "# Conversion fidelity: all-MiniLM-L6-v2 converted to a Performer, without finetuning",
         "",
         f"{result['sentences']} {result['text']}; mean-pooled embeddings vs the exact-attention source; "
         f"median over {result['seeds']} random-feature seeds (see benchmarks/conversion_fidelity.py).",
+        "",
+        *(f"- {method}: {result['settings'][method]}" for method in METHODS),
         "",
         "| method | mean cosine | pairwise-similarity Spearman |",
         "| --- | --- | --- |",
