@@ -253,3 +253,25 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="only apply to causal"):
         hybrid_attention(q, k, v, W, return_state=True)
     hybrid_attention(q, k, v, None, far_field="poly2")  # polynomial kernels need no projection
+
+
+@pytest.mark.parametrize("far_field", ["softmax", "poly2"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_results_do_not_depend_on_the_slab_size(far_field, causal, monkeypatch):
+    # Keys, query blocks and the polynomial far sums run slab by slab: one row or block per slab must give
+    # the same outputs and gradients as one slab for everything.
+    import performer_hf.favor_hybrid as favor_hybrid_module
+
+    q, k, v = _qkv()
+    mask = _padding(2, 45)
+    config = CONFIGS[3] if not causal else CONFIGS[1]
+    kwargs = _kwargs(far_field, causal, config)
+    results = []
+    for slab_elements in (1, 1 << 24):
+        monkeypatch.setattr(favor_hybrid_module, "_SLAB_ELEMENTS", slab_elements)
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = hybrid_attention(*inputs, _projection(), key_padding_mask=mask, center=not causal, chunk_size=8, **kwargs)
+        out = out * mask[:, None, :, None]  # padded queries' outputs are unspecified
+        results.append((out, *torch.autograd.grad((out * torch.cos(out)).sum(), inputs)))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
