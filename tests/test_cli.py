@@ -232,3 +232,23 @@ def test_peak_memory_in_a_fresh_process(tiny_bert, tmp_path):
     assert main(["convert", str(tiny_bert), str(tmp_path / "out"), "--no-fidelity", "-q"]) == 0
     memory = demo.peak_memory("performer", tmp_path / "out", 64, 64)
     assert memory["process_peak_mb"] > memory["forward_peak_mb"] >= 0
+
+
+def test_demo_method_reaches_the_conversion(tmp_path, monkeypatch):
+    """`performer-hf demo --method favor` converts with plain FAVOR+ (the default is covered above)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(demo, "peak_memory", demo._measure_memory_in_this_process)
+    seen = {}
+    run_demo = demo.run_demo
+
+    def recording_run_demo(*args, **kwargs):
+        seen.update(kwargs)
+        return run_demo(*args, **kwargs)
+
+    monkeypatch.setattr(demo, "run_demo", recording_run_demo)
+    out = tmp_path / "demo"
+    assert main(["demo", "--output-dir", str(out), "--length", "128", "--sentences", "4", "--repeats", "1",
+                 "--method", "favor"]) == 0  # fmt: skip
+    assert seen["method"] == "favor"
+    config = json.loads((out / "config.json").read_text())
+    assert config["attention_kernel"] == "softmax" and config["local_window"] == 0 and config["routed_blocks"] == 0

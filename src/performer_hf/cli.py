@@ -15,6 +15,7 @@ import logging
 import sys
 
 from .conversion import SUPPORTED_ARCHITECTURES, ConversionError, convert
+from .conversion.convert import METHODS
 from .hub import PushError
 from .zoo.errors import ZooError
 
@@ -61,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         conv.add_argument(*flags, dest=name, type=kind, default=None, help=text)
     conv.add_argument("--center-features", action=argparse.BooleanOptionalAction, default=None,
                       help="hybrid: centre queries and keys before the far field (default: on)")  # fmt: skip
-    conv.add_argument("--method", choices=("hybrid", "favor"), default=None,
+    conv.add_argument("--method", choices=sorted(METHODS), default=None,
                       help="attention settings under the options: hybrid (default) or favor")  # fmt: skip
     conv.add_argument("--calibrate", action="store_true",
                       help="fix centres / FAVOR++ A per layer and head from sample text")  # fmt: skip
@@ -79,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--length", type=int, default=4096, help="tokens for the speed / memory comparison")
     demo.add_argument("--sentences", type=int, default=200, help="English sentences for the embedding comparison")
     demo.add_argument("--repeats", type=int, default=3, help="timed forward passes per model")
+    demo.add_argument("--method", choices=sorted(METHODS),
+                      help="attention method of the conversion (default: the converter's, hybrid)")  # fmt: skip
 
     zoo = commands.add_parser("zoo", help="list or build the models of the performer-hf zoo")
     zoo_commands = zoo.add_subparsers(dest="zoo_command", required=True)
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             from .conversion.demo import format_demo, run_demo
 
             result = run_demo(args.output_dir, length=args.length, num_sentences=args.sentences,
-                              repeats=args.repeats, overwrite=args.overwrite)  # fmt: skip
+                              repeats=args.repeats, overwrite=args.overwrite, method=args.method)  # fmt: skip
             print(format_demo(result))
     except (ConversionError, ZooError, PushError) as error:
         print(f"performer-hf: error: {error}", file=sys.stderr)

@@ -140,9 +140,10 @@ def peak_memory(kind: str, folder: Path, positions: int, length: int) -> dict[st
 
 
 def run_demo(output_dir: str | Path | None = None, length: int = 4096, num_sentences: int = 200, repeats: int = 3,
-             overwrite: bool = False) -> dict:  # fmt: skip
+             overwrite: bool = False, method: str | None = None) -> dict:  # fmt: skip
     """Run the demo; returns its figures (see :func:`format_demo`). ``output_dir`` keeps the converted
-    checkpoint (default: a temporary folder, deleted at the end)."""
+    checkpoint (default: a temporary folder, deleted at the end); ``method`` is the conversion's attention
+    method (``convert``'s default when None: the hybrid; ``"favor"``: plain FAVOR+)."""
     from transformers import AutoTokenizer
 
     from ..modeling_performer import PerformerModel
@@ -159,8 +160,9 @@ def run_demo(output_dir: str | Path | None = None, length: int = 4096, num_sente
         convert_logger.setLevel(logging.WARNING)  # the report is printed once, at the end
         try:
             convert(
-                source_folder, target, base_model=BASE_MODEL, overwrite=overwrite, max_position_embeddings=positions
-            )
+                source_folder, target, base_model=BASE_MODEL, overwrite=overwrite, method=method,
+                max_position_embeddings=positions
+            )  # fmt: skip
         finally:
             convert_logger.setLevel(level)
         report = json.loads((target / "conversion_report.json").read_text())
