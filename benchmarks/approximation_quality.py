@@ -9,6 +9,8 @@ what the converted Performer computes with ``attention_kernel="exact"``.
 
 Methods (each layer draws its own projection from ``seed * 1000 + layer``, shared by its heads):
 
+    default conversion     the hybrid exactly as ``performer-hf convert`` configures an encoder by default
+                           (``performer_hf.conversion.convert.METHODS``): the method issue 5's floors apply to
     favor+                 ``favor_attention(kernel="softmax")``, orthogonal features (the baseline default)
     simplex                the same with simplex random features (``draw_projection(coupling="simplex")``)
     favor++                optimal positive random features (FAVOR++), A* from each sequence's statistics
@@ -74,6 +76,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AutoTokenizer
 
+from performer_hf.conversion.convert import DEFAULT_METHOD
+from performer_hf.conversion.convert import METHODS as CONVERSION_METHODS
 from performer_hf.conversion.demo import extended_source_model, long_input, minilm_folder
 from performer_hf.conversion.fidelity import embedding_agreement, english_sentences
 from performer_hf.favor import draw_projection, favor_attention
@@ -131,7 +135,16 @@ def _hybrid(far_field: str, center: bool) -> Method:
     return Method(name, "hybrid", {**HYBRID, "far_field": far_field, "center": center}, coupling)
 
 
+def _default_conversion() -> Method:
+    """The hybrid exactly as ``performer-hf convert`` sets it up for an encoder by default (issue 5's floors)."""
+    preset = dict(CONVERSION_METHODS[DEFAULT_METHOD]["bidirectional"])
+    far_field, center = preset.pop("attention_kernel"), preset.pop("center_features", False)
+    coupling = None if far_field in ("poly2", "taylor2") else "orthogonal"
+    return Method("default conversion", "hybrid", {**preset, "far_field": far_field, "center": center}, coupling)
+
+
 METHODS = (
+    _default_conversion(),
     Method("favor+", "favor"),
     Method("simplex", "favor", coupling="simplex"),
     Method("favor++", "hybrid", {"far_field": "softmax_opt"}),
@@ -457,11 +470,15 @@ def markdown(result: dict) -> str:
         "pairwise-similarity Spearman / mean over layers of the attention-output relative error. "
         "See benchmarks/approximation_quality.py.",
         "",
-        f"Hybrid exact support per query: {result['hybrid']['support']} keys "
+        f"Exact support per query of the `hybrid <far field>` rows: {result['hybrid']['support']} keys "
         f"(window {HYBRID['local_window']}, {HYBRID['num_global_tokens']} global, {HYBRID['routed_blocks']} routed "
         f"blocks of {HYBRID['route_block_size']}) = {result['hybrid']['doc_fraction']:.3f} of a {lengths['doc']}-token "
         f"document; sentences ({result['hybrid']['longest_sentence']} tokens at most) fit inside the window, so "
-        "hybrid attention is exact on them (evaluated once per method).",
+        "those rows are exact attention on them (evaluated once per method).",
+        "",
+        f"Default conversion's exact support per query: {result['default_conversion']['support']} keys "
+        f"({result['default_conversion']['options']}) = {result['default_conversion']['doc_fraction']:.3f} of a "
+        f"{lengths['doc']}-token document.",
     ]
     for name in SETS:
         lines += [
@@ -619,6 +636,11 @@ def run(args: argparse.Namespace) -> dict:
         "load_average": [round(x, 2) for x in (*load_before, *os.getloadavg())],
         "torch_threads": torch.get_num_threads(),
         "hybrid": {**HYBRID, "support": support, "doc_fraction": support / lengths["doc"], "longest_sentence": longest},
+        "default_conversion": {
+            "options": METHODS[0].options,
+            "support": METHODS[0].support,
+            "doc_fraction": METHODS[0].support / lengths["doc"],
+        },
         "methods": {m.name: {"kind": m.kind, "coupling": m.coupling, **m.options} for m in METHODS},
         "records": records,
         "speed": timings,
