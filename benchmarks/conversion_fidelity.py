@@ -104,15 +104,15 @@ def run(num_sentences: int, seeds: int, batch_size: int) -> dict:
     records, settings = [], {}
     for method, options in CONVERSIONS.items():
         with tempfile.TemporaryDirectory() as scratch:
-            ours = PerformerModel.from_pretrained(convert(folder, Path(scratch) / "out", fidelity=False, **options))
-        ours.eval()
-        settings[method] = {key: getattr(ours.config, key) for key in ATTENTION_FIELDS}
-        for seed in range(seeds):
-            if seed > 0:  # seed 0: the projections exactly as converted
-                ours.redraw_projections(seed)
-            figures = embedding_agreement(reference, embed(ours, tokenizer, sentences, buckets))
-            records.append({"method": method, "seed": seed, **figures})
-            print(records[-1])
+            out = convert(folder, Path(scratch) / "out", fidelity=False, **options)
+            ours = PerformerModel.from_pretrained(out).eval()
+            settings[method] = {key: getattr(ours.config, key) for key in ATTENTION_FIELDS}
+            for seed in range(seeds):
+                if seed > 0:  # seed 0: the projections exactly as converted
+                    ours.redraw_projections(seed)
+                figures = embedding_agreement(reference, embed(ours, tokenizer, sentences, buckets))
+                records.append({"method": method, "seed": seed, **figures})
+                print(records[-1])
 
     attention_modules = [layer.attention.self for layer in source.encoder.layer]
     for seed in range(seeds):

@@ -258,8 +258,8 @@ def test_argument_errors():
 @pytest.mark.parametrize("far_field", ["softmax", "poly2"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_results_do_not_depend_on_the_slab_size(far_field, causal, monkeypatch):
-    # Keys, query blocks and the polynomial far sums run slab by slab: one row or block per slab must give
-    # the same outputs and gradients as one slab for everything.
+    # Key statistics, the polynomial far-field state and the query blocks run slab by slab: one row or block
+    # per slab must give the same outputs and gradients as one slab for everything.
     import performer_hf.favor_hybrid as favor_hybrid_module
 
     q, k, v = _qkv()
