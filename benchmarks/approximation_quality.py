@@ -81,7 +81,7 @@ from performer_hf.conversion.convert import METHODS as CONVERSION_METHODS
 from performer_hf.conversion.demo import extended_source_model, long_input, minilm_folder
 from performer_hf.conversion.fidelity import embedding_agreement, english_sentences
 from performer_hf.favor import draw_projection, favor_attention
-from performer_hf.favor_hybrid import hybrid_attention
+from performer_hf.favor_hybrid import get_far_field, hybrid_attention
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ATTENTION_NAME = "approximation_quality"
@@ -129,18 +129,22 @@ class Method:
         )
 
 
+def _coupling(far_field: str) -> str | None:
+    """Orthogonal random features for the far fields that draw a projection; None for the deterministic ones."""
+    return "orthogonal" if get_far_field(far_field).uses_projection else None
+
+
 def _hybrid(far_field: str, center: bool) -> Method:
-    coupling = None if far_field in ("poly2", "taylor2") else "orthogonal"
     name = f"hybrid {far_field}{' centered' if center else ''}"
-    return Method(name, "hybrid", {**HYBRID, "far_field": far_field, "center": center}, coupling)
+    return Method(name, "hybrid", {**HYBRID, "far_field": far_field, "center": center}, _coupling(far_field))
 
 
 def _default_conversion() -> Method:
     """The hybrid exactly as ``performer-hf convert`` sets it up for an encoder by default (issue 5's floors)."""
     preset = dict(CONVERSION_METHODS[DEFAULT_METHOD]["bidirectional"])
     far_field, center = preset.pop("attention_kernel"), preset.pop("center_features", False)
-    coupling = None if far_field in ("poly2", "taylor2") else "orthogonal"
-    return Method("default conversion", "hybrid", {**preset, "far_field": far_field, "center": center}, coupling)
+    return Method("default conversion", "hybrid", {**preset, "far_field": far_field, "center": center},
+                  _coupling(far_field))  # fmt: skip
 
 
 METHODS = (
