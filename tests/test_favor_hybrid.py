@@ -269,6 +269,7 @@ def test_results_do_not_depend_on_the_slab_size(far_field, causal, monkeypatch):
     results = []
     for slab_elements in (1, 1 << 24):
         monkeypatch.setattr(favor_hybrid_module, "_SLAB_ELEMENTS", slab_elements)
+        monkeypatch.setattr(favor_hybrid_module, "_FAR_SLAB_ELEMENTS", slab_elements)
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
         out = hybrid_attention(*inputs, _projection(), key_padding_mask=mask, center=not causal, chunk_size=8, **kwargs)
         out = out * mask[:, None, :, None]  # padded queries' outputs are unspecified

@@ -34,6 +34,11 @@ first factor is one scalar per query and one per key and is kept exactly, only t
 (smaller arguments, hence far smaller estimator variance) goes through the kernel. Centres from the
 sequence itself are allowed bidirectionally; causal attention needs fixed centres.
 
+On the CPU, bidirectional attention with a polynomial far field runs its support sums (and the routing's
+top-k) in a compiled kernel (:mod:`.cpu_kernels`) when no gradient is needed: one pass per block of
+queries instead of a dozen (queries x candidates) temporaries. Training, other far fields, causal
+attention and GPUs use the PyTorch code below, which the kernel is tested against.
+
 Numerics mirror :mod:`.favor_attention`: query features are shifted by their own row max, key
 features by the max over keys (bidirectional) or by a running max over positions ``<= j``
 (causal), so causal outputs never depend on later positions.
@@ -49,6 +54,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .cpu_kernels import hybrid_kernels
 from .favor_optimal import optimal_log_features, optimal_parameter, pair_statistic
 
 Tensor = torch.Tensor
@@ -59,6 +65,8 @@ _NEG_INF = float("-inf")
 # for the polynomial far-field state): inputs are processed slab by slab, so that temporaries stay
 # cache-sized and memory stays linear in the sequence length.
 _SLAB_ELEMENTS = 1 << 24
+# The polynomial far field's (rows, d, dv + 1) temporaries: smaller, so that they stay in cache.
+_FAR_SLAB_ELEMENTS = 1 << 20
 
 
 # ----------------------------------------------------------------------------- far-field kernels
@@ -221,37 +229,43 @@ def _normalise(out1: Tensor) -> Tensor:
     return out1[..., :-1] / out1[..., -1:].clamp_min(torch.finfo(out1.dtype).tiny)
 
 
-def _slabs(length: int, per_row: int, step: int = 1):
-    """Slices of ``range(length)`` in multiples of ``step`` with about _SLAB_ELEMENTS / per_row rows each."""
-    rows = max(step, _SLAB_ELEMENTS // max(1, per_row) // step * step)
+def _slabs(length: int, per_row: int, elements: int | None = None):
+    """Slices of ``range(length)`` with about ``elements`` (default _SLAB_ELEMENTS) / per_row rows each."""
+    rows = max(1, (_SLAB_ELEMENTS if elements is None else elements) // max(1, per_row))
     return [slice(start, min(length, start + rows)) for start in range(0, length, rows)]
 
 
 # ----------------------------------------------------------------------------- far field sums
-def _quadratic_state(w: Tensor, wv1: Tensor, c2: float) -> list[Tensor]:
+def _quadratic_state(w: Tensor, wv1: Tensor, c2: float) -> tuple[Tensor, Tensor]:
     """State of the kernel ``1 + t + c2 t^2`` over all keys, without materialising features.
 
     w: (B, H, S, d) centred keys; wv1: (B, H, S, dv + 1) their weighted values ``exp(klog - s) [v, 1]``.
-    Returns ``[S_lin (B, H, 1 + d, dv + 1)] + [S_a (B, H, d - a, dv + 1) for a < d]`` with
-    ``S_lin = [1, w]^T wv1`` and ``S_a = (weights_a * w_a w_{a:})^T wv1``.
+    Returns ``linear`` (B, H, 1 + d, dv + 1) ``= [1, w]^T wv1`` and ``quadratic`` (B, H, d, d (dv + 1))
+    ``= c2 sum_j w_j (w_j (x) wv1_j)``: row ``a``, column ``(b, e)`` holds ``c2 sum_j w_ja w_jb wv1_je``.
     """
     B, H, S, d = w.shape
-    state = None
-    for rows in _slabs(S, B * H * d):
-        w_s, wv1_s = w[:, :, rows], wv1[:, :, rows]
-        part = [torch.cat([wv1_s.sum(dim=-2, keepdim=True), w_s.transpose(-2, -1) @ wv1_s], dim=-2)]
-        part += [(_products(w_s, a) * _quadratic_weights(d, a, c2, w)).transpose(-2, -1) @ wv1_s for a in range(d)]
-        state = part if state is None else [acc + p for acc, p in zip(state, part, strict=True)]
-    return state
+    d1 = wv1.shape[-1]
+    linear = torch.cat([wv1.sum(dim=-2, keepdim=True), w.transpose(-2, -1) @ wv1], dim=-2)
+    quadratic = 0
+    for rows in _slabs(S, B * H * d * d1, _FAR_SLAB_ELEMENTS):
+        w_s = w[:, :, rows]
+        outer = (w_s.unsqueeze(-1) * wv1[:, :, rows].unsqueeze(-2)).flatten(-2)  # (B, H, s, d (dv + 1))
+        quadratic = quadratic + w_s.transpose(-2, -1) @ outer
+    return linear, quadratic * c2
 
 
-def _quadratic_apply(u: Tensor, state: list[Tensor]) -> Tensor:
+def _quadratic_apply(u: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
     """u: (B, H, n, d) centred queries -> (B, H, n, dv + 1) kernel sums ``sum_j (1 + t + c2 t^2) wv1_j``."""
-    linear = state[0]
-    out = linear[..., :1, :] + u @ linear[..., 1:, :]
-    for a, state_a in enumerate(state[1:]):
-        out = out + _products(u, a) @ state_a
-    return out
+    linear, quadratic = state
+    B, H, n, d = u.shape
+    d1 = linear.shape[-1]
+    sums = []
+    for rows in _slabs(n, B * H * d * d1, _FAR_SLAB_ELEMENTS):
+        u_s = u[:, :, rows]
+        per_dim = (u_s @ quadratic).unflatten(-1, (d, d1))  # (B, H, s, d, dv + 1): sum_a u_a quadratic[a]
+        quadratic_sums = (u_s.unsqueeze(-2) @ per_dim).squeeze(-2)  # (B, H, s, dv + 1): sum_b u_b per_dim[b]
+        sums.append(linear[..., :1, :] + u_s @ linear[..., 1:, :] + quadratic_sums)
+    return torch.cat(sums, dim=2)
 
 
 def _causal_far(qf, kf, klog, v1, chunk_size: int, far_kv: Tensor | None, far_shift: Tensor | None):
@@ -356,36 +370,48 @@ def _window_offsets(local_window: int, causal: bool) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------- the support
-def _key_block_means(keys: _Keys, block_k: int) -> Tensor:
-    """(B, H, Nk, d): the mean of the real keys of each key block; NaN for blocks without real keys."""
+def _key_block_means(keys: _Keys, block_k: int) -> tuple[Tensor, Tensor]:
+    """Block statistics for routing: (B, H, Nk, d) the mean of the real keys of each key block (0 where it
+    has none) and (B, Nk) whether it has any."""
     B, H, S, d = keys.y.shape
     keep = keys.mask.view(B, 1, S // block_k, block_k, 1).to(keys.y.dtype)
-    total = (keys.y.view(B, H, S // block_k, block_k, d) * keep).sum(3)
-    return total / keep.sum(3)  # 0 / 0 = NaN marks empty blocks
+    total = (keys.y.detach().view(B, H, S // block_k, block_k, d) * keep).sum(3)
+    count = keep.sum(3)  # (B, 1, Nk, 1)
+    return total / count.clamp_min(1), count[:, 0, :, 0] > 0
 
 
-def _route(xq: Tensor, q_mask: Tensor, key_means: Tensor, first_block: int, block_k: int, left: int, right: int,
-           nb_routed: int) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Top key blocks for a slab of query blocks, by the mean logit between the two blocks.
+def _route_scores(xq: Tensor, q_mask: Tensor, key_blocks: tuple[Tensor, Tensor], first_block: int, block_k: int,
+                  left: int, right: int) -> Tensor:  # fmt: skip
+    """(B, H, n, Nk) routing scores of a slab of query blocks: the mean logit between each query block and key block.
 
     The mean of ``x_i . y_j`` over the real queries ``i`` of a query block and the real keys ``j`` of
     a key block is the dot product of the two block means.
-    xq: (B, H, n, bq, d); q_mask: (B, n, bq); key_means: (B, H, Nk, d) from :func:`_key_block_means`.
-    Key blocks overlapping the query block's window span, and blocks without real keys, are never
-    chosen. Returns the chosen key blocks (B, H, n, t) and whether each choice is real (B, H, n, t)
-    (False when fewer than ``nb_routed`` blocks qualify).
+    xq: (B, H, n, bq, d); q_mask: (B, n, bq); key_blocks: from :func:`_key_block_means`.
+    Key blocks overlapping the query block's window span, and blocks without real keys, score ``-inf``.
     """
+    key_means, has_keys = key_blocks
     n, bq = xq.shape[2:4]
     Nk = key_means.shape[2]
     keep = q_mask[:, None, :, :, None].to(xq.dtype)  # (B, 1, n, bq, 1)
-    mean_q = (xq * keep).sum(3) / keep.sum(3).clamp_min(1)  # (B, H, n, d)
-    scores = (mean_q @ key_means.transpose(-2, -1)).nan_to_num(nan=_NEG_INF)  # (B, H, n, Nk)
+    mean_q = (xq.detach() * keep).sum(3) / keep.sum(3).clamp_min(1)  # (B, H, n, d)
     q_start = (torch.arange(n, device=xq.device) + first_block) * bq
     k_start = torch.arange(Nk, device=xq.device) * block_k
     overlaps = (k_start[None, :] <= (q_start[:, None] + bq - 1 + right)) & (
         (k_start[None, :] + block_k - 1) >= (q_start[:, None] - left)
     )  # (n, Nk)
-    top = scores.detach().masked_fill(overlaps, _NEG_INF).topk(min(nb_routed, Nk), dim=-1)  # (B, H, n, t)
+    excluded = overlaps | ~has_keys[:, None, :]  # (B, n, Nk)
+    return (mean_q @ key_means.transpose(-2, -1)).masked_fill_(excluded[:, None], _NEG_INF)
+
+
+def _route(xq: Tensor, q_mask: Tensor, key_blocks: tuple[Tensor, Tensor], first_block: int, block_k: int, left: int,
+           right: int, nb_routed: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Top ``nb_routed`` key blocks for a slab of query blocks by :func:`_route_scores`.
+
+    Returns the chosen key blocks (B, H, n, t) and whether each choice is real (B, H, n, t)
+    (False when fewer than ``nb_routed`` blocks qualify).
+    """
+    scores = _route_scores(xq, q_mask, key_blocks, first_block, block_k, left, right)
+    top = scores.topk(min(nb_routed, scores.shape[-1]), dim=-1, sorted=False)  # (B, H, n, t)
     return top.indices, torch.isfinite(top.values)
 
 
@@ -598,8 +624,13 @@ def hybrid_attention(
                             parameter, dtype, with_features=True)  # fmt: skip
             globals_ = _cat_keys(old, globals_)
 
-    out1 = _hybrid_sums(x, rq, far_side, keys, prefix, globals_, far, causal, left, right, offset, routed_blocks,
-                        route_block_size, query_block_size)  # fmt: skip
+    kernels = None if causal or far.quadratic is None else _support_kernels(q, k, v)
+    if kernels is not None:
+        out1 = _fused_sums(kernels, x, rq, far_side, keys, min(num_global_tokens, L), left, right, routed_blocks,
+                           route_block_size, query_block_size)  # fmt: skip
+    else:
+        out1 = _hybrid_sums(x, rq, far_side, keys, prefix, globals_, far, causal, left, right, offset, routed_blocks,
+                            route_block_size, query_block_size)  # fmt: skip
     out = _normalise(out1)
     if not causal and num_global_tokens:
         out = _global_rows(x, keys, out, num_global_tokens)
@@ -677,7 +708,7 @@ def _hybrid_sums(x, rq, far_side, keys: _Keys, prefix, globals_, far: FarField, 
         gap = query_pos - key_pos
         return (gap >= -right) & (gap <= left)
 
-    key_means = _key_block_means(keys_p, block_k) if routed else None
+    key_blocks = _key_block_means(keys_p, block_k) if routed else None
     nb_cand = width + nb_global + routed * block_k
     widest = max(d, keys.values1.shape[-1], keys.feats.shape[-1] if with_feats else 1)
     outputs = []
@@ -708,7 +739,7 @@ def _hybrid_sums(x, rq, far_side, keys: _Keys, prefix, globals_, far: FarField, 
             supports.append(support & (key_pos <= pos) if causal else support)
         if routed:
             q_mask = F.pad(keys.mask[:, lo:hi], (0, rows_pad), value=False).view(B, n, block_q)
-            chosen, chosen_real = _route(xq, q_mask, key_means, n0, block_k, left, right, routed)  # (B, H, n, t)
+            chosen, chosen_real = _route(xq, q_mask, key_blocks, n0, block_k, left, right, routed)  # (B, H, n, t)
             parts.append([_gather_blocks(t, chosen, block_k) for t in _key_fields(keys_p, with_feats)])
             key_pos = (chosen.unsqueeze(-1) * block_k + torch.arange(block_k, device=x.device)).flatten(-2)
             real = keys_p.mask.gather(1, key_pos.flatten(1)).view(key_pos.shape)  # (B, H, n, R): real keys
@@ -720,6 +751,50 @@ def _hybrid_sums(x, rq, far_side, keys: _Keys, prefix, globals_, far: FarField, 
         far_scale = q_scale + key_shift
         outputs.append(_support_sums(xq, qf, rq_q, far_scale, key_shift, far_sum, groups, far.quadratic, not causal))
     return torch.cat(outputs, dim=2).flatten(2, 3)[:, :, :L]
+
+
+def _support_kernels(q: Tensor, k: Tensor, v: Tensor):
+    """The compiled kernels (:mod:`.cpu_kernels`) when they apply (CPU tensors, no gradient needed), else ``None``."""
+    inputs = (q, k, v)
+    if any(t.device.type != "cpu" for t in inputs):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return None  # forward only: training takes the differentiable PyTorch path
+    kernels = hybrid_kernels()
+    if kernels is None or v.shape[-1] + 1 > kernels.max_value_width or q.shape[2] >= 1 << 24:
+        return None  # wide values / positions beyond float32's exact integers: the PyTorch path
+    return kernels
+
+
+def _routes(kernels, x: Tensor, keys: _Keys, left: int, right: int, routed: int, block_k: int, block_q: int) -> Tensor:
+    """(B, H, N, t) int64: the routed key blocks of each of the N query blocks (as :func:`_route`), -1 for none."""
+    B, H, L, d = x.shape
+    N = -(-L // block_q)
+    if not routed:
+        return torch.empty(B, H, N, 0, dtype=torch.int64, device=x.device)
+    key_blocks = _key_block_means(_pad_keys(keys, 0, -L % block_k), block_k)
+    x_p = F.pad(x, (0, 0, 0, N * block_q - L)).view(B, H, N, block_q, d)
+    q_mask = F.pad(keys.mask, (0, N * block_q - L), value=False).view(B, N, block_q)
+    routes = []
+    for blocks in _slabs(N, B * H * key_blocks[1].shape[1]):
+        scores = _route_scores(x_p[:, :, blocks], q_mask[:, blocks], key_blocks, blocks.start, block_k, left, right)
+        routes.append(kernels.top_blocks(scores.contiguous(), min(routed, scores.shape[-1])))
+    return torch.cat(routes, dim=2)
+
+
+def _fused_sums(kernels, x, rq, far_side: _BidirectionalFar, keys: _Keys, nb_global: int, left: int, right: int,
+                routed: int, block_k: int, block_q: int) -> Tensor:  # fmt: skip
+    """What :func:`_hybrid_sums` computes for bidirectional attention with a polynomial far field, in one
+    compiled pass over the query blocks (:mod:`.cpu_kernels`): (B, H, L, dv + 1)."""
+    B, H, L, _ = x.shape
+    _, q_scale, _, far_sum = far_side(slice(0, L))  # (B, H, L, 1), (B, H, L, dv + 1)
+    routes = _routes(kernels, x, keys, left, right, routed, block_k, block_q)
+    return kernels.hybrid_support_sums(
+        x.contiguous(), q_scale.reshape(B, H, L).contiguous(), far_sum.contiguous(),
+        far_side.shift.reshape(B, H).contiguous(), keys.y.transpose(-2, -1).contiguous(), keys.values1.contiguous(),
+        keys.klog.reshape(B, H, L).contiguous(), keys.mask.contiguous(), routes.contiguous(),
+        left, right, nb_global, block_q, block_k, far_side.quadratic,
+    )  # fmt: skip
 
 
 def _global_rows(x, keys: _Keys, out, g: int) -> Tensor:

@@ -1,0 +1,83 @@
+"""Compiled CPU kernels, built on first use with PyTorch's C++ extension JIT (needs a C++ compiler).
+
+The kernels are optional: inference-only fast paths with pure-PyTorch fallbacks. When the build
+fails (no compiler, no ninja), :func:`hybrid_kernels` logs why once and returns ``None``,
+and callers use the PyTorch code. ``PERFORMER_HF_CPU_KERNELS=0`` turns the kernels off.
+
+The build is cached by PyTorch (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``),
+under a name that includes this machine's CPU flags, since it is compiled with ``-march=native``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "hybrid_support.cpp"
+_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
+
+
+def kernels_enabled() -> bool:
+    """Whether compiled CPU kernels may be used (``PERFORMER_HF_CPU_KERNELS`` is not ``0``)."""
+    return os.environ.get("PERFORMER_HF_CPU_KERNELS", "1") != "0"
+
+
+def _cpu_signature() -> str:
+    """A short hash of what the build depends on: the CPU's model and flags (``-march=native``), the flags
+    and the source."""
+    cpu = platform.processor()
+    try:
+        cpu += next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        pass
+    return hashlib.sha256((cpu + " ".join(_FLAGS) + _SOURCE.read_text()).encode()).hexdigest()[:12]
+
+
+def _put_ninja_on_path() -> None:
+    """PyTorch runs ``ninja`` from PATH; the ninja wheel's binary is not there when the venv is not activated."""
+    try:
+        import ninja
+    except ImportError:
+        return  # then a system ninja is needed; its absence is reported as a build failure
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+@functools.cache
+def _compiled_kernels():
+    """Build (or load from PyTorch's cache) the extension; ``None``, with a warning, when that fails."""
+    if not _SOURCE.exists():  # e.g. a trust_remote_code copy of the modules, which carries no C++ source
+        logger.info("No source for the fused hybrid-attention CPU kernel at %s; using the PyTorch implementation.",
+                    _SOURCE)  # fmt: skip
+        return None
+    logger.info("Loading the fused hybrid-attention CPU kernel (compiled on first use: about a minute)")
+    try:
+        from torch.utils import cpp_extension  # imported lazily: it pulls in setuptools
+
+        _put_ninja_on_path()
+        module = cpp_extension.load(
+            name=f"performer_hf_hybrid_{_cpu_signature()}",
+            sources=[str(_SOURCE)],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as error:  # any build failure (no compiler, no ninja, ...) means: use PyTorch
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        logger.warning(
+            "Fused hybrid-attention CPU kernel unavailable (%s: %s); using the PyTorch implementation.",
+            type(error).__name__, reason,
+        )  # fmt: skip
+        return None
+    return module
+
+
+def hybrid_kernels():
+    """The compiled module (``hybrid_support_sums``, ``top_blocks``, ``max_value_width``; see
+    ``csrc/hybrid_support.cpp``), or ``None`` when disabled or the build failed."""
+    return _compiled_kernels() if kernels_enabled() else None

@@ -1,0 +1,300 @@
+// Fused CPU forward of the exact-support sums of bidirectional hybrid attention with a polynomial
+// far field (performer_hf.favor_hybrid): for each query i and every key j of its support E(i)
+// (local window, global tokens, routed key blocks), one pass computes the exact logit, the kernel
+// value that the far-field state already counted, and their difference applied to the values.
+// It computes what favor_hybrid._hybrid_sums computes for that case, without materialising
+// (queries x candidates) temporaries: one block of queries at a time, candidates packed once per block.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp for float, written so that the compiler vectorises loops that call it (std::exp is not);
+// relative error about 2e-7 (Cephes' polynomial on [-ln 2 / 2, ln 2 / 2]); 0 below -87.
+inline float exp_approx(float x) {
+  const float clamped = std::min(std::max(x, -87.0f), 88.0f);
+  const float k = std::floor(clamped * 1.44269504088896341f + 0.5f);
+  const float r = clamped - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+inline double exp_approx(double x) { return std::exp(x); }
+
+template <typename T>
+struct Inputs {
+  const T* x;         // (B, H, L, d) scaled queries
+  const T* rq;        // (B, H, L) x_i . c (query centering log-weight)
+  const T* far_sum;   // (B, H, L, D1) kernel sums over all keys, relative to exp(rq_i + key_shift)
+  const T* key_shift; // (B, H)
+  const T* y_t;       // (B, H, d, L) scaled keys, transposed
+  const T* values1;   // (B, H, L, D1) [v, 1], zero for padded keys
+  const T* klog;      // (B, H, L) key centering log-weights (any value for padded keys)
+  const bool* mask;   // (B, L) real keys
+  const int64_t* routed;  // (B, H, N, R) routed key blocks of each query block, -1 for none
+  T* out;             // (B, H, L, D1) numerator | mass relative to a per-query shift
+  int64_t B, H, L, d, D1, N, R;
+  int64_t left, right, num_global, block_q, block_k;
+  T quadratic;
+};
+
+// Register tiles: kQueries queries against kLanes candidates (logits), or against a packed value row.
+constexpr int64_t kQueries = 4;
+constexpr int64_t kLanes = 16;
+
+inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+// logits (kQueries, Cp) = queries (kQueries, d) @ keys_t (d, Cp), Cp a multiple of kLanes
+template <typename T>
+void tile_logits(const T* queries, int64_t d, const T* keys_t, int64_t Cp, T* logits) {
+  for (int64_t c0 = 0; c0 < Cp; c0 += kLanes) {
+    T acc[kQueries][kLanes] = {};
+    for (int64_t e = 0; e < d; ++e) {
+      const T* row = keys_t + e * Cp + c0;
+      for (int64_t q = 0; q < kQueries; ++q) {
+        const T x = queries[q * d + e];
+#pragma omp simd
+        for (int64_t k = 0; k < kLanes; ++k) acc[q][k] += x * row[k];
+      }
+    }
+    for (int64_t q = 0; q < kQueries; ++q) std::memcpy(logits + q * Cp + c0, acc[q], kLanes * sizeof(T));
+  }
+}
+
+// sums (kQueries, W) = weights (kQueries, Cp) @ values (Cp, W)
+template <typename T, int64_t W>
+void tile_values(const T* weights, int64_t Cp, const T* values, T* sums) {
+  T acc[kQueries][W] = {};
+  for (int64_t c = 0; c < Cp; ++c) {
+    const T* row = values + c * W;
+    for (int64_t q = 0; q < kQueries; ++q) {
+      const T w = weights[q * Cp + c];
+#pragma omp simd
+      for (int64_t k = 0; k < W; ++k) acc[q][k] += w * row[k];
+    }
+  }
+  std::memcpy(sums, acc, sizeof(acc));
+}
+
+// A run of consecutive candidate keys [start, stop) of one kind (see Workspace::windowed).
+struct Run {
+  int64_t start, stop;
+  int kind;
+};
+
+// Scratch buffers of one thread, reused across query blocks.
+template <typename T>
+struct Workspace {
+  std::vector<Run> runs;
+  std::vector<T> position;  // (Cp,) candidate key positions
+  std::vector<T> windowed;  // (Cp,) 1: window key (in E(i) inside i's window); 0: global or routed key (in E(i)
+                            // outside it); -1: never (padded key, routed global key, tile padding)
+  std::vector<T> keys_t;    // (d, Cp) packed keys, transposed
+  std::vector<T> values;    // (Cp, W) packed values, zero-padded to the tile width
+  std::vector<T> klog, kexp;  // (Cp,) key log-weights and exp(klog - key_shift); 0 where never in E(i)
+  std::vector<T> queries;   // (kQueries, d)
+  std::vector<T> logits, active, weights;  // (kQueries, Cp)
+  std::vector<T> sums;      // (kQueries, W)
+};
+
+template <typename T, int64_t W>
+void query_block(const Inputs<T>& in, int64_t bh, int64_t n, Workspace<T>& ws) {
+  const int64_t b = bh / in.H, L = in.L, d = in.d, D1 = in.D1;
+  const bool* mask = in.mask + b * L;
+  const int64_t q_start = n * in.block_q, q_end = std::min(L, q_start + in.block_q);
+
+  // 1. the block's candidates: its window span, the global keys and its routed key blocks
+  ws.runs.clear();
+  if (in.right >= 0) ws.runs.push_back({std::max<int64_t>(0, q_start - in.left), std::min(L, q_end + in.right), 1});
+  if (in.num_global) ws.runs.push_back({0, std::min(in.num_global, L), 0});
+  const int64_t* routed = in.routed + (bh * in.N + n) * in.R;
+  for (int64_t r = 0; r < in.R; ++r) {
+    if (routed[r] >= 0) ws.runs.push_back({routed[r] * in.block_k, std::min(L, (routed[r] + 1) * in.block_k), 2});
+  }
+  int64_t C = 0;
+  for (const Run& run : ws.runs) C += std::max<int64_t>(0, run.stop - run.start);
+  const int64_t Cp = round_up(std::max<int64_t>(C, 1), kLanes);
+
+  // 2. pack them once for the block's queries
+  const T key_shift = in.key_shift[bh];
+  ws.position.assign(Cp, T(0));
+  ws.windowed.assign(Cp, T(-1));
+  ws.keys_t.assign(d * Cp, T(0));
+  ws.values.assign(Cp * W, T(0));
+  ws.klog.assign(Cp, T(0));
+  ws.kexp.assign(Cp, T(0));
+  ws.queries.resize(kQueries * d);
+  for (auto* tile : {&ws.logits, &ws.active, &ws.weights}) tile->resize(kQueries * Cp);
+  ws.sums.resize(kQueries * W);
+  int64_t c0 = 0;
+  for (const Run& run : ws.runs) {
+    const int64_t length = std::max<int64_t>(0, run.stop - run.start);
+    for (int64_t e = 0; e < d; ++e) {  // keys arrive transposed, (d, L): one copy per feature
+      std::memcpy(&ws.keys_t[e * Cp + c0], in.y_t + (bh * d + e) * L + run.start, length * sizeof(T));
+    }
+    for (int64_t k = 0; k < length; ++k) {
+      const int64_t j = run.start + k, c = c0 + k;
+      const bool never = !mask[j] || (run.kind == 2 && j < in.num_global);  // routed: global keys are counted once
+      ws.position[c] = static_cast<T>(j);
+      ws.windowed[c] = never ? T(-1) : static_cast<T>(run.kind == 1);
+      std::memcpy(&ws.values[c * W], in.values1 + (bh * L + j) * D1, D1 * sizeof(T));
+      ws.klog[c] = never ? T(0) : in.klog[bh * L + j];
+      ws.kexp[c] = never ? T(0) : exp_approx(ws.klog[c] - key_shift);
+    }
+    c0 += length;
+  }
+  const T *position = ws.position.data(), *windowed = ws.windowed.data();
+  const T *klog = ws.klog.data(), *kexp = ws.kexp.data();
+  const T left = static_cast<T>(in.left), right = static_cast<T>(in.right);
+  constexpr T kLowest = -std::numeric_limits<T>::max();
+
+  // 3. kQueries queries at a time: exact logits, shift, exact weights minus the kernel values, sums
+  for (int64_t i0 = q_start; i0 < q_end; i0 += kQueries) {
+    const int64_t count = std::min(kQueries, q_end - i0);
+    std::fill(ws.queries.begin(), ws.queries.end(), T(0));
+    std::memcpy(ws.queries.data(), in.x + (bh * L + i0) * d, count * d * sizeof(T));
+    tile_logits(ws.queries.data(), d, ws.keys_t.data(), Cp, ws.logits.data());
+    T far_weight[kQueries] = {}, kernel_mass[kQueries] = {};
+    for (int64_t q = 0; q < kQueries; ++q) {
+      const T* logits = ws.logits.data() + q * Cp;
+      T* active = ws.active.data() + q * Cp;
+      T* weights = ws.weights.data() + q * Cp;
+      const T i = static_cast<T>(i0 + q);
+      T max_logit = kLowest;
+#pragma omp simd reduction(max : max_logit)
+      for (int64_t c = 0; c < Cp; ++c) {
+        const T gap = i - position[c];
+        const T inside = (gap >= -right && gap <= left) ? T(1) : T(0);
+        active[c] = inside == windowed[c] ? T(1) : T(0);
+        max_logit = std::max(max_logit, active[c] != T(0) ? logits[c] : kLowest);
+      }
+      const T rq = q < count ? in.rq[bh * L + i0 + q] : T(0);
+      const T far_scale = rq + key_shift;
+      const T shift = std::max(far_scale, max_logit);
+      far_weight[q] = exp_approx(far_scale - shift);
+      T mass = 0;
+#pragma omp simd reduction(+ : mass)
+      for (int64_t c = 0; c < Cp; ++c) {
+        const T t = active[c] * (logits[c] - rq - klog[c]);  // (x_i - a) . (y_j - c)
+        const T pair = active[c] * (T(1) + t + in.quadratic * t * t) * kexp[c];
+        weights[c] = active[c] * exp_approx(std::min(logits[c] - shift, T(0))) - far_weight[q] * pair;
+        mass += pair;
+      }
+      kernel_mass[q] = mass;
+    }
+    tile_values<T, W>(ws.weights.data(), Cp, ws.values.data(), ws.sums.data());
+    for (int64_t q = 0; q < count; ++q) {
+      T* out = in.out + (bh * L + i0 + q) * D1;
+      const T* far_sum = in.far_sum + (bh * L + i0 + q) * D1;
+      const T* sums = ws.sums.data() + q * W;
+      for (int64_t e = 0; e < D1 - 1; ++e) out[e] = sums[e] + far_weight[q] * far_sum[e];
+      // the far mass (all keys minus the support) cannot be negative
+      out[D1 - 1] = sums[D1 - 1] + far_weight[q] * std::max(far_sum[D1 - 1], kernel_mass[q]);
+    }
+  }
+}
+
+template <typename T, int64_t W>
+void run(const Inputs<T>& in) {
+  at::parallel_for(0, in.B * in.H * in.N, 1, [&](int64_t begin, int64_t end) {
+    Workspace<T> workspace;
+    for (int64_t task = begin; task < end; ++task) query_block<T, W>(in, task / in.N, task % in.N, workspace);
+  });
+}
+
+// Value widths the kernel is compiled for (dv + 1 is padded up to the next one).
+constexpr int64_t kMaxWidth = 256;
+
+template <typename T>
+void dispatch_width(const Inputs<T>& in) {
+  if (in.D1 <= 16) return run<T, 16>(in);
+  if (in.D1 <= 32) return run<T, 32>(in);
+  if (in.D1 <= 48) return run<T, 48>(in);
+  if (in.D1 <= 64) return run<T, 64>(in);
+  if (in.D1 <= 96) return run<T, 96>(in);
+  if (in.D1 <= 128) return run<T, 128>(in);
+  return run<T, kMaxWidth>(in);
+}
+
+}  // namespace
+
+// See favor_hybrid._fused_sums for the contract; every tensor is contiguous, on the CPU, in one dtype.
+torch::Tensor hybrid_support_sums(torch::Tensor x, torch::Tensor rq, torch::Tensor far_sum, torch::Tensor key_shift,
+                                  torch::Tensor y_t, torch::Tensor values1, torch::Tensor klog, torch::Tensor mask,
+                                  torch::Tensor routed, int64_t left, int64_t right, int64_t num_global,
+                                  int64_t block_q, int64_t block_k, double quadratic) {
+  TORCH_CHECK(x.dim() == 4 && values1.dim() == 4 && routed.dim() == 4, "hybrid_support_sums: bad ranks");
+  TORCH_CHECK(values1.size(3) <= kMaxWidth, "hybrid_support_sums: value width above ", kMaxWidth);
+  auto out = torch::empty_like(values1);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hybrid_support_sums", [&] {
+    Inputs<scalar_t> in{x.data_ptr<scalar_t>(), rq.data_ptr<scalar_t>(), far_sum.data_ptr<scalar_t>(),
+                        key_shift.data_ptr<scalar_t>(), y_t.data_ptr<scalar_t>(), values1.data_ptr<scalar_t>(),
+                        klog.data_ptr<scalar_t>(), mask.data_ptr<bool>(), routed.data_ptr<int64_t>(),
+                        out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), x.size(3), values1.size(3),
+                        routed.size(2), routed.size(3), left, right, num_global, block_q, block_k,
+                        static_cast<scalar_t>(quadratic)};
+    dispatch_width(in);
+  });
+  return out;
+}
+
+// (B, H, N, Nk) scores -> (B, H, N, R) int64: the indices of the R largest finite scores of each row, in no
+// particular order, -1 where fewer than R are finite (what topk + isfinite give).
+torch::Tensor top_blocks(torch::Tensor scores, int64_t R) {
+  TORCH_CHECK(scores.dim() == 4 && scores.is_contiguous() &&
+                  (scores.scalar_type() == torch::kFloat32 || scores.scalar_type() == torch::kFloat64),
+              "top_blocks: needs contiguous float (B, H, N, Nk) scores");
+  const int64_t Nk = scores.size(3), rows = scores.numel() / std::max<int64_t>(Nk, 1);
+  auto out = torch::full({scores.size(0), scores.size(1), scores.size(2), R}, -1, scores.options().dtype(torch::kInt64));
+  int64_t* chosen = out.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "top_blocks", [&] {
+    const scalar_t* all = scores.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      std::vector<scalar_t> best(R);  // the best R scores so far (their indices: in `chosen`)
+      for (int64_t row = begin; row < end; ++row) {
+        const scalar_t* s = all + row * Nk;
+        int64_t* index = chosen + row * R;
+        int64_t filled = 0, worst = 0;  // the slot of the smallest of the best, once all R are filled
+        for (int64_t k = 0; k < Nk; ++k) {
+          const scalar_t score = s[k];
+          if (!(score > -std::numeric_limits<scalar_t>::infinity()) || score == std::numeric_limits<scalar_t>::infinity()) {
+            continue;  // -inf (excluded) or NaN; +inf cannot come from finite block means
+          }
+          if (filled < R) {
+            best[filled] = score, index[filled++] = k;
+          } else if (score > best[worst]) {
+            best[worst] = score, index[worst] = k;
+          } else {
+            continue;
+          }
+          if (filled == R) worst = std::min_element(best.begin(), best.end()) - best.begin();
+        }
+      }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("top_blocks", &top_blocks, "Indices of the largest finite scores of each row");
+  m.attr("max_value_width") = kMaxWidth;
+  m.def("hybrid_support_sums", &hybrid_support_sums, "Fused exact-support sums of bidirectional hybrid attention");
+}

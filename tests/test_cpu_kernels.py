@@ -1,0 +1,132 @@
+"""The compiled CPU kernel of hybrid attention against the PyTorch implementation and the dense reference."""
+
+import functools
+import logging
+
+import pytest
+import torch
+
+import performer_hf.cpu_kernels as cpu_kernels
+from performer_hf.favor_hybrid import hybrid_attention
+
+from .test_favor_hybrid import CONFIGS, QUADRATIC, _padding, _qkv, reference
+
+
+def test_the_kernel_builds_on_this_machine():
+    # CI machines have a C++ compiler: a build failure must fail here, not silently fall back everywhere.
+    kernels = cpu_kernels.hybrid_kernels()
+    assert kernels is not None
+    assert kernels.max_value_width >= 129
+
+
+def _spy_on_kernel(monkeypatch) -> list:
+    """Record the calls that reach the compiled support sums."""
+    kernels = cpu_kernels.hybrid_kernels()
+    calls = []
+
+    class Spy:
+        max_value_width = kernels.max_value_width
+        top_blocks = staticmethod(kernels.top_blocks)
+
+        @staticmethod
+        def hybrid_support_sums(*args):
+            calls.append(args)
+            return kernels.hybrid_support_sums(*args)
+
+    monkeypatch.setattr("performer_hf.favor_hybrid.hybrid_kernels", lambda: Spy)
+    return calls
+
+
+@pytest.mark.parametrize("far_field", sorted(QUADRATIC))
+@pytest.mark.parametrize("config", CONFIGS, ids=range(len(CONFIGS)))
+@pytest.mark.parametrize("padded", [False, True])
+def test_kernel_matches_dense_reference_in_float64(far_field, config, padded, monkeypatch):
+    calls = _spy_on_kernel(monkeypatch)
+    q, k, v = _qkv()
+    mask = _padding(2, 45) if padded else None
+    out = hybrid_attention(q, k, v, key_padding_mask=mask, far_field=far_field, center=True, **config)
+    ref = reference(q, k, v, mask=mask, far_field=far_field, center=True, **config)
+    assert len(calls) == 1  # the kernel ran
+    if mask is not None:
+        out, ref = out * mask[:, None, :, None], ref * mask[:, None, :, None]
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+
+
+def _long_inputs(length=700, heads=3, head_dim=16, value_dim=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(2, heads, length, head_dim, generator=g) * 1.5 for _ in range(2))
+    v = torch.randn(2, heads, length, value_dim, generator=g)
+    mask = torch.arange(length)[None, :] < torch.tensor([length, length - 123])[:, None]
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(local_window=17, num_global_tokens=1, routed_blocks=24, route_block_size=8, query_block_size=16),
+        dict(local_window=32, num_global_tokens=3, routed_blocks=5, route_block_size=16, query_block_size=8),
+        dict(local_window=0, num_global_tokens=0, routed_blocks=7, route_block_size=5, query_block_size=7),
+    ],
+    ids=["default-conversion", "wide-window", "routing-only"],
+)
+@pytest.mark.parametrize("value_dim", [16, 40])
+def test_kernel_matches_pytorch_in_float32(settings, value_dim, monkeypatch):
+    q, k, v, mask = _long_inputs(value_dim=value_dim)
+    kwargs = dict(key_padding_mask=mask, far_field="poly2", center=True, **settings)
+    calls = _spy_on_kernel(monkeypatch)
+    fused = hybrid_attention(q, k, v, **kwargs)
+    assert len(calls) == 1
+    monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")
+    plain = hybrid_attention(q, k, v, **kwargs)
+    keep = mask[:, None, :, None]
+    torch.testing.assert_close(fused * keep, plain * keep, rtol=2e-5, atol=2e-6)
+
+
+def test_training_takes_the_differentiable_path(monkeypatch):
+    calls = _spy_on_kernel(monkeypatch)
+    q, k, v, mask = _long_inputs(length=64)
+    q.requires_grad_()
+    out = hybrid_attention(q, k, v, key_padding_mask=mask, far_field="poly2", center=True, local_window=9,
+                           routed_blocks=2, query_block_size=8)  # fmt: skip
+    out.sum().backward()
+    assert not calls and q.grad is not None and torch.isfinite(q.grad).all()
+    with torch.no_grad():
+        hybrid_attention(q, k, v, key_padding_mask=mask, far_field="poly2", local_window=9)
+    assert len(calls) == 1
+
+
+def test_top_blocks_matches_topk():
+    kernels = cpu_kernels.hybrid_kernels()
+    scores = torch.randn(2, 3, 5, 40, generator=torch.Generator().manual_seed(0))
+    scores[0, 0, 0, 10:] = float("-inf")  # only 10 finite: the other choices are -1
+    chosen = kernels.top_blocks(scores, 12)
+    top = scores.topk(12, dim=-1)
+    expected = top.indices.masked_fill(~torch.isfinite(top.values), -1)
+    assert torch.equal(chosen.sort(dim=-1).values, expected.sort(dim=-1).values)
+    assert (chosen[0, 0, 0] == -1).sum() == 2
+
+
+def test_disabled_kernels_use_pytorch(monkeypatch):
+    monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")
+    assert cpu_kernels.hybrid_kernels() is None
+    q, k, v = _qkv()
+    out = hybrid_attention(q, k, v, far_field="poly2", local_window=5)
+    torch.testing.assert_close(out, reference(q, k, v, far_field="poly2", local_window=5), rtol=1e-9, atol=1e-10)
+
+
+def test_a_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def broken_build(**_):
+        raise RuntimeError("Error building extension 'performer_hf_hybrid': no compiler here")
+
+    monkeypatch.setattr(cpp_extension, "load", broken_build)
+    # a fresh cache, so that this process's successful build is not reused
+    monkeypatch.setattr(cpu_kernels, "_compiled_kernels", functools.cache(cpu_kernels._compiled_kernels.__wrapped__))
+    q, k, v = _qkv()
+    with caplog.at_level(logging.WARNING, logger="performer_hf.cpu_kernels"):
+        out = hybrid_attention(q, k, v, far_field="poly2", local_window=5)
+        hybrid_attention(q, k, v, far_field="poly2", local_window=5)
+    torch.testing.assert_close(out, reference(q, k, v, far_field="poly2", local_window=5), rtol=1e-9, atol=1e-10)
+    warnings = [r for r in caplog.records if "kernel unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "no compiler here" in warnings[0].getMessage()
