@@ -595,6 +595,7 @@ def hybrid_attention(
         else:
             parameter = optimal_parameter(pair_statistic(x - a, y - c, mask)).to(dtype)  # (B, H)
 
+    kernels = None if causal or far.quadratic is None else _support_kernels(q, k, v)
     state = initial_state
     keys = _key_side(k, v, mask, root, a, c, far, projection, parameter, dtype, with_features=causal)
     far_kv = far_shift = None
@@ -606,7 +607,7 @@ def hybrid_attention(
         )  # fmt: skip
         far_side = _CausalFar(qf if far.quadratic is None else None, q_scale, shifts.unsqueeze(-1), far_sum)
     else:
-        far_side = _BidirectionalFar(far, x - a, rq, keys, c, projection, parameter)
+        far_side = _BidirectionalFar(far, x - a, rq, keys, c, projection, parameter, kernels)
 
     # Keys a query may compute exactly besides its own sequence: the window buffer and the first
     # num_global_tokens keys of the preceding tokens (decoding), then this call's first ones.
@@ -624,7 +625,6 @@ def hybrid_attention(
                             parameter, dtype, with_features=True)  # fmt: skip
             globals_ = _cat_keys(old, globals_)
 
-    kernels = None if causal or far.quadratic is None else _support_kernels(q, k, v)
     if kernels is not None:
         out1 = _fused_sums(kernels, x, rq, far_side, keys, min(num_global_tokens, L), left, right, routed_blocks,
                            route_block_size, query_block_size)  # fmt: skip
@@ -653,15 +653,22 @@ class _CausalFar:
 
 
 class _BidirectionalFar:
-    """Far-field state over all keys (one key shift per batch and head); query sums on demand by slab."""
+    """Far-field state over all keys (one key shift per batch and head); query sums on demand by slab.
 
-    def __init__(self, far: FarField, u: Tensor, rq: Tensor, keys: _Keys, c: Tensor, projection, parameter):
-        self.quadratic = far.quadratic
+    With ``kernels`` (:mod:`.cpu_kernels`), the polynomial far field's state and sums are compiled.
+    """
+
+    def __init__(self, far: FarField, u: Tensor, rq: Tensor, keys: _Keys, c: Tensor, projection, parameter,
+                 kernels=None):  # fmt: skip
+        self.quadratic, self.kernels = far.quadratic, kernels
         shift = keys.klog.amax(dim=(-2, -1), keepdim=True).detach()  # (B, H, 1, 1)
         self.shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
         weighted = keys.values1 * torch.exp(keys.klog - self.shift)  # (B, H, S, dv + 1); padded keys -> 0
         self.u, self.rq = u, rq
-        if self.quadratic is not None:
+        if self.quadratic is not None and kernels is not None:
+            self.state = kernels.quadratic_far_state((keys.y - c).contiguous(), weighted.contiguous(), self.quadratic)
+            self.qf = None
+        elif self.quadratic is not None:
             self.state = _quadratic_state(keys.y - c, weighted, self.quadratic)
             self.qf = None
         else:
@@ -671,6 +678,9 @@ class _BidirectionalFar:
     def __call__(self, rows: slice):
         """-> (qf or None, q_scale, key_shift, far_sum) for the query rows, each (B, H, n, X)."""
         key_shift = self.shift.expand(*self.rq.shape[:2], rows.stop - rows.start, 1)
+        if self.quadratic is not None and self.kernels is not None:
+            far_sum = self.kernels.quadratic_far_apply(self.u[:, :, rows].contiguous(), self.state)
+            return None, self.rq[:, :, rows], key_shift, far_sum
         if self.quadratic is not None:
             return None, self.rq[:, :, rows], key_shift, _quadratic_apply(self.u[:, :, rows], self.state)
         qf = self.qf[:, :, rows]

@@ -256,6 +256,200 @@ torch::Tensor hybrid_support_sums(torch::Tensor x, torch::Tensor rq, torch::Tens
   return out;
 }
 
+// ----------------------------------------------------------------------------- polynomial far field
+// The kernel 1 + t + c2 t^2 of t = u . w is the dot product of the features [1, u, (u_a u_b)_{a <= b}] of the
+// query and [1, w, (g_ab w_a w_b)_{a <= b}] of the key, with g_aa = c2 and g_ab = 2 c2 for a < b: F = 1 + d +
+// d (d + 1) / 2 features. The state is sum_j key_features(w_j) wv1_j^T, (F, D1); a query's far sum is
+// query_features(u_i) . state. Both are computed in register tiles, without materialising features in memory.
+
+constexpr int64_t kKeyTile = 32;  // keys per tile of the state accumulation
+
+// features (F,) of one row u (d,); pair weights g_ab (key side) or 1 (query side)
+template <typename T>
+void quadratic_features(const T* u, int64_t d, T c2, bool key_side, T* features) {
+  features[0] = T(1);
+  for (int64_t a = 0; a < d; ++a) features[1 + a] = u[a];
+  T* pairs = features + 1 + d;
+  for (int64_t a = 0; a < d; ++a) {
+    const T ua = key_side ? u[a] * c2 : u[a];
+    pairs[0] = ua * u[a];
+    const T ua2 = key_side ? ua * T(2) : ua;
+#pragma omp simd
+    for (int64_t b = a + 1; b < d; ++b) pairs[b - a] = ua2 * u[b];
+    pairs += d - a;
+  }
+}
+
+template <typename T, int64_t W>
+void far_state(const T* w, const T* wv1, int64_t L, int64_t d, int64_t D1, T c2, T* state) {
+  const int64_t F = 1 + d + d * (d + 1) / 2, Fp = round_up(F, kQueries);
+  std::vector<T> features(kKeyTile * Fp, T(0)), values(kKeyTile * W, T(0));  // (tile, Fp), (tile, W)
+  std::vector<T> total(Fp * W, T(0));                                          // (Fp, W)
+  for (int64_t j0 = 0; j0 < L; j0 += kKeyTile) {
+    const int64_t count = std::min(kKeyTile, L - j0);
+    for (int64_t k = 0; k < count; ++k) {
+      quadratic_features(w + (j0 + k) * d, d, c2, true, &features[k * Fp]);
+      std::memcpy(&values[k * W], wv1 + (j0 + k) * D1, D1 * sizeof(T));
+    }
+    // total (Fp, W) += features^T (Fp, count) @ values (count, W), kQueries features at a time
+    for (int64_t f0 = 0; f0 < Fp; f0 += kQueries) {
+      T acc[kQueries][W] = {};
+      for (int64_t k = 0; k < count; ++k) {
+        const T* row = &values[k * W];
+        for (int64_t q = 0; q < kQueries; ++q) {
+          const T z = features[k * Fp + f0 + q];
+#pragma omp simd
+          for (int64_t e = 0; e < W; ++e) acc[q][e] += z * row[e];
+        }
+      }
+      for (int64_t q = 0; q < kQueries; ++q) {
+        T* out = &total[(f0 + q) * W];
+#pragma omp simd
+        for (int64_t e = 0; e < W; ++e) out[e] += acc[q][e];
+      }
+    }
+  }
+  for (int64_t f = 0; f < F; ++f) std::memcpy(state + f * D1, &total[f * W], D1 * sizeof(T));
+}
+
+template <typename T, int64_t W>
+void far_apply(const T* u, const T* state, int64_t L, int64_t d, int64_t D1, T* sums) {
+  const int64_t F = 1 + d + d * (d + 1) / 2;
+  std::vector<T> padded(F * W, T(0)), features(kQueries * F);
+  for (int64_t f = 0; f < F; ++f) std::memcpy(&padded[f * W], state + f * D1, D1 * sizeof(T));
+  for (int64_t i0 = 0; i0 < L; i0 += kQueries) {
+    const int64_t count = std::min(kQueries, L - i0);
+    std::fill(features.begin(), features.end(), T(0));
+    for (int64_t q = 0; q < count; ++q) quadratic_features(u + (i0 + q) * d, d, T(1), false, &features[q * F]);
+    T acc[kQueries][W] = {};
+    for (int64_t f = 0; f < F; ++f) {
+      const T* row = &padded[f * W];
+      for (int64_t q = 0; q < kQueries; ++q) {
+        const T z = features[q * F + f];
+#pragma omp simd
+        for (int64_t e = 0; e < W; ++e) acc[q][e] += z * row[e];
+      }
+    }
+    for (int64_t q = 0; q < count; ++q) std::memcpy(sums + (i0 + q) * D1, acc[q], D1 * sizeof(T));
+  }
+}
+
+template <typename T, template <typename, int64_t> class Body, typename... Args>
+void with_width(int64_t D1, Args&&... args) {
+  if (D1 <= 16) return Body<T, 16>::call(args...);
+  if (D1 <= 32) return Body<T, 32>::call(args...);
+  if (D1 <= 48) return Body<T, 48>::call(args...);
+  if (D1 <= 64) return Body<T, 64>::call(args...);
+  if (D1 <= 96) return Body<T, 96>::call(args...);
+  if (D1 <= 128) return Body<T, 128>::call(args...);
+  return Body<T, kMaxWidth>::call(args...);
+}
+
+template <typename T, int64_t W>
+struct StateBody {
+  static void call(const T* w, const T* wv1, int64_t L, int64_t d, int64_t D1, T c2, T* state) {
+    far_state<T, W>(w, wv1, L, d, D1, c2, state);
+  }
+};
+
+template <typename T, int64_t W>
+struct ApplyBody {
+  static void call(const T* u, const T* state, int64_t L, int64_t d, int64_t D1, T* sums) {
+    far_apply<T, W>(u, state, L, d, D1, sums);
+  }
+};
+
+// w (B, H, L, d) centred keys, wv1 (B, H, L, D1) weighted values -> (B, H, F, D1) far-field state
+torch::Tensor quadratic_far_state(torch::Tensor w, torch::Tensor wv1, double quadratic) {
+  TORCH_CHECK(w.dim() == 4 && wv1.dim() == 4 && w.is_contiguous() && wv1.is_contiguous(), "quadratic_far_state");
+  TORCH_CHECK(wv1.size(3) <= kMaxWidth, "quadratic_far_state: value width above ", kMaxWidth);
+  const int64_t B = w.size(0), H = w.size(1), L = w.size(2), d = w.size(3), D1 = wv1.size(3);
+  const int64_t F = 1 + d + d * (d + 1) / 2;
+  auto state = torch::empty({B, H, F, D1}, wv1.options());
+  AT_DISPATCH_FLOATING_TYPES(w.scalar_type(), "quadratic_far_state", [&] {
+    const scalar_t *keys = w.data_ptr<scalar_t>(), *values = wv1.data_ptr<scalar_t>();
+    scalar_t* out = state.data_ptr<scalar_t>();
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bh = begin; bh < end; ++bh) {
+        with_width<scalar_t, StateBody>(D1, keys + bh * L * d, values + bh * L * D1, L, d, D1,
+                                        static_cast<scalar_t>(quadratic), out + bh * F * D1);
+      }
+    });
+  });
+  return state;
+}
+
+// u (B, H, L, d) centred queries, state (B, H, F, D1) -> (B, H, L, D1) far sums
+torch::Tensor quadratic_far_apply(torch::Tensor u, torch::Tensor state) {
+  TORCH_CHECK(u.dim() == 4 && state.dim() == 4 && u.is_contiguous() && state.is_contiguous(), "quadratic_far_apply");
+  TORCH_CHECK(state.size(3) <= kMaxWidth, "quadratic_far_apply: value width above ", kMaxWidth);
+  const int64_t B = u.size(0), H = u.size(1), L = u.size(2), d = u.size(3), F = state.size(2), D1 = state.size(3);
+  TORCH_CHECK(F == 1 + d + d * (d + 1) / 2, "quadratic_far_apply: state of the wrong width");
+  auto sums = torch::empty({B, H, L, D1}, state.options());
+  AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "quadratic_far_apply", [&] {
+    const scalar_t *queries = u.data_ptr<scalar_t>(), *all = state.data_ptr<scalar_t>();
+    scalar_t* out = sums.data_ptr<scalar_t>();
+    const int64_t blocks = (L + 255) / 256;  // 256 queries per task
+    at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t bh = task / blocks, i0 = (task % blocks) * 256, count = std::min<int64_t>(256, L - i0);
+        with_width<scalar_t, ApplyBody>(D1, queries + (bh * L + i0) * d, all + bh * F * D1, count, d, D1,
+                                        out + (bh * L + i0) * D1);
+      }
+    });
+  });
+  return sums;
+}
+
+// Rows [begin, end) of top_blocks: a bounded min-heap per row; chunks of kLanes scores with nothing above the
+// heap's minimum are skipped in one vectorised comparison.
+template <typename T>
+void top_rows(const T* all, int64_t Nk, int64_t R, int64_t begin, int64_t end, int64_t* chosen) {
+  if (R <= 0) return;
+  std::vector<T> heap(R);  // a min-heap of the best R scores so far; their indices: `chosen`
+  for (int64_t row = begin; row < end; ++row) {
+    const T* s = all + row * Nk;
+    int64_t* index = chosen + row * R;
+    int64_t filled = 0;
+    auto sift_down = [&](int64_t slot) {  // restore the heap below `slot`
+      while (true) {
+        int64_t child = 2 * slot + 1;
+        if (child >= filled) return;
+        if (child + 1 < filled && heap[child + 1] < heap[child]) ++child;
+        if (!(heap[child] < heap[slot])) return;
+        std::swap(heap[child], heap[slot]);
+        std::swap(index[child], index[slot]);
+        slot = child;
+      }
+    };
+    for (int64_t k = 0; k < Nk; ++k) {
+      if (filled == R && k % kLanes == 0 && k + kLanes <= Nk) {  // skip a chunk with nothing better at once
+        T chunk_max = s[k];
+#pragma omp simd reduction(max : chunk_max)
+        for (int64_t e = 1; e < kLanes; ++e) chunk_max = std::max(chunk_max, s[k + e]);
+        if (!(chunk_max > heap[0])) {
+          k += kLanes - 1;
+          continue;
+        }
+      }
+      const T score = s[k];
+      if (!std::isfinite(score)) continue;  // -inf: excluded block
+      if (filled < R) {
+        int64_t slot = filled++;  // sift up
+        heap[slot] = score, index[slot] = k;
+        while (slot > 0 && heap[slot] < heap[(slot - 1) / 2]) {
+          std::swap(heap[slot], heap[(slot - 1) / 2]);
+          std::swap(index[slot], index[(slot - 1) / 2]);
+          slot = (slot - 1) / 2;
+        }
+      } else if (score > heap[0]) {
+        heap[0] = score, index[0] = k;
+        sift_down(0);
+      }
+    }
+  }
+}
+
 // (B, H, N, Nk) scores -> (B, H, N, R) int64: the indices of the R largest finite scores of each row, in no
 // particular order, -1 where fewer than R are finite (what topk + isfinite give).
 torch::Tensor top_blocks(torch::Tensor scores, int64_t R) {
@@ -267,33 +461,14 @@ torch::Tensor top_blocks(torch::Tensor scores, int64_t R) {
   int64_t* chosen = out.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "top_blocks", [&] {
     const scalar_t* all = scores.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-      std::vector<scalar_t> best(R);  // the best R scores so far (their indices: in `chosen`)
-      for (int64_t row = begin; row < end; ++row) {
-        const scalar_t* s = all + row * Nk;
-        int64_t* index = chosen + row * R;
-        int64_t filled = 0, worst = 0;  // the slot of the smallest of the best, once all R are filled
-        for (int64_t k = 0; k < Nk; ++k) {
-          const scalar_t score = s[k];
-          if (!(score > -std::numeric_limits<scalar_t>::infinity()) || score == std::numeric_limits<scalar_t>::infinity()) {
-            continue;  // -inf (excluded) or NaN; +inf cannot come from finite block means
-          }
-          if (filled < R) {
-            best[filled] = score, index[filled++] = k;
-          } else if (score > best[worst]) {
-            best[worst] = score, index[worst] = k;
-          } else {
-            continue;
-          }
-          if (filled == R) worst = std::min_element(best.begin(), best.end()) - best.begin();
-        }
-      }
-    });
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) { top_rows(all, Nk, R, begin, end, chosen); });
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quadratic_far_state", &quadratic_far_state, "State of the polynomial far field over all keys");
+  m.def("quadratic_far_apply", &quadratic_far_apply, "Far sums of the polynomial far field for every query");
   m.def("top_blocks", &top_blocks, "Indices of the largest finite scores of each row");
   m.attr("max_value_width") = kMaxWidth;
   m.def("hybrid_support_sums", &hybrid_support_sums, "Fused exact-support sums of bidirectional hybrid attention");
