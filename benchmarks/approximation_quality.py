@@ -80,6 +80,7 @@ from performer_hf.conversion.convert import DEFAULT_METHOD
 from performer_hf.conversion.convert import METHODS as CONVERSION_METHODS
 from performer_hf.conversion.demo import extended_source_model, long_input, minilm_folder
 from performer_hf.conversion.fidelity import embedding_agreement, english_sentences
+from performer_hf.cpu_kernels import hybrid_kernels
 from performer_hf.favor import draw_projection, favor_attention
 from performer_hf.favor_hybrid import get_far_field, hybrid_attention
 
@@ -523,6 +524,9 @@ def markdown(result: dict) -> str:
         "Each call is timed right after an SDPA run of the same size (paired, median of "
         f"{result['speed_repeats']}); load average before / after the study: {result['load_average']}.",
     ]
+    if "cpu_kernels" in result:
+        ran = "ran" if result["cpu_kernels"] else "did not run (build failed or PERFORMER_HF_CPU_KERNELS=0)"
+        lines += ["", f"The compiled CPU kernels of the polynomial hybrids (performer_hf.cpu_kernels) {ran}."]
     choice = result["selection"]
     lines += [
         "",
@@ -639,6 +643,7 @@ def run(args: argparse.Namespace) -> dict:
         else "every planned run done",
         "load_average": [round(x, 2) for x in (*load_before, *os.getloadavg())],
         "torch_threads": torch.get_num_threads(),
+        "cpu_kernels": hybrid_kernels() is not None,  # whether the polynomial hybrids ran compiled (cpu_kernels)
         "hybrid": {**HYBRID, "support": support, "doc_fraction": support / lengths["doc"], "longest_sentence": longest},
         "default_conversion": {
             "options": METHODS[0].options,

@@ -34,9 +34,10 @@ first factor is one scalar per query and one per key and is kept exactly, only t
 (smaller arguments, hence far smaller estimator variance) goes through the kernel. Centres from the
 sequence itself are allowed bidirectionally; causal attention needs fixed centres.
 
-On the CPU, bidirectional attention with a polynomial far field runs its support sums (and the routing's
-top-k) in a compiled kernel (:mod:`.cpu_kernels`) when no gradient is needed: one pass per block of
-queries instead of a dozen (queries x candidates) temporaries. Training, other far fields, causal
+On the CPU, bidirectional attention with a polynomial far field runs in compiled kernels
+(:mod:`.cpu_kernels`) when no gradient is needed: the far-field state and sums in register tiles without
+materialising features, the routing's top-k, and the support sums in one pass per block of queries
+instead of a dozen (queries x candidates) temporaries. Training, other far fields, causal
 attention and GPUs use the PyTorch code below, which the kernel is tested against.
 
 Numerics mirror :mod:`.favor_attention`: query features are shifted by their own row max, key

@@ -1,9 +1,13 @@
-// Fused CPU forward of the exact-support sums of bidirectional hybrid attention with a polynomial
-// far field (performer_hf.favor_hybrid): for each query i and every key j of its support E(i)
-// (local window, global tokens, routed key blocks), one pass computes the exact logit, the kernel
-// value that the far-field state already counted, and their difference applied to the values.
-// It computes what favor_hybrid._hybrid_sums computes for that case, without materialising
-// (queries x candidates) temporaries: one block of queries at a time, candidates packed once per block.
+// Compiled CPU forward of bidirectional hybrid attention with a polynomial far field
+// (performer_hf.favor_hybrid, loaded by performer_hf.cpu_kernels), three functions:
+// - hybrid_support_sums: for each query i and every key j of its support E(i) (local window, global
+//   tokens, routed key blocks), one pass computes the exact logit, the kernel value that the far-field
+//   state already counted, and their difference applied to the values: what favor_hybrid._hybrid_sums
+//   computes, without (queries x candidates) temporaries; candidates are packed once per query block.
+// - quadratic_far_state / quadratic_far_apply: the far field's state over all keys and its sums for
+//   every query, on symmetric polynomial features built in registers, never stored.
+// - top_blocks: the routing's top-k over key blocks.
+// Every function checks only what the Python side cannot get wrong cheaply; favor_hybrid validates inputs.
 
 #include <torch/extension.h>
 
