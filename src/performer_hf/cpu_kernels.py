@@ -70,7 +70,9 @@ def _compiled_kernels():
     except Exception as error:  # any build failure (no compiler, no ninja, ...) means: use PyTorch
         reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
         logger.warning(
-            "Fused hybrid-attention CPU kernel unavailable (%s: %s); using the PyTorch implementation.",
+            "Fused hybrid-attention CPU kernel unavailable (%s: %s); using the PyTorch implementation, about "
+            "2.5x slower at 8K tokens. For the kernel, install a C++ compiler (g++) and the ninja package; to "
+            "silence this, set PERFORMER_HF_CPU_KERNELS=0.",
             type(error).__name__, reason,
         )  # fmt: skip
         return None
