@@ -12,6 +12,12 @@ from performer_hf.favor_optimal import optimal_log_features, optimal_parameter, 
 QUADRATIC = {"taylor2": 0.5, "poly2": 0.25}
 
 
+@pytest.fixture(autouse=True)
+def pytorch_implementation(monkeypatch):
+    """This file tests the PyTorch implementation; tests/test_cpu_kernels.py tests the compiled one."""
+    monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")
+
+
 def _qkv(batch=2, heads=2, length=45, head_dim=8, scale=1.0, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(batch, heads, length, head_dim, generator=g, dtype=torch.float64) * scale for _ in range(3)]

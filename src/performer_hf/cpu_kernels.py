@@ -80,6 +80,7 @@ def _compiled_kernels():
 
 
 def hybrid_kernels():
-    """The compiled module (``hybrid_support_sums``, ``top_blocks``, ``max_value_width``; see
-    ``csrc/hybrid_support.cpp``), or ``None`` when disabled or the build failed."""
+    """The compiled module (``hybrid_support_sums``, ``quadratic_far_state``, ``quadratic_far_apply``,
+    ``top_blocks``, ``max_value_width``; see ``csrc/hybrid_support.cpp``), or ``None`` when disabled or the
+    build failed."""
     return _compiled_kernels() if kernels_enabled() else None

@@ -224,18 +224,19 @@ void run(const Inputs<T>& in) {
   });
 }
 
-// Value widths the kernel is compiled for (dv + 1 is padded up to the next one).
+// Value widths the kernels are compiled for: dv + 1 is padded up to the next one.
 constexpr int64_t kMaxWidth = 256;
 
-template <typename T>
-void dispatch_width(const Inputs<T>& in) {
-  if (in.D1 <= 16) return run<T, 16>(in);
-  if (in.D1 <= 32) return run<T, 32>(in);
-  if (in.D1 <= 48) return run<T, 48>(in);
-  if (in.D1 <= 64) return run<T, 64>(in);
-  if (in.D1 <= 96) return run<T, 96>(in);
-  if (in.D1 <= 128) return run<T, 128>(in);
-  return run<T, kMaxWidth>(in);
+// body.template operator()<W>() with the smallest compiled width W >= D1
+template <typename Body>
+void with_width(int64_t D1, Body&& body) {
+  if (D1 <= 16) return body.template operator()<16>();
+  if (D1 <= 32) return body.template operator()<32>();
+  if (D1 <= 48) return body.template operator()<48>();
+  if (D1 <= 64) return body.template operator()<64>();
+  if (D1 <= 96) return body.template operator()<96>();
+  if (D1 <= 128) return body.template operator()<128>();
+  return body.template operator()<kMaxWidth>();
 }
 
 }  // namespace
@@ -255,7 +256,7 @@ torch::Tensor hybrid_support_sums(torch::Tensor x, torch::Tensor rq, torch::Tens
                         out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), x.size(3), values1.size(3),
                         routed.size(2), routed.size(3), left, right, num_global, block_q, block_k,
                         static_cast<scalar_t>(quadratic)};
-    dispatch_width(in);
+    with_width(in.D1, [&]<int64_t W>() { run<scalar_t, W>(in); });
   });
   return out;
 }
@@ -316,18 +317,18 @@ void far_state(const T* w, const T* wv1, int64_t L, int64_t d, int64_t D1, T c2,
   for (int64_t f = 0; f < F; ++f) std::memcpy(state + f * D1, &total[f * W], D1 * sizeof(T));
 }
 
+// sums (L, D1) for queries u (L, d) from a state padded to the tile width, (F, W)
 template <typename T, int64_t W>
-void far_apply(const T* u, const T* state, int64_t L, int64_t d, int64_t D1, T* sums) {
+void far_apply(const T* u, const T* padded_state, int64_t L, int64_t d, int64_t D1, T* sums) {
   const int64_t F = 1 + d + d * (d + 1) / 2;
-  std::vector<T> padded(F * W, T(0)), features(kQueries * F);
-  for (int64_t f = 0; f < F; ++f) std::memcpy(&padded[f * W], state + f * D1, D1 * sizeof(T));
+  std::vector<T> features(kQueries * F, T(0));
   for (int64_t i0 = 0; i0 < L; i0 += kQueries) {
     const int64_t count = std::min(kQueries, L - i0);
-    std::fill(features.begin(), features.end(), T(0));
+    if (count < kQueries) std::fill(features.begin(), features.end(), T(0));
     for (int64_t q = 0; q < count; ++q) quadratic_features(u + (i0 + q) * d, d, T(1), false, &features[q * F]);
     T acc[kQueries][W] = {};
     for (int64_t f = 0; f < F; ++f) {
-      const T* row = &padded[f * W];
+      const T* row = padded_state + f * W;
       for (int64_t q = 0; q < kQueries; ++q) {
         const T z = features[q * F + f];
 #pragma omp simd
@@ -337,31 +338,6 @@ void far_apply(const T* u, const T* state, int64_t L, int64_t d, int64_t D1, T* 
     for (int64_t q = 0; q < count; ++q) std::memcpy(sums + (i0 + q) * D1, acc[q], D1 * sizeof(T));
   }
 }
-
-template <typename T, template <typename, int64_t> class Body, typename... Args>
-void with_width(int64_t D1, Args&&... args) {
-  if (D1 <= 16) return Body<T, 16>::call(args...);
-  if (D1 <= 32) return Body<T, 32>::call(args...);
-  if (D1 <= 48) return Body<T, 48>::call(args...);
-  if (D1 <= 64) return Body<T, 64>::call(args...);
-  if (D1 <= 96) return Body<T, 96>::call(args...);
-  if (D1 <= 128) return Body<T, 128>::call(args...);
-  return Body<T, kMaxWidth>::call(args...);
-}
-
-template <typename T, int64_t W>
-struct StateBody {
-  static void call(const T* w, const T* wv1, int64_t L, int64_t d, int64_t D1, T c2, T* state) {
-    far_state<T, W>(w, wv1, L, d, D1, c2, state);
-  }
-};
-
-template <typename T, int64_t W>
-struct ApplyBody {
-  static void call(const T* u, const T* state, int64_t L, int64_t d, int64_t D1, T* sums) {
-    far_apply<T, W>(u, state, L, d, D1, sums);
-  }
-};
 
 // w (B, H, L, d) centred keys, wv1 (B, H, L, D1) weighted values -> (B, H, F, D1) far-field state
 torch::Tensor quadratic_far_state(torch::Tensor w, torch::Tensor wv1, double quadratic) {
@@ -375,8 +351,10 @@ torch::Tensor quadratic_far_state(torch::Tensor w, torch::Tensor wv1, double qua
     scalar_t* out = state.data_ptr<scalar_t>();
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
       for (int64_t bh = begin; bh < end; ++bh) {
-        with_width<scalar_t, StateBody>(D1, keys + bh * L * d, values + bh * L * D1, L, d, D1,
-                                        static_cast<scalar_t>(quadratic), out + bh * F * D1);
+        with_width(D1, [&]<int64_t W>() {
+          far_state<scalar_t, W>(keys + bh * L * d, values + bh * L * D1, L, d, D1, static_cast<scalar_t>(quadratic),
+                                 out + bh * F * D1);
+        });
       }
     });
   });
@@ -391,15 +369,19 @@ torch::Tensor quadratic_far_apply(torch::Tensor u, torch::Tensor state) {
   TORCH_CHECK(F == 1 + d + d * (d + 1) / 2, "quadratic_far_apply: state of the wrong width");
   auto sums = torch::empty({B, H, L, D1}, state.options());
   AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "quadratic_far_apply", [&] {
-    const scalar_t *queries = u.data_ptr<scalar_t>(), *all = state.data_ptr<scalar_t>();
+    const scalar_t* queries = u.data_ptr<scalar_t>();
     scalar_t* out = sums.data_ptr<scalar_t>();
-    const int64_t blocks = (L + 255) / 256;  // 256 queries per task
-    at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t bh = task / blocks, i0 = (task % blocks) * 256, count = std::min<int64_t>(256, L - i0);
-        with_width<scalar_t, ApplyBody>(D1, queries + (bh * L + i0) * d, all + bh * F * D1, count, d, D1,
-                                        out + (bh * L + i0) * D1);
-      }
+    with_width(D1, [&]<int64_t W>() {
+      // the state of every (batch, head), its rows padded to the tile width once: (B H, F, W)
+      auto padded = torch::constant_pad_nd(state, {0, W - D1}).contiguous();
+      const scalar_t* all = padded.data_ptr<scalar_t>();
+      const int64_t blocks = (L + 255) / 256;  // 256 queries per task
+      at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t bh = task / blocks, i0 = (task % blocks) * 256, count = std::min<int64_t>(256, L - i0);
+          far_apply<scalar_t, W>(queries + (bh * L + i0) * d, all + bh * F * W, count, d, D1, out + (bh * L + i0) * D1);
+        }
+      });
     });
   });
   return sums;
