@@ -34,6 +34,7 @@ from performer_hf import PerformerForMaskedLM
 from performer_hf.training.arguments import TrainingInputError
 from performer_hf.training.checkpointing import find_latest_checkpoint, resume_position
 from performer_hf.training.classification import train_classifier
+from performer_hf.training.collators import ReproducibleMaskingCollator
 from performer_hf.training.data import build_label_mapping, group_into_blocks
 from performer_hf.training.language_modeling import main as lm_main
 from performer_hf.training.language_modeling import train_language_model
@@ -183,6 +184,66 @@ def test_latest_checkpoint_and_resume_position(tmp_path):
     assert resume_position({"epoch": 1, "batches_in_epoch": 2}, batches_per_epoch=6) == (1, 2)
     with pytest.raises(TrainingInputError, match="no checkpoint found"):
         find_latest_checkpoint(str(tmp_path / "step_20"))
+
+
+def _masking_blocks(tokenizer, count: int, length: int = 64) -> list[dict]:
+    """Blocks of random ordinary tokens with [CLS] first, [SEP] in the middle and [PAD] at the end."""
+    generator = torch.Generator().manual_seed(0)
+    first_ordinary = len(SPECIAL_TOKENS)  # the WordPiece trainer puts the special tokens first
+    blocks = []
+    for index in range(count):
+        ids = torch.randint(first_ordinary, len(tokenizer), (length,), generator=generator)  # (L,)
+        ids[0], ids[length // 2] = tokenizer.cls_token_id, tokenizer.sep_token_id
+        ids[-4:] = tokenizer.pad_token_id
+        blocks.append({"input_ids": ids.tolist(), "example_index": index})
+    return blocks
+
+
+def test_masking_statistics_and_special_tokens(assets):
+    """15% of the ordinary tokens are selected, 80/10/10 mask/random/kept; special tokens and padding
+    never, whether the block carries a special_tokens_mask or the tokenizer computes it."""
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(assets["tokenizer"])
+    collator = ReproducibleMaskingCollator(tokenizer, mlm_probability=0.15, seed=3)
+    blocks = _masking_blocks(tokenizer, 400)
+    special_ids = torch.tensor(tokenizer.all_special_ids)
+    given = [{**b, "special_tokens_mask": torch.isin(torch.tensor(b["input_ids"]), special_ids).int().tolist()}
+             for b in blocks]  # fmt: skip
+    batch = collator(blocks)
+    assert torch.equal(collator(given)["labels"], batch["labels"])  # the same mask either way
+    original = torch.tensor([b["input_ids"] for b in blocks])  # (N, L)
+    special = torch.isin(original, special_ids)  # (N, L)
+    selected = batch["labels"] != -100  # (N, L)
+    assert not (selected & special).any()
+    assert torch.equal(batch["input_ids"][special], original[special])  # special tokens and padding untouched
+    assert torch.equal(batch["labels"][selected], original[selected])
+    assert torch.equal(batch["input_ids"][~selected], original[~selected])
+    assert selected.sum() / (~special).sum() == pytest.approx(0.15, abs=0.01)  # ~22k ordinary tokens
+    masked = (batch["input_ids"] == tokenizer.mask_token_id)[selected]
+    kept = (batch["input_ids"] == original)[selected]
+    randomized = ~masked & ~kept
+    assert masked.float().mean() == pytest.approx(0.8, abs=0.03)
+    assert randomized.float().mean() == pytest.approx(0.1, abs=0.02)
+    assert kept.float().mean() == pytest.approx(0.1, abs=0.02)  # (a random draw may repeat the token: rare)
+
+
+def test_masking_is_a_function_of_seed_epoch_and_example(assets):
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(assets["tokenizer"])
+    blocks = _masking_blocks(tokenizer, 6)
+    collator = ReproducibleMaskingCollator(tokenizer, mlm_probability=0.3, seed=3)
+    batch = collator(blocks)
+    # Neither the batch composition, the order, earlier calls nor the global RNG change an example's mask.
+    torch.manual_seed(123)
+    again = ReproducibleMaskingCollator(tokenizer, mlm_probability=0.3, seed=3)
+    reordered = again(blocks[3:] + blocks[:1])
+    assert torch.equal(reordered["labels"], batch["labels"][[3, 4, 5, 0]])
+    assert torch.equal(reordered["input_ids"], batch["input_ids"][[3, 4, 5, 0]])
+    assert torch.equal(again([blocks[1]])["input_ids"], batch["input_ids"][1:2])
+    # Another epoch or seed masks afresh.
+    again.set_epoch(1)
+    assert not torch.equal(again(blocks)["labels"], batch["labels"])
+    assert not torch.equal(ReproducibleMaskingCollator(tokenizer, 0.3, seed=4)(blocks)["labels"], batch["labels"])
+    with pytest.raises(ValueError, match="equal-length blocks"):
+        collator([blocks[0], {**blocks[1], "input_ids": blocks[1]["input_ids"][:-1]}])
 
 
 @pytest.mark.parametrize(
@@ -352,34 +413,63 @@ def test_two_process_ddp_matches_single_process(assets, tmp_path):
     assert single["eval_loss"] < single_records[0]["train_loss"]
 
 
-@pytest.mark.parametrize("resume_step", [4, 8])
-def test_resume_reproduces_uninterrupted_losses(assets, tmp_path, resume_step):
-    """MLM with dropout and redraws: 24 blocks / batch 4 = 6 batches per epoch, 10 steps; resuming
-    from step 4 (epoch 0) or 8 (epoch 1, 2 batches in) continues exactly."""
-    config = TINY + ",hidden_dropout_prob=0.1,attention_probs_dropout_prob=0.1"
-    extra = ["--max_train_samples", "24", "--per_device_train_batch_size", "4", "--checkpointing_steps", "4",
-             "--feature_redraw_interval", "3", "--eval_steps", "5"]  # fmt: skip
+DROPOUT = ",hidden_dropout_prob=0.1,attention_probs_dropout_prob=0.1"
+# 24 examples / batch 4 = 6 batches per epoch, 10 steps: resuming from step 4 (epoch 0) or 8 (epoch 1,
+# 2 batches in) crosses a redraw (every 3 steps), an evaluation (step 5) and, from 4, an epoch boundary.
+RESUME_ARGS = ["--max_train_samples", "24", "--per_device_train_batch_size", "4", "--checkpointing_steps", "4",
+               "--feature_redraw_interval", "3", "--eval_steps", "5"]  # fmt: skip
+RESUME_STEPS = 10
 
-    def argv(output_dir, *more):
-        return lm_args(assets, output_dir, *extra, *more, steps=10, config=config)
 
+def _classification_args(assets, output_dir, *extra) -> list[str]:
+    root = assets["root"]
+    return [
+        "--train_file", str(root / "train.csv"), "--validation_file", str(root / "dev.csv"),
+        "--text_column_name", "sentence", "--label_column_name", "topic", "--tokenizer_name", assets["tokenizer"],
+        "--config_overrides", TINY + DROPOUT, "--max_seq_length", "64", "--learning_rate", "3e-3",
+        "--max_train_steps", str(RESUME_STEPS), "--output_dir", str(output_dir), "--with_tracking", "--seed", "7",
+        *extra,
+    ]  # fmt: skip
+
+
+def _assert_resume_reproduces(train, argv, tmp_path, resume_step):
+    """Train ``RESUME_STEPS`` steps uninterrupted, then again from the step-``resume_step``
+    checkpoint: every later loss, the final evaluation and the features after every step must be
+    bitwise the same."""
     full = tmp_path / "full"
-    full_metrics = train_language_model("mlm", argv(full))
+    full_metrics = train(argv(full))
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     resumed = tmp_path / "resumed"
-    resumed_metrics = train_language_model(
-        "mlm", argv(resumed, "--resume_from_checkpoint", str(full / f"step_{resume_step}"))
-    )
+    resumed_metrics = train(argv(resumed, "--resume_from_checkpoint", str(full / f"step_{resume_step}")))
     expected, got = train_losses(full), train_losses(resumed)
-    assert sorted(got) == list(range(resume_step + 1, 11))
-    for step in got:
-        assert got[step] == pytest.approx(expected[step], rel=1e-6), step
-    assert resumed_metrics["eval_loss"] == pytest.approx(full_metrics["eval_loss"], rel=1e-6)
+    assert sorted(got) == list(range(resume_step + 1, RESUME_STEPS + 1))
+    assert got == {step: expected[step] for step in got}  # exact: one thread, same data, masks, dropout, features
+    assert resumed_metrics["eval_loss"] == full_metrics["eval_loss"]
     full_checksums = {r["step"]: r["projection_checksums"] for r in read_log(str(full)) if "train_loss" in r}
     for record in read_log(str(resumed)):
         if "train_loss" in record:
             assert record["projection_checksums"] == full_checksums[record["step"]]
+
+
+@pytest.mark.parametrize(("task", "resume_step"), [("mlm", 4), ("mlm", 8), ("clm", 8)])
+def test_resume_reproduces_uninterrupted_losses(assets, tmp_path, task, resume_step):
+    """run_mlm.py / run_clm.py with dropout and redraws. MLM masks are a function of (seed, epoch,
+    example), so the resumed run masks every example as the uninterrupted one did."""
+
+    def argv(output_dir, *more):
+        return lm_args(assets, output_dir, *RESUME_ARGS, *more, steps=RESUME_STEPS, config=TINY + DROPOUT)
+
+    _assert_resume_reproduces(lambda a: train_language_model(task, a), argv, tmp_path, resume_step)
+
+
+def test_classification_resume_reproduces_uninterrupted_losses(assets, tmp_path):
+    """run_classification.py (dynamic padding) with dropout and redraws, resumed in epoch 0."""
+
+    def argv(output_dir, *more):
+        return _classification_args(assets, output_dir, *RESUME_ARGS, *more)
+
+    _assert_resume_reproduces(train_classifier, argv, tmp_path, 4)
 
 
 # ----------------------------------------------------------------------------- bad input
