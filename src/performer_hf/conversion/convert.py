@@ -20,6 +20,7 @@ from .errors import ConversionError
 from .fidelity import FidelityReport, measure_fidelity, sample_batch
 from .mapping import POSITION_TABLE, MappingResult, extend_positions, map_weights
 from .model_card import build_model_card, source_license
+from .sentence_pipeline import copy_sentence_pipeline
 from .source import SourceCheckpoint, _one_line, load_weights, read_source, resolve_source
 
 logger = logging.getLogger(__name__)
@@ -287,8 +288,10 @@ def convert(
             ``HF_ENDPOINT``, ``HF_HUB_OFFLINE`` and the local cache apply). Supported architectures:
             see ``performer_hf.conversion.SUPPORTED_ARCHITECTURES``.
         output_dir: the folder to write: ``config.json``, ``model.safetensors``, the remote code, the
-            tokenizer files, a ``README.md`` model card and ``conversion_report.json``. It is written
-            beside its final place and renamed when complete, so a failure leaves nothing behind.
+            tokenizer files, the source's sentence-transformers pipeline if it has one (``modules.json``
+            and its module folders, see ``sentence_pipeline.py``), a ``README.md`` model card and
+            ``conversion_report.json``. It is written beside its final place and renamed when complete,
+            so a failure leaves nothing behind.
         overwrite: replace a non-empty ``output_dir`` (only once the conversion has succeeded).
         base_model: the Hub id named in the model card (default: the Hub id of ``source``, or the
             folder name for a local folder).
@@ -363,10 +366,11 @@ def convert(
         model.save_pretrained(staging)
         positions = config.max_position_embeddings - config.position_offset
         copied = _copy_tokenizer(folder, staging, positions, extended)
+        sentence_pipeline = copy_sentence_pipeline(folder, staging, positions, extended)
         card = build_model_card(
             base_model=base_model, license_name=source_license(folder), source_architecture=checkpoint.architecture,
             target_class=head.target_class, config=config, dropped=mapping.dropped, report=report,
-            pretrained_positions=pretrained_rows - config.position_offset,
+            pretrained_positions=pretrained_rows - config.position_offset, sentence_pipeline=bool(sentence_pipeline),
         )  # fmt: skip
         card.save(staging / "README.md")
         summary = {
@@ -380,6 +384,7 @@ def convert(
             "attention": attention_settings(config),
             "calibration": calibration,
             "tokenizer_files": copied,
+            "sentence_transformers_files": sentence_pipeline,
             "positions": {"pretrained": pretrained_rows - config.position_offset, "converted": positions},
             "fidelity": report.to_dict() if report is not None else None,
         }

@@ -78,14 +78,17 @@ def build_model_card(
     pretrained_positions: int,
     dropped: dict[str, str],
     report: FidelityReport | None,
+    sentence_pipeline: bool = False,
 ) -> ModelCard:
     """A model card whose metadata names the base model, license, library and tags, and whose text
-    states the FAVOR+ settings and the fidelity measured at conversion."""
+    states the FAVOR+ settings and the fidelity measured at conversion; ``sentence_pipeline``: the
+    folder carries the source's sentence-transformers pipeline (tagged, with its usage)."""
     data = ModelCardData(
         base_model=base_model,
         license=license_name,
         library_name="transformers",
-        tags=["performer", "favor+", "linear-attention", "long-context", "performer-hf"],
+        tags=["performer", "favor+", "linear-attention", "long-context", "performer-hf"]
+        + (["sentence-transformers"] if sentence_pipeline else []),
     )
     positions = config.max_position_embeddings - config.position_offset
     redraw = (
@@ -135,6 +138,22 @@ def build_model_card(
         "# or, without performer-hf installed:",
         '# model = AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=True)',
         "```",
+    ]
+    if sentence_pipeline:
+        lines += [
+            "",
+            "The source's sentence-transformers pipeline (`modules.json`, pooling, normalisation ...) is carried over:",
+            "",
+            "```python",
+            "import performer_hf",
+            "from sentence_transformers import SentenceTransformer",
+            "",
+            'model = SentenceTransformer("path/to/this/folder")',
+            "# or, without performer-hf installed:",
+            '# model = SentenceTransformer("path/to/this/folder", trust_remote_code=True)',
+            "```",
+        ]
+    lines += [
         "",
         "## Fidelity measured at conversion",
         "",
