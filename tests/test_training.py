@@ -28,9 +28,14 @@ from transformers import (
     AutoModelForMaskedLM,
     AutoModelForSequenceClassification,
     PreTrainedTokenizerFast,
+    Trainer,
+    TrainerCallback,
+    TrainerState,
+    TrainingArguments,
 )
 
-from performer_hf import PerformerForMaskedLM
+from performer_hf import PerformerConfig, PerformerForMaskedLM, PerformerPreTrainedModel
+from performer_hf.training import PerformerRedrawCallback
 from performer_hf.training.arguments import TrainingInputError
 from performer_hf.training.checkpointing import find_latest_checkpoint, resume_position
 from performer_hf.training.classification import train_classifier
@@ -40,7 +45,7 @@ from performer_hf.training.language_modeling import main as lm_main
 from performer_hf.training.language_modeling import train_language_model
 from performer_hf.training.metrics import language_modeling_metrics, macro_f1, token_statistics
 from performer_hf.training.model_loading import parse_config_overrides
-from performer_hf.training.redraw import projection_checksum
+from performer_hf.training.redraw import find_performer, projection_checksum, redraw_seed
 from performer_hf.training.tracking import read_log
 
 REPO = Path(__file__).resolve().parents[1]
@@ -470,6 +475,115 @@ def test_classification_resume_reproduces_uninterrupted_losses(assets, tmp_path)
         return _classification_args(assets, output_dir, *RESUME_ARGS, *more)
 
     _assert_resume_reproduces(train_classifier, argv, tmp_path, 4)
+
+
+# ----------------------------------------------------------------------------- Trainer callback
+
+
+def _tiny_performer(**overrides) -> PerformerForMaskedLM:
+    fields = dict(item.split("=") for item in TINY.split(","))
+    config = PerformerConfig(vocab_size=100, **{k: int(v) for k, v in fields.items()}, **overrides)
+    return PerformerForMaskedLM(config)
+
+
+def _projections(model) -> list[torch.Tensor]:
+    return [buffer.clone() for name, buffer in model.named_buffers() if name.endswith("projection")]
+
+
+class _ProjectionSpy(TrainerCallback):
+    """Records the projections after every optimizer step (runs after PerformerRedrawCallback)."""
+
+    def __init__(self):
+        self.after_step: dict[int, list[torch.Tensor]] = {}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.after_step[state.global_step] = _projections(model)
+
+
+@pytest.fixture
+def redraw_seeds():
+    """Every seed passed to any Performer's redraw_projections while the test runs."""
+    seeds = []
+    original = PerformerPreTrainedModel.redraw_projections
+
+    def spy(self, seed):
+        seeds.append(seed)
+        original(self, seed)
+
+    with mock.patch.object(PerformerPreTrainedModel, "redraw_projections", spy):
+        yield seeds
+
+
+def _train_with_callback(tmp_path, model, callback, steps=7) -> _ProjectionSpy:
+    """A few Trainer steps (gradient accumulation 2: the schedule counts optimizer steps)."""
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(5, 100, (32, 16), generator=generator)]
+    spy = _ProjectionSpy()
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "trainer"), max_steps=steps, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, learning_rate=1e-3, save_strategy="no", eval_strategy="no",
+        logging_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[callback, spy]).train()
+    return spy
+
+
+def test_trainer_callback_redraws_on_the_scripts_schedule(tmp_path, redraw_seeds):
+    model = _tiny_performer()
+    initial = _projections(model)
+    spy = _train_with_callback(tmp_path, model, PerformerRedrawCallback(interval=3))
+    assert redraw_seeds == [redraw_seed(3), redraw_seed(6)]
+    history = [initial] + [spy.after_step[step] for step in range(1, 8)]
+    changed = [step for step in range(1, 8) if not all(map(torch.equal, history[step - 1], history[step]))]
+    assert changed == [3, 6]
+    reference = _tiny_performer()
+    reference.redraw_projections(redraw_seed(6))
+    assert all(map(torch.equal, _projections(model), _projections(reference)))
+    assert model.config.feature_redraw_interval == 3  # recorded for save_pretrained
+
+
+def test_trainer_callback_and_scripts_use_the_same_seeds(assets, tmp_path, redraw_seeds):
+    """The Accelerate loop and the callback redraw at the same steps from the same seeds."""
+    train_language_model("clm", lm_args(assets, tmp_path / "clm", "--feature_redraw_interval", "3", steps=7))
+    script_seeds = list(redraw_seeds)
+    redraw_seeds.clear()
+    _train_with_callback(tmp_path, _tiny_performer(), PerformerRedrawCallback(interval=3))
+    assert script_seeds == redraw_seeds == [3, 6]
+
+
+def test_trainer_callback_interval_defaults_unwrapping_and_errors(tmp_path, redraw_seeds):
+    def run_steps(callback, model, steps=4):
+        callback.on_train_begin(None, TrainerState(), None, model=model)
+        for step in range(1, steps + 1):
+            callback.on_step_end(None, TrainerState(global_step=step), None, model=model)
+
+    model = _tiny_performer(feature_redraw_interval=2)
+    run_steps(PerformerRedrawCallback(), torch.nn.DataParallel(model))  # interval from the config
+    assert redraw_seeds == [2, 4]
+    redraw_seeds.clear()
+    run_steps(PerformerRedrawCallback(interval=0), model)
+    assert redraw_seeds == [] and model.config.feature_redraw_interval is None
+    run_steps(PerformerRedrawCallback(), _tiny_performer())  # no interval anywhere: a no-op
+    assert redraw_seeds == []
+
+    class PeftLike(torch.nn.Module):  # PEFT's PeftModel: get_base_model() returns the wrapped model
+        def __init__(self, model):
+            super().__init__()
+            self.base = model
+
+        def get_base_model(self):
+            return self.base
+
+    assert find_performer(torch.compile(PeftLike(model))) is model
+
+    with pytest.raises(ValueError, match="attention_kernel='exact'"):
+        run_steps(PerformerRedrawCallback(interval=2), _tiny_performer(attention_kernel="exact"))
+    run_steps(PerformerRedrawCallback(), _tiny_performer(attention_kernel="exact"))  # nothing to redraw: fine
+    with pytest.raises(ValueError, match="needs a Performer model"):
+        run_steps(PerformerRedrawCallback(interval=2), torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="interval=-1"):
+        PerformerRedrawCallback(interval=-1)
+    assert redraw_seeds == []
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -1,5 +1,5 @@
 """Training support for the Accelerate scripts in ``training/`` (``run_mlm.py``, ``run_clm.py``,
-``run_classification.py``).
+``run_classification.py``) and, through :class:`PerformerRedrawCallback`, for ``transformers.Trainer``.
 
 One job per module:
 
@@ -12,7 +12,8 @@ One job per module:
 - :mod:`.collators` - reproducible MLM masking (checkpointed), causal-LM and classification batches.
 - :mod:`.metrics` - evaluation metrics computed locally (loss, perplexity, token accuracy,
   accuracy, macro-F1).
-- :mod:`.redraw` - the FAVOR+ feature-redraw schedule and a projection checksum.
+- :mod:`.redraw` - the FAVOR+ feature-redraw schedule, a projection checksum and
+  :class:`PerformerRedrawCallback`, the same schedule for ``transformers.Trainer``.
 - :mod:`.checkpointing` - save / locate / load checkpoints and the exact resume position.
 - :mod:`.tracking` - a JSON-lines tracker for ``accelerator.log``.
 - :mod:`.model_card` - the card written next to the final model.
@@ -21,5 +22,6 @@ One job per module:
 """
 
 from .arguments import TrainingInputError
+from .redraw import PerformerRedrawCallback
 
-__all__ = ["TrainingInputError"]
+__all__ = ["PerformerRedrawCallback", "TrainingInputError"]

@@ -31,7 +31,7 @@ from transformers import get_scheduler
 from .arguments import TrainingInputError
 from .checkpointing import find_latest_checkpoint, load_checkpoint, resume_position, save_checkpoint
 from .model_card import build_model_card, write_model_card
-from .redraw import projection_checksum, redraw_due, redraw_features
+from .redraw import projection_checksum, redraw_if_due
 from .tracking import select_trackers
 
 logger = get_logger(__name__)
@@ -282,9 +282,7 @@ def run_training(
             progress.completed_steps += 1
             step = progress.completed_steps
             progress_bar.update(1)
-            redrawn = redraw_due(step, redraw_interval)
-            if redrawn:
-                redraw_features(unwrapped, step)
+            redrawn = redraw_if_due(unwrapped, step, redraw_interval)
             step_seconds = time.perf_counter() - tick
             if step != first_step:
                 timed_seconds, timed_steps = timed_seconds + step_seconds, timed_steps + 1
