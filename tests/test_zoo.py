@@ -201,6 +201,16 @@ def test_quick_minilm_figures_match_an_independent_measurement(minilm_build):
     assert 0.2 < cosine < 0.999  # FAVOR+ without finetuning: related to the source, not equal to it
 
 
+def test_quick_minilm_build_keeps_the_sentence_transformers_pipeline(minilm_build):
+    """The source's pooling and Normalize modules (``1_Pooling/`` and ``modules.json``) reach the built folder."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(minilm_build), device="cpu")
+    assert [type(module).__name__ for module in model] == ["Transformer", "Pooling", "Normalize"]
+    embeddings = model.encode(english_sentences(2), convert_to_tensor=True)
+    torch.testing.assert_close(embeddings.norm(dim=-1), torch.ones(2), atol=1e-5, rtol=0)
+
+
 def test_quick_gpt2_build_pretrains_converts_finetunes_and_evaluates(tmp_path):
     out = build("performer-gpt2-tiny", tmp_path / "gpt2", quick=True)
     entry = get_entry("performer-gpt2-tiny", quick=True)

@@ -15,6 +15,9 @@ from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi
 
+from .conversion import ConversionError
+from .conversion.sentence_pipeline import sentence_pipeline_files
+
 logger = logging.getLogger(__name__)
 
 
@@ -53,8 +56,10 @@ def remote_code_files(folder: Path, config: dict) -> list[str]:
 
 
 def checkpoint_files(folder: str | Path) -> list[str]:
-    """The files of a Performer checkpoint folder to upload (top level only; training state,
-    checkpoints and hidden files stay local). Raises PushError naming what is missing."""
+    """The files of a Performer checkpoint folder to upload, as ``/``-separated paths relative to it: the
+    top-level files and the module folders of a sentence-transformers pipeline (``1_Pooling/`` ...; see
+    ``conversion/sentence_pipeline.py``). Training state, checkpoints, other subfolders and hidden files stay
+    local. Raises PushError naming what is missing."""
     folder = Path(folder)
     if not folder.is_dir():
         raise PushError(f"{folder} is not a folder; pass the folder a Performer checkpoint was saved to.")
@@ -76,11 +81,16 @@ def checkpoint_files(folder: str | Path) -> list[str]:
         logger.warning("%s has no README.md: the Hub repo will have no model card", folder)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         logger.warning("%s has no tokenizer files: users will need the tokenizer from elsewhere", folder)
-    return sorted(
+    try:
+        pipeline = sentence_pipeline_files(folder)
+    except ConversionError as error:
+        raise PushError(str(error)) from None
+    top_level = {
         path.name
         for path in folder.iterdir()
         if path.is_file() and not path.name.startswith(".") and path.name not in SKIPPED_FILES
-    )
+    }
+    return sorted(top_level.union(pipeline))
 
 
 def push_to_hub(
@@ -93,8 +103,9 @@ def push_to_hub(
     commit_message: str = "Upload Performer checkpoint",
     create_pr: bool = False,
 ):
-    """Upload a Performer checkpoint folder (weights, config, remote code, tokenizer, card and reports)
-    to the Hub repository ``repo_id`` in one commit, creating the repository if needed.
+    """Upload a Performer checkpoint folder (weights, config, remote code, tokenizer, card, reports and any
+    sentence-transformers pipeline) to the Hub repository ``repo_id`` in one commit, creating the repository
+    if needed.
 
     Args:
         folder: a folder written by ``save_pretrained``, ``performer-hf convert``, the training scripts

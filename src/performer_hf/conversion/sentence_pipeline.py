@@ -33,7 +33,7 @@ def _read_json(file: Path):
         return json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ConversionError(
-            f"{file} is not valid JSON ({type(error).__name__}: {error}); fix it or delete it to convert without "
+            f"{file} is not valid JSON ({type(error).__name__}: {error}); fix it or delete it to do without "
             "the sentence-transformers pipeline."
         ) from None
 
@@ -45,7 +45,7 @@ def _module_folders(modules_file: Path) -> list[str] | None:
     except (TypeError, KeyError) as error:
         raise ConversionError(
             f"{modules_file} is not a sentence-transformers module list (each entry needs a 'path' string: {error!r}); "
-            "fix it or delete it to convert without the sentence-transformers pipeline."
+            "fix it or delete it to do without the sentence-transformers pipeline."
         ) from None
     unsafe = [str(path) for path in paths if path.is_absolute() or ".." in path.parts]
     if unsafe:
@@ -56,6 +56,27 @@ def _module_folders(modules_file: Path) -> list[str] | None:
     if PurePosixPath("") not in paths:
         return None
     return [str(path) for path in paths if path != PurePosixPath("")]
+
+
+def sentence_pipeline_files(folder: Path) -> list[str]:
+    """The files of the sentence-transformers pipeline of ``folder`` (a converted checkpoint), as
+    ``/``-separated paths relative to it: the top-level sentence-transformers files and every file of the
+    module folders ``modules.json`` lists (hidden files excluded). [] for a folder without a pipeline
+    (no ``modules.json``, or none with the folder itself as a module). Raises ConversionError for a
+    broken ``modules.json``.
+
+    What must travel with a converted folder for ``SentenceTransformer(folder)`` to run its pipeline;
+    other subfolders (training checkpoints, ``.git``) are not part of it.
+    """
+    modules_file = folder / MODULES_FILE
+    folders = _module_folders(modules_file) if modules_file.is_file() else None
+    if folders is None:
+        return []
+    files = [name for name in TOP_LEVEL_FILES if (folder / name).is_file()]
+    for module in folders:
+        relative = sorted(path.relative_to(folder) for path in (folder / module).rglob("*") if path.is_file())
+        files += [path.as_posix() for path in relative if not any(part.startswith(".") for part in path.parts)]
+    return files
 
 
 def copy_sentence_pipeline(source: Path, target: Path, positions: int, extended: bool) -> list[str]:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..conversion import ConversionError, convert
 from ..conversion.convert import _check_output_dir, _publish
+from ..conversion.sentence_pipeline import sentence_pipeline_files
 from ..conversion.source import resolve_source
 from ..training.arguments import TrainingInputError
 from .card import render_model_card
@@ -162,9 +163,10 @@ def _run_recipe(entry: ZooEntry, work: Path, staging: Path, quick: bool) -> dict
     evaluation = _evaluate(entry, final, source, converted, data, reference)
     timings["evaluate"] = time.perf_counter() - tick
 
-    for item in final.iterdir():
-        if item.is_file() and item.name != "README.md":
-            shutil.copy2(item, staging / item.name)
+    top_level = {item.name for item in final.iterdir() if item.is_file()} - {"README.md"}
+    for name in sorted(top_level | set(sentence_pipeline_files(final))):  # with 1_Pooling/ etc.
+        (staging / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(final / name, staging / name)
     shutil.copy2(converted / "conversion_report.json", staging / "conversion_report.json")
     if (source_file := source / PRETRAINING_FILE).is_file():
         shutil.copy2(source_file, staging / PRETRAINING_FILE)
