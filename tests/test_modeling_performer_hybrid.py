@@ -21,6 +21,7 @@ from performer_hf.cli import main
 from performer_hf.conversion import convert
 from performer_hf.conversion.convert import METHODS
 from performer_hf.conversion.fidelity import sample_batch
+from performer_hf.modeling_performer import CACHE_FIELD
 
 from .test_conversion import CASES, save_source
 from .test_favor_hybrid import reference
@@ -264,7 +265,7 @@ def test_cached_greedy_generation_equals_recomputation(overrides):
     for a, b in zip(cached.scores, recomputed.scores, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
-    cache = cached.past_key_values
+    cache = getattr(cached, CACHE_FIELD)
     assert all(isinstance(layer, HybridCacheLayer) for layer in cache.layers)
     assert cache.get_seq_length() == 9 + 8 - 1
     state = cache.layers[0].get_state()

@@ -7,6 +7,8 @@ used, so the Hub's remote-code loader can copy this file next to a checkpoint.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,6 +35,30 @@ from .favor_hybrid import get_far_field, hybrid_attention
 from .favor_projection import draw_projection
 
 logger = logging.get_logger(__name__)
+
+# transformers 5.24 renamed the decoding cache from `past_key_values` to `cache`, in `forward`'s arguments
+# (what `generate` passes) and in the model outputs; earlier 5.x releases pass and read `past_key_values`.
+# Detected from the output classes, so this file also works where it is copied as remote code.
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithCrossAttentions.__dataclass_fields__ else "past_key_values"
+
+
+def _cache_argument(cache: Cache | None, past_key_values: Cache | None, kwargs: dict) -> Cache | None:
+    """The decoding cache, passed as ``cache`` or under an older name: ``past_key_values`` or (what
+    transformers passes for recurrent caches) ``cache_params``, popped from ``kwargs``."""
+    old_names = {"past_key_values": past_key_values, "cache_params": kwargs.pop("cache_params", None)}
+    for name, value in old_names.items():
+        if value is None:
+            continue
+        if cache is not None and cache is not value:
+            raise ValueError(f"Got both cache and {name}, two names for the decoding cache: pass it once, as cache=.")
+        if CACHE_FIELD == "cache":
+            warnings.warn(
+                f"`{name}` is deprecated since transformers 5.24: pass the decoding cache as `cache=`.",
+                FutureWarning,
+                stacklevel=3,
+            )
+        cache = value
+    return cache
 
 
 class PerformerEmbeddings(nn.Module):
@@ -63,6 +89,13 @@ class PerformerEmbeddings(nn.Module):
         start = past_length + self.position_offset
         return torch.arange(start, start + length, device=device).expand(batch, length)
 
+    def _check_position(self, largest_id: int) -> None:
+        if largest_id >= self.max_positions:
+            raise ValueError(
+                f"Position id {largest_id} is out of range: this model has max_position_embeddings="
+                f"{self.max_positions}. Shorten the input, or convert with a larger --max-position-embeddings."
+            )
+
     def forward(
         self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, past_length: int = 0
     ) -> torch.Tensor:
@@ -70,12 +103,11 @@ class PerformerEmbeddings(nn.Module):
             inputs_embeds = self.word_embeddings(input_ids)  # (B, L, hidden)
         batch, length = inputs_embeds.shape[:2]
         if position_ids is None:
+            # the largest derived id is past_length + length + position_offset - 1: a check on shapes only
+            self._check_position(past_length + length + self.position_offset - 1)
             position_ids = self.make_position_ids(input_ids, batch, length, past_length, inputs_embeds.device)
-        if position_ids.numel() and int(position_ids.max()) >= self.max_positions:
-            raise ValueError(
-                f"Position id {int(position_ids.max())} is out of range: this model has max_position_embeddings="
-                f"{self.max_positions}. Shorten the input, or convert with a larger --max-position-embeddings."
-            )
+        elif position_ids.numel() and not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+            self._check_position(int(position_ids.max()))  # data-dependent: skipped while tracing
         embeddings = inputs_embeds + self.position_embeddings(position_ids)
         if self.token_type_embeddings is not None:
             if token_type_ids is None:
@@ -84,6 +116,10 @@ class PerformerEmbeddings(nn.Module):
         if self.LayerNorm is not None:
             embeddings = self.LayerNorm(embeddings)
         return self.dropout(embeddings)
+
+
+# buffers that a cast of the model to bfloat16 / float16 leaves in their (float32) precision
+_FULL_PRECISION_BUFFERS = ("projection", "query_center", "key_center")
 
 
 class PerformerAttention(nn.Module):
@@ -126,21 +162,40 @@ class PerformerAttention(nn.Module):
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.output = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout_prob = config.attention_probs_dropout_prob
-        self.register_buffer("projection", torch.empty(config.nb_features, self.head_dim), persistent=True)
+        self.nb_features = config.nb_features
+        # drawn here and again in `_init_weights` (models are also built on `meta`): the same seeded draw
+        self.register_buffer("projection", self._draw(config.projection_seed + layer_idx), persistent=True)
         if config.center_features:
-            self.register_buffer("query_center", torch.zeros(self.num_heads, self.head_dim), persistent=True)
-            self.register_buffer("key_center", torch.zeros(self.num_heads, self.head_dim), persistent=True)
+            self.register_buffer(
+                "query_center", torch.zeros(self.num_heads, self.head_dim, dtype=torch.float32), persistent=True
+            )
+            self.register_buffer(
+                "key_center", torch.zeros(self.num_heads, self.head_dim, dtype=torch.float32), persistent=True
+            )
+
+    def _draw(self, seed: int) -> torch.Tensor:
+        """A ``(nb_features, head_dim)`` float32 projection drawn on the CPU from ``seed``."""
+        generator = torch.Generator().manual_seed(seed)
+        return draw_projection(
+            self.nb_features, self.head_dim, coupling=self.feature_coupling, row_norms=self.feature_row_norms,
+            generator=generator, device="cpu", dtype=torch.float32,
+        )  # fmt: skip
 
     def draw_projection(self, seed: int) -> torch.Tensor:
-        """A fresh ``(nb_features, head_dim)`` projection, reproducible from ``seed``."""
-        fresh = draw_projection(
-            self.projection.shape[0],
-            self.head_dim,
-            coupling=self.feature_coupling,
-            row_norms=self.feature_row_norms,
-            generator=torch.Generator().manual_seed(seed),
-        )
-        return fresh.to(self.projection.device, self.projection.dtype)
+        """A fresh ``(nb_features, head_dim)`` projection, reproducible from ``seed``, where the current one lives."""
+        return self._draw(seed).to(self.projection.device, self.projection.dtype)
+
+    def _apply(self, fn, recurse=True):
+        """``Module._apply`` (``.to``, ``.half()``, ...), except that a cast to bfloat16 / float16 leaves the
+        projection and centres in their precision: features are computed in float32, and a rounded
+        projection would be a different draw whose rows are no longer orthogonal."""
+        kept = {name: buffer for name, buffer in self._buffers.items() if name in _FULL_PRECISION_BUFFERS}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after.dtype in (torch.bfloat16, torch.float16) and before.dtype not in (torch.bfloat16, torch.float16):
+                self._buffers[name] = before.to(after.device)
+        return self
 
     @torch.no_grad()
     def redraw_projection(self, seed: int) -> None:
@@ -205,16 +260,16 @@ class PerformerAttention(nn.Module):
         hidden_states: torch.Tensor,
         key_mask: torch.Tensor | None,
         causal: bool,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attend over the new tokens and, when ``past_key_values`` is given, the cached ones.
+        """Attend over the new tokens and, when ``cache`` is given, the cached ones.
 
         Args:
             hidden_states: (B, L, hidden), the L new tokens.
             key_mask: (B, P + L) bool, True for real tokens, covering the P cached tokens too.
             causal: mask future keys.
-            past_key_values: causal only; this layer's entry is read and updated in place: a
+            cache: causal only; this layer's entry is read and updated in place: a
                 :class:`FavorCacheLayer` (constant-size state) for FAVOR+, a :class:`HybridCacheLayer`
                 for hybrid attention, keys/values for ``"exact"``.
             output_attentions: ``"exact"`` only: also return the weights (B, H, L, P + L).
@@ -227,12 +282,12 @@ class PerformerAttention(nn.Module):
         v = self._split_heads(self.value(hidden_states))
         weights = None
         if self.kernel == "exact":
-            if past_key_values is not None:
-                k, v = past_key_values.update(k, v, self.layer_idx)  # (B, H, P + L, D)
+            if cache is not None:
+                k, v = cache.update(k, v, self.layer_idx)  # (B, H, P + L, D)
             context, weights = self._exact(q, k, v, key_mask, causal, output_attentions)
         elif self.hybrid:
             new_key_mask = None if key_mask is None else key_mask[:, -q.shape[2] :]  # (B, L): the past is in the state
-            layer_cache = None if past_key_values is None else past_key_values.layers[self.layer_idx]
+            layer_cache = None if cache is None else cache.layers[self.layer_idx]
             with torch.autocast(q.device.type, enabled=False):  # float32 inside, as for FAVOR+
                 context = self._hybrid(q, k, v, new_key_mask, causal, layer_cache)
         else:
@@ -243,10 +298,10 @@ class PerformerAttention(nn.Module):
             # The kernel computes in float32 whatever the input dtype; autocast must not lower its
             # exponentials and prefix sums to bf16/fp16.
             with torch.autocast(q.device.type, enabled=False):
-                if past_key_values is None:
+                if cache is None:
                     context = favor_attention(q, k, v, self.projection, **favor_kwargs)
                 else:
-                    layer_cache = past_key_values.layers[self.layer_idx]
+                    layer_cache = cache.layers[self.layer_idx]
                     context, state = favor_attention(
                         q, k, v, self.projection, initial_state=layer_cache.get_state(), return_state=True,
                         **favor_kwargs,
@@ -285,17 +340,17 @@ class PerformerLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         key_mask: torch.Tensor | None,
         causal: bool,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states: (B, L, hidden) -> (B, L, hidden), attention weights or None."""
         if self.pre_norm:
             attended, weights = self.attention(
-                self.attention_norm(hidden_states), key_mask, causal, past_key_values, output_attentions
+                self.attention_norm(hidden_states), key_mask, causal, cache, output_attentions
             )
             hidden_states = hidden_states + self.dropout(attended)
             return hidden_states + self.dropout(self.mlp(self.mlp_norm(hidden_states))), weights
-        attended, weights = self.attention(hidden_states, key_mask, causal, past_key_values, output_attentions)
+        attended, weights = self.attention(hidden_states, key_mask, causal, cache, output_attentions)
         hidden_states = self.attention_norm(hidden_states + self.dropout(attended))
         return self.mlp_norm(hidden_states + self.dropout(self.mlp(hidden_states))), weights
 
@@ -314,7 +369,7 @@ class PerformerEncoder(nn.Module):
         hidden_states: torch.Tensor,
         key_mask: torch.Tensor | None,
         causal: bool,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
     ):
@@ -322,9 +377,8 @@ class PerformerEncoder(nn.Module):
         all_hidden = [hidden_states] if output_hidden_states else None
         all_weights = [] if output_attentions else None
         for layer in self.layer:
-            # past_key_values as a keyword: gradient checkpointing drops it (the replay would update it twice)
             hidden_states, weights = layer(
-                hidden_states, key_mask, causal, past_key_values=past_key_values, output_attentions=output_attentions
+                hidden_states, key_mask, causal, cache=cache, output_attentions=output_attentions
             )
             if output_hidden_states:
                 all_hidden.append(hidden_states)
@@ -409,21 +463,21 @@ class PerformerModel(PerformerPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
 
-    def _check_cache(self, past_key_values) -> None:
-        if not isinstance(past_key_values, Cache):
+    def _check_cache(self, cache) -> None:
+        if not isinstance(cache, Cache):
             raise ValueError(
-                f"past_key_values must be a transformers Cache, got {type(past_key_values).__name__}: "
+                f"cache must be a transformers Cache, got {type(cache).__name__}: "
                 "pass DynamicCache(config=model.config) (what generate builds)."
             )
         if self.config.attention_kernel == "exact":
             return
-        layers = past_key_values.layers
+        layers = cache.layers
         expected = HybridCacheLayer if self.config.uses_hybrid_attention else FavorCacheLayer
         # compared by layer type, not class: each copy of this code (package, remote-code folders) has its own class
         is_expected = [getattr(c, "_layer_type", None) == expected._layer_type for c in layers]
         if len(layers) != self.config.num_hidden_layers or not all(is_expected):
             raise ValueError(
-                f"past_key_values holds {[type(c).__name__ for c in layers]}, but this attention needs one "
+                f"cache holds {[type(c).__name__ for c in layers]}, but this attention needs one "
                 f"{expected.__name__} per layer ({self.config.num_hidden_layers}): build it with "
                 "DynamicCache(config=model.config)."
             )
@@ -435,12 +489,13 @@ class PerformerModel(PerformerPreTrainedModel):
         token_type_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
         causal: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPoolingAndCrossAttentions | tuple:
         """Encode ``input_ids`` (B, L) or ``inputs_embeds`` (B, L, hidden).
@@ -449,13 +504,15 @@ class PerformerModel(PerformerPreTrainedModel):
             attention_mask: (B, P + L), 1 for real tokens, 0 for padding; with a cache it covers the P
                 cached tokens too (the Hugging Face convention).
             position_ids: (B, L); by default ``P, P + 1, ...`` (RoBERTa style when ``position_offset > 0``).
-            past_key_values: causal only: the cache of the preceding tokens, updated in place. FAVOR+
+            cache: causal only: the cache of the preceding tokens, updated in place. FAVOR+
                 keeps a constant-size state per layer (see ``cache_performer.py``), ``"exact"`` keys and values.
             use_cache: causal only: return the cache (a new ``DynamicCache(config)`` when none is passed).
                 Defaults to ``config.use_cache`` for causal attention in eval mode.
             output_attentions: only for ``attention_kernel="exact"``; FAVOR+ never forms the attention matrix.
             causal: overrides ``config.is_decoder`` (the task heads set it).
+            past_key_values: the name of ``cache`` before transformers 5.24 (deprecated there).
         """
+        cache = _cache_argument(cache, past_key_values, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
@@ -469,20 +526,21 @@ class PerformerModel(PerformerPreTrainedModel):
         )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         causal = self.config.is_decoder if causal is None else causal
-        if not causal and (use_cache or past_key_values is not None):
-            raise ValueError(
-                "use_cache / past_key_values need causal attention: use PerformerForCausalLM or is_decoder=True."
-            )
-        if use_cache is None:
-            use_cache = causal and self.config.use_cache and not self.training
-        if use_cache and self.encoder.gradient_checkpointing and self.training:
-            logger.warning_once("use_cache=True is incompatible with gradient checkpointing; setting use_cache=False.")
-            use_cache = False
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        if past_key_values is not None:
-            self._check_cache(past_key_values)
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if not causal and cache is not None:
+            raise ValueError("A cache needs causal attention: use PerformerForCausalLM or is_decoder=True.")
+        if not causal:
+            use_cache = False  # nothing to cache for a bidirectional model (as in transformers' encoders)
+        elif use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if (use_cache or cache is not None) and self.encoder.gradient_checkpointing and self.training:
+            # the backward replay of a checkpointed layer would update the cache a second time
+            logger.warning_once("A cache is incompatible with gradient checkpointing in training; not using one.")
+            use_cache, cache = False, None
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if cache is not None:
+            self._check_cache(cache)
+        past_length = cache.get_seq_length() if cache is not None else 0
 
         length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         key_mask = None if attention_mask is None else attention_mask.to(torch.bool)  # (B, P + L)
@@ -497,15 +555,15 @@ class PerformerModel(PerformerPreTrainedModel):
             inputs_embeds=inputs_embeds, past_length=past_length,
         )  # fmt: skip
         sequence_output, all_hidden, all_weights = self.encoder(
-            hidden_states, key_mask, causal, past_key_values, output_hidden_states, output_attentions
+            hidden_states, key_mask, causal, cache, output_hidden_states, output_attentions
         )
         pooled = self.pooler(sequence_output) if self.pooler is not None else None
         output = BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=sequence_output,
             pooler_output=pooled,
-            past_key_values=past_key_values if use_cache else None,
             hidden_states=all_hidden,
             attentions=all_weights,
+            **{CACHE_FIELD: cache if use_cache else None},
         )
         return output if return_dict else output.to_tuple()
 
@@ -524,6 +582,15 @@ class PerformerMaskedLMHead(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = self.layer_norm(self.act(self.dense(hidden_states)))
         return self.decoder(hidden_states) + self.bias  # (B, L, vocab)
+
+    @torch.no_grad()
+    def resize_bias(self, vocab_size: int) -> None:
+        """Cut or zero-pad the output bias to ``vocab_size`` entries (after the decoder was resized)."""
+        old = self.bias
+        new = torch.zeros(vocab_size, device=old.device, dtype=old.dtype)
+        keep = min(vocab_size, old.shape[0])
+        new[:keep] = old[:keep]
+        self.bias = nn.Parameter(new, requires_grad=old.requires_grad)
 
 
 def _token_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
@@ -553,6 +620,13 @@ class PerformerForMaskedLM(PerformerPreTrainedModel):
 
     def set_output_embeddings(self, new_embeddings):
         self.lm_head.decoder = new_embeddings
+
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
+        """``PreTrainedModel.resize_token_embeddings``, which resizes the decoder; the head's separate
+        output bias (BERT's ``cls.predictions.bias``) follows: new tokens get a zero bias."""
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        self.lm_head.resize_bias(embeddings.num_embeddings)
+        return embeddings
 
     def forward(
         self,
@@ -617,36 +691,46 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
         token_type_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
         labels: torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         return_dict: bool | None = None,
         num_items_in_batch=None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithCrossAttentions | tuple:
         """``labels``: (B, L) token ids (shifted inside), -100 where no prediction is scored.
+        ``shift_labels`` (a keyword, as in transformers' models: the ``Trainer`` takes every named ``*label*``
+        argument for a required label): (B, L) labels already shifted (position i scores token i + 1), as
+        sequence- and context-parallel training pass them; used instead of ``labels``.
         ``logits_to_keep``: compute logits for the last N positions only (0: all; ``generate`` uses 1),
-        or for the positions in a 1D index tensor."""
+        or for the positions in a 1D index tensor.
+        ``cache``: the decoding cache (``past_key_values`` before transformers 5.24)."""
+        shift_labels = kwargs.pop("shift_labels", None)
         outputs = self.performer(
             input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, past_key_values=past_key_values, use_cache=use_cache, return_dict=True,
-            causal=True, **kwargs,
+            inputs_embeds=inputs_embeds, cache=_cache_argument(cache, past_key_values, kwargs), use_cache=use_cache,
+            return_dict=True, causal=True, **kwargs,
         )  # fmt: skip
         hidden_states = outputs.last_hidden_state  # (B, L, hidden)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep])  # (B, L or N, vocab)
         loss = None
-        if labels is not None:
-            if logits.shape[1] != labels.shape[1]:
+        if labels is not None or shift_labels is not None:
+            targets = shift_labels if shift_labels is not None else labels
+            if logits.shape[1] != targets.shape[1]:
                 raise ValueError(f"labels need logits for every position; got logits_to_keep={logits_to_keep}.")
-            loss = _token_loss(logits[:, :-1], labels[:, 1:], num_items_in_batch)
+            if shift_labels is not None:
+                loss = _token_loss(logits, shift_labels, num_items_in_batch)
+            else:
+                loss = _token_loss(logits[:, :-1], labels[:, 1:], num_items_in_batch)
         output = CausalLMOutputWithCrossAttentions(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
         return output if return_dict is not False else output.to_tuple()
 

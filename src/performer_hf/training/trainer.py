@@ -190,7 +190,7 @@ def run_training(
     redraw_interval = args.feature_redraw_interval or model.config.feature_redraw_interval
     model.config.feature_redraw_interval = redraw_interval
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
     # Explicit generators: iterating a DataLoader then draws its base seed from them, not from the
     # global RNG (which dropout uses), so evaluations and resumes leave the training RNG untouched.
