@@ -94,9 +94,13 @@ class _PerformerCommonTests(common.ModelTesterMixin):
         PerformerForTokenClassification,
         PerformerForQuestionAnswering,
     )
-    # transformers' GenerationTesterMixin is not in its sdist: cached decoding is checked against full
-    # recomputation for every method in test_modeling_performer_generation.py instead.
-    test_generation_tester_mixin_inheritance = None
+
+    @unittest.skip(
+        "transformers' GenerationTesterMixin is not in its sdist: test_modeling_performer_generation.py checks cached "
+        "decoding against a full forward for every method instead (greedy, sampling, beam search, padded or not)"
+    )
+    def test_generation_tester_mixin_inheritance(self):
+        pass
 
     @classmethod
     def setUpClass(cls):
