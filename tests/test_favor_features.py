@@ -17,15 +17,6 @@ from performer_hf.favor import FEATURE_MAPS, KERNELS, draw_projection, feature_m
 D = 16
 
 
-@pytest.fixture
-def single_thread():
-    """Thousands of tiny QR decompositions: threads only add overhead (and contention)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
 

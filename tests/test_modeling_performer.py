@@ -32,6 +32,8 @@ from performer_hf import (
 )
 from performer_hf.modeling_performer import CACHE_FIELD
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 VOCAB, HIDDEN, LAYERS, HEADS, FEATURES = 99, 32, 2, 4, 16
 KERNELS = ["softmax", "relu", "exact"]
 LN_POSITIONS = ["post", "pre"]
@@ -43,16 +45,6 @@ HEAD_AUTO = {
     PerformerForTokenClassification: AutoModelForTokenClassification,
     PerformerForQuestionAnswering: AutoModelForQuestionAnswering,
 }
-
-
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny tensors: thread start-up and contention with other jobs on the shared CPU cost far more
-    than they save (a tiny forward takes ~100x longer with 2 busy threads than with 1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_config(**overrides) -> PerformerConfig:

@@ -9,9 +9,9 @@ from performer_hf.cache_performer import FavorCacheLayer
 from performer_hf.favor import FavorState, favor_attention
 from performer_hf.modeling_performer import CACHE_FIELD
 
-from .test_modeling_performer import FEATURES, HEADS, HIDDEN, LAYERS, VOCAB, random_ids, single_thread, tiny_model
+from .test_modeling_performer import FEATURES, HEADS, HIDDEN, LAYERS, VOCAB, random_ids, tiny_model
 
-__all__ = ["single_thread"]  # the autouse fixture, imported to apply here too
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 KERNELS = ["softmax", "relu", "exact"]
 

@@ -25,10 +25,10 @@ from performer_hf.modeling_performer import CACHE_FIELD
 
 from .test_conversion import CASES, save_source
 from .test_favor_hybrid import reference
-from .test_modeling_performer import HEADS, HIDDEN, LAYERS, random_ids, single_thread, tiny_config
+from .test_modeling_performer import HEADS, HIDDEN, LAYERS, random_ids, tiny_config
 from .test_modeling_performer_integration import _REMOTE_SCRIPT
 
-__all__ = ["single_thread"]  # the autouse fixture, imported to apply here too
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 HEAD_DIM = HIDDEN // HEADS
 # bidirectional: window 5, the first token global, 2 routed blocks of 4 keys per block of 4 queries

@@ -7,14 +7,15 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from performer_hf import PerformerForCausalLM, PerformerForMaskedLM, PerformerModel
 
-from .test_modeling_performer import HEADS, HIDDEN, LAYERS, VOCAB, random_ids, single_thread, tiny_config
+from .test_modeling_performer import HEADS, HIDDEN, LAYERS, VOCAB, random_ids, tiny_config
 
-__all__ = ["single_thread"]  # the autouse fixture, imported to apply here too
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 # ---------------------------------------------------------------- exact mode == transformers' softmax attention
 

@@ -101,14 +101,11 @@ def assets(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(autouse=True)
-def isolated_run(tmp_path_factory, monkeypatch):
+def isolated_run(tmp_path_factory, monkeypatch, single_thread):
     """Offline, a private datasets cache, one thread (the CPU is shared), fresh Accelerate state."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.getbasetemp() / "datasets"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
-    torch.set_num_threads(threads)
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
 

@@ -12,9 +12,9 @@ from transformers.utils import logging
 from performer_hf import PerformerForCausalLM, PerformerForMaskedLM
 from performer_hf.modeling_performer import CACHE_FIELD
 
-from .test_modeling_performer import random_ids, single_thread, tiny_model
+from .test_modeling_performer import random_ids, tiny_model
 
-__all__ = ["single_thread"]  # the autouse fixture, imported to apply here too
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 METHODS = {
     "exact": {"attention_kernel": "exact"},

@@ -22,12 +22,9 @@ REMOTE_CODE = {"modeling_performer.py", "configuration_performer.py", "favor_att
 
 
 @pytest.fixture(autouse=True)
-def offline(monkeypatch):
+def offline(monkeypatch, single_thread):
+    """Offline, one thread (the CPU is shared)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _card(folder: Path) -> ModelCard:

@@ -1,0 +1,17 @@
+"""Fixtures shared by the test modules: pytest provides them to every module below this folder by name."""
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def single_thread():
+    """One torch thread for the test. Tiny tensors: thread start-up and contention with other jobs on the shared CPU
+    cost far more than they save (a tiny forward takes ~100x longer with 2 busy threads than with 1).
+
+    Modules of tiny-model tests apply it to every test with ``pytestmark = pytest.mark.usefixtures("single_thread")``;
+    a test or fixture that needs it alone requests it by name."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
