@@ -32,9 +32,10 @@ from performer_hf import (
 )
 from performer_hf.modeling_performer import CACHE_FIELD
 
+from .tiny_models import HEADS, HIDDEN, LAYERS, VOCAB, random_ids, tiny_config, tiny_model
+
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-VOCAB, HIDDEN, LAYERS, HEADS, FEATURES = 99, 32, 2, 4, 16
 KERNELS = ["softmax", "relu", "exact"]
 LN_POSITIONS = ["post", "pre"]
 HEAD_AUTO = {
@@ -45,35 +46,6 @@ HEAD_AUTO = {
     PerformerForTokenClassification: AutoModelForTokenClassification,
     PerformerForQuestionAnswering: AutoModelForQuestionAnswering,
 }
-
-
-def tiny_config(**overrides) -> PerformerConfig:
-    """vocab 99, hidden 32, 2 layers, 4 heads, 16 features; no dropout; causal chunks of 4 positions
-    so that short inputs cross chunk boundaries."""
-    kwargs = {
-        "vocab_size": VOCAB,
-        "hidden_size": HIDDEN,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS,
-        "intermediate_size": 37,
-        "max_position_embeddings": 64,
-        "nb_features": FEATURES,
-        "hidden_dropout_prob": 0.0,
-        "attention_probs_dropout_prob": 0.0,
-        "causal_chunk_size": 4,
-        "num_labels": 3,
-    }
-    kwargs.update(overrides)
-    return PerformerConfig(**kwargs)
-
-
-def tiny_model(model_class=PerformerForCausalLM, seed=0, **overrides):
-    torch.manual_seed(seed)
-    return model_class(tiny_config(**overrides)).eval()
-
-
-def random_ids(batch=2, length=11, seed=0) -> torch.Tensor:
-    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def main_output(model, **inputs) -> torch.Tensor:

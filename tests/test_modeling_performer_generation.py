@@ -9,7 +9,7 @@ from performer_hf.cache_performer import FavorCacheLayer
 from performer_hf.favor import FavorState, favor_attention
 from performer_hf.modeling_performer import CACHE_FIELD
 
-from .test_modeling_performer import FEATURES, HEADS, HIDDEN, LAYERS, VOCAB, random_ids, tiny_model
+from .tiny_models import FEATURES, HEADS, HIDDEN, LAYERS, METHODS, VOCAB, random_centres, random_ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -159,13 +159,7 @@ def test_generation_positions_follow_the_roberta_offset():
 
 # ---------------------------------------------------------------- cached decoding == a full forward, every method
 
-# exact (key/value cache), FAVOR+ (recurrent state) and hybrid (window + global tokens + polynomial far field
-# around fixed centres); prompts of 9 and 8 new tokens cross the causal chunks (4) and the window (4)
-METHODS = {
-    "exact": {"attention_kernel": "exact"},
-    "favor": {"attention_kernel": "softmax"},
-    "hybrid": {"attention_kernel": "poly2", "center_features": True, "local_window": 4, "num_global_tokens": 1},
-}
+# every one of METHODS; prompts of 9 and 8 new tokens cross the causal chunks (4) and the window (4)
 MODES = {
     "greedy": {"do_sample": False},
     "sample": {"do_sample": True, "top_k": 0},
@@ -174,14 +168,8 @@ MODES = {
 
 
 def method_model(method: str):
-    model = tiny_model(layer_norm_position="pre", **METHODS[method])
-    if model.config.center_features:  # random non-zero centres, so that centring matters
-        with torch.no_grad():
-            for module in model.modules():
-                if hasattr(module, "query_center"):
-                    module.query_center.normal_(0, 0.5)
-                    module.key_center.normal_(0, 0.5)
-    return model
+    """The tiny pre-LN causal LM of ``method``, with random non-zero centres where it centres."""
+    return random_centres(tiny_model(layer_norm_position="pre", **METHODS[method]))
 
 
 def prompts(padded: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,8 +25,8 @@ from performer_hf.modeling_performer import CACHE_FIELD
 
 from .test_conversion import CASES, save_source
 from .test_favor_hybrid import reference
-from .test_modeling_performer import HEADS, HIDDEN, LAYERS, random_ids, tiny_config
 from .test_modeling_performer_integration import _REMOTE_SCRIPT
+from .tiny_models import HEADS, HIDDEN, LAYERS, random_centres, random_ids, tiny_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -38,17 +38,9 @@ CAUSAL = dict(attention_kernel="poly2", center_features=True, local_window=4, nu
 PER_LAYER_A = [[-0.05 * (h + 1) for h in range(HEADS)] for _ in range(LAYERS)]
 
 
-def hybrid_model(model_class, seed=0, centres=True, **overrides):
+def hybrid_model(model_class, seed=0, **overrides):
     """A tiny model (see tiny_config) with random non-zero fixed centres when it centres."""
-    torch.manual_seed(seed)
-    model = model_class(tiny_config(**overrides)).eval()
-    if centres and model.config.center_features:
-        with torch.no_grad():
-            for module in model.modules():
-                if hasattr(module, "query_center"):
-                    module.query_center.normal_(0, 0.5)
-                    module.key_center.normal_(0, 0.5)
-    return model
+    return random_centres(tiny_model(model_class, seed, **overrides))
 
 
 # ---------------------------------------------------------------- configuration

@@ -13,7 +13,7 @@ from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, Tra
 
 from performer_hf import PerformerForCausalLM, PerformerForMaskedLM, PerformerModel
 
-from .test_modeling_performer import HEADS, HIDDEN, LAYERS, VOCAB, random_ids, tiny_config
+from .tiny_models import HEADS, HIDDEN, LAYERS, VOCAB, random_ids, tiny_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

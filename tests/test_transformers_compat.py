@@ -12,15 +12,9 @@ from transformers.utils import logging
 from performer_hf import PerformerForCausalLM, PerformerForMaskedLM
 from performer_hf.modeling_performer import CACHE_FIELD
 
-from .test_modeling_performer import random_ids, tiny_model
+from .tiny_models import METHODS, random_ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-METHODS = {
-    "exact": {"attention_kernel": "exact"},
-    "favor": {"attention_kernel": "softmax"},
-    "hybrid": {"attention_kernel": "poly2", "center_features": True, "local_window": 4, "num_global_tokens": 1},
-}
 
 
 def _deprecations(action) -> list[str]:
