@@ -5,6 +5,8 @@ from __future__ import annotations
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
+from .attention_methods import ATTENTION_METHODS
+
 # Kept literal (not imported from the kernels) so this file stays self-contained when the
 # Hub's remote-code loader copies it next to a checkpoint.
 FAVOR_KERNELS = ("softmax", "softmax_hyperbolic", "softmax_trig", "relu", "elu")
@@ -144,10 +146,18 @@ class PerformerConfig(PreTrainedConfig):
         )
 
     @property
+    def attention_method(self) -> str:
+        """The entry of ``attention_methods.ATTENTION_METHODS`` these settings select: ``"exact"``,
+        ``"hybrid"`` (see :attr:`uses_hybrid_attention`) or ``"favor"``."""
+        if self.attention_kernel == "exact":
+            return "exact"
+        return "hybrid" if self.uses_hybrid_attention else "favor"
+
+    @property
     def has_attention_weights(self) -> bool:
         """Whether the model can return attention weights (``output_attentions``): only exact attention
         forms the (L x L) matrix; FAVOR+ and hybrid attention never do."""
-        return self.attention_kernel == "exact"
+        return ATTENTION_METHODS[self.attention_method].has_attention_weights
 
     def check_output_attentions(self, output_attentions: bool) -> None:
         """Raise a ``ValueError`` that names the fix when attention weights are asked of linear attention."""
@@ -166,14 +176,10 @@ class PerformerConfig(PreTrainedConfig):
 
     @property
     def layer_types(self) -> list[str]:
-        """Cache layer type per block: FAVOR+ keeps a constant-size recurrent state
-        (``"favor_attention"``), hybrid attention that state plus its window and global keys
+        """Cache layer type per block, the attention method's: FAVOR+ keeps a constant-size recurrent
+        state (``"favor_attention"``), hybrid attention that state plus its window and global keys
         (``"hybrid_attention"``; both in ``cache_performer.py``), exact attention a key/value cache."""
-        if self.attention_kernel == "exact":
-            layer_type = "full_attention"
-        else:
-            layer_type = "hybrid_attention" if self.uses_hybrid_attention else "favor_attention"
-        return [layer_type] * self.num_hidden_layers
+        return [ATTENTION_METHODS[self.attention_method].cache_layer_type] * self.num_hidden_layers
 
     def validate_layer_type(self):
         """Part of `@strict` validation. `layer_types` is derived from `attention_kernel` (checked in

@@ -28,10 +28,9 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
 
-from .cache_performer import FavorCacheLayer, HybridCacheLayer
+from .attention_methods import ATTENTION_METHODS
 from .configuration_performer import PerformerConfig
-from .favor_attention import favor_attention
-from .favor_hybrid import get_far_field, hybrid_attention
+from .favor_hybrid import get_far_field
 from .favor_projection import draw_projection
 
 logger = logging.get_logger(__name__)
@@ -142,8 +141,8 @@ class PerformerAttention(nn.Module):
         self.chunk_size = config.causal_chunk_size
         self.feature_coupling = config.feature_coupling
         self.feature_row_norms = config.feature_row_norms
-        self.hybrid = config.uses_hybrid_attention
-        if self.hybrid:
+        self.attend = ATTENTION_METHODS[config.attention_method].attend
+        if config.attention_method == "hybrid":
             self.hybrid_kwargs = {
                 "far_field": config.attention_kernel,
                 "local_window": config.local_window,
@@ -206,55 +205,6 @@ class PerformerAttention(nn.Module):
         batch, length, _ = x.shape
         return x.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, D)
 
-    def _exact(self, q, k, v, key_mask: torch.Tensor | None, causal: bool, output_attentions: bool):
-        """Softmax attention. q: (B, H, Lq, D); k, v: (B, H, Lk, D), the Lk - Lq cached keys first;
-        key_mask: (B, Lk). Returns the context (B, H, Lq, D) and the weights (B, H, Lq, Lk) or None."""
-        q_len, k_len = q.shape[2], k.shape[2]
-        dropout = self.dropout_prob if self.training else 0.0
-        if causal and key_mask is None and q_len == k_len and not output_attentions:
-            # SDPA's fused causal path: no (L, L) mask in memory
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True), None
-        visible = None
-        if key_mask is not None:
-            visible = key_mask[:, None, None, :]  # (B, 1, 1, Lk)
-        if causal:
-            past = k_len - q_len  # query i sits at position past + i and sees keys j <= past + i
-            tril = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=past)  # (Lq, Lk)
-            visible = tril if visible is None else visible & tril
-            own = torch.arange(k_len, device=q.device) == torch.arange(past, k_len, device=q.device)[:, None]
-            visible = visible | own  # a query always sees itself: no empty rows (left padding)
-        if not output_attentions:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout), None
-        scores = (q @ k.transpose(-2, -1)) * self.head_dim**-0.5  # (B, H, Lq, Lk)
-        if visible is not None:
-            scores = scores.masked_fill(~visible, float("-inf"))
-        weights = scores.float().softmax(dim=-1).to(q.dtype)
-        return F.dropout(weights, p=dropout, training=self.training) @ v, weights
-
-    def _hybrid(self, q, k, v, key_mask: torch.Tensor | None, causal: bool, layer_cache) -> torch.Tensor:
-        """Hybrid attention. q, k, v: (B, H, L, D), the new tokens only; key_mask: (B, L) or None;
-        layer_cache: this layer's :class:`HybridCacheLayer` (causal decoding) or None. -> (B, H, L, D)."""
-        if causal and self.routed_blocks:
-            raise ValueError(
-                f"routed_blocks={self.routed_blocks} cannot be used in causal attention (routing reads future "
-                "tokens): set routed_blocks=0 in the config (e.g. convert with --routed-blocks 0)."
-            )
-        kwargs = dict(self.hybrid_kwargs, causal=causal, key_padding_mask=key_mask)
-        if not causal:
-            kwargs.update(routed_blocks=self.routed_blocks, center=self.center_features)
-        elif self.center_features:  # fixed centres: causal outputs must not depend on later tokens
-            kwargs.update(query_center=self.query_center, key_center=self.key_center)
-        if self.far_field_parameter is not None:
-            kwargs["far_field_parameter"] = self.far_field_parameter
-        projection = self.projection if self.uses_projection else None
-        if layer_cache is None:
-            return hybrid_attention(q, k, v, projection, **kwargs)
-        context, state = hybrid_attention(
-            q, k, v, projection, initial_state=layer_cache.get_state(), return_state=True, **kwargs
-        )
-        layer_cache.update_state(state)
-        return context
-
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -280,33 +230,7 @@ class PerformerAttention(nn.Module):
         q = self._split_heads(self.query(hidden_states))  # (B, H, L, D)
         k = self._split_heads(self.key(hidden_states))
         v = self._split_heads(self.value(hidden_states))
-        weights = None
-        if self.kernel == "exact":
-            if cache is not None:
-                k, v = cache.update(k, v, self.layer_idx)  # (B, H, P + L, D)
-            context, weights = self._exact(q, k, v, key_mask, causal, output_attentions)
-        elif self.hybrid:
-            new_key_mask = None if key_mask is None else key_mask[:, -q.shape[2] :]  # (B, L): the past is in the state
-            layer_cache = None if cache is None else cache.layers[self.layer_idx]
-            with torch.autocast(q.device.type, enabled=False):  # float32 inside, as for FAVOR+
-                context = self._hybrid(q, k, v, new_key_mask, causal, layer_cache)
-        else:
-            length = q.shape[2]
-            new_key_mask = None if key_mask is None else key_mask[:, -length:]  # (B, L): past keys live in the state
-            favor_kwargs = {"causal": causal, "kernel": self.kernel, "key_padding_mask": new_key_mask,
-                            "chunk_size": self.chunk_size}  # fmt: skip
-            # The kernel computes in float32 whatever the input dtype; autocast must not lower its
-            # exponentials and prefix sums to bf16/fp16.
-            with torch.autocast(q.device.type, enabled=False):
-                if cache is None:
-                    context = favor_attention(q, k, v, self.projection, **favor_kwargs)
-                else:
-                    layer_cache = cache.layers[self.layer_idx]
-                    context, state = favor_attention(
-                        q, k, v, self.projection, initial_state=layer_cache.get_state(), return_state=True,
-                        **favor_kwargs,
-                    )  # fmt: skip
-                    layer_cache.update_state(state, num_new_tokens=length)
+        context, weights = self.attend(self, q, k, v, key_mask, causal, cache, output_attentions)  # (B, H, L, D)
         batch, _, length, _ = context.shape
         context = context.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)  # (B, L, hidden)
         return self.output(context), weights
@@ -469,10 +393,10 @@ class PerformerModel(PerformerPreTrainedModel):
                 f"cache must be a transformers Cache, got {type(cache).__name__}: "
                 "pass DynamicCache(config=model.config) (what generate builds)."
             )
-        if self.config.attention_kernel == "exact":
+        expected = ATTENTION_METHODS[self.config.attention_method].cache_layer
+        if expected is None:  # a key/value cache: any transformers Cache
             return
         layers = cache.layers
-        expected = HybridCacheLayer if self.config.uses_hybrid_attention else FavorCacheLayer
         # compared by layer type, not class: each copy of this code (package, remote-code folders) has its own class
         is_expected = [getattr(c, "_layer_type", None) == expected._layer_type for c in layers]
         if len(layers) != self.config.num_hidden_layers or not all(is_expected):

@@ -24,6 +24,7 @@ import logging
 import torch
 from torch import nn
 
+from ..attention_methods import exact_attention, hybrid_method
 from ..favor_optimal import optimal_parameter
 from ..modeling_performer import PerformerAttention
 
@@ -72,11 +73,11 @@ def _select_parameter(module: PerformerAttention, qkv, mask, causal: bool, close
     """Per head, the candidate ``A`` (:data:`PARAMETER_FACTORS` times ``closed_form`` (H,)) whose
     attention output is closest to exact attention on the sample. Returns (A per head, its errors)."""
     q, k, v = qkv
-    reference, _ = module._exact(q, k, v, mask, causal, output_attentions=False)  # (B, H, L, d)
+    reference, _ = exact_attention(module, q, k, v, mask, causal)  # (B, H, L, d)
     errors = []
     for factor in PARAMETER_FACTORS:
         module.far_field_parameter = (factor * closed_form).tolist()
-        errors.append(_head_errors(module._hybrid(q, k, v, mask, causal, None), reference, mask))
+        errors.append(_head_errors(hybrid_method(module, q, k, v, mask, causal)[0], reference, mask))
     errors = torch.stack(errors)  # (F, H)
     best = errors.argmin(dim=0)  # (H,)
     factors = torch.tensor(PARAMETER_FACTORS, dtype=closed_form.dtype)[best]

@@ -1,0 +1,137 @@
+"""The attention methods of the Performer family: one function each, one signature, one registry.
+
+Each method is a function in the style of the attention functions of transformers'
+``AttentionInterface``: it receives the calling attention module and reads what it needs from it
+(the random projection, the centres, the method's settings)::
+
+    attend(module, q, k, v, key_mask, causal, cache=None, output_attentions=False) -> (context, weights)
+
+- ``q``, ``k``, ``v``: (B, H, L, D), the L new tokens;
+- ``key_mask``: (B, P + L) bool, True for real tokens, covering the P cached tokens too; or None;
+- ``causal``: mask future keys;
+- ``cache``: a transformers ``Cache`` whose entry ``module.layer_idx`` is read and updated in place
+  (causal decoding), or None;
+- returns the context (B, H, L, D) and the attention weights (B, H, L, P + L), or None where the
+  method never forms them.
+
+:data:`ATTENTION_METHODS` maps each method's name (``PerformerConfig.attention_method``) to an
+:class:`AttentionMethod`: the function and the facts other code needs about it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache_performer import FavorCacheLayer, HybridCacheLayer
+from .favor_attention import favor_attention
+from .favor_hybrid import hybrid_attention
+
+Tensor = torch.Tensor
+
+
+def exact_attention(module: nn.Module, q, k, v, key_mask, causal, cache=None, output_attentions=False):
+    """Softmax attention with SDPA (its fused causal path when nothing is masked); with ``cache``, a
+    key/value cache: k, v become (B, H, P + L, D), the P cached keys first."""
+    if cache is not None:
+        k, v = cache.update(k, v, module.layer_idx)  # (B, H, P + L, D)
+    q_len, k_len = q.shape[2], k.shape[2]
+    dropout = module.dropout_prob if module.training else 0.0
+    if causal and key_mask is None and q_len == k_len and not output_attentions:
+        # SDPA's fused causal path: no (L, L) mask in memory
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True), None
+    visible = None
+    if key_mask is not None:
+        visible = key_mask[:, None, None, :]  # (B, 1, 1, Lk)
+    if causal:
+        past = k_len - q_len  # query i sits at position past + i and sees keys j <= past + i
+        tril = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=past)  # (Lq, Lk)
+        visible = tril if visible is None else visible & tril
+        own = torch.arange(k_len, device=q.device) == torch.arange(past, k_len, device=q.device)[:, None]
+        visible = visible | own  # a query always sees itself: no empty rows (left padding)
+    if not output_attentions:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout), None
+    scores = (q @ k.transpose(-2, -1)) * module.head_dim**-0.5  # (B, H, Lq, Lk)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    weights = scores.float().softmax(dim=-1).to(q.dtype)
+    return F.dropout(weights, p=dropout, training=module.training) @ v, weights
+
+
+def favor_method(module: nn.Module, q, k, v, key_mask, causal, cache=None, output_attentions=False):
+    """FAVOR+ (:func:`.favor_attention`) with ``module.projection``; with ``cache``, the layer's
+    constant-size :class:`FavorCacheLayer` state holds every earlier token."""
+    length = q.shape[2]
+    new_key_mask = None if key_mask is None else key_mask[:, -length:]  # (B, L): past keys live in the state
+    kwargs = {"causal": causal, "kernel": module.kernel, "key_padding_mask": new_key_mask,
+              "chunk_size": module.chunk_size}  # fmt: skip
+    # The kernel computes in float32 whatever the input dtype; autocast must not lower its
+    # exponentials and prefix sums to bf16/fp16.
+    with torch.autocast(q.device.type, enabled=False):
+        if cache is None:
+            return favor_attention(q, k, v, module.projection, **kwargs), None
+        layer_cache = cache.layers[module.layer_idx]
+        context, state = favor_attention(
+            q, k, v, module.projection, initial_state=layer_cache.get_state(), return_state=True, **kwargs
+        )
+    layer_cache.update_state(state, num_new_tokens=length)
+    return context, None
+
+
+def hybrid_method(module: nn.Module, q, k, v, key_mask, causal, cache=None, output_attentions=False):
+    """Hybrid attention (:func:`.hybrid_attention`): exact on the module's sparse support, a linear far
+    field elsewhere; with ``cache``, the layer's constant-size :class:`HybridCacheLayer` state."""
+    if causal and module.routed_blocks:
+        raise ValueError(
+            f"routed_blocks={module.routed_blocks} cannot be used in causal attention (routing reads future "
+            "tokens): set routed_blocks=0 in the config (e.g. convert with --routed-blocks 0)."
+        )
+    new_key_mask = None if key_mask is None else key_mask[:, -q.shape[2] :]  # (B, L): the past is in the state
+    kwargs = dict(module.hybrid_kwargs, causal=causal, key_padding_mask=new_key_mask)
+    if not causal:
+        kwargs.update(routed_blocks=module.routed_blocks, center=module.center_features)
+    elif module.center_features:  # fixed centres: causal outputs must not depend on later tokens
+        kwargs.update(query_center=module.query_center, key_center=module.key_center)
+    if module.far_field_parameter is not None:
+        kwargs["far_field_parameter"] = module.far_field_parameter
+    projection = module.projection if module.uses_projection else None
+    with torch.autocast(q.device.type, enabled=False):  # float32 inside, as for FAVOR+
+        if cache is None:
+            return hybrid_attention(q, k, v, projection, **kwargs), None
+        layer_cache = cache.layers[module.layer_idx]
+        context, state = hybrid_attention(
+            q, k, v, projection, initial_state=layer_cache.get_state(), return_state=True, **kwargs
+        )
+    layer_cache.update_state(state)
+    return context, None
+
+
+@dataclass(frozen=True)
+class AttentionMethod:
+    """One attention method: its function and what other code needs to know about it.
+
+    Attributes:
+        attend: the function (see the module docstring for its signature).
+        cache_layer: the transformers cache-layer class of its decoding state; None for a key/value cache.
+        has_attention_weights: whether ``attend`` can return the attention weights.
+    """
+
+    attend: Callable[..., tuple[Tensor, Tensor | None]]
+    cache_layer: type | None
+    has_attention_weights: bool
+
+    @property
+    def cache_layer_type(self) -> str:
+        """The cache layer type that ``PerformerConfig.layer_types`` names for ``DynamicCache(config=...)``."""
+        return "full_attention" if self.cache_layer is None else self.cache_layer._layer_type
+
+
+ATTENTION_METHODS: dict[str, AttentionMethod] = {
+    "exact": AttentionMethod(exact_attention, cache_layer=None, has_attention_weights=True),
+    "favor": AttentionMethod(favor_method, cache_layer=FavorCacheLayer, has_attention_weights=False),
+    "hybrid": AttentionMethod(hybrid_method, cache_layer=HybridCacheLayer, has_attention_weights=False),
+}
