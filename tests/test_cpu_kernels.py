@@ -9,7 +9,7 @@ import torch
 import performer_hf.cpu_kernels as cpu_kernels
 from performer_hf.favor_hybrid import hybrid_attention
 
-from .test_favor_hybrid import CONFIGS, QUADRATIC, _padding, _qkv, reference
+from .hybrid_reference import CONFIGS, QUADRATIC, random_qkv, reference, right_padding
 
 
 def test_the_kernel_builds_on_this_machine():
@@ -41,8 +41,8 @@ def _spy_on_kernel(monkeypatch) -> list:
 @pytest.mark.parametrize("padded", [False, True])
 def test_kernel_matches_dense_reference_in_float64(far_field, config, padded, monkeypatch):
     calls = _spy_on_kernel(monkeypatch)
-    q, k, v = _qkv()
-    mask = _padding(2, 45) if padded else None
+    q, k, v = random_qkv()
+    mask = right_padding(2, 45) if padded else None
     out = hybrid_attention(q, k, v, key_padding_mask=mask, far_field=far_field, center=True, **config)
     ref = reference(q, k, v, mask=mask, far_field=far_field, center=True, **config)
     assert len(calls) == 1  # the kernel ran
@@ -108,7 +108,7 @@ def test_top_blocks_matches_topk():
 def test_disabled_kernels_use_pytorch(monkeypatch):
     monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")
     assert cpu_kernels.hybrid_kernels() is None
-    q, k, v = _qkv()
+    q, k, v = random_qkv()
     out = hybrid_attention(q, k, v, far_field="poly2", local_window=5)
     torch.testing.assert_close(out, reference(q, k, v, far_field="poly2", local_window=5), rtol=1e-9, atol=1e-10)
 
@@ -122,7 +122,7 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
     monkeypatch.setattr(cpp_extension, "load", broken_build)
     # a fresh cache, so that this process's successful build is not reused
     monkeypatch.setattr(cpu_kernels, "_compiled_kernels", functools.cache(cpu_kernels._compiled_kernels.__wrapped__))
-    q, k, v = _qkv()
+    q, k, v = random_qkv()
     with caplog.at_level(logging.WARNING, logger="performer_hf.cpu_kernels"):
         out = hybrid_attention(q, k, v, far_field="poly2", local_window=5)
         hybrid_attention(q, k, v, far_field="poly2", local_window=5)

@@ -1,15 +1,12 @@
 """hybrid_attention against an explicit O(L^2) reference: dense support mask, explicit kernel matrix."""
 
-import math
-
 import pytest
 import torch
 
-from performer_hf.favor import draw_projection, exact_attention, feature_map
+from performer_hf.favor import draw_projection, exact_attention
 from performer_hf.favor_hybrid import FAR_FIELDS, hybrid_attention
-from performer_hf.favor_optimal import optimal_log_features, optimal_parameter, pair_statistic
 
-QUADRATIC = {"taylor2": 0.5, "poly2": 0.25}
+from .hybrid_reference import CONFIGS, random_qkv, reference, right_padding
 
 
 @pytest.fixture(autouse=True)
@@ -18,94 +15,8 @@ def pytorch_implementation(monkeypatch):
     monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")
 
 
-def _qkv(batch=2, heads=2, length=45, head_dim=8, scale=1.0, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, length, head_dim, generator=g, dtype=torch.float64) * scale for _ in range(3)]
-
-
 def _projection(m=24, d=8, seed=1):
     return draw_projection(m, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-def _padding(batch, length, real=(45, 31)):
-    return torch.arange(length)[None, :] < torch.tensor(real)[:, None]  # (B, L), right padding
-
-
-def _routed_support(x, y, mask, block_q, block_k, left, right, nb_routed):
-    """(B, H, L, L) bool: the key blocks each query block routes to, written with plain loops."""
-    B, H, L, _ = x.shape
-    support = torch.zeros(B, H, L, L, dtype=torch.bool)
-    for b in range(B):
-        for h in range(H):
-            for qb in range(math.ceil(L / block_q)):
-                q_lo, q_hi = qb * block_q, min(L, (qb + 1) * block_q)
-                real_q = [i for i in range(q_lo, q_hi) if mask[b, i]]
-                mean_q = x[b, h, real_q].mean(0) if real_q else torch.zeros_like(x[b, h, 0])
-                scored = []
-                for kb in range(math.ceil(L / block_k)):
-                    k_lo, k_hi = kb * block_k, min(L, (kb + 1) * block_k)
-                    real_k = [j for j in range(k_lo, k_hi) if mask[b, j]]
-                    overlaps = k_lo <= qb * block_q + block_q - 1 + right and k_lo + block_k - 1 >= qb * block_q - left
-                    if real_k and not overlaps:
-                        scored.append(((y[b, h, real_k] @ mean_q).mean().item(), k_lo, k_hi))
-                for _, k_lo, k_hi in sorted(scored, reverse=True)[:nb_routed]:
-                    support[b, h, q_lo:q_hi, k_lo:k_hi] = True
-    return support
-
-
-def reference(q, k, v, W=None, *, far_field="softmax", causal=False, mask=None, local_window=0,
-              num_global_tokens=0, routed_blocks=0, route_block_size=8, query_block_size=16, center=False,
-              far_field_parameter=None):  # fmt: skip
-    """sum_j w_ij v_j / sum_j w_ij with w_ij = exp(x_i . y_j) on the support, kappa(x_i, y_j) elsewhere."""
-    B, H, L, d = q.shape
-    x, y = q * d**-0.25, k * d**-0.25
-    mask = torch.ones(B, L, dtype=torch.bool) if mask is None else mask
-    keep = mask[:, None, :, None].double()
-    if center:
-        a = (x * keep).sum(2, keepdim=True) / keep.sum(2, keepdim=True)
-        c = (y * keep).sum(2, keepdim=True) / keep.sum(2, keepdim=True)
-    else:
-        a = c = torch.zeros(1, 1, 1, d, dtype=torch.float64)
-    u, w = x - a, y - c
-    log_weight = x @ c.transpose(-2, -1) + (y @ a.transpose(-2, -1) - (a * c).sum(-1, keepdim=True)).transpose(-2, -1)
-    if far_field in QUADRATIC:
-        t = u @ w.transpose(-2, -1)
-        kernel = 1 + t + QUADRATIC[far_field] * t * t
-    elif far_field == "softmax_opt":
-        A = far_field_parameter if far_field_parameter is not None else optimal_parameter(pair_statistic(u, w, mask))
-        kernel = optimal_log_features(u, W, A).exp() @ optimal_log_features(w, W, A).exp().transpose(-2, -1)
-    else:
-        kernel = feature_map(u, W, far_field) @ feature_map(w, W, far_field).transpose(-2, -1)
-    kernel = kernel * log_weight.exp()  # (B, H, L, L): estimates exp(x . y)
-
-    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
-    support = torch.zeros(B, H, L, L, dtype=torch.bool)
-    left, right = 0, -1
-    if local_window:
-        left, right = (
-            (local_window - 1, 0) if causal else ((local_window - 1) // 2, local_window - 1 - (local_window - 1) // 2)
-        )
-        support |= (i - j <= left) & (i - j >= -right)
-    support |= j < num_global_tokens
-    if routed_blocks:
-        support |= _routed_support(x, y, mask, query_block_size, route_block_size, left, right, routed_blocks)
-    visible = mask[:, None, None, :] & ((j <= i) if causal else torch.ones(L, L, dtype=torch.bool))
-    weights = torch.where(support, (x @ y.transpose(-2, -1)).exp(), kernel) * visible
-    out = (weights @ v) / weights.sum(-1, keepdim=True)
-    if num_global_tokens and not causal:
-        g = min(num_global_tokens, L)
-        out[:, :, :g] = exact_attention(q[:, :, :g], k, v, key_padding_mask=mask)
-    return out
-
-
-CONFIGS = [
-    dict(local_window=5),
-    dict(local_window=4, num_global_tokens=2),
-    dict(num_global_tokens=3),
-    dict(local_window=7, num_global_tokens=1, routed_blocks=2, route_block_size=4, query_block_size=8),
-    dict(local_window=3, routed_blocks=3, route_block_size=3, query_block_size=5),
-    dict(local_window=1, routed_blocks=20, route_block_size=4, query_block_size=4),  # more blocks than qualify
-]
 
 
 def _kwargs(far_field, causal, config):
@@ -129,9 +40,9 @@ CASES = [
 @pytest.mark.parametrize("causal,config", CASES, ids=[f"causal{c}-{_config_id(cfg)}" for c, cfg in CASES])
 @pytest.mark.parametrize("padded", [False, True])
 def test_matches_dense_reference(far_field, causal, config, padded):
-    q, k, v = _qkv()
+    q, k, v = random_qkv()
     W = _projection()
-    mask = _padding(2, 45) if padded else None
+    mask = right_padding(2, 45) if padded else None
     kwargs = _kwargs(far_field, causal, config)
     center = not causal and far_field != "softmax_hyperbolic"  # exercise both
     out = hybrid_attention(q, k, v, W, key_padding_mask=mask, center=center, chunk_size=8, **kwargs)
@@ -144,7 +55,7 @@ def test_matches_dense_reference(far_field, causal, config, padded):
 @pytest.mark.parametrize("far_field", sorted(FAR_FIELDS))
 @pytest.mark.parametrize("causal", [False, True])
 def test_exact_when_the_window_covers_the_sequence(far_field, causal):
-    q, k, v = _qkv(scale=2.0)
+    q, k, v = random_qkv(scale=2.0)
     kwargs = _kwargs(far_field, causal, dict(local_window=2 * 45 + 1))
     out = hybrid_attention(q, k, v, _projection(), **kwargs)
     torch.testing.assert_close(out, exact_attention(q, k, v, causal=causal), rtol=1e-10, atol=1e-12)
@@ -152,7 +63,7 @@ def test_exact_when_the_window_covers_the_sequence(far_field, causal):
 
 @pytest.mark.parametrize("far_field", ["softmax", "poly2"])
 def test_padding_equals_the_unpadded_sequence(far_field):
-    q, k, v = _qkv(batch=1, length=30)
+    q, k, v = random_qkv(batch=1, length=30)
     W = _projection()
     pad = [torch.cat([t, torch.randn(1, 2, 9, 8, dtype=torch.float64) * 50], dim=2) for t in (q, k, v)]
     mask = torch.arange(39)[None, :] < 30
@@ -168,7 +79,7 @@ def test_padding_equals_the_unpadded_sequence(far_field):
 
 @pytest.mark.parametrize("far_field", sorted(FAR_FIELDS))
 def test_causal_outputs_ignore_the_future(far_field):
-    q, k, v = _qkv(length=40, scale=3.0)  # large norms: a leaky shift would show
+    q, k, v = random_qkv(length=40, scale=3.0)  # large norms: a leaky shift would show
     W = _projection()
     kwargs = _kwargs(far_field, True, dict(local_window=6, num_global_tokens=2))
     out = hybrid_attention(q, k, v, W, chunk_size=8, **kwargs)
@@ -183,7 +94,7 @@ def test_causal_outputs_ignore_the_future(far_field):
 @pytest.mark.parametrize("far_field", ["softmax", "poly2", "softmax_opt"])
 @pytest.mark.parametrize("splits", [[1] * 20, [7, 1, 1, 11], [3, 17]])
 def test_decoding_with_state_equals_one_causal_pass(far_field, splits):
-    q, k, v = _qkv(length=sum(splits), scale=2.0)
+    q, k, v = random_qkv(length=sum(splits), scale=2.0)
     W = _projection()
     kwargs = _kwargs(far_field, True, dict(local_window=4, num_global_tokens=2))
     full = hybrid_attention(q, k, v, W, chunk_size=4, **kwargs)
@@ -200,7 +111,7 @@ def test_decoding_with_state_equals_one_causal_pass(far_field, splits):
 @pytest.mark.parametrize("far_field", ["softmax", "poly2"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_match_reference(far_field, causal):
-    q, k, v = (t.requires_grad_() for t in _qkv(length=21))
+    q, k, v = (t.requires_grad_() for t in random_qkv(length=21))
     W = _projection()
     config = dict(local_window=3, num_global_tokens=1)
     if not causal:
@@ -215,7 +126,7 @@ def test_gradients_match_reference(far_field, causal):
 
 
 def test_float32_large_norms_stay_finite_and_close():
-    q, k, v = _qkv(length=300, head_dim=16, scale=4.0)  # logits in the hundreds
+    q, k, v = random_qkv(length=300, head_dim=16, scale=4.0)  # logits in the hundreds
     W = _projection(64, 16)
     config = dict(local_window=9, num_global_tokens=1, routed_blocks=4, route_block_size=8, query_block_size=16)
     for far_field in ("softmax", "poly2"):
@@ -242,7 +153,7 @@ def test_hybrid_beats_plain_favor_on_peaked_local_attention():
 
 
 def test_argument_errors():
-    q, k, v = _qkv(length=10)
+    q, k, v = random_qkv(length=10)
     W = _projection()
     with pytest.raises(ValueError, match="bidirectional only"):
         hybrid_attention(q, k, v, W, causal=True, routed_blocks=2)
@@ -268,8 +179,8 @@ def test_results_do_not_depend_on_the_slab_size(far_field, causal, monkeypatch):
     # per slab must give the same outputs and gradients as one slab for everything.
     import performer_hf.favor_hybrid as favor_hybrid_module
 
-    q, k, v = _qkv()
-    mask = _padding(2, 45)
+    q, k, v = random_qkv()
+    mask = right_padding(2, 45)
     config = CONFIGS[3] if not causal else CONFIGS[1]
     kwargs = _kwargs(far_field, causal, config)
     results = []

@@ -1,0 +1,99 @@
+"""hybrid_attention's dense O(L^2) reference (dense support mask, explicit kernel matrix) and the inputs and
+settings its test modules share."""
+
+import math
+
+import torch
+
+from performer_hf.favor import exact_attention, feature_map
+from performer_hf.favor_optimal import optimal_log_features, optimal_parameter, pair_statistic
+
+# the polynomial far fields, kappa(u, w) = 1 + t + c t^2 with t = u . w: their coefficient c
+QUADRATIC = {"taylor2": 0.5, "poly2": 0.25}
+# exact-attention supports: windows, global tokens and routed blocks, alone and together
+CONFIGS = [
+    dict(local_window=5),
+    dict(local_window=4, num_global_tokens=2),
+    dict(num_global_tokens=3),
+    dict(local_window=7, num_global_tokens=1, routed_blocks=2, route_block_size=4, query_block_size=8),
+    dict(local_window=3, routed_blocks=3, route_block_size=3, query_block_size=5),
+    dict(local_window=1, routed_blocks=20, route_block_size=4, query_block_size=4),  # more blocks than qualify
+]
+
+
+def random_qkv(batch=2, heads=2, length=45, head_dim=8, scale=1.0, seed=0):
+    """Float64 queries, keys and values (batch, heads, length, head_dim) from ``seed``, times ``scale``."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, heads, length, head_dim, generator=g, dtype=torch.float64) * scale for _ in range(3)]
+
+
+def right_padding(batch, length, real=(45, 31)):
+    """(batch, length) bool key mask with ``real`` leading real positions per row, the rest padded."""
+    return torch.arange(length)[None, :] < torch.tensor(real)[:, None]
+
+
+def _routed_support(x, y, mask, block_q, block_k, left, right, nb_routed):
+    """(B, H, L, L) bool: the key blocks each query block routes to, written with plain loops."""
+    B, H, L, _ = x.shape
+    support = torch.zeros(B, H, L, L, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            for qb in range(math.ceil(L / block_q)):
+                q_lo, q_hi = qb * block_q, min(L, (qb + 1) * block_q)
+                real_q = [i for i in range(q_lo, q_hi) if mask[b, i]]
+                mean_q = x[b, h, real_q].mean(0) if real_q else torch.zeros_like(x[b, h, 0])
+                scored = []
+                for kb in range(math.ceil(L / block_k)):
+                    k_lo, k_hi = kb * block_k, min(L, (kb + 1) * block_k)
+                    real_k = [j for j in range(k_lo, k_hi) if mask[b, j]]
+                    overlaps = k_lo <= qb * block_q + block_q - 1 + right and k_lo + block_k - 1 >= qb * block_q - left
+                    if real_k and not overlaps:
+                        scored.append(((y[b, h, real_k] @ mean_q).mean().item(), k_lo, k_hi))
+                for _, k_lo, k_hi in sorted(scored, reverse=True)[:nb_routed]:
+                    support[b, h, q_lo:q_hi, k_lo:k_hi] = True
+    return support
+
+
+def reference(q, k, v, W=None, *, far_field="softmax", causal=False, mask=None, local_window=0,
+              num_global_tokens=0, routed_blocks=0, route_block_size=8, query_block_size=16, center=False,
+              far_field_parameter=None):  # fmt: skip
+    """sum_j w_ij v_j / sum_j w_ij with w_ij = exp(x_i . y_j) on the support, kappa(x_i, y_j) elsewhere."""
+    B, H, L, d = q.shape
+    x, y = q * d**-0.25, k * d**-0.25
+    mask = torch.ones(B, L, dtype=torch.bool) if mask is None else mask
+    keep = mask[:, None, :, None].double()
+    if center:
+        a = (x * keep).sum(2, keepdim=True) / keep.sum(2, keepdim=True)
+        c = (y * keep).sum(2, keepdim=True) / keep.sum(2, keepdim=True)
+    else:
+        a = c = torch.zeros(1, 1, 1, d, dtype=torch.float64)
+    u, w = x - a, y - c
+    log_weight = x @ c.transpose(-2, -1) + (y @ a.transpose(-2, -1) - (a * c).sum(-1, keepdim=True)).transpose(-2, -1)
+    if far_field in QUADRATIC:
+        t = u @ w.transpose(-2, -1)
+        kernel = 1 + t + QUADRATIC[far_field] * t * t
+    elif far_field == "softmax_opt":
+        A = far_field_parameter if far_field_parameter is not None else optimal_parameter(pair_statistic(u, w, mask))
+        kernel = optimal_log_features(u, W, A).exp() @ optimal_log_features(w, W, A).exp().transpose(-2, -1)
+    else:
+        kernel = feature_map(u, W, far_field) @ feature_map(w, W, far_field).transpose(-2, -1)
+    kernel = kernel * log_weight.exp()  # (B, H, L, L): estimates exp(x . y)
+
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    support = torch.zeros(B, H, L, L, dtype=torch.bool)
+    left, right = 0, -1
+    if local_window:
+        left, right = (
+            (local_window - 1, 0) if causal else ((local_window - 1) // 2, local_window - 1 - (local_window - 1) // 2)
+        )
+        support |= (i - j <= left) & (i - j >= -right)
+    support |= j < num_global_tokens
+    if routed_blocks:
+        support |= _routed_support(x, y, mask, query_block_size, route_block_size, left, right, routed_blocks)
+    visible = mask[:, None, None, :] & ((j <= i) if causal else torch.ones(L, L, dtype=torch.bool))
+    weights = torch.where(support, (x @ y.transpose(-2, -1)).exp(), kernel) * visible
+    out = (weights @ v) / weights.sum(-1, keepdim=True)
+    if num_global_tokens and not causal:
+        g = min(num_global_tokens, L)
+        out[:, :, :g] = exact_attention(q[:, :, :g], k, v, key_padding_mask=mask)
+    return out
