@@ -16,20 +16,19 @@ all of them alike, and the median is reported. The first run of each configurati
 unless it took longer than --warmup-cap seconds (then it counts as a sample).
 
 Peak memory: each (method, length, mode) runs once more in a fresh subprocess that imports only
-torch and the method's module and builds the inputs; it then resets the kernel's resident-set
-high-water mark (``echo 5 > /proc/self/clear_refs``), runs the call, and reports
-``VmHWM - VmRSS before the call``: the extra resident memory the call needed at its peak
-(activations, saved tensors, gradients, the allocator's scratch), excluding the inputs. Where
-clear_refs is unavailable it falls back to the ``ru_maxrss`` delta, which can only under-report.
-The subprocess runs under an address-space limit (--memory-cap-gb): a configuration that would
-need more fails with an allocation error and is recorded as skipped, with its time not measured.
+torch and the method's module and builds the inputs; the harness's probe (benchmarks/harness.py:
+``VmHWM - VmRSS`` after resetting the high-water mark through ``/proc/self/clear_refs``) then
+measures the extra resident memory the call needed at its peak (activations, saved tensors,
+gradients, the allocator's scratch), excluding the inputs. The subprocess runs under an
+address-space limit (--memory-cap-gb): a configuration that would need more fails with an
+allocation error and is recorded as skipped, with its time not measured.
 
 Skipped, and recorded as such: lengths above a method's cap (exact SDPA beyond 16K tokens,
 performer-pytorch causal beyond 8K: its L x m x d prefix sums reach 34 s and 5 GB at 8K on a
 2-core machine), and every longer length once a method's median passes --time-cap seconds.
 
-Writes benchmarks/results/speed.json, speed.png and speed.md (tables of times, ratios, memory
-and the issue-2 floors at L = 8192).
+Writes speed.json, speed.png and speed.md to --out-dir (tables of times, ratios, memory and the
+issue-2 floors at L = 8192).
 
     python benchmarks/speed.py                 # full run: L = 1K .. 32K (tens of minutes on 2 cores)
     python benchmarks/speed.py --quick         # smoke test: L = 256, 512; 1 repetition
@@ -37,24 +36,17 @@ and the issue-2 floors at L = 8192).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
-import json
 import logging
-import os
-import platform
-import re
-import resource
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+import harness
+
 BATCH, HEADS, HEAD_DIM, NB_FEATURES = 1, 8, 64, 256
 MODES = ("forward", "forward_backward")
 FLOOR_LENGTH = 8192
@@ -141,11 +133,6 @@ def run_once(fn: Callable, inputs, mode: str) -> None:
 # ---- peak memory, one subprocess per configuration ----------------------------------------------
 
 
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1))
-
-
 def _kernels_without_package_init() -> None:
     """Make ``performer_hf.favor`` importable without running ``performer_hf/__init__.py``, which
     imports transformers: a memory subprocess then starts in about a second instead of several."""
@@ -158,74 +145,29 @@ def _kernels_without_package_init() -> None:
     sys.modules.setdefault("performer_hf", package)
 
 
-def memory_worker(method: str, length: int, mode: str, cap_gb: float) -> None:
-    """Child process: print one JSON line with the peak extra resident memory of one call."""
+def memory_child(method: str, length: int, mode: str) -> dict:
+    """In a fresh process: the peak extra resident memory of one call, inputs excluded."""
     _kernels_without_package_init()
-    cap = int(cap_gb * 2**30)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    record: dict = {"ok": True}
     try:
         fn = build(method)
         inputs = make_inputs(length, requires_grad=mode == "forward_backward")
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset the peak-RSS high-water mark
-            record["memory_probe"] = "VmHWM after clear_refs"
-        except OSError:
-            record["memory_probe"] = "ru_maxrss delta (clear_refs unavailable)"
-        before_kb = _status_kb("VmRSS")
-        before_max_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        start = time.perf_counter()
-        run_once(fn, inputs, mode)
-        record["seconds"] = time.perf_counter() - start
-        if record["memory_probe"].startswith("VmHWM"):
-            record["peak_mb"] = (_status_kb("VmHWM") - before_kb) / 1024
-        else:
-            record["peak_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_max_kb) / 1024
+        with harness.PeakMemory() as memory:
+            run_once(fn, inputs, mode)
     except (RuntimeError, MemoryError) as error:  # allocation failure under the address-space cap
-        record = {"ok": False, "error": f"{type(error).__name__}: {str(error)[:200]}"}
-    print("RESULT" + json.dumps(record), flush=True)
+        return {"ok": False, "error": f"{type(error).__name__}: {str(error)[:200]}"}
+    return {"ok": True, "peak_mb": memory.extra / 2**20, "memory_probe": memory.method}
 
 
 def measure_memory(method: str, length: int, mode: str, args) -> dict:
-    argv = [sys.executable, __file__, "--worker", method, str(length), mode, "--memory-cap-gb", str(args.memory_cap_gb)]
-    env = dict(os.environ)
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
-    if "RESULT" not in proc.stdout:
-        return {"ok": False, "error": f"exit {proc.returncode}: {proc.stderr.strip()[-200:]}"}
-    return json.loads(proc.stdout.split("RESULT", 1)[1])
+    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    return harness.in_fresh_process(__file__, memory_cap_gb=args.memory_cap_gb, env=env, method=method,
+                                    length=length, mode=mode)  # fmt: skip
 
 
 # ---- the benchmark ------------------------------------------------------------------------------
 
 
-def machine_info() -> dict:
-    import torch
-
-    info = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-    }
-    with contextlib.suppress(OSError):
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        info["cpu"] = re.search(r"model name\s*:\s*(.*)", cpuinfo).group(1)
-    with contextlib.suppress(Exception):
-        from importlib.metadata import version
-
-        info["performer_pytorch"] = version("performer-pytorch")
-    return info
-
-
 def run_benchmark(args) -> list[dict]:
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
     fns = {name: build(name) for name in args.methods}
     records: dict[tuple[str, int, str], dict] = {}
     stopped: dict[tuple[str, str], str] = {}  # (method, mode) -> why longer lengths are skipped
@@ -289,18 +231,15 @@ def run_benchmark(args) -> list[dict]:
 # ---- reporting ----------------------------------------------------------------------------------
 
 
-def _median(results, method, length, mode):
-    for r in results:
-        if (r["method"], r["length"], r["mode"]) == (method, length, mode) and r.get("median_s") is not None:
-            return r["median_s"]
-    return None
+def _value(results, key: str, method: str, length: int, mode: str):
+    """``key`` ("median_s", "peak_mb") of one configuration's record; None where it was not measured."""
+    return next((r.get(key) for r in results if (r["method"], r["length"], r["mode"]) == (method, length, mode)), None)
 
 
-def _peak(results, method, length, mode):
-    for r in results:
-        if (r["method"], r["length"], r["mode"]) == (method, length, mode):
-            return r.get("peak_mb")
-    return None
+def _table(header: list[str], rows: dict) -> list[str]:
+    """A Markdown table with L in the first column: ``rows`` maps every L to its cells."""
+    body = [f"| {L} | " + " | ".join(cells) + " |" for L, cells in rows.items()]
+    return ["| L | " + " | ".join(header) + " |", "|---|" + "---|" * len(header), *body, ""]
 
 
 def floors(results) -> list[dict]:
@@ -313,7 +252,7 @@ def floors(results) -> list[dict]:
         ("favor_causal", "sdpa_causal", 2.0),
         ("favor_causal", "performer_pytorch_causal", 10.0),
     ):
-        a, b = _median(results, ours, L, fb), _median(results, base, L, fb)
+        a, b = _value(results, "median_s", ours, L, fb), _value(results, "median_s", base, L, fb)
         value = None if a is None or b is None else b / a
         out.append(
             {
@@ -323,7 +262,7 @@ def floors(results) -> list[dict]:
                 "met": None if value is None else value >= target,
             }
         )
-    peak_16k = _peak(results, "favor_causal", 16384, fb)
+    peak_16k = _value(results, "peak_mb", "favor_causal", 16384, fb)
     out.append(
         {
             "floor": "favor_causal forward+backward peak memory at L=16384 < 2048 MB",
@@ -349,46 +288,37 @@ def floors(results) -> list[dict]:
     return out
 
 
-def write_markdown(payload: dict, path: Path) -> None:
+def markdown(payload: dict) -> str:
     results, cfg = payload["results"], payload["config"]
     methods, lengths = cfg["methods"], cfg["lengths"]
+    environment = harness.environment(payload)
+    machine, load = environment["machine"], environment["load_average"]
     lines = [
         f"# Attention speed and memory (batch {BATCH}, {HEADS} heads, head_dim {HEAD_DIM}, m = {NB_FEATURES}, fp32)",
         "",
-        f"Machine: {payload['machine'].get('cpu', '?')}, {payload['machine']['cpu_count']} cores, torch "
-        f"{payload['machine']['torch']} ({payload['machine']['torch_threads']} threads); load average "
-        f"{payload['load_average_start']} at the start, {payload['load_average_end']} at the end. "
-        f"Median of {cfg['reps']} interleaved runs; '-' = skipped (see speed.json for why).",
+        f"Machine: {machine.get('cpu', '?')}, {machine['cpu_count']} cores, torch {machine['torch']} "
+        f"({machine['torch_threads']} threads); load average {load['before']} at the start, {load['after']} at "
+        f"the end. Median of {cfg['reps']} interleaved runs; '-' = skipped (see speed.json for why).",
         "",
     ]
+    labels = [METHODS[m].label for m in methods]
     for mode in MODES:
         lines += [f"## {mode.replace('_', ' + ')} time (s)", ""]
-        lines.append("| L | " + " | ".join(METHODS[m].label for m in methods) + " |")
-        lines.append("|---|" + "---|" * len(methods))
-        for L in lengths:
-            cells = [_median(results, m, L, mode) for m in methods]
-            lines.append(f"| {L} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
-        lines.append("")
+        times = {L: [_value(results, "median_s", m, L, mode) for m in methods] for L in lengths}
+        lines += _table(labels, {L: ["-" if c is None else f"{c:.3f}" for c in cells] for L, cells in times.items()})
     comparisons = [(a, b) for a, b in COMPARISONS if a in methods and b in methods]
     for mode in MODES:
         lines += [f"## {mode.replace('_', ' + ')}: time ratios (baseline / ours; > 1 means ours is faster)", ""]
-        lines.append("| L | " + " | ".join(f"{b} / {a}" for a, b in comparisons) + " |")
-        lines.append("|---|" + "---|" * len(comparisons))
+        ratios = {L: [] for L in lengths}
         for L in lengths:
-            cells = []
             for a, b in comparisons:
-                ta, tb = _median(results, a, L, mode), _median(results, b, L, mode)
-                cells.append("-" if ta is None or tb is None else f"{tb / ta:.2f}x")
-            lines.append(f"| {L} | " + " | ".join(cells) + " |")
-        lines.append("")
+                ta, tb = _value(results, "median_s", a, L, mode), _value(results, "median_s", b, L, mode)
+                ratios[L].append("-" if ta is None or tb is None else f"{tb / ta:.2f}x")
+        lines += _table([f"{b} / {a}" for a, b in comparisons], ratios)
     for mode in MODES:
         lines += [f"## {mode.replace('_', ' + ')}: peak extra memory (MB)", ""]
-        lines.append("| L | " + " | ".join(METHODS[m].label for m in methods) + " |")
-        lines.append("|---|" + "---|" * len(methods))
-        for L in lengths:
-            cells = [_peak(results, m, L, mode) for m in methods]
-            lines.append(f"| {L} | " + " | ".join("-" if c is None else f"{c:.0f}" for c in cells) + " |")
-        lines.append("")
+        peaks = {L: [_value(results, "peak_mb", m, L, mode) for m in methods] for L in lengths}
+        lines += _table(labels, {L: ["-" if c is None else f"{c:.0f}" for c in cells] for L, cells in peaks.items()})
     lines += ["## Floors (issue 2)", "", "| floor | measured | met |", "|---|---|---|"]
     for f in payload["floors"]:
         value = f["value"]
@@ -400,17 +330,12 @@ def write_markdown(payload: dict, path: Path) -> None:
             shown = "-"
         lines.append(f"| {f['floor']} | {shown} | {'-' if f['met'] is None else ('yes' if f['met'] else 'NO')} |")
     lines += ["", f"Peak memory: {payload['memory_method']}", ""]
-    path.write_text("\n".join(lines))
+    return "\n".join(lines)
 
 
-def plot(payload: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(payload: dict):
     results, methods = payload["results"], payload["config"]["methods"]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    fig, axes = harness.pyplot().subplots(2, 2, figsize=(12, 9))
     for row, (key, ylabel) in enumerate((("median_s", "time (s)"), ("peak_mb", "peak extra memory (MB)"))):
         for col, mode in enumerate(MODES):
             ax = axes[row][col]
@@ -430,37 +355,14 @@ def plot(payload: dict, path: Path) -> None:
             ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"Attention on CPU: batch {BATCH}, {HEADS} heads, head_dim {HEAD_DIM}, m = {NB_FEATURES}, fp32")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--reps", type=int, default=3, help="timed runs per configuration (median reported)")
-    parser.add_argument("--warmup-cap", type=float, default=5.0, help="a first run longer than this is a sample")
-    parser.add_argument("--time-cap", type=float, default=120.0, help="skip longer lengths past this median (s)")
-    parser.add_argument("--memory-cap-gb", type=float, default=12.0, help="address-space cap of a memory subprocess")
-    parser.add_argument("--no-caps", action="store_true", help="ignore the per-method length caps")
-    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--quick", action="store_true", help="smoke test: L = 256 512, 1 run each")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument("--worker", nargs=3, metavar=("METHOD", "LENGTH", "MODE"), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        method, length, mode = args.worker
-        memory_worker(method, int(length), mode, args.memory_cap_gb)
-        return
+def measure(args) -> dict:
     if args.quick:
         args.lengths, args.reps = [256, 512], 1
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-
-    load_start = os.getloadavg()
     results = run_benchmark(args)
-    payload = {
+    return {
         "benchmark": "attention speed and peak memory vs sequence length",
         "config": {
             "batch": BATCH,
@@ -475,20 +377,25 @@ def main(argv=None) -> None:
             "time_cap_s": args.time_cap,
             "memory_cap_gb": args.memory_cap_gb,
         },
-        "machine": machine_info(),
-        "load_average_start": [round(x, 2) for x in load_start],
-        "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "memory_method": "one fresh subprocess per configuration: VmHWM (reset through /proc/self/clear_refs "
         "just before the call) minus VmRSS before the call, i.e. the extra resident memory at the call's peak, "
         "inputs excluded; ru_maxrss delta where clear_refs is unavailable.",
         "results": results,
+        "floors": floors(results),
     }
-    payload["floors"] = floors(results)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "speed.json").write_text(json.dumps(payload, indent=2) + "\n")
-    write_markdown(payload, args.out_dir / "speed.md")
-    plot(payload, args.out_dir / "speed.png")
-    logger.info("wrote %s", ", ".join(str(args.out_dir / f"speed.{ext}") for ext in ("json", "md", "png")))
+
+
+def main(argv=None) -> dict:
+    parser = harness.parser(__doc__, quick="L = 256 512, 1 run each", threads=0)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--reps", type=int, default=3, help="timed runs per configuration (median reported)")
+    parser.add_argument("--warmup-cap", type=float, default=5.0, help="a first run longer than this is a sample")
+    parser.add_argument("--time-cap", type=float, default=120.0, help="skip longer lengths past this median (s)")
+    parser.add_argument("--memory-cap-gb", type=float, default=12.0, help="address-space cap of a memory subprocess")
+    parser.add_argument("--no-caps", action="store_true", help="ignore the per-method length caps")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    return harness.main("speed", parser, measure, markdown, plot, child=memory_child, argv=argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,251 @@
+"""The harness every study in ``benchmarks/`` runs on: shared flags, one environment record, one
+peak-memory probe, fresh-process children and the JSON / Markdown / PNG writers.
+
+A study is a script ``benchmarks/<name>.py`` whose ``main`` hands :func:`main` four things:
+
+    arguments  ``harness.parser(__doc__, quick=..., threads=...)`` plus the study's own flags
+    measure    ``measure(args) -> dict``: runs the study and returns the JSON payload
+    markdown   ``markdown(payload) -> str``: the Markdown summary, from the payload alone
+    plot       ``plot(payload) -> Figure``: the figure, from the payload alone (drawn with :func:`pyplot`)
+
+:func:`main` sets the run up (logging to stderr, torch threads, no Hub downloads), records the machine
+and the load average around ``measure``, writes ``<out-dir>/<name>.json``, ``.md`` and ``.png`` (the
+figure laid out tight, at ``DPI``) and prints the Markdown to stdout. Since the summary and the figure
+depend on the payload only, ``--from-json`` writes them again from an earlier JSON, measuring nothing.
+
+Shared flags (``python benchmarks/<name>.py --help`` lists each study's own):
+
+    --quick       a small configuration that runs in a minute or two: a smoke test, its figures say nothing
+    --out-dir     where the three files go (default ``benchmarks/results/``)
+    --threads     torch threads, 0 for torch's default (only the studies that take it; their defaults differ)
+    --from-json   write the Markdown and the PNG again from this JSON (no measurement)
+
+Every JSON holds ``environment``: ``{"machine": {...}, "load_average": {"before": [...], "after": [...]}}``,
+the machine as :func:`machine` describes it and the 1-, 5- and 15-minute load averages when ``measure``
+starts and ends. Timings depend on what else runs on the machine: compare runs with the load in view.
+
+Peak memory, one probe for every study (:class:`PeakMemory`): the extra resident memory a block needed
+at its peak, ``VmHWM - VmRSS`` read at the block's start, after resetting the kernel's resident-set
+high-water mark (``echo 5 > /proc/self/clear_refs``) there. It counts what the block allocated and
+touched (activations, saved tensors, gradients, the allocator's scratch), not what was resident before
+it. Run it in a fresh process (:func:`in_fresh_process`) so that no earlier work's freed but still
+resident heap hides in the figure. Where ``clear_refs`` is unavailable the probe falls back to the
+growth of ``ru_maxrss`` over the block, which can only under-report, and says so in ``method``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import platform
+import re
+import resource
+import subprocess
+import sys
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DPI = 120
+PACKAGES = ("performer-hf", "transformers", "performer-pytorch")  # versions recorded with the machine
+FRESH_PROCESS = "--fresh-process"  # first argument of a child started by in_fresh_process
+RESULT_MARK = "RESULT"  # precedes the child's JSON answer on its stdout
+logger = logging.getLogger("benchmarks.harness")
+
+
+def parser(doc: str, *, quick: str, threads: int | None = None) -> argparse.ArgumentParser:
+    """An argument parser showing the study's docstring, with the shared flags.
+
+    ``quick`` says what ``--quick`` runs; ``threads`` is the default of ``--threads`` (``None``: the study
+    takes no ``--threads``).
+    """
+    arguments = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    arguments.add_argument("--quick", action="store_true", help=f"smoke test, its figures say nothing: {quick}")
+    arguments.add_argument("--out-dir", type=Path, default=RESULTS, help="where the JSON, Markdown and PNG go")
+    if threads is not None:
+        arguments.add_argument(
+            "--threads", type=int, default=threads,
+            help="torch threads, 0 for torch's default (on a shared CPU, more threads than free cores can make "
+            "every step ~10x slower)",
+        )  # fmt: skip
+    arguments.add_argument("--from-json", type=Path, help="write the Markdown and PNG again from this JSON")
+    return arguments
+
+
+# ---- the machine and its load -------------------------------------------------------------------
+
+
+def machine() -> dict:
+    """This machine and its software: platform, CPU, cores, Python, torch and its threads, package versions."""
+    import torch
+
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+    }
+    with contextlib.suppress(OSError, AttributeError):
+        info["cpu"] = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text()).group(1)
+    for package in PACKAGES:
+        with contextlib.suppress(PackageNotFoundError):
+            info[package] = version(package)
+    return info
+
+
+def load_average() -> list[float]:
+    """The 1-, 5- and 15-minute load averages now."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def environment(payload: dict) -> dict:
+    """The payload's ``environment`` record.
+
+    Results written before the harness (the committed ones) kept the machine and the load average in
+    fields of their own; the record is read from there (threads, and the load where it was kept).
+    """
+    if "environment" in payload:
+        return payload["environment"]
+    settings = payload.get("settings", {})
+    machine_info = dict(payload["machine"]) if isinstance(payload.get("machine"), dict) else {}
+    if "threads" in machine_info:  # decode.py
+        machine_info["torch_threads"] = machine_info.pop("threads")
+    before, after = payload.get("load_average_start"), payload.get("load_average_end")  # speed.py
+    if "load_average_before" in payload:  # compat_*.py
+        before, after = payload["load_average_before"], payload.get("load_average_after")
+    if "load_average" in payload:  # approximation_quality.py: the three figures before, then the three after
+        before, after = payload["load_average"][:3], payload["load_average"][3:]
+    if "load_average" in settings:  # decode.py, long_context.py: the 1-minute figure
+        before, after = [settings["load_average"]["start"]], [settings["load_average"]["end"]]
+    return {"machine": machine_info, "load_average": {"before": before, "after": after}}
+
+
+# ---- peak memory ----------------------------------------------------------------------------------
+
+
+def _status_bytes(field: str) -> int:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``), in bytes."""
+    return 1024 * int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
+
+
+def _max_resident_bytes() -> int:
+    """The process's lifetime peak resident set (``ru_maxrss``: kilobytes on Linux, bytes on macOS)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+class PeakMemory:
+    """Context manager: the extra resident memory a block needed at its peak (the module docstring says how).
+
+    After the block: ``before`` (resident bytes at its start), ``peak`` (the high-water mark during it),
+    ``extra = peak - before`` and ``method`` (the probe that ran).
+    """
+
+    def __enter__(self) -> PeakMemory:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
+        except OSError:
+            self.method = "ru_maxrss delta (clear_refs unavailable)"
+            self.before = _max_resident_bytes()
+        else:
+            self.method = "VmHWM after clear_refs"
+            self.before = _status_bytes("VmRSS")
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.peak = _status_bytes("VmHWM") if self.method.startswith("VmHWM") else _max_resident_bytes()
+        self.extra = self.peak - self.before
+
+
+def in_fresh_process(script: str, *, memory_cap_gb: float | None = None, env: dict | None = None, **kwargs) -> dict:
+    """The study's ``child(**kwargs)`` (``script``: its ``__file__``) run in a new Python process: its answer,
+    or ``{"ok": False, "error": ...}`` when the process ended without one.
+
+    ``memory_cap_gb`` caps the child's address space, so that an allocation beyond it fails inside the child
+    (which may catch it) instead of waking the machine's OOM killer; ``env`` is added to the environment.
+    """
+    request = json.dumps({"memory_cap_gb": memory_cap_gb, "kwargs": kwargs})
+    done = subprocess.run([sys.executable, script, FRESH_PROCESS, request], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})  # fmt: skip
+    if RESULT_MARK not in done.stdout:
+        return {"ok": False, "error": f"exit {done.returncode}: {done.stderr.strip()[-300:]}"}
+    return json.loads(done.stdout.split(RESULT_MARK, 1)[1].splitlines()[0])
+
+
+def _answer_parent(child: Callable[..., dict], request: str) -> None:
+    """The child's side of :func:`in_fresh_process`: apply the cap, run ``child``, print its answer."""
+    request = json.loads(request)
+    if request["memory_cap_gb"]:
+        cap = int(request["memory_cap_gb"] * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    print(RESULT_MARK + json.dumps(child(**request["kwargs"])), flush=True)
+
+
+# ---- writing the results --------------------------------------------------------------------------
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend: the studies draw, :func:`main` saves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _write(name: str, payload: dict, out_dir: Path, markdown: Callable, plot: Callable, *, with_json: bool) -> str:
+    """Write ``<out_dir>/<name>.json`` (if ``with_json``), ``.md`` and ``.png``; returns the Markdown."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{name}.{ext}" for ext in ("json", "md", "png")]
+    if with_json:
+        paths[0].write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    text = markdown(payload)
+    paths[1].write_text(text)
+    figure = plot(payload)
+    figure.tight_layout()
+    figure.savefig(paths[2], dpi=DPI)
+    pyplot().close(figure)
+    logger.info("wrote %s", ", ".join(str(path) for path in paths[not with_json :]))
+    return text
+
+
+def main(
+    name: str,
+    arguments: argparse.ArgumentParser,
+    measure: Callable[[argparse.Namespace], dict],
+    markdown: Callable[[dict], str],
+    plot: Callable,
+    *,
+    child: Callable[..., dict] | None = None,
+    argv: list[str] | None = None,
+) -> dict:
+    """Run the study ``name`` on the command line ``argv`` (default ``sys.argv[1:]``); returns its payload.
+
+    ``child`` is the study's function for :func:`in_fresh_process`, when it has one.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if child is not None and argv[:1] == [FRESH_PROCESS]:
+        _answer_parent(child, argv[1])
+        return {}
+    args = arguments.parse_args(argv)
+    from_json = vars(args).pop("from_json")  # not a setting of the study
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the studies read installed models and data only
+    if getattr(args, "threads", 0):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if from_json is not None:
+        payload = json.loads(from_json.read_text())
+    else:
+        before = load_average()
+        payload = measure(args)
+        payload["environment"] = {"machine": machine(), "load_average": {"before": before, "after": load_average()}}
+    print(_write(name, payload, args.out_dir, markdown, plot, with_json=from_json is None))
+    return payload
