@@ -17,7 +17,7 @@ from transformers import BertConfig, BertForTokenClassification
 from performer_hf.cli import main
 from performer_hf.conversion import demo
 
-from .test_conversion import CASES, TINY_BERT, save_source
+from .conversion_sources import CASES, TINY_BERT, save_source
 
 BERT_MLM = next(case for case in CASES if case.name == "bert-mlm")
 

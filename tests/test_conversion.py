@@ -1,11 +1,11 @@
 """Conversion of BERT / RoBERTa / GPT-2 checkpoints: exact parity with the source, FAVOR+ report,
 position extension, legacy checkpoints. Sources are tiny randomly initialised models saved by
-transformers into tmp folders (one table drives every case), plus the real all-MiniLM-L6-v2."""
+transformers into tmp folders (one table, in conversion_sources.py, drives every case), plus the
+real all-MiniLM-L6-v2."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,64 +13,16 @@ import torch
 import transformers
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
-from transformers import (
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
-    AutoModelForSequenceClassification,
-    BertConfig,
-    GPT2Config,
-    RobertaConfig,
-)
+from transformers import AutoModel
 
 import performer_hf
 from performer_hf.conversion import SUPPORTED_ARCHITECTURES, ConversionError, convert
 from performer_hf.conversion.fidelity import embedding_agreement, english_sentences, sample_passages, spearman
 from performer_hf.conversion.mapping import FAMILIES, extend_positions, rules_markdown
 
-TINY_BERT = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-                 max_position_embeddings=64, type_vocab_size=2)  # fmt: skip
-TINY_GPT2 = dict(vocab_size=99, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=98, eos_token_id=98)
+from .conversion_sources import CASES, Case, save_source
 
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    architecture: str
-    config: object
-    auto: type
-    target: str
-    pad_token_id: int
-
-
-CASES = [
-    Case("bert-mlm", "BertForMaskedLM", BertConfig(**TINY_BERT), AutoModelForMaskedLM, "PerformerForMaskedLM", 0),
-    Case("roberta-mlm", "RobertaForMaskedLM", RobertaConfig(**TINY_BERT, pad_token_id=1), AutoModelForMaskedLM,
-         "PerformerForMaskedLM", 1),
-    Case("gpt2-lm", "GPT2LMHeadModel", GPT2Config(**TINY_GPT2), AutoModelForCausalLM, "PerformerForCausalLM", 0),
-    Case("bert-cls", "BertForSequenceClassification", BertConfig(**TINY_BERT, num_labels=3),
-         AutoModelForSequenceClassification, "PerformerForSequenceClassification", 0),
-    Case("roberta-cls", "RobertaForSequenceClassification", RobertaConfig(**TINY_BERT, pad_token_id=1, num_labels=3),
-         AutoModelForSequenceClassification, "PerformerForSequenceClassification", 1),
-    Case("bert-base", "BertModel", BertConfig(**TINY_BERT), AutoModel, "PerformerModel", 0),
-    Case("gpt2-base", "GPT2Model", GPT2Config(**TINY_GPT2), AutoModel, "PerformerModel", 0),
-    Case("bert-pretraining", "BertForPreTraining", BertConfig(**TINY_BERT), AutoModelForMaskedLM,
-         "PerformerForMaskedLM", 0),
-]  # fmt: skip
 CASE_IDS = [case.name for case in CASES]
-
-
-def save_source(case: Case, folder: Path, seed: int = 0) -> torch.nn.Module:
-    """A randomly initialised source model of ``case`` saved to ``folder`` (LayerNorms perturbed so
-    that they matter); returns it in eval mode."""
-    torch.manual_seed(seed)
-    model = getattr(transformers, case.architecture)(case.config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "LayerNorm" in name or "ln_" in name or "layer_norm" in name or name.endswith("bias"):
-                param.add_(0.1 * torch.randn_like(param))
-    model.save_pretrained(folder)
-    return model
 
 
 def padded_batch(case: Case, lengths=(12, 7, 3), vocab: int = 99) -> dict[str, torch.Tensor]:

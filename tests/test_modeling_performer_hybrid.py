@@ -23,8 +23,8 @@ from performer_hf.conversion.convert import METHODS
 from performer_hf.conversion.fidelity import sample_batch
 from performer_hf.modeling_performer import CACHE_FIELD
 
+from .conversion_sources import CASES, save_source
 from .hybrid_reference import reference
-from .test_conversion import CASES, save_source
 from .test_modeling_performer_integration import _REMOTE_SCRIPT
 from .tiny_models import HEADS, HIDDEN, LAYERS, random_centres, random_ids, tiny_config, tiny_model
 
