@@ -29,7 +29,7 @@ largest difference as a check. The orderings (orthogonal < iid, positive < trig)
 every m on the mean over seeds (as plotted, with std bars) and on the median (robust to the
 heavy tails of exponential features).
 
-Writes benchmarks/results/approximation.json, approximation.png and approximation.md.
+Writes approximation.json, approximation.png and approximation.md to --out-dir.
 
     python benchmarks/approximation.py            # the paper's setting, both regimes
     python benchmarks/approximation.py --quick    # smoke test: L = 512, m = 16 64, 3 seeds
@@ -37,19 +37,15 @@ Writes benchmarks/results/approximation.json, approximation.png and approximatio
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import os
 import statistics
 import time
-from pathlib import Path
 
+import harness
 import torch
 
 from performer_hf.favor import draw_projection, favor_attention, feature_map
 
-RESULTS = Path(__file__).resolve().parent / "results"
 ESTIMATORS = {  # name -> (kernel, orthogonal)
     "positive / orthogonal": ("softmax", True),
     "positive / iid": ("softmax", False),
@@ -136,9 +132,14 @@ def summarise(records: list[dict], args) -> tuple[dict, dict]:
     return summary, ordering
 
 
-def write_outputs(records: list[dict], summary: dict, ordering: dict, args, elapsed: float) -> None:
+def measure(args) -> dict:
+    if args.quick:
+        args.length, args.features, args.seeds = 512, [16, 64], 3
+    start = time.perf_counter()
+    records = [r for s in args.qk_stds for r in run_regime(s, args)]
+    summary, ordering = summarise(records, args)
     diffs = [r["favor_attention_max_abs_diff"] for r in records if "favor_attention_max_abs_diff" in r]
-    payload = {
+    return {
         "benchmark": "FAVOR+ approximation error vs number of random features (paper Fig. 4)",
         "config": {
             "length": args.length,
@@ -149,18 +150,19 @@ def write_outputs(records: list[dict], summary: dict, ordering: dict, args, elap
             "inputs": "q, k ~ N(0, qk_std^2), v ~ N(0, 1) entries; logit scale 1/sqrt(d)",
             "quick": args.quick,
         },
-        "torch": torch.__version__,
-        "elapsed_s": round(elapsed, 1),
+        "elapsed_s": round(time.perf_counter() - start, 1),
         "favor_attention_vs_explicit_max_abs_diff": max(diffs) if diffs else None,
         "summary": summary,
         "ordering": ordering,
         "records": records,
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "approximation.json").write_text(json.dumps(payload, indent=2) + "\n")
 
+
+def markdown(payload: dict) -> str:
+    cfg, summary, ordering = payload["config"], payload["summary"], payload["ordering"]
+    L, d = cfg["length"], cfg["head_dim"]
     lines = [
-        f"# FAVOR+ approximation error (paper Fig. 4): L = {args.length}, d = {args.head_dim}, {args.seeds} seeds",
+        f"# FAVOR+ approximation error (paper Fig. 4): L = {L}, d = {d}, {cfg['seeds']} seeds",
         "",
         "Mean squared error against exact softmax attention: mean (std) [median] over seeds. q, k entries",
         "N(0, s^2): s = 0.5 gives flat attention (logit std 0.25), s = 1 peaked attention (logit std 1).",
@@ -170,10 +172,10 @@ def write_outputs(records: list[dict], summary: dict, ordering: dict, args, elap
         for err in ERRORS:
             lines += [f"## {key}: {err}", "", "| m | " + " | ".join(ESTIMATORS) + " |"]
             lines.append("|---|" + "---|" * len(ESTIMATORS))
-            for m in args.features:
+            for m in cfg["features"]:
                 cells = []
                 for n in ESTIMATORS:
-                    s = per_estimator[n][m][err]
+                    s = per_estimator[n][str(m)][err]
                     cells.append(f"{s['mean']:.3g} ({s['std']:.2g}) [{s['median']:.3g}]")
                 lines.append(f"| {m} | " + " | ".join(cells) + " |")
             lines.append("")
@@ -182,63 +184,45 @@ def write_outputs(records: list[dict], summary: dict, ordering: dict, args, elap
         for claim, res in ordering[key].items():
             lines.append(f"| {claim} | {res['holds_at'] or '-'} | {res['fails_at'] or '-'} |")
         lines.append("")
-    lines.append(f"favor_attention vs the explicit estimator (positive features): max |diff| = {max(diffs):.2g}")
-    (args.out_dir / "approximation.md").write_text("\n".join(lines) + "\n")
-    plot(summary, args)
+    lines.append(
+        "favor_attention vs the explicit estimator (positive features): max |diff| = "
+        f"{payload['favor_attention_vs_explicit_max_abs_diff']:.2g}"
+    )
+    return "\n".join(lines) + "\n"
 
 
-def plot(summary: dict, args) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(payload: dict):
+    cfg, summary, features = payload["config"], payload["summary"], payload["config"]["features"]
     styles = {"positive / orthogonal": "o-", "positive / iid": "s--", "trig / orthogonal": "^-", "trig / iid": "v--"}
-    fig, axes = plt.subplots(len(summary), 2, figsize=(11, 4.2 * len(summary)), squeeze=False)
+    fig, axes = harness.pyplot().subplots(len(summary), 2, figsize=(11, 4.2 * len(summary)), squeeze=False)
     for row, (key, per_estimator) in enumerate(summary.items()):
         for col, err in enumerate(ERRORS):
             ax = axes[row][col]
             for name in ESTIMATORS:
-                means = [per_estimator[name][m][err]["mean"] for m in args.features]
-                stds = [per_estimator[name][m][err]["std"] for m in args.features]
+                means = [per_estimator[name][str(m)][err]["mean"] for m in features]
+                stds = [per_estimator[name][str(m)][err]["std"] for m in features]
                 lower = [min(s, 0.9 * mu) for s, mu in zip(stds, means, strict=True)]  # keep bars on a log axis
-                ax.errorbar(args.features, means, yerr=[lower, stds], fmt=styles[name], capsize=3, label=name)
+                ax.errorbar(features, means, yerr=[lower, stds], fmt=styles[name], capsize=3, label=name)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("number of random features m")
-            ax.set_ylabel(f"MSE (mean +- std, {args.seeds} seeds)")
+            ax.set_ylabel(f"MSE (mean +- std, {cfg['seeds']} seeds)")
             what = "attention output" if err == "output_mse" else "attention matrix"
             ax.set_title(f"{what}, q/k entries std {key.split('=')[1]}")
             ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"FAVOR+ vs exact softmax attention, L = {args.length}, d = {args.head_dim}")
-    fig.tight_layout()
-    fig.savefig(args.out_dir / "approximation.png", dpi=110)
-    plt.close(fig)
+    fig.suptitle(f"FAVOR+ vs exact softmax attention, L = {cfg['length']}, d = {cfg['head_dim']}")
+    return fig
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> dict:
+    parser = harness.parser(__doc__, quick="L = 512, m = 16 64, 3 seeds", threads=0)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--features", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     parser.add_argument("--seeds", type=int, default=15)
     parser.add_argument("--qk-stds", type=float, nargs="+", default=[0.5, 1.0], help="std of the q and k entries")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--quick", action="store_true", help="smoke test: L = 512, m = 16 64, 3 seeds")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.length, args.features, args.seeds = 512, [16, 64], 3
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    start = time.perf_counter()
-    records = [r for s in args.qk_stds for r in run_regime(s, args)]
-    summary, ordering = summarise(records, args)
-    write_outputs(records, summary, ordering, args, time.perf_counter() - start)
-    logger.info("%s", (args.out_dir / "approximation.md").read_text())
-    logger.info("load average at the end: %s", os.getloadavg())
+    return harness.main("approximation", parser, measure, markdown, plot, argv=argv)
 
 
 if __name__ == "__main__":

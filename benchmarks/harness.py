@@ -200,11 +200,17 @@ def pyplot():
 
 
 def _write(name: str, payload: dict, out_dir: Path, markdown: Callable, plot: Callable, *, with_json: bool) -> str:
-    """Write ``<out_dir>/<name>.json`` (if ``with_json``), ``.md`` and ``.png``; returns the Markdown."""
+    """Write ``<out_dir>/<name>.json`` (if ``with_json``), ``.md`` and ``.png``; returns the Markdown.
+
+    The Markdown and the figure see the payload as the JSON holds it (dictionary keys are strings), whether
+    it was just measured or read back with ``--from-json``.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{name}.{ext}" for ext in ("json", "md", "png")]
+    serialized = json.dumps(payload, indent=2, default=str) + "\n"
     if with_json:
-        paths[0].write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        paths[0].write_text(serialized)
+    payload = json.loads(serialized)
     text = markdown(payload)
     paths[1].write_text(text)
     figure = plot(payload)
