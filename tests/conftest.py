@@ -3,6 +3,9 @@
 import pytest
 import torch
 
+# helper modules that assert: pytest rewrites their asserts as it does the tests', for the same failure reports
+pytest.register_assert_rewrite("tests.remote_code")
+
 
 @pytest.fixture
 def single_thread():

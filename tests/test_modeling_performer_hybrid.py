@@ -5,9 +5,6 @@ constant-size decoding cache, save/load, remote code and conversion with the new
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,7 +22,7 @@ from performer_hf.modeling_performer import CACHE_FIELD
 
 from .conversion_sources import CASES, save_source
 from .hybrid_reference import reference
-from .test_modeling_performer_integration import _REMOTE_SCRIPT
+from .remote_code import load_without_performer_hf
 from .tiny_models import HEADS, HIDDEN, LAYERS, random_centres, random_ids, tiny_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -304,13 +301,7 @@ def test_trust_remote_code_loads_hybrid_checkpoints_without_performer_hf(tmp_pat
     copied = {p.name for p in (tmp_path / "causal").glob("*.py")}
     assert {"modeling_performer.py", "favor_hybrid.py", "favor_optimal.py", "cache_performer.py"} <= copied
     ids = random_ids(2, 9)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), OMP_NUM_THREADS="1")
-    argv = [sys.executable, "-c", _REMOTE_SCRIPT, str(tmp_path / "causal"), str(tmp_path / "mlm"),
-            json.dumps(ids.tolist())]  # fmt: skip
-    result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.split("REPORT", 1)[1])
+    report = load_without_performer_hf(tmp_path, ids)
     assert report["leaked"] == []
     with torch.no_grad():
         assert torch.equal(torch.tensor(report["causal_logits"]), causal(input_ids=ids).logits)

@@ -1,18 +1,13 @@
 """The Performer in the Hugging Face ecosystem: exact mode against transformers' own BERT and GPT-2,
 Hub remote code in a process without performer_hf, and training with the HF Trainer."""
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from performer_hf import PerformerForCausalLM, PerformerForMaskedLM, PerformerModel
 
+from .remote_code import load_without_performer_hf
 from .tiny_models import HEADS, HIDDEN, LAYERS, VOCAB, random_ids, tiny_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -113,41 +108,6 @@ def test_exact_pre_ln_causal_lm_equals_gpt2_forward_and_generation():
 
 # ---------------------------------------------------------------- remote code without the package
 
-_REMOTE_SCRIPT = textwrap.dedent(
-    """
-    import importlib.abc, json, sys
-
-    class BlockPerformerHF(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "performer_hf":
-                raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
-
-    sys.meta_path.insert(0, BlockPerformerHF())
-    try:
-        import performer_hf  # noqa: F401
-        raise SystemExit("performer_hf is still importable")
-    except ModuleNotFoundError:
-        pass
-
-    import torch
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
-
-    causal_dir, mlm_dir, ids = sys.argv[1], sys.argv[2], torch.tensor(json.loads(sys.argv[3]))
-    report = {"config": type(AutoConfig.from_pretrained(causal_dir, trust_remote_code=True)).__module__}
-    causal = AutoModelForCausalLM.from_pretrained(causal_dir, trust_remote_code=True).eval()
-    mlm = AutoModelForMaskedLM.from_pretrained(mlm_dir, trust_remote_code=True).eval()
-    base = AutoModel.from_pretrained(mlm_dir, trust_remote_code=True).eval()
-    with torch.no_grad():
-        report["causal_logits"] = causal(input_ids=ids).logits.tolist()
-        report["mlm_logits"] = mlm(input_ids=ids).logits.tolist()
-        report["base_hidden"] = base(input_ids=ids).last_hidden_state.tolist()
-    report["generated"] = causal.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0).tolist()
-    report["classes"] = [type(m).__module__ + "." + type(m).__name__ for m in (causal, mlm, base)]
-    report["leaked"] = sorted(name for name in sys.modules if name.startswith("performer_hf"))
-    print("REPORT" + json.dumps(report))
-    """
-)
-
 
 def test_trust_remote_code_loads_in_a_process_without_performer_hf(tmp_path):
     causal = PerformerForCausalLM(tiny_config(layer_norm_position="pre", type_vocab_size=0)).eval()
@@ -160,13 +120,7 @@ def test_trust_remote_code_loads_in_a_process_without_performer_hf(tmp_path):
                 "favor_features.py", "favor_projection.py"} <= copied  # fmt: skip
     ids = random_ids(2, 9)
 
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), OMP_NUM_THREADS="1")
-    folders = [str(tmp_path / "causal"), str(tmp_path / "mlm")]
-    argv = [sys.executable, "-c", _REMOTE_SCRIPT, *folders, json.dumps(ids.tolist())]
-    result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.split("REPORT", 1)[1])
+    report = load_without_performer_hf(tmp_path, ids)
 
     assert report["leaked"] == []
     assert report["config"].startswith("transformers_modules.")
