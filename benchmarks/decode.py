@@ -8,24 +8,20 @@ step is timed on its own. Every round decodes from a copy of the prefilled cache
 models are visited in interleaved rounds, and the reported figure is the median step over all
 rounds, so the ratios compare like with like on a shared CPU.
 
-Writes benchmarks/results/decode.{json,png,md}.
+Writes decode.{json,png,md} to --out-dir.
 
-    python benchmarks/decode.py                       # contexts 256 1024 4096 16384
-    python benchmarks/decode.py --contexts 256 2048 --steps 16 --rounds 2   # quick look
+    python benchmarks/decode.py                                  # contexts 256 1024 4096 16384
+    python benchmarks/decode.py --quick --out-dir /tmp/decode    # smoke test: contexts 256 2048, 2 x 16 steps
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import logging
-import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
+import harness
 import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
@@ -33,7 +29,6 @@ from performer_hf import PerformerConfig, PerformerForCausalLM
 from performer_hf.modeling_performer import CACHE_FIELD
 
 logger = logging.getLogger("benchmarks.decode")
-RESULTS = Path(__file__).resolve().parent / "results"
 LAYERS, HIDDEN, HEADS, VOCAB = 6, 384, 12, 50257
 
 
@@ -79,6 +74,8 @@ def time_steps(model: torch.nn.Module, cache, token: torch.Tensor, steps: int) -
 
 
 def measure(args) -> dict:
+    if args.quick:
+        args.contexts, args.steps, args.rounds = [256, 2048], 16, 2
     models = build_models(max(args.contexts) + args.rounds * (args.steps + args.warmup) + 1, args.nb_features,
                           args.kernel)  # fmt: skip
     generator = torch.Generator().manual_seed(0)
@@ -103,6 +100,7 @@ def measure(args) -> dict:
                     "round %d  L=%-6d %-28s step %.2f ms", round_idx, n, name, 1e3 * statistics.median(steps[name][n])
                 )
                 del cache
+    lo, hi = min(args.contexts), max(args.contexts)
     results = {}
     for name in models:
         per_context = {
@@ -115,72 +113,66 @@ def measure(args) -> dict:
             }
             for n in args.contexts
         }
-        lo, hi = min(args.contexts), max(args.contexts)
         results[name] = {
             "contexts": per_context,
             f"ratio_{hi}_over_{lo}": per_context[hi]["step_ms_median"] / per_context[lo]["step_ms_median"],
         }
-    return results
-
-
-def write_outputs(args, results: dict) -> None:
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    lo, hi = min(args.contexts), max(args.contexts)
-    payload = {
+    return {
         "benchmark": "decode step time vs context length",
         "model": {"layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "vocab": VOCAB, "dtype": "float32", "batch": 1},
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "settings": vars(args),
         "floor": f"performer step at {hi} within 1.2x of the step at {lo}",
         "results": results,
     }
-    (args.out_dir / "decode.json").write_text(json.dumps(payload, indent=2) + "\n")
 
+
+def markdown(payload: dict) -> str:
+    settings, results = payload["settings"], payload["results"]
+    environment, contexts = harness.environment(payload), settings["contexts"]
+    load, lo, hi = environment["load_average"], min(contexts), max(contexts)
     lines = [
         f"# Decode step time vs context ({LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, fp32, batch 1, "
-        f"{torch.get_num_threads()} CPU threads)",
+        f"{environment['machine']['torch_threads']} CPU threads)",
         "",
-        "Median of " + ", ".join(f"{r['contexts'][lo]['steps_timed']}" for r in results.values())
-        + f" timed steps per cell ({args.rounds} interleaved rounds of {args.steps}). Shared 2-core CPU, 1-minute "
-        f"load average {args.load_average['start']:.1f} at the start, {args.load_average['end']:.1f} at the end.",
+        "Median of " + ", ".join(f"{r['contexts'][str(lo)]['steps_timed']}" for r in results.values())
+        + f" timed steps per cell ({settings['rounds']} interleaved rounds of {settings['steps']}). Shared 2-core "
+        f"CPU, 1-minute load average {load['before'][0]:.1f} at the start, {load['after'][0]:.1f} at the end.",
         "",
-        "| model | " + " | ".join(f"L={n}" for n in args.contexts) + f" | step(L={hi}) / step(L={lo}) |",
-        "|---|" + "---|" * (len(args.contexts) + 1),
+        "| model | " + " | ".join(f"L={n}" for n in contexts) + f" | step(L={hi}) / step(L={lo}) |",
+        "|---|" + "---|" * (len(contexts) + 1),
     ]  # fmt: skip
     for name, r in results.items():
-        cells = [f"{r['contexts'][n]['step_ms_median']:.2f} ms" for n in args.contexts]
+        cells = [f"{r['contexts'][str(n)]['step_ms_median']:.2f} ms" for n in contexts]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {r[f'ratio_{hi}_over_{lo}']:.2f}x |")
     lines += ["", "Prefill (once per context, seconds):", ""]
-    lines.append("| model | " + " | ".join(f"L={n}" for n in args.contexts) + " |")
-    lines.append("|---|" + "---|" * len(args.contexts))
+    lines.append("| model | " + " | ".join(f"L={n}" for n in contexts) + " |")
+    lines.append("|---|" + "---|" * len(contexts))
     for name, r in results.items():
-        cells = [f"{r['contexts'][n]['prefill_s']:.1f} s" for n in args.contexts]
+        cells = [f"{r['contexts'][str(n)]['prefill_s']:.1f} s" for n in contexts]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    (args.out_dir / "decode.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+def plot(payload: dict):
+    contexts, results = payload["settings"]["contexts"], payload["results"]
+    fig, ax = harness.pyplot().subplots(figsize=(6, 4))
     for name, r in results.items():
-        medians = [r["contexts"][n]["step_ms_median"] for n in args.contexts]
-        low = [m - r["contexts"][n]["step_ms_p10"] for m, n in zip(medians, args.contexts, strict=True)]
-        high = [r["contexts"][n]["step_ms_p90"] - m for m, n in zip(medians, args.contexts, strict=True)]
-        ax.errorbar(args.contexts, medians, yerr=[low, high], marker="o", capsize=3, label=name)
+        cells = [r["contexts"][str(n)] for n in contexts]
+        medians = [c["step_ms_median"] for c in cells]
+        low = [m - c["step_ms_p10"] for m, c in zip(medians, cells, strict=True)]
+        high = [c["step_ms_p90"] - m for m, c in zip(medians, cells, strict=True)]
+        ax.errorbar(contexts, medians, yerr=[low, high], marker="o", capsize=3, label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("decode step (ms, median, p10-p90)")
     ax.set_ylim(bottom=0)
     ax.set_title("Per-token decode time, 6 x 384 x 12, fp32, CPU")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out_dir / "decode.png", dpi=120)
+    return fig
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> dict:
+    parser = harness.parser(__doc__, quick="contexts 256 2048, 2 rounds of 16 steps", threads=0)
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096, 16384])
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per context and round")
     parser.add_argument("--warmup", type=int, default=4, help="untimed decode steps before timing")
@@ -188,17 +180,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=1024, help="GPT-2 prefill chunk (tokens)")
     parser.add_argument("--nb-features", type=int, default=256)
     parser.add_argument("--kernel", default="softmax")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS, help="where the JSON / PNG / markdown go")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()[0]
-    results = measure(args)
-    args.load_average = {"start": load_before, "end": os.getloadavg()[0]}
-    write_outputs(args, results)
-    logger.info("%s", (args.out_dir / "decode.md").read_text())
+    return harness.main("decode", parser, measure, markdown, plot, argv=argv)
 
 
 if __name__ == "__main__":
