@@ -27,21 +27,21 @@ Figures per seed: ``mean_cosine`` (mean over sentences of the cosine between the
 candidate's embedding) and ``pairwise_spearman`` (Spearman correlation of the two N x N
 pairwise-similarity matrices' upper triangles). Summaries are medians over seeds.
 
-Writes benchmarks/results/conversion_fidelity.{json,png,md}.
+Writes conversion_fidelity.{json,png,md} to --out-dir.
 
     python benchmarks/conversion_fidelity.py                    # 200 sentences, 5 seeds
-    python benchmarks/conversion_fidelity.py --sentences 50 --seeds 2    # quick look
+    python benchmarks/conversion_fidelity.py --quick --out-dir /tmp/fidelity   # smoke test: 50 sentences, 2 seeds
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import logging
 import statistics
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+import harness
 import performer_pytorch
 import torch
 from transformers import AttentionInterface, AutoTokenizer, BertModel
@@ -50,7 +50,7 @@ from performer_hf import PerformerModel, convert
 from performer_hf.conversion.demo import minilm_folder
 from performer_hf.conversion.fidelity import embedding_agreement, english_sentences
 
-RESULTS = Path(__file__).resolve().parent / "results"
+logger = logging.getLogger("benchmarks.conversion_fidelity")
 # performer-hf rows: the keyword arguments of ``convert`` behind each
 CONVERSIONS = {"performer-hf default": {}, "performer-hf favor+": {"method": "favor"}}
 METHODS = (*CONVERSIONS, "performer-pytorch")
@@ -92,7 +92,10 @@ def performer_pytorch_attention(layers: dict[int, performer_pytorch.FastAttentio
     return attention
 
 
-def run(num_sentences: int, seeds: int, batch_size: int) -> dict:
+def measure(args) -> dict:
+    if args.quick:
+        args.sentences, args.seeds = 50, 2
+    num_sentences, seeds, batch_size = args.sentences, args.seeds, args.batch_size
     torch.manual_seed(0)
     folder = minilm_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -112,7 +115,7 @@ def run(num_sentences: int, seeds: int, batch_size: int) -> dict:
                     ours.redraw_projections(seed)
                 figures = embedding_agreement(reference, embed(ours, tokenizer, sentences, buckets))
                 records.append({"method": method, "seed": seed, **figures})
-                print(records[-1])
+                logger.info("%s", records[-1])
 
     attention_modules = [layer.attention.self for layer in source.encoder.layer]
     for seed in range(seeds):
@@ -126,7 +129,7 @@ def run(num_sentences: int, seeds: int, batch_size: int) -> dict:
         figures = embedding_agreement(reference, embed(source, tokenizer, sentences, buckets))
         source.set_attn_implementation("sdpa")
         records.append({"method": "performer-pytorch", "seed": seed, **figures})
-        print(records[-1])
+        logger.info("%s", records[-1])
 
     summary = {
         method: {metric: statistics.median(r[metric] for r in records if r["method"] == method) for metric in METRICS}
@@ -147,13 +150,8 @@ def run(num_sentences: int, seeds: int, batch_size: int) -> dict:
     }
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+def plot(result: dict):
+    fig, axes = harness.pyplot().subplots(1, 2, figsize=(11, 4))
     for ax, metric in zip(axes, METRICS, strict=True):
         values = [[r[metric] for r in result["records"] if r["method"] == m] for m in METHODS]
         ax.boxplot(values, showmeans=False)
@@ -166,8 +164,7 @@ def plot(result: dict, path: Path) -> None:
         f"all-MiniLM-L6-v2 -> Performer (no finetuning), {result['sentences']} sentences, {result['seeds']} seeds",
         fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def markdown(result: dict) -> str:
@@ -188,18 +185,12 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> dict:
+    parser = harness.parser(__doc__, quick="50 sentences, 2 seeds")
     parser.add_argument("--sentences", type=int, default=200)
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
-    args = parser.parse_args()
-    result = run(args.sentences, args.seeds, args.batch_size)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "conversion_fidelity.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / "conversion_fidelity.md").write_text(markdown(result))
-    plot(result, RESULTS / "conversion_fidelity.png")
-    print(markdown(result))
+    return harness.main("conversion_fidelity", parser, measure, markdown, plot, argv=argv)
 
 
 if __name__ == "__main__":
