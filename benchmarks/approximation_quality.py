@@ -60,17 +60,16 @@ Writes ``approximation_quality.{json,md,png}`` to ``--out-dir`` (default ``bench
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import math
-import os
 import re
 import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
+import harness
 import performer_pytorch
 import torch
 import torch.nn.functional as F
@@ -84,7 +83,7 @@ from performer_hf.cpu_kernels import hybrid_kernels
 from performer_hf.favor import draw_projection, favor_attention
 from performer_hf.favor_hybrid import get_far_field, hybrid_attention
 
-RESULTS = Path(__file__).resolve().parent / "results"
+logger = logging.getLogger("benchmarks.approximation_quality")
 ATTENTION_NAME = "approximation_quality"
 SETS = ("sentences", "docs")
 LENGTHS = {"doc": 2048, "forward": 4096, "attention": 8192}  # tokens: documents, timed forward, timed attention
@@ -331,11 +330,10 @@ def quality(model, swap: SwappedAttention, texts: dict, runs: list, head_dim: in
                 }
             )
             r = records[-1]
-            print(
-                f"[{number}/{len(runs)}] {method.name:28s} m={m} seed={seed} {name:9s} cos={r['mean_cosine']:.4f} "
-                f"rho={r['pairwise_spearman']:.4f} err={r['mean_layer_error']:.3f} ({r['seconds']:.1f}s)",
-                flush=True,
-            )
+            logger.info(
+                "[%d/%d] %-28s m=%s seed=%s %-9s cos=%.4f rho=%.4f err=%.3f (%.1fs)", number, len(runs), method.name,
+                m, seed, name, r["mean_cosine"], r["pairwise_spearman"], r["mean_layer_error"], r["seconds"],
+            )  # fmt: skip
     model.set_attn_implementation("sdpa")
     return records, skipped
 
@@ -358,7 +356,7 @@ def _paired_times(calls: dict, reference, repeats: int) -> dict:
             call()
             own.append(time.perf_counter() - start)
         times[key] = (statistics.median(own), statistics.median(ref))
-        print(f"  {key}: {times[key][0]:.3f}s (SDPA {times[key][1]:.3f}s)", flush=True)
+        logger.info("  %s: %.3fs (SDPA %.3fs)", key, *times[key])
     return times
 
 
@@ -373,7 +371,7 @@ def speed(model, swap: SwappedAttention, tokenizer, ms: list[int], repeats: int,
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, lengths["attention"], head_dim, generator=generator) for _ in range(3))
     scaling = head_dim**-0.5
-    print(f"attention at {lengths['attention']} tokens:", flush=True)
+    logger.info("attention at %d tokens:", lengths["attention"])
     attention_times = _paired_times(
         {key: (lambda key=key: attentions[key](0, q, k, v, scaling)) for key in attentions},
         lambda: F.scaled_dot_product_attention(q, k, v, scale=scaling),
@@ -387,7 +385,7 @@ def speed(model, swap: SwappedAttention, tokenizer, ms: list[int], repeats: int,
         swap.approximation = None if key is None else attentions[key]
         model(**inputs)
 
-    print(f"model forward at {lengths['forward']} tokens:", flush=True)
+    logger.info("model forward at %d tokens:", lengths["forward"])
     forward_times = _paired_times(
         {key: (lambda key=key: forward(key)) for key in attentions if key[1] in (SELECT_AT, None)},
         lambda: forward(None),
@@ -464,6 +462,7 @@ def select(summary: dict, m: int = SELECT_AT) -> dict:
 
 def markdown(result: dict) -> str:
     ms, summary, lengths = result["nb_features"], result["median"], result["lengths"]
+    load = harness.environment(result)["load_average"]
     lines = [
         "# Approximation quality: all-MiniLM-L6-v2 with its attention swapped, no finetuning",
         "",
@@ -522,7 +521,7 @@ def markdown(result: dict) -> str:
     lines += [
         "",
         "Each call is timed right after an SDPA run of the same size (paired, median of "
-        f"{result['speed_repeats']}); load average before / after the study: {result['load_average']}.",
+        f"{result['speed_repeats']}); load average before / after the study: {[*load['before'], *load['after']]}.",
     ]
     if "cpu_kernels" in result:
         ran = "ran" if result["cpu_kernels"] else "did not run (build failed or PERFORMER_HF_CPU_KERNELS=0)"
@@ -544,12 +543,8 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(result: dict):
+    plt = harness.pyplot()
     ms, summary = result["nb_features"], result["median"]
     metrics = (
         ("mean_layer_error", "attention relative error (mean over layers)"),
@@ -584,12 +579,14 @@ def plot(result: dict, path: Path) -> None:
                 ax.set_xlabel("random features m")
     axes[0][0].legend(fontsize=7, ncol=2)
     fig.suptitle("all-MiniLM-L6-v2, attention swapped, no finetuning (medians over the seeds run, see the JSON)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
 
 
 # ----------------------------------------------------------------------------- main
-def run(args: argparse.Namespace) -> dict:
+def measure(args: argparse.Namespace) -> dict:
+    if args.quick:
+        args.sentences, args.docs, args.seeds, args.seeds_other, args.nb_features = 16, 3, 2, 1, [64, 256]
+        args.repeats, args.budget_minutes, args.speed_m = 1, 3, [256]
     torch.manual_seed(0)
     folder = minilm_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -614,7 +611,6 @@ def run(args: argparse.Namespace) -> dict:
     if not torch.allclose(swapped, exact, atol=1e-5):
         raise RuntimeError("the attention swap changes the model's output with exact attention")
 
-    load_before = os.getloadavg()
     timings = speed(model, swap, tokenizer, args.speed_m, args.repeats, head_dim, lengths)
     runs = plan(args.nb_features, args.seeds, args.seeds_other)
     records, skipped = quality(model, swap, texts, runs, head_dim, args.budget_minutes * 60)
@@ -641,7 +637,6 @@ def run(args: argparse.Namespace) -> dict:
         "skipped_note": f"{len(skipped)} of {len(runs)} planned runs skipped by the time budget"
         if skipped
         else "every planned run done",
-        "load_average": [round(x, 2) for x in (*load_before, *os.getloadavg())],
         "torch_threads": torch.get_num_threads(),
         "cpu_kernels": hybrid_kernels() is not None,  # whether the polynomial hybrids ran compiled (cpu_kernels)
         "hybrid": {**HYBRID, "support": support, "doc_fraction": support / lengths["doc"], "longest_sentence": longest},
@@ -659,8 +654,11 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> dict:
+    parser = harness.parser(
+        __doc__, threads=1,
+        quick=f"16 sentences, 3 docs, m = 64 256, 2 seeds at m = 256, a 3-minute budget, lengths {QUICK_LENGTHS}",
+    )  # fmt: skip
     parser.add_argument("--sentences", type=int, default=200)
     parser.add_argument("--docs", type=int, default=8)
     parser.add_argument("--seeds", type=int, default=3, help=f"projection seeds at m = {SELECT_AT}")
@@ -678,26 +676,7 @@ def main() -> None:
     parser.add_argument("--nb-features", type=int, nargs="+", default=[64, 128, 256, 512])
     parser.add_argument("--repeats", type=int, default=1, help="timing repetitions, each paired with SDPA")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads (1: on a shared 2-core CPU, 2 threads ran far slower)"
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"smoke test: 16 sentences, 2 docs, 1 seed, m = 64, 256, lengths {QUICK_LENGTHS}",
-    )
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    if args.quick:
-        args.sentences, args.docs, args.seeds, args.seeds_other, args.nb_features = 16, 3, 2, 1, [64, 256]
-        args.repeats, args.budget_minutes, args.speed_m = 1, 3, [256]
-    torch.set_num_threads(args.threads)
-    result = run(args)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "approximation_quality.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out_dir / "approximation_quality.md").write_text(markdown(result))
-    plot(result, args.out_dir / "approximation_quality.png")
-    print(markdown(result))
+    return harness.main("approximation_quality", parser, measure, markdown, plot, argv=argv)
 
 
 if __name__ == "__main__":
