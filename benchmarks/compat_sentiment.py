@@ -21,7 +21,7 @@ evaluated every ``--eval-steps`` optimizer steps (the accuracy-vs-step curves); 
 at the end. The study's floor (issue 7): ``favor`` within 1.0 accuracy point of ``softmax``, and
 clearly above ``random``.
 
-Writes benchmarks/results/compat_sentiment.{json,md,png}.
+Writes compat_sentiment.{json,md,png} to --out-dir.
 
     python benchmarks/compat_sentiment.py                       # 2,560 train sentences (~20 min, 1 thread)
     python benchmarks/compat_sentiment.py --quick --out-dir /tmp/compat   # smoke test (a minute or two)
@@ -30,14 +30,12 @@ Writes benchmarks/results/compat_sentiment.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
 from accelerate.state import AcceleratorState, GradientState
 from tqdm.auto import tqdm
@@ -49,7 +47,6 @@ from performer_hf.training.collators import classification_collator
 from performer_hf.training.tracking import read_log
 
 logger = logging.getLogger("benchmarks.compat_sentiment")
-RESULTS = Path(__file__).resolve().parent / "results"
 
 # Hybrid-attention fields switched off, for the PerformerConfig versions that have them.
 HYBRID_OFF = {"local_window": 0, "num_global_tokens": 0, "routed_blocks": 0, "center_features": False,
@@ -162,7 +159,7 @@ def setup(args: argparse.Namespace) -> dict:
             "batch": args.batch_size, "eval_steps": args.eval_steps}  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> dict:
+def measure(args: argparse.Namespace) -> dict:
     budget = setup(args)
     splits = rotten_tomatoes(seed=args.data_seed)
     data = {name: records[: budget[name]] for name, records in splits.items()}
@@ -179,8 +176,7 @@ def run(args: argparse.Namespace) -> dict:
                    "learning_rate": {"pretrained": args.lr, "random": args.lr_random},
                    "warmup_steps": args.warmup, "eval_steps": budget["eval_steps"], "max_grad_norm": 0.5,
                    "weight_decay": 0.01, "seeds": args.seeds, "feature_redraw": None},
-        "quick": args.quick, "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "arms": {},
+        "quick": args.quick, "threads": torch.get_num_threads(), "arms": {},
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="compat_sentiment-") as scratch:
         work = Path(scratch)
@@ -254,7 +250,7 @@ def summarise(result: dict) -> None:
     result["floors"] = floors
 
 
-def write_markdown(result: dict, path: Path) -> None:
+def markdown(result: dict) -> str:
     budget, data = result["budget"], result["data"]
     rates = budget["learning_rate"]
     lines = [
@@ -303,16 +299,11 @@ def write_markdown(result: dict, path: Path) -> None:
     if "softmax_parity_max_abs_diff" in result:
         lines += ["", f"The softmax arm is the exact-kernel conversion; its last hidden states differ from HF "
                       f"BertModel's by at most {result['softmax_parity_max_abs_diff']:.1e}."]  # fmt: skip
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+def plot(result: dict):
+    figure, (left, right) = harness.pyplot().subplots(1, 2, figsize=(11, 4))
     for index, record in enumerate(result["arms"].values()):
         color = f"C{index}"
         for seed_index, run_record in enumerate(record["runs"]):
@@ -335,25 +326,11 @@ def plot(result: dict, path: Path) -> None:
     right.grid(alpha=0.3)
     figure.suptitle(f"all-MiniLM-L6-v2 on Rotten-Tomatoes sentences ({result['data']['train']} train)"
                     + (" [quick]" if result["quick"] else ""), fontsize=10)  # fmt: skip
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    return figure
 
 
-def write_outputs(result: dict, out_dir: Path, name: str = "compat_sentiment") -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    write_markdown(result, out_dir / f"{name}.md")
-    plot(result, out_dir / f"{name}.png")
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke test: 256 sentences, 8 steps")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument(
-        "--threads", type=int, default=1,
-        help="torch CPU threads (default 1: on a shared CPU, more threads than free cores slow every step ~10x)",
-    )  # fmt: skip
+def main(argv: list[str] | None = None) -> dict:
+    parser = harness.parser(__doc__, quick="256 sentences, 8 steps", threads=1)
     parser.add_argument("--arms", nargs="+", default=["softmax", "favor", "random"], choices=list(ARMS),
                         help="'default' (the converter's current default settings) is optional")  # fmt: skip
     parser.add_argument("--train-size", type=int, default=2560, help="sentences used of the 8,454 in the train split")
@@ -367,18 +344,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-steps", type=int, default=20)
     parser.add_argument("--seeds", type=int, default=1, help="training seeds per arm (0, 1, ...)")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the 80/10/10 split")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    result = run(args)
-    write_outputs(result, args.out_dir)
-    print((args.out_dir / "compat_sentiment.md").read_text())
-    return result
+    return harness.main("compat_sentiment", parser, measure, markdown, plot, argv=argv)
 
 
 if __name__ == "__main__":
