@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -118,11 +119,17 @@ class AttentionMethod:
         attend: the function (see the module docstring for its signature).
         cache_layer: the transformers cache-layer class of its decoding state; None for a key/value cache.
         has_attention_weights: whether ``attend`` can return the attention weights.
+        description: what replaces softmax attention, as model cards say it.
+        presets: the ``PerformerConfig`` fields a conversion sets for this method, for ``"bidirectional"``
+            and ``"causal"`` sources (explicit options override them); None where the converter does not
+            offer the method (exact attention is asked for with ``attention_kernel="exact"``).
     """
 
     attend: Callable[..., tuple[Tensor, Tensor | None]]
     cache_layer: type | None
     has_attention_weights: bool
+    description: str
+    presets: dict[str, dict[str, Any]] | None = None
 
     @property
     def cache_layer_type(self) -> str:
@@ -130,8 +137,52 @@ class AttentionMethod:
         return "full_attention" if self.cache_layer is None else self.cache_layer._layer_type
 
 
+# The converter's presets. "hybrid", its default: exact softmax on a local window, the first token and
+# (bidirectionally) 24 routed key blocks of 8, with a centred second-order polynomial far field (`poly2`) for
+# every other key; on the real all-MiniLM-L6-v2 it keeps 2,048-token document embeddings at cosine ~0.99 to
+# the source. Causal models cannot route (it would read future tokens): they get a wider window, and FAVOR++
+# random features (m = 256) around fixed centres, with A per head, both calibrated on sample text at
+# conversion (leak-free). The causal polynomial far field approximates better but is several times slower
+# at head_dim 64 (its features are 1 + d + d(d+1)/2 wide). "favor": plain FAVOR+ (the paper's positive
+# orthogonal random features), the PerformerConfig defaults.
 ATTENTION_METHODS: dict[str, AttentionMethod] = {
-    "exact": AttentionMethod(exact_attention, cache_layer=None, has_attention_weights=True),
-    "favor": AttentionMethod(favor_method, cache_layer=FavorCacheLayer, has_attention_weights=False),
-    "hybrid": AttentionMethod(hybrid_method, cache_layer=HybridCacheLayer, has_attention_weights=False),
+    "exact": AttentionMethod(
+        exact_attention,
+        cache_layer=None,
+        has_attention_weights=True,
+        description="exact softmax attention (the same weights, no approximation)",
+    ),
+    "favor": AttentionMethod(
+        favor_method,
+        cache_layer=FavorCacheLayer,
+        has_attention_weights=False,
+        description="FAVOR+ linear attention (Choromanski et al., *Rethinking Attention with Performers*, ICLR 2021)",
+        presets={"bidirectional": {}, "causal": {}},
+    ),
+    "hybrid": AttentionMethod(
+        hybrid_method,
+        cache_layer=HybridCacheLayer,
+        has_attention_weights=False,
+        description=(
+            "hybrid attention: exact softmax on a sparse support per query (local window, global tokens, routed "
+            "key blocks) and a linear-time far-field kernel for every other key, sharing one normaliser"
+        ),
+        presets={
+            "bidirectional": {
+                "attention_kernel": "poly2",
+                "center_features": True,
+                "local_window": 17,
+                "num_global_tokens": 1,
+                "routed_blocks": 24,
+                "route_block_size": 8,
+                "query_block_size": 16,
+            },
+            "causal": {
+                "attention_kernel": "softmax_opt",
+                "center_features": True,
+                "local_window": 64,
+                "num_global_tokens": 1,
+            },
+        },
+    ),
 }

@@ -14,28 +14,35 @@ import json
 import logging
 import sys
 
+from .configuration_performer import PerformerConfig
 from .conversion import SUPPORTED_ARCHITECTURES, ConversionError, convert
-from .conversion.convert import METHODS
+from .conversion.convert import DEFAULT_METHOD, METHODS
 from .hub import PushError
 from .zoo.errors import ZooError
 
-# PerformerConfig fields with their own option; any other field goes through --set FIELD=VALUE.
+_HYBRID = METHODS[DEFAULT_METHOD]["bidirectional"]
+_HYBRID_CAUSAL = METHODS[DEFAULT_METHOD]["causal"]
+# PerformerConfig fields with their own option; any other field goes through --set FIELD=VALUE. The defaults
+# named in the help are the PerformerConfig defaults and the converter's default method's presets.
 _CONFIG_OPTIONS = (
     ("attention_kernel", str, "FAVOR+ kernel, hybrid far field (softmax_opt = FAVOR++, taylor2, poly2) or exact"),
-    ("nb_features", int, "random features per head (default 256)"),
-    ("feature_coupling", str, "orthogonal (default), simplex or iid"),
-    ("feature_row_norms", str, "chi (default, unbiased) or sqrt_d"),
-    ("projection_seed", int, "seed of the random features (default 0)"),
+    ("nb_features", int, f"random features per head (default {PerformerConfig.nb_features})"),
+    ("feature_coupling", str, f"orthogonal, simplex or iid (default {PerformerConfig.feature_coupling})"),
+    ("feature_row_norms", str, f"chi (unbiased) or sqrt_d (default {PerformerConfig.feature_row_norms})"),
+    ("projection_seed", int, f"seed of the random features (default {PerformerConfig.projection_seed})"),
     ("feature_redraw_interval", int, "optimizer steps between feature redraws in training (default: never)"),
     ("causal_chunk_size", int, "positions per chunk of the causal scan"),
     ("max_position_embeddings", int, "tokens the model reads; the pretrained position table is tiled to fill it"),
-    ("local_window", int, "hybrid: keys around each query computed exactly (default 17; causal 64; 0: none)"),
-    ("num_global_tokens", int, "hybrid: first tokens attended exactly by every query (default 1)"),
-    ("routed_blocks", int, "hybrid, bidirectional: key blocks per query block chosen by content (default 24)"),
-    ("route_block_size", int, "hybrid: keys per routed block (default 8)"),
-    ("query_block_size", int, "hybrid: queries per routing block (default 16)"),
+    ("local_window", int, f"hybrid: keys around each query computed exactly (default {_HYBRID['local_window']}; "
+                          f"causal {_HYBRID_CAUSAL['local_window']}; 0: none)"),
+    ("num_global_tokens", int, f"hybrid: first tokens attended exactly by every query "
+                               f"(default {_HYBRID['num_global_tokens']})"),
+    ("routed_blocks", int, f"hybrid, bidirectional: key blocks per query block chosen by content "
+                           f"(default {_HYBRID['routed_blocks']})"),
+    ("route_block_size", int, f"hybrid: keys per routed block (default {_HYBRID['route_block_size']})"),
+    ("query_block_size", int, f"hybrid: queries per routing block (default {_HYBRID['query_block_size']})"),
     ("far_field_parameter", float, "FAVOR++'s A for --attention-kernel softmax_opt (default: closed form)"),
-)
+)  # fmt: skip
 
 
 def _field_value(text: str):
@@ -63,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--center-features", action=argparse.BooleanOptionalAction, default=None,
                       help="hybrid: centre queries and keys before the far field (default: on)")  # fmt: skip
     conv.add_argument("--method", choices=sorted(METHODS), default=None,
-                      help="attention settings under the options: hybrid (default) or favor")  # fmt: skip
+                      help=f"attention settings under the options: {' or '.join(sorted(METHODS))} "
+                           f"(default {DEFAULT_METHOD})")  # fmt: skip
     conv.add_argument("--calibrate", action="store_true",
                       help="fix centres / FAVOR++ A per layer and head from sample text")  # fmt: skip
     conv.add_argument("--set", dest="fields", action="append", default=[], metavar="FIELD=VALUE",
@@ -81,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--sentences", type=int, default=200, help="English sentences for the embedding comparison")
     demo.add_argument("--repeats", type=int, default=3, help="timed forward passes per model")
     demo.add_argument("--method", choices=sorted(METHODS),
-                      help="attention method of the conversion (default: the converter's, hybrid)")  # fmt: skip
+                      help=f"attention method of the conversion (default: {DEFAULT_METHOD})")  # fmt: skip
 
     zoo = commands.add_parser("zoo", help="list or build the models of the performer-hf zoo")
     zoo_commands = zoo.add_subparsers(dest="zoo_command", required=True)

@@ -14,6 +14,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 
 from .. import modeling_performer
+from ..attention_methods import ATTENTION_METHODS
 from ..configuration_performer import FAVOR_KERNELS, HYBRID_KERNELS, PerformerConfig
 from .calibration import calibrate as calibrate_model
 from .errors import ConversionError
@@ -35,25 +36,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model")  # fmt: skip
 REPORT_FILE = "conversion_report.json"
 
-# Attention methods (presets of PerformerConfig fields, under any explicit override). "hybrid", the
-# default: exact softmax on a local window, the first token and (bidirectionally) 24 routed key
-# blocks of 8, with a centred second-order polynomial far field (`poly2`) for every other key; on
-# the real all-MiniLM-L6-v2 it keeps 2,048-token document embeddings at cosine ~0.99 to the source.
-# Causal models cannot route (it would read future tokens): they get a wider window, and FAVOR++
-# random features (m = 256) around fixed centres, with A per head, both calibrated on sample text
-# at conversion (leak-free). The causal polynomial far field approximates better but is several
-# times slower at head_dim 64 (its features are 1 + d + d(d+1)/2 wide). "favor": plain FAVOR+ (the
-# paper's positive orthogonal random features), the PerformerConfig defaults.
+# Attention methods the converter offers: each registry entry's presets of PerformerConfig fields (per
+# direction), under any explicit override.
 METHODS: dict[str, dict[str, dict[str, Any]]] = {
-    "hybrid": {
-        "bidirectional": {"attention_kernel": "poly2", "center_features": True, "local_window": 17,
-                          "num_global_tokens": 1, "routed_blocks": 24, "route_block_size": 8,
-                          "query_block_size": 16},
-        "causal": {"attention_kernel": "softmax_opt", "center_features": True, "local_window": 64,
-                   "num_global_tokens": 1},
-    },
-    "favor": {"bidirectional": {}, "causal": {}},
-}  # fmt: skip
+    name: method.presets for name, method in ATTENTION_METHODS.items() if method.presets is not None
+}
 DEFAULT_METHOD = "hybrid"
 
 

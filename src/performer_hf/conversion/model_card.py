@@ -7,21 +7,10 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from ..attention_card import KERNEL_DESCRIPTIONS, hybrid_lines, method_description
 from .fidelity import FidelityReport
 
 logger = logging.getLogger(__name__)
-
-_KERNEL_NAMES = {
-    "softmax": "FAVOR+ positive random features (unbiased softmax kernel)",
-    "softmax_hyperbolic": "FAVOR+ hyperbolic positive random features (softmax kernel)",
-    "softmax_trig": "trigonometric random features (softmax kernel)",
-    "softmax_opt": "FAVOR++ optimal positive random features (Likhosherstov et al., 2022)",
-    "taylor2": "deterministic second-order Taylor kernel 1 + t + t^2/2",
-    "poly2": "deterministic second-order polynomial kernel (1 + t/2)^2",
-    "relu": "generalized attention with ReLU features",
-    "elu": "elu + 1 features",
-    "exact": "exact softmax attention (no approximation)",
-}
 
 
 def source_license(folder: Path) -> str:
@@ -36,36 +25,6 @@ def source_license(folder: Path) -> str:
         if license_name:
             return str(license_name)
     return "unknown"
-
-
-def _hybrid_lines(config) -> list[str]:
-    """The hybrid-attention settings as card bullet points."""
-    routed = (
-        f"{config.routed_blocks} blocks of {config.route_block_size} keys per block of {config.query_block_size} "
-        "queries, chosen by the mean logit between the blocks (bidirectional only)"
-        if config.routed_blocks
-        else "none"
-    )
-    if isinstance(config.far_field_parameter, list):
-        parameter = "calibrated per layer and head at conversion"
-    elif config.far_field_parameter is not None:
-        parameter = f"{config.far_field_parameter}"
-    else:
-        parameter = "closed-form optimum from each sequence's statistics"
-    lines = [
-        f"- exact local window: {config.local_window} tokens" if config.local_window else "- exact local window: none",
-        f"- global tokens (exact for every query): {config.num_global_tokens}",
-        f"- routed exact key blocks: {routed}",
-        "- centred queries and keys before the far field: "
-        + (
-            "yes (per-sequence means bidirectionally; fixed per-layer centres, calibrated at conversion, when causal)"
-            if config.center_features
-            else "no"
-        ),  # fmt: skip
-    ]
-    if config.attention_kernel == "softmax_opt":
-        lines.append(f"- FAVOR++ parameter A: {parameter}")
-    return lines
 
 
 def build_model_card(
@@ -99,30 +58,25 @@ def build_model_card(
     )
     coupling = {"orthogonal": "orthogonal", "simplex": "simplex", "iid": "i.i.d."}[config.feature_coupling]
     hybrid = config.uses_hybrid_attention
-    method = (
-        "hybrid attention: exact softmax on a sparse support per query (local window, global tokens, routed key "
-        "blocks) and a linear-time far-field kernel for every other key, sharing one normaliser"
-        if hybrid
-        else "FAVOR+ linear attention (Choromanski et al., *Rethinking Attention with Performers*, ICLR 2021)"
-    )
     lines = [
         f"# Performer conversion of {base_model}",
         "",
         f"This checkpoint is [{base_model}](https://huggingface.co/{base_model}) ({source_architecture}) converted "
         f"to a `{target_class}` by performer-hf: every pretrained "
-        f"weight is kept and softmax attention is replaced by {method}. It has **not** been finetuned after the swap.",
+        f"weight is kept and softmax attention is replaced by {method_description(config)}. "
+        "It has **not** been finetuned after the swap.",
         "",
         "## Attention settings",
         "",
         f"- attention kernel{' (far field)' if hybrid else ''}: `{config.attention_kernel}` "
-        f"({_KERNEL_NAMES.get(config.attention_kernel, '')})",
+        f"({KERNEL_DESCRIPTIONS.get(config.attention_kernel, '')})",
         f"- nb_features (random features per head): {config.nb_features}"
         + (" (unused by this deterministic kernel)" if config.attention_kernel in ("taylor2", "poly2") else ""),
         f"- feature coupling: {coupling}, row norms `{config.feature_row_norms}`, seed {config.projection_seed}",
         f"- redraw policy: {redraw}",
     ]
     if hybrid:
-        lines += _hybrid_lines(config)
+        lines += hybrid_lines(config)
     lines += [
         f"- causal: {'yes' if config.is_decoder or target_class == 'PerformerForCausalLM' else 'no'}",
         f"- positions: {positions} (pretrained: {pretrained_positions}"

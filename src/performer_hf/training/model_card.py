@@ -13,12 +13,15 @@ import os
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from ..attention_card import hybrid_lines, method_description
+
 logger = logging.getLogger(__name__)
 
 TASK_PIPELINES = {"mlm": "fill-mask", "clm": "text-generation", "classification": "text-classification"}
 TASK_NAMES = {"mlm": "masked language modeling", "clm": "causal language modeling", "classification": "classification"}
 
-FAVOR_FIELDS = ("attention_kernel", "nb_features", "feature_coupling", "feature_row_norms", "feature_redraw_interval")
+FAVOR_FIELDS = ("attention_method", "attention_kernel", "nb_features", "feature_coupling", "feature_row_norms",
+                "feature_redraw_interval")  # fmt: skip
 SETUP_FIELDS = ("max_seq_length", "learning_rate", "lr_scheduler_type", "num_warmup_steps",
                 "per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "weight_decay",
                 "seed")  # fmt: skip
@@ -35,6 +38,16 @@ def starting_card_metadata(folder: str | None) -> dict:
         logger.warning("Could not read the model card %s (%s); not inheriting its metadata.", card_path, error)
         return {}
     return {key: getattr(data, key, None) for key in ("base_model", "license") if getattr(data, key, None)}
+
+
+def _redraw_sentence(interval: int | None) -> str:
+    """What happened to the random features during training (the checkpoint keeps them fixed)."""
+    done = (
+        "The random features were never redrawn during training"
+        if not interval
+        else f"The random features were redrawn every {interval} optimizer steps during training (seeded from the step)"
+    )
+    return f"{done}; they are fixed in this checkpoint, so inference is deterministic."
 
 
 def build_model_card(
@@ -78,20 +91,19 @@ def build_model_card(
         "",
         f"# Performer for {TASK_NAMES[task]}",
         "",
-        "A Performer (FAVOR+ linear attention; Choromanski et al., *Rethinking Attention with Performers*, "
-        f"ICLR 2021) trained with `training/run_{task}.py` of performer-hf.",
+        f"A Performer with {method_description(config)}, trained with `training/run_{task}.py` of performer-hf.",
         "",
         f"- started from: {started_from or 'random initialisation (trained from scratch)'}",
         f"- training data: {data_source}",
         "",
-        "## FAVOR+ settings",
+        "## Attention settings",
         "",
         "```json",
         json.dumps(favor, indent=2),
         "```",
         "",
-        "The random features were redrawn every `feature_redraw_interval` optimizer steps during training "
-        "(seeded from the step) and are fixed in this checkpoint, so inference is deterministic.",
+        *(hybrid_lines(config) + [""] if config.uses_hybrid_attention else []),
+        _redraw_sentence(config.feature_redraw_interval),
         "",
         "## Architecture",
         "",

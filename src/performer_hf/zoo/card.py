@@ -13,8 +13,8 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from ..attention_card import KERNEL_DESCRIPTIONS, hybrid_lines
 from ..configuration_performer import PerformerConfig
-from ..conversion.model_card import _KERNEL_NAMES, _hybrid_lines
 from .data import DATA_SETS, HUB_DATASETS
 from .evaluation import THIS_MODEL
 from .registry import ZooEntry
@@ -45,7 +45,7 @@ def favor_settings(config: PerformerConfig) -> list[tuple[str, str]]:
     """(setting, value) rows describing the attention of a Performer config."""
     kernel = config.attention_kernel
     rows = [
-        ("attention kernel", f"`{kernel}` ({_KERNEL_NAMES.get(kernel, 'see PerformerConfig')})"),
+        ("attention kernel", f"`{kernel}` ({KERNEL_DESCRIPTIONS.get(kernel, 'see PerformerConfig')})"),
         ("random features per head (`nb_features`)", str(config.nb_features)),
         ("head dimension", str(config.head_dim)),
         ("feature coupling / row norms", f"{config.feature_coupling} / `{config.feature_row_norms}`"),
@@ -181,7 +181,7 @@ def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard
         description=entry.description,
         quick=results["quick"],
         favor_settings=favor_settings(config),
-        hybrid_lines=_hybrid_lines(config) if config.uses_hybrid_attention else [],
+        hybrid_lines=hybrid_lines(config) if config.uses_hybrid_attention else [],
         redraw_policy=redraw_policy(config, results["training"] is not None),
         max_length=max_length,
         steps=_steps(entry, results),

@@ -1,0 +1,55 @@
+"""What model cards say about a checkpoint's attention: one place for the three card writers
+(conversion, zoo, training)."""
+
+from __future__ import annotations
+
+from .attention_methods import ATTENTION_METHODS
+from .configuration_performer import PerformerConfig
+
+# what each attention_kernel computes
+KERNEL_DESCRIPTIONS = {
+    "softmax": "FAVOR+ positive random features (unbiased softmax kernel)",
+    "softmax_hyperbolic": "FAVOR+ hyperbolic positive random features (softmax kernel)",
+    "softmax_trig": "trigonometric random features (softmax kernel)",
+    "softmax_opt": "FAVOR++ optimal positive random features (Likhosherstov et al., 2022)",
+    "taylor2": "deterministic second-order Taylor kernel 1 + t + t^2/2",
+    "poly2": "deterministic second-order polynomial kernel (1 + t/2)^2",
+    "relu": "generalized attention with ReLU features",
+    "elu": "elu + 1 features",
+    "exact": "exact softmax attention (no approximation)",
+}
+
+
+def method_description(config: PerformerConfig) -> str:
+    """What replaces softmax attention, as the attention-method registry describes it."""
+    return ATTENTION_METHODS[config.attention_method].description
+
+
+def hybrid_lines(config: PerformerConfig) -> list[str]:
+    """The hybrid-attention settings as card bullet points."""
+    routed = (
+        f"{config.routed_blocks} blocks of {config.route_block_size} keys per block of {config.query_block_size} "
+        "queries, chosen by the mean logit between the blocks (bidirectional only)"
+        if config.routed_blocks
+        else "none"
+    )
+    if isinstance(config.far_field_parameter, list):
+        parameter = "calibrated per layer and head at conversion"
+    elif config.far_field_parameter is not None:
+        parameter = f"{config.far_field_parameter}"
+    else:
+        parameter = "closed-form optimum from each sequence's statistics"
+    lines = [
+        f"- exact local window: {config.local_window} tokens" if config.local_window else "- exact local window: none",
+        f"- global tokens (exact for every query): {config.num_global_tokens}",
+        f"- routed exact key blocks: {routed}",
+        "- centred queries and keys before the far field: "
+        + (
+            "yes (per-sequence means bidirectionally; fixed per-layer centres, calibrated at conversion, when causal)"
+            if config.center_features
+            else "no"
+        ),  # fmt: skip
+    ]
+    if config.attention_kernel == "softmax_opt":
+        lines.append(f"- FAVOR++ parameter A: {parameter}")
+    return lines
