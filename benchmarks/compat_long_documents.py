@@ -18,12 +18,12 @@ Training is ``training/run_classification.py``'s loop (``train_classifier``); th
 evaluated once at the end. Reported per arm: test accuracy and macro-F1, training wall time and
 steps per second, test (inference) time. Memory is measured apart, each model in a fresh process
 (an earlier run's freed but still resident heap would hide in its figures): one training step and
-one forward on the batch of the longest training articles, peak extra resident memory (VmHWM after
-a reset, minus the resident memory before). The same probe runs the softmax MiniLM with positions
-extended to 2,048 (not trained): what exact attention costs at full length. Timings share the CPU
-with whatever else runs: the load average is recorded.
+one forward on the batch of the longest training articles, peak extra resident memory (the harness's
+probe, benchmarks/harness.py: VmHWM after a reset, minus the resident memory before). The same probe
+runs the softmax MiniLM with positions extended to 2,048 (not trained): what exact attention costs at
+full length. Timings share the CPU with whatever else runs: the load average is recorded.
 
-Writes benchmarks/results/compat_long_documents.{json,md,png}.
+Writes compat_long_documents.{json,md,png} to --out-dir.
 
     python benchmarks/compat_long_documents.py                      # 240 train / 120 test articles, 1 thread
     python benchmarks/compat_long_documents.py --quick --out-dir /tmp/compat   # smoke test
@@ -34,14 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
 from compat_sentiment import (
     convert_quietly,
@@ -57,7 +54,6 @@ from transformers import AutoTokenizer
 from performer_hf.data_assets import BBC_LABELS, bbc_news, write_jsonl
 
 logger = logging.getLogger("benchmarks.compat_long_documents")
-RESULTS = Path(__file__).resolve().parent / "results"
 
 # name -> (label, converter overrides, max tokens per document)
 ARMS = {
@@ -72,35 +68,6 @@ EXACT_2048 = ("softmax MiniLM, positions extended to 2048",
               {"attention_kernel": "exact", "max_position_embeddings": 2048}, 2048)  # fmt: skip
 
 
-class PeakMemory:
-    """Extra resident memory (bytes) at the peak of a block: VmHWM after resetting it, minus VmRSS before.
-
-    Linux only (``/proc/self/clear_refs``); ``None`` elsewhere.
-    """
-
-    def __init__(self):
-        self.bytes: int | None = None
-
-    @staticmethod
-    def _status(field: str) -> int:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-        raise KeyError(field)
-
-    def __enter__(self):
-        try:
-            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-            self._before = self._status("VmRSS")
-        except OSError:
-            self._before = None
-        return self
-
-    def __exit__(self, *exc):
-        if self._before is not None:
-            self.bytes = self._status("VmHWM") - self._before
-
-
 def probe(folder: Path, texts: list[str], max_length: int) -> dict:
     """One training step (forward, backward, AdamW) and one no-grad forward of the classifier in ``folder``
     on ``texts`` (one batch, truncated at ``max_length``), in this process; peak extra memory and seconds."""
@@ -111,30 +78,37 @@ def probe(folder: Path, texts: list[str], max_length: int) -> dict:
     batch = tokenizer(texts, truncation=True, max_length=max_length, padding=True, return_tensors="pt")
     labels = torch.arange(len(texts)) % len(BBC_LABELS)
     model.eval()
-    with PeakMemory() as forward_memory, torch.no_grad():
+    with harness.PeakMemory() as forward_memory, torch.no_grad():
         start = time.perf_counter()
         model(**batch)
         forward_seconds = time.perf_counter() - start
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     model.train()
-    with PeakMemory() as train_memory:
+    with harness.PeakMemory() as train_memory:
         start = time.perf_counter()
         model(**batch, labels=labels).loss.backward()
         optimizer.step()
         train_seconds = time.perf_counter() - start
     return {"batch": list(batch["input_ids"].shape), "train_step_seconds": train_seconds,
-            "train_step_peak_bytes": train_memory.bytes, "forward_seconds": forward_seconds,
-            "forward_peak_bytes": forward_memory.bytes}  # fmt: skip
+            "train_step_peak_bytes": train_memory.extra, "forward_seconds": forward_seconds,
+            "forward_peak_bytes": forward_memory.extra}  # fmt: skip
+
+
+def probe_child(folder: str, texts_file: str, max_length: int, threads: int) -> dict:
+    """:func:`probe` in the fresh process that :func:`probe_in_fresh_process` starts."""
+    torch.set_num_threads(threads)
+    texts = [json.loads(line)["text"] for line in Path(texts_file).read_text(encoding="utf-8").splitlines()]
+    return probe(Path(folder), texts, max_length)
 
 
 def probe_in_fresh_process(folder: Path, texts_file: Path, max_length: int) -> dict:
     """:func:`probe` in a new Python process, so that no earlier arm's allocations hide in its figures."""
-    command = [sys.executable, __file__, "--probe", str(folder), str(texts_file), str(max_length),
-               str(torch.get_num_threads())]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    if done.returncode != 0:
-        raise RuntimeError(f"the memory probe of {folder.name} failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    answer = harness.in_fresh_process(__file__, env={"HF_HUB_OFFLINE": "1"}, folder=str(folder),
+                                      texts_file=str(texts_file), max_length=max_length,
+                                      threads=torch.get_num_threads())  # fmt: skip
+    if answer.get("ok") is False:
+        raise RuntimeError(f"the memory probe of {folder.name} failed: {answer['error']}")
+    return answer
 
 
 def length_statistics(tokenizer, records: list[dict]) -> dict:
@@ -145,7 +119,7 @@ def length_statistics(tokenizer, records: list[dict]) -> dict:
             "share_over_2048": sum(n > 2048 for n in lengths) / len(lengths)}  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> dict:
+def measure(args: argparse.Namespace) -> dict:
     if args.quick:
         args.batch_size = 2
     sizes = {"train": 8, "validation": 4, "test": 8} if args.quick else {
@@ -163,8 +137,7 @@ def run(args: argparse.Namespace) -> dict:
         "budget": {"epochs": 1 if args.quick else args.epochs, "max_train_steps": 2 if args.quick else None,
                    "batch_size": args.batch_size, "learning_rate": args.lr, "warmup_steps": args.warmup,
                    "max_grad_norm": 0.5, "weight_decay": 0.01, "seed": args.seed, "feature_redraw": None},
-        "quick": args.quick, "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "load_average_before": os.getloadavg(), "arms": {},
+        "quick": args.quick, "threads": torch.get_num_threads(), "arms": {},
     }  # fmt: skip
     budget = result["budget"]
     with tempfile.TemporaryDirectory(prefix="compat_long_documents-") as scratch:
@@ -202,7 +175,6 @@ def run(args: argparse.Namespace) -> dict:
             }  # fmt: skip
             logger.info("%s: test accuracy %.4f, train %.0f s, test %.1f s", arm, test["accuracy"], seconds,
                         test["seconds"])  # fmt: skip
-    result["load_average_after"] = os.getloadavg()
     return result
 
 
@@ -210,9 +182,9 @@ def _mib(value: int | None) -> str:
     return "n/a" if value is None else f"{value / 2**20:.0f}"
 
 
-def write_markdown(result: dict, path: Path) -> None:
+def markdown(result: dict) -> str:
     data, budget = result["data"], result["budget"]
-    tokens = data["train_tokens"]
+    tokens, load = data["train_tokens"], harness.environment(result)["load_average"]
     lines = [
         "# Long documents: BBC News, converted Performer at full length vs softmax MiniLM at 512",
         "",
@@ -222,7 +194,7 @@ def write_markdown(result: dict, path: Path) -> None:
         f"{data['split_seed']} split); {budget['epochs']} epoch(s), batch {budget['batch_size']}, AdamW lr "
         f"{budget['learning_rate']}, {budget['warmup_steps']} warm-up steps then linear decay, clipping "
         f"{budget['max_grad_norm']}, fixed random features, seed {budget['seed']}, {result['threads']} CPU threads "
-        f"(load average {result['load_average_before'][0]:.1f} before, {result['load_average_after'][0]:.1f} after)"
+        f"(load average {load['before'][0]:.1f} before, {load['after'][0]:.1f} after)"
         + (" (QUICK smoke run: figures mean nothing)" if result["quick"] else "") + ".",
         "",
         f"Training articles: {tokens['mean']:.0f} tokens on average (median {tokens['median']}, max {tokens['max']});"
@@ -256,15 +228,10 @@ def write_markdown(result: dict, path: Path) -> None:
             f"{_mib(figures['train_step_peak_bytes'])} | {figures['forward_seconds']:.2f} | "
             f"{_mib(figures['forward_peak_bytes'])} |"
         )
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(result: dict):
     arms = list(result["arms"].values())
     names = [f"{r['label'].split(',')[0]}\n{r['max_length']} tokens" for r in arms]
     colors = [f"C{i}" for i in range(len(arms))]
@@ -277,7 +244,7 @@ def plot(result: dict, path: Path) -> None:
             [(r["probe"]["train_step_peak_bytes"] or 0) / 2**20 for r in arms],
         ),
     ]
-    figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4))
+    figure, axes = harness.pyplot().subplots(1, len(panels), figsize=(4 * len(panels), 4))
     for axis, (title, values) in zip(axes, panels, strict=True):
         bars = axis.bar(range(len(arms)), values, color=colors)
         axis.bar_label(bars, fmt="%.1f" if "accuracy" in title else "%.0f", fontsize=8)
@@ -286,18 +253,11 @@ def plot(result: dict, path: Path) -> None:
         axis.grid(axis="y", alpha=0.3)
     figure.suptitle(f"BBC News, all-MiniLM-L6-v2: {result['data']['train']} train / {result['data']['test']} test "
                     "articles" + (" [quick]" if result["quick"] else ""), fontsize=10)  # fmt: skip
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    return figure
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke test: 8 articles, 2 steps of batch 2")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument(
-        "--threads", type=int, default=1,
-        help="torch CPU threads (default 1: on a shared CPU, more threads than free cores slow every step ~10x)",
-    )  # fmt: skip
+def main(argv: list[str] | None = None) -> dict:
+    parser = harness.parser(__doc__, quick="8 articles, 2 steps of batch 2", threads=1)
     parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS))
     parser.add_argument("--train-docs", type=int, default=240)
     parser.add_argument("--validation-docs", type=int, default=24)
@@ -308,27 +268,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="warm-up optimizer steps")
     parser.add_argument("--seed", type=int, default=0, help="training seed (data order, head init, dropout)")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the 80/10/10 split")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> dict | None:
-    if argv is None and sys.argv[1:2] == ["--probe"]:  # the child of probe_in_fresh_process
-        folder, texts_file, max_length, threads = sys.argv[2:6]
-        torch.set_num_threads(int(threads))
-        texts = [json.loads(line)["text"] for line in Path(texts_file).read_text(encoding="utf-8").splitlines()]
-        print(json.dumps(probe(Path(folder), texts, int(max_length))))
-        return None
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    result = run(args)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "compat_long_documents.json").write_text(json.dumps(result, indent=2) + "\n")
-    write_markdown(result, args.out_dir / "compat_long_documents.md")
-    plot(result, args.out_dir / "compat_long_documents.png")
-    print((args.out_dir / "compat_long_documents.md").read_text())
-    return result
+    return harness.main("compat_long_documents", parser, measure, markdown, plot, child=probe_child, argv=argv)
 
 
 if __name__ == "__main__":
