@@ -22,7 +22,7 @@ Next-token accuracy and perplexity on the held-out blocks are measured right aft
 pretraining steps. Training is a compact torch loop (``train``): the library's Accelerate trainer
 takes only Performer models and does not evaluate before the first step, which this study needs.
 
-Writes benchmarks/results/compat_causal.{json,md,png}.
+Writes compat_causal.{json,md,png} to --out-dir.
 
     python benchmarks/compat_causal.py                       # full study (~20 min, 1 thread)
     python benchmarks/compat_causal.py --quick --out-dir /tmp/compat   # smoke test
@@ -31,16 +31,15 @@ Writes benchmarks/results/compat_causal.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
-import os
 import platform
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import harness
 import torch
 from compat_sentiment import plain_favor
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -53,7 +52,6 @@ from performer_hf.training.metrics import language_modeling_metrics, token_stati
 from performer_hf.training.redraw import redraw_due, redraw_features
 
 logger = logging.getLogger("benchmarks.compat_causal")
-RESULTS = Path(__file__).resolve().parent / "results"
 END_OF_TEXT = "<|endoftext|>"
 # arm -> (attention_kernel of the conversion, redraw the features during finetuning)
 ARMS = {
@@ -162,7 +160,11 @@ def first_within(curve: list[dict], reference: float, tolerance: float = 0.05) -
     return next((r["step"] for r in curve if r["perplexity"] <= (1 + tolerance) * reference), None)
 
 
-def run(args: argparse.Namespace) -> dict:
+def measure(args: argparse.Namespace) -> dict:
+    if args.quick:
+        args.layers, args.hidden, args.heads, args.context, args.vocab_size = 2, 64, 2, 64, 512
+        args.pretrain_steps, args.eval_every, args.eval_blocks, args.warmup, args.batch_size = 40, 2, 8, 4, 8
+        args.redraw_interval, args.nb_features = 2, 32
     torch.manual_seed(args.seed)
     documents = python_docs(include_docstrings=True)
     split = seeded_split(documents, args.data_seed, {"train": 0.9, "validation": 0.1})
@@ -184,8 +186,7 @@ def run(args: argparse.Namespace) -> dict:
                    "finetune_warmup_steps": args.finetune_warmup, "redraw_interval": args.redraw_interval,
                    "nb_features": args.nb_features, "seed": args.seed,
                    "pretrain_tokens": pretrain_steps * args.batch_size * args.context},
-        "quick": args.quick, "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "load_average_before": os.getloadavg(),
+        "quick": args.quick, "threads": torch.get_num_threads(),
     }  # fmt: skip
 
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=args.context, n_embd=args.hidden, n_layer=args.layers,
@@ -239,7 +240,6 @@ def run(args: argparse.Namespace) -> dict:
                      redraw=False)  # fmt: skip
             arms["softmax GPT-2, continued"]["attention_kernel"] = "exact (GPT-2)"
     result["arms"] = arms
-    result["load_average_after"] = os.getloadavg()
     performers = [record["steps_to_within_5_percent"] for name, record in arms.items() if name in ARMS]
     reached = [steps for steps in performers if steps is not None]
     result["floor"] = {
@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def write_markdown(result: dict, path: Path) -> None:
+def markdown(result: dict) -> str:
     data, model, budget = result["data"], result["model"], result["budget"]
     level = result["softmax_level"]
     lines = [
@@ -285,16 +285,11 @@ def write_markdown(result: dict, path: Path) -> None:
     lines += ["", f"Floor (issue 7): a converted model within 5% of the softmax perplexity in at most "
               f"{floor['limit_steps']} steps (10% of pretraining): "
               f"{'met' if floor['met'] else 'NOT met'} (best: {floor['best_steps_to_within_5_percent']})."]  # fmt: skip
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+def plot(result: dict):
+    figure, axes = harness.pyplot().subplots(1, 3, figsize=(15, 4.2))
     pretraining = result["pretraining"]["curve"]
     axes[0].plot([r["step"] for r in pretraining[1:]], [r["perplexity"] for r in pretraining[1:]], marker="o")
     axes[0].set_yscale("log")
@@ -321,18 +316,11 @@ def plot(result: dict, path: Path) -> None:
         axis.grid(alpha=0.3)
     figure.suptitle("Fig. 5 replication: softmax GPT-2 -> FAVOR+ (positive vs trigonometric, redraw vs fixed)"
                     + (" [quick]" if result["quick"] else ""), fontsize=10)  # fmt: skip
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    return figure
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke test: a tiny model, 40 + 4 steps")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument(
-        "--threads", type=int, default=1,
-        help="torch CPU threads (default 1: on a shared CPU, more threads than free cores slow every step ~10x)",
-    )  # fmt: skip
+def main(argv: list[str] | None = None) -> dict:
+    parser = harness.parser(__doc__, quick="a tiny model, 40 + 4 steps", threads=1)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--no-softmax-reference", action="store_true", help="skip the continued softmax GPT-2")
     parser.add_argument("--layers", type=int, default=4)
@@ -353,26 +341,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-blocks", type=int, default=48, help="held-out blocks evaluated")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.layers, args.hidden, args.heads, args.context, args.vocab_size = 2, 64, 2, 64, 512
-        args.pretrain_steps, args.eval_every, args.eval_blocks, args.warmup, args.batch_size = 40, 2, 8, 4, 8
-        args.redraw_interval, args.nb_features = 2, 32
-    return args
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    result = run(args)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "compat_causal.json").write_text(json.dumps(result, indent=2) + "\n")
-    write_markdown(result, args.out_dir / "compat_causal.md")
-    plot(result, args.out_dir / "compat_causal.png")
-    print((args.out_dir / "compat_causal.md").read_text())
-    return result
+    return harness.main("compat_causal", parser, measure, markdown, plot, argv=argv)
 
 
 if __name__ == "__main__":
