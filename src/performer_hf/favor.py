@@ -1,4 +1,6 @@
-"""Public FAVOR+ kernel API: pure tensor functions, no configuration objects.
+"""Public kernel API: pure tensor functions, no configuration objects. FAVOR+ (``favor_attention``),
+the converter's default hybrid attention (``hybrid_attention`` and its far fields, FAVOR++ among them),
+and dense references.
 
 >>> from performer_hf.favor import draw_projection, favor_attention
 >>> W = draw_projection(256, 64)                      # (nb_features, head_dim)
@@ -7,6 +9,7 @@
 
 from .favor_attention import DEFAULT_CHUNK_SIZE, FavorState, favor_attention
 from .favor_features import FEATURE_MAPS, FeatureMap, feature_map, get_feature_map
+from .favor_hybrid import FAR_FIELDS, FarField, HybridState, get_far_field, hybrid_attention
 from .favor_projection import draw_projection
 from .favor_reference import exact_attention, explicit_feature_attention
 
@@ -14,14 +17,19 @@ KERNELS = tuple(FEATURE_MAPS)
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "FAR_FIELDS",
     "FEATURE_MAPS",
     "KERNELS",
+    "FarField",
     "FavorState",
     "FeatureMap",
+    "HybridState",
     "draw_projection",
     "exact_attention",
     "explicit_feature_attention",
     "favor_attention",
     "feature_map",
+    "get_far_field",
     "get_feature_map",
+    "hybrid_attention",
 ]

@@ -21,6 +21,7 @@ from .errors import ConversionError
 from .fidelity import FidelityReport, measure_fidelity, sample_batch
 from .mapping import POSITION_TABLE, MappingResult, extend_positions, map_weights
 from .model_card import build_model_card, source_license
+from .output_folder import check_output_dir, publish
 from .sentence_pipeline import copy_sentence_pipeline
 from .source import SourceCheckpoint, _one_line, load_weights, read_source, resolve_source
 
@@ -238,24 +239,6 @@ def _copy_tokenizer(source: Path, target: Path, positions: int, extended: bool) 
     return copied
 
 
-def _check_output_dir(output_dir: Path, overwrite: bool) -> None:
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ConversionError(f"output {output_dir} exists and is not a folder.")
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
-        raise ConversionError(f"output folder {output_dir} exists and is not empty; pass --overwrite to replace it.")
-
-
-def _publish(staging: Path, output_dir: Path) -> None:
-    """Move the finished ``staging`` folder to ``output_dir``, replacing what was there only now."""
-    if output_dir.exists():
-        backup = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
-        output_dir.rename(backup / output_dir.name)
-        staging.rename(output_dir)
-        shutil.rmtree(backup)
-    else:
-        staging.rename(output_dir)
-
-
 def convert(
     source: str | Path,
     output_dir: str | Path,
@@ -303,7 +286,7 @@ def convert(
             weights, a config that does not match the weights, or an existing non-empty output folder.
     """
     output_dir = Path(output_dir).expanduser().absolute()
-    _check_output_dir(output_dir, overwrite)
+    check_output_dir(output_dir, overwrite)
     folder, repo_id = resolve_source(source, revision)
     checkpoint = read_source(folder, repo_id)
     head = checkpoint.family.heads[checkpoint.architecture]
@@ -376,7 +359,7 @@ def convert(
             "fidelity": report.to_dict() if report is not None else None,
         }
         (staging / REPORT_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-        _publish(staging, output_dir)
+        publish(staging, output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from ..conversion import ConversionError, convert
-from ..conversion.convert import _check_output_dir, _publish
+from ..conversion.output_folder import check_output_dir, publish
 from ..conversion.sentence_pipeline import sentence_pipeline_files
 from ..conversion.source import resolve_source
 from ..training.arguments import TrainingInputError
@@ -204,14 +204,14 @@ def build(name: str, output_dir: str | Path, *, overwrite: bool = False, quick: 
     """
     entry = get_entry(name, quick=quick)
     output_dir = Path(output_dir).expanduser().absolute()
-    _check_output_dir(output_dir, overwrite)
+    check_output_dir(output_dir, overwrite)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
     try:
         with tempfile.TemporaryDirectory(prefix=f"performer-zoo-{name}-") as work:
             logger.info("building %s%s", name, " (quick)" if quick else "")
             _run_recipe(entry, Path(work), staging, quick)
-        _publish(staging, output_dir)
+        publish(staging, output_dir)
     except (ConversionError, TrainingInputError) as error:
         shutil.rmtree(staging, ignore_errors=True)
         raise ZooError(f"building {name} failed: {error}") from error
