@@ -4,20 +4,13 @@ Importing the package registers the Performer classes with the ``Auto*`` factori
 model_type ``"performer"``.
 """
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
-    AutoModelForQuestionAnswering,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-)
+import transformers
 
 from .cache_performer import FavorCacheLayer
 from .configuration_performer import PerformerConfig
 from .conversion import convert
 from .modeling_performer import (
+    AUTO_CLASSES,
     PerformerForCausalLM,
     PerformerForMaskedLM,
     PerformerForQuestionAnswering,
@@ -29,18 +22,9 @@ from .modeling_performer import (
 
 __version__ = "0.1.0"
 
-_AUTO_CLASSES = {
-    AutoModel: PerformerModel,
-    AutoModelForMaskedLM: PerformerForMaskedLM,
-    AutoModelForCausalLM: PerformerForCausalLM,
-    AutoModelForSequenceClassification: PerformerForSequenceClassification,
-    AutoModelForTokenClassification: PerformerForTokenClassification,
-    AutoModelForQuestionAnswering: PerformerForQuestionAnswering,
-}
-
-AutoConfig.register(PerformerConfig.model_type, PerformerConfig, exist_ok=True)
-for _auto, _model in _AUTO_CLASSES.items():
-    _auto.register(PerformerConfig, _model, exist_ok=True)
+transformers.AutoConfig.register(PerformerConfig.model_type, PerformerConfig, exist_ok=True)
+for _model, _auto in AUTO_CLASSES.items():
+    getattr(transformers, _auto).register(PerformerConfig, _model, exist_ok=True)
 
 __all__ = [
     "FavorCacheLayer",

@@ -27,7 +27,24 @@ from .favor_hybrid import HybridState
 _KV, _SHIFT = 0, 1  # recurrent-state slots of a FavorCacheLayer
 
 
-class FavorCacheLayer(LinearAttentionLayer, CacheLayerMixin):
+class _BatchFirstState:
+    """Beam search and batch selection for a cache layer whose state tensors all have the batch first:
+    each applies one indexing to every tensor through the layer's ``_select(index_fn)``."""
+
+    def _select(self, index_fn) -> None:
+        raise NotImplementedError
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(lambda state: state.index_select(0, beam_idx.to(state.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(lambda state: state.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(lambda state: state[indices])
+
+
+class FavorCacheLayer(_BatchFirstState, LinearAttentionLayer, CacheLayerMixin):
     """One layer's recurrent FAVOR+ state: ``kv`` (B, H, m, d + 1) and ``shift`` (B, H), kept in float32.
 
     It is a ``LinearAttentionLayer`` (so beam-search reordering and resets work as for other recurrent
@@ -83,17 +100,8 @@ class FavorCacheLayer(LinearAttentionLayer, CacheLayerMixin):
             if self.is_recurrent_states_initialized[slot]:
                 self.recurrent_states[slot] = index_fn(self.recurrent_states[slot])
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select(lambda state: state.index_select(0, beam_idx.to(state.device)))
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select(lambda state: state.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select(lambda state: state[indices])
-
-
-class HybridCacheLayer(CacheLayerMixin):
+class HybridCacheLayer(_BatchFirstState, CacheLayerMixin):
     """One layer's :class:`HybridState` (far-field state, window buffer, global keys), constant in size.
 
     The state's tensors all have the batch first, so beam search and batch selection index every
@@ -149,15 +157,6 @@ class HybridCacheLayer(CacheLayerMixin):
     def _select(self, index_fn) -> None:
         if self.state is not None:
             self.state = HybridState(*(index_fn(t) if torch.is_tensor(t) else t for t in self.state))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select(lambda t: t[indices])
 
 
 __all__ = ["FavorCacheLayer", "HybridCacheLayer"]

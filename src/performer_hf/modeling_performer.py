@@ -366,7 +366,7 @@ class PerformerPreTrainedModel(PreTrainedModel):
         trust_remote_code=True)`` then loads the folder where ``performer_hf`` is not installed."""
         module = self.__class__.__module__.rsplit(".", 1)[-1]
         auto_map = dict(getattr(self.config, "auto_map", None) or {})
-        auto_map.update({auto: f"{module}.{cls.__name__}" for cls, auto in _AUTO_CLASSES.items()})
+        auto_map.update({auto: f"{module}.{cls.__name__}" for cls, auto in AUTO_CLASSES.items()})
         self.config.auto_map = auto_map
         return super().save_pretrained(save_directory, *args, **kwargs)
 
@@ -790,9 +790,10 @@ class PerformerForQuestionAnswering(PerformerPreTrainedModel):
         return output if return_dict is not False else output.to_tuple()
 
 
-# Remote code: `save_pretrained` copies this file and its sibling imports next to the weights and
-# writes an `auto_map`, so the checkpoint loads with `trust_remote_code=True` without performer_hf.
-_AUTO_CLASSES = {
+# The Auto class of each model class: `import performer_hf` registers them. Remote code: `save_pretrained`
+# copies this file and its sibling imports next to the weights and writes an `auto_map`, so the checkpoint
+# loads with `trust_remote_code=True` without performer_hf.
+AUTO_CLASSES = {
     PerformerModel: "AutoModel",
     PerformerForMaskedLM: "AutoModelForMaskedLM",
     PerformerForCausalLM: "AutoModelForCausalLM",
@@ -801,7 +802,7 @@ _AUTO_CLASSES = {
     PerformerForQuestionAnswering: "AutoModelForQuestionAnswering",
 }
 PerformerConfig.register_for_auto_class()
-for _model_class, _auto_class in _AUTO_CLASSES.items():
+for _model_class, _auto_class in AUTO_CLASSES.items():
     _model_class.register_for_auto_class(_auto_class)
 
 
