@@ -21,7 +21,7 @@ Shared flags (``python benchmarks/<name>.py --help`` lists each study's own):
     --from-json   write the Markdown and the PNG again from this JSON (no measurement)
 
 Every JSON holds ``environment``: ``{"machine": {...}, "load_average": {"before": [...], "after": [...]}}``,
-the machine as :func:`machine` describes it and the 1-, 5- and 15-minute load averages when ``measure``
+the machine as :func:`_machine` describes it and the 1-, 5- and 15-minute load averages when ``measure``
 starts and ends. Timings depend on what else runs on the machine: compare runs with the load in view.
 
 Peak memory, one probe for every study (:class:`PeakMemory`): the extra resident memory a block needed
@@ -79,7 +79,7 @@ def parser(doc: str, *, quick: str, threads: int | None = None) -> argparse.Argu
 # ---- the machine and its load -------------------------------------------------------------------
 
 
-def machine() -> dict:
+def _machine() -> dict:
     """This machine and its software: platform, CPU, cores, Python, torch and its threads, package versions."""
     import torch
 
@@ -99,7 +99,7 @@ def machine() -> dict:
     return info
 
 
-def load_average() -> list[float]:
+def _load_average() -> list[float]:
     """The 1-, 5- and 15-minute load averages now."""
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -250,8 +250,8 @@ def main(
     if from_json is not None:
         payload = json.loads(from_json.read_text())
     else:
-        before = load_average()
+        before = _load_average()
         payload = measure(args)
-        payload["environment"] = {"machine": machine(), "load_average": {"before": before, "after": load_average()}}
+        payload["environment"] = {"machine": _machine(), "load_average": {"before": before, "after": _load_average()}}
     print(_write(name, payload, args.out_dir, markdown, plot, with_json=from_json is None))
     return payload
