@@ -36,13 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .causal_scan import EMPTY_SHIFT, causal_scan
 from .favor_features import get_feature_map
 
 Tensor = torch.Tensor
 ShiftFn = Callable[[Tensor], Tensor]
 
-# Stand-in for "no key seen yet" in the running shift: finite, so that differences stay defined.
-_EMPTY_SHIFT = -1e30
 # Positions per causal chunk. Chosen from benchmarks/speed.py measurements (2-core CPU, fp32,
 # 8 heads, head_dim 64, m = 256): the intra-chunk product costs C * m per position and the
 # chunk state m * (d + 1), and smaller chunks mean more, smaller matmuls.
@@ -86,7 +85,7 @@ def _running_shift(prev_shift: Tensor) -> ShiftFn:
     """Running max over positions <= j, continuing from ``prev_shift`` (B, H): -> (B, H, L, 1)."""
 
     def shift_of(log_features: Tensor) -> Tensor:
-        row_max = log_features.amax(dim=-1).nan_to_num(neginf=_EMPTY_SHIFT)  # (B, H, L)
+        row_max = log_features.amax(dim=-1).nan_to_num(neginf=EMPTY_SHIFT)  # (B, H, L)
         row_max = row_max.maximum(prev_shift.unsqueeze(-1))
         return torch.cummax(row_max, dim=-1).values.unsqueeze(-1)
 
@@ -172,7 +171,7 @@ class _BidirectionalExp(torch.autograd.Function):
         B, H, Lk, _ = k.shape
         m = directions.shape[0]
         kv = q.new_zeros(B, H, m, v1.shape[-1])
-        shift = q.new_full((B, H, 1, 1), _EMPTY_SHIFT)  # online max over all real keys
+        shift = q.new_full((B, H, 1, 1), EMPTY_SHIFT)  # online max over all real keys
         for a, b in _slabs(Lk, slab):
             log_phi = _exp_log_features(k[:, :, a:b], directions, None if keep is None else keep[:, :, a:b])
             new_shift = torch.maximum(shift, log_phi.amax(dim=(-2, -1), keepdim=True))
@@ -280,7 +279,7 @@ class _CausalExp(torch.autograd.Function):
             if stabilizer:
                 phi_q.add_(stabilizer)
             log_phi = _exp_log_features(k[:, :, a:b], directions, None if keep is None else keep[:, :, a:b])
-            row_max = torch.maximum(log_phi.amax(dim=-1).nan_to_num_(neginf=_EMPTY_SHIFT), prev.unsqueeze(-1))
+            row_max = torch.maximum(log_phi.amax(dim=-1).nan_to_num_(neginf=EMPTY_SHIFT), prev.unsqueeze(-1))
             s = torch.cummax(row_max, dim=-1).values  # (B, H, S)
             shifts[:, :, a:b] = s
             phi_k = log_phi.sub_(s.unsqueeze(-1)).exp_()  # entries <= 1
@@ -446,7 +445,7 @@ def _causal(
         directions = _EXP_KERNEL_DIRECTIONS[kernel](projection)  # (m', d)
         if state is None:
             kv0 = q.new_zeros(B, H, directions.shape[0], v1.shape[-1])
-            shift0 = q.new_full((B, H), _EMPTY_SHIFT)
+            shift0 = q.new_full((B, H), EMPTY_SHIFT)
         else:
             kv0, shift0 = state.kv.to(q.dtype), state.shift.to(q.dtype)
         slab = _slab_size(B * H, directions.shape[0], chunk=C)
@@ -457,61 +456,15 @@ def _causal(
 
 
 def _causal_generic(q, k, v1, projection, kernel, keep, stabilizer, C, state):
-    """The chunked scan for any feature map, through autograd (lengths already a multiple of C)."""
-    B, H, L, _ = q.shape
-    N, d1 = L // C, v1.shape[-1]
-    if state is None:
-        prev_kv, prev_shift = None, q.new_full((B, H), _EMPTY_SHIFT)
-    else:
-        prev_kv, prev_shift = state.kv.to(q.dtype), state.shift.to(q.dtype)
+    """The chunked scan (:func:`.causal_scan`) for any feature map, through autograd (lengths already a
+    multiple of C)."""
+    B, H = q.shape[:2]
+    prev_kv, prev_shift = (None, q.new_full((B, H), EMPTY_SHIFT)) if state is None else state
     qf, _ = _features(q, projection, kernel, keep=None, shift_of=_row_shift, stabilizer=stabilizer)
-    kf, shifts = _features(k, projection, kernel, keep=keep, shift_of=_running_shift(prev_shift))
-    m = qf.shape[-1]
-    qc = qf.view(B, H, N, C, m)
-    kc = kf.view(B, H, N, C, m)
-    vc = v1.view(B, H, N, C, d1)
-    if prev_kv is None:
-        prev_kv = qf.new_zeros(B, H, m, d1)
-
-    # Intra-chunk: exact masked products (the product's output is not saved by autograd,
-    # so it can be masked in place).
-    causal_mask = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # (C, C)
-    scores = qc @ kc.transpose(-2, -1)  # (B, H, N, C, C)
-    if shifts is None:  # features without an exponential: a plain prefix sum
-        scores = scores.masked_fill_(~causal_mask, 0.0)
-        chunk_kv = kc.transpose(-2, -1) @ vc  # (B, H, N, m, d + 1)
-        # Exclusive scan over chunks: the state each chunk starts from.
-        start_kv = torch.cat([prev_kv.unsqueeze(2), chunk_kv[:, :, :-1]], dim=2).cumsum(dim=2)
-        out = scores @ vc + qc @ start_kv  # (B, H, N, C, d + 1)
-        kv = start_kv[:, :, -1] + chunk_kv[:, :, -1]
-        return out.reshape(B, H, N * C, d1), FavorState(kv=kv, shift=prev_shift)
-
-    # Key j is rescaled to query i's shift by exp(s_j - s_i) <= 1 (a constant for autograd).
-    sc = shifts.view(B, H, N, C)
-    decay = torch.exp((sc.unsqueeze(-2) - sc.unsqueeze(-1)).masked_fill_(~causal_mask, float("-inf")))
-    scores = scores.mul_(decay)  # (B, H, N, C, C)
-    out = scores @ vc  # (B, H, N, C, d + 1)
-
-    # Per-chunk summaries, relative to the shift at the chunk's last position.
-    chunk_shift = sc[..., -1]  # (B, H, N)
-    to_chunk_end = torch.exp(sc - chunk_shift.unsqueeze(-1)).unsqueeze(-1)  # (B, H, N, C, 1)
-    chunk_kv = kc.transpose(-2, -1) @ (vc * to_chunk_end)  # (B, H, N, m, d + 1)
-
-    # Exclusive scan over chunks: the state each chunk starts from, and its shift.
-    # (unbind, not indexing: the backward of each index would write a full-size zero gradient)
-    kv, states, state_shifts = prev_kv, [], []
-    for chunk_kv_n, chunk_shift_n in zip(chunk_kv.unbind(2), chunk_shift.unbind(2), strict=True):
-        states.append(kv)
-        state_shifts.append(prev_shift)
-        kv = kv * torch.exp(prev_shift - chunk_shift_n)[..., None, None] + chunk_kv_n
-        prev_shift = chunk_shift_n
-    start_kv = torch.stack(states, dim=2)  # (B, H, N, m, d + 1)
-    start_shift = torch.stack(state_shifts, dim=2)  # (B, H, N)
-
-    # Inter-chunk: each query reads its chunk's start state, rescaled to its own shift.
-    to_query = torch.exp(start_shift.unsqueeze(-1) - sc).unsqueeze(-1)  # (B, H, N, C, 1)
-    out = out + (qc @ start_kv) * to_query
-    return out.reshape(B, H, N * C, d1), FavorState(kv=kv, shift=prev_shift)
+    kf, shifts = _features(k, projection, kernel, keep=keep, shift_of=_running_shift(prev_shift.to(q.dtype)))
+    shifts = None if shifts is None else shifts.view(B, H, -1)  # (B, H, L)
+    out, kv, shift = causal_scan(qf, kf, v1, shifts, C, prev_kv, prev_shift)
+    return out, FavorState(kv=kv, shift=shift)
 
 
 def _check_inputs(q, k, v, projection, causal, key_padding_mask, state, return_state):

@@ -55,12 +55,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .causal_scan import EMPTY_SHIFT, causal_scan
 from .cpu_kernels import hybrid_kernels
 from .favor_optimal import optimal_log_features, optimal_parameter, pair_statistic
 
 Tensor = torch.Tensor
 
-_EMPTY_SHIFT = -1e30  # "no key seen yet": finite, so that differences of shifts stay defined
 _NEG_INF = float("-inf")
 # Upper bound on the elements of the largest temporary of one slab of query blocks (or of positions,
 # for the polynomial far-field state): inputs are processed slab by slab, so that temporaries stay
@@ -270,45 +270,19 @@ def _quadratic_apply(u: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
 
 
 def _causal_far(qf, kf, klog, v1, chunk_size: int, far_kv: Tensor | None, far_shift: Tensor | None):
-    """Chunked causal far-field sums: query i reads every key j <= i, scaled to the running shift s_i.
+    """Causal far-field sums (:func:`.causal_scan`): query i reads every key j <= i, scaled to the running
+    shift s_i.
 
     qf: (B, H, L, D); kf: (B, H, L, D); klog: (B, H, L, 1); v1: (B, H, L, dv + 1)
     -> (F (B, H, L, dv + 1), shifts s (B, H, L), final state kv (B, H, D, dv + 1), final shift (B, H)).
     """
-    B, H, L, D = qf.shape
-    d1 = v1.shape[-1]
-    kv = qf.new_zeros(B, H, D, d1) if far_kv is None else far_kv.to(qf.dtype)
-    prev = qf.new_full((B, H), _EMPTY_SHIFT) if far_shift is None else far_shift.to(qf.dtype)
-    row = klog.squeeze(-1).detach().nan_to_num(neginf=_EMPTY_SHIFT)  # (B, H, L)
+    B, H = qf.shape[:2]
+    prev = qf.new_full((B, H), EMPTY_SHIFT) if far_shift is None else far_shift.to(qf.dtype)
+    row = klog.squeeze(-1).detach().nan_to_num(neginf=EMPTY_SHIFT)  # (B, H, L)
     shifts = torch.cummax(torch.maximum(row, prev.unsqueeze(-1)), dim=-1).values  # (B, H, L): s_j
     kfs = kf * torch.exp(klog - shifts.unsqueeze(-1))  # (B, H, L, D), relative to s_j
-
-    C = min(chunk_size, L)
-    N = -(-L // C)
-    pad = N * C - L
-    shifts_p = shifts
-    if pad:
-        qf, kfs, v1 = (F.pad(t, (0, 0, 0, pad)) for t in (qf, kfs, v1))
-        shifts_p = F.pad(shifts, (0, pad), mode="replicate")
-    qc, kc, vc = qf.view(B, H, N, C, D), kfs.view(B, H, N, C, D), v1.view(B, H, N, C, d1)
-    sc = shifts_p.view(B, H, N, C)
-
-    tril = torch.ones(C, C, dtype=torch.bool, device=qf.device).tril()  # (C, C)
-    decay = torch.exp((sc.unsqueeze(-2) - sc.unsqueeze(-1)).masked_fill(~tril, _NEG_INF))  # [i, j] = e^(s_j - s_i)
-    out = ((qc @ kc.transpose(-2, -1)) * decay) @ vc  # (B, H, N, C, dv + 1): inside each chunk
-    chunk_end = sc[..., -1]  # (B, H, N)
-    chunk_kv = (kc * torch.exp(sc - chunk_end.unsqueeze(-1)).unsqueeze(-1)).transpose(-2, -1) @ vc  # (B,H,N,D,d1)
-
-    starts, start_shifts = [], []
-    for chunk_kv_n, end_n in zip(chunk_kv.unbind(2), chunk_end.unbind(2), strict=True):
-        starts.append(kv)
-        start_shifts.append(prev)
-        kv = kv * torch.exp(prev - end_n)[..., None, None] + chunk_kv_n
-        prev = end_n
-    start_kv = torch.stack(starts, dim=2)  # (B, H, N, D, dv + 1)
-    start_shift = torch.stack(start_shifts, dim=2)  # (B, H, N)
-    out = out + (qc @ start_kv) * torch.exp(start_shift.unsqueeze(-1) - sc).unsqueeze(-1)
-    return out.reshape(B, H, N * C, d1)[:, :, :L], shifts, kv, prev
+    out, kv, shift = causal_scan(qf, kfs, v1, shifts, chunk_size, far_kv, prev)
+    return out, shifts, kv, shift
 
 
 # ----------------------------------------------------------------------------- keys

@@ -1,0 +1,87 @@
+"""The chunked causal scan of linear attention, shared by FAVOR+ and by hybrid attention's far field.
+
+Query ``i`` reads ``sum_{j <= i} (qf_i . kf_j) [v_j, 1]``. A naive prefix sum stores an ``(m, d + 1)``
+state per position (``L x m x d`` memory). Here the ``L`` positions are cut into chunks of ``C``: inside a
+chunk the products are exact and masked (``C x C``), across chunks a running ``(m, d + 1)`` state
+carries the sum, so memory is linear in ``L`` and no per-position state is stored for backward.
+
+Features with an exponential are kept relative to a running log-scale ``s_j`` (non-decreasing over
+positions, so it never looks at later keys): key ``j`` contributes ``exp(s_j - s_i) <= 1`` times its
+stored features to query ``i``, and the state carries its own scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+EMPTY_SHIFT = -1e30  # the log-scale of "no key seen yet": finite, so that differences of shifts stay defined
+
+
+def causal_scan(
+    qf: Tensor, kf: Tensor, v1: Tensor, shifts: Tensor | None, chunk_size: int, kv: Tensor | None, shift: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Chunked causal sums of feature products.
+
+    Args:
+        qf, kf: (B, H, L, m) query and key features; ``kf[j]`` relative to ``exp(shifts[j])``.
+        v1: (B, H, L, d1) values (with a ones column for the normaliser).
+        shifts: (B, H, L) the keys' non-decreasing log-scales (detached), or None for features without
+            an exponential (a plain prefix sum).
+        chunk_size: positions per chunk; the tail is padded with zero keys.
+        kv, shift: the state before position 0, (B, H, m, d1) relative to ``exp(shift)`` (B, H); None: empty.
+
+    Returns:
+        The sums (B, H, L, d1), query ``i``'s relative to ``exp(shifts[i])``, and the state after the last
+        position: kv (B, H, m, d1) and its shift (B, H).
+    """
+    B, H, L, m = qf.shape
+    d1 = v1.shape[-1]
+    kv = qf.new_zeros(B, H, m, d1) if kv is None else kv.to(qf.dtype)
+    shift = qf.new_full((B, H), EMPTY_SHIFT) if shift is None else shift.to(qf.dtype)
+    C = min(chunk_size, L)
+    N = -(-L // C)
+    if pad := N * C - L:
+        qf, kf, v1 = (F.pad(t, (0, 0, 0, pad)) for t in (qf, kf, v1))
+        shifts = None if shifts is None else F.pad(shifts, (0, pad), mode="replicate")
+    qc, kc, vc = qf.view(B, H, N, C, m), kf.view(B, H, N, C, m), v1.view(B, H, N, C, d1)
+
+    # Inside each chunk: exact masked products (autograd does not save the product's output, so it
+    # can be masked in place).
+    causal_mask = torch.ones(C, C, dtype=torch.bool, device=qf.device).tril()  # (C, C)
+    scores = qc @ kc.transpose(-2, -1)  # (B, H, N, C, C)
+    if shifts is None:
+        scores = scores.masked_fill_(~causal_mask, 0.0)
+        chunk_kv = kc.transpose(-2, -1) @ vc  # (B, H, N, m, d1)
+        # Exclusive scan over chunks: the state each chunk starts from.
+        start_kv = torch.cat([kv.unsqueeze(2), chunk_kv[:, :, :-1]], dim=2).cumsum(dim=2)  # (B, H, N, m, d1)
+        out = scores @ vc + qc @ start_kv  # (B, H, N, C, d1)
+        return out.reshape(B, H, N * C, d1)[:, :, :L], start_kv[:, :, -1] + chunk_kv[:, :, -1], shift
+
+    # Key j is rescaled to query i's scale by exp(s_j - s_i) <= 1 (a constant for autograd).
+    sc = shifts.view(B, H, N, C)
+    decay = torch.exp((sc.unsqueeze(-2) - sc.unsqueeze(-1)).masked_fill_(~causal_mask, float("-inf")))
+    out = scores.mul_(decay) @ vc  # (B, H, N, C, d1)
+
+    # Per-chunk summaries, relative to the scale at the chunk's last position.
+    chunk_shift = sc[..., -1]  # (B, H, N)
+    to_chunk_end = torch.exp(sc - chunk_shift.unsqueeze(-1)).unsqueeze(-1)  # (B, H, N, C, 1)
+    chunk_kv = kc.transpose(-2, -1) @ (vc * to_chunk_end)  # (B, H, N, m, d1)
+
+    # Exclusive scan over chunks: the state each chunk starts from, and its scale.
+    # (unbind, not indexing: the backward of each index would write a full-size zero gradient)
+    starts, start_shifts = [], []
+    for chunk_kv_n, chunk_shift_n in zip(chunk_kv.unbind(2), chunk_shift.unbind(2), strict=True):
+        starts.append(kv)
+        start_shifts.append(shift)
+        kv = kv * torch.exp(shift - chunk_shift_n)[..., None, None] + chunk_kv_n
+        shift = chunk_shift_n
+    start_kv = torch.stack(starts, dim=2)  # (B, H, N, m, d1)
+    start_shift = torch.stack(start_shifts, dim=2)  # (B, H, N)
+
+    # Across chunks: each query reads its chunk's start state, rescaled to its own scale.
+    to_query = torch.exp(start_shift.unsqueeze(-1) - sc).unsqueeze(-1)  # (B, H, N, C, 1)
+    out = out + (qc @ start_kv) * to_query
+    return out.reshape(B, H, N * C, d1)[:, :, :L], kv, shift
