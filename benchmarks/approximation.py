@@ -133,6 +133,7 @@ def summarise(records: list[dict], args) -> tuple[dict, dict]:
 
 
 def measure(args) -> dict:
+    """Every (regime, seed, m, estimator) error, their summaries over seeds and the orderings."""
     if args.quick:
         args.length, args.features, args.seeds = 512, [16, 64], 3
     start = time.perf_counter()
@@ -159,6 +160,7 @@ def measure(args) -> dict:
 
 
 def markdown(payload: dict) -> str:
+    """Per regime and error: a table of mean (std) [median] per m and estimator, and the orderings."""
     cfg, summary, ordering = payload["config"], payload["summary"], payload["ordering"]
     L, d = cfg["length"], cfg["head_dim"]
     lines = [
@@ -192,6 +194,7 @@ def markdown(payload: dict) -> str:
 
 
 def plot(payload: dict):
+    """MSE vs m (mean +- std) per estimator: one row per regime, output and matrix error side by side."""
     cfg, summary, features = payload["config"], payload["summary"], payload["config"]["features"]
     styles = {"positive / orthogonal": "o-", "positive / iid": "s--", "trig / orthogonal": "^-", "trig / iid": "v--"}
     fig, axes = harness.pyplot().subplots(len(summary), 2, figsize=(11, 4.2 * len(summary)), squeeze=False)

@@ -461,6 +461,7 @@ def select(summary: dict, m: int = SELECT_AT) -> dict:
 
 
 def markdown(result: dict) -> str:
+    """Quality per method and m on both text sets, speed, and the selection at m = 256."""
     ms, summary, lengths = result["nb_features"], result["median"], result["lengths"]
     load = harness.environment(result)["load_average"]
     lines = [
@@ -544,6 +545,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict):
+    """Layer error, cosine and Spearman vs m for every method, one column per text set."""
     plt = harness.pyplot()
     ms, summary = result["nb_features"], result["median"]
     metrics = (
@@ -584,6 +586,7 @@ def plot(result: dict):
 
 # ----------------------------------------------------------------------------- main
 def measure(args: argparse.Namespace) -> dict:
+    """Speed of every method, then the quality runs by priority until the budget is spent."""
     if args.quick:
         args.sentences, args.docs, args.seeds, args.seeds_other, args.nb_features = 16, 3, 2, 1, [64, 256]
         args.repeats, args.budget_minutes, args.speed_m = 1, 3, [256]

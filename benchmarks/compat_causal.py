@@ -161,6 +161,7 @@ def first_within(curve: list[dict], reference: float, tolerance: float = 0.05) -
 
 
 def measure(args: argparse.Namespace) -> dict:
+    """Pretrain the softmax GPT-2, convert it, finetune every arm; curves, levels and the floor."""
     if args.quick:
         args.layers, args.hidden, args.heads, args.context, args.vocab_size = 2, 64, 2, 64, 512
         args.pretrain_steps, args.eval_every, args.eval_blocks, args.warmup, args.batch_size = 40, 2, 8, 4, 8
@@ -250,6 +251,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def markdown(result: dict) -> str:
+    """The setting, each arm at step 0 and at the end, and the issue-7 floor."""
     data, model, budget = result["data"], result["model"], result["budget"]
     level = result["softmax_level"]
     lines = [
@@ -289,6 +291,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict):
+    """Pretraining perplexity, then each arm's perplexity and accuracy over the finetuning steps."""
     figure, axes = harness.pyplot().subplots(1, 3, figsize=(15, 4.2))
     pretraining = result["pretraining"]["curve"]
     axes[0].plot([r["step"] for r in pretraining[1:]], [r["perplexity"] for r in pretraining[1:]], marker="o")

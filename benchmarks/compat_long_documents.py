@@ -103,9 +103,8 @@ def probe_child(folder: str, texts_file: str, max_length: int, threads: int) -> 
 
 def probe_in_fresh_process(folder: Path, texts_file: Path, max_length: int) -> dict:
     """:func:`probe` in a new Python process, so that no earlier arm's allocations hide in its figures."""
-    answer = harness.in_fresh_process(__file__, env={"HF_HUB_OFFLINE": "1"}, folder=str(folder),
-                                      texts_file=str(texts_file), max_length=max_length,
-                                      threads=torch.get_num_threads())  # fmt: skip
+    answer = harness.in_fresh_process(__file__, folder=str(folder), texts_file=str(texts_file),
+                                      max_length=max_length, threads=torch.get_num_threads())  # fmt: skip
     if answer.get("ok") is False:
         raise RuntimeError(f"the memory probe of {folder.name} failed: {answer['error']}")
     return answer
@@ -120,6 +119,7 @@ def length_statistics(tokenizer, records: list[dict]) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
+    """Convert, probe and finetune every arm on the BBC News subset; accuracy, times and memory."""
     if args.quick:
         args.batch_size = 2
     sizes = {"train": 8, "validation": 4, "test": 8} if args.quick else {
@@ -178,11 +178,12 @@ def measure(args: argparse.Namespace) -> dict:
     return result
 
 
-def _mib(value: int | None) -> str:
-    return "n/a" if value is None else f"{value / 2**20:.0f}"
+def _mib(value: int) -> str:
+    return f"{value / 2**20:.0f}"
 
 
 def markdown(result: dict) -> str:
+    """The budget, each arm's accuracy and times, and the memory probes."""
     data, budget = result["data"], result["budget"]
     tokens, load = data["train_tokens"], harness.environment(result)["load_average"]
     lines = [
@@ -232,6 +233,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict):
+    """Accuracy, training time, test time and training-step memory per arm, as bars."""
     arms = list(result["arms"].values())
     names = [f"{r['label'].split(',')[0]}\n{r['max_length']} tokens" for r in arms]
     colors = [f"C{i}" for i in range(len(arms))]
@@ -241,7 +243,7 @@ def plot(result: dict):
         ("test pass time (s)", [r["test_seconds"] for r in arms]),
         (
             "one training step, peak extra memory (MiB)",
-            [(r["probe"]["train_step_peak_bytes"] or 0) / 2**20 for r in arms],
+            [r["probe"]["train_step_peak_bytes"] / 2**20 for r in arms],
         ),
     ]
     figure, axes = harness.pyplot().subplots(1, len(panels), figsize=(4 * len(panels), 4))

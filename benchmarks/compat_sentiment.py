@@ -160,6 +160,7 @@ def setup(args: argparse.Namespace) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
+    """Convert the arms and finetune each one per seed; test accuracy, curves and the floors."""
     budget = setup(args)
     splits = rotten_tomatoes(seed=args.data_seed)
     data = {name: records[: budget[name]] for name, records in splits.items()}
@@ -251,6 +252,7 @@ def summarise(result: dict) -> None:
 
 
 def markdown(result: dict) -> str:
+    """The budget, each arm's test figures and the issue-7 floors."""
     budget, data = result["budget"], result["data"]
     rates = budget["learning_rate"]
     lines = [
@@ -303,6 +305,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict):
+    """Validation accuracy and smoothed training loss vs step, one colour per arm."""
     figure, (left, right) = harness.pyplot().subplots(1, 2, figsize=(11, 4))
     for index, record in enumerate(result["arms"].values()):
         color = f"C{index}"

@@ -93,6 +93,7 @@ def performer_pytorch_attention(layers: dict[int, performer_pytorch.FastAttentio
 
 
 def measure(args) -> dict:
+    """Embedding agreement with the source per method and seed, and the medians over seeds."""
     if args.quick:
         args.sentences, args.seeds = 50, 2
     num_sentences, seeds, batch_size = args.sentences, args.seeds, args.batch_size
@@ -151,6 +152,7 @@ def measure(args) -> dict:
 
 
 def plot(result: dict):
+    """Mean cosine and pairwise Spearman per method, every seed as a point over its box."""
     fig, axes = harness.pyplot().subplots(1, 2, figsize=(11, 4))
     for ax, metric in zip(axes, METRICS, strict=True):
         values = [[r[metric] for r in result["records"] if r["method"] == m] for m in METHODS]
@@ -168,6 +170,7 @@ def plot(result: dict):
 
 
 def markdown(result: dict) -> str:
+    """The settings of every method and the medians over seeds."""
     lines = [
         "# Conversion fidelity: all-MiniLM-L6-v2 converted to a Performer, without finetuning",
         "",

@@ -74,6 +74,7 @@ def time_steps(model: torch.nn.Module, cache, token: torch.Tensor, steps: int) -
 
 
 def measure(args) -> dict:
+    """Prefill every context once, then time greedy decode steps in interleaved rounds."""
     if args.quick:
         args.contexts, args.steps, args.rounds = [256, 2048], 16, 2
     models = build_models(max(args.contexts) + args.rounds * (args.steps + args.warmup) + 1, args.nb_features,
@@ -127,6 +128,7 @@ def measure(args) -> dict:
 
 
 def markdown(payload: dict) -> str:
+    """Median decode step per model and context, the long/short ratio, and the prefill times."""
     settings, results = payload["settings"], payload["results"]
     environment, contexts = harness.environment(payload), settings["contexts"]
     load, lo, hi = environment["load_average"], min(contexts), max(contexts)
@@ -154,6 +156,7 @@ def markdown(payload: dict) -> str:
 
 
 def plot(payload: dict):
+    """Decode step (median, p10-p90) vs context length per model."""
     contexts, results = payload["settings"]["contexts"], payload["results"]
     fig, ax = harness.pyplot().subplots(figsize=(6, 4))
     for name, r in results.items():

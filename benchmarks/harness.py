@@ -69,8 +69,8 @@ def parser(doc: str, *, quick: str, threads: int | None = None) -> argparse.Argu
     if threads is not None:
         arguments.add_argument(
             "--threads", type=int, default=threads,
-            help="torch threads, 0 for torch's default (on a shared CPU, more threads than free cores can make "
-            "every step ~10x slower)",
+            help="torch threads, 0 for torch's default; default %(default)s (on a shared CPU, more threads than "
+            "free cores can make every step ~10x slower)",
         )  # fmt: skip
     arguments.add_argument("--from-json", type=Path, help="write the Markdown and PNG again from this JSON")
     return arguments

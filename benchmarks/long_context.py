@@ -66,6 +66,7 @@ def child(kernel: str, direction: str, length: int, repeats: int, nb_features: i
 
 
 def run_config(args, kernel: str, direction: str, length: int) -> dict:
+    """One (kernel, direction, length) in a fresh process under the memory cap, with its median time."""
     record = harness.in_fresh_process(
         __file__, memory_cap_gb=args.memory_limit_gb, kernel=kernel, direction=direction, length=length,
         repeats=args.repeats, nb_features=args.nb_features, threads=args.threads,
@@ -76,6 +77,7 @@ def run_config(args, kernel: str, direction: str, length: int) -> dict:
 
 
 def measure(args) -> dict:
+    """Every (length, direction, kernel), each in its own process."""
     if args.quick:
         args.lengths, args.repeats = [1024], 1
     results = []
@@ -100,6 +102,7 @@ def measure(args) -> dict:
 
 
 def markdown(payload: dict) -> str:
+    """Forward time, peak memory delta and status per configuration."""
     settings, results = payload["settings"], payload["results"]
     load = harness.environment(payload)["load_average"]
     lines = [
@@ -121,6 +124,7 @@ def markdown(payload: dict) -> str:
 
 
 def plot(payload: dict):
+    """Forward time and peak memory delta vs length per kernel and direction, log-log."""
     settings, results = payload["settings"], payload["results"]
     fig, (ax_t, ax_m) = harness.pyplot().subplots(1, 2, figsize=(10, 4))
     for kernel in settings["kernels"]:

@@ -159,6 +159,7 @@ def memory_child(method: str, length: int, mode: str) -> dict:
 
 
 def measure_memory(method: str, length: int, mode: str, args) -> dict:
+    """Peak memory of one configuration, measured by :func:`memory_child` in a fresh process."""
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     return harness.in_fresh_process(__file__, memory_cap_gb=args.memory_cap_gb, env=env, method=method,
                                     length=length, mode=mode)  # fmt: skip
@@ -289,6 +290,7 @@ def floors(results) -> list[dict]:
 
 
 def markdown(payload: dict) -> str:
+    """Tables of times, baseline / ours ratios and peak memory per L, and the issue-2 floors."""
     results, cfg = payload["results"], payload["config"]
     methods, lengths = cfg["methods"], cfg["lengths"]
     environment = harness.environment(payload)
@@ -334,6 +336,7 @@ def markdown(payload: dict) -> str:
 
 
 def plot(payload: dict):
+    """Time and peak memory vs L per method, forward and forward + backward, log-log."""
     results, methods = payload["results"], payload["config"]["methods"]
     fig, axes = harness.pyplot().subplots(2, 2, figsize=(12, 9))
     for row, (key, ylabel) in enumerate((("median_s", "time (s)"), ("peak_mb", "peak extra memory (MB)"))):
@@ -359,6 +362,7 @@ def plot(payload: dict):
 
 
 def measure(args) -> dict:
+    """Every (method, length, mode): times, peak memory or why it was skipped; and the floors."""
     if args.quick:
         args.lengths, args.reps = [256, 512], 1
     results = run_benchmark(args)

