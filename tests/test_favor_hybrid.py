@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from performer_hf.favor import draw_projection, exact_attention
-from performer_hf.favor_hybrid import FAR_FIELDS, hybrid_attention
+from performer_hf.favor_hybrid import FAR_FIELDS, HybridSpec, hybrid_attention
 
 from .hybrid_reference import CONFIGS, random_qkv, reference, right_padding
 
@@ -193,3 +193,19 @@ def test_results_do_not_depend_on_the_slab_size(far_field, causal, monkeypatch):
         results.append((out, *torch.autograd.grad((out * torch.cos(out)).sum(), inputs)))
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_spec_and_its_fields_as_keywords_give_the_same_attention():
+    q, k, v = (torch.randn(2, 3, 30, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    fields = dict(far_field="poly2", local_window=5, num_global_tokens=1, routed_blocks=2, route_block_size=4,
+                  query_block_size=4, center=True)  # fmt: skip
+    spec = HybridSpec(**fields)
+    expected = hybrid_attention(q, k, v, **fields)
+    assert torch.equal(hybrid_attention(q, k, v, None, spec), expected)
+    # keywords override the spec's fields
+    assert torch.equal(hybrid_attention(q, k, v, None, HybridSpec(**{**fields, "local_window": 3}), local_window=5),
+                       expected)  # fmt: skip
+    with pytest.raises(ValueError, match="local_window must be an integer >= 0"):
+        HybridSpec(local_window=-1)
+    with pytest.raises(ValueError, match="routed_blocks is bidirectional only"):
+        hybrid_attention(q, k, v, None, spec, causal=True)

@@ -86,26 +86,25 @@ def favor_method(module: nn.Module, q, k, v, key_mask, causal, cache=None, outpu
 def hybrid_method(module: nn.Module, q, k, v, key_mask, causal, cache=None, output_attentions=False):
     """Hybrid attention (:func:`.hybrid_attention`): exact on the module's sparse support, a linear far
     field elsewhere; with ``cache``, the layer's constant-size :class:`HybridCacheLayer` state."""
-    if causal and module.routed_blocks:
+    spec = module.hybrid_spec
+    if causal and spec.routed_blocks:
         raise ValueError(
-            f"routed_blocks={module.routed_blocks} cannot be used in causal attention (routing reads future "
+            f"routed_blocks={spec.routed_blocks} cannot be used in causal attention (routing reads future "
             "tokens): set routed_blocks=0 in the config (e.g. convert with --routed-blocks 0)."
         )
     new_key_mask = None if key_mask is None else key_mask[:, -q.shape[2] :]  # (B, L): the past is in the state
-    kwargs = dict(module.hybrid_kwargs, causal=causal, key_padding_mask=new_key_mask)
-    if not causal:
-        kwargs.update(routed_blocks=module.routed_blocks, center=module.center_features)
-    elif module.center_features:  # fixed centres: causal outputs must not depend on later tokens
+    kwargs = {"causal": causal, "key_padding_mask": new_key_mask}
+    if causal and spec.center:  # fixed centres: causal outputs must not depend on later tokens
         kwargs.update(query_center=module.query_center, key_center=module.key_center)
     if module.far_field_parameter is not None:
         kwargs["far_field_parameter"] = module.far_field_parameter
     projection = module.projection if module.uses_projection else None
     with torch.autocast(q.device.type, enabled=False):  # float32 inside, as for FAVOR+
         if cache is None:
-            return hybrid_attention(q, k, v, projection, **kwargs), None
+            return hybrid_attention(q, k, v, projection, spec, **kwargs), None
         layer_cache = cache.layers[module.layer_idx]
         context, state = hybrid_attention(
-            q, k, v, projection, initial_state=layer_cache.get_state(), return_state=True, **kwargs
+            q, k, v, projection, spec, initial_state=layer_cache.get_state(), return_state=True, **kwargs
         )
     layer_cache.update_state(state)
     return context, None

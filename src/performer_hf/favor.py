@@ -9,7 +9,7 @@ and dense references.
 
 from .favor_attention import DEFAULT_CHUNK_SIZE, FavorState, favor_attention
 from .favor_features import FEATURE_MAPS, FeatureMap, feature_map, get_feature_map
-from .favor_hybrid import FAR_FIELDS, FarField, HybridState, get_far_field, hybrid_attention
+from .favor_hybrid import FAR_FIELDS, FarField, HybridSpec, HybridState, get_far_field, hybrid_attention
 from .favor_projection import draw_projection
 from .favor_reference import exact_attention, explicit_feature_attention
 
@@ -23,6 +23,7 @@ __all__ = [
     "FarField",
     "FavorState",
     "FeatureMap",
+    "HybridSpec",
     "HybridState",
     "draw_projection",
     "exact_attention",

@@ -47,6 +47,7 @@ features by the max over keys (bidirectional) or by a running max over positions
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -164,6 +165,56 @@ def get_far_field(name: str) -> FarField:
 
 
 # ----------------------------------------------------------------------------- decoding state
+@dataclass(frozen=True)
+class HybridSpec:
+    """The settings of hybrid attention (``PerformerConfig``'s hybrid fields); see :func:`hybrid_attention`
+    for each field's meaning. Validated on construction."""
+
+    far_field: str = "softmax"
+    local_window: int = 0
+    num_global_tokens: int = 0
+    routed_blocks: int = 0
+    route_block_size: int = 8
+    query_block_size: int = 16
+    center: bool = False
+    chunk_size: int = 128
+
+    def __post_init__(self):
+        get_far_field(self.far_field)  # an unknown name raises, listing the far fields
+        for name, low in (("local_window", 0), ("num_global_tokens", 0), ("routed_blocks", 0),
+                          ("route_block_size", 1), ("query_block_size", 1), ("chunk_size", 1)):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
+
+    def check_direction(self, causal: bool, fixed_centres: bool, stateful: bool) -> None:
+        """Refuse settings that would read future tokens in causal attention, or a state without it."""
+        if causal and self.routed_blocks:
+            raise ValueError(
+                "routed_blocks is bidirectional only: routing a block of queries reads all of their "
+                "queries and keys, which would leak future tokens in causal attention. Use routed_blocks=0."
+            )
+        if causal and self.center and not fixed_centres:
+            raise ValueError(
+                "center=True computes centres from the whole sequence, which leaks the future in causal "
+                "attention; pass fixed query_center and key_center (e.g. measured at conversion) instead."
+            )
+        if stateful and not causal:
+            raise ValueError("initial_state / return_state only apply to causal attention (causal=True).")
+
+
+class _FarContext(NamedTuple):
+    """What maps keys (and queries) to far-field features: shared by every key set of one call."""
+
+    root: float  # q and k are scaled by root (sqrt of the logit scale)
+    a: Tensor  # (.., 1 or H, 1, d) query centre
+    c: Tensor  # (.., 1 or H, 1, d) key centre
+    far: FarField
+    projection: Tensor | None
+    parameter: Tensor | None
+    dtype: torch.dtype
+
+
 class HybridState(NamedTuple):
     """Recurrent state of causal hybrid attention after a prefix of ``length`` tokens.
 
@@ -296,7 +347,9 @@ class _Keys(NamedTuple):
     feats: Tensor | None  # (B, H, S, D): far-field features (|.| <= 1 for the exponential kernels)
 
 
-def _key_side(k, v, mask, root, a, c, far, projection, parameter, dtype, with_features: bool) -> _Keys:
+def _key_side(k, v, mask, ctx: _FarContext, with_features: bool) -> _Keys:
+    """Keys (B, H, S, d), values (B, H, S, dv) and their mask (B, S) prepared for the support and the far field."""
+    root, a, c, far, projection, parameter, dtype = ctx
     y = k.to(dtype) * root
     rk = y @ a.transpose(-2, -1) - (a * c).sum(-1, keepdim=True)  # (B, H, S, 1): a . y_j - a . c
     keep = mask[:, None, :, None]  # (B, 1, S, 1)
@@ -438,9 +491,8 @@ def _support_sums(xq, qf, rq, far_scale, key_shift, far_sum, groups, quadratic, 
     return torch.cat([values, mass], dim=-1)
 
 
-def _check(q, k, v, projection, far, causal, key_padding_mask, local_window, num_global_tokens, routed_blocks,
-           route_block_size, query_block_size, center, query_center, key_center, initial_state, return_state,
-           chunk_size):  # fmt: skip
+def _check(q, k, v, projection, far: FarField, key_padding_mask) -> None:
+    """Shapes of the tensor inputs (the settings are checked by :class:`HybridSpec`)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             "hybrid_attention expects q, k, v of shape (batch, heads, seq, head_dim); got "
@@ -461,23 +513,6 @@ def _check(q, k, v, projection, far, causal, key_padding_mask, local_window, num
             f"key_padding_mask must have shape (batch, seq) = {(k.shape[0], k.shape[2])}; "
             f"got {tuple(key_padding_mask.shape)}."
         )
-    for name, value, low in (("local_window", local_window, 0), ("num_global_tokens", num_global_tokens, 0),
-                             ("routed_blocks", routed_blocks, 0), ("route_block_size", route_block_size, 1),
-                             ("query_block_size", query_block_size, 1), ("chunk_size", chunk_size, 1)):  # fmt: skip
-        if not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
-    if causal and routed_blocks:
-        raise ValueError(
-            "routed_blocks is bidirectional only: routing a block of queries reads all of their "
-            "queries and keys, which would leak future tokens in causal attention. Use routed_blocks=0."
-        )
-    if causal and center and (query_center is None or key_center is None):
-        raise ValueError(
-            "center=True computes centres from the whole sequence, which leaks the future in causal "
-            "attention; pass fixed query_center and key_center (e.g. measured at conversion) instead."
-        )
-    if (initial_state is not None or return_state) and not causal:
-        raise ValueError("initial_state / return_state only apply to causal attention (causal=True).")
 
 
 def hybrid_attention(
@@ -485,25 +520,22 @@ def hybrid_attention(
     k: Tensor,
     v: Tensor,
     projection: Tensor | None = None,
+    spec: HybridSpec | None = None,
     *,
-    far_field: str = "softmax",
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
     scaling: float | None = None,
-    local_window: int = 0,
-    num_global_tokens: int = 0,
-    routed_blocks: int = 0,
-    route_block_size: int = 8,
-    query_block_size: int = 16,
-    center: bool = False,
     query_center: Tensor | None = None,
     key_center: Tensor | None = None,
     far_field_parameter: Tensor | float | None = None,
-    chunk_size: int = 128,
     initial_state: HybridState | None = None,
     return_state: bool = False,
+    **settings,
 ) -> Tensor | tuple[Tensor, HybridState]:
     """Exact softmax attention on a sparse support plus a linear-time far field (see module docs).
+
+    The settings come as a :class:`HybridSpec` (``spec``) or as its fields by keyword (``far_field=``,
+    ``local_window=``, ...; over ``spec`` when both are given).
 
     Args:
         q, k: ``(B, H, L, d)`` queries and keys; v: ``(B, H, L, dv)`` values (self-attention).
@@ -528,16 +560,19 @@ def hybrid_attention(
         far_field_parameter: FAVOR++'s ``A`` (float or ``(H,)`` / ``(B, H)``); when ``None`` it is
             the closed-form optimum from the sequence's statistics (bidirectional only).
         chunk_size: positions per chunk of the causal prefix-sum scan (speed/memory only).
+        query_center, key_center: fixed centres (see ``center``).
         initial_state: causal only: the :class:`HybridState` of the preceding tokens (decoding).
         return_state: causal only: also return the state after the last position.
 
     Returns:
         ``(B, H, L, dv)`` in the dtype of ``q``; with ``return_state`` a tuple ``(out, state)``.
     """
-    far = get_far_field(far_field)
-    _check(q, k, v, projection, far, causal, key_padding_mask, local_window, num_global_tokens, routed_blocks,
-           route_block_size, query_block_size, center, query_center, key_center, initial_state, return_state,
-           chunk_size)  # fmt: skip
+    spec = HybridSpec(**settings) if spec is None else dataclasses.replace(spec, **settings)
+    far = get_far_field(spec.far_field)
+    _check(q, k, v, projection, far, key_padding_mask)
+    spec.check_direction(causal, query_center is not None and key_center is not None, stateful=
+                         initial_state is not None or return_state)  # fmt: skip
+    local_window, num_global_tokens = spec.local_window, spec.num_global_tokens
     out_dtype = q.dtype
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, H, L, d = q.shape
@@ -553,8 +588,8 @@ def hybrid_attention(
 
     # Centres a (queries) and c (keys): exp(x.y) = exp(x.c + a.y - a.c) exp((x - a).(y - c)).
     zero = x.new_zeros(1, 1, 1, d)
-    a = _as_center(query_center, x) if query_center is not None else (_masked_mean(x, mask) if center else zero)
-    c = _as_center(key_center, y) if key_center is not None else (_masked_mean(y, mask) if center else zero)
+    a = _as_center(query_center, x) if query_center is not None else (_masked_mean(x, mask) if spec.center else zero)
+    c = _as_center(key_center, y) if key_center is not None else (_masked_mean(y, mask) if spec.center else zero)
     rq = x @ c.transpose(-2, -1)  # (B, H, L, 1): x_i . c
 
     parameter = None
@@ -572,12 +607,13 @@ def hybrid_attention(
 
     kernels = None if causal or far.quadratic is None else _support_kernels(q, k, v)
     state = initial_state
-    keys = _key_side(k, v, mask, root, a, c, far, projection, parameter, dtype, with_features=causal)
+    ctx = _FarContext(root, a, c, far, projection, parameter, dtype)
+    keys = _key_side(k, v, mask, ctx, with_features=causal)
     far_kv = far_shift = None
     if causal:
         qf, q_scale = _features(far, x - a, projection, parameter, rq)  # (B, H, L, D), (B, H, L, 1)
         far_sum, shifts, far_kv, far_shift = _causal_far(
-            qf, keys.feats, keys.klog, keys.values1, chunk_size,
+            qf, keys.feats, keys.klog, keys.values1, spec.chunk_size,
             None if state is None else state.far_kv, None if state is None else state.far_shift,
         )  # fmt: skip
         far_side = _CausalFar(qf if far.quadratic is None else None, q_scale, shifts.unsqueeze(-1), far_sum)
@@ -590,22 +626,18 @@ def hybrid_attention(
     left, right = _window_offsets(local_window, causal)
     prefix = None
     if state is not None and left:
-        prefix = _key_side(state.keys, state.values, state.key_mask, root, a, c, far, projection, parameter, dtype,
-                           with_features=True)  # fmt: skip
+        prefix = _key_side(state.keys, state.values, state.key_mask, ctx, with_features=True)
     globals_ = None
     if num_global_tokens:
         globals_ = _slice_keys(keys, 0, max(0, min(num_global_tokens - offset, L)))
         if state is not None and state.global_keys.shape[2]:
-            old = _key_side(state.global_keys, state.global_values, state.global_mask, root, a, c, far, projection,
-                            parameter, dtype, with_features=True)  # fmt: skip
+            old = _key_side(state.global_keys, state.global_values, state.global_mask, ctx, with_features=True)
             globals_ = _cat_keys(old, globals_)
 
     if kernels is not None:
-        out1 = _fused_sums(kernels, x, rq, far_side, keys, min(num_global_tokens, L), left, right, routed_blocks,
-                           route_block_size, query_block_size)  # fmt: skip
+        out1 = _fused_sums(kernels, x, rq, far_side, keys, spec)
     else:
-        out1 = _hybrid_sums(x, rq, far_side, keys, prefix, globals_, far, causal, left, right, offset, routed_blocks,
-                            route_block_size, query_block_size)  # fmt: skip
+        out1 = _hybrid_sums(x, rq, far_side, keys, (prefix, globals_), spec, causal, offset)
     out = _normalise(out1)
     if not causal and num_global_tokens:
         out = _global_rows(x, keys, out, num_global_tokens)
@@ -667,15 +699,20 @@ def _key_fields(keys: _Keys, with_feats: bool) -> list[Tensor]:
     return [keys.y, keys.values1, keys.klog] + ([keys.feats] if with_feats else [])
 
 
-def _hybrid_sums(x, rq, far_side, keys: _Keys, prefix, globals_, far: FarField, causal: bool, left: int, right: int,
-                 offset: int, routed: int, block_k: int, block_q: int) -> Tensor:  # fmt: skip
+def _hybrid_sums(x, rq, far_side, keys: _Keys, extra_keys, spec: HybridSpec, causal: bool, offset: int) -> Tensor:
     """Numerator|denominator (B, H, L, dv + 1) of the hybrid attention, relative to a per-query shift.
+
+    ``extra_keys``: (the window buffer of earlier tokens, the global keys), each a :class:`_Keys` or None.
 
     The queries are processed by blocks of ``block_q``, in slabs of blocks; block ``n`` reads its
     window keys ``[n * block_q - left, (n + 1) * block_q + right)``, the global keys and its routed
     key blocks: one candidate set of C keys per block, with a (block_q, C) support mask.
     """
     B, H, L, d = x.shape
+    prefix, globals_ = extra_keys
+    far = get_far_field(spec.far_field)
+    left, right = _window_offsets(spec.local_window, causal)
+    routed, block_k, block_q = spec.routed_blocks, spec.route_block_size, spec.query_block_size
     period = math.lcm(block_q, block_k) if routed else block_q
     pad = -(-L // period) * period - L
     N = (L + pad) // block_q
@@ -751,9 +788,11 @@ def _support_kernels(q: Tensor, k: Tensor, v: Tensor):
     return kernels
 
 
-def _routes(kernels, x: Tensor, keys: _Keys, left: int, right: int, routed: int, block_k: int, block_q: int) -> Tensor:
+def _routes(kernels, x: Tensor, keys: _Keys, spec: HybridSpec) -> Tensor:
     """(B, H, N, t) int64: the routed key blocks of each of the N query blocks (as :func:`_route`), -1 for none."""
     B, H, L, d = x.shape
+    left, right = _window_offsets(spec.local_window, causal=False)
+    routed, block_k, block_q = spec.routed_blocks, spec.route_block_size, spec.query_block_size
     N = -(-L // block_q)
     if not routed:
         return torch.empty(B, H, N, 0, dtype=torch.int64, device=x.device)
@@ -767,13 +806,14 @@ def _routes(kernels, x: Tensor, keys: _Keys, left: int, right: int, routed: int,
     return torch.cat(routes, dim=2)
 
 
-def _fused_sums(kernels, x, rq, far_side: _BidirectionalFar, keys: _Keys, nb_global: int, left: int, right: int,
-                routed: int, block_k: int, block_q: int) -> Tensor:  # fmt: skip
+def _fused_sums(kernels, x, rq, far_side: _BidirectionalFar, keys: _Keys, spec: HybridSpec) -> Tensor:
     """What :func:`_hybrid_sums` computes for bidirectional attention with a polynomial far field, in one
     compiled pass over the query blocks (:mod:`.cpu_kernels`): (B, H, L, dv + 1)."""
     B, H, L, _ = x.shape
     _, q_scale, _, far_sum = far_side(slice(0, L))  # (B, H, L, 1), (B, H, L, dv + 1)
-    routes = _routes(kernels, x, keys, left, right, routed, block_k, block_q)
+    left, right = _window_offsets(spec.local_window, causal=False)
+    nb_global, block_q, block_k = min(spec.num_global_tokens, L), spec.query_block_size, spec.route_block_size
+    routes = _routes(kernels, x, keys, spec)
     return kernels.hybrid_support_sums(
         x.contiguous(), q_scale.reshape(B, H, L).contiguous(), far_sum.contiguous(),
         far_side.shift.reshape(B, H).contiguous(), keys.y.transpose(-2, -1).contiguous(), keys.values1.contiguous(),

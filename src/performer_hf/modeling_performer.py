@@ -30,7 +30,7 @@ from transformers.utils import logging
 
 from .attention_methods import ATTENTION_METHODS
 from .configuration_performer import PerformerConfig
-from .favor_hybrid import get_far_field
+from .favor_hybrid import HybridSpec, get_far_field
 from .favor_projection import draw_projection
 
 logger = logging.get_logger(__name__)
@@ -143,16 +143,12 @@ class PerformerAttention(nn.Module):
         self.feature_row_norms = config.feature_row_norms
         self.attend = ATTENTION_METHODS[config.attention_method].attend
         if config.attention_method == "hybrid":
-            self.hybrid_kwargs = {
-                "far_field": config.attention_kernel,
-                "local_window": config.local_window,
-                "num_global_tokens": config.num_global_tokens,
-                "route_block_size": config.route_block_size,
-                "query_block_size": config.query_block_size,
-                "chunk_size": config.causal_chunk_size,
-            }
-            self.routed_blocks = config.routed_blocks
-            self.center_features = config.center_features
+            self.hybrid_spec = HybridSpec(
+                far_field=config.attention_kernel, local_window=config.local_window,
+                num_global_tokens=config.num_global_tokens, routed_blocks=config.routed_blocks,
+                route_block_size=config.route_block_size, query_block_size=config.query_block_size,
+                center=config.center_features, chunk_size=config.causal_chunk_size,
+            )  # fmt: skip
             self.uses_projection = get_far_field(config.attention_kernel).uses_projection
             # FAVOR++'s A: a float, a list of one per head, or None; a plain value, as models are built on `meta`
             self.far_field_parameter = config.layer_far_field_parameter(layer_idx)
