@@ -79,9 +79,8 @@ from performer_hf.conversion.convert import DEFAULT_METHOD
 from performer_hf.conversion.convert import METHODS as CONVERSION_METHODS
 from performer_hf.conversion.demo import extended_source_model, long_input, minilm_folder
 from performer_hf.conversion.fidelity import embedding_agreement, english_sentences
-from performer_hf.cpu_kernels import hybrid_kernels
-from performer_hf.favor import draw_projection, favor_attention
-from performer_hf.favor_hybrid import get_far_field, hybrid_attention
+from performer_hf.favor import draw_projection, favor_attention, get_far_field, hybrid_attention
+from performer_hf.modeling.cpu_kernels import hybrid_kernels
 
 logger = logging.getLogger("benchmarks.approximation_quality")
 ATTENTION_NAME = "approximation_quality"
@@ -526,7 +525,7 @@ def markdown(result: dict) -> str:
     ]
     if "cpu_kernels" in result:
         ran = "ran" if result["cpu_kernels"] else "did not run (build failed or PERFORMER_HF_CPU_KERNELS=0)"
-        lines += ["", f"The compiled CPU kernels of the polynomial hybrids (performer_hf.cpu_kernels) {ran}."]
+        lines += ["", f"The compiled CPU kernels of the polynomial hybrids (performer_hf.modeling.cpu_kernels) {ran}."]
     choice = result["selection"]
     lines += [
         "",

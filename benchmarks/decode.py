@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from performer_hf import PerformerConfig, PerformerForCausalLM
-from performer_hf.modeling_performer import CACHE_FIELD
+from performer_hf.modeling.modeling_performer import CACHE_FIELD
 
 logger = logging.getLogger("benchmarks.decode")
 LAYERS, HIDDEN, HEADS, VOCAB = 6, 384, 12, 50257

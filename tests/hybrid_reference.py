@@ -6,7 +6,7 @@ import math
 import torch
 
 from performer_hf.favor import exact_attention, feature_map
-from performer_hf.favor_optimal import optimal_log_features, optimal_parameter, pair_statistic
+from performer_hf.modeling.favor_optimal import optimal_log_features, optimal_parameter, pair_statistic
 
 # the polynomial far fields, kappa(u, w) = 1 + t + c t^2 with t = u . w: their coefficient c
 QUADRATIC = {"taylor2": 0.5, "poly2": 0.25}

@@ -6,8 +6,8 @@ import logging
 import pytest
 import torch
 
-import performer_hf.cpu_kernels as cpu_kernels
-from performer_hf.favor_hybrid import hybrid_attention
+import performer_hf.modeling.cpu_kernels as cpu_kernels
+from performer_hf.modeling.favor_hybrid import hybrid_attention
 
 from .hybrid_reference import CONFIGS, QUADRATIC, random_qkv, reference, right_padding
 
@@ -32,7 +32,7 @@ def _spy_on_kernel(monkeypatch) -> list:
             calls.append(args)
             return kernels.hybrid_support_sums(*args)
 
-    monkeypatch.setattr("performer_hf.favor_hybrid.hybrid_kernels", Spy)
+    monkeypatch.setattr("performer_hf.modeling.favor_hybrid.hybrid_kernels", Spy)
     return calls
 
 
@@ -123,7 +123,7 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
     # a fresh cache, so that this process's successful build is not reused
     monkeypatch.setattr(cpu_kernels, "_compiled_kernels", functools.cache(cpu_kernels._compiled_kernels.__wrapped__))
     q, k, v = random_qkv()
-    with caplog.at_level(logging.WARNING, logger="performer_hf.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="performer_hf.modeling.cpu_kernels"):
         out = hybrid_attention(q, k, v, far_field="poly2", local_window=5)
         hybrid_attention(q, k, v, far_field="poly2", local_window=5)
     torch.testing.assert_close(out, reference(q, k, v, far_field="poly2", local_window=5), rtol=1e-9, atol=1e-10)

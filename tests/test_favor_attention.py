@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import performer_hf.favor_attention as favor_attention_module
+import performer_hf.modeling.favor_attention as favor_attention_module
 from performer_hf.favor import (
     KERNELS,
     draw_projection,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from performer_hf.favor import draw_projection, exact_attention
-from performer_hf.favor_hybrid import FAR_FIELDS, HybridSpec, hybrid_attention
+from performer_hf.modeling.favor_hybrid import FAR_FIELDS, HybridSpec, hybrid_attention
 
 from .hybrid_reference import CONFIGS, random_qkv, reference, right_padding
 
@@ -177,7 +177,7 @@ def test_argument_errors():
 def test_results_do_not_depend_on_the_slab_size(far_field, causal, monkeypatch):
     # Key statistics, the polynomial far-field state and the query blocks run slab by slab: one row or block
     # per slab must give the same outputs and gradients as one slab for everything.
-    import performer_hf.favor_hybrid as favor_hybrid_module
+    import performer_hf.modeling.favor_hybrid as favor_hybrid_module
 
     q, k, v = random_qkv()
     mask = right_padding(2, 45)

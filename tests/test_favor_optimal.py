@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from performer_hf.favor import draw_projection, feature_map
-from performer_hf.favor_optimal import optimal_log_features, optimal_parameter, pair_statistic
+from performer_hf.modeling.favor_optimal import optimal_log_features, optimal_parameter, pair_statistic
 
 
 def _unit_pair(d, norm, seed=0):

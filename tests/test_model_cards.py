@@ -4,7 +4,7 @@
 import pytest
 
 from performer_hf import PerformerConfig
-from performer_hf.attention_methods import ATTENTION_METHODS
+from performer_hf.modeling.attention_methods import ATTENTION_METHODS
 from performer_hf.training.model_card import build_model_card
 
 HYBRID = {"attention_kernel": "poly2", "center_features": True, "local_window": 5, "num_global_tokens": 1}

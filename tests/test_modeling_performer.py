@@ -30,7 +30,7 @@ from performer_hf import (
     PerformerForTokenClassification,
     PerformerModel,
 )
-from performer_hf.modeling_performer import CACHE_FIELD
+from performer_hf.modeling.modeling_performer import CACHE_FIELD
 
 from .tiny_models import HEADS, HIDDEN, LAYERS, VOCAB, random_ids, tiny_config, tiny_model
 

@@ -5,9 +5,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from performer_hf.cache_performer import FavorCacheLayer
 from performer_hf.favor import FavorState, favor_attention
-from performer_hf.modeling_performer import CACHE_FIELD
+from performer_hf.modeling.cache_performer import FavorCacheLayer
+from performer_hf.modeling.modeling_performer import CACHE_FIELD
 
 from .tiny_models import FEATURES, HEADS, HIDDEN, LAYERS, METHODS, VOCAB, random_centres, random_ids, tiny_model
 

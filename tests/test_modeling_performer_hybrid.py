@@ -13,12 +13,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2LMHeadModel
 
 from performer_hf import PerformerConfig, PerformerForCausalLM, PerformerForMaskedLM, PerformerModel
-from performer_hf.cache_performer import HybridCacheLayer
 from performer_hf.cli import main
 from performer_hf.conversion import convert
 from performer_hf.conversion.convert import METHODS
 from performer_hf.conversion.fidelity import sample_batch
-from performer_hf.modeling_performer import CACHE_FIELD
+from performer_hf.modeling.cache_performer import HybridCacheLayer
+from performer_hf.modeling.modeling_performer import CACHE_FIELD
 
 from .conversion_sources import CASES, save_source
 from .hybrid_reference import reference

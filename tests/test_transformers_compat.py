@@ -10,7 +10,7 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 from performer_hf import PerformerForCausalLM, PerformerForMaskedLM
-from performer_hf.modeling_performer import CACHE_FIELD
+from performer_hf.modeling.modeling_performer import CACHE_FIELD
 
 from .tiny_models import METHODS, random_ids, tiny_model
 

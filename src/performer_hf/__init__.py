@@ -6,10 +6,10 @@ model_type ``"performer"``.
 
 import transformers
 
-from .cache_performer import FavorCacheLayer
-from .configuration_performer import PerformerConfig
 from .conversion import convert
-from .modeling_performer import (
+from .modeling.cache_performer import FavorCacheLayer
+from .modeling.configuration_performer import PerformerConfig
+from .modeling.modeling_performer import (
     AUTO_CLASSES,
     PerformerForCausalLM,
     PerformerForMaskedLM,

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from .attention_methods import ATTENTION_METHODS
-from .configuration_performer import PerformerConfig
+from .modeling.attention_methods import ATTENTION_METHODS
+from .modeling.configuration_performer import PerformerConfig
 
 # what each attention_kernel computes
 KERNEL_DESCRIPTIONS = {

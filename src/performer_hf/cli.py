@@ -14,10 +14,10 @@ import json
 import logging
 import sys
 
-from .configuration_performer import PerformerConfig
 from .conversion import SUPPORTED_ARCHITECTURES, ConversionError, convert
 from .conversion.convert import DEFAULT_METHOD, METHODS
 from .hub import PushError
+from .modeling.configuration_performer import PerformerConfig
 from .zoo.errors import ZooError
 
 _HYBRID = METHODS[DEFAULT_METHOD]["bidirectional"]

@@ -7,11 +7,11 @@ and dense references.
 >>> out = favor_attention(q, k, v, W, causal=True)    # q, k, v: (batch, heads, seq, head_dim)
 """
 
-from .favor_attention import DEFAULT_CHUNK_SIZE, FavorState, favor_attention
-from .favor_features import FEATURE_MAPS, FeatureMap, feature_map, get_feature_map
-from .favor_hybrid import FAR_FIELDS, FarField, HybridSpec, HybridState, get_far_field, hybrid_attention
-from .favor_projection import draw_projection
 from .favor_reference import exact_attention, explicit_feature_attention
+from .modeling.favor_attention import DEFAULT_CHUNK_SIZE, FavorState, favor_attention
+from .modeling.favor_features import FEATURE_MAPS, FeatureMap, feature_map, get_feature_map
+from .modeling.favor_hybrid import FAR_FIELDS, FarField, HybridSpec, HybridState, get_far_field, hybrid_attention
+from .modeling.favor_projection import draw_projection
 
 KERNELS = tuple(FEATURE_MAPS)
 

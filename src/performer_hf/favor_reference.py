@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .favor_features import feature_map
+from .modeling.favor_features import feature_map
 
 Tensor = torch.Tensor
 

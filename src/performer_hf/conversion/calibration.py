@@ -7,7 +7,7 @@ beforehand (a statistic of the whole sequence would let a position read later on
 - the centres ``a = mean x`` and ``c = mean y`` per layer and head (``center_features``), stored in
   the attention modules' ``query_center`` / ``key_center`` buffers;
 - FAVOR++'s parameter ``A`` per layer and head (``attention_kernel="softmax_opt"``), starting from the
-  closed form of :func:`performer_hf.favor_optimal.optimal_parameter` for the statistic
+  closed form of :func:`performer_hf.modeling.favor_optimal.optimal_parameter` for the statistic
   ``rho = mean |u + w|^2 / d`` of the centred queries and keys, then chosen per head among a few
   multiples of it by attention-output error against exact attention; stored in
   ``config.far_field_parameter``.
@@ -24,9 +24,9 @@ import logging
 import torch
 from torch import nn
 
-from ..attention_methods import exact_attention, hybrid_method
-from ..favor_optimal import optimal_parameter
-from ..modeling_performer import PerformerAttention
+from ..modeling.attention_methods import exact_attention, hybrid_method
+from ..modeling.favor_optimal import optimal_parameter
+from ..modeling.modeling_performer import PerformerAttention
 
 logger = logging.getLogger(__name__)
 

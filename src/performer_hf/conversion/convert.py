@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
-from .. import modeling_performer
-from ..attention_methods import ATTENTION_METHODS
-from ..configuration_performer import FAVOR_KERNELS, HYBRID_KERNELS, PerformerConfig
+from ..modeling import modeling_performer
+from ..modeling.attention_methods import ATTENTION_METHODS
+from ..modeling.configuration_performer import FAVOR_KERNELS, HYBRID_KERNELS, PerformerConfig
 from .calibration import calibrate as calibrate_model
 from .errors import ConversionError
 from .fidelity import FidelityReport, measure_fidelity, sample_batch

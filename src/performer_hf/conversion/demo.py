@@ -78,7 +78,7 @@ def long_input(tokenizer, length: int) -> dict[str, torch.Tensor]:
 def _load(kind: str, folder: Path, positions: int):
     if kind == "source":
         return extended_source_model(folder, positions)
-    from ..modeling_performer import PerformerModel
+    from ..modeling.modeling_performer import PerformerModel
 
     return PerformerModel.from_pretrained(folder).eval()
 
@@ -148,7 +148,7 @@ def run_demo(output_dir: str | Path | None = None, length: int = 4096, num_sente
     method (``convert``'s default when None: the hybrid; ``"favor"``: plain FAVOR+)."""
     from transformers import AutoTokenizer
 
-    from ..modeling_performer import PerformerModel
+    from ..modeling.modeling_performer import PerformerModel
 
     source_folder = minilm_folder()
     pretrained = json.loads((source_folder / "config.json").read_text())["max_position_embeddings"]

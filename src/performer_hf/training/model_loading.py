@@ -14,7 +14,7 @@ import os
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..configuration_performer import PerformerConfig
+from ..modeling.configuration_performer import PerformerConfig
 from .arguments import TrainingInputError
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..attention_card import KERNEL_DESCRIPTIONS, hybrid_lines
-from ..configuration_performer import PerformerConfig
+from ..modeling.configuration_performer import PerformerConfig
 from .data import DATA_SETS, HUB_DATASETS
 from .evaluation import THIS_MODEL
 from .registry import ZooEntry

@@ -37,7 +37,7 @@ def evaluate_embeddings(model_dir: Path, source_dir: Path, sentences: int = 200)
     loaded by transformers) on ``sentences`` English sentences of Python's documentation."""
     from transformers import AutoModel, AutoTokenizer
 
-    from ..modeling_performer import PerformerModel
+    from ..modeling.modeling_performer import PerformerModel
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = english_sentences(sentences)
