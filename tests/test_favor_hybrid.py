@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from performer_hf.favor import draw_projection, exact_attention
-from performer_hf.modeling.favor_hybrid import FAR_FIELDS, HybridSpec, hybrid_attention
+from performer_hf.favor import FAR_FIELDS, HybridSpec, draw_projection, exact_attention, hybrid_attention
 
 from .hybrid_reference import CONFIGS, random_qkv, reference, right_padding
 

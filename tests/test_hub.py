@@ -125,7 +125,8 @@ def test_push_command_prints_the_commit(tmp_path, fake_hub, capsys):
     assert main(["push", str(folder), "org/tiny-performer", "--message", "first upload"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1] == "https://hub.invalid/org/tiny-performer/commit/0"
-    assert lines[0].startswith("uploading 16 files to org/tiny-performer: README.md, ")
+    uploaded = len(fake_hub.commits[0]["files"])  # every file of the folder but optimizer.bin (see above)
+    assert lines[0].startswith(f"uploading {uploaded} files to org/tiny-performer: README.md, ")
     assert fake_hub.commits[0]["commit_message"] == "first upload"
     _assert_loadable_upload(fake_hub.commits[0]["files"])
 

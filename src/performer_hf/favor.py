@@ -10,8 +10,9 @@ and dense references.
 from .favor_reference import exact_attention, explicit_feature_attention
 from .modeling.favor_attention import DEFAULT_CHUNK_SIZE, FavorState, favor_attention
 from .modeling.favor_features import FEATURE_MAPS, FeatureMap, feature_map, get_feature_map
-from .modeling.favor_hybrid import FAR_FIELDS, FarField, HybridSpec, HybridState, get_far_field, hybrid_attention
+from .modeling.favor_hybrid import HybridSpec, HybridState, hybrid_attention
 from .modeling.favor_projection import draw_projection
+from .modeling.hybrid_far_field import FAR_FIELDS, FarField, get_far_field
 
 KERNELS = tuple(FEATURE_MAPS)
 

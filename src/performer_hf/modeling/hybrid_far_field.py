@@ -1,0 +1,112 @@
+"""The far-field kernels of hybrid attention: what approximates ``exp(x . y)`` for the keys outside a
+query's exact support (see :mod:`.favor_hybrid`), as a registry of :class:`FarField` entries.
+
+- ``"softmax"``: positive random features ``exp(w . u - |u|^2 / 2) / sqrt(m)`` (FAVOR+);
+- ``"softmax_hyperbolic"``: ``[exp(w . u), exp(-w . u)] exp(-|u|^2 / 2) / sqrt(2m)``;
+- ``"softmax_opt"``: optimal positive random features (FAVOR++, :mod:`.favor_optimal`);
+- ``"taylor2"`` / ``"poly2"``: the deterministic polynomials ``1 + t + t^2 / 2`` and ``(1 + t / 2)^2`` of
+  ``t = u . w``, with features of width ``1 + d + d (d + 1) / 2``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .favor_optimal import optimal_log_features
+
+Tensor = torch.Tensor
+
+# (u, projection, parameter) -> (base, log): u (B, H, L, d); base (B, H, L, D) or None;
+# log (B, H, L, D) or None. phi(u) = base * exp(log); missing parts mean ones / zeros.
+FarFeatureFn = Callable[[Tensor, Tensor | None, Tensor | None], tuple[Tensor | None, Tensor | None]]
+
+
+@dataclass(frozen=True)
+class FarField:
+    """A far-field kernel of the hybrid attention.
+
+    Attributes:
+        name: registry key (the ``far_field`` argument).
+        features: ``(u, projection, parameter) -> (base, log)`` for centred queries or keys.
+        quadratic: for the polynomial kernels ``1 + t + quadratic * t^2`` of ``t = u . w``: their
+            values on the support follow from the exact logits, and bidirectional attention builds
+            their state without materialising features. ``None``: random features, whose values on
+            the support come from feature dot products.
+        uses_projection: whether a random projection is required.
+        uses_parameter: whether the kernel has a per-head parameter (FAVOR++'s ``A``).
+    """
+
+    name: str
+    features: FarFeatureFn
+    quadratic: float | None = None
+    uses_projection: bool = True
+    uses_parameter: bool = False
+
+
+def _half_sq_norm(u: Tensor) -> Tensor:
+    return 0.5 * u.pow(2).sum(dim=-1, keepdim=True)  # (..., L, 1)
+
+
+def _positive_features(u: Tensor, projection: Tensor, _parameter) -> tuple[None, Tensor]:
+    m = projection.shape[0]
+    return None, u @ projection.T - _half_sq_norm(u) - 0.5 * math.log(m)  # (B, H, L, m)
+
+
+def _hyperbolic_features(u: Tensor, projection: Tensor, _parameter) -> tuple[None, Tensor]:
+    m = projection.shape[0]
+    logits = u @ projection.T  # (B, H, L, m)
+    return None, torch.cat([logits, -logits], dim=-1) - _half_sq_norm(u) - 0.5 * math.log(2 * m)
+
+
+def _optimal_features(u: Tensor, projection: Tensor, parameter: Tensor) -> tuple[None, Tensor]:
+    return None, optimal_log_features(u, projection, parameter)  # (B, H, L, m)
+
+
+def _products(u: Tensor, a: int) -> Tensor:
+    """(..., d) -> (..., d - a): u_a * u_b for b >= a."""
+    return u[..., a:] * u[..., a : a + 1]
+
+
+def _quadratic_weights(d: int, a: int, c2: float, like: Tensor) -> Tensor:
+    """(d - a,): c2 for the square u_a^2, 2 c2 for each cross term u_a u_b (b > a)."""
+    weights = torch.full((d - a,), 2 * c2, dtype=like.dtype, device=like.device)
+    weights[0] = c2
+    return weights
+
+
+def _quadratic_features(c2: float) -> FarFeatureFn:
+    """Features ``[1, u, q(u)]`` of ``1 + t + c2 t^2`` with ``q(u) . q(w) = c2 (u . w)^2``.
+
+    ``q`` holds ``sqrt(weight) * u_a u_b`` for the ``d (d + 1) / 2`` pairs ``a <= b``: width ``1 + d + d (d + 1) / 2``.
+    """
+
+    def features(u: Tensor, _projection, _parameter) -> tuple[Tensor, None]:
+        d = u.shape[-1]
+        quadratic = [_products(u, a) * _quadratic_weights(d, a, c2, u).sqrt() for a in range(d)]
+        return torch.cat([torch.ones_like(u[..., :1]), u, *quadratic], dim=-1), None  # (B, H, L, D)
+
+    return features
+
+
+FAR_FIELDS: dict[str, FarField] = {
+    ff.name: ff
+    for ff in (
+        FarField("softmax", _positive_features),
+        FarField("softmax_hyperbolic", _hyperbolic_features),
+        FarField("softmax_opt", _optimal_features, uses_parameter=True),
+        FarField("taylor2", _quadratic_features(0.5), quadratic=0.5, uses_projection=False),
+        FarField("poly2", _quadratic_features(0.25), quadratic=0.25, uses_projection=False),
+    )
+}
+
+
+def get_far_field(name: str) -> FarField:
+    """Look up a far-field kernel by name, with an error that lists the valid names."""
+    try:
+        return FAR_FIELDS[name]
+    except KeyError:
+        raise ValueError(f"Unknown far_field {name!r}; choose one of {sorted(FAR_FIELDS)}.") from None
