@@ -1,8 +1,9 @@
 """Checkpoints saved by earlier releases keep loading and giving the same outputs.
 
 ``fixtures/checkpoints_v0`` holds tiny checkpoints (exact, FAVOR+ and hybrid; masked and causal LM)
-saved with their remote code by performer_hf before the attention-method registry (commit e6d3164),
-each with ``expected.safetensors``: its inputs and the logits it gave then.
+saved by performer_hf before the attention-method registry (commit e6d3164), each with
+``expected.safetensors``: its inputs and the logits it gave then. Two of them (``favor-clm``,
+``hybrid-mlm``) keep the remote code they were saved with; the others keep only weights and config.
 """
 
 import subprocess
