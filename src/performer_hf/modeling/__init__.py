@@ -1,6 +1,6 @@
 """The remote-code bundle: exactly the files a saved Performer checkpoint ships, so that
 ``from_pretrained(folder, trust_remote_code=True)`` works where performer_hf is not installed
-(``tests/test_remote_code_bundle.py`` checks that a checkpoint carries every ``.py`` file here, and
+(``tests/modeling/test_remote_code_bundle.py`` checks that a checkpoint carries every ``.py`` file here, and
 nothing else).
 
 Flat on purpose: transformers' remote-code loader follows only ``from .x import y`` imports of sibling

@@ -5,12 +5,12 @@ import torch
 
 from performer_hf.favor import FAR_FIELDS, HybridSpec, draw_projection, exact_attention, hybrid_attention
 
-from .hybrid_reference import CONFIGS, random_qkv, reference, right_padding
+from ..hybrid_reference import CONFIGS, random_qkv, reference, right_padding
 
 
 @pytest.fixture(autouse=True)
 def pytorch_implementation(monkeypatch):
-    """This file tests the PyTorch implementation; tests/test_cpu_kernels.py tests the compiled one."""
+    """This file tests the PyTorch implementation; tests/modeling/test_cpu_kernels.py tests the compiled one."""
     monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")
 
 

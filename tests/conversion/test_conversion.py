@@ -20,7 +20,7 @@ from performer_hf.conversion import SUPPORTED_ARCHITECTURES, ConversionError, co
 from performer_hf.conversion.fidelity import embedding_agreement, english_sentences, sample_passages, spearman
 from performer_hf.conversion.mapping import FAMILIES, extend_positions, rules_markdown
 
-from .conversion_sources import CASES, Case, save_source
+from ..conversion_sources import CASES, Case, save_source
 
 CASE_IDS = [case.name for case in CASES]
 
@@ -229,7 +229,7 @@ def test_tables_cover_every_supported_architecture_and_mapping_doc_is_current():
     required = {"BertModel", "BertForMaskedLM", "BertForSequenceClassification", "RobertaModel", "RobertaForMaskedLM",
                 "RobertaForSequenceClassification", "GPT2Model", "GPT2LMHeadModel"}  # fmt: skip
     assert required <= set(SUPPORTED_ARCHITECTURES)
-    mapping_doc = Path(__file__).resolve().parents[1] / "conversion" / "MAPPING.md"
+    mapping_doc = Path(__file__).resolve().parents[2] / "conversion" / "MAPPING.md"
     assert rules_markdown() in mapping_doc.read_text(), "regenerate with: python conversion/make_mapping_doc.py"
 
 

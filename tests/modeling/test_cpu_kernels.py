@@ -9,7 +9,7 @@ import torch
 import performer_hf.modeling.cpu_kernels as cpu_kernels
 from performer_hf.modeling.favor_hybrid import hybrid_attention
 
-from .hybrid_reference import CONFIGS, QUADRATIC, random_qkv, reference, right_padding
+from ..hybrid_reference import CONFIGS, QUADRATIC, random_qkv, reference, right_padding
 
 
 def test_the_kernel_builds_on_this_machine():

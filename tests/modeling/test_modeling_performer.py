@@ -32,7 +32,7 @@ from performer_hf import (
 )
 from performer_hf.modeling.modeling_performer import CACHE_FIELD
 
-from .tiny_models import HEADS, HIDDEN, LAYERS, VOCAB, random_ids, tiny_config, tiny_model
+from ..tiny_models import HEADS, HIDDEN, LAYERS, VOCAB, random_ids, tiny_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

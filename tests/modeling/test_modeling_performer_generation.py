@@ -9,7 +9,7 @@ from performer_hf.favor import FavorState, favor_attention
 from performer_hf.modeling.cache_performer import FavorCacheLayer
 from performer_hf.modeling.modeling_performer import CACHE_FIELD
 
-from .tiny_models import FEATURES, HEADS, HIDDEN, LAYERS, METHODS, VOCAB, random_centres, random_ids, tiny_model
+from ..tiny_models import FEATURES, HEADS, HIDDEN, LAYERS, METHODS, VOCAB, random_centres, random_ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -20,10 +20,10 @@ from performer_hf.conversion.fidelity import sample_batch
 from performer_hf.modeling.cache_performer import HybridCacheLayer
 from performer_hf.modeling.modeling_performer import CACHE_FIELD
 
-from .conversion_sources import CASES, save_source
-from .hybrid_reference import reference
-from .remote_code import load_without_performer_hf
-from .tiny_models import HEADS, HIDDEN, LAYERS, random_centres, random_ids, tiny_config, tiny_model
+from ..conversion_sources import CASES, save_source
+from ..hybrid_reference import reference
+from ..remote_code import load_without_performer_hf
+from ..tiny_models import HEADS, HIDDEN, LAYERS, random_centres, random_ids, tiny_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -21,7 +21,7 @@ from performer_hf import (
     PerformerModel,
 )
 
-from . import transformers_common
+from .. import transformers_common
 
 common = transformers_common.load("test_modeling_common")
 ConfigTester = transformers_common.load("test_configuration_common").ConfigTester

@@ -7,8 +7,8 @@ from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, Tra
 
 from performer_hf import PerformerForCausalLM, PerformerForMaskedLM, PerformerModel
 
-from .remote_code import load_without_performer_hf
-from .tiny_models import HEADS, HIDDEN, LAYERS, VOCAB, random_ids, tiny_config
+from ..remote_code import load_without_performer_hf
+from ..tiny_models import HEADS, HIDDEN, LAYERS, VOCAB, random_ids, tiny_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

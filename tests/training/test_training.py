@@ -48,7 +48,7 @@ from performer_hf.training.model_loading import parse_config_overrides
 from performer_hf.training.redraw import find_performer, projection_checksum, redraw_seed
 from performer_hf.training.tracking import read_log
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = (
     "num_hidden_layers=2,hidden_size=32,num_attention_heads=4,intermediate_size=64,nb_features=16,"
     "max_position_embeddings=64"

@@ -12,7 +12,7 @@ from transformers.utils import logging
 from performer_hf import PerformerForCausalLM, PerformerForMaskedLM
 from performer_hf.modeling.modeling_performer import CACHE_FIELD
 
-from .tiny_models import METHODS, random_ids, tiny_model
+from ..tiny_models import METHODS, random_ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

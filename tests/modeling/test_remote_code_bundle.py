@@ -8,7 +8,7 @@ import pytest
 import performer_hf.modeling
 from performer_hf import PerformerForCausalLM, PerformerForMaskedLM
 
-from .tiny_models import METHODS, tiny_config
+from ..tiny_models import METHODS, tiny_config
 
 BUNDLE = Path(performer_hf.modeling.__file__).parent
 
