@@ -49,7 +49,7 @@ DEFAULT_CHUNK_SIZE = 128
 # Entries of one (B, H, S, m) feature buffer per slab (8 MiB in float32): small enough for the
 # allocator to reuse it (no page faults) and to stay in the last-level cache, big enough that
 # the per-op overhead is negligible.
-_SLAB_ELEMENTS = 2**21
+_FEATURE_BUFFER_ELEMENTS = 2**21
 _MAX_SLAB_CHUNKS = 16
 
 
@@ -141,14 +141,15 @@ def _exp_directions_grad(g: Tensor, x: Tensor) -> Tensor:
     return g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])
 
 
-def _slabs(length: int, size: int) -> list[tuple[int, int]]:
+def _spans(length: int, size: int) -> list[tuple[int, int]]:
+    """(start, stop) ranges of ``size`` positions covering ``range(length)``."""
     return [(start, min(start + size, length)) for start in range(0, length, size)]
 
 
 def _slab_size(batch_heads: int, width: int, chunk: int = 1) -> int:
-    """Positions per slab: one (B, H, S, m') buffer holds about _SLAB_ELEMENTS entries, and a
+    """Positions per slab: one (B, H, S, m') buffer holds about _FEATURE_BUFFER_ELEMENTS entries, and a
     causal slab at most _MAX_SLAB_CHUNKS chunks (its scan costs (G + 1)^2 m' d per (batch, head))."""
-    chunks = max(1, _SLAB_ELEMENTS // (batch_heads * width * chunk))
+    chunks = max(1, _FEATURE_BUFFER_ELEMENTS // (batch_heads * width * chunk))
     if chunk > 1:
         chunks = min(chunks, _MAX_SLAB_CHUNKS)
     return chunks * chunk
@@ -172,14 +173,14 @@ class _BidirectionalExp(torch.autograd.Function):
         m = directions.shape[0]
         kv = q.new_zeros(B, H, m, v1.shape[-1])
         shift = q.new_full((B, H, 1, 1), EMPTY_SHIFT)  # online max over all real keys
-        for a, b in _slabs(Lk, slab):
+        for a, b in _spans(Lk, slab):
             log_phi = _exp_log_features(k[:, :, a:b], directions, None if keep is None else keep[:, :, a:b])
             new_shift = torch.maximum(shift, log_phi.amax(dim=(-2, -1), keepdim=True))
             kv.mul_(torch.exp(shift - new_shift))
             kv.add_(log_phi.sub_(new_shift).exp_().transpose(-2, -1) @ v1[:, :, a:b])
             shift = new_shift
         out1 = q.new_empty(*q.shape[:-1], v1.shape[-1])
-        for a, b in _slabs(q.shape[2], slab):
+        for a, b in _spans(q.shape[2], slab):
             phi_q = _exp_query_features(q[:, :, a:b], directions)
             if stabilizer:
                 phi_q.add_(stabilizer)
@@ -197,7 +198,7 @@ class _BidirectionalExp(torch.autograd.Function):
         grad_q, grad_k, grad_v1 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v1)
         grad_kv = torch.zeros_like(kv)
         grad_directions = torch.zeros_like(directions) if want_directions else None
-        for a, b in _slabs(q.shape[2], slab):
+        for a, b in _spans(q.shape[2], slab):
             x, g1 = q[:, :, a:b], grad_out1[:, :, a:b]
             phi = _exp_query_features(x, directions)  # without the stabilizer
             g = g1 @ kv.transpose(-2, -1)  # (B, H, S, m'): d loss / d phi
@@ -206,7 +207,7 @@ class _BidirectionalExp(torch.autograd.Function):
             grad_q[:, :, a:b] = _exp_input_grad(g, x, directions)
             if want_directions:
                 grad_directions.add_(_exp_directions_grad(g, x))
-        for a, b in _slabs(k.shape[2], slab):
+        for a, b in _spans(k.shape[2], slab):
             x, v1_slab = k[:, :, a:b], v1[:, :, a:b]
             phi = _exp_log_features(x, directions, None if keep is None else keep[:, :, a:b]).sub_(shift).exp_()
             grad_v1[:, :, a:b] = phi @ grad_kv
@@ -273,7 +274,7 @@ class _CausalExp(torch.autograd.Function):
         starts = []  # per slab (B, H, G, m', d + 1): the state each chunk starts from
         future = ~torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
         kv, prev = kv0, shift0
-        for a, b in _slabs(L, slab):
+        for a, b in _spans(L, slab):
             G = (b - a) // C
             phi_q = _exp_query_features(q[:, :, a:b], directions)
             if stabilizer:
@@ -321,7 +322,7 @@ class _CausalExp(torch.autograd.Function):
         # d loss / d (the state after the slab processed next, going backwards), relative to its shift
         state_grad = q.new_zeros(B, H, m, d1) if grad_kv is None else grad_kv
         future = ~torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-        for a, b in reversed(_slabs(L, slab)):
+        for a, b in reversed(_spans(L, slab)):
             G = (b - a) // C
             xq, xk = q[:, :, a:b], k[:, :, a:b]
             phi_q = _exp_query_features(xq, directions)  # without the stabilizer
@@ -386,7 +387,7 @@ def _features(
     return (features + stabilizer if stabilizer else features), shift
 
 
-def _normalise(out1: Tensor) -> Tensor:
+def _divide_or_zero(out1: Tensor) -> Tensor:
     """(…, d + 1) numerator|denominator -> (…, d).
 
     A query that sees no key at all (causal, before the first real token of a left-padded row)
@@ -549,5 +550,5 @@ def favor_attention(
             out1, state = _causal(q, k, v1, projection, kernel, mask, chunk_size, initial_state)
         else:
             out1, state = _bidirectional(q, k, v1, projection, kernel, mask), None
-        out = _normalise(out1).to(out_dtype)
+        out = _divide_or_zero(out1).to(out_dtype)
     return (out, state) if return_state else out

@@ -183,7 +183,7 @@ def _features(far: FarField, u: Tensor, projection, parameter, row_log: Tensor) 
     return (feats if base is None else base * feats), scale
 
 
-def _normalise(out1: Tensor) -> Tensor:
+def _divide_clamped(out1: Tensor) -> Tensor:
     """(..., dv + 1) numerator|denominator -> (..., dv); 0 where nothing was visible."""
     return out1[..., :-1] / out1[..., -1:].clamp_min(torch.finfo(out1.dtype).tiny)
 
@@ -545,7 +545,7 @@ def hybrid_attention(
         out1 = _fused_sums(kernels, x, rq, far_side, keys, spec)
     else:
         out1 = _hybrid_sums(x, rq, far_side, keys, (prefix, globals_), spec, causal, offset)
-    out = _normalise(out1)
+    out = _divide_clamped(out1)
     if not causal and num_global_tokens:
         out = _global_rows(x, keys, out, num_global_tokens)
     out = out.to(out_dtype)

@@ -10,12 +10,12 @@ query's exact support (see :mod:`.favor_hybrid`), as a registry of :class:`FarFi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from .favor_features import FEATURE_MAPS
 from .favor_optimal import optimal_log_features
 
 Tensor = torch.Tensor
@@ -47,19 +47,14 @@ class FarField:
     uses_parameter: bool = False
 
 
-def _half_sq_norm(u: Tensor) -> Tensor:
-    return 0.5 * u.pow(2).sum(dim=-1, keepdim=True)  # (..., L, 1)
+def _random_features(name: str) -> FarFeatureFn:
+    """FAVOR+'s own positive random features (:mod:`.favor_features`) as a far field (no parameter)."""
+    compute = FEATURE_MAPS[name].compute
 
+    def features(u: Tensor, projection: Tensor, _parameter) -> tuple[None, Tensor]:
+        return compute(u, projection)  # (None, log-features (B, H, L, m'))
 
-def _positive_features(u: Tensor, projection: Tensor, _parameter) -> tuple[None, Tensor]:
-    m = projection.shape[0]
-    return None, u @ projection.T - _half_sq_norm(u) - 0.5 * math.log(m)  # (B, H, L, m)
-
-
-def _hyperbolic_features(u: Tensor, projection: Tensor, _parameter) -> tuple[None, Tensor]:
-    m = projection.shape[0]
-    logits = u @ projection.T  # (B, H, L, m)
-    return None, torch.cat([logits, -logits], dim=-1) - _half_sq_norm(u) - 0.5 * math.log(2 * m)
+    return features
 
 
 def _optimal_features(u: Tensor, projection: Tensor, parameter: Tensor) -> tuple[None, Tensor]:
@@ -95,8 +90,8 @@ def _quadratic_features(c2: float) -> FarFeatureFn:
 FAR_FIELDS: dict[str, FarField] = {
     ff.name: ff
     for ff in (
-        FarField("softmax", _positive_features),
-        FarField("softmax_hyperbolic", _hyperbolic_features),
+        FarField("softmax", _random_features("softmax")),
+        FarField("softmax_hyperbolic", _random_features("softmax_hyperbolic")),
         FarField("softmax_opt", _optimal_features, uses_parameter=True),
         FarField("taylor2", _quadratic_features(0.5), quadratic=0.5, uses_projection=False),
         FarField("poly2", _quadratic_features(0.25), quadratic=0.25, uses_projection=False),
