@@ -26,7 +26,7 @@ from torch import nn
 
 from ..modeling.attention_methods import exact_attention, hybrid_method
 from ..modeling.favor_optimal import optimal_parameter
-from ..modeling.modeling_performer import PerformerAttention
+from ..modeling.layers_performer import PerformerAttention
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from ..modeling.modeling_performer import PerformerAttention
+from ..modeling.layers_performer import PerformerAttention
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 _PLAIN_SENTENCE = re.compile(r"[A-Za-z ,;'\-]+\.")
