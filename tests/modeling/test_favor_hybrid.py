@@ -176,7 +176,7 @@ def test_argument_errors():
 def test_results_do_not_depend_on_the_slab_size(far_field, causal, monkeypatch):
     # Key statistics, the polynomial far-field state and the query blocks run slab by slab: one row or block
     # per slab must give the same outputs and gradients as one slab for everything.
-    import performer_hf.modeling.favor_hybrid as favor_hybrid_module
+    import performer_hf.modeling.slabs as slabs_module
 
     q, k, v = random_qkv()
     mask = right_padding(2, 45)
@@ -184,8 +184,8 @@ def test_results_do_not_depend_on_the_slab_size(far_field, causal, monkeypatch):
     kwargs = _kwargs(far_field, causal, config)
     results = []
     for slab_elements in (1, 1 << 24):
-        monkeypatch.setattr(favor_hybrid_module, "_SLAB_ELEMENTS", slab_elements)
-        monkeypatch.setattr(favor_hybrid_module, "_FAR_SLAB_ELEMENTS", slab_elements)
+        monkeypatch.setattr(slabs_module, "SLAB_ELEMENTS", slab_elements)
+        monkeypatch.setattr(slabs_module, "FAR_SLAB_ELEMENTS", slab_elements)
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
         out = hybrid_attention(*inputs, _projection(), key_padding_mask=mask, center=not causal, chunk_size=8, **kwargs)
         out = out * mask[:, None, :, None]  # padded queries' outputs are unspecified

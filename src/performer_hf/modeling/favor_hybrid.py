@@ -58,17 +58,23 @@ import torch.nn.functional as F
 from .causal_scan import EMPTY_SHIFT, causal_scan
 from .cpu_kernels import hybrid_kernels
 from .favor_optimal import optimal_parameter, pair_statistic
-from .hybrid_far_field import FarField, get_far_field
+from .hybrid_far_field import FarContext, FarField, far_features, get_far_field, quadratic_apply, quadratic_state
+from .hybrid_keys import (
+    NEG_INF,
+    Keys,
+    cat_keys,
+    gather_blocks,
+    key_block_means,
+    key_side,
+    pad_keys,
+    route,
+    route_scores,
+    slice_keys,
+    window_offsets,
+)
+from .slabs import slabs
 
 Tensor = torch.Tensor
-
-_NEG_INF = float("-inf")
-# Upper bound on the elements of the largest temporary of one slab of query blocks (or of positions,
-# for the polynomial far-field state): inputs are processed slab by slab, so that temporaries stay
-# cache-sized and memory stays linear in the sequence length.
-_SLAB_ELEMENTS = 1 << 24
-# The polynomial far field's (rows, d, dv + 1) temporaries: smaller, so that they stay in cache.
-_FAR_SLAB_ELEMENTS = 1 << 20
 
 
 # ----------------------------------------------------------------------------- decoding state
@@ -108,18 +114,6 @@ class HybridSpec:
             )
         if stateful and not causal:
             raise ValueError("initial_state / return_state only apply to causal attention (causal=True).")
-
-
-class _FarContext(NamedTuple):
-    """What maps keys (and queries) to far-field features: shared by every key set of one call."""
-
-    root: float  # q and k are scaled by root (sqrt of the logit scale)
-    a: Tensor  # (.., 1 or H, 1, d) query centre
-    c: Tensor  # (.., 1 or H, 1, d) key centre
-    far: FarField
-    projection: Tensor | None
-    parameter: Tensor | None
-    dtype: torch.dtype
 
 
 class HybridState(NamedTuple):
@@ -166,67 +160,12 @@ def _as_center(center: Tensor, like: Tensor) -> Tensor:
     return center.unsqueeze(-2)
 
 
-def _features(far: FarField, u: Tensor, projection, parameter, row_log: Tensor) -> tuple[Tensor, Tensor]:
-    """Far-field features as (normalised features, per-row log scale).
-
-    Returns ``feats`` (B, H, L, D) with ``phi(u) * exp(row_log) = feats * exp(scale)`` and
-    ``scale`` (B, H, L, 1): the row max of the log-features (so that ``|feats| <= 1`` for the
-    exponential kernels; polynomial kernels keep their base features as they are).
-    """
-    base, log = far.features(u, projection, parameter)
-    if log is None:
-        return base, row_log
-    log = log + row_log
-    scale = log.amax(dim=-1, keepdim=True).detach()  # (B, H, L, 1)
-    scale = torch.where(torch.isfinite(scale), scale, torch.zeros_like(scale))
-    feats = torch.exp(log - scale)
-    return (feats if base is None else base * feats), scale
-
-
 def _divide_clamped(out1: Tensor) -> Tensor:
     """(..., dv + 1) numerator|denominator -> (..., dv); 0 where nothing was visible."""
     return out1[..., :-1] / out1[..., -1:].clamp_min(torch.finfo(out1.dtype).tiny)
 
 
-def _slabs(length: int, per_row: int, elements: int | None = None):
-    """Slices of ``range(length)`` with about ``elements`` (default _SLAB_ELEMENTS) / per_row rows each."""
-    rows = max(1, (_SLAB_ELEMENTS if elements is None else elements) // max(1, per_row))
-    return [slice(start, min(length, start + rows)) for start in range(0, length, rows)]
-
-
 # ----------------------------------------------------------------------------- far field sums
-def _quadratic_state(w: Tensor, wv1: Tensor, c2: float) -> tuple[Tensor, Tensor]:
-    """State of the kernel ``1 + t + c2 t^2`` over all keys, without materialising features.
-
-    w: (B, H, S, d) centred keys; wv1: (B, H, S, dv + 1) their weighted values ``exp(klog - s) [v, 1]``.
-    Returns ``linear`` (B, H, 1 + d, dv + 1) ``= [1, w]^T wv1`` and ``quadratic`` (B, H, d, d (dv + 1))
-    ``= c2 sum_j w_j (w_j (x) wv1_j)``: row ``a``, column ``(b, e)`` holds ``c2 sum_j w_ja w_jb wv1_je``.
-    """
-    B, H, S, d = w.shape
-    d1 = wv1.shape[-1]
-    linear = torch.cat([wv1.sum(dim=-2, keepdim=True), w.transpose(-2, -1) @ wv1], dim=-2)
-    quadratic = 0
-    for rows in _slabs(S, B * H * d * d1, _FAR_SLAB_ELEMENTS):
-        w_s = w[:, :, rows]
-        outer = (w_s.unsqueeze(-1) * wv1[:, :, rows].unsqueeze(-2)).flatten(-2)  # (B, H, s, d (dv + 1))
-        quadratic = quadratic + w_s.transpose(-2, -1) @ outer
-    return linear, quadratic * c2
-
-
-def _quadratic_apply(u: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
-    """u: (B, H, n, d) centred queries -> (B, H, n, dv + 1) kernel sums ``sum_j (1 + t + c2 t^2) wv1_j``."""
-    linear, quadratic = state
-    B, H, n, d = u.shape
-    d1 = linear.shape[-1]
-    sums = []
-    for rows in _slabs(n, B * H * d * d1, _FAR_SLAB_ELEMENTS):
-        u_s = u[:, :, rows]
-        per_dim = (u_s @ quadratic).unflatten(-1, (d, d1))  # (B, H, s, d, dv + 1): sum_a u_a quadratic[a]
-        quadratic_sums = (u_s.unsqueeze(-2) @ per_dim).squeeze(-2)  # (B, H, s, dv + 1): sum_b u_b per_dim[b]
-        sums.append(linear[..., :1, :] + u_s @ linear[..., 1:, :] + quadratic_sums)
-    return torch.cat(sums, dim=2)
-
-
 def _causal_far(qf, kf, klog, v1, chunk_size: int, far_kv: Tensor | None, far_shift: Tensor | None):
     """Causal far-field sums (:func:`.causal_scan`): query i reads every key j <= i, scaled to the running
     shift s_i.
@@ -243,123 +182,6 @@ def _causal_far(qf, kf, klog, v1, chunk_size: int, far_kv: Tensor | None, far_sh
     return out, shifts, kv, shift
 
 
-# ----------------------------------------------------------------------------- keys
-class _Keys(NamedTuple):
-    """Scaled keys with everything the hybrid sums read; sequence axis 2 (mask: axis 1)."""
-
-    y: Tensor  # (B, H, S, d)
-    values1: Tensor  # (B, H, S, dv + 1): [v, 1], zero for padded keys
-    klog: Tensor  # (B, H, S, 1): log scale of the far-field features (-inf for padded keys)
-    mask: Tensor  # (B, S) bool
-    feats: Tensor | None  # (B, H, S, D): far-field features (|.| <= 1 for the exponential kernels)
-
-
-def _key_side(k, v, mask, ctx: _FarContext, with_features: bool) -> _Keys:
-    """Keys (B, H, S, d), values (B, H, S, dv) and their mask (B, S) prepared for the support and the far field."""
-    root, a, c, far, projection, parameter, dtype = ctx
-    y = k.to(dtype) * root
-    rk = y @ a.transpose(-2, -1) - (a * c).sum(-1, keepdim=True)  # (B, H, S, 1): a . y_j - a . c
-    keep = mask[:, None, :, None]  # (B, 1, S, 1)
-    feats = None
-    if far.quadratic is not None and not with_features:
-        klog = rk
-    else:
-        feats, klog = _features(far, y - c, projection, parameter, rk)
-        feats = feats * keep
-    v = v.to(dtype) * keep
-    values1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * keep
-    return _Keys(y, values1, klog.masked_fill(~keep, _NEG_INF), mask, feats)
-
-
-def _map_keys(fn, keys: _Keys, mask_fn) -> _Keys:
-    feats = None if keys.feats is None else fn(keys.feats, 0.0)
-    return _Keys(fn(keys.y, 0.0), fn(keys.values1, 0.0), fn(keys.klog, _NEG_INF), mask_fn(keys.mask), feats)
-
-
-def _slice_keys(keys: _Keys, start: int, stop: int) -> _Keys:
-    return _map_keys(lambda t, _: t[:, :, start:stop], keys, lambda m: m[:, start:stop])
-
-
-def _pad_keys(keys: _Keys, before: int, after: int) -> _Keys:
-    """Add empty (masked) keys on both sides of the sequence axis."""
-    if not before and not after:
-        return keys
-    return _map_keys(lambda t, fill: F.pad(t, (0, 0, before, after), value=fill), keys,
-                     lambda m: F.pad(m, (before, after), value=False))  # fmt: skip
-
-
-def _cat_keys(first: _Keys, second: _Keys) -> _Keys:
-    feats = None if first.feats is None else torch.cat([first.feats, second.feats], dim=2)
-    return _Keys(*(torch.cat([f, s], dim=2) for f, s in zip(first[:3], second[:3], strict=True)),
-                 torch.cat([first.mask, second.mask], dim=1), feats)  # fmt: skip
-
-
-def _window_offsets(local_window: int, causal: bool) -> tuple[int, int]:
-    """(left, right): query i computes keys i - left ... i + right exactly (right = -1: none)."""
-    if not local_window:
-        return 0, -1
-    if causal:
-        return local_window - 1, 0
-    left = (local_window - 1) // 2
-    return left, local_window - 1 - left
-
-
-# ----------------------------------------------------------------------------- the support
-def _key_block_means(keys: _Keys, block_k: int) -> tuple[Tensor, Tensor]:
-    """Block statistics for routing: (B, H, Nk, d) the mean of the real keys of each key block (0 where it
-    has none) and (B, Nk) whether it has any."""
-    B, H, S, d = keys.y.shape
-    keep = keys.mask.view(B, 1, S // block_k, block_k, 1).to(keys.y.dtype)
-    total = (keys.y.detach().view(B, H, S // block_k, block_k, d) * keep).sum(3)
-    count = keep.sum(3)  # (B, 1, Nk, 1)
-    return total / count.clamp_min(1), count[:, 0, :, 0] > 0
-
-
-def _route_scores(xq: Tensor, q_mask: Tensor, key_blocks: tuple[Tensor, Tensor], first_block: int, block_k: int,
-                  left: int, right: int) -> Tensor:  # fmt: skip
-    """(B, H, n, Nk) routing scores of a slab of query blocks: the mean logit between each query block and key block.
-
-    The mean of ``x_i . y_j`` over the real queries ``i`` of a query block and the real keys ``j`` of
-    a key block is the dot product of the two block means.
-    xq: (B, H, n, bq, d); q_mask: (B, n, bq); key_blocks: from :func:`_key_block_means`.
-    Key blocks overlapping the query block's window span, and blocks without real keys, score ``-inf``.
-    """
-    key_means, has_keys = key_blocks
-    n, bq = xq.shape[2:4]
-    Nk = key_means.shape[2]
-    keep = q_mask[:, None, :, :, None].to(xq.dtype)  # (B, 1, n, bq, 1)
-    mean_q = (xq.detach() * keep).sum(3) / keep.sum(3).clamp_min(1)  # (B, H, n, d)
-    q_start = (torch.arange(n, device=xq.device) + first_block) * bq
-    k_start = torch.arange(Nk, device=xq.device) * block_k
-    overlaps = (k_start[None, :] <= (q_start[:, None] + bq - 1 + right)) & (
-        (k_start[None, :] + block_k - 1) >= (q_start[:, None] - left)
-    )  # (n, Nk)
-    excluded = overlaps | ~has_keys[:, None, :]  # (B, n, Nk)
-    return (mean_q @ key_means.transpose(-2, -1)).masked_fill_(excluded[:, None], _NEG_INF)
-
-
-def _route(xq: Tensor, q_mask: Tensor, key_blocks: tuple[Tensor, Tensor], first_block: int, block_k: int, left: int,
-           right: int, nb_routed: int) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Top ``nb_routed`` key blocks for a slab of query blocks by :func:`_route_scores`.
-
-    Returns the chosen key blocks (B, H, n, t) and whether each choice is real (B, H, n, t)
-    (False when fewer than ``nb_routed`` blocks qualify).
-    """
-    scores = _route_scores(xq, q_mask, key_blocks, first_block, block_k, left, right)
-    top = scores.topk(min(nb_routed, scores.shape[-1]), dim=-1, sorted=False)  # (B, H, n, t)
-    return top.indices, torch.isfinite(top.values)
-
-
-def _gather_blocks(t: Tensor, blocks: Tensor, block_k: int) -> Tensor:
-    """t (B, H, S, X), blocks (B, H, n, t) -> (B, H, n, t * block_k, X): the rows of the chosen key blocks."""
-    B, H, S, X = t.shape
-    Nk = S // block_k
-    rows = t.reshape(B * H * Nk, block_k * X)
-    offsets = (torch.arange(B * H, device=t.device) * Nk).view(B, H, 1, 1)
-    picked = rows.index_select(0, (blocks + offsets).flatten())  # (B * H * n * t, block_k * X)
-    return picked.view(*blocks.shape[:3], blocks.shape[3] * block_k, X)
-
-
 def _support_sums(xq, qf, rq, far_scale, key_shift, far_sum, groups, quadratic, shared_shift: bool) -> Tensor:
     """Hybrid numerator|denominator for a slab of query blocks.
 
@@ -372,7 +194,7 @@ def _support_sums(xq, qf, rq, far_scale, key_shift, far_sum, groups, quadratic, 
     Returns (B, H, n, bq, dv + 1) relative to a per-query shift.
     """
     logits = [xq @ fields[0].transpose(-2, -1) for fields, _ in groups]  # (B, H, n, bq, C) each
-    exact = [lg.masked_fill(~support, _NEG_INF) for lg, (_, support) in zip(logits, groups, strict=True)]
+    exact = [lg.masked_fill(~support, NEG_INF) for lg, (_, support) in zip(logits, groups, strict=True)]
     shift = far_scale
     for ex in exact:
         shift = torch.maximum(shift, ex.detach().amax(dim=-1, keepdim=True))  # (B, H, n, bq, 1)
@@ -388,7 +210,7 @@ def _support_sums(xq, qf, rq, far_scale, key_shift, far_sum, groups, quadratic, 
         if shared_shift:  # one key shift for all queries: a per-key factor
             pair = (pair * torch.exp(klog - key_shift[..., :1, :])).masked_fill(~support, 0.0)
         else:
-            pair = pair * torch.exp((klog - key_shift).masked_fill(~support, _NEG_INF))
+            pair = pair * torch.exp((klog - key_shift).masked_fill(~support, NEG_INF))
         weights = torch.addcmul(torch.exp(ex - shift), far_weight, pair, value=-1)  # exact minus kernel on E(i)
         numerator = numerator + weights @ fields[1]  # (B, H, n, bq, dv + 1)
         kernel_mass = kernel_mass + pair.sum(dim=-1, keepdim=True)
@@ -514,11 +336,11 @@ def hybrid_attention(
 
     kernels = None if causal or far.quadratic is None else _support_kernels(q, k, v)
     state = initial_state
-    ctx = _FarContext(root, a, c, far, projection, parameter, dtype)
-    keys = _key_side(k, v, mask, ctx, with_features=causal)
+    ctx = FarContext(root, a, c, far, projection, parameter, dtype)
+    keys = key_side(k, v, mask, ctx, with_features=causal)
     far_kv = far_shift = None
     if causal:
-        qf, q_scale = _features(far, x - a, projection, parameter, rq)  # (B, H, L, D), (B, H, L, 1)
+        qf, q_scale = far_features(far, x - a, projection, parameter, rq)  # (B, H, L, D), (B, H, L, 1)
         far_sum, shifts, far_kv, far_shift = _causal_far(
             qf, keys.feats, keys.klog, keys.values1, spec.chunk_size,
             None if state is None else state.far_kv, None if state is None else state.far_shift,
@@ -530,16 +352,16 @@ def hybrid_attention(
     # Keys a query may compute exactly besides its own sequence: the window buffer and the first
     # num_global_tokens keys of the preceding tokens (decoding), then this call's first ones.
     offset = 0 if state is None else state.length
-    left, right = _window_offsets(local_window, causal)
+    left, right = window_offsets(local_window, causal)
     prefix = None
     if state is not None and left:
-        prefix = _key_side(state.keys, state.values, state.key_mask, ctx, with_features=True)
+        prefix = key_side(state.keys, state.values, state.key_mask, ctx, with_features=True)
     globals_ = None
     if num_global_tokens:
-        globals_ = _slice_keys(keys, 0, max(0, min(num_global_tokens - offset, L)))
+        globals_ = slice_keys(keys, 0, max(0, min(num_global_tokens - offset, L)))
         if state is not None and state.global_keys.shape[2]:
-            old = _key_side(state.global_keys, state.global_values, state.global_mask, ctx, with_features=True)
-            globals_ = _cat_keys(old, globals_)
+            old = key_side(state.global_keys, state.global_values, state.global_mask, ctx, with_features=True)
+            globals_ = cat_keys(old, globals_)
 
     if kernels is not None:
         out1 = _fused_sums(kernels, x, rq, far_side, keys, spec)
@@ -572,7 +394,7 @@ class _BidirectionalFar:
     With ``kernels`` (:mod:`.cpu_kernels`), the polynomial far field's state and sums are compiled.
     """
 
-    def __init__(self, far: FarField, u: Tensor, rq: Tensor, keys: _Keys, c: Tensor, projection, parameter,
+    def __init__(self, far: FarField, u: Tensor, rq: Tensor, keys: Keys, c: Tensor, projection, parameter,
                  kernels=None):  # fmt: skip
         self.quadratic, self.kernels = far.quadratic, kernels
         shift = keys.klog.amax(dim=(-2, -1), keepdim=True).detach()  # (B, H, 1, 1)
@@ -583,11 +405,11 @@ class _BidirectionalFar:
             self.state = kernels.quadratic_far_state((keys.y - c).contiguous(), weighted.contiguous(), self.quadratic)
             self.qf = None
         elif self.quadratic is not None:
-            self.state = _quadratic_state(keys.y - c, weighted, self.quadratic)
+            self.state = quadratic_state(keys.y - c, weighted, self.quadratic)
             self.qf = None
         else:
             self.state = keys.feats.transpose(-2, -1) @ weighted  # (B, H, D, dv + 1)
-            self.qf, self.q_scale = _features(far, u, projection, parameter, rq)  # (B, H, L, D), (B, H, L, 1)
+            self.qf, self.q_scale = far_features(far, u, projection, parameter, rq)  # (B, H, L, D), (B, H, L, 1)
 
     def __call__(self, rows: slice):
         """-> (qf or None, q_scale, key_shift, far_sum) for the query rows, each (B, H, n, X)."""
@@ -596,20 +418,20 @@ class _BidirectionalFar:
             far_sum = self.kernels.quadratic_far_apply(self.u[:, :, rows].contiguous(), self.state)
             return None, self.rq[:, :, rows], key_shift, far_sum
         if self.quadratic is not None:
-            return None, self.rq[:, :, rows], key_shift, _quadratic_apply(self.u[:, :, rows], self.state)
+            return None, self.rq[:, :, rows], key_shift, quadratic_apply(self.u[:, :, rows], self.state)
         qf = self.qf[:, :, rows]
         return qf, self.q_scale[:, :, rows], key_shift, qf @ self.state
 
 
-def _key_fields(keys: _Keys, with_feats: bool) -> list[Tensor]:
+def _key_fields(keys: Keys, with_feats: bool) -> list[Tensor]:
     """The per-key tensors a candidate set carries: y, values1, klog (and the features)."""
     return [keys.y, keys.values1, keys.klog] + ([keys.feats] if with_feats else [])
 
 
-def _hybrid_sums(x, rq, far_side, keys: _Keys, extra_keys, spec: HybridSpec, causal: bool, offset: int) -> Tensor:
+def _hybrid_sums(x, rq, far_side, keys: Keys, extra_keys, spec: HybridSpec, causal: bool, offset: int) -> Tensor:
     """Numerator|denominator (B, H, L, dv + 1) of the hybrid attention, relative to a per-query shift.
 
-    ``extra_keys``: (the window buffer of earlier tokens, the global keys), each a :class:`_Keys` or None.
+    ``extra_keys``: (the window buffer of earlier tokens, the global keys), each a :class:`Keys` or None.
 
     The queries are processed by blocks of ``block_q``, in slabs of blocks; block ``n`` reads its
     window keys ``[n * block_q - left, (n + 1) * block_q + right)``, the global keys and its routed
@@ -618,18 +440,18 @@ def _hybrid_sums(x, rq, far_side, keys: _Keys, extra_keys, spec: HybridSpec, cau
     B, H, L, d = x.shape
     prefix, globals_ = extra_keys
     far = get_far_field(spec.far_field)
-    left, right = _window_offsets(spec.local_window, causal)
+    left, right = window_offsets(spec.local_window, causal)
     routed, block_k, block_q = spec.routed_blocks, spec.route_block_size, spec.query_block_size
     period = math.lcm(block_q, block_k) if routed else block_q
     pad = -(-L // period) * period - L
     N = (L + pad) // block_q
-    keys_p = _pad_keys(keys, 0, pad)
+    keys_p = pad_keys(keys, 0, pad)
     with_feats = far.quadratic is None
     nb_global = 0 if globals_ is None else globals_.y.shape[2]
     width = block_q + left + right if right >= 0 else 0
     if width:  # the window context: buffered keys (decoding) or nothing before, nothing after
-        before = prefix if prefix is not None else _slice_keys(keys, 0, 0)
-        window = _cat_keys(_pad_keys(before, left - before.y.shape[2], 0), _pad_keys(keys_p, 0, right))
+        before = prefix if prefix is not None else slice_keys(keys, 0, 0)
+        window = cat_keys(pad_keys(before, left - before.y.shape[2], 0), pad_keys(keys_p, 0, right))
         band = torch.arange(width, device=x.device)[None, :] - torch.arange(block_q, device=x.device)[:, None]
         band = (band >= 0) & (band <= left + right)  # (block_q, width): i - left <= j <= i + right
 
@@ -637,11 +459,11 @@ def _hybrid_sums(x, rq, far_side, keys: _Keys, extra_keys, spec: HybridSpec, cau
         gap = query_pos - key_pos
         return (gap >= -right) & (gap <= left)
 
-    key_blocks = _key_block_means(keys_p, block_k) if routed else None
+    key_blocks = key_block_means(keys_p, block_k) if routed else None
     nb_cand = width + nb_global + routed * block_k
     widest = max(d, keys.values1.shape[-1], keys.feats.shape[-1] if with_feats else 1)
     outputs = []
-    for blocks in _slabs(N, B * H * block_q * max(nb_cand, 1) * widest):
+    for blocks in slabs(N, B * H * block_q * max(nb_cand, 1) * widest):
         n0, n1 = blocks.start, blocks.stop
         n, lo, hi = n1 - n0, n0 * block_q, min(n1 * block_q, L)
         rows_pad = n * block_q - (hi - lo)
@@ -668,8 +490,8 @@ def _hybrid_sums(x, rq, far_side, keys: _Keys, extra_keys, spec: HybridSpec, cau
             supports.append(support & (key_pos <= pos) if causal else support)
         if routed:
             q_mask = F.pad(keys.mask[:, lo:hi], (0, rows_pad), value=False).view(B, n, block_q)
-            chosen, chosen_real = _route(xq, q_mask, key_blocks, n0, block_k, left, right, routed)  # (B, H, n, t)
-            parts.append([_gather_blocks(t, chosen, block_k) for t in _key_fields(keys_p, with_feats)])
+            chosen, chosen_real = route(xq, q_mask, key_blocks, n0, block_k, left, right, routed)  # (B, H, n, t)
+            parts.append([gather_blocks(t, chosen, block_k) for t in _key_fields(keys_p, with_feats)])
             key_pos = (chosen.unsqueeze(-1) * block_k + torch.arange(block_k, device=x.device)).flatten(-2)
             real = keys_p.mask.gather(1, key_pos.flatten(1)).view(key_pos.shape)  # (B, H, n, R): real keys
             real = real & chosen_real.repeat_interleave(block_k, dim=-1)  # ... of blocks that qualified
@@ -695,30 +517,30 @@ def _support_kernels(q: Tensor, k: Tensor, v: Tensor):
     return kernels
 
 
-def _routes(kernels, x: Tensor, keys: _Keys, spec: HybridSpec) -> Tensor:
+def _routes(kernels, x: Tensor, keys: Keys, spec: HybridSpec) -> Tensor:
     """(B, H, N, t) int64: the routed key blocks of each of the N query blocks (as :func:`_route`), -1 for none."""
     B, H, L, d = x.shape
-    left, right = _window_offsets(spec.local_window, causal=False)
+    left, right = window_offsets(spec.local_window, causal=False)
     routed, block_k, block_q = spec.routed_blocks, spec.route_block_size, spec.query_block_size
     N = -(-L // block_q)
     if not routed:
         return torch.empty(B, H, N, 0, dtype=torch.int64, device=x.device)
-    key_blocks = _key_block_means(_pad_keys(keys, 0, -L % block_k), block_k)
+    key_blocks = key_block_means(pad_keys(keys, 0, -L % block_k), block_k)
     x_p = F.pad(x, (0, 0, 0, N * block_q - L)).view(B, H, N, block_q, d)
     q_mask = F.pad(keys.mask, (0, N * block_q - L), value=False).view(B, N, block_q)
     routes = []
-    for blocks in _slabs(N, B * H * key_blocks[1].shape[1]):
-        scores = _route_scores(x_p[:, :, blocks], q_mask[:, blocks], key_blocks, blocks.start, block_k, left, right)
+    for blocks in slabs(N, B * H * key_blocks[1].shape[1]):
+        scores = route_scores(x_p[:, :, blocks], q_mask[:, blocks], key_blocks, blocks.start, block_k, left, right)
         routes.append(kernels.top_blocks(scores.contiguous(), min(routed, scores.shape[-1])))
     return torch.cat(routes, dim=2)
 
 
-def _fused_sums(kernels, x, rq, far_side: _BidirectionalFar, keys: _Keys, spec: HybridSpec) -> Tensor:
+def _fused_sums(kernels, x, rq, far_side: _BidirectionalFar, keys: Keys, spec: HybridSpec) -> Tensor:
     """What :func:`_hybrid_sums` computes for bidirectional attention with a polynomial far field, in one
     compiled pass over the query blocks (:mod:`.cpu_kernels`): (B, H, L, dv + 1)."""
     B, H, L, _ = x.shape
     _, q_scale, _, far_sum = far_side(slice(0, L))  # (B, H, L, 1), (B, H, L, dv + 1)
-    left, right = _window_offsets(spec.local_window, causal=False)
+    left, right = window_offsets(spec.local_window, causal=False)
     nb_global, block_q, block_k = min(spec.num_global_tokens, L), spec.query_block_size, spec.route_block_size
     routes = _routes(kernels, x, keys, spec)
     return kernels.hybrid_support_sums(
@@ -729,10 +551,10 @@ def _fused_sums(kernels, x, rq, far_side: _BidirectionalFar, keys: _Keys, spec: 
     )  # fmt: skip
 
 
-def _global_rows(x, keys: _Keys, out, g: int) -> Tensor:
+def _global_rows(x, keys: Keys, out, g: int) -> Tensor:
     """The first g queries attend exactly to every real key (bidirectional global tokens)."""
     g = min(g, x.shape[2])
-    logits = (x[:, :, :g] @ keys.y.transpose(-2, -1)).masked_fill(~keys.mask[:, None, None, :], _NEG_INF)
+    logits = (x[:, :, :g] @ keys.y.transpose(-2, -1)).masked_fill(~keys.mask[:, None, None, :], NEG_INF)
     weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # (B, H, g, L)
     return torch.cat([weights @ keys.values1[..., :-1], out[:, :, g:]], dim=2)
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from .favor_features import FEATURE_MAPS
 from .favor_optimal import optimal_log_features
+from .slabs import slabs
 
 Tensor = torch.Tensor
 
@@ -105,3 +107,64 @@ def get_far_field(name: str) -> FarField:
         return FAR_FIELDS[name]
     except KeyError:
         raise ValueError(f"Unknown far_field {name!r}; choose one of {sorted(FAR_FIELDS)}.") from None
+
+
+class FarContext(NamedTuple):
+    """What maps keys (and queries) to far-field features: shared by every key set of one call."""
+
+    root: float  # q and k are scaled by root (sqrt of the logit scale)
+    a: Tensor  # (.., 1 or H, 1, d) query centre
+    c: Tensor  # (.., 1 or H, 1, d) key centre
+    far: FarField
+    projection: Tensor | None
+    parameter: Tensor | None
+    dtype: torch.dtype
+
+
+def far_features(far: FarField, u: Tensor, projection, parameter, row_log: Tensor) -> tuple[Tensor, Tensor]:
+    """Far-field features as (normalised features, per-row log scale).
+
+    Returns ``feats`` (B, H, L, D) with ``phi(u) * exp(row_log) = feats * exp(scale)`` and
+    ``scale`` (B, H, L, 1): the row max of the log-features (so that ``|feats| <= 1`` for the
+    exponential kernels; polynomial kernels keep their base features as they are).
+    """
+    base, log = far.features(u, projection, parameter)
+    if log is None:
+        return base, row_log
+    log = log + row_log
+    scale = log.amax(dim=-1, keepdim=True).detach()  # (B, H, L, 1)
+    scale = torch.where(torch.isfinite(scale), scale, torch.zeros_like(scale))
+    feats = torch.exp(log - scale)
+    return (feats if base is None else base * feats), scale
+
+
+def quadratic_state(w: Tensor, wv1: Tensor, c2: float) -> tuple[Tensor, Tensor]:
+    """State of the kernel ``1 + t + c2 t^2`` over all keys, without materialising features.
+
+    w: (B, H, S, d) centred keys; wv1: (B, H, S, dv + 1) their weighted values ``exp(klog - s) [v, 1]``.
+    Returns ``linear`` (B, H, 1 + d, dv + 1) ``= [1, w]^T wv1`` and ``quadratic`` (B, H, d, d (dv + 1))
+    ``= c2 sum_j w_j (w_j (x) wv1_j)``: row ``a``, column ``(b, e)`` holds ``c2 sum_j w_ja w_jb wv1_je``.
+    """
+    B, H, S, d = w.shape
+    d1 = wv1.shape[-1]
+    linear = torch.cat([wv1.sum(dim=-2, keepdim=True), w.transpose(-2, -1) @ wv1], dim=-2)
+    quadratic = 0
+    for rows in slabs(S, B * H * d * d1, far=True):
+        w_s = w[:, :, rows]
+        outer = (w_s.unsqueeze(-1) * wv1[:, :, rows].unsqueeze(-2)).flatten(-2)  # (B, H, s, d (dv + 1))
+        quadratic = quadratic + w_s.transpose(-2, -1) @ outer
+    return linear, quadratic * c2
+
+
+def quadratic_apply(u: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
+    """u: (B, H, n, d) centred queries -> (B, H, n, dv + 1) kernel sums ``sum_j (1 + t + c2 t^2) wv1_j``."""
+    linear, quadratic = state
+    B, H, n, d = u.shape
+    d1 = linear.shape[-1]
+    sums = []
+    for rows in slabs(n, B * H * d * d1, far=True):
+        u_s = u[:, :, rows]
+        per_dim = (u_s @ quadratic).unflatten(-1, (d, d1))  # (B, H, s, d, dv + 1): sum_a u_a quadratic[a]
+        quadratic_sums = (u_s.unsqueeze(-2) @ per_dim).squeeze(-2)  # (B, H, s, dv + 1): sum_b u_b per_dim[b]
+        sums.append(linear[..., :1, :] + u_s @ linear[..., 1:, :] + quadratic_sums)
+    return torch.cat(sums, dim=2)
