@@ -6,9 +6,15 @@ nothing else).
 Flat on purpose: transformers' remote-code loader follows only ``from .x import y`` imports of sibling
 files, so these modules import only each other (and torch / transformers), never the rest of the package.
 
-- ``configuration_performer.py`` / ``modeling_performer.py``: the config and the model classes;
-- ``attention_methods.py``: the attention-method registry (exact, FAVOR+, hybrid);
-- ``favor_*.py``, ``causal_scan.py``: the tensor kernels (projections, feature maps, FAVOR+, hybrid);
+- ``configuration_performer.py`` / ``modeling_performer.py``: the config and the model classes, built from
+  ``layers_performer.py`` (embeddings, attention, layers, heads' parts);
+- ``attention_methods.py``: the attention-method registry (exact, FAVOR+, hybrid): each method's function,
+  cache layer, card description and conversion presets;
+- FAVOR+: ``favor_projection.py`` (random projections), ``favor_features.py`` (the feature-map registry),
+  ``favor_attention.py`` (bidirectional and causal FAVOR+), ``favor_optimal.py`` (FAVOR++);
+- ``causal_scan.py``: the one chunked causal scan (FAVOR+ and the hybrid's far field);
+- hybrid attention: ``favor_hybrid.py`` (the attention and ``HybridSpec``), ``hybrid_far_field.py`` (its
+  far-field kernels), ``hybrid_keys.py`` (key sets, window, routing), ``slabs.py`` (slab sizing);
 - ``cache_performer.py``: the constant-size decoding caches; ``cpu_kernels.py`` + ``csrc/``: the compiled
   CPU kernel of hybrid attention (built on first use; not shipped, so remote code takes the PyTorch path).
 """
