@@ -12,6 +12,7 @@ import csv
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -390,14 +391,19 @@ def test_two_process_ddp_matches_single_process(assets, tmp_path):
     ddp_out = tmp_path / "ddp"
     process = subprocess.Popen(
         [*launch, str(REPO / "training" / "run_clm.py"), *argv(ddp_out, 2)],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     # The single-process references run while the two processes work.
     single = train_language_model("clm", argv(tmp_path / "single", 4))
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     accumulated = train_language_model("clm", argv(tmp_path / "accum", 2, "--gradient_accumulation_steps", "2"))
-    output, _ = process.communicate(timeout=240)
+    try:
+        output, _ = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the launcher and both ranks: no process outlives the test
+        output, _ = process.communicate()
+        pytest.fail(f"the two DDP processes did not finish within 240 s:\n{output[-3000:]}")
     assert process.returncode == 0, output[-3000:]
 
     ddp_records = [r for r in read_log(str(ddp_out)) if "train_loss" in r]

@@ -112,6 +112,25 @@ class _QuietLengthWarning:
         self._logger.setLevel(self._level)
 
 
+def _tokenize_splits(raw: DatasetDict, fn, args, accelerator) -> DatasetDict:
+    """``fn`` mapped (batched) over every split, replacing the raw columns; the main process tokenizes
+    first, so the other processes read its cache."""
+    with accelerator.main_process_first():
+        return DatasetDict(
+            {
+                split: dataset.map(
+                    fn,
+                    batched=True,
+                    num_proc=args.preprocessing_num_workers,
+                    remove_columns=dataset.column_names,
+                    load_from_cache_file=not args.overwrite_cache,
+                    desc=f"Tokenizing {split}",
+                )
+                for split, dataset in raw.items()
+            }
+        )
+
+
 def tokenize_texts(
     raw: DatasetDict,
     tokenizer: PreTrainedTokenizerBase,
@@ -133,20 +152,7 @@ def tokenize_texts(
                 return_special_tokens_mask=special_tokens_mask,
             )  # fmt: skip
 
-    with accelerator.main_process_first():
-        return DatasetDict(
-            {
-                split: dataset.map(
-                    tokenize,
-                    batched=True,
-                    num_proc=args.preprocessing_num_workers,
-                    remove_columns=dataset.column_names,
-                    load_from_cache_file=not args.overwrite_cache,
-                    desc=f"Tokenizing {split}",
-                )  # fmt: skip
-                for split, dataset in raw.items()
-            }
-        )
+    return _tokenize_splits(raw, tokenize, args, accelerator)
 
 
 def group_into_blocks(tokenized: Dataset, block_size: int, split: str) -> Dataset:
@@ -262,18 +268,4 @@ def classification_datasets(
         encoded["labels"] = [label2id[str(value)] for value in labels]
         return encoded
 
-    with accelerator.main_process_first():
-        processed = DatasetDict(
-            {
-                split: dataset.map(
-                    preprocess,
-                    batched=True,
-                    num_proc=args.preprocessing_num_workers,
-                    remove_columns=dataset.column_names,
-                    load_from_cache_file=not args.overwrite_cache,
-                    desc=f"Tokenizing {split}",
-                )  # fmt: skip
-                for split, dataset in raw.items()
-            }
-        )
-    return _limit_samples(processed, args)
+    return _limit_samples(_tokenize_splits(raw, preprocess, args, accelerator), args)
