@@ -328,7 +328,12 @@ def run_training(
     if timed_steps:
         metrics["train_steps_per_second"] = timed_steps / timed_seconds
     _save_final(args, task, accelerator, model, tokenizer, metrics, data_source)
-    accelerator.end_training()  # closes the trackers and the process group
+    # Every process drops its DDP wrapper at the same point, while its peers are alive, then closes the
+    # trackers and the process group: a gloo reducer torn down after a peer has exited can hang that
+    # process at exit (seen here: one rank stuck in ~ProcessGroupGloo after the run had finished).
+    accelerator.wait_for_everyone()
+    model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
+    accelerator.end_training()
     return metrics
 
 
