@@ -296,7 +296,10 @@ def hybrid_attention(
     Returns:
         ``(B, H, L, dv)`` in the dtype of ``q``; with ``return_state`` a tuple ``(out, state)``.
     """
-    spec = HybridSpec(**settings) if spec is None else dataclasses.replace(spec, **settings)
+    if spec is None:
+        spec = HybridSpec(**settings)
+    elif settings:  # a model passes its spec alone: no copy (and no re-validation) per layer and call
+        spec = dataclasses.replace(spec, **settings)
     far = get_far_field(spec.far_field)
     _check(q, k, v, projection, far, key_padding_mask)
     spec.check_direction(causal, query_center is not None and key_center is not None, stateful=
