@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import performer_hf.modeling.favor_attention as favor_attention_module
+import performer_hf.modeling.slabs as slabs_module
 from performer_hf.favor import (
     KERNELS,
     draw_projection,
@@ -389,7 +389,7 @@ def test_results_do_not_depend_on_the_slab_size(kernel, causal, monkeypatch):
     m = W.shape[0] * (2 if kernel == "softmax_hyperbolic" else 1)
     results = []
     for slab_elements in (1, 2 * 3 * m * 8 * 3, 2**21):  # 1 position / 1 chunk, 3 chunks, everything
-        monkeypatch.setattr(favor_attention_module, "_FEATURE_BUFFER_ELEMENTS", slab_elements)
+        monkeypatch.setitem(slabs_module.SLAB_ELEMENTS["cpu"], "features", slab_elements)
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
         out, state = (
             favor_attention(

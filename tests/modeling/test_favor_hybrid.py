@@ -184,8 +184,8 @@ def test_results_do_not_depend_on_the_slab_size(far_field, causal, monkeypatch):
     kwargs = _kwargs(far_field, causal, config)
     results = []
     for slab_elements in (1, 1 << 24):
-        monkeypatch.setattr(slabs_module, "SLAB_ELEMENTS", slab_elements)
-        monkeypatch.setattr(slabs_module, "FAR_SLAB_ELEMENTS", slab_elements)
+        monkeypatch.setitem(slabs_module.SLAB_ELEMENTS["cpu"], "blocks", slab_elements)
+        monkeypatch.setitem(slabs_module.SLAB_ELEMENTS["cpu"], "far", slab_elements)
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
         out = hybrid_attention(*inputs, _projection(), key_padding_mask=mask, center=not causal, chunk_size=8, **kwargs)
         out = out * mask[:, None, :, None]  # padded queries' outputs are unspecified

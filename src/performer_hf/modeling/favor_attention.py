@@ -38,6 +38,7 @@ from torch.autograd.function import once_differentiable
 
 from .causal_scan import EMPTY_SHIFT, causal_scan
 from .favor_features import get_feature_map
+from .slabs import max_slab_chunks, slab_elements
 
 Tensor = torch.Tensor
 ShiftFn = Callable[[Tensor], Tensor]
@@ -46,11 +47,6 @@ ShiftFn = Callable[[Tensor], Tensor]
 # 8 heads, head_dim 64, m = 256): the intra-chunk product costs C * m per position and the
 # chunk state m * (d + 1), and smaller chunks mean more, smaller matmuls.
 DEFAULT_CHUNK_SIZE = 128
-# Entries of one (B, H, S, m) feature buffer per slab (8 MiB in float32): small enough for the
-# allocator to reuse it (no page faults) and to stay in the last-level cache, big enough that
-# the per-op overhead is negligible.
-_FEATURE_BUFFER_ELEMENTS = 2**21
-_MAX_SLAB_CHUNKS = 16
 
 
 class FavorState(NamedTuple):
@@ -146,12 +142,12 @@ def _spans(length: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, length)) for start in range(0, length, size)]
 
 
-def _slab_size(batch_heads: int, width: int, chunk: int = 1) -> int:
-    """Positions per slab: one (B, H, S, m') buffer holds about _FEATURE_BUFFER_ELEMENTS entries, and a
-    causal slab at most _MAX_SLAB_CHUNKS chunks (its scan costs (G + 1)^2 m' d per (batch, head))."""
-    chunks = max(1, _FEATURE_BUFFER_ELEMENTS // (batch_heads * width * chunk))
+def _slab_size(batch_heads: int, width: int, device: torch.device, chunk: int = 1) -> int:
+    """Positions per slab: one (B, H, S, m') buffer holds about the device's ``"features"`` budget of
+    entries (:mod:`.slabs`), and a causal slab at most ``max_slab_chunks(device)`` chunks."""
+    chunks = max(1, slab_elements(device, "features") // (batch_heads * width * chunk))
     if chunk > 1:
-        chunks = min(chunks, _MAX_SLAB_CHUNKS)
+        chunks = min(chunks, max_slab_chunks(device))
     return chunks * chunk
 
 
@@ -408,7 +404,7 @@ def _bidirectional(q: Tensor, k: Tensor, v1: Tensor, projection: Tensor, kernel:
     keep = None if mask is None else mask[:, None, :, None]  # (B, 1, Lk, 1)
     if kernel in _EXP_KERNEL_DIRECTIONS:
         directions = _EXP_KERNEL_DIRECTIONS[kernel](projection)  # (m', d)
-        slab = _slab_size(q.shape[0] * q.shape[1], directions.shape[0])
+        slab = _slab_size(q.shape[0] * q.shape[1], directions.shape[0], q.device)
         return _BidirectionalExp.apply(q, k, v1, directions, keep, stabilizer, slab)
     qf, _ = _features(q, projection, kernel, keep=None, shift_of=_row_shift, stabilizer=stabilizer)
     kf, _ = _features(k, projection, kernel, keep=keep, shift_of=_global_shift)  # (B, H, Lk, m)
@@ -449,7 +445,7 @@ def _causal(
             shift0 = q.new_full((B, H), EMPTY_SHIFT)
         else:
             kv0, shift0 = state.kv.to(q.dtype), state.shift.to(q.dtype)
-        slab = _slab_size(B * H, directions.shape[0], chunk=C)
+        slab = _slab_size(B * H, directions.shape[0], q.device, chunk=C)
         out1, kv, shift = _CausalExp.apply(q, k, v1, directions, kv0, shift0, keep, stabilizer, C, slab)
         return out1[:, :, :L], FavorState(kv=kv, shift=shift)
     out1, state = _causal_generic(q, k, v1, projection, kernel, keep, stabilizer, C, state)

@@ -466,7 +466,7 @@ def _hybrid_sums(x, rq, far_side, keys: Keys, extra_keys, spec: HybridSpec, caus
     nb_cand = width + nb_global + routed * block_k
     widest = max(d, keys.values1.shape[-1], keys.feats.shape[-1] if with_feats else 1)
     outputs = []
-    for blocks in slabs(N, B * H * block_q * max(nb_cand, 1) * widest):
+    for blocks in slabs(N, B * H * block_q * max(nb_cand, 1) * widest, "blocks", x.device):
         n0, n1 = blocks.start, blocks.stop
         n, lo, hi = n1 - n0, n0 * block_q, min(n1 * block_q, L)
         rows_pad = n * block_q - (hi - lo)
@@ -532,7 +532,7 @@ def _routes(kernels, x: Tensor, keys: Keys, spec: HybridSpec) -> Tensor:
     x_p = F.pad(x, (0, 0, 0, N * block_q - L)).view(B, H, N, block_q, d)
     q_mask = F.pad(keys.mask, (0, N * block_q - L), value=False).view(B, N, block_q)
     routes = []
-    for blocks in slabs(N, B * H * key_blocks[1].shape[1]):
+    for blocks in slabs(N, B * H * key_blocks[1].shape[1], "blocks", x.device):
         scores = route_scores(x_p[:, :, blocks], q_mask[:, blocks], key_blocks, blocks.start, block_k, left, right)
         routes.append(kernels.top_blocks(scores.contiguous(), min(routed, scores.shape[-1])))
     return torch.cat(routes, dim=2)

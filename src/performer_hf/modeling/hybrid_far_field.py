@@ -149,7 +149,7 @@ def quadratic_state(w: Tensor, wv1: Tensor, c2: float) -> tuple[Tensor, Tensor]:
     d1 = wv1.shape[-1]
     linear = torch.cat([wv1.sum(dim=-2, keepdim=True), w.transpose(-2, -1) @ wv1], dim=-2)
     quadratic = 0
-    for rows in slabs(S, B * H * d * d1, far=True):
+    for rows in slabs(S, B * H * d * d1, "far", w.device):
         w_s = w[:, :, rows]
         outer = (w_s.unsqueeze(-1) * wv1[:, :, rows].unsqueeze(-2)).flatten(-2)  # (B, H, s, d (dv + 1))
         quadratic = quadratic + w_s.transpose(-2, -1) @ outer
@@ -162,7 +162,7 @@ def quadratic_apply(u: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
     B, H, n, d = u.shape
     d1 = linear.shape[-1]
     sums = []
-    for rows in slabs(n, B * H * d * d1, far=True):
+    for rows in slabs(n, B * H * d * d1, "far", u.device):
         u_s = u[:, :, rows]
         per_dim = (u_s @ quadratic).unflatten(-1, (d, d1))  # (B, H, s, d, dv + 1): sum_a u_a quadratic[a]
         quadratic_sums = (u_s.unsqueeze(-2) @ per_dim).squeeze(-2)  # (B, H, s, dv + 1): sum_b u_b per_dim[b]
