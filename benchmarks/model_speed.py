@@ -1,0 +1,472 @@
+"""Whole-model speed: a converted Performer against its source with SDPA, training step and inference.
+
+What a user feels after ``performer_hf.convert``: one optimizer step (forward, backward, AdamW) and one
+inference forward of the whole model at sequence length L, against the same architecture with
+transformers' SDPA attention, on CPU or CUDA.
+
+Models (random weights: speed does not depend on them), each converted with ``performer_hf.convert``
+from a source folder written here, positions set to the longest L:
+
+    encoder   BertForMaskedLM shaped like all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads of 32,
+              vocabulary 30,522) -> PerformerForMaskedLM, loss = masked-LM cross-entropy on every token
+    decoder   GPT2LMHeadModel, 6 layers x 384, 12 heads -> PerformerForCausalLM, loss = next-token
+
+Arms (``--arms``):
+
+    sdpa      the source, ``attn_implementation="sdpa"`` (torch picks the backend: flash on CUDA where it can)
+    flash     the source with SDPA held to its flash backend (CUDA only; an arm it cannot run says why)
+    hybrid    the default conversion (``method="hybrid"``)
+    favor     plain FAVOR+ (``method="favor"``)
+
+``--part attention`` times the attention call alone (layer 0's, through the same registry function the
+model calls) on (batch, 12, L, 32) tensors, forward + backward and forward, against SDPA.
+
+Timing: for every L, each arm's model is built once; a warm-up run, then ``--reps`` runs interleaved
+(arm after arm, round after round) so that a change of load hits every arm alike; the median is
+reported, with ratios source / Performer (> 1: the Performer is faster). CUDA runs are synchronised
+before the clock is read. Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` over the step
+(weights and optimizer state included); on CPU it is not measured here (``speed.py`` measures the
+attention call's, each in a fresh process). An arm whose median passes
+``--time-cap`` seconds, or that runs out of memory, is skipped at longer lengths, and says so.
+
+``--check`` first compares every arm's outputs at a short length with the same model in float32 on
+the CPU (relative L2 error of the logits): the CUDA path and the reduced precision, measured.
+
+    python benchmarks/model_speed.py                                    # CPU, fp32, 2 threads, 512 .. 16K
+    python benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check
+    python benchmarks/model_speed.py --quick --out-dir /tmp/ms          # smoke test: 256 and 512 tokens
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import harness
+import torch
+
+logger = logging.getLogger("benchmarks.model_speed")
+
+MODELS = ("encoder", "decoder")
+ARMS = ("sdpa", "flash", "hybrid", "favor")
+SOURCE_ARMS = ("sdpa", "flash")
+MODES = ("train", "inference")
+LAYERS, HIDDEN, HEADS = 6, 384, 12
+
+
+# ---- models --------------------------------------------------------------------------------------
+
+
+def source_model(kind: str, positions: int):
+    """A source model of ``kind`` with random weights (seeded) and ``positions`` positions, SDPA attention."""
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    if kind == "encoder":
+        config = BertConfig(
+            num_hidden_layers=LAYERS,
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            intermediate_size=4 * HIDDEN,
+            max_position_embeddings=positions,
+        )
+        return BertForMaskedLM._from_config(config, attn_implementation="sdpa")
+    config = GPT2Config(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, n_positions=positions)
+    return GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
+
+
+def build_models(kind: str, positions: int, arms: list[str], workdir: Path) -> dict:
+    """Every arm's model of ``kind`` (float32, CPU, train mode): the source, and its conversions."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    from performer_hf import convert
+
+    source = source_model(kind, positions)
+    folder = workdir / f"{kind}-source"
+    source.save_pretrained(folder)
+    models = {}
+    for arm in arms:
+        if arm in SOURCE_ARMS:
+            models[arm] = source_model(kind, positions)
+            continue
+        out = convert(folder, workdir / f"{kind}-{arm}", method=arm, fidelity=False, overwrite=True)
+        auto = AutoModelForMaskedLM if kind == "encoder" else AutoModelForCausalLM
+        models[arm] = auto.from_pretrained(out)
+    return models
+
+
+def backend(arm: str, device: str):
+    """The context an arm runs in: SDPA held to flash for ``flash``, nothing otherwise."""
+    if arm != "flash":
+        return contextlib.nullcontext()
+    if device != "cuda":
+        raise RuntimeError("the flash arm runs on CUDA only")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+
+
+# ---- one step ------------------------------------------------------------------------------------
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_batch(kind: str, vocab: int, batch: int, length: int, device: str) -> dict:
+    """Random token ids (seeded by the length) and their labels."""
+    g = torch.Generator().manual_seed(length)
+    ids = torch.randint(0, vocab, (batch, length), generator=g).to(device)  # (B, L)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+class Step:
+    """One arm's unit of work: ``run()`` does a training step (``train``) or an inference forward."""
+
+    def __init__(self, arm: str, model, mode: str, inputs: dict, device: str):
+        self.arm, self.model, self.mode, self.inputs, self.device = arm, model, mode, inputs, device
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5) if mode == "train" else None
+
+    def run(self) -> None:
+        with backend(self.arm, self.device):
+            if self.mode == "inference":
+                with torch.no_grad():
+                    self.model(input_ids=self.inputs["input_ids"])
+                return
+            self.model(**self.inputs).loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def timed(self) -> tuple[float, float | None]:
+        """Seconds of one run and, on CUDA, its peak allocated memory in MB."""
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        synchronize(self.device)
+        start = time.perf_counter()
+        self.run()
+        synchronize(self.device)
+        seconds = time.perf_counter() - start
+        return seconds, torch.cuda.max_memory_allocated() / 2**20 if self.device == "cuda" else None
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in str(error)
+
+
+# ---- the two parts -------------------------------------------------------------------------------
+
+
+def time_arms(steps: dict[str, Step], reps: int) -> dict[str, dict]:
+    """Warm-up, then ``reps`` interleaved runs of every step: ``{arm: record}``."""
+    records = {arm: {"times_s": [], "peak_mb": None} for arm in steps}
+    live = dict(steps)
+    for round_ in range(reps + 1):
+        for arm, step in list(live.items()):
+            try:
+                seconds, peak = step.timed()
+            except (RuntimeError, MemoryError) as error:
+                records[arm] = {
+                    "skipped": ("out of memory" if _out_of_memory(error) else "error")
+                    + f": {str(error).splitlines()[0][:160]}"
+                }
+                del live[arm]
+                if step.device == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            if round_:  # the first round is the warm-up
+                records[arm]["times_s"].append(seconds)
+            if peak is not None:
+                records[arm]["peak_mb"] = max(records[arm]["peak_mb"] or 0.0, peak)
+    for arm in live:
+        records[arm]["median_s"] = statistics.median(records[arm]["times_s"])
+    return records
+
+
+def measure_models(args, workdir: Path) -> list[dict]:
+    results = []
+    dtype = getattr(torch, args.dtype)
+    for kind in args.models:
+        models = build_models(kind, max(args.lengths), args.arms, workdir)
+        for model in models.values():
+            model.to(device=args.device, dtype=dtype).train()
+        stopped: dict[tuple[str, str], str] = {}
+        for length in args.lengths:
+            batch = max(1, args.batch_tokens // length) if args.batch_tokens else 1
+            inputs = make_batch(kind, models[args.arms[0]].config.vocab_size, batch, length, args.device)
+            for mode in MODES:
+                steps = {}
+                for arm, model in models.items():
+                    if (arm, mode) in stopped:
+                        results.append(
+                            {
+                                "model": kind,
+                                "arm": arm,
+                                "mode": mode,
+                                "length": length,
+                                "batch": batch,
+                                "skipped": stopped[(arm, mode)],
+                            }
+                        )
+                        continue
+                    steps[arm] = Step(arm, model, mode, inputs, args.device)
+                records = time_arms(steps, args.reps)
+                for arm, rec in records.items():
+                    rec.update(model=kind, arm=arm, mode=mode, length=length, batch=batch)
+                    results.append(rec)
+                    if "skipped" in rec:
+                        stopped[(arm, mode)] = f"skipped at a shorter length ({rec['skipped'][:60]})"
+                    elif rec["median_s"] > args.time_cap:
+                        stopped[(arm, mode)] = f"a shorter length took over {args.time_cap:g} s"
+                    shown = rec.get("skipped") or f"{rec['median_s']:.4f} s, peak {rec.get('peak_mb') or 0:.0f} MB"
+                    logger.info("%-8s %-6s %-9s L=%-6d B=%-3d %s", kind, arm, mode, length, batch, shown)
+                steps.clear()
+        del models
+    return results
+
+
+class AttentionCall:
+    """Layer 0's attention function of a converted model, called on (B, H, L, D) tensors."""
+
+    def __init__(self, module, causal: bool):
+        self.module, self.causal = module, causal
+
+    def __call__(self, q, k, v):
+        return self.module.attend(self.module, q, k, v, None, self.causal)[0]
+
+
+def measure_attention(args, workdir: Path) -> list[dict]:
+    import torch.nn.functional as F
+
+    results = []
+    dtype = getattr(torch, args.dtype)
+    for kind in args.models:
+        causal = kind == "decoder"
+        models = build_models(kind, 64, [a for a in args.arms if a not in SOURCE_ARMS], workdir)
+        calls = {arm: AttentionCall(_first_attention(m).to(args.device), causal) for arm, m in models.items()}
+        for arm in SOURCE_ARMS:  # the step's backend context holds "flash" to its kernel
+            if arm in args.arms:
+                calls[arm] = lambda q, k, v, causal=causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        for length in args.lengths:
+            batch = max(1, args.batch_tokens // length) if args.batch_tokens else 1
+            g = torch.Generator().manual_seed(length)
+            qkv = [
+                torch.randn(batch, HEADS, length, HIDDEN // HEADS, generator=g).to(args.device, dtype).requires_grad_()
+                for _ in range(3)
+            ]
+            for mode in ("forward_backward", "forward"):
+                steps = {arm: _AttentionStep(arm, call, qkv, mode, args.device) for arm, call in calls.items()}
+                for arm, rec in time_arms(steps, args.reps).items():
+                    rec.update(model=kind, arm=arm, mode=mode, length=length, batch=batch)
+                    results.append(rec)
+                    logger.info(
+                        "attention %-8s %-6s %-16s L=%-6d %s",
+                        kind,
+                        arm,
+                        mode,
+                        length,
+                        rec.get("skipped") or f"{rec['median_s']:.4f} s",
+                    )
+    return results
+
+
+def _first_attention(model):
+    return next(m for m in model.modules() if hasattr(m, "attend"))
+
+
+class _AttentionStep(Step):
+    def __init__(self, arm, call, qkv, mode, device):
+        self.arm, self.call, self.qkv, self.mode, self.device = arm, call, qkv, mode, device
+
+    def run(self) -> None:
+        with backend(self.arm, self.device):
+            if self.mode == "forward":
+                with torch.no_grad():
+                    self.call(*self.qkv)
+                return
+            for t in self.qkv:
+                t.grad = None
+            self.call(*self.qkv).float().sum().backward()
+
+
+# ---- agreement with float32 on the CPU -------------------------------------------------------------
+
+
+def measure_agreement(args, workdir: Path, length: int = 1024) -> list[dict]:
+    """Each arm's logits on ``--device`` in ``--dtype`` against the same model in float32 on the CPU."""
+    rows = []
+    for kind in args.models:
+        models = build_models(kind, length, [a for a in args.arms if a != "flash"], workdir)
+        inputs = make_batch(kind, models[next(iter(models))].config.vocab_size, 2, length, "cpu")
+        for arm, model in models.items():
+            model.eval()
+            with torch.no_grad():
+                reference = model(input_ids=inputs["input_ids"]).logits.double()
+                model.to(args.device, getattr(torch, args.dtype))
+                logits = model(input_ids=inputs["input_ids"].to(args.device)).logits.double().cpu()
+            error = ((logits - reference).norm() / reference.norm()).item()
+            rows.append(
+                {
+                    "model": kind,
+                    "arm": arm,
+                    "length": length,
+                    "relative_error": error,
+                    "finite": bool(torch.isfinite(logits).all()),
+                }
+            )
+            logger.info("agreement %-8s %-6s relative error %.2e", kind, arm, error)
+    return rows
+
+
+def measure(args) -> dict:
+    if args.quick:
+        args.lengths, args.reps = [256, 512], 1
+    if args.device == "cpu" and "flash" in args.arms:
+        args.arms = [a for a in args.arms if a != "flash"]
+    payload = {"settings": {k: v for k, v in vars(args).items() if k != "out_dir"}}
+    if args.device == "cuda":
+        payload["settings"]["gpu"] = torch.cuda.get_device_name()
+        payload["settings"]["cuda"] = torch.version.cuda
+    with tempfile.TemporaryDirectory() as workdir:
+        if args.check:
+            payload["agreement"] = measure_agreement(args, Path(workdir))
+        part = measure_models if args.part == "model" else measure_attention
+        payload["results"] = part(args, Path(workdir))
+    return payload
+
+
+# ---- reporting -----------------------------------------------------------------------------------
+
+
+def _median(results, **key) -> float | None:
+    rec = next((r for r in results if all(r.get(k) == v for k, v in key.items())), None)
+    return None if rec is None else rec.get("median_s")
+
+
+def markdown(payload: dict) -> str:
+    s, results = payload["settings"], payload["results"]
+    environment = harness.environment(payload)
+    machine, load = environment["machine"], environment["load_average"]
+    where = s.get("gpu") or f"{machine.get('cpu', '?')}, {machine['torch_threads']} threads"
+    modes = MODES if s["part"] == "model" else ("forward_backward", "forward")
+    lines = [
+        f"# {'Whole-model' if s['part'] == 'model' else 'Attention-call'} speed: converted Performer vs its "
+        f"source with SDPA ({s['device']}, {s['dtype']})",
+        "",
+        f"{where}; torch {machine['torch']}, transformers {machine.get('transformers', '?')}. Median of "
+        f"{s['reps']} interleaved runs after a warm-up. Batch = max(1, {s['batch_tokens']} // L) "
+        f"sequences{' (1 when 0)' if not s['batch_tokens'] else ''}. Load average {load['before']} -> "
+        f"{load['after']}.",
+        "",
+    ]
+    performer_arms = [a for a in s["arms"] if a not in SOURCE_ARMS]
+    source_arms = [a for a in s["arms"] if a in SOURCE_ARMS]
+    for kind in s["models"]:
+        for mode in modes:
+            lines += [f"## {kind}, {mode.replace('_', ' + ')}", ""]
+            header = [f"{a} (s)" for a in s["arms"]] + [f"{b} / {a}" for a in performer_arms for b in source_arms]
+            lines += ["| L | batch | " + " | ".join(header) + " |", "|---|---|" + "---|" * len(header)]
+            for length in s["lengths"]:
+                times = {a: _median(results, model=kind, arm=a, mode=mode, length=length) for a in s["arms"]}
+                batch = next((r["batch"] for r in results if r["length"] == length), "-")
+                cells = ["-" if times[a] is None else f"{times[a]:.4f}" for a in s["arms"]]
+                for a in performer_arms:
+                    for b in source_arms:
+                        ok = times[a] and times[b]
+                        cells.append(f"**{times[b] / times[a]:.2f}x**" if ok else "-")
+                lines.append(f"| {length} | {batch} | " + " | ".join(cells) + " |")
+            lines.append("")
+    if any(r.get("peak_mb") for r in results) and s["device"] == "cuda":
+        lines += ["## Peak GPU memory (MB, weights and optimizer state included)", ""]
+        for kind in s["models"]:
+            for mode in modes:
+                lines += [
+                    f"{kind}, {mode}:",
+                    "",
+                    "| L | " + " | ".join(s["arms"]) + " |",
+                    "|---|" + "---|" * len(s["arms"]),
+                ]
+                for length in s["lengths"]:
+                    peaks = [
+                        next(
+                            (
+                                r.get("peak_mb")
+                                for r in results
+                                if (r["model"], r["arm"], r["mode"], r["length"]) == (kind, a, mode, length)
+                            ),
+                            None,
+                        )
+                        for a in s["arms"]
+                    ]
+                    lines.append(f"| {length} | " + " | ".join("-" if p is None else f"{p:.0f}" for p in peaks) + " |")
+                lines.append("")
+    skipped = sorted({(r["model"], r["arm"], r["mode"], r["skipped"]) for r in results if "skipped" in r})
+    if skipped:
+        lines += ["## Skipped", ""] + [f"- {k} {a} {m}: {why}" for k, a, m, why in skipped] + [""]
+    if payload.get("agreement"):
+        lines += [
+            f"## Agreement with float32 on the CPU (logits, relative L2 error, L = "
+            f"{payload['agreement'][0]['length']}, batch 2)",
+            "",
+            "| model | arm | error | finite |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['model']} | {r['arm']} | {r['relative_error']:.2e} | {r['finite']} |" for r in payload["agreement"]
+        ]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(payload: dict):
+    s, results = payload["settings"], payload["results"]
+    modes = MODES if s["part"] == "model" else ("forward_backward", "forward")
+    fig, axes = harness.pyplot().subplots(
+        len(s["models"]), len(modes), figsize=(12, 4.5 * len(s["models"])), squeeze=False
+    )
+    for row, kind in enumerate(s["models"]):
+        for col, mode in enumerate(modes):
+            ax = axes[row][col]
+            for arm in s["arms"]:
+                pts = [(L, _median(results, model=kind, arm=arm, mode=mode, length=L)) for L in s["lengths"]]
+                pts = [(L, t) for L, t in pts if t]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), "--" if arm in SOURCE_ARMS else "-", marker="o", label=arm)
+            ax.set(
+                xscale="log",
+                yscale="log",
+                xlabel="sequence length L",
+                ylabel="seconds per step",
+                title=f"{kind}: {mode.replace('_', ' + ')} ({s['device']}, {s['dtype']})",
+            )
+            ax.set_xscale("log", base=2)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    return fig
+
+
+def main(argv=None) -> dict:
+    parser = harness.parser(__doc__, quick="L = 256 512, 1 run each", threads=2)
+    parser.add_argument("--part", choices=("model", "attention"), default="model")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--batch-tokens", type=int, default=0, help="tokens per batch (batch = this // L); 0: batch 1")
+    parser.add_argument("--reps", type=int, default=3, help="timed runs per configuration (median reported)")
+    parser.add_argument("--time-cap", type=float, default=60.0, help="skip longer lengths past this median (s)")
+    parser.add_argument("--check", action="store_true", help="first compare outputs with float32 on the CPU")
+    args, _ = parser.parse_known_args(argv)
+    name = "model_speed" + ("_attention" if args.part == "attention" else "")
+    if (args.device, args.dtype) != ("cpu", "float32"):
+        name += f"_{args.device}_{args.dtype}"
+    return harness.main(name, parser, measure, markdown, plot, argv=argv)
+
+
+if __name__ == "__main__":
+    main()
