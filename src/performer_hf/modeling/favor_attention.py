@@ -464,28 +464,35 @@ def _causal_generic(q, k, v1, projection, kernel, keep, stabilizer, C, state):
     return out, FavorState(kv=kv, shift=shift)
 
 
-def _check_inputs(q, k, v, projection, causal, key_padding_mask, state, return_state):
+def check_attention_inputs(name: str, q, k, v, key_padding_mask, self_attention: bool) -> None:
+    """Shapes of q, k, v and the key mask of the attention function ``name``; ``self_attention``: one
+    key per query (as many queries as keys)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
-            "favor_attention expects q, k, v of shape (batch, heads, seq, head_dim); got "
+            f"{name} expects q, k, v of shape (batch, heads, seq, head_dim); got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}."
         )
-    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            "q, k, v disagree: need q (B, H, Lq, d), k (B, H, Lk, d), v (B, H, Lk, dv); got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}."
+    matched = q.shape[:3] == k.shape[:3] if self_attention else q.shape[:2] == k.shape[:2]
+    if not matched or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
+        need = (
+            "as many queries as keys: q, k (B, H, L, d) and v (B, H, L, dv)"
+            if self_attention
+            else "q (B, H, Lq, d), k (B, H, Lk, d), v (B, H, Lk, dv)"
         )
-    if projection.dim() != 2 or projection.shape[1] != q.shape[-1]:
-        raise ValueError(
-            f"projection must have shape (nb_features, head_dim={q.shape[-1]}); got {tuple(projection.shape)}. "
-            "Draw it with draw_projection(nb_features, head_dim)."
-        )
-    if causal and q.shape[2] != k.shape[2]:
-        raise ValueError(f"causal attention needs as many queries as keys; got {q.shape[2]} and {k.shape[2]}.")
+        raise ValueError(f"q, k, v disagree: need {need}; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}.")
     if key_padding_mask is not None and tuple(key_padding_mask.shape) != (k.shape[0], k.shape[2]):
         raise ValueError(
             f"key_padding_mask must have shape (batch, seq) = {(k.shape[0], k.shape[2])}; "
             f"got {tuple(key_padding_mask.shape)}."
+        )
+
+
+def _check_inputs(q, k, v, projection, causal, key_padding_mask, state, return_state):
+    check_attention_inputs("favor_attention", q, k, v, key_padding_mask, self_attention=causal)
+    if projection.dim() != 2 or projection.shape[1] != q.shape[-1]:
+        raise ValueError(
+            f"projection must have shape (nb_features, head_dim={q.shape[-1]}); got {tuple(projection.shape)}. "
+            "Draw it with draw_projection(nb_features, head_dim)."
         )
     if (state is not None or return_state) and not causal:
         raise ValueError("initial_state / return_state only apply to causal attention (causal=True).")

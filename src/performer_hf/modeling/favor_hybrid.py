@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 from .causal_scan import EMPTY_SHIFT, causal_scan
 from .cpu_kernels import hybrid_kernels
+from .favor_attention import check_attention_inputs
 from .favor_optimal import optimal_parameter, pair_statistic
 from .hybrid_far_field import FarContext, FarField, far_features, get_far_field, quadratic_apply, quadratic_state
 from .hybrid_keys import (
@@ -222,25 +223,11 @@ def _support_sums(xq, qf, rq, far_scale, key_shift, far_sum, groups, quadratic, 
 
 def _check(q, k, v, projection, far: FarField, key_padding_mask) -> None:
     """Shapes of the tensor inputs (the settings are checked by :class:`HybridSpec`)."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            "hybrid_attention expects q, k, v of shape (batch, heads, seq, head_dim); got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}."
-        )
-    if q.shape[:3] != k.shape[:3] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            "hybrid_attention is self-attention: need q, k (B, H, L, d) and v (B, H, L, dv); got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}."
-        )
+    check_attention_inputs("hybrid_attention (self-attention)", q, k, v, key_padding_mask, self_attention=True)
     if far.uses_projection and (projection is None or projection.dim() != 2 or projection.shape[1] != q.shape[-1]):
         raise ValueError(
             f"far_field={far.name!r} needs a projection of shape (nb_features, head_dim={q.shape[-1]}); got "
             f"{None if projection is None else tuple(projection.shape)}. Draw it with draw_projection()."
-        )
-    if key_padding_mask is not None and tuple(key_padding_mask.shape) != (k.shape[0], k.shape[2]):
-        raise ValueError(
-            f"key_padding_mask must have shape (batch, seq) = {(k.shape[0], k.shape[2])}; "
-            f"got {tuple(key_padding_mask.shape)}."
         )
 
 

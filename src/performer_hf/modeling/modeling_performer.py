@@ -380,50 +380,18 @@ def _classification_loss(config: PerformerConfig, logits: torch.Tensor, labels: 
     return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
 
 
-class PerformerForSequenceClassification(PerformerPreTrainedModel):
-    """Pooler (first token, dense + tanh) + dropout + linear classifier; bidirectional."""
+class _PerformerClassifier(PerformerPreTrainedModel):
+    """The encoder, dropout and a linear classifier, bidirectional. A subclass says what is classified
+    (``pooled``: the pooled first token, one prediction per sequence; else every token), its loss
+    (``_loss(logits, labels, num_items_in_batch)``) and its output class."""
 
-    # the loss is a per-sequence mean: the Trainer scales it for gradient accumulation itself
-    accepts_loss_kwargs = False
+    pooled: bool
+    output_class: type
 
     def __init__(self, config: PerformerConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.performer = PerformerModel(config, add_pooling_layer=True)
-        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        self.dropout = nn.Dropout(dropout)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        return_dict=None,
-        **kwargs,
-    ) -> SequenceClassifierOutput | tuple:
-        """``labels``: (B,) class ids (float targets for regression / multi-label)."""
-        outputs = self.performer(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, return_dict=True, causal=False, **kwargs,
-        )  # fmt: skip
-        logits = self.classifier(self.dropout(outputs.pooler_output))  # (B, num_labels)
-        loss = None if labels is None else _classification_loss(self.config, logits, labels)
-        output = SequenceClassifierOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
-        return output if return_dict is not False else output.to_tuple()
-
-
-class PerformerForTokenClassification(PerformerPreTrainedModel):
-    def __init__(self, config: PerformerConfig):
-        super().__init__(config)
-        self.num_labels = config.num_labels
-        self.performer = PerformerModel(config, add_pooling_layer=False)
+        self.performer = PerformerModel(config, add_pooling_layer=self.pooled)
         dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
         self.dropout = nn.Dropout(dropout)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
@@ -440,18 +408,46 @@ class PerformerForTokenClassification(PerformerPreTrainedModel):
         return_dict=None,
         num_items_in_batch=None,
         **kwargs,
-    ) -> TokenClassifierOutput | tuple:
-        """``labels``: (B, L) class ids, -100 where no prediction is scored."""
+    ):
+        """``labels``: (B,) class ids per sequence (float targets for regression / multi-label), or (B, L)
+        per token (-100 where no prediction is scored)."""
         outputs = self.performer(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, return_dict=True, causal=False, **kwargs,
-        )  # fmt: skip
-        logits = self.classifier(self.dropout(outputs.last_hidden_state))  # (B, L, num_labels)
-        loss = None if labels is None else _token_loss(logits, labels, num_items_in_batch)
-        output = TokenClassifierOutput(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            causal=False,
+            **kwargs,
+        )
+        features = outputs.pooler_output if self.pooled else outputs.last_hidden_state
+        logits = self.classifier(self.dropout(features))  # (B, num_labels) pooled, else (B, L, num_labels)
+        loss = None if labels is None else self._loss(logits, labels, num_items_in_batch)
+        output = self.output_class(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
         return output if return_dict is not False else output.to_tuple()
+
+
+class PerformerForSequenceClassification(_PerformerClassifier):
+    """Pooler (first token, dense + tanh) + dropout + linear classifier; bidirectional. ``labels``: (B,)."""
+
+    pooled, output_class = True, SequenceClassifierOutput
+    # the loss is a per-sequence mean: the Trainer scales it for gradient accumulation itself
+    accepts_loss_kwargs = False
+
+    def _loss(self, logits, labels, num_items_in_batch):
+        return _classification_loss(self.config, logits, labels)
+
+
+class PerformerForTokenClassification(_PerformerClassifier):
+    """Dropout + linear classifier on every token; bidirectional. ``labels``: (B, L), -100 where unscored."""
+
+    pooled, output_class = False, TokenClassifierOutput
+
+    def _loss(self, logits, labels, num_items_in_batch):
+        return _token_loss(logits, labels, num_items_in_batch)
 
 
 class PerformerForQuestionAnswering(PerformerPreTrainedModel):

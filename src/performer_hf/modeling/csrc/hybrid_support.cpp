@@ -326,16 +326,9 @@ void far_apply(const T* u, const T* padded_state, int64_t L, int64_t d, int64_t 
     const int64_t count = std::min(kQueries, L - i0);
     if (count < kQueries) std::fill(features.begin(), features.end(), T(0));
     for (int64_t q = 0; q < count; ++q) quadratic_features(u + (i0 + q) * d, d, T(1), false, &features[q * F]);
-    T acc[kQueries][W] = {};
-    for (int64_t f = 0; f < F; ++f) {
-      const T* row = padded_state + f * W;
-      for (int64_t q = 0; q < kQueries; ++q) {
-        const T z = features[q * F + f];
-#pragma omp simd
-        for (int64_t e = 0; e < W; ++e) acc[q][e] += z * row[e];
-      }
-    }
-    for (int64_t q = 0; q < count; ++q) std::memcpy(sums + (i0 + q) * D1, acc[q], D1 * sizeof(T));
+    T tile[kQueries * W];
+    tile_values<T, W>(features.data(), F, padded_state, tile);  // (kQueries, F) @ (F, W)
+    for (int64_t q = 0; q < count; ++q) std::memcpy(sums + (i0 + q) * D1, tile + q * W, D1 * sizeof(T));
   }
 }
 
