@@ -13,7 +13,7 @@ from .collators import classification_collator
 from .data import build_label_mapping, classification_datasets, label_values, load_raw_datasets
 from .metrics import classification_metrics
 from .model_loading import load_model, load_tokenizer, resolve_sequence_length
-from .trainer import TrainingTask, create_accelerator, run_training
+from .trainer import TrainingData, TrainingTask, create_accelerator, run_training
 
 
 def _batch_statistics(outputs, batch) -> dict[str, torch.Tensor]:
@@ -66,10 +66,8 @@ def train_classifier(argv: list[str] | None = None) -> dict:
     data = classification_datasets(raw, tokenizer, args, accelerator, label2id, max_length)
     collator = classification_collator(tokenizer, accelerator.mixed_precision)
     source = args.dataset_name or args.train_file
-    return run_training(
-        args, CLASSIFICATION_TASK, accelerator, model, tokenizer, data["train"], data["validation"],
-        collator, collator, data_source=source,
-    )  # fmt: skip
+    data = TrainingData(data["train"], data["validation"], collator, collator, source)
+    return run_training(args, CLASSIFICATION_TASK, accelerator, model, tokenizer, data)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,7 @@ from .collators import ReproducibleMaskingCollator, causal_lm_collate
 from .data import language_modeling_datasets, load_raw_datasets
 from .metrics import language_modeling_metrics, token_statistics
 from .model_loading import load_model, load_tokenizer, resolve_sequence_length
-from .trainer import TrainingTask, create_accelerator, run_training
+from .trainer import TrainingData, TrainingTask, create_accelerator, run_training
 
 MODEL_CLASSES = {"mlm": AutoModelForMaskedLM, "clm": AutoModelForCausalLM}
 
@@ -43,10 +43,8 @@ def train_language_model(task: str, argv: list[str] | None = None) -> dict:
     raw = load_raw_datasets(args)
     data = language_modeling_datasets(raw, tokenizer, args, accelerator, block_size, special_tokens_mask=task == "mlm")
     source = args.dataset_name or args.train_file
-    return run_training(
-        args, _task(task), accelerator, model, tokenizer, data["train"], data["validation"],
-        train_collator, eval_collator, data_source=source,
-    )  # fmt: skip
+    data = TrainingData(data["train"], data["validation"], train_collator, eval_collator, source)
+    return run_training(args, _task(task), accelerator, model, tokenizer, data)
 
 
 def main(task: str, argv: list[str] | None = None) -> None:

@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import datasets
 import torch
@@ -173,17 +174,20 @@ class _Progress:
         return {"completed_steps": self.completed_steps, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
 
 
+@dataclass(frozen=True)
+class TrainingData:
+    """What a run trains and evaluates on: the tokenized splits, a collator for each, and where the text came
+    from (the dataset name or file, for the model card)."""
+
+    train: Any
+    validation: Any
+    train_collator: Callable
+    eval_collator: Callable
+    source: str
+
+
 def run_training(
-    args: argparse.Namespace,
-    task: TrainingTask,
-    accelerator: Accelerator,
-    model,
-    tokenizer,
-    train_dataset,
-    eval_dataset,
-    train_collator,
-    eval_collator,
-    data_source: str,
+    args: argparse.Namespace, task: TrainingTask, accelerator: Accelerator, model, tokenizer, data: TrainingData
 ) -> dict:
     """Train, evaluate, checkpoint, save the final model (+ tokenizer, card, ``all_results.json``) and
     optionally push it. Returns the final evaluation metrics (with ``train_*`` figures)."""
@@ -195,17 +199,17 @@ def run_training(
     # Explicit generators: iterating a DataLoader then draws its base seed from them, not from the
     # global RNG (which dropout uses), so evaluations and resumes leave the training RNG untouched.
     train_dataloader = DataLoader(
-        train_dataset, shuffle=True, batch_size=args.per_device_train_batch_size, collate_fn=train_collator,
+        data.train, shuffle=True, batch_size=args.per_device_train_batch_size, collate_fn=data.train_collator,
         generator=torch.Generator().manual_seed(args.seed),
     )  # fmt: skip
     eval_dataloader = DataLoader(
-        eval_dataset, batch_size=args.per_device_eval_batch_size, collate_fn=eval_collator,
+        data.validation, batch_size=args.per_device_eval_batch_size, collate_fn=data.eval_collator,
         generator=torch.Generator().manual_seed(args.seed),
     )  # fmt: skip
     optimizer = _optimizer(model, args)
 
     plan = _Plan.from_args(
-        args, _batches_per_process(len(train_dataset), args.per_device_train_batch_size, accelerator.num_processes)
+        args, _batches_per_process(len(data.train), args.per_device_train_batch_size, accelerator.num_processes)
     )
     # The prepared scheduler steps once per process per optimizer step, hence the factor.
     lr_scheduler = get_scheduler(
@@ -228,7 +232,7 @@ def run_training(
     logger.info(
         "***** Running training *****\n  examples = %d, epochs = %d, batch per device = %d, total batch = %d, "
         "accumulation = %d, optimizer steps = %d, feature redraw every %s steps",
-        len(train_dataset), plan.num_epochs, args.per_device_train_batch_size, total_batch,
+        len(data.train), plan.num_epochs, args.per_device_train_batch_size, total_batch,
         args.gradient_accumulation_steps, max_train_steps, redraw_interval,
     )  # fmt: skip
 
@@ -257,8 +261,8 @@ def run_training(
         if epoch != progress.epoch:
             progress.epoch, progress.batches_in_epoch = epoch, 0
         train_dataloader.set_epoch(epoch)
-        if hasattr(train_collator, "set_epoch"):
-            train_collator.set_epoch(epoch)
+        if hasattr(data.train_collator, "set_epoch"):
+            data.train_collator.set_epoch(epoch)
         active = train_dataloader
         if progress.batches_in_epoch:
             active = accelerator.skip_first_batches(train_dataloader, progress.batches_in_epoch)
@@ -327,7 +331,7 @@ def run_training(
     metrics["train_steps"] = progress.completed_steps
     if timed_steps:
         metrics["train_steps_per_second"] = timed_steps / timed_seconds
-    _save_final(args, task, accelerator, model, tokenizer, metrics, data_source)
+    _save_final(args, task, accelerator, model, tokenizer, metrics, data.source)
     # Every process drops its DDP wrapper at the same point, while its peers are alive, then closes the
     # trackers and the process group: a gloo reducer torn down after a peer has exited can hang that
     # process at exit (seen here: one rank stuck in ~ProcessGroupGloo after the run had finished).
