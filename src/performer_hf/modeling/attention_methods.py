@@ -40,8 +40,14 @@ def exact_attention(module: nn.Module, q, k, v, key_mask, causal, cache=None, ou
     key/value cache: k, v become (B, H, P + L, D), the P cached keys first."""
     if cache is not None:
         k, v = cache.update(k, v, module.layer_idx)  # (B, H, P + L, D)
-    q_len, k_len = q.shape[2], k.shape[2]
     dropout = module.dropout_prob if module.training else 0.0
+    return softmax_attention(q, k, v, key_mask, causal, dropout, output_attentions)
+
+
+def softmax_attention(q, k, v, key_mask, causal, dropout=0.0, output_attentions=False):
+    """Softmax attention of q (B, H, Lq, D) over k, v (B, H, Lk, D), the last Lq keys being the queries'
+    own: SDPA's fused kernels, its causal path when nothing is masked. -> (context, weights or None)."""
+    q_len, k_len = q.shape[2], k.shape[2]
     if causal and key_mask is None and q_len == k_len and not output_attentions:
         # SDPA's fused causal path: no (L, L) mask in memory
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True), None
@@ -56,17 +62,32 @@ def exact_attention(module: nn.Module, q, k, v, key_mask, causal, cache=None, ou
         visible = visible | own  # a query always sees itself: no empty rows (left padding)
     if not output_attentions:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout), None
-    scores = (q @ k.transpose(-2, -1)) * module.head_dim**-0.5  # (B, H, Lq, Lk)
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, Lq, Lk)
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
     weights = scores.float().softmax(dim=-1).to(q.dtype)
-    return F.dropout(weights, p=dropout, training=module.training) @ v, weights
+    return F.dropout(weights, p=dropout, training=dropout > 0) @ v, weights
+
+
+def _exact_is_enough(module: nn.Module, length: int, causal: bool, cache) -> bool:
+    """Whether a FAVOR+ or hybrid call computes exact softmax attention instead (SDPA, no attention dropout,
+    as for the approximations): bidirectional inputs of at most ``module.exact_max_length`` tokens (below
+    the crossover, where exact attention is also the faster), or inputs the hybrid's exact support covers
+    entirely (its output is then exact attention). Cached decoding keeps the method's own state."""
+    if cache is not None:
+        return False
+    if not causal and length <= module.exact_max_length:
+        return True
+    spec = getattr(module, "hybrid_spec", None)
+    return spec is not None and spec.covers(length, causal)
 
 
 def favor_method(module: nn.Module, q, k, v, key_mask, causal, cache=None, output_attentions=False):
     """FAVOR+ (:func:`.favor_attention`) with ``module.projection``; with ``cache``, the layer's
     constant-size :class:`FavorCacheLayer` state holds every earlier token."""
     length = q.shape[2]
+    if _exact_is_enough(module, length, causal, cache):
+        return softmax_attention(q, k, v, key_mask, causal)
     new_key_mask = None if key_mask is None else key_mask[:, -length:]  # (B, L): past keys live in the state
     kwargs = {"causal": causal, "kernel": module.kernel, "key_padding_mask": new_key_mask,
               "chunk_size": module.chunk_size}  # fmt: skip
@@ -92,6 +113,8 @@ def hybrid_method(module: nn.Module, q, k, v, key_mask, causal, cache=None, outp
             f"routed_blocks={spec.routed_blocks} cannot be used in causal attention (routing reads future "
             "tokens): set routed_blocks=0 in the config (e.g. convert with --routed-blocks 0)."
         )
+    if _exact_is_enough(module, q.shape[2], causal, cache):
+        return softmax_attention(q, k, v, key_mask, causal)
     new_key_mask = None if key_mask is None else key_mask[:, -q.shape[2] :]  # (B, L): the past is in the state
     kwargs = {"causal": causal, "key_padding_mask": new_key_mask}
     if causal and spec.center:  # fixed centres: causal outputs must not depend on later tokens
@@ -142,8 +165,12 @@ class AttentionMethod:
 # the source. Causal models cannot route (it would read future tokens): they get a wider window, and FAVOR++
 # random features (m = 256) around fixed centres, with A per head, both calibrated on sample text at
 # conversion (leak-free). The causal polynomial far field approximates better but is several times slower
-# at head_dim 64 (its features are 1 + d + d(d+1)/2 wide). "favor": plain FAVOR+ (the paper's positive
-# orthogonal random features), the PerformerConfig defaults.
+# at head_dim 64 (its features are 1 + d + d(d+1)/2 wide). Bidirectional inputs of at most 4,096 tokens keep
+# exact attention (exact_max_length): measured on the MiniLM-shaped encoder (2 CPU threads, fp32,
+# benchmarks/results/model_speed_crossover.md), exact attention trains 1.7-2.7x faster than the hybrid up to
+# 4K tokens (still 1.3x at 8K) and runs inference as fast up to 4K (the hybrid is 1.7x faster at 8K).
+# "favor": plain FAVOR+ (the paper's positive orthogonal random features), the PerformerConfig defaults;
+# no exact dispatch, so that FAVOR+ is what is measured (its own crossover there is about 1-2K tokens).
 ATTENTION_METHODS: dict[str, AttentionMethod] = {
     "exact": AttentionMethod(
         exact_attention,
@@ -175,6 +202,7 @@ ATTENTION_METHODS: dict[str, AttentionMethod] = {
                 "routed_blocks": 24,
                 "route_block_size": 8,
                 "query_block_size": 16,
+                "exact_max_length": 4096,
             },
             "causal": {
                 "attention_kernel": "softmax_opt",

@@ -50,6 +50,12 @@ class PerformerConfig(PreTrainedConfig):
       by training code (`model.redraw_projections(seed)`); `None` keeps the features fixed.
       Forward never redraws.
     - `causal_chunk_size`: positions per chunk of the causal prefix-sum scan (speed/memory only).
+    - `exact_max_length`: bidirectional inputs of at most this many tokens get exact softmax attention
+      (SDPA's fused kernels, no attention dropout, as for the approximations) instead of FAVOR+ or the
+      hybrid: below the crossover length exact attention is faster, and it is the quality they
+      approximate. `0`: never. Encoders only (`is_decoder=False`): cached decoding keeps a constant-size
+      state whatever the context, so causal attention always runs the method itself (except where the
+      hybrid's window covers every key, where it is exact attention anyway).
 
     Hybrid attention (`performer_hf.favor_hybrid.hybrid_attention`): exact softmax on a sparse support
     per query plus the `attention_kernel` as a linear-time far field for every other key, sharing one
@@ -118,6 +124,7 @@ class PerformerConfig(PreTrainedConfig):
     projection_seed: int = 0
     feature_redraw_interval: int | None = None
     causal_chunk_size: int = 128
+    exact_max_length: int = 0
 
     local_window: int = 0
     num_global_tokens: int = 0
@@ -215,6 +222,13 @@ class PerformerConfig(PreTrainedConfig):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}.")
         if self.type_vocab_size < 0 or self.position_offset < 0:
             raise ValueError("type_vocab_size and position_offset must be >= 0.")
+        if self.exact_max_length < 0:
+            raise ValueError(f"exact_max_length must be >= 0 tokens (0: never exact), got {self.exact_max_length}.")
+        if self.is_decoder and self.exact_max_length:
+            raise ValueError(
+                f"exact_max_length={self.exact_max_length} with is_decoder=True: causal models keep a constant-size "
+                "decoding state, so short inputs cannot switch to exact attention. Set exact_max_length=0."
+            )
         if self.feature_redraw_interval is not None and self.feature_redraw_interval < 1:
             raise ValueError(
                 "feature_redraw_interval must be a positive number of steps or None, "

@@ -101,6 +101,15 @@ class HybridSpec:
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
 
+    def covers(self, length: int, causal: bool) -> bool:
+        """Whether every query of a ``length``-token input computes every key it sees exactly (its window or
+        the global tokens reach them all): hybrid attention is then exact softmax attention."""
+        left, right = window_offsets(self.local_window, causal)
+        # how far every query's window reaches on its shorter side (-1: no window, not even the query itself)
+        reach = -1 if right < 0 else (left if causal else min(left, right))
+        # keys past the first num_global_tokens must all lie within that reach of every later query
+        return length <= self.num_global_tokens + reach + 1
+
     def check_direction(self, causal: bool, fixed_centres: bool, stateful: bool) -> None:
         """Refuse settings that would read future tokens in causal attention, or a state without it."""
         if causal and self.routed_blocks:

@@ -115,6 +115,7 @@ class PerformerAttention(nn.Module):
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.output = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout_prob = config.attention_probs_dropout_prob
+        self.exact_max_length = config.exact_max_length
         self.nb_features = config.nb_features
         # drawn here and again in `_init_weights` (models are also built on `meta`): the same seeded draw
         self.register_buffer("projection", self._draw(config.projection_seed + layer_idx), persistent=True)

@@ -1,0 +1,96 @@
+"""Exact dispatch: short bidirectional inputs (``exact_max_length``) and inputs the hybrid's exact support covers
+entirely get exact softmax attention, equal to the exact-attention twin of the same weights."""
+
+import pytest
+import torch
+from huggingface_hub.errors import StrictDataclassClassValidationError
+
+from performer_hf import PerformerConfig, PerformerForMaskedLM, PerformerModel
+from performer_hf.favor import HybridSpec, exact_attention, hybrid_attention
+from tests.tiny_models import METHODS, random_centres, random_ids, tiny_config, tiny_model
+
+BIDIRECTIONAL_HYBRID = {**METHODS["hybrid"], "routed_blocks": 2, "route_block_size": 4, "query_block_size": 4}
+APPROXIMATIONS = {"favor": METHODS["favor"], "hybrid": BIDIRECTIONAL_HYBRID}
+
+
+def _exact_twin(model, model_class):
+    """The same weights with attention_kernel="exact" (the projection and centres are unused there)."""
+    fields = {**model.config.to_dict(), "attention_kernel": "exact", "center_features": False, "local_window": 0,
+              "num_global_tokens": 0, "routed_blocks": 0, "exact_max_length": 0}  # fmt: skip
+    twin = model_class(PerformerConfig(**fields)).eval()
+    missing, unexpected = twin.load_state_dict(model.state_dict(), strict=False)
+    assert not missing and all("center" in name for name in unexpected), (missing, unexpected)
+    return twin
+
+
+def _padded_batch(length):
+    ids = random_ids(batch=2, length=length)
+    mask = torch.ones_like(ids)
+    mask[1, length - 5 :] = 0  # right padding
+    return ids, mask
+
+
+@pytest.mark.parametrize("method", sorted(APPROXIMATIONS))
+def test_inputs_up_to_exact_max_length_get_exact_attention_with_its_gradients(method):
+    model = random_centres(tiny_model(PerformerForMaskedLM, exact_max_length=24, **APPROXIMATIONS[method]))
+    twin = _exact_twin(model, PerformerForMaskedLM)
+    ids, mask = _padded_batch(24)
+    labels = torch.where(mask.bool(), ids, -100)
+    out = model(ids, attention_mask=mask, labels=labels)
+    ref = twin(ids, attention_mask=mask, labels=labels)
+    real = mask.bool()
+    torch.testing.assert_close(out.logits[real], ref.logits[real], rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("method", sorted(APPROXIMATIONS))
+def test_longer_inputs_run_the_method_itself(method):
+    # one token over the threshold: bit-identical to the same model without exact dispatch
+    model = random_centres(tiny_model(PerformerModel, exact_max_length=23, **APPROXIMATIONS[method]))
+    plain = random_centres(tiny_model(PerformerModel, **APPROXIMATIONS[method]))
+    plain.load_state_dict(model.state_dict())
+    ids, mask = _padded_batch(24)
+    dispatched = model(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(dispatched, plain(ids, attention_mask=mask).last_hidden_state, rtol=0, atol=0)
+    twin = _exact_twin(model, PerformerModel)
+    exact = twin(ids, attention_mask=mask).last_hidden_state
+    # either side of the threshold agrees within the approximation's error
+    real = mask.bool()
+    error = (dispatched - exact)[real].norm() / exact[real].norm()
+    assert error < 0.05, f"{method}: relative error {error:.3f} to exact attention just above exact_max_length"
+
+
+def test_causal_hybrid_within_its_window_is_exact_attention_and_needs_no_threshold():
+    model = random_centres(tiny_model(local_window=8, **{k: v for k, v in METHODS["hybrid"].items()
+                                                          if k != "local_window"}))  # fmt: skip
+    twin = _exact_twin(model, type(model))
+    ids = random_ids(length=8)
+    torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_causal_model_refuses_exact_max_length():
+    invalid = (ValueError, StrictDataclassClassValidationError)
+    with pytest.raises(invalid, match="exact_max_length=512 with is_decoder=True"):
+        tiny_config(is_decoder=True, exact_max_length=512)
+    with pytest.raises(invalid, match="exact_max_length must be >= 0"):
+        tiny_config(exact_max_length=-1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_covers_is_true_only_where_the_hybrid_is_exact_attention(causal):
+    # HybridSpec.covers decides the dispatch: wherever it says so, the hybrid itself must equal exact attention
+    # (to float64 rounding), and one token longer it must not (covers is as wide as it can be)
+    g = torch.Generator().manual_seed(0)
+    for local_window, num_global_tokens in ((1, 0), (5, 0), (6, 2), (9, 1), (0, 3), (17, 1)):
+        spec = HybridSpec(far_field="poly2", local_window=local_window, num_global_tokens=num_global_tokens)
+        longest = max(length for length in range(1, 40) if spec.covers(length, causal))
+        for length in (1, longest, longest + 1):
+            q, k, v = (torch.randn(1, 2, length, 8, generator=g, dtype=torch.float64) for _ in range(3))
+            error = hybrid_attention(q, k, v, None, spec, causal=causal) - exact_attention(q, k, v, causal=causal)
+            if length <= longest:
+                assert error.abs().max() < 1e-12, (spec, length)
+            else:
+                assert error.abs().max() > 1e-8, f"{spec}: {length} tokens are exact too, covers() is too narrow"
