@@ -17,6 +17,11 @@ Arms (``--arms``):
     flash     the source with SDPA held to its flash backend (CUDA only; an arm it cannot run says why)
     hybrid    the default conversion (``method="hybrid"``)
     favor     plain FAVOR+ (``method="favor"``)
+    exact     the default conversion with ``exact_max_length`` at the longest L: what its exact dispatch
+              computes (SDPA, no attention dropout); against ``hybrid`` it gives the crossover length
+
+The source trains with its configured attention dropout (0.1): on a CPU, SDPA then takes its unfused
+path. The converted models have no attention dropout (FAVOR+ and the hybrid cannot apply it).
 
 ``--part attention`` times the attention call alone (layer 0's, through the same registry function the
 model calls) on (batch, 12, L, 32) tensors, forward + backward and forward, against SDPA.
@@ -52,7 +57,7 @@ import torch
 logger = logging.getLogger("benchmarks.model_speed")
 
 MODELS = ("encoder", "decoder")
-ARMS = ("sdpa", "flash", "hybrid", "favor")
+ARMS = ("sdpa", "flash", "hybrid", "favor", "exact")
 SOURCE_ARMS = ("sdpa", "flash")
 MODES = ("train", "inference")
 LAYERS, HIDDEN, HEADS = 6, 384, 12
@@ -93,7 +98,11 @@ def build_models(kind: str, positions: int, arms: list[str], workdir: Path) -> d
         if arm in SOURCE_ARMS:
             models[arm] = source_model(kind, positions)
             continue
-        out = convert(folder, workdir / f"{kind}-{arm}", method=arm, fidelity=False, overwrite=True)
+        if arm == "exact" and kind == "decoder":
+            logger.info("no exact arm for the decoder: causal models keep the method's own state (no exact dispatch)")
+            continue
+        settings = {"method": "hybrid", "exact_max_length": positions} if arm == "exact" else {"method": arm}
+        out = convert(folder, workdir / f"{kind}-{arm}", fidelity=False, overwrite=True, **settings)
         auto = AutoModelForMaskedLM if kind == "encoder" else AutoModelForCausalLM
         models[arm] = auto.from_pretrained(out)
     return models
@@ -358,9 +367,9 @@ def markdown(payload: dict) -> str:
         f"source with SDPA ({s['device']}, {s['dtype']})",
         "",
         f"{where}; torch {machine['torch']}, transformers {machine.get('transformers', '?')}. Median of "
-        f"{s['reps']} interleaved runs after a warm-up. Batch = max(1, {s['batch_tokens']} // L) "
-        f"sequences{' (1 when 0)' if not s['batch_tokens'] else ''}. Load average {load['before']} -> "
-        f"{load['after']}.",
+        f"{s['reps']} interleaved runs after a warm-up. "
+        + (f"Batch = max(1, {s['batch_tokens']} // L) sequences. " if s["batch_tokens"] else "Batch 1. ")
+        + f"Load average {load['before']} -> {load['after']}.",
         "",
     ]
     performer_arms = [a for a in s["arms"] if a not in SOURCE_ARMS]

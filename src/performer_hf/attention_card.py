@@ -21,8 +21,15 @@ KERNEL_DESCRIPTIONS = {
 
 
 def method_description(config: PerformerConfig) -> str:
-    """What replaces softmax attention, as the attention-method registry describes it."""
-    return ATTENTION_METHODS[config.attention_method].description
+    """What replaces softmax attention, as the attention-method registry describes it, and the inputs that
+    keep exact attention (``exact_max_length``)."""
+    description = ATTENTION_METHODS[config.attention_method].description
+    if config.exact_max_length and config.attention_method != "exact":
+        description += (
+            f" (inputs of at most {config.exact_max_length} tokens keep exact softmax attention: faster there, "
+            "and the quality the approximation aims for)"
+        )
+    return description
 
 
 def hybrid_lines(config: PerformerConfig) -> list[str]:

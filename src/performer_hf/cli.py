@@ -42,6 +42,8 @@ _CONFIG_OPTIONS = (
     ("route_block_size", int, f"hybrid: keys per routed block (default {_HYBRID['route_block_size']})"),
     ("query_block_size", int, f"hybrid: queries per routing block (default {_HYBRID['query_block_size']})"),
     ("far_field_parameter", float, "FAVOR++'s A for --attention-kernel softmax_opt (default: closed form)"),
+    ("exact_max_length", int, f"bidirectional: inputs of at most this many tokens keep exact attention "
+                              f"(default {_HYBRID['exact_max_length']}; causal models: 0)"),
 )  # fmt: skip
 
 
@@ -82,10 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--no-fidelity", dest="fidelity", action="store_false", help="skip the fidelity report")
     conv.add_argument("-q", "--quiet", action="store_true", help="print only the output folder")
 
-    demo = commands.add_parser("demo", help="convert the real all-MiniLM-L6-v2 and compare it with the source at 4K")
+    demo = commands.add_parser("demo", help="convert the real all-MiniLM-L6-v2 and compare it with the source at 8K")
     demo.add_argument("--output-dir", help="keep the converted checkpoint here (default: a temporary folder)")
     demo.add_argument("--overwrite", action="store_true", help="replace a non-empty --output-dir")
-    demo.add_argument("--length", type=int, default=4096, help="tokens for the speed / memory comparison")
+    demo.add_argument("--length", type=int, default=8192, help="tokens for the speed / memory comparison")
     demo.add_argument("--sentences", type=int, default=200, help="English sentences for the embedding comparison")
     demo.add_argument("--repeats", type=int, default=3, help="timed forward passes per model")
     demo.add_argument("--method", choices=sorted(METHODS),

@@ -17,6 +17,7 @@ from transformers import AutoModel
 
 import performer_hf
 from performer_hf.conversion import SUPPORTED_ARCHITECTURES, ConversionError, convert
+from performer_hf.conversion.convert import METHODS
 from performer_hf.conversion.fidelity import embedding_agreement, english_sentences, sample_passages, spearman
 from performer_hf.conversion.mapping import FAMILIES, extend_positions, rules_markdown
 
@@ -87,7 +88,9 @@ FAVOR_CASES = [case for case in CASES if case.name in ("gpt2-lm", "roberta-cls",
 @pytest.mark.parametrize("case", FAVOR_CASES, ids=[case.name for case in FAVOR_CASES])
 def test_favor_conversion_reports_fidelity(case, sources, tmp_path):
     folder, _ = sources[case.name]
-    out = convert(folder, tmp_path / "out", nb_features=32)
+    # a window narrower than the sample text: the causal default's window (64) would cover it, and attention
+    # that covers every key is computed exactly (no error to report)
+    out = convert(folder, tmp_path / "out", nb_features=32, local_window=8)
     fidelity = json.loads((out / "conversion_report.json").read_text())["fidelity"]
     assert all(error < 1e-4 for error in fidelity["exact_max_abs_diff"].values())  # mapping checked at conversion
     assert len(fidelity["attention_error_local"]) == 2 and all(e > 0 for e in fidelity["attention_error_propagated"])
@@ -350,3 +353,26 @@ def test_real_minilm_sentence_transformers_pipeline_matches_the_source(tmp_path,
     expected, got = source.encode(texts, convert_to_tensor=True), model.encode(texts, convert_to_tensor=True)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(got.norm(dim=-1), torch.ones(len(texts)), atol=1e-5, rtol=0)
+
+
+def test_the_default_encoder_conversion_keeps_exact_attention_on_short_inputs(sources, tmp_path):
+    # the hybrid preset's exact_max_length: inputs up to it equal the source; the card says so
+    folder, source = sources["bert-base"]
+    out = convert(folder, tmp_path / "out", fidelity=False)
+    model = AutoModel.from_pretrained(out).eval()
+    assert model.config.exact_max_length == METHODS["hybrid"]["bidirectional"]["exact_max_length"] > 0
+    ids = torch.randint(1, source.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = source.eval()(ids).last_hidden_state
+        torch.testing.assert_close(model(ids).last_hidden_state, expected, rtol=1e-4, atol=1e-5)
+    assert (
+        f"at most {model.config.exact_max_length} tokens keep exact softmax attention"
+        in (out / "README.md").read_text()
+    )
+
+
+def test_a_causal_conversion_refuses_exact_max_length(sources, tmp_path):
+    folder, _ = sources["gpt2-lm"]
+    with pytest.raises(ConversionError, match="exact_max_length=64 with is_decoder=True"):
+        convert(folder, tmp_path / "out", exact_max_length=64, fidelity=False)
+    assert not (tmp_path / "out").exists()

@@ -27,6 +27,7 @@ from torch import nn
 from ..modeling.attention_methods import exact_attention, hybrid_method
 from ..modeling.favor_optimal import optimal_parameter
 from ..modeling.layers_performer import PerformerAttention
+from .fidelity import approximation_only
 
 logger = logging.getLogger(__name__)
 
@@ -114,24 +115,25 @@ def calibrate(
     mask = batch["attention_mask"].bool()  # (B, L)
     optimise = parameter and config.attention_kernel == "softmax_opt"
     parameters, errors = [], []
-    for module, hidden in zip(_attention_modules(model), attention_inputs(exact, batch), strict=True):
-        qkv = _heads(module, hidden)
-        root = module.head_dim**-0.25
-        x, y = (t.transpose(1, 2)[mask] * root for t in qkv[:2])  # (N, H, d): scaled, real tokens
-        a, c = x.mean(0), y.mean(0)  # (H, d)
-        if config.center_features:
-            module.query_center.copy_(a)
-            module.key_center.copy_(c)
-        else:
-            a = c = torch.zeros_like(a)
-        if optimise:
-            u, w = (x - a).double(), (y - c).double()  # (N, H, d)
-            # rho = mean_{i,j} |u_i + w_j|^2 / d = (mean |u|^2 + mean |w|^2 + 2 mean u . mean w) / d
-            rho = u.pow(2).sum(-1).mean(0) + w.pow(2).sum(-1).mean(0) + 2 * (u.mean(0) * w.mean(0)).sum(-1)
-            row, error = _select_parameter(module, qkv, mask, causal, optimal_parameter(rho / u.shape[-1]))
-            module.far_field_parameter = row
-            parameters.append(row)
-            errors.append(error)
+    with approximation_only(model):  # A is chosen for the far field, which short inputs would skip
+        for module, hidden in zip(_attention_modules(model), attention_inputs(exact, batch), strict=True):
+            qkv = _heads(module, hidden)
+            root = module.head_dim**-0.25
+            x, y = (t.transpose(1, 2)[mask] * root for t in qkv[:2])  # (N, H, d): scaled, real tokens
+            a, c = x.mean(0), y.mean(0)  # (H, d)
+            if config.center_features:
+                module.query_center.copy_(a)
+                module.key_center.copy_(c)
+            else:
+                a = c = torch.zeros_like(a)
+            if optimise:
+                u, w = (x - a).double(), (y - c).double()  # (N, H, d)
+                # rho = mean_{i,j} |u_i + w_j|^2 / d = (mean |u|^2 + mean |w|^2 + 2 mean u . mean w) / d
+                rho = u.pow(2).sum(-1).mean(0) + w.pow(2).sum(-1).mean(0) + 2 * (u.mean(0) * w.mean(0)).sum(-1)
+                row, error = _select_parameter(module, qkv, mask, causal, optimal_parameter(rho / u.shape[-1]))
+                module.far_field_parameter = row
+                parameters.append(row)
+                errors.append(error)
     if optimise:
         config.far_field_parameter = parameters
     num_tokens = int(mask.sum())
