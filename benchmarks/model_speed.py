@@ -142,6 +142,7 @@ class Step:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5) if mode == "train" else None
 
     def run(self) -> None:
+        self.model.train(self.mode == "train")  # inference in eval mode: no dropout, as users serve models
         with backend(self.arm, self.device):
             if self.mode == "inference":
                 with torch.no_grad():
@@ -202,7 +203,7 @@ def measure_models(args, workdir: Path) -> list[dict]:
     for kind in args.models:
         models = build_models(kind, max(args.lengths), args.arms, workdir)
         for model in models.values():
-            model.to(device=args.device, dtype=dtype).train()
+            model.to(device=args.device, dtype=dtype)
         stopped: dict[tuple[str, str], str] = {}
         for length in args.lengths:
             batch = max(1, args.batch_tokens // length) if args.batch_tokens else 1
