@@ -14,7 +14,8 @@ files, so these modules import only each other (and torch / transformers), never
   ``favor_attention.py`` (bidirectional and causal FAVOR+), ``favor_optimal.py`` (FAVOR++);
 - ``causal_scan.py``: the one chunked causal scan (FAVOR+ and the hybrid's far field);
 - hybrid attention: ``favor_hybrid.py`` (the attention and ``HybridSpec``), ``hybrid_far_field.py`` (its
-  far-field kernels), ``hybrid_keys.py`` (key sets, window, routing), ``slabs.py`` (slab sizing);
+  far-field kernels and causal far sums), ``hybrid_keys.py`` (key sets, window, routing, the lagged keys of
+  the causal far field), ``slabs.py`` (slab sizing);
 - ``cache_performer.py``: the constant-size decoding caches; ``cpu_kernels.py`` + ``csrc/``: the compiled
   CPU kernel of hybrid attention (built on first use; not shipped, so remote code takes the PyTorch path).
 """

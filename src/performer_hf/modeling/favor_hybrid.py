@@ -55,11 +55,18 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .causal_scan import EMPTY_SHIFT, causal_scan
 from .cpu_kernels import hybrid_kernels
 from .favor_attention import check_attention_inputs
 from .favor_optimal import optimal_parameter, pair_statistic
-from .hybrid_far_field import FarContext, FarField, far_features, get_far_field, quadratic_apply, quadratic_state
+from .hybrid_far_field import (
+    FarContext,
+    FarField,
+    causal_far_sums,
+    far_features,
+    get_far_field,
+    quadratic_apply,
+    quadratic_state,
+)
 from .hybrid_keys import (
     NEG_INF,
     Keys,
@@ -67,6 +74,7 @@ from .hybrid_keys import (
     gather_blocks,
     key_block_means,
     key_side,
+    lagged_far_keys,
     pad_keys,
     route,
     route_scores,
@@ -176,20 +184,18 @@ def _divide_clamped(out1: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- far field sums
-def _causal_far(qf, kf, klog, v1, chunk_size: int, far_kv: Tensor | None, far_shift: Tensor | None):
-    """Causal far-field sums (:func:`.causal_scan`): query i reads every key j <= i, scaled to the running
-    shift s_i.
-
-    qf: (B, H, L, D); kf: (B, H, L, D); klog: (B, H, L, 1); v1: (B, H, L, dv + 1)
-    -> (F (B, H, L, dv + 1), shifts s (B, H, L), final state kv (B, H, D, dv + 1), final shift (B, H)).
-    """
-    B, H = qf.shape[:2]
-    prev = qf.new_full((B, H), EMPTY_SHIFT) if far_shift is None else far_shift.to(qf.dtype)
-    row = klog.squeeze(-1).detach().nan_to_num(neginf=EMPTY_SHIFT)  # (B, H, L)
-    shifts = torch.cummax(torch.maximum(row, prev.unsqueeze(-1)), dim=-1).values  # (B, H, L): s_j
-    kfs = kf * torch.exp(klog - shifts.unsqueeze(-1))  # (B, H, L, D), relative to s_j
-    out, kv, shift = causal_scan(qf, kfs, v1, shifts, chunk_size, far_kv, prev)
-    return out, shifts, kv, shift
+def _exact_and_far_sums(xq, far_scale, far_sum, groups) -> Tensor:
+    """Hybrid numerator|denominator for a slab of query blocks whose far sums leave out the exact support
+    (see :func:`_support_sums` for the shapes): exact softmax weights on the support plus the far field,
+    relative to a per-query shift. -> (B, H, n, bq, dv + 1)"""
+    exact = [(xq @ fields[0].transpose(-2, -1)).masked_fill(~support, NEG_INF) for fields, support in groups]
+    shift = far_scale
+    for ex in exact:
+        shift = torch.maximum(shift, ex.detach().amax(dim=-1, keepdim=True))  # (B, H, n, bq, 1)
+    sums = torch.exp(far_scale - shift) * far_sum
+    for ex, (fields, _) in zip(exact, groups, strict=True):
+        sums = sums + torch.exp(ex - shift) @ fields[1]  # (B, H, n, bq, dv + 1)
+    return sums
 
 
 def _support_sums(xq, qf, rq, far_scale, key_shift, far_sum, groups, quadratic, shared_shift: bool) -> Tensor:
@@ -340,11 +346,15 @@ def hybrid_attention(
     far_kv = far_shift = None
     if causal:
         qf, q_scale = far_features(far, x - a, projection, parameter, rq)  # (B, H, L, D), (B, H, L, 1)
-        far_sum, shifts, far_kv, far_shift = _causal_far(
-            qf, keys.feats, keys.klog, keys.values1, spec.chunk_size,
+        # Without a state to carry, the scan reads the keys lagged past the window: the far field then
+        # never holds the exact support, and no far-field kernel is evaluated on it.
+        lagged = state is None and not return_state
+        far_keys = lagged_far_keys(keys, spec.local_window, spec.num_global_tokens) if lagged else keys
+        far_sum, shifts, far_kv, far_shift = causal_far_sums(
+            qf, far_keys.feats, far_keys.klog, far_keys.values1, spec.chunk_size,
             None if state is None else state.far_kv, None if state is None else state.far_shift,
         )  # fmt: skip
-        far_side = _CausalFar(qf if far.quadratic is None else None, q_scale, shifts.unsqueeze(-1), far_sum)
+        far_side = _CausalFar(qf if far.quadratic is None else None, q_scale, shifts.unsqueeze(-1), far_sum, lagged)
     else:
         far_side = _BidirectionalFar(far, x - a, rq, keys, c, projection, parameter, kernels)
 
@@ -376,10 +386,12 @@ def hybrid_attention(
 
 
 class _CausalFar:
-    """Far-field quantities of causal attention, precomputed for the whole sequence by the chunked scan."""
+    """Far-field quantities of causal attention, precomputed for the whole sequence by the chunked scan;
+    ``excludes_support``: the scan read only the keys outside each query's exact support (lagged)."""
 
-    def __init__(self, qf, q_scale, key_shift, far_sum):
+    def __init__(self, qf, q_scale, key_shift, far_sum, excludes_support: bool = False):
         self.qf, self.q_scale, self.key_shift, self.far_sum = qf, q_scale, key_shift, far_sum
+        self.excludes_support = excludes_support
 
     def __call__(self, rows: slice):
         """-> (qf or None, q_scale, key_shift, far_sum) for the query rows, each (B, H, n, X)."""
@@ -392,6 +404,8 @@ class _BidirectionalFar:
 
     With ``kernels`` (:mod:`.cpu_kernels`), the polynomial far field's state and sums are compiled.
     """
+
+    excludes_support = False  # the state holds every key: the support's share is subtracted per candidate
 
     def __init__(self, far: FarField, u: Tensor, rq: Tensor, keys: Keys, c: Tensor, projection, parameter,
                  kernels=None):  # fmt: skip
@@ -445,7 +459,7 @@ def _hybrid_sums(x, rq, far_side, keys: Keys, extra_keys, spec: HybridSpec, caus
     pad = -(-L // period) * period - L
     N = (L + pad) // block_q
     keys_p = pad_keys(keys, 0, pad)
-    with_feats = far.quadratic is None
+    with_feats = far.quadratic is None and not far_side.excludes_support
     nb_global = 0 if globals_ is None else globals_.y.shape[2]
     width = block_q + left + right if right >= 0 else 0
     if width:  # the window context: buffered keys (decoding) or nothing before, nothing after
@@ -499,7 +513,12 @@ def _hybrid_sums(x, rq, far_side, keys: Keys, extra_keys, spec: HybridSpec, caus
         groups = [([t.expand(B, H, n, *t.shape[3:]) for t in part], support.expand(B, H, n, block_q, -1))
                   for part, support in zip(parts, supports, strict=True)]  # fmt: skip
         far_scale = q_scale + key_shift
-        outputs.append(_support_sums(xq, qf, rq_q, far_scale, key_shift, far_sum, groups, far.quadratic, not causal))
+        if far_side.excludes_support:
+            outputs.append(_exact_and_far_sums(xq, far_scale, far_sum, groups))
+        else:
+            outputs.append(
+                _support_sums(xq, qf, rq_q, far_scale, key_shift, far_sum, groups, far.quadratic, not causal)
+            )
     return torch.cat(outputs, dim=2).flatten(2, 3)[:, :, :L]
 
 

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from .causal_scan import EMPTY_SHIFT, causal_scan
 from .favor_features import FEATURE_MAPS
 from .favor_optimal import optimal_log_features
 from .slabs import slabs
@@ -168,3 +169,19 @@ def quadratic_apply(u: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
         quadratic_sums = (u_s.unsqueeze(-2) @ per_dim).squeeze(-2)  # (B, H, s, dv + 1): sum_b u_b per_dim[b]
         sums.append(linear[..., :1, :] + u_s @ linear[..., 1:, :] + quadratic_sums)
     return torch.cat(sums, dim=2)
+
+
+def causal_far_sums(qf, kf, klog, v1, chunk_size: int, far_kv: Tensor | None, far_shift: Tensor | None):
+    """Causal far-field sums (:func:`.causal_scan`): query i reads every key j <= i, scaled to the running
+    shift s_i.
+
+    qf: (B, H, L, D); kf: (B, H, L, D); klog: (B, H, L, 1); v1: (B, H, L, dv + 1)
+    -> (F (B, H, L, dv + 1), shifts s (B, H, L), final state kv (B, H, D, dv + 1), final shift (B, H)).
+    """
+    B, H = qf.shape[:2]
+    prev = qf.new_full((B, H), EMPTY_SHIFT) if far_shift is None else far_shift.to(qf.dtype)
+    row = klog.squeeze(-1).detach().nan_to_num(neginf=EMPTY_SHIFT)  # (B, H, L)
+    shifts = torch.cummax(torch.maximum(row, prev.unsqueeze(-1)), dim=-1).values  # (B, H, L): s_j
+    kfs = kf * torch.exp(klog - shifts.unsqueeze(-1))  # (B, H, L, D), relative to s_j
+    out, kv, shift = causal_scan(qf, kfs, v1, shifts, chunk_size, far_kv, prev)
+    return out, shifts, kv, shift
