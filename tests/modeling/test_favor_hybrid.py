@@ -211,10 +211,11 @@ def test_a_spec_and_its_fields_as_keywords_give_the_same_attention():
 
 
 @pytest.mark.parametrize("far_field", ["softmax_opt", "poly2", "softmax", "taylor2"])
-def test_the_lagged_causal_far_field_equals_the_stateful_one(far_field):
-    # Without a state, the causal far field scans the keys lagged past each query's window and leaves out the
-    # global tokens, instead of subtracting the support's kernel terms per candidate: same outputs and
-    # gradients (float64) as the stateful path, for windows, global tokens and left padding.
+def test_the_lagged_causal_far_field_equals_decoding_from_its_state(far_field):
+    # Without an earlier state, the causal far field scans the keys lagged past each query's window and leaves
+    # out the global tokens; decoding after a state subtracts the support's kernel terms per candidate. A prefix
+    # run lagged (returning its state) then continued from that state must equal one lagged run over everything,
+    # outputs and gradients (float64), for windows, global tokens and left padding.
     g = torch.Generator().manual_seed(0)
     projection = draw_projection(32, 8, generator=g).double()
     mask = torch.ones(2, 29, dtype=torch.bool)
@@ -224,10 +225,15 @@ def test_the_lagged_causal_far_field_equals_the_stateful_one(far_field):
         spec = HybridSpec(far_field=far_field, local_window=local_window, num_global_tokens=num_global_tokens,
                           chunk_size=4)  # fmt: skip
         q, k, v = (torch.randn(2, 3, 29, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
-        kwargs = {"causal": True, "key_padding_mask": mask, "far_field_parameter": parameter}
-        lagged = hybrid_attention(q, k, v, projection, spec, **kwargs) * mask[:, None, :, None]
-        stateful = hybrid_attention(q, k, v, projection, spec, return_state=True, **kwargs)[0] * mask[:, None, :, None]
-        torch.testing.assert_close(lagged, stateful, rtol=1e-11, atol=1e-12)
-        for a, b in zip(torch.autograd.grad(lagged.sum(), (q, k, v)), torch.autograd.grad(stateful.sum(), (q, k, v)),
+        kwargs = {"causal": True, "far_field_parameter": parameter}
+        whole = hybrid_attention(q, k, v, projection, spec, key_padding_mask=mask, **kwargs)
+        head, state = hybrid_attention(*(t[:, :, :11] for t in (q, k, v)), projection, spec,
+                                       key_padding_mask=mask[:, :11], return_state=True, **kwargs)  # fmt: skip
+        tail = hybrid_attention(*(t[:, :, 11:] for t in (q, k, v)), projection, spec, key_padding_mask=mask[:, 11:],
+                                initial_state=state, **kwargs)  # fmt: skip
+        keep = mask[:, None, :, None]
+        lagged, stepwise = whole * keep, torch.cat([head, tail], dim=2) * keep
+        torch.testing.assert_close(lagged, stepwise, rtol=1e-11, atol=1e-12)
+        for a, b in zip(torch.autograd.grad(lagged.sum(), (q, k, v)), torch.autograd.grad(stepwise.sum(), (q, k, v)),
                         strict=True):  # fmt: skip
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-11)

@@ -61,6 +61,7 @@ from .favor_optimal import optimal_parameter, pair_statistic
 from .hybrid_far_field import (
     FarContext,
     FarField,
+    causal_far_state,
     causal_far_sums,
     far_features,
     get_far_field,
@@ -346,14 +347,17 @@ def hybrid_attention(
     far_kv = far_shift = None
     if causal:
         qf, q_scale = far_features(far, x - a, projection, parameter, rq)  # (B, H, L, D), (B, H, L, 1)
-        # Without a state to carry, the scan reads the keys lagged past the window: the far field then
-        # never holds the exact support, and no far-field kernel is evaluated on it.
-        lagged = state is None and not return_state
+        # Without an earlier state, the scan reads the keys lagged past the window: the far field then never
+        # holds the exact support, and no far-field kernel is evaluated on it. (Decoding steps after a state
+        # keep the per-candidate subtraction: their window reaches into the state's buffer.)
+        lagged = state is None
         far_keys = lagged_far_keys(keys, spec.local_window, spec.num_global_tokens) if lagged else keys
         far_sum, shifts, far_kv, far_shift = causal_far_sums(
             qf, far_keys.feats, far_keys.klog, far_keys.values1, spec.chunk_size,
             None if state is None else state.far_kv, None if state is None else state.far_shift,
         )  # fmt: skip
+        if lagged and return_state:  # the state for decoding holds every key
+            far_kv, far_shift = causal_far_state(keys.feats, keys.klog, keys.values1)
         far_side = _CausalFar(qf if far.quadratic is None else None, q_scale, shifts.unsqueeze(-1), far_sum, lagged)
     else:
         far_side = _BidirectionalFar(far, x - a, rq, keys, c, projection, parameter, kernels)

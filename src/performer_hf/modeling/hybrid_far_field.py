@@ -185,3 +185,12 @@ def causal_far_sums(qf, kf, klog, v1, chunk_size: int, far_kv: Tensor | None, fa
     kfs = kf * torch.exp(klog - shifts.unsqueeze(-1))  # (B, H, L, D), relative to s_j
     out, kv, shift = causal_scan(qf, kfs, v1, shifts, chunk_size, far_kv, prev)
     return out, shifts, kv, shift
+
+
+def causal_far_state(kf, klog, v1) -> tuple[Tensor, Tensor]:
+    """The state :func:`causal_far_sums` ends with after every key, in one pass: kv (B, H, D, dv + 1) relative to
+    the shift (B, H), the largest key log-scale."""
+    row = klog.squeeze(-1).detach().nan_to_num(neginf=EMPTY_SHIFT)  # (B, H, L)
+    shift = row.amax(dim=-1).clamp_min(EMPTY_SHIFT)  # (B, H)
+    kv = (kf * torch.exp(klog - shift[..., None, None])).transpose(-2, -1) @ v1  # (B, H, D, dv + 1)
+    return kv, shift
