@@ -2,10 +2,12 @@
 
 ``fixtures/checkpoints_v0`` holds tiny checkpoints (exact, FAVOR+ and hybrid; masked and causal LM)
 saved by performer_hf before the attention-method registry (commit e6d3164), each with
-``expected.safetensors``: its inputs and the logits it gave then. Two of them (``favor-clm``,
-``hybrid-mlm``) keep the remote code they were saved with; the others keep only weights and config.
+``expected.safetensors``: its inputs and the logits it gave then. ``fixtures/remote_code_v0`` holds the
+remote code those checkpoints were saved with (the same files for every one of them), stored once: the
+remote-code test puts it beside a checkpoint, as ``save_pretrained`` did.
 """
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 import performer_hf  # noqa: F401  (registers the Auto classes)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints_v0"
+REMOTE_CODE = Path(__file__).parent / "fixtures" / "remote_code_v0"
 CASES = sorted(path.name for path in FIXTURES.iterdir())
 AUTO = {"mlm": AutoModelForMaskedLM, "clm": AutoModelForCausalLM}
 
@@ -64,7 +67,10 @@ _REMOTE = textwrap.dedent(
 @pytest.mark.parametrize("case", ["favor-clm", "hybrid-mlm"])
 def test_an_old_checkpoint_loads_with_its_own_remote_code(case, tmp_path):
     """Without performer_hf importable, the checkpoint's own (old) code reproduces its outputs."""
-    argv = [sys.executable, "-c", _REMOTE, str(FIXTURES / case), case.split("-")[1]]
+    folder = shutil.copytree(FIXTURES / case, tmp_path / case)
+    for source in REMOTE_CODE.glob("*.py"):
+        shutil.copy(source, folder)
+    argv = [sys.executable, "-c", _REMOTE, str(folder), case.split("-")[1]]
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
