@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-# Run by `python -c` with performer_hf blocked: argv = causal folder, masked-LM folder, JSON ids; prints REPORT{json}
-_SCRIPT = textwrap.dedent(
+# The start of every script these tests run by `python -c`: performer_hf cannot be imported in that process.
+BLOCK_PERFORMER_HF = textwrap.dedent(
     """
     import importlib.abc, json, sys
 
@@ -21,6 +21,12 @@ _SCRIPT = textwrap.dedent(
                 raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
 
     sys.meta_path.insert(0, BlockPerformerHF())
+    """
+)
+
+# argv = causal folder, masked-LM folder, JSON ids; prints REPORT{json}
+_SCRIPT = BLOCK_PERFORMER_HF + textwrap.dedent(
+    """
     try:
         import performer_hf  # noqa: F401
         raise SystemExit("performer_hf is still importable")

@@ -35,6 +35,8 @@ from performer_hf.cli import main
 from performer_hf.conversion.demo import minilm_folder
 from performer_hf.hub import PushError, push_to_hub
 
+from .remote_code import BLOCK_PERFORMER_HF
+
 TEXT = ["Performers approximate softmax attention with random features.", "A short one."]
 
 
@@ -192,16 +194,8 @@ def test_transformers_push_to_hub_uploads_the_remote_code(tmp_path, fake_hub):
 
 # ---------------------------------------------------------------- pull through olah
 
-_PULL_SCRIPT = textwrap.dedent(
+_PULL_SCRIPT = BLOCK_PERFORMER_HF + textwrap.dedent(
     """
-    import importlib.abc, json, sys
-
-    class BlockPerformerHF(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "performer_hf":
-                raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
-
-    sys.meta_path.insert(0, BlockPerformerHF())
     import torch
     from huggingface_hub import snapshot_download
     from transformers import AutoModelForMaskedLM, AutoTokenizer

@@ -20,6 +20,8 @@ from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import performer_hf  # noqa: F401  (registers the Auto classes)
 
+from ..remote_code import BLOCK_PERFORMER_HF
+
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints_v0"
 REMOTE_CODE = Path(__file__).parent / "fixtures" / "remote_code_v0"
 CASES = sorted(path.name for path in FIXTURES.iterdir())
@@ -39,16 +41,8 @@ def test_an_old_checkpoint_gives_its_old_outputs(case):
     torch.testing.assert_close(logits, expected["logits"], rtol=0, atol=1e-6)
 
 
-_REMOTE = textwrap.dedent(
+_REMOTE = BLOCK_PERFORMER_HF + textwrap.dedent(
     """
-    import importlib.abc, sys
-
-    class BlockPerformerHF(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "performer_hf":
-                raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
-
-    sys.meta_path.insert(0, BlockPerformerHF())
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
