@@ -17,7 +17,7 @@ Arms (``--arms``):
     flash     the source with SDPA held to its flash backend (CUDA only; an arm it cannot run says why)
     hybrid    the default conversion (``method="hybrid"``)
     favor     plain FAVOR+ (``method="favor"``)
-    exact     the default conversion with ``exact_max_length`` at the longest L: what its exact dispatch
+    exact     the default conversion with ``exact_max_length`` above every L: what its exact dispatch
               computes (SDPA, no attention dropout); against ``hybrid`` it gives the crossover length
 
 The source trains with its configured attention dropout (0.1): on a CPU, SDPA then takes its unfused
@@ -101,7 +101,7 @@ def build_models(kind: str, positions: int, arms: list[str], workdir: Path) -> d
         if arm == "exact" and kind == "decoder":
             logger.info("no exact arm for the decoder: causal models keep the method's own state (no exact dispatch)")
             continue
-        settings = {"method": "hybrid", "exact_max_length": positions} if arm == "exact" else {"method": arm}
+        settings = {"method": "hybrid", "exact_max_length": 1 << 30} if arm == "exact" else {"method": arm}
         out = convert(folder, workdir / f"{kind}-{arm}", fidelity=False, overwrite=True, **settings)
         auto = AutoModelForMaskedLM if kind == "encoder" else AutoModelForCausalLM
         models[arm] = auto.from_pretrained(out)
@@ -135,22 +135,10 @@ def make_batch(kind: str, vocab: int, batch: int, length: int, device: str) -> d
 
 
 class Step:
-    """One arm's unit of work: ``run()`` does a training step (``train``) or an inference forward."""
+    """One arm's unit of work on ``device``, timed: ``work()`` runs it once."""
 
-    def __init__(self, arm: str, model, mode: str, inputs: dict, device: str):
-        self.arm, self.model, self.mode, self.inputs, self.device = arm, model, mode, inputs, device
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5) if mode == "train" else None
-
-    def run(self) -> None:
-        self.model.train(self.mode == "train")  # inference in eval mode: no dropout, as users serve models
-        with backend(self.arm, self.device):
-            if self.mode == "inference":
-                with torch.no_grad():
-                    self.model(input_ids=self.inputs["input_ids"])
-                return
-            self.model(**self.inputs).loss.backward()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+    def __init__(self, work, device: str):
+        self.work, self.device = work, device
 
     def timed(self) -> tuple[float, float | None]:
         """Seconds of one run and, on CUDA, its peak allocated memory in MB."""
@@ -158,10 +146,45 @@ class Step:
             torch.cuda.reset_peak_memory_stats()
         synchronize(self.device)
         start = time.perf_counter()
-        self.run()
+        self.work()
         synchronize(self.device)
         seconds = time.perf_counter() - start
         return seconds, torch.cuda.max_memory_allocated() / 2**20 if self.device == "cuda" else None
+
+
+def model_step(arm: str, model, mode: str, inputs: dict, device: str) -> Step:
+    """A training step (``train``: forward, backward, AdamW) or an inference forward (eval mode, no dropout,
+    as users serve models) of ``model`` on ``inputs``."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5) if mode == "train" else None
+
+    def work() -> None:
+        model.train(mode == "train")
+        with backend(arm, device):
+            if mode == "inference":
+                with torch.no_grad():
+                    model(input_ids=inputs["input_ids"])
+                return
+            model(**inputs).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return Step(work, device)
+
+
+def attention_step(arm: str, call, qkv: list, mode: str, device: str) -> Step:
+    """One attention call on ``qkv``: forward (no gradients) or forward + backward."""
+
+    def work() -> None:
+        with backend(arm, device):
+            if mode == "forward":
+                with torch.no_grad():
+                    call(*qkv)
+                return
+            for t in qkv:
+                t.grad = None
+            call(*qkv).float().sum().backward()
+
+    return Step(work, device)
 
 
 def _out_of_memory(error: BaseException) -> bool:
@@ -223,7 +246,7 @@ def measure_models(args, workdir: Path) -> list[dict]:
                             }
                         )
                         continue
-                    steps[arm] = Step(arm, model, mode, inputs, args.device)
+                    steps[arm] = model_step(arm, model, mode, inputs, args.device)
                 records = time_arms(steps, args.reps)
                 for arm, rec in records.items():
                     rec.update(model=kind, arm=arm, mode=mode, length=length, batch=batch)
@@ -234,7 +257,6 @@ def measure_models(args, workdir: Path) -> list[dict]:
                         stopped[(arm, mode)] = f"a shorter length took over {args.time_cap:g} s"
                     shown = rec.get("skipped") or f"{rec['median_s']:.4f} s, peak {rec.get('peak_mb') or 0:.0f} MB"
                     logger.info("%-8s %-6s %-9s L=%-6d B=%-3d %s", kind, arm, mode, length, batch, shown)
-                steps.clear()
         del models
     return results
 
@@ -257,7 +279,7 @@ def measure_attention(args, workdir: Path) -> list[dict]:
     for kind in args.models:
         causal = kind == "decoder"
         models = build_models(kind, 64, [a for a in args.arms if a not in SOURCE_ARMS], workdir)
-        calls = {arm: AttentionCall(_first_attention(m).to(args.device), causal) for arm, m in models.items()}
+        calls = {arm: AttentionCall(first_attention(m).to(args.device), causal) for arm, m in models.items()}
         for arm in SOURCE_ARMS:  # the step's backend context holds "flash" to its kernel
             if arm in args.arms:
                 calls[arm] = lambda q, k, v, causal=causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -269,7 +291,7 @@ def measure_attention(args, workdir: Path) -> list[dict]:
                 for _ in range(3)
             ]
             for mode in ("forward_backward", "forward"):
-                steps = {arm: _AttentionStep(arm, call, qkv, mode, args.device) for arm, call in calls.items()}
+                steps = {arm: attention_step(arm, call, qkv, mode, args.device) for arm, call in calls.items()}
                 for arm, rec in time_arms(steps, args.reps).items():
                     rec.update(model=kind, arm=arm, mode=mode, length=length, batch=batch)
                     results.append(rec)
@@ -284,23 +306,9 @@ def measure_attention(args, workdir: Path) -> list[dict]:
     return results
 
 
-def _first_attention(model):
+def first_attention(model):
+    """The model's first attention module (layer 0's)."""
     return next(m for m in model.modules() if hasattr(m, "attend"))
-
-
-class _AttentionStep(Step):
-    def __init__(self, arm, call, qkv, mode, device):
-        self.arm, self.call, self.qkv, self.mode, self.device = arm, call, qkv, mode, device
-
-    def run(self) -> None:
-        with backend(self.arm, self.device):
-            if self.mode == "forward":
-                with torch.no_grad():
-                    self.call(*self.qkv)
-                return
-            for t in self.qkv:
-                t.grad = None
-            self.call(*self.qkv).float().sum().backward()
 
 
 # ---- agreement with float32 on the CPU -------------------------------------------------------------

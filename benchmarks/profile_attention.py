@@ -38,7 +38,7 @@ def main(argv=None) -> None:
         with tempfile.TemporaryDirectory() as workdir:
             models = model_speed.build_models(kind, 64, args.arms, Path(workdir))
         for arm, model in models.items():
-            module = model_speed._first_attention(model).to(args.device)
+            module = model_speed.first_attention(model).to(args.device)
             call = model_speed.AttentionCall(module, causal=kind == "decoder")
             g = torch.Generator().manual_seed(0)
             qkv = [
