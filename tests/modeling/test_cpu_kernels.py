@@ -32,7 +32,7 @@ def _spy_on_kernel(monkeypatch) -> list:
             calls.append(args)
             return kernels.hybrid_support_sums(*args)
 
-    monkeypatch.setattr("performer_hf.modeling.favor_hybrid.hybrid_kernels", Spy)
+    monkeypatch.setattr("performer_hf.modeling.hybrid_compiled.hybrid_kernels", Spy)
     return calls
 
 
@@ -81,17 +81,44 @@ def test_kernel_matches_pytorch_in_float32(settings, value_dim, monkeypatch):
     torch.testing.assert_close(fused * keep, plain * keep, rtol=2e-5, atol=2e-6)
 
 
-def test_training_takes_the_differentiable_path(monkeypatch):
+@pytest.mark.parametrize("far_field", sorted(QUADRATIC))
+@pytest.mark.parametrize("config", CONFIGS, ids=range(len(CONFIGS)))
+@pytest.mark.parametrize("padded", [False, True])
+def test_kernel_gradients_match_dense_reference_in_float64(far_field, config, padded, monkeypatch):
+    # Training runs the compiled support sums and their compiled backward.
     calls = _spy_on_kernel(monkeypatch)
-    q, k, v, mask = _long_inputs(length=64)
-    q.requires_grad_()
-    out = hybrid_attention(q, k, v, key_padding_mask=mask, far_field="poly2", center=True, local_window=9,
-                           routed_blocks=2, query_block_size=8)  # fmt: skip
-    out.sum().backward()
-    assert not calls and q.grad is not None and torch.isfinite(q.grad).all()
-    with torch.no_grad():
-        hybrid_attention(q, k, v, key_padding_mask=mask, far_field="poly2", local_window=9)
-    assert len(calls) == 1
+    q, k, v = (t.requires_grad_() for t in random_qkv())
+    mask = right_padding(2, 45) if padded else None
+    keep = 1.0 if mask is None else mask[:, None, :, None]  # padded queries' outputs are unspecified
+    probe = torch.randn(q.shape[:3] + v.shape[-1:], generator=torch.Generator().manual_seed(9), dtype=v.dtype)
+    grads = []
+    for attention in (hybrid_attention, reference):
+        out = (
+            attention(q, k, v, key_padding_mask=mask, far_field=far_field, center=True, **config)
+            if attention is hybrid_attention
+            else attention(q, k, v, mask=mask, far_field=far_field, center=True, **config)
+        )
+        grads.append(torch.autograd.grad((out * keep * probe).sum(), (q, k, v)))
+    assert len(calls) == 1  # the kernel ran
+    for fast, slow in zip(*grads, strict=True):
+        torch.testing.assert_close(fast, slow, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("value_dim", [16, 40])
+def test_kernel_gradients_match_pytorch_in_float32(value_dim, monkeypatch):
+    q, k, v, mask = _long_inputs(length=300, value_dim=value_dim)
+    kwargs = dict(key_padding_mask=mask, far_field="poly2", center=True, local_window=17, num_global_tokens=1,
+                  routed_blocks=6, route_block_size=8, query_block_size=16)  # fmt: skip
+    keep = mask[:, None, :, None]
+    probe = torch.randn(q.shape[:3] + v.shape[-1:], generator=torch.Generator().manual_seed(9))
+    grads = []
+    for enabled in ("1", "0"):
+        monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", enabled)
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = hybrid_attention(*inputs, **kwargs)
+        grads.append(torch.autograd.grad((out * keep * probe).sum(), inputs))
+    for fused, plain in zip(*grads, strict=True):
+        torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
 
 
 def test_top_blocks_matches_topk():

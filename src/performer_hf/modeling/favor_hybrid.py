@@ -55,9 +55,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .cpu_kernels import hybrid_kernels
 from .favor_attention import check_attention_inputs
 from .favor_optimal import optimal_parameter, pair_statistic
+from .hybrid_compiled import compiled_far_apply, compiled_far_state, fused_sums, support_kernels
 from .hybrid_far_field import (
     FarContext,
     FarField,
@@ -78,11 +78,10 @@ from .hybrid_keys import (
     lagged_far_keys,
     pad_keys,
     route,
-    route_scores,
     slice_keys,
     window_offsets,
 )
-from .slabs import slabs
+from .slabs import recomputed, slab_sizes
 
 Tensor = torch.Tensor
 
@@ -340,7 +339,7 @@ def hybrid_attention(
         else:
             parameter = optimal_parameter(pair_statistic(x - a, y - c, mask)).to(dtype)  # (B, H)
 
-    kernels = None if causal or far.quadratic is None else _support_kernels(q, k, v)
+    kernels = None if causal or far.quadratic is None else support_kernels(q, k, v)
     state = initial_state
     ctx = FarContext(root, a, c, far, projection, parameter, dtype)
     keys = key_side(k, v, mask, ctx, with_features=causal)
@@ -377,7 +376,7 @@ def hybrid_attention(
             globals_ = cat_keys(old, globals_)
 
     if kernels is not None:
-        out1 = _fused_sums(kernels, x, rq, far_side, keys, spec)
+        out1 = fused_sums(kernels, x, far_side, keys, spec)
     else:
         out1 = _hybrid_sums(x, rq, far_side, keys, (prefix, globals_), spec, causal, offset)
     out = _divide_clamped(out1)
@@ -397,10 +396,9 @@ class _CausalFar:
         self.qf, self.q_scale, self.key_shift, self.far_sum = qf, q_scale, key_shift, far_sum
         self.excludes_support = excludes_support
 
-    def __call__(self, rows: slice):
-        """-> (qf or None, q_scale, key_shift, far_sum) for the query rows, each (B, H, n, X)."""
-        qf = None if self.qf is None else self.qf[:, :, rows]
-        return qf, self.q_scale[:, :, rows], self.key_shift[:, :, rows], self.far_sum[:, :, rows]
+    def query_side(self):
+        """-> (qf or None, q_scale, key_shift, far_sum), each (B, H, L, X)."""
+        return self.qf, self.q_scale, self.key_shift, self.far_sum
 
 
 class _BidirectionalFar:
@@ -419,7 +417,7 @@ class _BidirectionalFar:
         weighted = keys.values1 * torch.exp(keys.klog - self.shift)  # (B, H, S, dv + 1); padded keys -> 0
         self.u, self.rq = u, rq
         if self.quadratic is not None and kernels is not None:
-            self.state = kernels.quadratic_far_state((keys.y - c).contiguous(), weighted.contiguous(), self.quadratic)
+            self.state = compiled_far_state(kernels, (keys.y - c).contiguous(), weighted.contiguous(), self.quadratic)
             self.qf = None
         elif self.quadratic is not None:
             self.state = quadratic_state(keys.y - c, weighted, self.quadratic)
@@ -428,16 +426,14 @@ class _BidirectionalFar:
             self.state = keys.feats.transpose(-2, -1) @ weighted  # (B, H, D, dv + 1)
             self.qf, self.q_scale = far_features(far, u, projection, parameter, rq)  # (B, H, L, D), (B, H, L, 1)
 
-    def __call__(self, rows: slice):
-        """-> (qf or None, q_scale, key_shift, far_sum) for the query rows, each (B, H, n, X)."""
-        key_shift = self.shift.expand(*self.rq.shape[:2], rows.stop - rows.start, 1)
+    def query_side(self):
+        """-> (qf or None, q_scale, key_shift, far_sum), each (B, H, L, X)."""
+        key_shift = self.shift.expand(*self.rq.shape[:3], 1)
         if self.quadratic is not None and self.kernels is not None:
-            far_sum = self.kernels.quadratic_far_apply(self.u[:, :, rows].contiguous(), self.state)
-            return None, self.rq[:, :, rows], key_shift, far_sum
+            return None, self.rq, key_shift, compiled_far_apply(self.kernels, self.u.contiguous(), self.state)
         if self.quadratic is not None:
-            return None, self.rq[:, :, rows], key_shift, quadratic_apply(self.u[:, :, rows], self.state)
-        qf = self.qf[:, :, rows]
-        return qf, self.q_scale[:, :, rows], key_shift, qf @ self.state
+            return None, self.rq, key_shift, quadratic_apply(self.u, self.state)
+        return self.qf, self.q_scale, key_shift, self.qf @ self.state
 
 
 def _key_fields(keys: Keys, with_feats: bool) -> list[Tensor]:
@@ -452,7 +448,9 @@ def _hybrid_sums(x, rq, far_side, keys: Keys, extra_keys, spec: HybridSpec, caus
 
     The queries are processed by blocks of ``block_q``, in slabs of blocks; block ``n`` reads its
     window keys ``[n * block_q - left, (n + 1) * block_q + right)``, the global keys and its routed
-    key blocks: one candidate set of C keys per block, with a (block_q, C) support mask.
+    key blocks: one candidate set of C keys per block, with a (block_q, C) support mask. Every per-block
+    tensor is built once for all blocks (views, one gather) and split into slabs, so that backward
+    gathers each gradient once instead of writing a full-size one per slab.
     """
     B, H, L, d = x.shape
     prefix, globals_ = extra_keys
@@ -466,111 +464,79 @@ def _hybrid_sums(x, rq, far_side, keys: Keys, extra_keys, spec: HybridSpec, caus
     with_feats = far.quadratic is None and not far_side.excludes_support
     nb_global = 0 if globals_ is None else globals_.y.shape[2]
     width = block_q + left + right if right >= 0 else 0
+    nb_cand = width + nb_global + routed * block_k
+    widest = max(d, keys.values1.shape[-1], keys.feats.shape[-1] if with_feats else 1)
+    sizes = slab_sizes(N, B * H * block_q * max(nb_cand, 1) * widest, "blocks", x.device)  # query blocks per slab
+
+    def by_slab(t):  # (B, H, N, ...) -> its slabs along the block axis
+        return t.split(sizes, dim=2)
+
+    def blocked(t):  # (B, H, L, X) -> slabs of (B, H, n, block_q, X)
+        return None if t is None else by_slab(F.pad(t, (0, 0, 0, pad)).view(B, H, N, block_q, -1))
+
+    qf, q_scale, key_shift, far_sum = (blocked(t) for t in far_side.query_side())
+    if not nb_cand:
+        return torch.cat(far_sum, dim=2).flatten(2, 3)[:, :, :L]
+    xq, rq_q = blocked(x), blocked(rq)
+    groups_by_slab = [[] for _ in sizes]  # per slab, per candidate set: ([y, values1, klog(, feats)], support)
     if width:  # the window context: buffered keys (decoding) or nothing before, nothing after
         before = prefix if prefix is not None else slice_keys(keys, 0, 0)
         window = cat_keys(pad_keys(before, left - before.y.shape[2], 0), pad_keys(keys_p, 0, right))
         band = torch.arange(width, device=x.device)[None, :] - torch.arange(block_q, device=x.device)[:, None]
         band = (band >= 0) & (band <= left + right)  # (block_q, width): i - left <= j <= i + right
-
-    def in_window(query_pos, key_pos):  # -> (.., n, block_q, C)
-        gap = query_pos - key_pos
-        return (gap >= -right) & (gap <= left)
-
-    key_blocks = key_block_means(keys_p, block_k) if routed else None
-    nb_cand = width + nb_global + routed * block_k
-    widest = max(d, keys.values1.shape[-1], keys.feats.shape[-1] if with_feats else 1)
+        support = band & window.mask.unfold(1, width, block_q)[:, None, :, None, :]  # (B, 1, N, block_q, width)
+        fields = [by_slab(t.unfold(2, width, block_q).transpose(-2, -1)) for t in _key_fields(window, with_feats)]
+        for slab, (*part, support_s) in enumerate(zip(*fields, by_slab(support), strict=True)):  # (B, H, n, C, X)
+            groups_by_slab[slab].append((part, support_s))
+    if routed:
+        key_blocks = key_block_means(keys_p, block_k)
+        q_mask = F.pad(keys.mask, (0, pad), value=False).view(B, N, block_q).split(sizes, dim=1)
+        first_blocks = [sum(sizes[:slab]) for slab in range(len(sizes))]
+        chosen, chosen_real = (
+            torch.cat(t, dim=2)
+            for t in zip(
+                *(
+                    route(xq_s, q_mask_s, key_blocks, n0, block_k, left, right, routed)
+                    for xq_s, q_mask_s, n0 in zip(xq, q_mask, first_blocks, strict=True)
+                ),
+                strict=True,
+            )
+        )  # (B, H, N, t)
+        fields = [by_slab(gather_blocks(t, chosen, block_k)) for t in _key_fields(keys_p, with_feats)]
+        key_pos = (chosen.unsqueeze(-1) * block_k + torch.arange(block_k, device=x.device)).flatten(-2)
+        real = keys_p.mask.gather(1, key_pos.flatten(1)).view(key_pos.shape)  # (B, H, N, R): real keys
+        real = real & chosen_real.repeat_interleave(block_k, dim=-1)  # ... of blocks that qualified
+        pos = (torch.arange(N * block_q, device=x.device) + offset).view(N, block_q, 1)  # absolute
+        key_pos = key_pos.unsqueeze(-2)  # (B, H, N, 1, R)
+        support = real.unsqueeze(-2) & ~_in_window(pos, key_pos, left, right) & (key_pos >= nb_global)
+        for slab, (*part, support_s) in enumerate(zip(*fields, by_slab(support), strict=True)):  # (B, H, n, C, X)
+            groups_by_slab[slab].append((part, support_s))
     outputs = []
-    for blocks in slabs(N, B * H * block_q * max(nb_cand, 1) * widest, "blocks", x.device):
-        n0, n1 = blocks.start, blocks.stop
-        n, lo, hi = n1 - n0, n0 * block_q, min(n1 * block_q, L)
-        rows_pad = n * block_q - (hi - lo)
-        qf, q_scale, key_shift, far_sum = (
-            None if t is None else F.pad(t, (0, 0, 0, rows_pad)).view(B, H, n, block_q, -1)
-            for t in far_side(slice(lo, hi))
-        )
-        if not nb_cand:
-            outputs.append(far_sum)
-            continue
-        xq, rq_q = (F.pad(t[:, :, lo:hi], (0, 0, 0, rows_pad)).view(B, H, n, block_q, -1) for t in (x, rq))
-        pos = (torch.arange(lo, lo + n * block_q, device=x.device) + offset).view(n, block_q, 1)  # absolute
-        parts, supports = [], []  # per group: [y, values1, klog(, feats)] of shape (B, H, n, C_g, X)
-        if width:
-            span = slice(lo, n1 * block_q + left + right)
-            parts.append(
-                [t[:, :, span].unfold(2, width, block_q).transpose(-2, -1) for t in _key_fields(window, with_feats)]
-            )
-            supports.append(band & window.mask[:, span].unfold(1, width, block_q)[:, None, :, None, :])
+    for slab, n in enumerate(sizes):
+        n0 = sum(sizes[:slab])
+        groups = groups_by_slab[slab]
         if nb_global:
-            parts.append([t.unsqueeze(2).expand(-1, -1, n, -1, -1) for t in _key_fields(globals_, with_feats)])
+            part = [t.unsqueeze(2).expand(-1, -1, n, -1, -1) for t in _key_fields(globals_, with_feats)]
+            pos = (torch.arange(n0 * block_q, (n0 + n) * block_q, device=x.device) + offset).view(n, block_q, 1)
             key_pos = torch.arange(nb_global, device=x.device)  # (G,)
-            support = globals_.mask[:, None, None, None, :] & ~in_window(pos, key_pos)  # (B, 1, n, block_q, G)
-            supports.append(support & (key_pos <= pos) if causal else support)
-        if routed:
-            q_mask = F.pad(keys.mask[:, lo:hi], (0, rows_pad), value=False).view(B, n, block_q)
-            chosen, chosen_real = route(xq, q_mask, key_blocks, n0, block_k, left, right, routed)  # (B, H, n, t)
-            parts.append([gather_blocks(t, chosen, block_k) for t in _key_fields(keys_p, with_feats)])
-            key_pos = (chosen.unsqueeze(-1) * block_k + torch.arange(block_k, device=x.device)).flatten(-2)
-            real = keys_p.mask.gather(1, key_pos.flatten(1)).view(key_pos.shape)  # (B, H, n, R): real keys
-            real = real & chosen_real.repeat_interleave(block_k, dim=-1)  # ... of blocks that qualified
-            key_pos = key_pos.unsqueeze(-2)  # (B, H, n, 1, R)
-            supports.append(real.unsqueeze(-2) & ~in_window(pos, key_pos) & (key_pos >= nb_global))
+            support = globals_.mask[:, None, None, None, :] & ~_in_window(pos, key_pos, left, right)
+            groups.append((part, support & (key_pos <= pos) if causal else support))  # (B, 1, n, block_q, G)
         groups = [([t.expand(B, H, n, *t.shape[3:]) for t in part], support.expand(B, H, n, block_q, -1))
-                  for part, support in zip(parts, supports, strict=True)]  # fmt: skip
-        far_scale = q_scale + key_shift
+                  for part, support in groups]  # fmt: skip
+        far_scale = q_scale[slab] + key_shift[slab]
         if far_side.excludes_support:
-            outputs.append(_exact_and_far_sums(xq, far_scale, far_sum, groups))
+            outputs.append(recomputed(_exact_and_far_sums, xq[slab], far_scale, far_sum[slab], groups))
         else:
-            outputs.append(
-                _support_sums(xq, qf, rq_q, far_scale, key_shift, far_sum, groups, far.quadratic, not causal)
-            )
+            qf_s = None if qf is None else qf[slab]
+            outputs.append(recomputed(_support_sums, xq[slab], qf_s, rq_q[slab], far_scale, key_shift[slab],
+                                      far_sum[slab], groups, far.quadratic, not causal))  # fmt: skip
     return torch.cat(outputs, dim=2).flatten(2, 3)[:, :, :L]
 
 
-def _support_kernels(q: Tensor, k: Tensor, v: Tensor):
-    """The compiled kernels (:mod:`.cpu_kernels`) when they apply (CPU tensors, no gradient needed), else ``None``."""
-    inputs = (q, k, v)
-    if any(t.device.type != "cpu" for t in inputs):
-        return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        return None  # forward only: training takes the differentiable PyTorch path
-    kernels = hybrid_kernels()
-    if kernels is None or v.shape[-1] + 1 > kernels.max_value_width or q.shape[2] >= 1 << 24:
-        return None  # wide values / positions beyond float32's exact integers: the PyTorch path
-    return kernels
-
-
-def _routes(kernels, x: Tensor, keys: Keys, spec: HybridSpec) -> Tensor:
-    """(B, H, N, t) int64: the routed key blocks of each of the N query blocks (as :func:`_route`), -1 for none."""
-    B, H, L, d = x.shape
-    left, right = window_offsets(spec.local_window, causal=False)
-    routed, block_k, block_q = spec.routed_blocks, spec.route_block_size, spec.query_block_size
-    N = -(-L // block_q)
-    if not routed:
-        return torch.empty(B, H, N, 0, dtype=torch.int64, device=x.device)
-    key_blocks = key_block_means(pad_keys(keys, 0, -L % block_k), block_k)
-    x_p = F.pad(x, (0, 0, 0, N * block_q - L)).view(B, H, N, block_q, d)
-    q_mask = F.pad(keys.mask, (0, N * block_q - L), value=False).view(B, N, block_q)
-    routes = []
-    for blocks in slabs(N, B * H * key_blocks[1].shape[1], "blocks", x.device):
-        scores = route_scores(x_p[:, :, blocks], q_mask[:, blocks], key_blocks, blocks.start, block_k, left, right)
-        routes.append(kernels.top_blocks(scores.contiguous(), min(routed, scores.shape[-1])))
-    return torch.cat(routes, dim=2)
-
-
-def _fused_sums(kernels, x, rq, far_side: _BidirectionalFar, keys: Keys, spec: HybridSpec) -> Tensor:
-    """What :func:`_hybrid_sums` computes for bidirectional attention with a polynomial far field, in one
-    compiled pass over the query blocks (:mod:`.cpu_kernels`): (B, H, L, dv + 1)."""
-    B, H, L, _ = x.shape
-    _, q_scale, _, far_sum = far_side(slice(0, L))  # (B, H, L, 1), (B, H, L, dv + 1)
-    left, right = window_offsets(spec.local_window, causal=False)
-    nb_global, block_q, block_k = min(spec.num_global_tokens, L), spec.query_block_size, spec.route_block_size
-    routes = _routes(kernels, x, keys, spec)
-    return kernels.hybrid_support_sums(
-        x.contiguous(), q_scale.reshape(B, H, L).contiguous(), far_sum.contiguous(),
-        far_side.shift.reshape(B, H).contiguous(), keys.y.transpose(-2, -1).contiguous(), keys.values1.contiguous(),
-        keys.klog.reshape(B, H, L).contiguous(), keys.mask.contiguous(), routes.contiguous(),
-        left, right, nb_global, block_q, block_k, far_side.quadratic,
-    )  # fmt: skip
+def _in_window(query_pos: Tensor, key_pos: Tensor, left: int, right: int) -> Tensor:
+    """Whether each key lies in each query's window: i - left <= j <= i + right (broadcast shapes)."""
+    gap = query_pos - key_pos
+    return (gap >= -right) & (gap <= left)
 
 
 def _global_rows(x, keys: Keys, out, g: int) -> Tensor:

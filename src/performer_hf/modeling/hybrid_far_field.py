@@ -19,7 +19,7 @@ import torch
 from .causal_scan import EMPTY_SHIFT, causal_scan
 from .favor_features import FEATURE_MAPS
 from .favor_optimal import optimal_log_features
-from .slabs import slabs
+from .slabs import recomputed, slab_sizes
 
 Tensor = torch.Tensor
 
@@ -150,11 +150,16 @@ def quadratic_state(w: Tensor, wv1: Tensor, c2: float) -> tuple[Tensor, Tensor]:
     d1 = wv1.shape[-1]
     linear = torch.cat([wv1.sum(dim=-2, keepdim=True), w.transpose(-2, -1) @ wv1], dim=-2)
     quadratic = 0
-    for rows in slabs(S, B * H * d * d1, "far", w.device):
-        w_s = w[:, :, rows]
-        outer = (w_s.unsqueeze(-1) * wv1[:, :, rows].unsqueeze(-2)).flatten(-2)  # (B, H, s, d (dv + 1))
-        quadratic = quadratic + w_s.transpose(-2, -1) @ outer
+    sizes = slab_sizes(S, B * H * d * d1, "far", w.device)
+    for w_s, wv1_s in zip(w.split(sizes, dim=2), wv1.split(sizes, dim=2), strict=True):
+        quadratic = quadratic + recomputed(_quadratic_slab_state, w_s, wv1_s)
     return linear, quadratic * c2
+
+
+def _quadratic_slab_state(w: Tensor, wv1: Tensor) -> Tensor:
+    """(B, H, s, d), (B, H, s, dv + 1) -> (B, H, d, d (dv + 1)): sum_j w_j (w_j (x) wv1_j)."""
+    outer = (w.unsqueeze(-1) * wv1.unsqueeze(-2)).flatten(-2)  # (B, H, s, d (dv + 1))
+    return w.transpose(-2, -1) @ outer
 
 
 def quadratic_apply(u: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
@@ -163,12 +168,16 @@ def quadratic_apply(u: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
     B, H, n, d = u.shape
     d1 = linear.shape[-1]
     sums = []
-    for rows in slabs(n, B * H * d * d1, "far", u.device):
-        u_s = u[:, :, rows]
-        per_dim = (u_s @ quadratic).unflatten(-1, (d, d1))  # (B, H, s, d, dv + 1): sum_a u_a quadratic[a]
-        quadratic_sums = (u_s.unsqueeze(-2) @ per_dim).squeeze(-2)  # (B, H, s, dv + 1): sum_b u_b per_dim[b]
-        sums.append(linear[..., :1, :] + u_s @ linear[..., 1:, :] + quadratic_sums)
+    for u_s in u.split(slab_sizes(n, B * H * d * d1, "far", u.device), dim=2):
+        sums.append(linear[..., :1, :] + u_s @ linear[..., 1:, :] + recomputed(_quadratic_slab_sums, u_s, quadratic))
     return torch.cat(sums, dim=2)
+
+
+def _quadratic_slab_sums(u: Tensor, quadratic: Tensor) -> Tensor:
+    """(B, H, s, d), (B, H, d, d (dv + 1)) -> (B, H, s, dv + 1): sum_ab u_a u_b quadratic[a, (b, :)]."""
+    d = u.shape[-1]
+    per_dim = (u @ quadratic).unflatten(-1, (d, -1))  # (B, H, s, d, dv + 1): sum_a u_a quadratic[a]
+    return (u.unsqueeze(-2) @ per_dim).squeeze(-2)  # sum_b u_b per_dim[b]
 
 
 def causal_far_sums(qf, kf, klog, v1, chunk_size: int, far_kv: Tensor | None, far_shift: Tensor | None):

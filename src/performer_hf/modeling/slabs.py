@@ -1,5 +1,6 @@
 """Long inputs are processed slab by slab, so that memory stays linear in the sequence length (FAVOR+'s
-feature buffers, hybrid attention's query blocks and routing scores, the polynomial far field's state).
+feature buffers, hybrid attention's query blocks and routing scores, the polynomial far field's state); in
+training, a slab's temporaries are recomputed in backward rather than kept (:func:`recomputed`).
 
 How large a slab may be depends on the device. On a CPU, a slab's largest temporary should stay about
 cache-sized: the allocator reuses it and no page faults occur. On a GPU, each slab costs a round of kernel
@@ -7,7 +8,10 @@ launches (a few microseconds each, whatever their size), so slabs are made as la
 measured on an H100 in bf16, the CPU's budgets made hybrid training 150x slower than SDPA at 512 tokens x 32.
 """
 
+import itertools
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
 # Elements of one slab's largest temporary, by device type ("cpu", or any accelerator) and use:
 #   blocks    hybrid attention's query blocks (B, H, n, block_q, C, X) and routing scores
@@ -35,7 +39,25 @@ def max_slab_chunks(device: torch.device | str) -> int:
     return MAX_SLAB_CHUNKS[_kind(device)]
 
 
-def slabs(length: int, per_row: int, use: str, device: torch.device | str) -> list[slice]:
-    """Slices of ``range(length)`` with about ``slab_elements(device, use) / per_row`` rows each."""
+def slab_sizes(length: int, per_row: int, use: str, device: torch.device | str) -> list[int]:
+    """Rows per slab of ``range(length)``, about ``slab_elements(device, use) / per_row`` each: the sizes for
+    ``Tensor.split``. (Split, not index, tensors that need gradients: the backward of each slice writes a
+    zero gradient of the full tensor, which makes a slab loop quadratic in time.)"""
     rows = max(1, slab_elements(device, use) // max(1, per_row))
-    return [slice(start, min(length, start + rows)) for start in range(0, length, rows)]
+    return [min(rows, length - start) for start in range(0, length, rows)]
+
+
+def slabs(length: int, per_row: int, use: str, device: torch.device | str) -> list[slice]:
+    """The slabs of :func:`slab_sizes` as slices of ``range(length)``."""
+    starts = [0]
+    for size in slab_sizes(length, per_row, use, device):
+        starts.append(starts[-1] + size)
+    return [slice(start, stop) for start, stop in itertools.pairwise(starts)]
+
+
+def recomputed(fn, *args):
+    """``fn(*args)`` for one slab, with its intermediates recomputed in backward instead of stored
+    (``torch.utils.checkpoint``): a training step then keeps no slab's temporaries, only its inputs."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False)
