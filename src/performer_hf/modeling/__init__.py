@@ -17,5 +17,6 @@ files, so these modules import only each other (and torch / transformers), never
   far-field kernels and causal far sums), ``hybrid_keys.py`` (key sets, window, routing, the lagged keys of
   the causal far field), ``slabs.py`` (slab sizing);
 - ``cache_performer.py``: the constant-size decoding caches; ``cpu_kernels.py`` + ``csrc/``: the compiled
-  CPU kernel of hybrid attention (built on first use; not shipped, so remote code takes the PyTorch path).
+  CPU kernels of hybrid attention (built on first use; not shipped, so remote code takes the PyTorch path),
+  and ``hybrid_compiled.py``, their autograd functions.
 """
