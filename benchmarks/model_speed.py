@@ -19,6 +19,8 @@ Arms (``--arms``):
     favor     plain FAVOR+ (``method="favor"``)
     exact     the default conversion with ``exact_max_length`` above every L: what its exact dispatch
               computes (SDPA, no attention dropout); against ``hybrid`` it gives the crossover length
+    bound     the same model with attention that costs nothing (each layer's attention returns its values):
+              the speed-up over the source that no attention method can exceed on this model
 
 The source trains with its configured attention dropout (0.1): on a CPU, SDPA then takes its unfused
 path. The converted models have no attention dropout (FAVOR+ and the hybrid cannot apply it).
@@ -57,7 +59,7 @@ import torch
 logger = logging.getLogger("benchmarks.model_speed")
 
 MODELS = ("encoder", "decoder")
-ARMS = ("sdpa", "flash", "hybrid", "favor", "exact")
+ARMS = ("sdpa", "flash", "hybrid", "favor", "exact", "bound")
 SOURCE_ARMS = ("sdpa", "flash")
 MODES = ("train", "inference")
 LAYERS, HIDDEN, HEADS = 6, 384, 12
@@ -101,11 +103,21 @@ def build_models(kind: str, positions: int, arms: list[str], workdir: Path) -> d
         if arm == "exact" and kind == "decoder":
             logger.info("no exact arm for the decoder: causal models keep the method's own state (no exact dispatch)")
             continue
-        settings = {"method": "hybrid", "exact_max_length": 1 << 30} if arm == "exact" else {"method": arm}
-        out = convert(folder, workdir / f"{kind}-{arm}", fidelity=False, overwrite=True, **settings)
+        settings = {"exact": {"method": "hybrid", "exact_max_length": 1 << 30}, "bound": {"method": "favor"}}
+        out = convert(folder, workdir / f"{kind}-{arm}", fidelity=False, overwrite=True,
+                      **settings.get(arm, {"method": arm}))  # fmt: skip
         auto = AutoModelForMaskedLM if kind == "encoder" else AutoModelForCausalLM
         models[arm] = auto.from_pretrained(out)
+        if arm == "bound":
+            for module in models[arm].modules():
+                if hasattr(module, "attend"):
+                    module.attend = _free_attention
     return models
+
+
+def _free_attention(module, q, k, v, *args, **kwargs):
+    """The bound arm's attention: no work at all (the context is the values)."""
+    return v, None
 
 
 def backend(arm: str, device: str):

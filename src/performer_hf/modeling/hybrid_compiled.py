@@ -13,8 +13,6 @@ Each keeps only its (B, H, L, X) inputs for backward, so a training step's memor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -23,15 +21,14 @@ from .cpu_kernels import hybrid_kernels
 from .hybrid_keys import Keys, key_block_means, pad_keys, route_scores, window_offsets
 from .slabs import slabs
 
-if TYPE_CHECKING:
-    from .favor_hybrid import HybridSpec
-
 Tensor = torch.Tensor
 
 
 def support_kernels(q: Tensor, k: Tensor, v: Tensor):
-    """The compiled kernels when they apply (CPU tensors, values narrow enough), else ``None``."""
+    """The compiled kernels when they apply (CPU tensors, values narrow enough, not traced), else ``None``."""
     if any(t.device.type != "cpu" for t in (q, k, v)):
+        return None
+    if torch.compiler.is_compiling():  # torch.export / torch.compile trace the PyTorch path; kernels are opaque
         return None
     kernels = hybrid_kernels()
     if kernels is None or v.shape[-1] + 1 > kernels.max_value_width or q.shape[2] >= 1 << 24:
@@ -39,7 +36,7 @@ def support_kernels(q: Tensor, k: Tensor, v: Tensor):
     return kernels
 
 
-def _routes(kernels, x: Tensor, keys: Keys, spec: HybridSpec) -> Tensor:
+def _routes(kernels, x: Tensor, keys: Keys, spec) -> Tensor:
     """(B, H, N, t) int64: the routed key blocks of each of the N query blocks (as :func:`.route`), -1 for none."""
     B, H, L, d = x.shape
     left, right = window_offsets(spec.local_window, causal=False)
@@ -57,9 +54,10 @@ def _routes(kernels, x: Tensor, keys: Keys, spec: HybridSpec) -> Tensor:
     return torch.cat(routes, dim=2)
 
 
-def fused_sums(kernels, x: Tensor, far_side, keys: Keys, spec: HybridSpec) -> Tensor:
+def fused_sums(kernels, x: Tensor, far_side, keys: Keys, spec) -> Tensor:
     """What ``favor_hybrid._hybrid_sums`` computes for bidirectional attention with a polynomial far field, in
-    one compiled pass over the query blocks: (B, H, L, dv + 1). ``far_side``: a ``_BidirectionalFar``."""
+    one compiled pass over the query blocks: (B, H, L, dv + 1). ``far_side``: a ``favor_hybrid._BidirectionalFar``;
+    ``spec``: a ``HybridSpec`` (not imported here: the remote-code bundle's imports stay acyclic)."""
     B, H, L, _ = x.shape
     _, q_scale, _, far_sum = far_side.query_side()  # (B, H, L, 1), (B, H, L, dv + 1)
     left, right = window_offsets(spec.local_window, causal=False)
