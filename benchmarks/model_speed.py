@@ -14,6 +14,9 @@ from a source folder written here, positions set to the longest L:
 Arms (``--arms``):
 
     sdpa      the source, ``attn_implementation="sdpa"`` (torch picks the backend: flash on CUDA where it can)
+    sdpa_fused  the source with its attention dropout set to 0: SDPA's fused kernels on a CPU too (the
+              converted models have no attention dropout either; at long lengths the ``sdpa`` arm's unfused
+              path runs out of memory on a CPU)
     flash     the source with SDPA held to its flash backend (CUDA only; an arm it cannot run says why)
     hybrid    the default conversion (``method="hybrid"``)
     favor     plain FAVOR+ (``method="favor"``)
@@ -59,8 +62,8 @@ import torch
 logger = logging.getLogger("benchmarks.model_speed")
 
 MODELS = ("encoder", "decoder")
-ARMS = ("sdpa", "flash", "hybrid", "favor", "exact", "bound")
-SOURCE_ARMS = ("sdpa", "flash")
+ARMS = ("sdpa", "sdpa_fused", "flash", "hybrid", "favor", "exact", "bound")
+SOURCE_ARMS = ("sdpa", "sdpa_fused", "flash")
 MODES = ("train", "inference")
 LAYERS, HIDDEN, HEADS = 6, 384, 12
 
@@ -68,7 +71,7 @@ LAYERS, HIDDEN, HEADS = 6, 384, 12
 # ---- models --------------------------------------------------------------------------------------
 
 
-def source_model(kind: str, positions: int):
+def source_model(kind: str, positions: int, attention_dropout: float = 0.1):
     """A source model of ``kind`` with random weights (seeded) and ``positions`` positions, SDPA attention."""
     from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
 
@@ -80,9 +83,12 @@ def source_model(kind: str, positions: int):
             num_attention_heads=HEADS,
             intermediate_size=4 * HIDDEN,
             max_position_embeddings=positions,
+            attention_probs_dropout_prob=attention_dropout,
         )
         return BertForMaskedLM._from_config(config, attn_implementation="sdpa")
-    config = GPT2Config(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, n_positions=positions)
+    config = GPT2Config(
+        n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, n_positions=positions, attn_pdrop=attention_dropout
+    )
     return GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
 
 
@@ -98,7 +104,7 @@ def build_models(kind: str, positions: int, arms: list[str], workdir: Path) -> d
     models = {}
     for arm in arms:
         if arm in SOURCE_ARMS:
-            models[arm] = source_model(kind, positions)
+            models[arm] = source_model(kind, positions, attention_dropout=0.0 if arm == "sdpa_fused" else 0.1)
             continue
         if arm == "exact" and kind == "decoder":
             logger.info("no exact arm for the decoder: causal models keep the method's own state (no exact dispatch)")
