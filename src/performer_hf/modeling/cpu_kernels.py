@@ -1,8 +1,8 @@
 """Compiled CPU kernels, built on first use with PyTorch's C++ extension JIT (needs a C++ compiler).
 
-The kernels are optional: inference-only fast paths with pure-PyTorch fallbacks. When the build
-fails (no compiler, no ninja), :func:`hybrid_kernels` logs why once and returns ``None``,
-and callers use the PyTorch code. ``PERFORMER_HF_CPU_KERNELS=0`` turns the kernels off.
+The kernels are optional fast paths (forward and backward, :mod:`.hybrid_compiled`) with pure-PyTorch
+fallbacks. When the build fails (no compiler, no ninja), :func:`hybrid_kernels` logs why once and returns
+``None``, and callers use the PyTorch code. ``PERFORMER_HF_CPU_KERNELS=0`` turns the kernels off.
 
 The build is cached by PyTorch (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``),
 under a name that includes this machine's CPU flags, since it is compiled with ``-march=native``.
@@ -80,7 +80,7 @@ def _compiled_kernels():
 
 
 def hybrid_kernels():
-    """The compiled module (``hybrid_support_sums``, ``quadratic_far_state``, ``quadratic_far_apply``,
-    ``top_blocks``, ``max_value_width``; see ``csrc/hybrid_support.cpp``), or ``None`` when disabled or the
-    build failed."""
+    """The compiled module (``hybrid_support_sums``, ``quadratic_far_state``, ``quadratic_far_apply``, each
+    with its ``_backward``, ``top_blocks``, ``max_value_width``; see ``csrc/hybrid_support.cpp``), or ``None``
+    when disabled or the build failed."""
     return _compiled_kernels() if kernels_enabled() else None

@@ -35,10 +35,11 @@ first factor is one scalar per query and one per key and is kept exactly, only t
 sequence itself are allowed bidirectionally; causal attention needs fixed centres.
 
 On the CPU, bidirectional attention with a polynomial far field runs in compiled kernels
-(:mod:`.cpu_kernels`) when no gradient is needed: the far-field state and sums in register tiles without
+(:mod:`.hybrid_compiled`, forward and backward): the far-field state and sums in register tiles without
 materialising features, the routing's top-k, and the support sums in one pass per block of queries
-instead of a dozen (queries x candidates) temporaries. Training, other far fields, causal
-attention and GPUs use the PyTorch code below, which the kernel is tested against.
+instead of a dozen (queries x candidates) temporaries. Other far fields, causal attention and GPUs use
+the PyTorch code below, which the kernels are tested against; in training it recomputes each slab in
+backward (:func:`.slabs.recomputed`), so that no slab's temporaries are kept.
 
 Numerics mirror :mod:`.favor_attention`: query features are shifted by their own row max, key
 features by the max over keys (bidirectional) or by a running max over positions ``<= j``
