@@ -21,7 +21,9 @@ Arms (``--arms``):
     hybrid    the default conversion (``method="hybrid"``)
     favor     plain FAVOR+ (``method="favor"``)
     exact     the default conversion with ``exact_max_length`` above every L: what its exact dispatch
-              computes (SDPA, no attention dropout); against ``hybrid`` it gives the crossover length
+              computes (SDPA, no attention dropout)
+    approximation  the default conversion with exact dispatch off (``exact_max_length=0``): the hybrid's
+              own approximation at every length; against ``exact`` it gives the crossover length
     bound     the same model with attention that costs nothing (each layer's attention returns its values):
               the speed-up over the source that no attention method can exceed on this model
 
@@ -35,8 +37,9 @@ Timing: for every L, each arm's model is built once; a warm-up run, then ``--rep
 (arm after arm, round after round) so that a change of load hits every arm alike; the median is
 reported, with ratios source / Performer (> 1: the Performer is faster). CUDA runs are synchronised
 before the clock is read. Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` over the step
-(weights and optimizer state included); on CPU it is not measured here (``speed.py`` measures the
-attention call's, each in a fresh process). An arm whose median passes
+(weights and optimizer state included); on a CPU, the extra resident memory at the step's peak
+(``harness.PeakMemory``: ``VmHWM - VmRSS`` after resetting the high-water mark; in one process, so memory
+an earlier arm left resident can hide part of a later one's). An arm whose median passes
 ``--time-cap`` seconds, or that runs out of memory, is skipped at longer lengths, and says so.
 
 ``--check`` first compares every arm's outputs at a short length with the same model in float32 on
@@ -62,7 +65,7 @@ import torch
 logger = logging.getLogger("benchmarks.model_speed")
 
 MODELS = ("encoder", "decoder")
-ARMS = ("sdpa", "sdpa_fused", "flash", "hybrid", "favor", "exact", "bound")
+ARMS = ("sdpa", "sdpa_fused", "flash", "hybrid", "favor", "exact", "approximation", "bound")
 SOURCE_ARMS = ("sdpa", "sdpa_fused", "flash")
 MODES = ("train", "inference")
 LAYERS, HIDDEN, HEADS = 6, 384, 12
@@ -106,10 +109,14 @@ def build_models(kind: str, positions: int, arms: list[str], workdir: Path) -> d
         if arm in SOURCE_ARMS:
             models[arm] = source_model(kind, positions, attention_dropout=0.0 if arm == "sdpa_fused" else 0.1)
             continue
-        if arm == "exact" and kind == "decoder":
-            logger.info("no exact arm for the decoder: causal models keep the method's own state (no exact dispatch)")
+        if arm in ("exact", "approximation") and kind == "decoder":
+            logger.info("no %s arm for the decoder: causal models have no exact dispatch", arm)
             continue
-        settings = {"exact": {"method": "hybrid", "exact_max_length": 1 << 30}, "bound": {"method": "favor"}}
+        settings = {
+            "exact": {"method": "hybrid", "exact_max_length": 1 << 30},
+            "approximation": {"method": "hybrid", "exact_max_length": 0},
+            "bound": {"method": "favor"},
+        }
         out = convert(folder, workdir / f"{kind}-{arm}", fidelity=False, overwrite=True,
                       **settings.get(arm, {"method": arm}))  # fmt: skip
         auto = AutoModelForMaskedLM if kind == "encoder" else AutoModelForCausalLM
@@ -158,16 +165,18 @@ class Step:
     def __init__(self, work, device: str):
         self.work, self.device = work, device
 
-    def timed(self) -> tuple[float, float | None]:
-        """Seconds of one run and, on CUDA, its peak allocated memory in MB."""
+    def timed(self) -> tuple[float, float]:
+        """Seconds of one run and its peak memory in MB: on CUDA the peak allocated memory, on a CPU the extra
+        resident memory at the peak (:class:`harness.PeakMemory`)."""
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         synchronize(self.device)
-        start = time.perf_counter()
-        self.work()
-        synchronize(self.device)
-        seconds = time.perf_counter() - start
-        return seconds, torch.cuda.max_memory_allocated() / 2**20 if self.device == "cuda" else None
+        with harness.PeakMemory() as memory:
+            start = time.perf_counter()
+            self.work()
+            synchronize(self.device)
+            seconds = time.perf_counter() - start
+        return seconds, (torch.cuda.max_memory_allocated() if self.device == "cuda" else memory.extra) / 2**20
 
 
 def model_step(arm: str, model, mode: str, inputs: dict, device: str) -> Step:
@@ -206,7 +215,10 @@ def attention_step(arm: str, call, qkv: list, mode: str, device: str) -> Step:
 
 
 def _out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in str(error)
+    message = str(error)
+    return isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)) or any(
+        words in message for words in ("out of memory", "can't allocate memory")
+    )
 
 
 # ---- the two parts -------------------------------------------------------------------------------
@@ -416,8 +428,13 @@ def markdown(payload: dict) -> str:
                         cells.append(f"**{times[b] / times[a]:.2f}x**" if ok else "-")
                 lines.append(f"| {length} | {batch} | " + " | ".join(cells) + " |")
             lines.append("")
-    if any(r.get("peak_mb") for r in results) and s["device"] == "cuda":
-        lines += ["## Peak GPU memory (MB, weights and optimizer state included)", ""]
+    if any(r.get("peak_mb") for r in results):
+        lines += [
+            "## Peak GPU memory (MB, weights and optimizer state included)"
+            if s["device"] == "cuda"
+            else "## Peak extra resident memory (MB: what a step needed beyond the resident set at its start)",
+            "",
+        ]
         for kind in s["models"]:
             for mode in modes:
                 lines += [
