@@ -165,10 +165,11 @@ class AttentionMethod:
 # the source. Causal models cannot route (it would read future tokens): they get a wider window, and FAVOR++
 # random features (m = 256) around fixed centres, with A per head, both calibrated on sample text at
 # conversion (leak-free). The causal polynomial far field approximates better but is several times slower
-# at head_dim 64 (its features are 1 + d + d(d+1)/2 wide). Bidirectional inputs of at most 4,096 tokens keep
-# exact attention (exact_max_length): measured on the MiniLM-shaped encoder (2 CPU threads, fp32,
-# benchmarks/results/model_speed_crossover.md), exact attention trains 1.7-2.7x faster than the hybrid up to
-# 4K tokens (still 1.3x at 8K) and runs inference as fast up to 4K (the hybrid is 1.7x faster at 8K).
+# at head_dim 64 (its features are 1 + d + d(d+1)/2 wide). Bidirectional inputs of at most 2,048 tokens keep
+# exact attention (exact_max_length): measured on the MiniLM-shaped encoder (2 CPU threads, fp32, the hybrid
+# with its compiled backward; benchmarks/results/model_speed_crossover.md), exact attention trains 1.14x
+# faster than the hybrid at 2K tokens and infers 1.08x faster, while at 4K the hybrid is the faster (1.17x
+# training, 1.25x inference; 1.28x training at 8K).
 # "favor": plain FAVOR+ (the paper's positive orthogonal random features), the PerformerConfig defaults;
 # no exact dispatch, so that FAVOR+ is what is measured (its own crossover there is about 1-2K tokens).
 ATTENTION_METHODS: dict[str, AttentionMethod] = {
@@ -202,7 +203,7 @@ ATTENTION_METHODS: dict[str, AttentionMethod] = {
                 "routed_blocks": 24,
                 "route_block_size": 8,
                 "query_block_size": 16,
-                "exact_max_length": 4096,
+                "exact_max_length": 2048,
             },
             "causal": {
                 "attention_kernel": "softmax_opt",
