@@ -310,7 +310,9 @@ def measure_attention(args, workdir: Path) -> list[dict]:
         causal = kind == "decoder"
         models = build_models(kind, 64, [a for a in args.arms if a not in SOURCE_ARMS], workdir)
         calls = {arm: AttentionCall(first_attention(m).to(args.device), causal) for arm, m in models.items()}
-        for arm in SOURCE_ARMS:  # the step's backend context holds "flash" to its kernel
+        # the step's backend context holds "flash" to its kernel; a bare SDPA call has no dropout, so
+        # sdpa_fused would time the same call as sdpa
+        for arm in ("sdpa", "flash"):
             if arm in args.arms:
                 calls[arm] = lambda q, k, v, causal=causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         for length in args.lengths:

@@ -49,6 +49,7 @@ features by the max over keys (bidirectional) or by a running max over positions
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -468,6 +469,7 @@ def _hybrid_sums(x, rq, far_side, keys: Keys, extra_keys, spec: HybridSpec, caus
     nb_cand = width + nb_global + routed * block_k
     widest = max(d, keys.values1.shape[-1], keys.feats.shape[-1] if with_feats else 1)
     sizes = slab_sizes(N, B * H * block_q * max(nb_cand, 1) * widest, "blocks", x.device)  # query blocks per slab
+    starts = list(itertools.accumulate(sizes[:-1], initial=0))  # each slab's first query block
 
     def by_slab(t):  # (B, H, N, ...) -> its slabs along the block axis
         return t.split(sizes, dim=2)
@@ -492,17 +494,10 @@ def _hybrid_sums(x, rq, far_side, keys: Keys, extra_keys, spec: HybridSpec, caus
     if routed:
         key_blocks = key_block_means(keys_p, block_k)
         q_mask = F.pad(keys.mask, (0, pad), value=False).view(B, N, block_q).split(sizes, dim=1)
-        first_blocks = [sum(sizes[:slab]) for slab in range(len(sizes))]
-        chosen, chosen_real = (
-            torch.cat(t, dim=2)
-            for t in zip(
-                *(
-                    route(xq_s, q_mask_s, key_blocks, n0, block_k, left, right, routed)
-                    for xq_s, q_mask_s, n0 in zip(xq, q_mask, first_blocks, strict=True)
-                ),
-                strict=True,
-            )
-        )  # (B, H, N, t)
+        routes = [route(xq_s, q_mask_s, key_blocks, n0, block_k, left, right, routed)
+                  for xq_s, q_mask_s, n0 in zip(xq, q_mask, starts, strict=True)]  # fmt: skip
+        chosen = torch.cat([blocks for blocks, _ in routes], dim=2)  # (B, H, N, t)
+        chosen_real = torch.cat([real for _, real in routes], dim=2)
         fields = [by_slab(gather_blocks(t, chosen, block_k)) for t in _key_fields(keys_p, with_feats)]
         key_pos = (chosen.unsqueeze(-1) * block_k + torch.arange(block_k, device=x.device)).flatten(-2)
         real = keys_p.mask.gather(1, key_pos.flatten(1)).view(key_pos.shape)  # (B, H, N, R): real keys
@@ -513,8 +508,7 @@ def _hybrid_sums(x, rq, far_side, keys: Keys, extra_keys, spec: HybridSpec, caus
         for slab, (*part, support_s) in enumerate(zip(*fields, by_slab(support), strict=True)):  # (B, H, n, C, X)
             groups_by_slab[slab].append((part, support_s))
     outputs = []
-    for slab, n in enumerate(sizes):
-        n0 = sum(sizes[:slab])
+    for slab, (n0, n) in enumerate(zip(starts, sizes, strict=True)):
         groups = groups_by_slab[slab]
         if nb_global:
             part = [t.unsqueeze(2).expand(-1, -1, n, -1, -1) for t in _key_fields(globals_, with_feats)]

@@ -120,9 +120,9 @@ struct Workspace {
   std::vector<T> sums;      // (kQueries, W)
   // backward only
   std::vector<T> t, pair, exact, d_weights, d_logits;  // (kQueries, Cp)
-  std::vector<T> grad, grad_rows;  // the output gradients of a query tile: (kQueries, W) and (kQueries, D1)
+  std::vector<T> grad;             // (kQueries, D1) the output gradients of a query tile
   std::vector<T> values_t;         // (D1, Cp) the packed values, transposed
-  std::vector<T> d_keys_t, d_values, d_klog;            // (d, Cp), (Cp, W), (Cp,): a block's key gradients
+  std::vector<T> d_keys_t, d_values, d_klog;            // (d, Cp), (Cp, D1), (Cp,): a block's key gradients
 };
 
 // Packs query block n's candidates into the workspace: its window span, the global keys and its routed key
@@ -259,34 +259,29 @@ void query_block_backward(const Inputs<T>& in, const Gradients<T>& g, int64_t bh
   const int64_t Cp = pack_candidates<T, W>(in, bh, n, ws);
   const T *klog = ws.klog.data(), *kexp = ws.kexp.data(), *values = ws.values.data();
   for (auto* tile : {&ws.t, &ws.pair, &ws.exact, &ws.d_weights, &ws.d_logits}) tile->resize(kQueries * Cp);
-  ws.grad.resize(kQueries * W);
-  ws.grad_rows.resize(kQueries * D1);
+  ws.grad.resize(kQueries * D1);
   ws.values_t.resize(D1 * Cp);  // the packed values transposed, (D1, Cp)
   for (int64_t c = 0; c < Cp; ++c) {
     for (int64_t e = 0; e < D1; ++e) ws.values_t[e * Cp + c] = values[c * W + e];
   }
   ws.d_keys_t.assign(d * Cp, T(0));
-  ws.d_values.assign(Cp * W, T(0));
+  ws.d_values.assign(Cp * D1, T(0));
   ws.d_klog.assign(Cp, T(0));
   for (int64_t i0 = q_start; i0 < q_end; i0 += kQueries) {
     const int64_t count = std::min(kQueries, q_end - i0);
     T far_weight[kQueries], shift[kQueries];
     tile_support(in, bh, i0, count, Cp, ws, far_weight, shift);
     std::fill(ws.grad.begin(), ws.grad.end(), T(0));
-    std::fill(ws.grad_rows.begin(), ws.grad_rows.end(), T(0));
-    for (int64_t q = 0; q < count; ++q) {
-      std::memcpy(&ws.grad[q * W], g.grad_out + (bh * L + i0 + q) * D1, D1 * sizeof(T));
-      std::memcpy(&ws.grad_rows[q * D1], g.grad_out + (bh * L + i0 + q) * D1, D1 * sizeof(T));
-    }
+    std::memcpy(ws.grad.data(), g.grad_out + (bh * L + i0) * D1, count * D1 * sizeof(T));
     // d loss / d weights (kQueries, Cp) = grad (kQueries, D1) @ values^T (D1, Cp)
-    tile_logits(ws.grad_rows.data(), D1, ws.values_t.data(), Cp, ws.d_weights.data());
+    tile_logits(ws.grad.data(), D1, ws.values_t.data(), Cp, ws.d_weights.data());
     for (int64_t q = 0; q < count; ++q) {
       const T* logits = ws.logits.data() + q * Cp;
       const T* active = ws.active.data() + q * Cp;
       T *t = ws.t.data() + q * Cp, *pair = ws.pair.data() + q * Cp, *exact = ws.exact.data() + q * Cp;
       T* weights = ws.weights.data() + q * Cp;
       const T* d_weights = ws.d_weights.data() + q * Cp;
-      const T* grad = ws.grad.data() + q * W;
+      const T* grad = ws.grad.data() + q * D1;
       const T rq = in.rq[bh * L + i0 + q];
       T mass = 0;
 #pragma omp simd reduction(+ : mass)
@@ -336,12 +331,12 @@ void query_block_backward(const Inputs<T>& in, const Gradients<T>& g, int64_t bh
     }
     // the candidates' gradients from this tile: d values_c += sum_q weights_qc grad_q; d y_c += sum_q d_logits_qc x_q
     for (int64_t c = 0; c < Cp; ++c) {
-      T* d_values = &ws.d_values[c * W];
+      T* d_values = &ws.d_values[c * D1];
       for (int64_t q = 0; q < count; ++q) {
         const T w = ws.weights[q * Cp + c];
-        const T* grad = &ws.grad[q * W];
+        const T* grad = &ws.grad[q * D1];
 #pragma omp simd
-        for (int64_t e = 0; e < W; ++e) d_values[e] += w * grad[e];
+        for (int64_t e = 0; e < D1; ++e) d_values[e] += w * grad[e];
       }
     }
     for (int64_t e = 0; e < d; ++e) {
@@ -362,7 +357,7 @@ void query_block_backward(const Inputs<T>& in, const Gradients<T>& g, int64_t bh
       T* d_y = g.y + (bh * L + j) * d;
       for (int64_t e = 0; e < d; ++e) d_y[e] += ws.d_keys_t[e * Cp + c];
       T* d_values1 = g.values1 + (bh * L + j) * D1;
-      for (int64_t e = 0; e < D1; ++e) d_values1[e] += ws.d_values[c * W + e];
+      for (int64_t e = 0; e < D1; ++e) d_values1[e] += ws.d_values[c * D1 + e];
       g.klog[bh * L + j] += ws.d_klog[c];
     }
   }
