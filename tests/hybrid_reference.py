@@ -56,8 +56,10 @@ def _routed_support(x, y, mask, block_q, block_k, left, right, nb_routed):
 
 def reference(q, k, v, W=None, *, far_field="softmax", causal=False, mask=None, local_window=0,
               num_global_tokens=0, routed_blocks=0, route_block_size=8, query_block_size=16, center=False,
-              far_field_parameter=None):  # fmt: skip
-    """sum_j w_ij v_j / sum_j w_ij with w_ij = exp(x_i . y_j) on the support, kappa(x_i, y_j) elsewhere."""
+              far_field_parameter=None, query_center=None, key_center=None):  # fmt: skip
+    """sum_j w_ij v_j / sum_j w_ij with w_ij = exp(x_i . y_j) on the support, kappa(x_i, y_j) elsewhere.
+
+    Centres: the means (``center``), fixed ones (``query_center``, ``key_center``: (H, d), scaled units) or none."""
     B, H, L, d = q.shape
     x, y = q * d**-0.25, k * d**-0.25
     mask = torch.ones(B, L, dtype=torch.bool) if mask is None else mask
@@ -65,6 +67,8 @@ def reference(q, k, v, W=None, *, far_field="softmax", causal=False, mask=None, 
     if center:
         a = (x * keep).sum(2, keepdim=True) / keep.sum(2, keepdim=True)
         c = (y * keep).sum(2, keepdim=True) / keep.sum(2, keepdim=True)
+    elif query_center is not None:
+        a, c = (centre.double()[None, :, None, :] for centre in (query_center, key_center))  # (1, H, 1, d)
     else:
         a = c = torch.zeros(1, 1, 1, d, dtype=torch.float64)
     u, w = x - a, y - c

@@ -107,16 +107,22 @@ def test_decoding_with_state_equals_one_causal_pass(far_field, splits):
     assert state.keys.shape[2] == 3 and state.global_keys.shape[2] == 2 and state.length == start
 
 
-@pytest.mark.parametrize("far_field", ["softmax", "poly2"])
+@pytest.mark.parametrize("far_field", sorted(FAR_FIELDS))
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_match_reference(far_field, causal):
+    # causal exponential far fields: the fused scan (favor_attention.causal_exp_sums), with per-head FAVOR++
+    # directions and the keys' centering terms
     q, k, v = (t.requires_grad_() for t in random_qkv(length=21))
     W = _projection()
     config = dict(local_window=3, num_global_tokens=1)
     if not causal:
         config.update(routed_blocks=2, route_block_size=3, query_block_size=4)
-    fast = hybrid_attention(q, k, v, W, far_field=far_field, causal=causal, chunk_size=4, **config)
-    ref = reference(q, k, v, W, far_field=far_field, causal=causal, **config)
+    kwargs = _kwargs(far_field, causal, config)
+    if causal and far_field == "softmax_opt":
+        kwargs["far_field_parameter"] = torch.tensor([-0.05, -0.2])  # one A per head
+    centres = {"query_center": torch.randn(2, 8) * 0.3, "key_center": torch.randn(2, 8) * 0.3} if causal else {}
+    fast = hybrid_attention(q, k, v, W, chunk_size=4, **centres, **kwargs)
+    ref = reference(q, k, v, W, **centres, **kwargs)
     probe = torch.randn_like(ref)
     g_fast = torch.autograd.grad((fast * probe).sum(), (q, k, v))
     g_ref = torch.autograd.grad((ref * probe).sum(), (q, k, v))

@@ -102,39 +102,50 @@ def _hyperbolic_directions(projection: Tensor) -> Tensor:
 
 # Kernels whose features are exp(x P^T - |x|^2 / 2) / sqrt(rows of P), by the rows P they use.
 # They must agree with favor_features (the tests compare against the registry's references).
-_EXP_KERNEL_DIRECTIONS: dict[str, Callable[[Tensor], Tensor]] = {
+EXP_KERNEL_DIRECTIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "softmax": _softmax_directions,
     "softmax_hyperbolic": _hyperbolic_directions,
 }
 
 
-def _exp_log_features(x: Tensor, directions: Tensor, keep: Tensor | None) -> Tensor:
-    """log phi(x) = x P^T - |x|^2 / 2 - log sqrt(m'): (B, H, S, d) -> (B, H, S, m'), -inf where not kept."""
-    log_phi = x @ directions.T
-    log_phi.sub_(0.5 * x.pow(2).sum(dim=-1, keepdim=True) + 0.5 * math.log(directions.shape[0]))
+def _exp_log_features(x: Tensor, directions: Tensor, keep: Tensor | None, bias=None, row=None) -> Tensor:
+    """log phi(x) = x D^T + bias - |x|^2 / 2 + row - log sqrt(m'): (B, H, S, d) -> (B, H, S, m'), -inf where not
+    kept. ``directions`` D: (m', d) or per head (.., H, m', d); ``bias``: (.., H, 1, m') or None; ``row``: (B, H, S, 1)
+    or None."""
+    log_phi = x @ directions.transpose(-2, -1)
+    if bias is not None:
+        log_phi.add_(bias)
+    per_row = 0.5 * x.pow(2).sum(dim=-1, keepdim=True) + 0.5 * math.log(directions.shape[-2])
+    log_phi.sub_(per_row if row is None else per_row - row)
     if keep is not None:
         log_phi.masked_fill_(~keep, float("-inf"))  # padded keys: zero features
     return log_phi
 
 
-def _exp_query_features(x: Tensor, directions: Tensor) -> Tensor:
-    """phi(x) / max_r phi_r(x): (B, H, S, d) -> (B, H, S, m'), largest entry 1 in every row.
+def _exp_query_features(x: Tensor, directions: Tensor, bias=None) -> tuple[Tensor, Tensor]:
+    """phi(x) / max_r phi_r(x) and log max_r phi_r(x) (the shift): (B, H, S, d) -> ((B, H, S, m'), (B, H, S, 1)).
 
-    The per-query terms |x|^2 / 2 and log sqrt(m') cancel in the row shift, so only x P^T is needed.
+    The per-query terms |x|^2 / 2 and log sqrt(m') cancel in the normalised features: they enter only the shift.
     """
-    log_phi = x @ directions.T
-    return log_phi.sub_(log_phi.amax(dim=-1, keepdim=True)).exp_()
+    log_phi = x @ directions.transpose(-2, -1)
+    if bias is not None:
+        log_phi.add_(bias)
+    top = log_phi.amax(dim=-1, keepdim=True)
+    shift = top - 0.5 * x.pow(2).sum(dim=-1, keepdim=True) - 0.5 * math.log(directions.shape[-2])
+    return log_phi.sub_(top).exp_(), shift
 
 
 def _exp_input_grad(g: Tensor, x: Tensor, directions: Tensor) -> Tensor:
-    """d loss / d x from g = d loss / d log phi: sum_r g_r (p_r - x), the shift held constant."""
+    """d loss / d x from g = d loss / d log phi: sum_r g_r (D_r - x), the shift held constant."""
     grad_x = g @ directions  # (B, H, S, d)
     return grad_x.sub_(g.sum(dim=-1, keepdim=True) * x)
 
 
-def _exp_directions_grad(g: Tensor, x: Tensor) -> Tensor:
-    """d loss / d P from g = d loss / d log phi: sum over positions of g_r x. -> (m', d)"""
-    return g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+def _exp_directions_grad(g: Tensor, x: Tensor, directions: Tensor) -> Tensor:
+    """d loss / d D from g = d loss / d log phi: sum over positions of g_r x. -> the shape of ``directions``"""
+    if directions.dim() == 2:
+        return g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+    return (g.transpose(-2, -1) @ x).sum_to_size(directions.shape)  # per head
 
 
 def _spans(length: int, size: int) -> list[tuple[int, int]]:
@@ -177,7 +188,7 @@ class _BidirectionalExp(torch.autograd.Function):
             shift = new_shift
         out1 = q.new_empty(*q.shape[:-1], v1.shape[-1])
         for a, b in _spans(q.shape[2], slab):
-            phi_q = _exp_query_features(q[:, :, a:b], directions)
+            phi_q, _ = _exp_query_features(q[:, :, a:b], directions)
             if stabilizer:
                 phi_q.add_(stabilizer)
             out1[:, :, a:b] = phi_q @ kv
@@ -196,13 +207,13 @@ class _BidirectionalExp(torch.autograd.Function):
         grad_directions = torch.zeros_like(directions) if want_directions else None
         for a, b in _spans(q.shape[2], slab):
             x, g1 = q[:, :, a:b], grad_out1[:, :, a:b]
-            phi = _exp_query_features(x, directions)  # without the stabilizer
+            phi, _ = _exp_query_features(x, directions)  # without the stabilizer
             g = g1 @ kv.transpose(-2, -1)  # (B, H, S, m'): d loss / d phi
             grad_kv.add_((phi + stabilizer if stabilizer else phi).transpose(-2, -1) @ g1)
             g.mul_(phi)  # d loss / d log phi
             grad_q[:, :, a:b] = _exp_input_grad(g, x, directions)
             if want_directions:
-                grad_directions.add_(_exp_directions_grad(g, x))
+                grad_directions.add_(_exp_directions_grad(g, x, directions))
         for a, b in _spans(k.shape[2], slab):
             x, v1_slab = k[:, :, a:b], v1[:, :, a:b]
             phi = _exp_log_features(x, directions, None if keep is None else keep[:, :, a:b]).sub_(shift).exp_()
@@ -210,7 +221,7 @@ class _BidirectionalExp(torch.autograd.Function):
             g = (v1_slab @ grad_kv.transpose(-2, -1)).mul_(phi)  # d loss / d log phi
             grad_k[:, :, a:b] = _exp_input_grad(g, x, directions)
             if want_directions:
-                grad_directions.add_(_exp_directions_grad(g, x))
+                grad_directions.add_(_exp_directions_grad(g, x, directions))
         return grad_q, grad_k, grad_v1, grad_directions, None, None, None
 
 
@@ -250,6 +261,10 @@ def _scan_backward(weights: Tensor, start_grads: Tensor, after_grad: Tensor) -> 
 class _CausalExp(torch.autograd.Function):
     """Chunked causal FAVOR+ for exponential features, a slab of chunks at a time.
 
+    Features: ``phi(x) = exp(x D^T + bias - |x|^2 / 2 + row) / sqrt(m')`` with directions D (m', d) or per head
+    (.., H, m', d), an optional per-feature ``bias`` (.., H, 1, m') (FAVOR++) and, for keys, an optional per-key
+    ``key_row`` (B, H, L, 1) (hybrid attention's centering term). Queries are normalised by their row max.
+
     Inside a slab everything is batched over its chunks: exact masked (C, C) products within each
     chunk, and each chunk's start state (m' x (dv + 1), relative to the running key shift) from a
     short scan. Forward keeps the chunk start states (L / C of them) and the shifts; backward
@@ -258,24 +273,29 @@ class _CausalExp(torch.autograd.Function):
 
     q, k: (B, H, L, d), v1: (B, H, L, dv + 1) with L a multiple of ``chunk`` and ``slab``
     a multiple of ``chunk``; kv0: (B, H, m', dv + 1); shift0: (B, H); keep: (B, 1, L, 1) or None
-    -> (out1 (B, H, L, dv + 1), kv (B, H, m', dv + 1), shift (B, H))
+    -> (out1 (B, H, L, dv + 1) relative to exp(query shift + key shift), kv (B, H, m', dv + 1) and its shift
+    (B, H), and, not differentiable, the key shifts s (B, H, L) and the query shifts (B, H, L): query i's
+    features are ``exp(query shift_i)`` times those used)
     """
 
     @staticmethod
-    def forward(ctx, q, k, v1, directions, kv0, shift0, keep, stabilizer, chunk, slab):
+    def forward(ctx, q, k, v1, directions, bias, key_row, kv0, shift0, keep, stabilizer, chunk, slab):
         B, H, L, _ = q.shape
-        m, d1, C = directions.shape[0], v1.shape[-1], chunk
+        m, d1, C = directions.shape[-2], v1.shape[-1], chunk
         out1 = q.new_empty(B, H, L, d1)
         shifts = q.new_empty(B, H, L)  # s_j: running max of the key log-features over positions <= j
+        q_shifts = q.new_empty(B, H, L)
         starts = []  # per slab (B, H, G, m', d + 1): the state each chunk starts from
         future = ~torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
         kv, prev = kv0, shift0
         for a, b in _spans(L, slab):
             G = (b - a) // C
-            phi_q = _exp_query_features(q[:, :, a:b], directions)
+            phi_q, q_shift = _exp_query_features(q[:, :, a:b], directions, bias)
+            q_shifts[:, :, a:b] = q_shift.squeeze(-1)
             if stabilizer:
                 phi_q.add_(stabilizer)
-            log_phi = _exp_log_features(k[:, :, a:b], directions, None if keep is None else keep[:, :, a:b])
+            log_phi = _exp_log_features(k[:, :, a:b], directions, None if keep is None else keep[:, :, a:b], bias,
+                                        None if key_row is None else key_row[:, :, a:b])  # fmt: skip
             row_max = torch.maximum(log_phi.amax(dim=-1).nan_to_num_(neginf=EMPTY_SHIFT), prev.unsqueeze(-1))
             s = torch.cummax(row_max, dim=-1).values  # (B, H, S)
             shifts[:, :, a:b] = s
@@ -300,31 +320,34 @@ class _CausalExp(torch.autograd.Function):
             to_query = torch.exp(begins[..., :G].unsqueeze(-1) - sc).unsqueeze(-1)  # (B, H, G, C, 1)
             out.add_((qc @ chunk_starts).mul_(to_query))
             out1[:, :, a:b] = out.view(B, H, b - a, d1)
-        ctx.save_for_backward(q, k, v1, directions, shifts, shift0, *starts)
+        ctx.save_for_backward(q, k, v1, directions, bias, key_row, shifts, shift0, *starts)
         ctx.keep, ctx.stabilizer, ctx.chunk, ctx.slab = keep, stabilizer, chunk, slab
-        ctx.mark_non_differentiable(prev)
-        return out1, kv, prev
+        ctx.mark_non_differentiable(prev, shifts, q_shifts)
+        return out1, kv, prev, shifts, q_shifts
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out1, grad_kv, _grad_shift):
-        q, k, v1, directions, shifts, shift0, *starts = ctx.saved_tensors
+    def backward(ctx, grad_out1, grad_kv, _grad_shift, _grad_shifts, _grad_q_shifts):
+        q, k, v1, directions, bias, key_row, shifts, shift0, *starts = ctx.saved_tensors
         keep, stabilizer, C, slab = ctx.keep, ctx.stabilizer, ctx.chunk, ctx.slab
         B, H, L, _ = q.shape
-        m, d1 = directions.shape[0], v1.shape[-1]
-        want_directions = ctx.needs_input_grad[3]
+        m, d1 = directions.shape[-2], v1.shape[-1]
+        want_directions, want_bias, want_row = (ctx.needs_input_grad[i] for i in (3, 4, 5))
         grad_q, grad_k, grad_v1 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v1)
         grad_directions = torch.zeros_like(directions) if want_directions else None
+        grad_bias = torch.zeros_like(bias) if want_bias else None
+        grad_row = torch.empty_like(key_row) if want_row else None
         # d loss / d (the state after the slab processed next, going backwards), relative to its shift
         state_grad = q.new_zeros(B, H, m, d1) if grad_kv is None else grad_kv
         future = ~torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
         for a, b in reversed(_spans(L, slab)):
             G = (b - a) // C
             xq, xk = q[:, :, a:b], k[:, :, a:b]
-            phi_q = _exp_query_features(xq, directions)  # without the stabilizer
+            phi_q, _ = _exp_query_features(xq, directions, bias)  # without the stabilizer
             phi_q1 = phi_q + stabilizer if stabilizer else phi_q  # as used in the forward
             s = shifts[:, :, a:b]
-            log_phi = _exp_log_features(xk, directions, None if keep is None else keep[:, :, a:b])
+            log_phi = _exp_log_features(xk, directions, None if keep is None else keep[:, :, a:b], bias,
+                                        None if key_row is None else key_row[:, :, a:b])  # fmt: skip
             phi_k = log_phi.sub_(s.unsqueeze(-1)).exp_()
             qc, q1c, kc = (t.view(B, H, G, C, m) for t in (phi_q, phi_q1, phi_k))
             vc, sc = v1[:, :, a:b].view(B, H, G, C, d1), s.view(B, H, G, C)
@@ -358,8 +381,13 @@ class _CausalExp(torch.autograd.Function):
             grad_q[:, :, a:b] = _exp_input_grad(g_q, xq, directions)
             grad_k[:, :, a:b] = _exp_input_grad(g_k, xk, directions)
             if want_directions:
-                grad_directions.add_(_exp_directions_grad(g_q, xq)).add_(_exp_directions_grad(g_k, xk))
-        return grad_q, grad_k, grad_v1, grad_directions, state_grad, None, None, None, None, None
+                grad_directions.add_(_exp_directions_grad(g_q, xq, directions))
+                grad_directions.add_(_exp_directions_grad(g_k, xk, directions))
+            if want_bias:
+                grad_bias.add_((g_q.sum(dim=-2, keepdim=True) + g_k.sum(dim=-2, keepdim=True)).sum_to_size(bias.shape))
+            if want_row:
+                grad_row[:, :, a:b] = g_k.sum(dim=-1, keepdim=True)
+        return (grad_q, grad_k, grad_v1, grad_directions, grad_bias, grad_row, state_grad) + (None,) * 5
 
 
 def _features(
@@ -402,8 +430,8 @@ def _bidirectional(q: Tensor, k: Tensor, v1: Tensor, projection: Tensor, kernel:
     """q: (B, H, Lq, d), k: (B, H, Lk, d), v1: (B, H, Lk, dv + 1) -> (B, H, Lq, dv + 1)."""
     stabilizer = get_feature_map(kernel).query_stabilizer
     keep = None if mask is None else mask[:, None, :, None]  # (B, 1, Lk, 1)
-    if kernel in _EXP_KERNEL_DIRECTIONS:
-        directions = _EXP_KERNEL_DIRECTIONS[kernel](projection)  # (m', d)
+    if kernel in EXP_KERNEL_DIRECTIONS:
+        directions = EXP_KERNEL_DIRECTIONS[kernel](projection)  # (m', d)
         slab = _slab_size(q.shape[0] * q.shape[1], directions.shape[0], q.device)
         return _BidirectionalExp.apply(q, k, v1, directions, keep, stabilizer, slab)
     qf, _ = _features(q, projection, kernel, keep=None, shift_of=_row_shift, stabilizer=stabilizer)
@@ -426,30 +454,73 @@ def _causal(
 
     q, k: (B, H, L, d), v1: (B, H, L, dv + 1) -> ((B, H, L, dv + 1), FavorState)
     """
-    B, H, L, _ = q.shape
-    # Split into N chunks of C positions; the tail is padded with keys that are masked out.
+    stabilizer = get_feature_map(kernel).query_stabilizer
+    if kernel in EXP_KERNEL_DIRECTIONS:
+        directions = EXP_KERNEL_DIRECTIONS[kernel](projection)  # (m', d)
+        out1, _, _, state = causal_exp_sums(q, k, v1, directions, mask=mask, stabilizer=stabilizer,
+                                            chunk_size=chunk_size, state=state)  # fmt: skip
+        return out1, state
+    L = q.shape[2]
     C = min(chunk_size, L)
-    N = -(-L // C)
-    pad = N * C - L
+    q, k, v1, mask = _pad_to_chunks(q, k, v1, mask, C)
+    keep = None if mask is None else mask[:, None, :, None]  # (B, 1, N * C, 1)
+    out1, state = _causal_generic(q, k, v1, projection, kernel, keep, stabilizer, C, state)
+    return out1[:, :, :L], state
+
+
+def _pad_to_chunks(q, k, v1, mask, C: int):
+    """Pad the sequence axis to a multiple of C with keys that are masked out."""
+    B, _, L, _ = q.shape
+    pad = -(-L // C) * C - L
     if pad:
         q, k, v1 = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v1))
         mask = q.new_ones(B, L, dtype=torch.bool) if mask is None else mask
         mask = F.pad(mask, (0, pad), value=False)
-    keep = None if mask is None else mask[:, None, :, None]  # (B, 1, N * C, 1)
-    stabilizer = get_feature_map(kernel).query_stabilizer
+    return q, k, v1, mask
 
-    if kernel in _EXP_KERNEL_DIRECTIONS:
-        directions = _EXP_KERNEL_DIRECTIONS[kernel](projection)  # (m', d)
-        if state is None:
-            kv0 = q.new_zeros(B, H, directions.shape[0], v1.shape[-1])
-            shift0 = q.new_full((B, H), EMPTY_SHIFT)
-        else:
-            kv0, shift0 = state.kv.to(q.dtype), state.shift.to(q.dtype)
-        slab = _slab_size(B * H, directions.shape[0], q.device, chunk=C)
-        out1, kv, shift = _CausalExp.apply(q, k, v1, directions, kv0, shift0, keep, stabilizer, C, slab)
-        return out1[:, :, :L], FavorState(kv=kv, shift=shift)
-    out1, state = _causal_generic(q, k, v1, projection, kernel, keep, stabilizer, C, state)
-    return out1[:, :, :L], state
+
+def causal_exp_sums(
+    q: Tensor,
+    k: Tensor,
+    v1: Tensor,
+    directions: Tensor,
+    *,
+    bias: Tensor | None = None,
+    key_row: Tensor | None = None,
+    mask: Tensor | None = None,
+    stabilizer: float = 0.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    state: FavorState | None = None,
+) -> tuple[Tensor, Tensor, Tensor, FavorState]:
+    """Causal sums ``sum_{j <= i} phi(q_i) . phi(k_j) [v_j, 1]`` of exponential features (:class:`_CausalExp`),
+    ``phi(x) = exp(x D^T + bias - |x|^2 / 2 (+ key_row for keys)) / sqrt(m')``.
+
+    Args:
+        q, k: (B, H, L, d); v1: (B, H, L, dv + 1).
+        directions: D, (m', d) or per head (.., H, m', d); bias: (.., H, 1, m') or None; key_row: (B, H, L, 1)
+            or None; mask: (B, L) bool, False for keys left out; stabilizer: added to the normalised query features.
+        state: the :class:`FavorState` before position 0, or None.
+
+    Returns:
+        The sums (B, H, L, dv + 1), query i's relative to ``exp(q_shift_i + s_i)``; q_shift (B, H, L) and
+        s (B, H, L) (constants for autograd); the state after the last position.
+    """
+    B, H, L, _ = q.shape
+    C = min(chunk_size, L)
+    if key_row is not None:
+        key_row = F.pad(key_row, (0, 0, 0, -(-L // C) * C - L))
+    q, k, v1, mask = _pad_to_chunks(q, k, v1, mask, C)
+    keep = None if mask is None else mask[:, None, :, None]  # (B, 1, N * C, 1)
+    if state is None:
+        kv0 = q.new_zeros(B, H, directions.shape[-2], v1.shape[-1])
+        shift0 = q.new_full((B, H), EMPTY_SHIFT)
+    else:
+        kv0, shift0 = state.kv.to(q.dtype), state.shift.to(q.dtype)
+    slab = _slab_size(B * H, directions.shape[-2], q.device, chunk=C)
+    out1, kv, shift, shifts, q_shifts = _CausalExp.apply(
+        q, k, v1, directions, bias, key_row, kv0, shift0, keep, stabilizer, C, slab
+    )
+    return out1[:, :, :L], q_shifts[:, :, :L], shifts[:, :, :L], FavorState(kv=kv, shift=shift)
 
 
 def _causal_generic(q, k, v1, projection, kernel, keep, stabilizer, C, state):

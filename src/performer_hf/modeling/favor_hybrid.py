@@ -57,7 +57,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .favor_attention import check_attention_inputs
+from .favor_attention import causal_exp_sums, check_attention_inputs
 from .favor_optimal import optimal_parameter, pair_statistic
 from .hybrid_compiled import compiled_far_apply, compiled_far_state, fused_sums, support_kernels
 from .hybrid_far_field import (
@@ -74,6 +74,7 @@ from .hybrid_keys import (
     NEG_INF,
     Keys,
     cat_keys,
+    centering_log,
     gather_blocks,
     key_block_means,
     key_side,
@@ -344,9 +345,16 @@ def hybrid_attention(
     kernels = None if causal or far.quadratic is None else support_kernels(q, k, v)
     state = initial_state
     ctx = FarContext(root, a, c, far, projection, parameter, dtype)
-    keys = key_side(k, v, mask, ctx, with_features=causal)
+    # A causal pass from the start with an exponential far field scans fused (features per slab, never stored)
+    fused_scan = causal and state is None and far.exp_form is not None
+    with_features = (return_state or not fused_scan) if causal else far.quadratic is None
+    keys = key_side(k, v, mask, ctx, with_features)
     far_kv = far_shift = None
-    if causal:
+    if fused_scan:
+        far_side = _fused_causal_far(far, x - a, rq, keys, a, c, projection, parameter, spec)
+        if return_state:  # the state for decoding holds every key
+            far_kv, far_shift = causal_far_state(keys.feats, keys.klog, keys.values1)
+    elif causal:
         qf, q_scale = far_features(far, x - a, projection, parameter, rq)  # (B, H, L, D), (B, H, L, 1)
         # Without an earlier state, the scan reads the keys lagged past the window: the far field then never
         # holds the exact support, and no far-field kernel is evaluated on it. (Decoding steps after a state
@@ -401,6 +409,24 @@ class _CausalFar:
     def query_side(self):
         """-> (qf or None, q_scale, key_shift, far_sum), each (B, H, L, X)."""
         return self.qf, self.q_scale, self.key_shift, self.far_sum
+
+
+def _fused_causal_far(far: FarField, u: Tensor, rq: Tensor, keys: Keys, a: Tensor, c: Tensor, projection, parameter,
+                      spec: HybridSpec) -> _CausalFar:  # fmt: skip
+    """The causal far field of exponential features over the keys lagged past each query's exact support, in
+    one fused scan (:func:`.causal_exp_sums`): u (B, H, L, d) centred queries, rq (B, H, L, 1) their centering
+    log-weights, a and c the centres."""
+    rk = centering_log(keys.y, a, c)  # (B, H, L, 1)
+    centred = Keys(keys.y - c, keys.values1, rk.masked_fill(~keys.mask[:, None, :, None], NEG_INF), keys.mask, None)
+    lagged = lagged_far_keys(centred, spec.local_window, spec.num_global_tokens)  # left-out keys: klog -inf
+    directions, bias = far.exp_form(projection, parameter)
+    out1, q_shift, shifts, _ = causal_exp_sums(u, lagged.y, lagged.values1, directions, bias=bias,
+                                               key_row=lagged.klog, mask=lagged.mask, chunk_size=spec.chunk_size)  # fmt: skip
+    # The queries' centering factor exp(rq) stays out of the scan: in the far field's scale, and (a factor of
+    # value 1) in its gradient.
+    rq_const = rq.detach()
+    return _CausalFar(None, q_shift.unsqueeze(-1) + rq_const, shifts.unsqueeze(-1), out1 * torch.exp(rq - rq_const),
+                      excludes_support=True)  # fmt: skip
 
 
 class _BidirectionalFar:

@@ -64,26 +64,40 @@ def pair_statistic(x: Tensor, y: Tensor, key_padding_mask: Tensor | None = None)
     return (mean_sq_x + mean_sq_y + 2 * (mean_x * mean_y).sum(-1)) / d
 
 
+def optimal_exp_form(projection: Tensor, a: Tensor | float) -> tuple[Tensor, Tensor]:
+    """FAVOR++'s features as exponential features ``exp(x D^T + bias - |x|^2 / 2) / sqrt(m)`` (the form
+    :func:`.favor_attention.causal_exp_sums` takes): ``D = sqrt(1 - 4A) W`` and
+    ``bias_r = A |w_r|^2 + (d / 4) log(1 - 4A)``.
+
+    Args:
+        projection: ``(m, d)``, rows ``w_r`` (Gaussian marginals: any coupling of draw_projection
+            with ``row_norms="chi"`` keeps the estimator unbiased).
+        a: the parameter ``A`` (``< 1/8``): a float or a tensor broadcastable to ``(B, H)``.
+    Returns:
+        ``D``: (m, d), or (.., m, d) for a tensor ``A`` of shape (..); ``bias``: (1, m) or (.., 1, m).
+    """
+    m, d = projection.shape
+    a = torch.as_tensor(a, dtype=projection.dtype, device=projection.device)
+    if bool((a >= 0.125).any()):
+        raise ValueError(f"The FAVOR++ parameter A must be below 1/8 (finite variance); got max {float(a.max())}.")
+    a = a.reshape(*a.shape, 1, 1)  # (.., 1, 1)
+    directions = torch.sqrt(1 - 4 * a) * projection  # (.., m, d)
+    bias = a * projection.pow(2).sum(-1) + (d / 4) * torch.log(1 - 4 * a)  # (.., 1, m)
+    return directions, bias
+
+
 def optimal_log_features(x: Tensor, projection: Tensor, a: Tensor | float) -> Tensor:
     """Log of the FAVOR++ features ``f(w_r, x) / sqrt(m)`` for every row ``w_r`` of the projection.
 
     Args:
         x: ``(B, H, L, d)`` scaled queries or keys.
-        projection: ``(m, d)``, rows ``w_r`` (Gaussian marginals: any coupling of draw_projection
-            with ``row_norms="chi"`` keeps the estimator unbiased).
-        a: the parameter ``A`` (``< 1/8``): a float or a tensor broadcastable to ``(B, H)``.
+        projection, a: as for :func:`optimal_exp_form`.
     Returns:
         ``(B, H, L, m)``: ``log f`` such that ``sum_r exp(lf_r(x) + lf_r(y))`` estimates ``exp(x . y)``.
     """
-    m, d = projection.shape
-    a = torch.as_tensor(a, dtype=x.dtype, device=x.device)
-    if bool((a >= 0.125).any()):
-        raise ValueError(f"The FAVOR++ parameter A must be below 1/8 (finite variance); got max {float(a.max())}.")
-    a = a.reshape(*a.shape, 1, 1) if a.dim() else a  # (B, H, 1, 1) or scalar
-    b = torch.sqrt(1 - 4 * a)
-    logits = x @ projection.T  # (B, H, L, m)
-    row_bias = a * projection.pow(2).sum(-1) + (d / 4) * torch.log(1 - 4 * a) - 0.5 * math.log(m)  # (.., 1, m)
-    return b * logits + row_bias - 0.5 * x.pow(2).sum(-1, keepdim=True)
+    directions, bias = optimal_exp_form(projection.to(x.dtype), a)
+    m = projection.shape[0]
+    return x @ directions.transpose(-2, -1) + bias - 0.5 * math.log(m) - 0.5 * x.pow(2).sum(-1, keepdim=True)
 
 
-__all__ = ["optimal_log_features", "optimal_parameter", "pair_statistic"]
+__all__ = ["optimal_exp_form", "optimal_log_features", "optimal_parameter", "pair_statistic"]

@@ -17,8 +17,9 @@ from typing import NamedTuple
 import torch
 
 from .causal_scan import EMPTY_SHIFT, causal_scan
+from .favor_attention import EXP_KERNEL_DIRECTIONS
 from .favor_features import FEATURE_MAPS
-from .favor_optimal import optimal_log_features
+from .favor_optimal import optimal_exp_form, optimal_log_features
 from .slabs import recomputed, slab_sizes
 
 Tensor = torch.Tensor
@@ -26,6 +27,9 @@ Tensor = torch.Tensor
 # (u, projection, parameter) -> (base, log): u (B, H, L, d); base (B, H, L, D) or None;
 # log (B, H, L, D) or None. phi(u) = base * exp(log); missing parts mean ones / zeros.
 FarFeatureFn = Callable[[Tensor, Tensor | None, Tensor | None], tuple[Tensor | None, Tensor | None]]
+# (projection, parameter) -> (directions, bias): the exponential kernels' features as
+# exp(u D^T + bias - |u|^2 / 2) / sqrt(rows of D) (see favor_attention.causal_exp_sums).
+ExpFormFn = Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor | None]]
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class FarField:
             the support come from feature dot products.
         uses_projection: whether a random projection is required.
         uses_parameter: whether the kernel has a per-head parameter (FAVOR++'s ``A``).
+        exp_form: for the exponential kernels, ``(projection, parameter) -> (directions, bias)`` with the same
+            features as ``features``, for the fused causal scan; None for the polynomials.
     """
 
     name: str
@@ -48,6 +54,7 @@ class FarField:
     quadratic: float | None = None
     uses_projection: bool = True
     uses_parameter: bool = False
+    exp_form: ExpFormFn | None = None
 
 
 def _random_features(name: str) -> FarFeatureFn:
@@ -58,6 +65,11 @@ def _random_features(name: str) -> FarFeatureFn:
         return compute(u, projection)  # (None, log-features (B, H, L, m'))
 
     return features
+
+
+def _random_exp_form(name: str) -> ExpFormFn:
+    directions_of = EXP_KERNEL_DIRECTIONS[name]
+    return lambda projection, _parameter: (directions_of(projection), None)
 
 
 def _optimal_features(u: Tensor, projection: Tensor, parameter: Tensor) -> tuple[None, Tensor]:
@@ -93,9 +105,10 @@ def _quadratic_features(c2: float) -> FarFeatureFn:
 FAR_FIELDS: dict[str, FarField] = {
     ff.name: ff
     for ff in (
-        FarField("softmax", _random_features("softmax")),
-        FarField("softmax_hyperbolic", _random_features("softmax_hyperbolic")),
-        FarField("softmax_opt", _optimal_features, uses_parameter=True),
+        FarField("softmax", _random_features("softmax"), exp_form=_random_exp_form("softmax")),
+        FarField("softmax_hyperbolic", _random_features("softmax_hyperbolic"),
+                 exp_form=_random_exp_form("softmax_hyperbolic")),
+        FarField("softmax_opt", _optimal_features, uses_parameter=True, exp_form=optimal_exp_form),
         FarField("taylor2", _quadratic_features(0.5), quadratic=0.5, uses_projection=False),
         FarField("poly2", _quadratic_features(0.25), quadratic=0.25, uses_projection=False),
     )
