@@ -347,13 +347,12 @@ def hybrid_attention(
     ctx = FarContext(root, a, c, far, projection, parameter, dtype)
     # A causal pass from the start with an exponential far field scans fused (features per slab, never stored)
     fused_scan = causal and state is None and far.exp_form is not None
-    with_features = (return_state or not fused_scan) if causal else far.quadratic is None
-    keys = key_side(k, v, mask, ctx, with_features)
+    keys = key_side(k, v, mask, ctx, with_features=not fused_scan if causal else far.quadratic is None)
     far_kv = far_shift = None
     if fused_scan:
-        far_side = _fused_causal_far(far, x - a, rq, keys, a, c, projection, parameter, spec)
+        far_side, lagged_state = _fused_causal_far(far, x - a, rq, keys, ctx, spec)
         if return_state:  # the state for decoding holds every key
-            far_kv, far_shift = causal_far_state(keys.feats, keys.klog, keys.values1)
+            far_kv, far_shift = _with_left_out_keys(lagged_state, k, v, mask, ctx, spec)
     elif causal:
         qf, q_scale = far_features(far, x - a, projection, parameter, rq)  # (B, H, L, D), (B, H, L, 1)
         # Without an earlier state, the scan reads the keys lagged past the window: the far field then never
@@ -411,22 +410,39 @@ class _CausalFar:
         return self.qf, self.q_scale, self.key_shift, self.far_sum
 
 
-def _fused_causal_far(far: FarField, u: Tensor, rq: Tensor, keys: Keys, a: Tensor, c: Tensor, projection, parameter,
-                      spec: HybridSpec) -> _CausalFar:  # fmt: skip
+def _fused_causal_far(far: FarField, u: Tensor, rq: Tensor, keys: Keys, ctx: FarContext, spec: HybridSpec):
     """The causal far field of exponential features over the keys lagged past each query's exact support, in
     one fused scan (:func:`.causal_exp_sums`): u (B, H, L, d) centred queries, rq (B, H, L, 1) their centering
-    log-weights, a and c the centres."""
-    rk = centering_log(keys.y, a, c)  # (B, H, L, 1)
-    centred = Keys(keys.y - c, keys.values1, rk.masked_fill(~keys.mask[:, None, :, None], NEG_INF), keys.mask, None)
+    log-weights; ``keys`` without features. -> (the :class:`_CausalFar`, the scan's final state)"""
+    rk = centering_log(keys.y, ctx.a, ctx.c)  # (B, H, L, 1)
+    centred = Keys(keys.y - ctx.c, keys.values1, rk.masked_fill(~keys.mask[:, None, :, None], NEG_INF), keys.mask, None)
     lagged = lagged_far_keys(centred, spec.local_window, spec.num_global_tokens)  # left-out keys: klog -inf
-    directions, bias = far.exp_form(projection, parameter)
-    out1, q_shift, shifts, _ = causal_exp_sums(u, lagged.y, lagged.values1, directions, bias=bias,
-                                               key_row=lagged.klog, mask=lagged.mask, chunk_size=spec.chunk_size)  # fmt: skip
+    directions, bias = far.exp_form(ctx.projection, ctx.parameter)
+    out1, q_shift, shifts, state = causal_exp_sums(u, lagged.y, lagged.values1, directions, bias=bias,
+                                                   key_row=lagged.klog, mask=lagged.mask, chunk_size=spec.chunk_size)  # fmt: skip
     # The queries' centering factor exp(rq) stays out of the scan: in the far field's scale, and (a factor of
     # value 1) in its gradient.
     rq_const = rq.detach()
-    return _CausalFar(None, q_shift.unsqueeze(-1) + rq_const, shifts.unsqueeze(-1), out1 * torch.exp(rq - rq_const),
-                      excludes_support=True)  # fmt: skip
+    far_side = _CausalFar(None, q_shift.unsqueeze(-1) + rq_const, shifts.unsqueeze(-1), out1 * torch.exp(rq - rq_const),
+                          excludes_support=True)  # fmt: skip
+    return far_side, state
+
+
+def _with_left_out_keys(lagged_state, k: Tensor, v: Tensor, mask: Tensor, ctx: FarContext, spec: HybridSpec):
+    """The far-field state over every key (for decoding) from the lagged scan's final state, which left out the
+    global tokens and the last ``local_window`` keys of k, v (B, H, L, d): -> kv (B, H, D, dv + 1) relative to
+    the shift (B, H)."""
+    L = k.shape[2]
+    left_out = sorted(set(range(max(0, L - spec.local_window), L)) | set(range(min(spec.num_global_tokens, L))))
+    if not left_out:
+        return lagged_state.kv, lagged_state.shift
+    index = torch.tensor(left_out, device=k.device)
+    missing = key_side(k.index_select(2, index), v.index_select(2, index), mask.index_select(1, index), ctx,
+                       with_features=True)  # fmt: skip
+    kv, shift = causal_far_state(missing.feats, missing.klog, missing.values1)
+    merged = torch.maximum(shift, lagged_state.shift)  # (B, H)
+    kv = kv * torch.exp(shift - merged)[..., None, None]
+    return kv + lagged_state.kv * torch.exp(lagged_state.shift - merged)[..., None, None], merged
 
 
 class _BidirectionalFar:
