@@ -21,7 +21,7 @@ Arms (``--arms``):
     hybrid    the default conversion (``method="hybrid"``)
     favor     plain FAVOR+ (``method="favor"``)
     exact     the default conversion with ``exact_max_length`` above every L: what its exact dispatch
-              computes (SDPA, no attention dropout)
+              computes (SDPA, no attention dropout; causal: every position in the exact prefix)
     approximation  the default conversion with exact dispatch off (``exact_max_length=0``): the hybrid's
               own approximation at every length; against ``exact`` it gives the crossover length
     bound     the same model with attention that costs nothing (each layer's attention returns its values):
@@ -108,9 +108,6 @@ def build_models(kind: str, positions: int, arms: list[str], workdir: Path) -> d
     for arm in arms:
         if arm in SOURCE_ARMS:
             models[arm] = source_model(kind, positions, attention_dropout=0.0 if arm == "sdpa_fused" else 0.1)
-            continue
-        if arm in ("exact", "approximation") and kind == "decoder":
-            logger.info("no %s arm for the decoder: causal models have no exact dispatch", arm)
             continue
         settings = {
             "exact": {"method": "hybrid", "exact_max_length": 1 << 30},

@@ -25,10 +25,12 @@ def method_description(config: PerformerConfig) -> str:
     keep exact attention (``exact_max_length``)."""
     description = ATTENTION_METHODS[config.attention_method].description
     if config.exact_max_length and config.attention_method != "exact":
-        description += (
-            f" (inputs of at most {config.exact_max_length} tokens keep exact softmax attention: faster there, "
-            "and the quality the approximation aims for)"
+        exact = (
+            f"the first {config.exact_max_length} positions attend exactly (softmax)"
+            if config.is_decoder
+            else f"inputs of at most {config.exact_max_length} tokens keep exact softmax attention"
         )
+        description += f" ({exact}: faster there, and the quality the approximation aims for)"
     return description
 
 

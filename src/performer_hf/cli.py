@@ -43,7 +43,8 @@ _CONFIG_OPTIONS = (
     ("query_block_size", int, f"hybrid: queries per routing block (default {_HYBRID['query_block_size']})"),
     ("far_field_parameter", float, "FAVOR++'s A for --attention-kernel softmax_opt (default: closed form)"),
     ("exact_max_length", int, f"bidirectional: inputs of at most this many tokens keep exact attention "
-                              f"(default {_HYBRID['exact_max_length']}; causal models: 0)"),
+                              f"(default {_HYBRID['exact_max_length']}); causal: the first this many positions "
+                              f"attend exactly (default {_HYBRID_CAUSAL['exact_max_length']}); 0: never"),
 )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel
 
 import performer_hf
+from performer_hf import PerformerConfig
 from performer_hf.conversion import SUPPORTED_ARCHITECTURES, ConversionError, convert
 from performer_hf.conversion.convert import METHODS
 from performer_hf.conversion.fidelity import embedding_agreement, english_sentences, sample_passages, spearman
@@ -371,8 +372,16 @@ def test_the_default_encoder_conversion_keeps_exact_attention_on_short_inputs(so
     )
 
 
-def test_a_causal_conversion_refuses_exact_max_length(sources, tmp_path):
+def test_a_causal_favor_conversion_refuses_exact_max_length(sources, tmp_path):
     folder, _ = sources["gpt2-lm"]
-    with pytest.raises(ConversionError, match="exact_max_length=64 with is_decoder=True"):
-        convert(folder, tmp_path / "out", exact_max_length=64, fidelity=False)
+    with pytest.raises(ConversionError, match="exact_max_length=64 with is_decoder=True needs the hybrid method"):
+        convert(folder, tmp_path / "out", method="favor", exact_max_length=64, fidelity=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_causal_hybrid_conversion_attends_exactly_at_its_first_positions(sources, tmp_path):
+    folder, _ = sources["gpt2-lm"]
+    out = convert(folder, tmp_path / "out", fidelity=False)
+    config = PerformerConfig.from_pretrained(out)
+    assert config.exact_max_length == METHODS["hybrid"]["causal"]["exact_max_length"] > 0
+    assert f"the first {config.exact_max_length} positions attend exactly" in (out / "README.md").read_text()

@@ -4,9 +4,11 @@ entirely get exact softmax attention, equal to the exact-attention twin of the s
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
+from transformers import DynamicCache
 
 from performer_hf import PerformerConfig, PerformerForMaskedLM, PerformerModel
 from performer_hf.favor import HybridSpec, exact_attention, hybrid_attention
+from performer_hf.modeling.modeling_performer import CACHE_FIELD
 from tests.tiny_models import METHODS, random_centres, random_ids, tiny_config, tiny_model
 
 BIDIRECTIONAL_HYBRID = {**METHODS["hybrid"], "routed_blocks": 2, "route_block_size": 4, "query_block_size": 4}
@@ -71,12 +73,52 @@ def test_causal_hybrid_within_its_window_is_exact_attention_and_needs_no_thresho
     torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_a_causal_model_refuses_exact_max_length():
+def test_a_causal_favor_model_refuses_exact_max_length():
     invalid = (ValueError, StrictDataclassClassValidationError)
-    with pytest.raises(invalid, match="exact_max_length=512 with is_decoder=True"):
-        tiny_config(is_decoder=True, exact_max_length=512)
+    with pytest.raises(invalid, match="exact_max_length=512 with is_decoder=True needs the hybrid method"):
+        tiny_config(is_decoder=True, exact_max_length=512, **METHODS["favor"])
     with pytest.raises(invalid, match="exact_max_length must be >= 0"):
         tiny_config(exact_max_length=-1)
+
+
+def test_a_causal_hybrid_attends_exactly_at_its_first_exact_max_length_positions():
+    # one layer, so that the attention's inputs are the same embeddings in every model: positions below T equal
+    # the exact twin, later positions the hybrid without an exact prefix, and short inputs train exactly
+    hybrid = {k: v for k, v in METHODS["hybrid"].items() if k != "local_window"}
+    config = dict(num_hidden_layers=1, local_window=3, **hybrid)
+    model = random_centres(tiny_model(exact_max_length=9, **config))
+    with torch.no_grad():  # larger logits: the hybrid's approximation error shows
+        for name, parameter in model.named_parameters():
+            if ".query." in name or ".key." in name:
+                parameter.mul_(4)
+    plain = tiny_model(**config)
+    plain.load_state_dict(model.state_dict())
+    twin = _exact_twin(model, type(model))
+    ids = random_ids(length=20)
+    logits, exact, approximate = model(ids).logits, twin(ids).logits, plain(ids).logits
+    torch.testing.assert_close(logits[:, 9:], approximate[:, 9:], rtol=0, atol=0)
+    error = (logits[:, :9] - exact[:, :9]).abs().max()
+    approximation_error = (approximate[:, :9] - exact[:, :9]).abs().max()
+    assert error < 1e-6 and approximation_error > 30 * error, (error, approximation_error)
+    short = random_ids(length=9)
+    out, ref = model(short, labels=short), twin(short, labels=short)
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_exact_prefix_cache_holds_keys_until_the_sequence_passes_it():
+    model = random_centres(tiny_model(exact_max_length=6, **METHODS["hybrid"]))
+    ids = random_ids(length=12)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :6], **{CACHE_FIELD: cache}, use_cache=True)
+        layer = cache.layers[0]
+        assert layer.get_exact_prefix()[0].shape[2] == 6 and layer.get_seq_length() == 6
+        model(ids[:, 6:7], **{CACHE_FIELD: cache}, use_cache=True)
+    assert layer.get_exact_prefix() is None and layer.get_seq_length() == 7 and layer.get_state().length == 7
+    assert layer.get_state().keys.shape[2] == METHODS["hybrid"]["local_window"] - 1  # the window buffer only
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -106,15 +106,25 @@ def favor_method(module: nn.Module, q, k, v, key_mask, causal, cache=None, outpu
 
 def hybrid_method(module: nn.Module, q, k, v, key_mask, causal, cache=None, output_attentions=False):
     """Hybrid attention (:func:`.hybrid_attention`): exact on the module's sparse support, a linear far
-    field elsewhere; with ``cache``, the layer's constant-size :class:`HybridCacheLayer` state."""
+    field elsewhere; with ``cache``, the layer's constant-size :class:`HybridCacheLayer` state. Causal models with
+    ``module.exact_max_length`` attend exactly at their first positions (:func:`_causal_exact_prefix`)."""
     spec = module.hybrid_spec
     if causal and spec.routed_blocks:
         raise ValueError(
             f"routed_blocks={spec.routed_blocks} cannot be used in causal attention (routing reads future "
             "tokens): set routed_blocks=0 in the config (e.g. convert with --routed-blocks 0)."
         )
+    if causal and module.exact_max_length:
+        return _causal_exact_prefix(module, q, k, v, key_mask, cache)
     if _exact_is_enough(module, q.shape[2], causal, cache):
         return softmax_attention(q, k, v, key_mask, causal)
+    layer_cache = None if cache is None else cache.layers[module.layer_idx]
+    return _hybrid(module, q, k, v, key_mask, causal, layer_cache), None
+
+
+def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None) -> Tensor:
+    """:func:`.hybrid_attention` with the module's settings, continuing from (and updating) ``layer_cache``'s state."""
+    spec = module.hybrid_spec
     new_key_mask = None if key_mask is None else key_mask[:, -q.shape[2] :]  # (B, L): the past is in the state
     kwargs = {"causal": causal, "key_padding_mask": new_key_mask}
     if causal and spec.center:  # fixed centres: causal outputs must not depend on later tokens
@@ -123,14 +133,45 @@ def hybrid_method(module: nn.Module, q, k, v, key_mask, causal, cache=None, outp
         kwargs["far_field_parameter"] = module.far_field_parameter
     projection = module.projection if module.uses_projection else None
     with torch.autocast(q.device.type, enabled=False):  # float32 inside, as for FAVOR+
-        if cache is None:
-            return hybrid_attention(q, k, v, projection, spec, **kwargs), None
-        layer_cache = cache.layers[module.layer_idx]
+        if layer_cache is None:
+            return hybrid_attention(q, k, v, projection, spec, **kwargs)
         context, state = hybrid_attention(
             q, k, v, projection, spec, initial_state=layer_cache.get_state(), return_state=True, **kwargs
         )
     layer_cache.update_state(state)
-    return context, None
+    return context
+
+
+def _causal_exact_prefix(module: nn.Module, q, k, v, key_mask, cache) -> tuple[Tensor, None]:
+    """Causal hybrid attention whose first ``T = module.exact_max_length`` positions attend exactly (SDPA).
+
+    The rule is by position, so that cached decoding equals a full forward: queries at positions below T see
+    every earlier key exactly (the cache layer keeps their keys and values until then); from position T on,
+    the hybrid itself (the cache layer switches to its constant-size state when the sequence passes T)."""
+    T = module.exact_max_length
+    layer_cache = None if cache is None else cache.layers[module.layer_idx]
+    past = 0 if layer_cache is None else layer_cache.get_seq_length()
+    prefix = None if layer_cache is None else layer_cache.get_exact_prefix()  # (B, H, P, D) keys, values
+    if past and prefix is None:  # decoding past the prefix: the hybrid's state
+        return _hybrid(module, q, k, v, key_mask, True, layer_cache), None
+    if past:
+        k, v = torch.cat([prefix[0], k], dim=2), torch.cat([prefix[1], v], dim=2)  # (B, H, P + L, D)
+    total = k.shape[2]
+    exact_end = max(past, min(T, total))  # queries before it attend exactly
+    visible = None if key_mask is None else key_mask[:, :exact_end]
+    context, _ = softmax_attention(q[:, :, : exact_end - past], k[:, :, :exact_end], v[:, :, :exact_end], visible, True)
+    if exact_end == total:
+        if layer_cache is not None:
+            layer_cache.update_exact_prefix(k, v)
+        return context, None
+    # The rest: the hybrid over every key so far, as from the first token (the past queries are placeholders,
+    # their outputs unused); with a cache, its state after them takes over.
+    if past:
+        q = torch.cat([q.new_zeros(*q.shape[:2], past, q.shape[-1]), q], dim=2)
+    if layer_cache is not None:
+        layer_cache.reset()
+    hybrid = _hybrid(module, q, k, v, key_mask, True, layer_cache)  # (B, H, P + L, D)
+    return torch.cat([context, hybrid[:, :, exact_end:]], dim=2), None
 
 
 @dataclass(frozen=True)
@@ -169,7 +210,11 @@ class AttentionMethod:
 # exact attention (exact_max_length): measured on the MiniLM-shaped encoder (2 CPU threads, fp32, the hybrid
 # with its compiled backward; benchmarks/results/model_speed_crossover.md), exact attention trains 1.14x
 # faster than the hybrid at 2K tokens and infers 1.08x faster, while at 4K the hybrid is the faster (1.17x
-# training, 1.25x inference; 1.28x training at 8K).
+# training, 1.25x inference; 1.28x training at 8K). Causal models attend exactly at their first 4,096
+# positions (the rule is by position, so that cached decoding equals a full forward; the cache holds those
+# keys until the sequence passes them): on the GPT-2-shaped decoder with the fused causal scan, exact
+# attention trains 1.14x / 1.11x faster than the hybrid at 2K / 4K and infers 1.32x / 1.14x faster; at 8K
+# training is even (1.01x) and the hybrid infers 1.13x faster.
 # "favor": plain FAVOR+ (the paper's positive orthogonal random features), the PerformerConfig defaults;
 # no exact dispatch, so that FAVOR+ is what is measured (its own crossover there is about 1-2K tokens).
 ATTENTION_METHODS: dict[str, AttentionMethod] = {
@@ -210,6 +255,7 @@ ATTENTION_METHODS: dict[str, AttentionMethod] = {
                 "center_features": True,
                 "local_window": 64,
                 "num_global_tokens": 1,
+                "exact_max_length": 4096,
             },
         },
     ),

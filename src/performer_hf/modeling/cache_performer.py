@@ -102,7 +102,8 @@ class FavorCacheLayer(_BatchFirstState, LinearAttentionLayer, CacheLayerMixin):
 
 
 class HybridCacheLayer(_BatchFirstState, CacheLayerMixin):
-    """One layer's :class:`HybridState` (far-field state, window buffer, global keys), constant in size.
+    """One layer's :class:`HybridState` (far-field state, window buffer, global keys), constant in size; with
+    ``exact_max_length``, the keys and values of the first positions instead, until the sequence passes it.
 
     The state's tensors all have the batch first, so beam search and batch selection index every
     one of them alike.
@@ -115,6 +116,8 @@ class HybridCacheLayer(_BatchFirstState, CacheLayerMixin):
     def __init__(self, **kwargs):
         super().__init__()
         self.state: HybridState | None = None
+        # the keys and values of the first positions, while the model attends to them exactly (exact_max_length)
+        self.prefix: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to allocate ahead: the first :meth:`update_state` stores the state."""
@@ -126,8 +129,18 @@ class HybridCacheLayer(_BatchFirstState, CacheLayerMixin):
     def update_state(self, state: HybridState) -> HybridState:
         """Store the state returned by ``hybrid_attention(..., return_state=True)``; returns it."""
         self.state = HybridState(*(t.detach() if torch.is_tensor(t) else t for t in state))
+        self.prefix = None
         self.is_initialized = True
         return self.state
+
+    def get_exact_prefix(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The keys and values (B, H, P, D) of the tokens seen so far while they are attended exactly, or None."""
+        return self.prefix
+
+    def update_exact_prefix(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store the keys and values (B, H, P, D) of every token so far (all of them below ``exact_max_length``)."""
+        self.prefix = (keys.detach(), values.detach())
+        self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         raise ValueError(
@@ -136,6 +149,8 @@ class HybridCacheLayer(_BatchFirstState, CacheLayerMixin):
         )
 
     def get_seq_length(self) -> int:
+        if self.prefix is not None:
+            return self.prefix[0].shape[2]
         return 0 if self.state is None else self.state.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -151,12 +166,14 @@ class HybridCacheLayer(_BatchFirstState, CacheLayerMixin):
         """Nothing to prefetch: the state is small."""
 
     def reset(self) -> None:
-        self.state = None
+        self.state = self.prefix = None
         self.is_initialized = False
 
     def _select(self, index_fn) -> None:
         if self.state is not None:
             self.state = HybridState(*(index_fn(t) if torch.is_tensor(t) else t for t in self.state))
+        if self.prefix is not None:
+            self.prefix = tuple(index_fn(t) for t in self.prefix)
 
 
 __all__ = ["FavorCacheLayer", "HybridCacheLayer"]

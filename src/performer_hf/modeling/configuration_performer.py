@@ -53,9 +53,10 @@ class PerformerConfig(PreTrainedConfig):
     - `exact_max_length`: bidirectional inputs of at most this many tokens get exact softmax attention
       (SDPA's fused kernels, no attention dropout, as for the approximations) instead of FAVOR+ or the
       hybrid: below the crossover length exact attention is faster, and it is the quality they
-      approximate. `0`: never. Encoders only (`is_decoder=False`): cached decoding keeps a constant-size
-      state whatever the context, so causal attention always runs the method itself (except where the
-      hybrid's window covers every key, where it is exact attention anyway).
+      approximate. `0`: never. Causal hybrid models: the first `exact_max_length` *positions* attend
+      exactly, at any input length, so that cached decoding equals a full forward; the cache keeps their
+      keys and values until the sequence passes them, then the hybrid's constant-size state. (Where the
+      hybrid's window covers every key, it is exact attention anyway.)
 
     Hybrid attention (`performer_hf.favor_hybrid.hybrid_attention`): exact softmax on a sparse support
     per query plus the `attention_kernel` as a linear-time far field for every other key, sharing one
@@ -224,10 +225,11 @@ class PerformerConfig(PreTrainedConfig):
             raise ValueError("type_vocab_size and position_offset must be >= 0.")
         if self.exact_max_length < 0:
             raise ValueError(f"exact_max_length must be >= 0 tokens (0: never exact), got {self.exact_max_length}.")
-        if self.is_decoder and self.exact_max_length:
+        if self.is_decoder and self.exact_max_length and self.attention_method == "favor":
             raise ValueError(
-                f"exact_max_length={self.exact_max_length} with is_decoder=True: causal models keep a constant-size "
-                "decoding state, so short inputs cannot switch to exact attention. Set exact_max_length=0."
+                f"exact_max_length={self.exact_max_length} with is_decoder=True needs the hybrid method (its cache "
+                f"keeps the first positions' keys until the sequence passes them); FAVOR+ (attention_kernel="
+                f"{self.attention_kernel!r}) keeps only its constant-size state. Set exact_max_length=0."
             )
         if self.feature_redraw_interval is not None and self.feature_redraw_interval < 1:
             raise ValueError(

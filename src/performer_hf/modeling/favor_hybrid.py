@@ -418,8 +418,10 @@ def _fused_causal_far(far: FarField, u: Tensor, rq: Tensor, keys: Keys, ctx: Far
     centred = Keys(keys.y - ctx.c, keys.values1, rk.masked_fill(~keys.mask[:, None, :, None], NEG_INF), keys.mask, None)
     lagged = lagged_far_keys(centred, spec.local_window, spec.num_global_tokens)  # left-out keys: klog -inf
     directions, bias = far.exp_form(ctx.projection, ctx.parameter)
-    out1, q_shift, shifts, state = causal_exp_sums(u, lagged.y, lagged.values1, directions, bias=bias,
-                                                   key_row=lagged.klog, mask=lagged.mask, chunk_size=spec.chunk_size)  # fmt: skip
+    out1, q_shift, shifts, state = causal_exp_sums(
+        u, lagged.y, lagged.values1, directions, bias=bias, key_row=lagged.klog, mask=lagged.mask,
+        chunk_size=spec.chunk_size,
+    )  # fmt: skip
     # The queries' centering factor exp(rq) stays out of the scan: in the far field's scale, and (a factor of
     # value 1) in its gradient.
     rq_const = rq.detach()

@@ -106,8 +106,11 @@ FAR_FIELDS: dict[str, FarField] = {
     ff.name: ff
     for ff in (
         FarField("softmax", _random_features("softmax"), exp_form=_random_exp_form("softmax")),
-        FarField("softmax_hyperbolic", _random_features("softmax_hyperbolic"),
-                 exp_form=_random_exp_form("softmax_hyperbolic")),
+        FarField(
+            "softmax_hyperbolic",
+            _random_features("softmax_hyperbolic"),
+            exp_form=_random_exp_form("softmax_hyperbolic"),
+        ),
         FarField("softmax_opt", _optimal_features, uses_parameter=True, exp_form=optimal_exp_form),
         FarField("taylor2", _quadratic_features(0.5), quadratic=0.5, uses_projection=False),
         FarField("poly2", _quadratic_features(0.25), quadratic=0.25, uses_projection=False),
