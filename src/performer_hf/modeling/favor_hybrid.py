@@ -39,7 +39,9 @@ On the CPU, bidirectional attention with a polynomial far field runs in compiled
 materialising features, the routing's top-k, and the support sums in one pass per block of queries
 instead of a dozen (queries x candidates) temporaries. Other far fields, causal attention and GPUs use
 the PyTorch code below, which the kernels are tested against; in training it recomputes each slab in
-backward (:func:`.slabs.recomputed`), so that no slab's temporaries are kept.
+backward (:func:`.slabs.recomputed`), so that no slab's temporaries are kept. A causal pass from the first
+token with an exponential far field (FAVOR+, FAVOR++) scans its far field in the fused chunked scan of
+causal FAVOR+ (:func:`.favor_attention.causal_exp_sums`), whose features live one slab at a time.
 
 Numerics mirror :mod:`.favor_attention`: query features are shifted by their own row max, key
 features by the max over keys (bidirectional) or by a running max over positions ``<= j``
