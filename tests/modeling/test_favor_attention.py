@@ -403,3 +403,30 @@ def test_results_do_not_depend_on_the_slab_size(kernel, causal, monkeypatch):
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_causal_exp_sums_gradients_with_per_head_directions_bias_and_key_terms(monkeypatch):
+    # The fused causal scan as hybrid attention calls it (FAVOR++: per-head directions and a per-feature bias;
+    # the keys' centering terms; left-out keys; a length off the chunk grid; two slabs): every input's gradient,
+    # bias and directions included, against finite differences. The sums are taken back to absolute scale
+    # (times exp(query shift + key shift)), which is what the attention reads; the shifts are constants there.
+    from performer_hf.modeling.favor_attention import causal_exp_sums
+
+    monkeypatch.setitem(slabs_module.SLAB_ELEMENTS["cpu"], "features", 1)  # one chunk per slab
+    g = torch.Generator().manual_seed(0)
+    B, H, L, d, m = 2, 2, 11, 3, 5
+
+    def rand(*shape, scale=0.5):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).requires_grad_()
+
+    q, k, v1 = rand(B, H, L, d), rand(B, H, L, d), rand(B, H, L, 4)
+    directions, bias, key_row = rand(H, m, d), rand(H, 1, m), rand(B, H, L, 1)
+    mask = torch.rand(B, L, generator=g) > 0.2
+
+    def absolute(q, k, v1, directions, bias, key_row):
+        out1, q_shift, shifts, _ = causal_exp_sums(
+            q, k, v1, directions, bias=bias, key_row=key_row, mask=mask, chunk_size=4
+        )
+        return out1 * torch.exp(q_shift + shifts).unsqueeze(-1)
+
+    assert torch.autograd.gradcheck(absolute, (q, k, v1, directions, bias, key_row), eps=1e-6, atol=1e-8)

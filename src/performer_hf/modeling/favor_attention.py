@@ -123,16 +123,16 @@ def _exp_log_features(x: Tensor, directions: Tensor, keep: Tensor | None, bias=N
 
 
 def _exp_query_features(x: Tensor, directions: Tensor, bias=None) -> tuple[Tensor, Tensor]:
-    """phi(x) / max_r phi_r(x) and log max_r phi_r(x) (the shift): (B, H, S, d) -> ((B, H, S, m'), (B, H, S, 1)).
+    """phi(x) / max_r phi_r(x), and max_r (x D_r + bias_r): (B, H, S, d) -> ((B, H, S, m'), (B, H, S, 1)).
 
-    The per-query terms |x|^2 / 2 and log sqrt(m') cancel in the normalised features: they enter only the shift.
+    The per-query terms |x|^2 / 2 and log sqrt(m') cancel in the normalised features, so only x D^T is needed;
+    ``log max_r phi_r(x)`` is the returned max minus them.
     """
     log_phi = x @ directions.transpose(-2, -1)
     if bias is not None:
         log_phi.add_(bias)
     top = log_phi.amax(dim=-1, keepdim=True)
-    shift = top - 0.5 * x.pow(2).sum(dim=-1, keepdim=True) - 0.5 * math.log(directions.shape[-2])
-    return log_phi.sub_(top).exp_(), shift
+    return log_phi.sub_(top).exp_(), top
 
 
 def _exp_input_grad(g: Tensor, x: Tensor, directions: Tensor) -> Tensor:
@@ -284,14 +284,16 @@ class _CausalExp(torch.autograd.Function):
         m, d1, C = directions.shape[-2], v1.shape[-1], chunk
         out1 = q.new_empty(B, H, L, d1)
         shifts = q.new_empty(B, H, L)  # s_j: running max of the key log-features over positions <= j
-        q_shifts = q.new_empty(B, H, L)
+        q_shifts = q.new_empty(B, H, L)  # log max_r phi_r(q_i): what each query's features are relative to
+        log_root_m = 0.5 * math.log(m)
         starts = []  # per slab (B, H, G, m', d + 1): the state each chunk starts from
         future = ~torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
         kv, prev = kv0, shift0
         for a, b in _spans(L, slab):
             G = (b - a) // C
-            phi_q, q_shift = _exp_query_features(q[:, :, a:b], directions, bias)
-            q_shifts[:, :, a:b] = q_shift.squeeze(-1)
+            xq = q[:, :, a:b]
+            phi_q, top = _exp_query_features(xq, directions, bias)
+            q_shifts[:, :, a:b] = (top - 0.5 * xq.pow(2).sum(dim=-1, keepdim=True)).squeeze(-1) - log_root_m
             if stabilizer:
                 phi_q.add_(stabilizer)
             log_phi = _exp_log_features(k[:, :, a:b], directions, None if keep is None else keep[:, :, a:b], bias,

@@ -76,7 +76,6 @@ from .hybrid_keys import (
     NEG_INF,
     Keys,
     cat_keys,
-    centering_log,
     gather_blocks,
     key_block_means,
     key_side,
@@ -352,9 +351,9 @@ def hybrid_attention(
     keys = key_side(k, v, mask, ctx, with_features=not fused_scan if causal else far.quadratic is None)
     far_kv = far_shift = None
     if fused_scan:
-        far_side, lagged_state = _fused_causal_far(far, x - a, rq, keys, ctx, spec)
+        far_side, far_kv, far_shift = _fused_causal_far(far, x - a, rq, keys, ctx, spec)
         if return_state:  # the state for decoding holds every key
-            far_kv, far_shift = _with_left_out_keys(lagged_state, k, v, mask, ctx, spec)
+            far_kv, far_shift = _with_left_out_keys(far_kv, far_shift, k, v, mask, ctx, spec)
     elif causal:
         qf, q_scale = far_features(far, x - a, projection, parameter, rq)  # (B, H, L, D), (B, H, L, 1)
         # Without an earlier state, the scan reads the keys lagged past the window: the far field then never
@@ -367,7 +366,7 @@ def hybrid_attention(
             None if state is None else state.far_kv, None if state is None else state.far_shift,
         )  # fmt: skip
         if lagged and return_state:  # the state for decoding holds every key
-            far_kv, far_shift = causal_far_state(keys.feats, keys.klog, keys.values1)
+            far_kv, far_shift = _with_left_out_keys(far_kv, far_shift, k, v, mask, ctx, spec)
         far_side = _CausalFar(qf if far.quadratic is None else None, q_scale, shifts.unsqueeze(-1), far_sum, lagged)
     else:
         far_side = _BidirectionalFar(far, x - a, rq, keys, c, projection, parameter, kernels)
@@ -415,9 +414,9 @@ class _CausalFar:
 def _fused_causal_far(far: FarField, u: Tensor, rq: Tensor, keys: Keys, ctx: FarContext, spec: HybridSpec):
     """The causal far field of exponential features over the keys lagged past each query's exact support, in
     one fused scan (:func:`.causal_exp_sums`): u (B, H, L, d) centred queries, rq (B, H, L, 1) their centering
-    log-weights; ``keys`` without features. -> (the :class:`_CausalFar`, the scan's final state)"""
-    rk = centering_log(keys.y, ctx.a, ctx.c)  # (B, H, L, 1)
-    centred = Keys(keys.y - ctx.c, keys.values1, rk.masked_fill(~keys.mask[:, None, :, None], NEG_INF), keys.mask, None)
+    log-weights; ``keys`` without features (their ``klog`` is the centering term, -inf for padding).
+    -> (the :class:`_CausalFar`, the scan's final state kv (B, H, D, dv + 1) and shift (B, H))"""
+    centred = keys._replace(y=keys.y - ctx.c)  # (B, H, L, d)
     lagged = lagged_far_keys(centred, spec.local_window, spec.num_global_tokens)  # left-out keys: klog -inf
     directions, bias = far.exp_form(ctx.projection, ctx.parameter)
     out1, q_shift, shifts, state = causal_exp_sums(
@@ -429,24 +428,25 @@ def _fused_causal_far(far: FarField, u: Tensor, rq: Tensor, keys: Keys, ctx: Far
     rq_const = rq.detach()
     far_side = _CausalFar(None, q_shift.unsqueeze(-1) + rq_const, shifts.unsqueeze(-1), out1 * torch.exp(rq - rq_const),
                           excludes_support=True)  # fmt: skip
-    return far_side, state
+    return far_side, state.kv, state.shift
 
 
-def _with_left_out_keys(lagged_state, k: Tensor, v: Tensor, mask: Tensor, ctx: FarContext, spec: HybridSpec):
-    """The far-field state over every key (for decoding) from the lagged scan's final state, which left out the
-    global tokens and the last ``local_window`` keys of k, v (B, H, L, d): -> kv (B, H, D, dv + 1) relative to
-    the shift (B, H)."""
+def _with_left_out_keys(lagged_kv, lagged_shift, k: Tensor, v: Tensor, mask: Tensor, ctx: FarContext,
+                        spec: HybridSpec):  # fmt: skip
+    """The far-field state over every key (for decoding) from a lagged scan's final state (kv (B, H, D, dv + 1)
+    relative to the shift (B, H)), which left out the global tokens and the last ``local_window`` keys of k, v
+    (B, H, L, d): -> the same two, over every key."""
     L = k.shape[2]
     left_out = sorted(set(range(max(0, L - spec.local_window), L)) | set(range(min(spec.num_global_tokens, L))))
     if not left_out:
-        return lagged_state.kv, lagged_state.shift
+        return lagged_kv, lagged_shift
     index = torch.tensor(left_out, device=k.device)
     missing = key_side(k.index_select(2, index), v.index_select(2, index), mask.index_select(1, index), ctx,
                        with_features=True)  # fmt: skip
     kv, shift = causal_far_state(missing.feats, missing.klog, missing.values1)
-    merged = torch.maximum(shift, lagged_state.shift)  # (B, H)
+    merged = torch.maximum(shift, lagged_shift)  # (B, H)
     kv = kv * torch.exp(shift - merged)[..., None, None]
-    return kv + lagged_state.kv * torch.exp(lagged_state.shift - merged)[..., None, None], merged
+    return kv + lagged_kv * torch.exp(lagged_shift - merged)[..., None, None], merged
 
 
 class _BidirectionalFar:

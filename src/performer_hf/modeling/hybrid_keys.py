@@ -30,7 +30,7 @@ def key_side(k, v, mask, ctx: FarContext, with_features: bool) -> Keys:
     without features, ``klog`` is the centering term ``a . y - a . c`` alone."""
     root, a, c, far, projection, parameter, dtype = ctx
     y = k.to(dtype) * root
-    rk = centering_log(y, a, c)  # (B, H, S, 1)
+    rk = y @ a.transpose(-2, -1) - (a * c).sum(-1, keepdim=True)  # (B, H, S, 1): a . y_j - a . c
     keep = mask[:, None, :, None]  # (B, 1, S, 1)
     feats = None
     if not with_features:  # the log-scale of the centering factor alone
@@ -41,11 +41,6 @@ def key_side(k, v, mask, ctx: FarContext, with_features: bool) -> Keys:
     v = v.to(dtype) * keep
     values1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * keep
     return Keys(y, values1, klog.masked_fill(~keep, NEG_INF), mask, feats)
-
-
-def centering_log(y: Tensor, a: Tensor, c: Tensor) -> Tensor:
-    """The keys' log-factors of the centering, ``a . y_j - a . c``: (B, H, S, d) -> (B, H, S, 1)."""
-    return y @ a.transpose(-2, -1) - (a * c).sum(-1, keepdim=True)
 
 
 def _map_keys(fn, keys: Keys, mask_fn) -> Keys:

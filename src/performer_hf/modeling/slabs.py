@@ -49,10 +49,8 @@ def slab_sizes(length: int, per_row: int, use: str, device: torch.device | str) 
 
 def slabs(length: int, per_row: int, use: str, device: torch.device | str) -> list[slice]:
     """The slabs of :func:`slab_sizes` as slices of ``range(length)``."""
-    starts = [0]
-    for size in slab_sizes(length, per_row, use, device):
-        starts.append(starts[-1] + size)
-    return [slice(start, stop) for start, stop in itertools.pairwise(starts)]
+    bounds = itertools.accumulate(slab_sizes(length, per_row, use, device), initial=0)
+    return [slice(start, stop) for start, stop in itertools.pairwise(bounds)]
 
 
 def recomputed(fn, *args):
