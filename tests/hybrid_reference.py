@@ -18,6 +18,11 @@ CONFIGS = [
     dict(local_window=7, num_global_tokens=1, routed_blocks=2, route_block_size=4, query_block_size=8),
     dict(local_window=3, routed_blocks=3, route_block_size=3, query_block_size=5),
     dict(local_window=1, routed_blocks=20, route_block_size=4, query_block_size=4),  # more blocks than qualify
+    # routing groups: 15 key blocks in 4 groups of 4 (the last partial), 3 kept; 12 blocks in 4 groups of 3, 2 kept
+    dict(local_window=3, routed_blocks=3, route_block_size=3, route_group_size=4, query_block_size=5),
+    dict(
+        local_window=7, num_global_tokens=1, routed_blocks=2, route_block_size=4, route_group_size=3, query_block_size=8
+    ),
 ]
 
 
@@ -32,9 +37,10 @@ def right_padding(batch, length, real=(45, 31)):
     return torch.arange(length)[None, :] < torch.tensor(real)[:, None]
 
 
-def _routed_support(x, y, mask, block_q, block_k, left, right, nb_routed):
+def _routed_support(x, y, mask, block_q, block_k, left, right, nb_routed, group_size):
     """(B, H, L, L) bool: the key blocks each query block routes to, written with plain loops."""
     B, H, L, _ = x.shape
+    nb_blocks = math.ceil(L / block_k)
     support = torch.zeros(B, H, L, L, dtype=torch.bool)
     for b in range(B):
         for h in range(H):
@@ -42,21 +48,40 @@ def _routed_support(x, y, mask, block_q, block_k, left, right, nb_routed):
                 q_lo, q_hi = qb * block_q, min(L, (qb + 1) * block_q)
                 real_q = [i for i in range(q_lo, q_hi) if mask[b, i]]
                 mean_q = x[b, h, real_q].mean(0) if real_q else torch.zeros_like(x[b, h, 0])
+
+                span = (qb * block_q - left, qb * block_q + block_q - 1 + right)  # the query block's window span
+
+                def overlaps(kb, span=span):  # the key block meets the span
+                    return kb * block_k <= span[1] and (kb + 1) * block_k - 1 >= span[0]
+
+                real_keys = {}  # the key blocks with real keys: their positions
+                for kb in range(nb_blocks):
+                    real_k = [j for j in range(kb * block_k, min(L, (kb + 1) * block_k)) if mask[b, j]]
+                    if real_k:
+                        real_keys[kb] = real_k
+                candidates = range(nb_blocks)
+                if group_size and math.ceil(nb_blocks / group_size) > nb_routed:
+                    bounds = []  # (upper bound on the group's best block score, its blocks)
+                    for g in range(math.ceil(nb_blocks / group_size)):
+                        blocks = range(g * group_size, (g + 1) * group_size)
+                        members = [y[b, h, real_keys[kb]].mean(0) for kb in blocks if kb in real_keys]
+                        if members and not all(overlaps(kb) for kb in blocks):
+                            centre = torch.stack(members).mean(0)
+                            radius = max((m - centre).norm() for m in members)
+                            bounds.append(((mean_q @ centre + mean_q.norm() * radius).item(), list(blocks)))
+                    candidates = [kb for _, blocks in sorted(bounds, reverse=True)[:nb_routed] for kb in blocks]
                 scored = []
-                for kb in range(math.ceil(L / block_k)):
-                    k_lo, k_hi = kb * block_k, min(L, (kb + 1) * block_k)
-                    real_k = [j for j in range(k_lo, k_hi) if mask[b, j]]
-                    overlaps = k_lo <= qb * block_q + block_q - 1 + right and k_lo + block_k - 1 >= qb * block_q - left
-                    if real_k and not overlaps:
-                        scored.append(((y[b, h, real_k] @ mean_q).mean().item(), k_lo, k_hi))
-                for _, k_lo, k_hi in sorted(scored, reverse=True)[:nb_routed]:
-                    support[b, h, q_lo:q_hi, k_lo:k_hi] = True
+                for kb in candidates:
+                    if kb in real_keys and not overlaps(kb):
+                        scored.append(((y[b, h, real_keys[kb]] @ mean_q).mean().item(), kb))
+                for _, kb in sorted(scored, reverse=True)[:nb_routed]:
+                    support[b, h, q_lo:q_hi, kb * block_k : (kb + 1) * block_k] = True
     return support
 
 
 def reference(q, k, v, W=None, *, far_field="softmax", causal=False, mask=None, local_window=0,
-              num_global_tokens=0, routed_blocks=0, route_block_size=8, query_block_size=16, center=False,
-              far_field_parameter=None, query_center=None, key_center=None):  # fmt: skip
+              num_global_tokens=0, routed_blocks=0, route_block_size=8, route_group_size=0, query_block_size=16,
+              center=False, far_field_parameter=None, query_center=None, key_center=None):  # fmt: skip
     """sum_j w_ij v_j / sum_j w_ij with w_ij = exp(x_i . y_j) on the support, kappa(x_i, y_j) elsewhere.
 
     Centres: the means (``center``), fixed ones (``query_center``, ``key_center``: (H, d), scaled units) or none."""
@@ -93,7 +118,9 @@ def reference(q, k, v, W=None, *, far_field="softmax", causal=False, mask=None, 
         support |= (i - j <= left) & (i - j >= -right)
     support |= j < num_global_tokens
     if routed_blocks:
-        support |= _routed_support(x, y, mask, query_block_size, route_block_size, left, right, routed_blocks)
+        support |= _routed_support(
+            x, y, mask, query_block_size, route_block_size, left, right, routed_blocks, route_group_size
+        )
     visible = mask[:, None, None, :] & ((j <= i) if causal else torch.ones(L, L, dtype=torch.bool))
     weights = torch.where(support, (x @ y.transpose(-2, -1)).exp(), kernel) * visible
     out = (weights @ v) / weights.sum(-1, keepdim=True)

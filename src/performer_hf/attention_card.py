@@ -39,6 +39,12 @@ def hybrid_lines(config: PerformerConfig) -> list[str]:
     routed = (
         f"{config.routed_blocks} blocks of {config.route_block_size} keys per block of {config.query_block_size} "
         "queries, chosen by the mean logit between the blocks (bidirectional only)"
+        + (
+            f"; only the blocks of the {config.routed_blocks} groups of {config.route_group_size} blocks that may "
+            "hold the best ones are scored"
+            if config.route_group_size
+            else ""
+        )
         if config.routed_blocks
         else "none"
     )

@@ -40,6 +40,8 @@ _CONFIG_OPTIONS = (
     ("routed_blocks", int, f"hybrid, bidirectional: key blocks per query block chosen by content "
                            f"(default {_HYBRID['routed_blocks']})"),
     ("route_block_size", int, f"hybrid: keys per routed block (default {_HYBRID['route_block_size']})"),
+    ("route_group_size", int, f"hybrid: key blocks per routing group, scored together first "
+                              f"(default {_HYBRID['route_group_size']}; 0: score every block)"),
     ("query_block_size", int, f"hybrid: queries per routing block (default {_HYBRID['query_block_size']})"),
     ("far_field_parameter", float, "FAVOR++'s A for --attention-kernel softmax_opt (default: closed form)"),
     ("exact_max_length", int, f"bidirectional: inputs of at most this many tokens keep exact attention "

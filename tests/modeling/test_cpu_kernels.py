@@ -8,6 +8,7 @@ import torch
 
 import performer_hf.modeling.cpu_kernels as cpu_kernels
 from performer_hf.modeling.favor_hybrid import hybrid_attention
+from performer_hf.modeling.hybrid_keys import Keys, group_bounds, key_blocks, pad_keys, query_blocks, route
 
 from ..hybrid_reference import CONFIGS, QUADRATIC, random_qkv, reference, right_padding
 
@@ -65,8 +66,16 @@ def _long_inputs(length=700, heads=3, head_dim=16, value_dim=16, seed=0):
         dict(local_window=17, num_global_tokens=1, routed_blocks=24, route_block_size=8, query_block_size=16),
         dict(local_window=32, num_global_tokens=3, routed_blocks=5, route_block_size=16, query_block_size=8),
         dict(local_window=0, num_global_tokens=0, routed_blocks=7, route_block_size=5, query_block_size=7),
+        dict(
+            local_window=17,
+            num_global_tokens=1,
+            routed_blocks=6,
+            route_block_size=8,
+            route_group_size=4,
+            query_block_size=16,
+        ),
     ],
-    ids=["default-conversion", "wide-window", "routing-only"],
+    ids=["default-conversion", "wide-window", "routing-only", "routing-groups"],
 )
 @pytest.mark.parametrize("value_dim", [16, 40])
 def test_kernel_matches_pytorch_in_float32(settings, value_dim, monkeypatch):
@@ -130,6 +139,26 @@ def test_top_blocks_matches_topk():
     expected = top.indices.masked_fill(~torch.isfinite(top.values), -1)
     assert torch.equal(chosen.sort(dim=-1).values, expected.sort(dim=-1).values)
     assert (chosen[0, 0, 0] == -1).sum() == 2
+
+
+def test_routed_candidates_match_grouped_routing_in_pytorch():
+    # 600 keys: 75 key blocks of 8 in 19 groups of 4 (the last partial), 6 groups kept per query block
+    kernels = cpu_kernels.hybrid_kernels()
+    x, y = (torch.randn(2, 3, 608, 16, generator=torch.Generator().manual_seed(seed)) for seed in (0, 1))
+    mask = torch.arange(608)[None, :] < torch.tensor([600, 437])[:, None]
+    keys = Keys(y, None, None, mask, None)
+    blocks = key_blocks(pad_keys(keys, 0, -608 % 8), 8, group_size=4)
+    xq, q_mask = x.view(2, 3, 38, 16, 16), mask.view(2, 38, 16)
+    chosen, real = route(xq, q_mask, blocks, 0, 8, 8, 8, 6)
+    queries = query_blocks(xq, q_mask, 0, 8, 8)
+    groups = kernels.top_blocks(group_bounds(queries, blocks, 8, 6).contiguous(), 6)
+    compiled = kernels.routed_candidates(queries.means.contiguous(), blocks.means, blocks.has_keys, groups,
+                                         queries.window_lo.flatten(), queries.window_hi.flatten(), 8, 4, 6)  # fmt: skip
+    rows = q_mask.any(-1)[:, None, :].expand(2, 3, 38)  # query blocks past the padding tie everywhere: skipped
+    expected = chosen.masked_fill(~real, -1).sort(dim=-1).values[rows]
+    assert torch.equal(compiled.sort(dim=-1).values[rows], expected)
+    ungrouped, _ = route(xq, q_mask, key_blocks(pad_keys(keys, 0, -608 % 8), 8), 0, 8, 8, 8, 6)
+    assert not torch.equal(ungrouped.sort(dim=-1).values[rows], expected)  # the groups changed some choices
 
 
 def test_disabled_kernels_use_pytorch(monkeypatch):

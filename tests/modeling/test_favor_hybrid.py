@@ -157,6 +157,22 @@ def test_hybrid_beats_plain_favor_on_peaked_local_attention():
     assert err(hybrid) < 0.3
 
 
+def test_routing_groups_choose_as_every_block_while_there_are_few_groups():
+    # 45 tokens: 12 key blocks of 4. Groups of 4: 3 groups for 3 routed blocks, every block a candidate.
+    # Groups of 1: the bound is the block's own score, the same ranking.
+    q, k, v = random_qkv()
+    mask = right_padding(2, 45)
+    config = dict(far_field="poly2", local_window=5, num_global_tokens=1, routed_blocks=3, route_block_size=4,
+                  query_block_size=8)  # fmt: skip
+    plain = hybrid_attention(q, k, v, key_padding_mask=mask, **config)
+    keep = mask[:, None, :, None]
+    for group_size in (4, 1):
+        grouped = hybrid_attention(q, k, v, key_padding_mask=mask, route_group_size=group_size, **config)
+        torch.testing.assert_close(grouped * keep, plain * keep, rtol=0, atol=1e-12)
+    grouped = hybrid_attention(q, k, v, key_padding_mask=mask, route_group_size=2, **config)  # 6 groups: fewer
+    assert not torch.allclose(grouped * keep, plain * keep)
+
+
 def test_argument_errors():
     q, k, v = random_qkv(length=10)
     W = _projection()

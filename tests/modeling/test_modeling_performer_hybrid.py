@@ -46,12 +46,14 @@ def hybrid_model(model_class, seed=0, **overrides):
 def test_hybrid_fields_round_trip_through_json(tmp_path):
     config = tiny_config(
         attention_kernel="softmax_opt", feature_coupling="simplex", local_window=7, num_global_tokens=2,
-        routed_blocks=3, route_block_size=5, query_block_size=6, center_features=True, far_field_parameter=PER_LAYER_A,
+        routed_blocks=3, route_block_size=5, route_group_size=2, query_block_size=6, center_features=True,
+        far_field_parameter=PER_LAYER_A,
     )  # fmt: skip
     config.save_pretrained(tmp_path)
     reloaded = PerformerConfig.from_pretrained(tmp_path)
     for name in ("attention_kernel", "feature_coupling", "local_window", "num_global_tokens", "routed_blocks",
-                 "route_block_size", "query_block_size", "center_features", "far_field_parameter"):  # fmt: skip
+                 "route_block_size", "route_group_size", "query_block_size", "center_features",
+                 "far_field_parameter"):  # fmt: skip
         assert getattr(reloaded, name) == getattr(config, name), name
     assert json.loads((tmp_path / "config.json").read_text())["far_field_parameter"] == PER_LAYER_A
     assert reloaded.uses_hybrid_attention and reloaded.layer_types == ["hybrid_attention"] * LAYERS
@@ -78,6 +80,7 @@ def test_which_attention_a_config_selects(overrides, hybrid, layer_type):
     [
         ({"local_window": -1}, "local_window must be >= 0"),
         ({"route_block_size": 0}, "route_block_size must be a positive integer"),
+        ({"route_group_size": -1}, "route_group_size must be >= 0"),
         ({"attention_kernel": "relu", "local_window": 5}, "cannot be the far field of hybrid attention"),
         ({"attention_kernel": "bogus"}, "attention_kernel='bogus' is not supported"),
         ({"feature_coupling": "bogus"}, "feature_coupling='bogus' is not supported"),
@@ -125,8 +128,9 @@ def _merge_heads(module, context):
         {**BIDIRECTIONAL, "attention_kernel": "softmax", "nb_features": 24},
         {**BIDIRECTIONAL, "attention_kernel": "softmax_opt", "center_features": False},  # A from each sequence
         {**BIDIRECTIONAL, "attention_kernel": "softmax_opt", "far_field_parameter": PER_LAYER_A},
+        {**BIDIRECTIONAL, "route_group_size": 2, "routed_blocks": 1},  # 6 key blocks in 3 groups of 2, 1 kept
     ],
-    ids=["poly2-centred", "softmax-centred", "softmax_opt-closed-form", "softmax_opt-per-layer-A"],
+    ids=["poly2-centred", "softmax-centred", "softmax_opt-closed-form", "softmax_opt-per-layer-A", "routing-groups"],
 )
 @torch.no_grad()
 def test_bidirectional_attention_module_equals_the_dense_reference(overrides):
@@ -137,8 +141,9 @@ def test_bidirectional_attention_module_equals_the_dense_reference(overrides):
     expected = reference(
         q, k, v, module.projection, far_field=config.attention_kernel, mask=mask, local_window=config.local_window,
         num_global_tokens=config.num_global_tokens, routed_blocks=config.routed_blocks,
-        route_block_size=config.route_block_size, query_block_size=config.query_block_size,
-        center=config.center_features, far_field_parameter=None if parameter is None else torch.tensor(parameter),
+        route_block_size=config.route_block_size, route_group_size=config.route_group_size,
+        query_block_size=config.query_block_size, center=config.center_features,
+        far_field_parameter=None if parameter is None else torch.tensor(parameter),
     )  # fmt: skip
     got, _ = module(hidden, mask, causal=False)
     real = mask.bool()

@@ -221,7 +221,7 @@ def attention_settings(config: PerformerConfig) -> dict[str, Any]:
         if config.uses_hybrid_attention:
             names += ["local_window", "num_global_tokens", "routed_blocks", "center_features"]
             if config.routed_blocks:
-                names += ["route_block_size", "query_block_size"]
+                names += ["route_block_size", "query_block_size", "route_group_size"]
         if config.exact_max_length:
             names.append("exact_max_length")
     return {name: getattr(config, name) for name in names}

@@ -247,6 +247,7 @@ ATTENTION_METHODS: dict[str, AttentionMethod] = {
                 "num_global_tokens": 1,
                 "routed_blocks": 24,
                 "route_block_size": 8,
+                "route_group_size": 16,
                 "query_block_size": 16,
                 "exact_max_length": 2048,
             },

@@ -74,6 +74,11 @@ class PerformerConfig(PreTrainedConfig):
     - `routed_blocks`: bidirectional only: each block of `query_block_size` queries also computes
       exactly its `routed_blocks` best key blocks of `route_block_size` keys (by the mean logit
       between the blocks). Causal models must keep it `0` (routing reads future tokens).
+    - `route_group_size`: `G > 0`: routing scores only the key blocks of the `routed_blocks` groups of
+      `G` consecutive key blocks that may hold the best ones (an upper bound from each group's mean and
+      radius), so that its cost grows linearly with the length; `0`: every key block is scored (cost
+      quadratic in the length, `1 / (query_block_size * route_block_size)` of the logit matrix). The two
+      choose the same blocks while the input has at most `routed_blocks * G * route_block_size` tokens.
     - `center_features`: centre queries and keys before the far-field kernel (the mean factor is kept
       exactly; the kernel only sees the smaller residuals). Bidirectional attention uses each
       sequence's own means; causal attention uses the fixed per-layer centres stored as the buffers
@@ -131,6 +136,7 @@ class PerformerConfig(PreTrainedConfig):
     num_global_tokens: int = 0
     routed_blocks: int = 0
     route_block_size: int = 8
+    route_group_size: int = 0
     query_block_size: int = 16
     center_features: bool = False
     far_field_parameter: float | int | list[list[float | int]] | None = None
@@ -240,7 +246,7 @@ class PerformerConfig(PreTrainedConfig):
 
     def _validate_hybrid(self):
         """The hybrid-attention fields: ranges, kernels that can be a far field, causal restrictions."""
-        for name in ("local_window", "num_global_tokens", "routed_blocks"):
+        for name in ("local_window", "num_global_tokens", "routed_blocks", "route_group_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 switches it off), got {getattr(self, name)}.")
         for name in ("route_block_size", "query_block_size"):

@@ -11,8 +11,9 @@ large (BigBird's window and global tokens; Scatterbrain's sparse part), approxim
 As in Scatterbrain (Chen et al., NeurIPS 2021), the far sum is the kernel sum over *all* visible
 keys, ``phi_q(x_i) . sum_j phi_k(y_j) [v_j, 1]`` (a linear-attention state), minus the kernel values
 on the support, so nothing of size ``L x L`` is formed: time and memory are linear in ``L``
-(routing adds ``L / query_block_size`` block-mean queries scored against every key, computed in
-slabs: ``1 / query_block_size`` of the cost of the full logit matrix).
+(routing scores ``L / query_block_size`` block means against ``L / route_block_size`` key-block means:
+quadratic, but ``query_block_size * route_block_size`` times smaller than the logit matrix; with
+``route_group_size`` it scores groups of key blocks first and only the chosen groups' blocks, linear).
 
 Far-field kernels (``far_field``):
 
@@ -77,7 +78,7 @@ from .hybrid_keys import (
     Keys,
     cat_keys,
     gather_blocks,
-    key_block_means,
+    key_blocks,
     key_side,
     lagged_far_keys,
     pad_keys,
@@ -101,14 +102,15 @@ class HybridSpec:
     num_global_tokens: int = 0
     routed_blocks: int = 0
     route_block_size: int = 8
+    route_group_size: int = 0
     query_block_size: int = 16
     center: bool = False
     chunk_size: int = 128
 
     def __post_init__(self):
         get_far_field(self.far_field)  # an unknown name raises, listing the far fields
-        for name, low in (("local_window", 0), ("num_global_tokens", 0), ("routed_blocks", 0),
-                          ("route_block_size", 1), ("query_block_size", 1), ("chunk_size", 1)):  # fmt: skip
+        for name, low in (("local_window", 0), ("num_global_tokens", 0), ("routed_blocks", 0), ("route_block_size", 1),
+                          ("route_group_size", 0), ("query_block_size", 1), ("chunk_size", 1)):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
@@ -288,6 +290,11 @@ def hybrid_attention(
         routed_blocks: bidirectional only: each block of ``query_block_size`` queries also computes
             exactly the ``routed_blocks`` key blocks of ``route_block_size`` keys with the largest mean
             logit against its queries (content-based routing; the window's blocks are not candidates).
+        route_group_size: ``G`` > 0: routing scores only the key blocks of the ``routed_blocks`` groups of
+            ``G`` consecutive key blocks ranked best by an upper bound on their best block's score
+            (group mean and radius), so that its cost grows linearly with the length instead of
+            quadratically; ``0``: every key block is scored. The two agree while the key blocks form no
+            more than ``routed_blocks`` groups.
         center: centre queries and keys by their means over the sequence before the far-field
             kernel (bidirectional only; see module docs). ``query_center`` / ``key_center``
             (``(d,)``, ``(H, d)`` or ``(B, H, d)``, in units of the scaled queries/keys) fix the
@@ -538,9 +545,9 @@ def _hybrid_sums(x, rq, far_side, keys: Keys, extra_keys, spec: HybridSpec, caus
         for slab, (*part, support_s) in enumerate(zip(*fields, by_slab(support), strict=True)):  # (B, H, n, C, X)
             groups_by_slab[slab].append((part, support_s))
     if routed:
-        key_blocks = key_block_means(keys_p, block_k)
+        blocks = key_blocks(pad_keys(keys, 0, -L % block_k), block_k, spec.route_group_size)  # as hybrid_compiled
         q_mask = F.pad(keys.mask, (0, pad), value=False).view(B, N, block_q).split(sizes, dim=1)
-        routes = [route(xq_s, q_mask_s, key_blocks, n0, block_k, left, right, routed)
+        routes = [route(xq_s, q_mask_s, blocks, n0, block_k, left, right, routed)
                   for xq_s, q_mask_s, n0 in zip(xq, q_mask, starts, strict=True)]  # fmt: skip
         chosen = torch.cat([blocks for blocks, _ in routes], dim=2)  # (B, H, N, t)
         chosen_real = torch.cat([real for _, real in routes], dim=2)

@@ -18,7 +18,16 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .cpu_kernels import hybrid_kernels
-from .hybrid_keys import Keys, key_block_means, pad_keys, route_scores, window_offsets
+from .hybrid_keys import (
+    Keys,
+    group_bounds,
+    key_blocks,
+    pad_keys,
+    query_blocks,
+    route_scores,
+    route_width,
+    window_offsets,
+)
 from .slabs import slabs
 
 Tensor = torch.Tensor
@@ -44,13 +53,22 @@ def _routes(kernels, x: Tensor, keys: Keys, spec) -> Tensor:
     N = -(-L // block_q)
     if not routed:
         return torch.empty(B, H, N, 0, dtype=torch.int64, device=x.device)
-    key_blocks = key_block_means(pad_keys(keys, 0, -L % block_k), block_k)
+    blocks = key_blocks(pad_keys(keys, 0, -L % block_k), block_k, spec.route_group_size)
     x_p = F.pad(x.detach(), (0, 0, 0, N * block_q - L)).view(B, H, N, block_q, d)
     q_mask = F.pad(keys.mask, (0, N * block_q - L), value=False).view(B, N, block_q)
     routes = []
-    for blocks in slabs(N, B * H * key_blocks[1].shape[1], "blocks", x.device):
-        scores = route_scores(x_p[:, :, blocks], q_mask[:, blocks], key_blocks, blocks.start, block_k, left, right)
-        routes.append(kernels.top_blocks(scores.contiguous(), min(routed, scores.shape[-1])))
+    for slab in slabs(N, B * H * route_width(blocks, routed), "blocks", x.device):
+        queries = query_blocks(x_p[:, :, slab], q_mask[:, slab], slab.start, left, right)
+        bounds = group_bounds(queries, blocks, block_k, routed)
+        if bounds is None:
+            scores, _ = route_scores(queries, blocks, block_k, None)
+            routes.append(kernels.top_blocks(scores.contiguous(), min(routed, scores.shape[-1])))
+        else:
+            groups = kernels.top_blocks(bounds.contiguous(), routed)  # (B, H, n, routed), -1: none
+            routes.append(kernels.routed_candidates(
+                queries.means.contiguous(), blocks.means.contiguous(), blocks.has_keys.contiguous(), groups,
+                queries.window_lo.flatten(), queries.window_hi.flatten(), block_k, blocks.group_size, routed,
+            ))  # fmt: skip
     return torch.cat(routes, dim=2)
 
 

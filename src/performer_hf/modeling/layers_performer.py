@@ -104,7 +104,8 @@ class PerformerAttention(nn.Module):
             self.hybrid_spec = HybridSpec(
                 far_field=config.attention_kernel, local_window=config.local_window,
                 num_global_tokens=config.num_global_tokens, routed_blocks=config.routed_blocks,
-                route_block_size=config.route_block_size, query_block_size=config.query_block_size,
+                route_block_size=config.route_block_size, route_group_size=config.route_group_size,
+                query_block_size=config.query_block_size,
                 center=config.center_features, chunk_size=config.causal_chunk_size,
             )  # fmt: skip
             self.uses_projection = get_far_field(config.attention_kernel).uses_projection
