@@ -49,11 +49,14 @@ from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from performer_hf.cpu_memory import retain_freed_memory
+
 RESULTS = Path(__file__).resolve().parent / "results"
 DPI = 120
 PACKAGES = ("performer-hf", "transformers", "performer-pytorch")  # versions recorded with the machine
 FRESH_PROCESS = "--fresh-process"  # first argument of a child started by in_fresh_process
 RESULT_MARK = "RESULT"  # precedes the child's JSON answer on its stdout
+ALLOCATORS = {False: "the system's (glibc defaults)", True: "glibc, freed memory retained (performer_hf.cpu_memory)"}
 logger = logging.getLogger("benchmarks.harness")
 
 
@@ -73,6 +76,10 @@ def parser(doc: str, *, quick: str, threads: int | None = None) -> argparse.Argu
             "free cores can make every step ~10x slower)",
         )  # fmt: skip
     arguments.add_argument("--from-json", type=Path, help="write the Markdown and PNG again from this JSON")
+    arguments.add_argument(
+        "--retain-freed-memory", action="store_true",
+        help="keep freed memory in the process for reuse (performer_hf.cpu_memory), for every arm alike",
+    )  # fmt: skip
     return arguments
 
 
@@ -241,6 +248,7 @@ def main(
         return {}
     args = arguments.parse_args(argv)
     from_json = vars(args).pop("from_json")  # not a setting of the study
+    retained = vars(args).pop("retain_freed_memory") and retain_freed_memory()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the studies read installed models and data only
     if getattr(args, "threads", 0):
@@ -252,6 +260,7 @@ def main(
     else:
         before = _load_average()
         payload = measure(args)
-        payload["environment"] = {"machine": _machine(), "load_average": {"before": before, "after": _load_average()}}
+        payload["environment"] = {"machine": _machine(), "load_average": {"before": before, "after": _load_average()},
+                                  "allocator": ALLOCATORS[retained]}  # fmt: skip
     print(_write(name, payload, args.out_dir, markdown, plot, with_json=from_json is None))
     return payload

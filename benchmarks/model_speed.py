@@ -407,7 +407,8 @@ def markdown(payload: dict) -> str:
         f"{where}; torch {machine['torch']}, transformers {machine.get('transformers', '?')}. Median of "
         f"{s['reps']} interleaved runs after a warm-up. "
         + (f"Batch = max(1, {s['batch_tokens']} // L) sequences. " if s["batch_tokens"] else "Batch 1. ")
-        + f"Load average {load['before']} -> {load['after']}.",
+        + f"Load average {load['before']} -> {load['after']}."
+        + (f" Memory allocator: {environment['allocator']}." if "allocator" in environment else ""),
         "",
     ]
     performer_arms = [a for a in s["arms"] if a not in SOURCE_ARMS]

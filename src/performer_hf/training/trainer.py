@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from ..cpu_memory import retain_freed_memory
 from .arguments import TrainingInputError
 from .checkpointing import find_latest_checkpoint, load_checkpoint, resume_position, save_checkpoint
 from .model_card import build_model_card, write_model_card
@@ -86,6 +87,8 @@ def create_accelerator(args: argparse.Namespace) -> Accelerator:
         datasets.utils.logging.set_verbosity_error()
         transformers.utils.logging.set_verbosity_error()
     logger.info(accelerator.state, main_process_only=False)
+    if accelerator.device.type == "cpu" and retain_freed_memory():
+        logger.info("CPU training: freed memory stays in the process for reuse (performer_hf.cpu_memory).")
     set_seed(args.seed)
     return accelerator
 
