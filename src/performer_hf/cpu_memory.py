@@ -3,10 +3,11 @@
 glibc's ``malloc`` serves every allocation above its mmap threshold (at most 32 MiB by default) with a fresh
 ``mmap`` and gives it back to the system on ``free``. A tensor of a long sequence, (1, 12, 64K, 32) float32
 is 100 MB, therefore comes back as new pages each time, and the kernel zero-fills every 4 KiB page at its
-first touch. On the 2-core machine of ``benchmarks/``, one forward + backward of bidirectional hybrid attention
-at 64K tokens page-faulted 4.5 GB (1.17 million faults) and took 5.0 s; with the memory kept it took 3.7 s, and
-the time per doubling of the length from 32K to 64K went from 2.6x to 2.1x. Every attention method gains,
-exact SDPA included; the benchmarks time all arms under the same allocator.
+first touch. On the 2-core machine of ``benchmarks/``, the default encoder's attention call (forward + backward,
+12 heads) at 64K tokens took 6.83 s with glibc's defaults and 5.29 s with freed memory kept, and grew 2.31x
+from 32K to 64K against 1.98x (``benchmarks/results/model_speed_scaling_hybrid*.md``); without routing, one
+such step page-faulted 4.5 GB (1.17 million faults). Every attention method gains, exact SDPA included; the
+benchmarks time all arms under the same allocator.
 
 :func:`retain_freed_memory` sets glibc's thresholds so that allocations below 1 GiB are served from, and
 freed into, the process's heap, and the heap keeps up to 2 GiB of free memory instead of trimming it: the same
