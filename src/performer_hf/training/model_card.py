@@ -14,6 +14,7 @@ import os
 from huggingface_hub import ModelCard, ModelCardData
 
 from ..attention_card import hybrid_lines, method_description
+from ..modeling.configuration_performer import PerformerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,22 @@ def _redraw_sentence(interval: int | None) -> str:
     return f"{done}; they are fixed in this checkpoint, so inference is deterministic."
 
 
+def _attention_section(config: PerformerConfig) -> list[str]:
+    """The card's "Attention settings" lines of a Performer."""
+    favor = {field: getattr(config, field, None) for field in FAVOR_FIELDS}
+    return [
+        "## Attention settings",
+        "",
+        "```json",
+        json.dumps(favor, indent=2),
+        "```",
+        "",
+        *(hybrid_lines(config) + [""] if config.uses_hybrid_attention else []),
+        _redraw_sentence(config.feature_redraw_interval),
+        "",
+    ]
+
+
 def build_model_card(
     task: str,
     config,
@@ -59,26 +76,28 @@ def build_model_card(
     args: dict,
     starting_folder: str | None = None,
 ) -> str:
-    """Markdown with YAML metadata: lineage, FAVOR+ settings, architecture, training setup, final metrics.
+    """Markdown with YAML metadata: lineage, FAVOR+ settings, architecture, training setup, final metrics. A model
+    that is not a Performer (a baseline the scripts also train, e.g. BigBird) gets the same card without the
+    attention settings.
 
     ``started_from`` names the checkpoint (or source converted) training began with (None: from
     scratch); ``starting_folder`` is where it was loaded from, whose card metadata is inherited.
     """
+    performer = isinstance(config, PerformerConfig)
     inherited = starting_card_metadata(starting_folder)
     hub_id = started_from if started_from and not os.path.isdir(started_from) else None
     card_data = ModelCardData(
         library_name="transformers",
         pipeline_tag=TASK_PIPELINES[task],
-        tags=["performer", "favor+", "linear-attention", "performer-hf"],
+        tags=["performer", "favor+", "linear-attention", "performer-hf"] if performer else ["performer-hf"],
         base_model=inherited.get("base_model") or hub_id,
         license=inherited.get("license"),
     )
-    favor = {field: getattr(config, field, None) for field in FAVOR_FIELDS}
     architecture = {
         "num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
         "num_attention_heads": config.num_attention_heads,
         "max_position_embeddings": config.max_position_embeddings,
-        "layer_norm_position": config.layer_norm_position,
+        "layer_norm_position": getattr(config, "layer_norm_position", "post"),
     }  # fmt: skip
     setup = {key: args.get(key) for key in SETUP_FIELDS}
     setup["optimizer_steps"] = metrics.get("train_steps")
@@ -89,22 +108,19 @@ def build_model_card(
         card_data.to_yaml(),
         "---",
         "",
-        f"# Performer for {TASK_NAMES[task]}",
+        f"# {'Performer' if performer else type(config).__name__.removesuffix('Config')} for {TASK_NAMES[task]}",
         "",
-        f"A Performer with {method_description(config)}, trained with `training/run_{task}.py` of performer-hf.",
+        (
+            f"A Performer with {method_description(config)}"
+            if performer
+            else f"A transformers `{config.model_type}` model (its own attention; no Performer attention)"
+        )
+        + f", trained with `training/run_{task}.py` of performer-hf.",
         "",
         f"- started from: {started_from or 'random initialisation (trained from scratch)'}",
         f"- training data: {data_source}",
         "",
-        "## Attention settings",
-        "",
-        "```json",
-        json.dumps(favor, indent=2),
-        "```",
-        "",
-        *(hybrid_lines(config) + [""] if config.uses_hybrid_attention else []),
-        _redraw_sentence(config.feature_redraw_interval),
-        "",
+        *(_attention_section(config) if performer else []),
         "## Architecture",
         "",
         "```json",
@@ -126,11 +142,15 @@ def build_model_card(
         "## Usage",
         "",
         "```python",
-        "import performer_hf  # registers the Performer classes with the Auto* factories",
+        *(["import performer_hf  # registers the Performer classes with the Auto* factories"] if performer else []),
         "from transformers import AutoModel",
         "",
         'model = AutoModel.from_pretrained("path/to/this/folder")',
-        '# without performer-hf: AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=True)',
+        *(
+            ['# without performer-hf: AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=True)']
+            if performer
+            else []
+        ),  # fmt: skip
         "```",
         "",
     ]

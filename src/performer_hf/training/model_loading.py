@@ -142,12 +142,13 @@ def load_model(
     return model
 
 
-def usable_positions(config: PerformerConfig) -> int:
-    """Longest sequence the position embeddings cover (RoBERTa-style models reserve ``position_offset``)."""
-    return config.max_position_embeddings - config.position_offset
+def usable_positions(config) -> int:
+    """Longest sequence the position embeddings cover (RoBERTa-style Performers reserve ``position_offset``;
+    other transformers models, e.g. a BigBird baseline, count from 0)."""
+    return config.max_position_embeddings - getattr(config, "position_offset", 0)
 
 
-def resolve_sequence_length(requested: int | None, config: PerformerConfig) -> int:
+def resolve_sequence_length(requested: int | None, config) -> int:
     """``--max_seq_length`` checked against the model's positions (default: all of them)."""
     available = usable_positions(config)
     if requested is None:
@@ -155,7 +156,8 @@ def resolve_sequence_length(requested: int | None, config: PerformerConfig) -> i
     if requested > available:
         raise TrainingInputError(
             f"--max_seq_length {requested} exceeds the model's {available} positions "
-            f"(max_position_embeddings={config.max_position_embeddings}, position_offset={config.position_offset}). "
+            f"(max_position_embeddings={config.max_position_embeddings}, "
+            f"position_offset={getattr(config, 'position_offset', 0)}). "
             "Lower --max_seq_length, or use a model with more positions (from scratch: --config_overrides "
             f"max_position_embeddings={requested + config.position_offset})."
         )

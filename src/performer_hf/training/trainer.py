@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from ..cpu_memory import retain_freed_memory
+from ..modeling.configuration_performer import PerformerConfig
 from .arguments import TrainingInputError
 from .checkpointing import find_latest_checkpoint, load_checkpoint, resume_position, save_checkpoint
 from .model_card import build_model_card, write_model_card
@@ -194,8 +195,15 @@ def run_training(
 ) -> dict:
     """Train, evaluate, checkpoint, save the final model (+ tokenizer, card, ``all_results.json``) and
     optionally push it. Returns the final evaluation metrics (with ``train_*`` figures)."""
-    redraw_interval = args.feature_redraw_interval or model.config.feature_redraw_interval
-    model.config.feature_redraw_interval = redraw_interval
+    redraw_interval = None
+    if isinstance(model.config, PerformerConfig):  # other models (a baseline such as BigBird) have no features
+        redraw_interval = args.feature_redraw_interval or model.config.feature_redraw_interval
+        model.config.feature_redraw_interval = redraw_interval
+    elif args.feature_redraw_interval:
+        raise TrainingInputError(
+            f"--feature_redraw_interval redraws a Performer's random features; this {model.config.model_type} "
+            "model has none. Drop the argument."
+        )
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
