@@ -58,6 +58,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from performer_hf.conversion.mapping import extend_positions
 from performer_hf.conversion.source import load_weights
+from performer_hf.cpu_memory import retain_freed_memory
 from performer_hf.data_assets import BBC_LABELS, bbc_news, write_jsonl
 
 logger = logging.getLogger("benchmarks.long_documents")
@@ -266,8 +267,10 @@ def probe(folder: Path, length: int) -> dict:
 
 
 def probe_child(folder: str, length: int, threads: int) -> dict:
-    """:func:`probe` in the fresh process that :func:`cost` starts; a failed allocation is an answer."""
+    """:func:`probe` in the fresh process that :func:`cost` starts, with freed memory retained as the training
+    scripts retain it; a failed allocation is an answer."""
     torch.set_num_threads(threads)
+    retain_freed_memory()
     try:
         return {"ok": True, **probe(Path(folder), length)}
     except (MemoryError, RuntimeError) as error:  # RuntimeError: torch's "can't allocate memory"
