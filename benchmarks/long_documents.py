@@ -48,6 +48,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import harness
@@ -103,24 +104,35 @@ def _offsets(count: int, length: int, article: int, rng: random.Random, stratifi
     return [rng.randrange(*bins[i % len(bins)]) for i in range(count)]
 
 
-def documents(tokenizer, articles: list[dict], prose: list[int], count: int, length: int, seed: int,
+def documents(tokenizer, articles: list[dict], prose: list[int], count: int, length: int, evidence: int, seed: int,
               stratified: bool) -> list[dict]:  # fmt: skip
-    """``count`` documents of ``length`` tokens: ``{"text", "label", "offset", "article"}``, ``offset`` the
-    article's first token position in the tokenized document ([CLS] is position 0)."""
+    """``count`` documents of ``length`` tokens: ``{"text", "label", "offset", "articles"}``.
+
+    Each holds one passage of ``evidence`` tokens made of articles of one topic (the label, drawn uniformly; each
+    article's first ``ARTICLE_TOKENS`` tokens, in a random order) at the token position ``offset`` of the
+    tokenized document ([CLS] is position 0), the rest Python documentation prose."""
     rng = random.Random(seed)
-    chosen = [articles[i % len(articles)] for i in rng.sample(range(max(count, len(articles))), count)]
-    encoded = tokenizer([a["text"] for a in chosen], add_special_tokens=False, verbose=False)["input_ids"]
+    encoded = tokenizer([a["text"] for a in articles], add_special_tokens=False, verbose=False)["input_ids"]
+    by_topic = defaultdict(list)  # label -> [(article id, its first ARTICLE_TOKENS token ids)]
+    for article, ids in zip(articles, encoded, strict=True):
+        by_topic[article["label"]].append((article["id"], ids[:ARTICLE_TOKENS]))
     records = []
-    for article, ids, offset in zip(chosen, encoded, _offsets(count, length, ARTICLE_TOKENS, rng, stratified),
-                                    strict=True):  # fmt: skip
-        ids = ids[:ARTICLE_TOKENS]
-        body = length - 2 - len(ids)  # prose tokens around the article
-        start = rng.randrange(len(prose) - body)
+    for offset in _offsets(count, length, evidence, rng, stratified):
+        label = rng.randrange(len(BBC_LABELS))
+        passage, used = [], []
+        for article_id, ids in rng.sample(by_topic[label], len(by_topic[label])):
+            if len(passage) >= evidence:
+                break
+            passage += ids
+            used.append(article_id)
+        passage = passage[:evidence]
+        body = length - 2 - len(passage)  # prose tokens around the passage
+        start = rng.randrange(len(prose) - body - 16)
         before, after = prose[start : start + offset], prose[start + offset : start + body + 16]  # a margin to cut
         prefix = tokenizer.decode(before)
-        text = " ".join(part for part in (prefix, tokenizer.decode(ids), tokenizer.decode(after)) if part)
+        text = " ".join(part for part in (prefix, tokenizer.decode(passage), tokenizer.decode(after)) if part)
         real_offset = 1 + len(tokenizer(prefix, add_special_tokens=False, verbose=False)["input_ids"])
-        records.append({"text": text, "label": article["label"], "offset": real_offset, "article": article["id"]})
+        records.append({"text": text, "label": label, "offset": real_offset, "articles": used})
     return records
 
 
@@ -291,23 +303,24 @@ def cost(folder: Path, length: int, memory_cap_gb: float) -> dict:
 def measure(args: argparse.Namespace) -> dict:
     """Build the documents and every arm; probe the cost per step; train, test; per arm and seed."""
     if args.quick:
-        args.length, args.train_docs, args.validation_docs, args.test_docs = 1024, 8, 4, 10
+        args.length, args.evidence_tokens, args.train_docs, args.validation_docs, args.test_docs = 1024, 256, 8, 4, 10
         args.probe_lengths, args.seeds = [1024], 1
     source = minilm_folder()
     tokenizer = AutoTokenizer.from_pretrained(source)
     splits = bbc_news(seed=args.data_seed)
     prose = {half: prose_ids(tokenizer, half) for half in (0, 1)}
-    data = {
-        "train": documents(tokenizer, splits["train"], prose[0], args.train_docs, args.length, 1, False),
-        "validation": documents(
-            tokenizer, splits["validation"], prose[1], args.validation_docs, args.length, 2, True
-        ),  # fmt: skip
-        "test": documents(tokenizer, splits["test"], prose[1], args.test_docs, args.length, 3, True),
-    }
+    plan = {
+        "train": (0, args.train_docs, 1, False),
+        "validation": (1, args.validation_docs, 2, True),
+        "test": (1, args.test_docs, 3, True),
+    }  # split -> (prose half, documents, seed, stratified offsets)
+    data = {name: documents(tokenizer, splits[name], prose[half], count, args.length, args.evidence_tokens, seed,
+                            stratified) for name, (half, count, seed, stratified) in plan.items()}  # fmt: skip
     result = {
         "study": "long_documents", "model": "sentence-transformers/all-MiniLM-L6-v2", "length": args.length,
-        "task": f"one BBC News article (first {ARTICLE_TOKENS} tokens) at a random offset in {args.length} tokens of "
-                "Python documentation prose; label: its topic (5 classes)",
+        "task": f"a passage of {args.evidence_tokens} tokens of BBC News articles of one topic (each article's first "
+                f"{ARTICLE_TOKENS} tokens) at a random offset in {args.length} tokens of Python documentation prose; "
+                "label: the topic (5 classes)",
         "data": {name: len(records) for name, records in data.items()},
         "test_offsets": [r["offset"] for r in data["test"]],
         "budget": {"steps": args.train_docs // args.batch_size, "batch_size": args.batch_size, "learning_rate": args.lr,
@@ -454,6 +467,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = harness.parser(__doc__, quick="1,024 tokens, 8 documents, 1 seed", threads=2)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--length", type=int, default=4096, help="tokens per document")
+    parser.add_argument("--evidence-tokens", type=int, default=1024, help="tokens of the passage of news articles")
     parser.add_argument("--train-docs", type=int, default=256)
     parser.add_argument("--validation-docs", type=int, default=20)
     parser.add_argument("--test-docs", type=int, default=240)
