@@ -1,14 +1,15 @@
 """Long documents: converted Performer vs BigBird vs truncation vs exact attention, at equal budget (issue 16).
 
 Task (real text, offline): each document is ``--length`` tokens of Python's documentation prose
-(``pydoc_data.topics``, shipped with CPython) with one real BBC News article (Greene & Cunningham 2006,
-``performer_hf.data_assets.bbc_news``; its first ``ARTICLE_TOKENS`` tokens) placed at a random token
-offset; the label is the article's topic (5 classes, chance 20%). Only the article says anything about
-the label, so a model reads it or guesses: accuracy by the article's offset shows what truncation loses.
-Training documents take their articles from the BBC train split and their prose from the first half of
-the documentation; validation and test documents from the validation / test splits and the second half.
-Training offsets are uniform; test offsets are stratified, the same number of documents in each bin of
-``BINS`` (clipped to the length).
+(``pydoc_data.topics``, shipped with CPython) with one passage of ``--evidence-tokens`` tokens of real BBC News
+articles of a single topic (Greene & Cunningham 2006, ``performer_hf.data_assets.bbc_news``; each article's
+first ``ARTICLE_TOKENS`` tokens) placed at a random token offset; the label is the topic (5 classes, chance
+20%). Only the passage says anything about the label, so a model reads it or guesses: accuracy by the passage's
+offset shows what truncation loses. (With one 400-token article in 4,096 tokens, no arm learned within a CPU
+budget: 160 steps left the default conversion at chance.) Training documents take their articles from the BBC
+train split and their prose from the first half of the documentation; validation and test documents from the
+validation / test splits and the second half. Training offsets are uniform; test offsets are stratified, the
+same number of documents in each bin of ``BINS`` that fits.
 
 Arms, all from the same pretrained weights (sentence-transformers/all-MiniLM-L6-v2), trained with the same
 loop (``training/run_classification.py``: AdamW, linear schedule, the same documents in the same order,
@@ -24,9 +25,9 @@ the same steps, batch and learning rate), evaluated on the same test documents:
     performer      the converted Performer, the converter's default (hybrid) settings
     favor          the converted Performer, plain FAVOR+ (positive orthogonal random features, m = 256)
 
-Reported per arm and seed: test accuracy and macro-F1 (overall, and on the documents whose article starts
+Reported per arm and seed: test accuracy and macro-F1 (overall, and on the documents whose passage starts
 at or after token 512, beyond what truncation keeps), their standard errors (binomial for accuracy,
-bootstrap for F1), accuracy by the article's offset, training wall time. Apart, each arm's cost of one
+bootstrap for F1), accuracy by the passage's offset, training wall time. Apart, each arm's cost of one
 training step (forward, backward, AdamW; batch 1) and one forward at each of ``--probe-lengths``, with the
 peak extra resident memory, each in a fresh process (an earlier run's freed heap would hide in its
 figures); a length that does not fit ``--memory-cap-gb`` is reported as such.
@@ -417,7 +418,7 @@ def markdown(result: dict) -> str:
     first = next((entry for entry in arms.values() if entry["runs"]), None)
     if first is not None:
         bins = first["runs"][0]["by_offset"]
-        lines += ["", "## Accuracy by the article's offset (%)", "",
+        lines += ["", "## Accuracy by the passage's offset (%)", "",
                   "| arm | " + " | ".join(f"{b['from']}-{b['to']} (n={b['n']})" for b in bins) + " |",
                   "|---|" + "---|" * len(bins)]  # fmt: skip
         for entry in arms.values():
@@ -455,7 +456,7 @@ def plot(result: dict):
             right.plot(*zip(*sorted(points), strict=True), marker="o", label=entry["label"])
     left.axhline(100 / len(BBC_LABELS), color="grey", linestyle=":", label="chance")
     left.axvline(TRUNCATED, color="grey", linestyle="--")
-    left.set(xlabel="article offset (tokens)", ylabel="test accuracy (%)", title="accuracy by evidence position")
+    left.set(xlabel="passage offset (tokens)", ylabel="test accuracy (%)", title="accuracy by evidence position")
     right.set(xlabel="tokens", ylabel="seconds", xscale="log", yscale="log", title="one training step (batch 1)")
     left.legend(fontsize=7)
     right.legend(fontsize=7)
