@@ -398,7 +398,7 @@ def markdown(result: dict) -> str:
         f"# Long documents: Performer vs BigBird vs truncation vs exact attention ({result['length']} tokens)",
         "",
         f"Task: {result['task']}. Documents: {result['data']['train']} train, {result['data']['validation']} "
-        f"validation, {result['data']['test']} test (article offsets stratified). Every arm starts from "
+        f"validation, {result['data']['test']} test (passage offsets stratified). Every arm starts from "
         f"{result['model']} and trains {budget['steps']} steps of batch {budget['batch_size']} (learning rate "
         f"{budget['learning_rate']}, {budget['warmup_steps']} warm-up steps, AdamW, linear schedule), "
         f"{budget['seeds']} seed(s). {machine.get('cpu', '?')}, {machine['torch_threads']} threads; torch "
@@ -407,7 +407,7 @@ def markdown(result: dict) -> str:
         "",
         "## Test scores (%, ± standard error)",
         "",
-        "| arm | reads | accuracy | macro-F1 | accuracy, article beyond 512 | macro-F1, beyond 512 | train (s) |",
+        "| arm | reads | accuracy | macro-F1 | accuracy, passage beyond 512 | macro-F1, beyond 512 | train (s) |",
         "|---|---|---|---|---|---|---|",
     ]
     for entry in arms.values():
