@@ -41,6 +41,7 @@ Writes long_documents.{json,md,png} to --out-dir.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import random
@@ -342,7 +343,7 @@ def measure(args: argparse.Namespace) -> dict:
                     continue
                 entry["cost"][str(length)] = cost(built["folder"], length, args.memory_cap_gb)
                 logger.info("%s cost at %d: %s", arm, length, entry["cost"][str(length)])
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 argv = [
                     "--train_file", str(files["train"]), "--validation_file", str(files["validation"]),
                     "--model_name_or_path", str(built["folder"]), "--max_seq_length", str(entry["max_length"]),
@@ -361,6 +362,32 @@ def measure(args: argparse.Namespace) -> dict:
                 logger.info("%s seed %d: accuracy %.3f (beyond 512: %.3f), train %.0f s", arm, seed,
                             run["all"]["accuracy"], beyond, seconds)  # fmt: skip
                 shutil.rmtree(output)
+    return merged(result, args.merge_with) if args.merge_with else result
+
+
+# the settings two runs must share for their seeds to be pooled
+POOLED = ("length", "task", "data", "test_offsets", "budget_steps", "batch_size", "learning_rate", "warmup_steps")
+
+
+def _settings(result: dict) -> dict:
+    budget = result["budget"]
+    return {**{k: result[k] for k in ("length", "task", "data", "test_offsets")}, "budget_steps": budget["steps"],
+            **{k: budget[k] for k in ("batch_size", "learning_rate", "warmup_steps")}}  # fmt: skip
+
+
+def merged(result: dict, earlier_file: Path) -> dict:
+    """``result`` with the runs (seeds) of the earlier results in ``earlier_file`` added to each arm's, when both
+    used the same documents and budget; arms or cost probes only the earlier run has are kept."""
+    earlier = json.loads(earlier_file.read_text())
+    mismatched = [k for k in POOLED if _settings(earlier)[k] != _settings(result)[k]]
+    if mismatched:
+        raise ValueError(f"{earlier_file} used other settings ({', '.join(mismatched)}); its seeds cannot be pooled.")
+    for arm, old in earlier["arms"].items():
+        entry = result["arms"].setdefault(arm, {**old, "runs": []})
+        seeds = {run["seed"] for run in entry["runs"]}
+        entry["runs"] = [run for run in old["runs"] if run["seed"] not in seeds] + entry["runs"]
+        entry["cost"] = {**old.get("cost", {}), **entry.get("cost", {})}
+    result["budget"]["seeds"] = max(len(entry["runs"]) for entry in result["arms"].values())
     return result
 
 
@@ -405,7 +432,7 @@ def markdown(result: dict) -> str:
         f"{machine['torch']}, transformers {machine.get('transformers', '?')}. Load average {load['before']} -> "
         f"{load['after']}." + (" **Quick run: the figures say nothing.**" if result["quick"] else ""),
         "",
-        "## Test scores (%, ± standard error)",
+        "## Test scores (%, ± standard error: across seeds when there are several, else binomial / bootstrap)",
         "",
         "| arm | reads | accuracy | macro-F1 | accuracy, passage beyond 512 | macro-F1, beyond 512 | train (s) |",
         "|---|---|---|---|---|---|---|",
@@ -475,7 +502,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--warmup", type=int, default=16, help="warm-up optimizer steps")
-    parser.add_argument("--seeds", type=int, default=1, help="training seeds per arm (0, 1, ...)")
+    parser.add_argument("--seeds", type=int, default=1, help="training seeds per arm (--first-seed, +1, ...)")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--merge-with", type=Path, help="an earlier results JSON whose seeds to pool with these")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of BBC News' 80/10/10 split")
     parser.add_argument("--probe-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--memory-cap-gb", type=float, default=20.0, help="address-space cap of a cost probe")
