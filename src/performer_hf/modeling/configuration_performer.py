@@ -76,8 +76,9 @@ class PerformerConfig(PreTrainedConfig):
       between the blocks). Causal models must keep it `0` (routing reads future tokens).
     - `route_group_size`: `G > 0`: routing scores only the key blocks of the `routed_blocks` groups of
       `G` consecutive key blocks that may hold the best ones (an upper bound from each group's mean and
-      radius), so that its cost grows linearly with the length; `0`: every key block is scored (cost
-      quadratic in the length, `1 / (query_block_size * route_block_size)` of the logit matrix). The two
+      radius): the quadratic part of its cost (one bound per query block and group) is `G` times smaller;
+      `0`: every key block is scored (quadratic in the length, `1 / (query_block_size * route_block_size)`
+      of the logit matrix). The two
       choose the same blocks while the input has at most `routed_blocks * G * route_block_size` tokens.
     - `center_features`: centre queries and keys before the far-field kernel (the mean factor is kept
       exactly; the kernel only sees the smaller residuals). Bidirectional attention uses each

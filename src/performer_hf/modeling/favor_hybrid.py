@@ -13,7 +13,8 @@ keys, ``phi_q(x_i) . sum_j phi_k(y_j) [v_j, 1]`` (a linear-attention state), min
 on the support, so nothing of size ``L x L`` is formed: time and memory are linear in ``L``
 (routing scores ``L / query_block_size`` block means against ``L / route_block_size`` key-block means:
 quadratic, but ``query_block_size * route_block_size`` times smaller than the logit matrix; with
-``route_group_size`` it scores groups of key blocks first and only the chosen groups' blocks, linear).
+``route_group_size`` G it scores groups of G key blocks first, G times fewer, and then only the chosen groups'
+blocks, a fixed number per query block).
 
 Far-field kernels (``far_field``):
 
@@ -292,9 +293,9 @@ def hybrid_attention(
             logit against its queries (content-based routing; the window's blocks are not candidates).
         route_group_size: ``G`` > 0: routing scores only the key blocks of the ``routed_blocks`` groups of
             ``G`` consecutive key blocks ranked best by an upper bound on their best block's score
-            (group mean and radius), so that its cost grows linearly with the length instead of
-            quadratically; ``0``: every key block is scored. The two agree while the key blocks form no
-            more than ``routed_blocks`` groups.
+            (group mean and radius): its quadratic term (one bound per query block and group) is ``G``
+            times smaller, the rest linear in the length; ``0``: every key block is scored. The two agree
+            while the key blocks form no more than ``routed_blocks`` groups.
         center: centre queries and keys by their means over the sequence before the far-field
             kernel (bidirectional only; see module docs). ``query_center`` / ``key_center``
             (``(d,)``, ``(H, d)`` or ``(B, H, d)``, in units of the scaled queries/keys) fix the
@@ -549,7 +550,7 @@ def _hybrid_sums(x, rq, far_side, keys: Keys, extra_keys, spec: HybridSpec, caus
         q_mask = F.pad(keys.mask, (0, pad), value=False).view(B, N, block_q).split(sizes, dim=1)
         routes = [route(xq_s, q_mask_s, blocks, n0, block_k, left, right, routed)
                   for xq_s, q_mask_s, n0 in zip(xq, q_mask, starts, strict=True)]  # fmt: skip
-        chosen = torch.cat([blocks for blocks, _ in routes], dim=2)  # (B, H, N, t)
+        chosen = torch.cat([chosen_s for chosen_s, _ in routes], dim=2)  # (B, H, N, t)
         chosen_real = torch.cat([real for _, real in routes], dim=2)
         fields = [by_slab(gather_blocks(t, chosen, block_k)) for t in _key_fields(keys_p, with_feats)]
         key_pos = (chosen.unsqueeze(-1) * block_k + torch.arange(block_k, device=x.device)).flatten(-2)

@@ -188,8 +188,8 @@ def route(xq: Tensor, q_mask: Tensor, blocks: KeyBlocks, first_block: int, block
     Returns the chosen key blocks (B, H, n, t) and whether each choice is real (B, H, n, t)
     (False when fewer than ``nb_routed`` blocks qualify; such a choice names block 0).
     With routing groups (``blocks.group_size``), the candidates are the blocks of the ``nb_routed`` groups
-    with the highest :func:`group_bounds`: a cost linear in the length instead of quadratic (the bounds are
-    quadratic too, but ``group_size`` times smaller than the scores of every block).
+    with the highest :func:`group_bounds`: the bounds are quadratic in the length, but ``group_size`` times
+    fewer than the scores of every block; the candidates' scores are a fixed number per query block.
     """
     queries = query_blocks(xq, q_mask, first_block, left, right)
     bounds = group_bounds(queries, blocks, block_k, nb_routed)
