@@ -506,7 +506,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--merge-with", type=Path, help="an earlier results JSON whose seeds to pool with these")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of BBC News' 80/10/10 split")
-    parser.add_argument("--probe-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument(
+        "--probe-lengths",
+        type=int,
+        nargs="*",
+        default=[512, 1024, 2048, 4096, 8192],
+        help="lengths whose step time and memory to probe (none: keep those of --merge-with)",
+    )
     parser.add_argument("--memory-cap-gb", type=float, default=20.0, help="address-space cap of a cost probe")
     return harness.main("long_documents", parser, measure, markdown, plot, child=probe_child, argv=argv)
 
