@@ -334,7 +334,7 @@ def measure(args: argparse.Namespace) -> dict:
         work = Path(scratch)
         files = {name: write_jsonl(records, work / f"{name}.jsonl") for name, records in data.items()}
         for arm in tqdm(args.arms, desc="long_documents arms"):
-            built = build_arm(arm, source, work / f"model-{arm}", max(args.length, *args.probe_lengths), 0)
+            built = build_arm(arm, source, work / f"model-{arm}", max([args.length, *args.probe_lengths]), 0)
             entry = result["arms"][arm] = {"label": ARMS[arm][0], "max_length": min(built["max_length"], args.length),
                                            **{k: v for k, v in built.items() if k not in ("folder", "max_length")},
                                            "cost": {}, "runs": []}  # fmt: skip
