@@ -1,12 +1,14 @@
 """performer-hf: Performers (FAVOR+ linear attention) as a Hugging Face model family.
 
 Importing the package registers the Performer classes with the ``Auto*`` factories under
-model_type ``"performer"``.
+model_type ``"performer"``, and the attention implementations ``"performer"`` (FAVOR+) and
+``"performer_hybrid"`` with transformers' ``AttentionInterface``, for any model class.
 """
 
 import transformers
 
 from .conversion import convert
+from .integrations import PerformerCache, register_attention_implementations
 from .modeling import modeling_performer
 from .modeling.cache_performer import FavorCacheLayer
 from .modeling.configuration_performer import PerformerConfig
@@ -17,5 +19,6 @@ __version__ = "0.1.0"
 transformers.AutoConfig.register(PerformerConfig.model_type, PerformerConfig, exist_ok=True)
 for _model, _auto in modeling_performer.AUTO_CLASSES.items():
     getattr(transformers, _auto).register(PerformerConfig, _model, exist_ok=True)
+register_attention_implementations()
 
-__all__ = ["FavorCacheLayer", "PerformerConfig", *modeling_performer.__all__, "convert"]
+__all__ = ["FavorCacheLayer", "PerformerCache", "PerformerConfig", *modeling_performer.__all__, "convert"]

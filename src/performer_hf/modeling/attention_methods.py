@@ -4,13 +4,13 @@ Each method is a function in the style of the attention functions of transformer
 ``AttentionInterface``: it receives the calling attention module and reads what it needs from it
 (the random projection, the centres, the method's settings)::
 
-    attend(module, q, k, v, key_mask, causal, cache=None, output_attentions=False) -> (context, weights)
+    attend(module, q, k, v, key_mask, causal, layer_cache=None, output_attentions=False) -> (context, weights)
 
 - ``q``, ``k``, ``v``: (B, H, L, D), the L new tokens;
 - ``key_mask``: (B, P + L) bool, True for real tokens, covering the P cached tokens too; or None;
 - ``causal``: mask future keys;
-- ``cache``: a transformers ``Cache`` whose entry ``module.layer_idx`` is read and updated in place
-  (causal decoding), or None;
+- ``layer_cache``: the module's layer of a transformers ``Cache``, read and updated in place (causal
+  decoding), or None;
 - returns the context (B, H, L, D) and the attention weights (B, H, L, P + L), or None where the
   method never forms them.
 
@@ -35,11 +35,11 @@ from .favor_hybrid import hybrid_attention
 Tensor = torch.Tensor
 
 
-def exact_attention(module: nn.Module, q, k, v, key_mask, causal, cache=None, output_attentions=False):
-    """Softmax attention with SDPA (its fused causal path when nothing is masked); with ``cache``, a
-    key/value cache: k, v become (B, H, P + L, D), the P cached keys first."""
-    if cache is not None:
-        k, v = cache.update(k, v, module.layer_idx)  # (B, H, P + L, D)
+def exact_attention(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None, output_attentions=False):
+    """Softmax attention with SDPA (its fused causal path when nothing is masked); with ``layer_cache``, a
+    key/value cache layer: k, v become (B, H, P + L, D), the P cached keys first."""
+    if layer_cache is not None:
+        k, v = layer_cache.update(k, v)  # (B, H, P + L, D)
     dropout = module.dropout_prob if module.training else 0.0
     return softmax_attention(q, k, v, key_mask, causal, dropout, output_attentions)
 
@@ -69,12 +69,12 @@ def softmax_attention(q, k, v, key_mask, causal, dropout=0.0, output_attentions=
     return F.dropout(weights, p=dropout, training=dropout > 0) @ v, weights
 
 
-def _exact_is_enough(module: nn.Module, length: int, causal: bool, cache) -> bool:
+def _exact_is_enough(module: nn.Module, length: int, causal: bool, layer_cache) -> bool:
     """Whether a FAVOR+ or hybrid call computes exact softmax attention instead (SDPA, no attention dropout,
     as for the approximations): bidirectional inputs of at most ``module.exact_max_length`` tokens (below
     the crossover, where exact attention is also the faster), or inputs the hybrid's exact support covers
     entirely (its output is then exact attention). Cached decoding keeps the method's own state."""
-    if cache is not None:
+    if layer_cache is not None:
         return False
     if not causal and length <= module.exact_max_length:
         return True
@@ -82,11 +82,11 @@ def _exact_is_enough(module: nn.Module, length: int, causal: bool, cache) -> boo
     return spec is not None and spec.covers(length, causal)
 
 
-def favor_method(module: nn.Module, q, k, v, key_mask, causal, cache=None, output_attentions=False):
-    """FAVOR+ (:func:`.favor_attention`) with ``module.projection``; with ``cache``, the layer's
+def favor_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None, output_attentions=False):
+    """FAVOR+ (:func:`.favor_attention`) with ``module.projection``; with ``layer_cache``, its
     constant-size :class:`FavorCacheLayer` state holds every earlier token."""
     length = q.shape[2]
-    if _exact_is_enough(module, length, causal, cache):
+    if _exact_is_enough(module, length, causal, layer_cache):
         return softmax_attention(q, k, v, key_mask, causal)
     new_key_mask = None if key_mask is None else key_mask[:, -length:]  # (B, L): past keys live in the state
     kwargs = {"causal": causal, "kernel": module.kernel, "key_padding_mask": new_key_mask,
@@ -94,9 +94,8 @@ def favor_method(module: nn.Module, q, k, v, key_mask, causal, cache=None, outpu
     # The kernel computes in float32 whatever the input dtype; autocast must not lower its
     # exponentials and prefix sums to bf16/fp16.
     with torch.autocast(q.device.type, enabled=False):
-        if cache is None:
+        if layer_cache is None:
             return favor_attention(q, k, v, module.projection, **kwargs), None
-        layer_cache = cache.layers[module.layer_idx]
         context, state = favor_attention(
             q, k, v, module.projection, initial_state=layer_cache.get_state(), return_state=True, **kwargs
         )
@@ -104,9 +103,9 @@ def favor_method(module: nn.Module, q, k, v, key_mask, causal, cache=None, outpu
     return context, None
 
 
-def hybrid_method(module: nn.Module, q, k, v, key_mask, causal, cache=None, output_attentions=False):
+def hybrid_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None, output_attentions=False):
     """Hybrid attention (:func:`.hybrid_attention`): exact on the module's sparse support, a linear far
-    field elsewhere; with ``cache``, the layer's constant-size :class:`HybridCacheLayer` state. Causal models with
+    field elsewhere; with ``layer_cache``, its constant-size :class:`HybridCacheLayer` state. Causal models with
     ``module.exact_max_length`` attend exactly at their first positions (:func:`_causal_exact_prefix`)."""
     spec = module.hybrid_spec
     if causal and spec.routed_blocks:
@@ -115,10 +114,9 @@ def hybrid_method(module: nn.Module, q, k, v, key_mask, causal, cache=None, outp
             "tokens): set routed_blocks=0 in the config (e.g. convert with --routed-blocks 0)."
         )
     if causal and module.exact_max_length:
-        return _causal_exact_prefix(module, q, k, v, key_mask, cache)
-    if _exact_is_enough(module, q.shape[2], causal, cache):
+        return _causal_exact_prefix(module, q, k, v, key_mask, layer_cache)
+    if _exact_is_enough(module, q.shape[2], causal, layer_cache):
         return softmax_attention(q, k, v, key_mask, causal)
-    layer_cache = None if cache is None else cache.layers[module.layer_idx]
     return _hybrid(module, q, k, v, key_mask, causal, layer_cache), None
 
 
@@ -142,14 +140,13 @@ def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None) -> T
     return context
 
 
-def _causal_exact_prefix(module: nn.Module, q, k, v, key_mask, cache) -> tuple[Tensor, None]:
+def _causal_exact_prefix(module: nn.Module, q, k, v, key_mask, layer_cache) -> tuple[Tensor, None]:
     """Causal hybrid attention whose first ``T = module.exact_max_length`` positions attend exactly (SDPA).
 
     The rule is by position, so that cached decoding equals a full forward: queries at positions below T see
     every earlier key exactly (the cache layer keeps their keys and values until then); from position T on,
     the hybrid itself (the cache layer switches to its constant-size state when the sequence passes T)."""
     T = module.exact_max_length
-    layer_cache = None if cache is None else cache.layers[module.layer_idx]
     past = 0 if layer_cache is None else layer_cache.get_seq_length()
     prefix = None if layer_cache is None else layer_cache.get_exact_prefix()  # (B, H, P, D) keys, values
     if past and prefix is None:  # decoding past the prefix: the hybrid's state

@@ -27,6 +27,15 @@ from .favor_hybrid import HybridState
 _KV, _SHIFT = 0, 1  # recurrent-state slots of a FavorCacheLayer
 
 
+def passed_through(layer, key_states: torch.Tensor, value_states: torch.Tensor):
+    """What a constant-state layer's ``update`` returns to a transformers attention module: the new keys and
+    values themselves (the state absorbs them when the attention runs), the keys as an alias that carries
+    the layer as ``performer_cache_layer``, so the attention function that receives them finds its state."""
+    keys = key_states.view_as(key_states)  # the same storage; a new tensor object to carry the layer
+    keys.performer_cache_layer = layer
+    return keys, value_states
+
+
 class _BatchFirstState:
     """Beam search and batch selection for a cache layer whose state tensors all have the batch first:
     each applies one indexing to every tensor through the layer's ``_select(index_fn)``."""
@@ -77,10 +86,9 @@ class FavorCacheLayer(_BatchFirstState, LinearAttentionLayer, CacheLayerMixin):
         return FavorState(kv=kv, shift=shift)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        raise ValueError(
-            "A FAVOR+ cache layer keeps a constant-size recurrent state, not keys and values. Use "
-            "get_state() / update_state(); for a key/value cache set attention_kernel='exact'."
-        )
+        """Called by transformers attention modules before attention: nothing is stored here (the state
+        absorbs the tokens in :meth:`update_state`); see :func:`passed_through`."""
+        return passed_through(self, key_states, value_states)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -143,10 +151,8 @@ class HybridCacheLayer(_BatchFirstState, CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        raise ValueError(
-            "A hybrid-attention cache layer keeps a constant-size HybridState, not all keys and values. Use "
-            "get_state() / update_state(); for a key/value cache set attention_kernel='exact'."
-        )
+        """As :meth:`FavorCacheLayer.update`: the new keys and values pass through to the attention function."""
+        return passed_through(self, key_states, value_states)
 
     def get_seq_length(self) -> int:
         if self.prefix is not None:

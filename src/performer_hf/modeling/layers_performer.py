@@ -79,15 +79,16 @@ class PerformerEmbeddings(nn.Module):
 _FULL_PRECISION_BUFFERS = ("projection", "query_center", "key_center")
 
 
-class PerformerAttention(nn.Module):
-    """Multi-head self-attention computed by FAVOR+, by hybrid attention (exact on a sparse support,
-    a linear far field elsewhere; see ``PerformerConfig``) or exactly (``attention_kernel="exact"``).
+class AttentionMethodState(nn.Module):
+    """What an attention method needs besides q, k and v (see ``attention_methods.py``): its function
+    (``attend``), its settings, and the buffers it owns. Those are one random projection
+    ``(nb_features, head_dim)`` shared by the heads, a persistent buffer (so a saved checkpoint reproduces its
+    outputs) that changes only through :meth:`redraw_projection`; and, with ``center_features``, the fixed
+    centres ``query_center`` / ``key_center`` ``(heads, head_dim)`` (in units of the queries and keys times
+    ``head_dim ** -0.25``) that causal hybrid attention centres on.
 
-    Owns one random projection ``(nb_features, head_dim)`` shared by its heads: a persistent buffer,
-    so a saved checkpoint reproduces its outputs. It changes only through :meth:`redraw_projection`.
-    With ``center_features`` it also owns the fixed centres ``query_center`` / ``key_center``
-    ``(heads, head_dim)`` (in units of the queries and keys times ``head_dim ** -0.25``) that causal
-    hybrid attention centres on.
+    :class:`PerformerAttention` is one; the transformers attention implementations of
+    ``performer_hf.integrations`` keep one beside each attention module of other model classes.
     """
 
     def __init__(self, config: PerformerConfig, layer_idx: int):
@@ -111,10 +112,6 @@ class PerformerAttention(nn.Module):
             self.uses_projection = get_far_field(config.attention_kernel).uses_projection
             # FAVOR++'s A: a float, a list of one per head, or None; a plain value, as models are built on `meta`
             self.far_field_parameter = config.layer_far_field_parameter(layer_idx)
-        self.query = nn.Linear(config.hidden_size, config.hidden_size)
-        self.key = nn.Linear(config.hidden_size, config.hidden_size)
-        self.value = nn.Linear(config.hidden_size, config.hidden_size)
-        self.output = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout_prob = config.attention_probs_dropout_prob
         self.exact_max_length = config.exact_max_length
         self.nb_features = config.nb_features
@@ -157,6 +154,20 @@ class PerformerAttention(nn.Module):
         """Replace the random features by a fresh draw from ``seed``."""
         self.projection.copy_(self.draw_projection(seed))
 
+
+class PerformerAttention(AttentionMethodState):
+    """Multi-head self-attention computed by FAVOR+, by hybrid attention (exact on a sparse support,
+    a linear far field elsewhere; see ``PerformerConfig``) or exactly (``attention_kernel="exact"``),
+    with the method's projection and centres (:class:`AttentionMethodState`).
+    """
+
+    def __init__(self, config: PerformerConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.output = nn.Linear(config.hidden_size, config.hidden_size)
+
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
         return x.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, D)
@@ -186,7 +197,8 @@ class PerformerAttention(nn.Module):
         q = self._split_heads(self.query(hidden_states))  # (B, H, L, D)
         k = self._split_heads(self.key(hidden_states))
         v = self._split_heads(self.value(hidden_states))
-        context, weights = self.attend(self, q, k, v, key_mask, causal, cache, output_attentions)  # (B, H, L, D)
+        layer_cache = None if cache is None else cache.layers[self.layer_idx]
+        context, weights = self.attend(self, q, k, v, key_mask, causal, layer_cache, output_attentions)  # (B, H, L, D)
         batch, _, length, _ = context.shape
         context = context.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)  # (B, L, hidden)
         return self.output(context), weights

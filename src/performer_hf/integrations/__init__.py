@@ -1,0 +1,8 @@
+"""Performer attention for transformers model classes that are not ours: the ``"performer"`` and
+``"performer_hybrid"`` attention implementations (``attention_interface.py``), where their settings live
+(``attention_settings.py``) and their constant-size decoding cache (``cache.py``)."""
+
+from .attention_interface import register_attention_implementations
+from .cache import PerformerCache
+
+__all__ = ["PerformerCache", "register_attention_implementations"]

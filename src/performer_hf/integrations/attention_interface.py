@@ -1,0 +1,141 @@
+"""FAVOR+ and hybrid attention as transformers attention implementations, for any model class.
+
+``import performer_hf`` registers two names with transformers' ``AttentionInterface`` (the attention) and
+``AttentionMaskInterface`` (the masks they take):
+
+- ``"performer"``: plain FAVOR+ (positive orthogonal random features);
+- ``"performer_hybrid"``: the default hybrid method (exact window / global / routed keys, a linear far field).
+
+so that ``AutoModelForCausalLM.from_pretrained(folder, attn_implementation="performer_hybrid")`` swaps the
+attention of a Llama, Mistral, Qwen2 / Qwen3, Gemma3, GPT-2 or BERT model and keeps everything else. The
+attention itself is the Performer family's (``modeling/attention_methods.py``): one implementation of each
+method. The settings live in the model's config (``attention_settings.py``).
+
+What the adapter does around those methods:
+
+- layers that the model's ``config.layer_types`` marks ``"sliding_attention"`` (Gemma3's local layers, Qwen2's
+  optional ones) keep their own attention (SDPA with the model's sliding-window mask). Models that slide on
+  every layer without naming layer types (Mistral) get Performer attention everywhere, over the whole context;
+- rotary positions: the model applies them to q and k before calling the function, so the feature maps see
+  rotated queries and keys;
+- grouped-query attention: the key/value heads are repeated to the query heads;
+- ``scaling``: q is rescaled so that q.k times the method's ``head_dim ** -0.5`` is the model's q.k * scaling
+  (Gemma3's ``query_pre_attn_scalar``, GPT-2's per-layer scaling);
+- padding: the registered mask function hands the attention the 2D ``(B, P + L)`` padding mask (or None);
+- decoding: with a :class:`~performer_hf.integrations.cache.PerformerCache`, the layer's constant-size state
+  (the cache layer passes the new keys through, marked with itself); with a key/value cache (a plain
+  ``DynamicCache``), the method runs over every cached key again, as a full forward would.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..modeling.attention_methods import softmax_attention
+from .attention_settings import IMPLEMENTATIONS, method_state
+
+Tensor = torch.Tensor
+
+
+def _keeps_own_attention(config, layer_idx: int) -> bool:
+    """Whether the layer is a sliding-window layer of a model that mixes sliding and full layers."""
+    layer_types = getattr(config, "layer_types", None)
+    return bool(layer_types) and layer_types[layer_idx] == "sliding_attention"
+
+
+def _mixes_sliding_layers(config) -> bool:
+    layer_types = getattr(config, "layer_types", None) or ()
+    return "sliding_attention" in layer_types
+
+
+def performer_mask(*, attention_mask=None, kv_length: int, local_size: int | None = None, **kwargs):
+    """The mask function of both names: the 2D ``(B, kv_length)`` bool padding mask (True: a real token) for
+    Performer layers, None when nothing is padded; SDPA's 4D mask for the sliding layers that keep their own
+    attention (``local_size`` is the window the sliding mask builders pass)."""
+    config = kwargs["config"]
+    if local_size is not None and _mixes_sliding_layers(config):
+        return sdpa_mask(attention_mask=attention_mask, kv_length=kv_length, local_size=local_size, **kwargs)
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, -kv_length:]  # (B, P + L)
+    return None if bool(mask.all()) else mask
+
+
+def _key_mask(attention_mask, key_length: int):
+    """The (B, key_length) padding mask from what the mask function produced (or a user's mask)."""
+    if attention_mask is None or attention_mask.dim() == 2:
+        return attention_mask
+    raise ValueError(
+        f"Performer attention takes a 2D padding mask, got a {attention_mask.dim()}D attention mask of shape "
+        f"{tuple(attention_mask.shape)}: linear attention cannot apply an arbitrary (query x key) mask. Pass the "
+        "(batch, length) attention_mask of the tokenizer instead."
+    )
+
+
+def _performer_attention(implementation: str):
+    def attention(
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs,
+    ) -> tuple[Tensor, None]:
+        """q (B, H, Lq, D), k and v (B, H_kv, Lk, D) with rotary positions applied -> ((B, Lq, H, D), None)."""
+        if _keeps_own_attention(module.config, module.layer_idx):
+            return ALL_ATTENTION_FUNCTIONS["sdpa"](
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+            )
+        if kwargs.get("output_attentions"):
+            raise ValueError(
+                f"output_attentions is not available with attn_implementation={implementation!r}: linear attention "
+                "never forms the attention matrix. Load the model with attn_implementation='eager' to inspect it."
+            )
+        causal = kwargs.get("is_causal", getattr(module, "is_causal", False))
+        state = method_state(module, implementation, causal, query)
+        layer_cache = getattr(key, "performer_cache_layer", None)
+        head_dim = query.shape[-1]
+        if scaling is not None and scaling != head_dim**-0.5:
+            query = query * (scaling * head_dim**0.5)  # the methods scale q.k by head_dim ** -0.5
+        groups = query.shape[1] // key.shape[1]
+        if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (B, H, Lk, D)
+        key_mask = _key_mask(attention_mask, key.shape[2])
+        if state.kernel == "exact":
+            context, _ = softmax_attention(query, key, value, key_mask, causal, dropout if module.training else 0.0)
+        elif layer_cache is not None or key.shape[2] == query.shape[2]:
+            context, _ = state.attend(state, query, key, value, key_mask, causal, layer_cache)  # (B, H, Lq, D)
+        else:  # a key/value cache: the method over every key, the past queries as placeholders
+            context = _over_cached_keys(state, query, key, value, key_mask, causal)
+        return context.transpose(1, 2).contiguous(), None
+
+    attention.__name__ = attention.__qualname__ = f"{implementation}_attention"
+    return attention
+
+
+def _over_cached_keys(state, query: Tensor, key: Tensor, value: Tensor, key_mask, causal: bool) -> Tensor:
+    """The method's output for the Lq new queries over the P + Lq keys of a key/value cache (B, H, Lq, D):
+    causal attention's output at a position depends only on the keys up to it, so the past queries' values
+    do not matter."""
+    if not causal:
+        raise ValueError("Performer attention over cached keys is causal only (a decoder's key/value cache).")
+    past = key.shape[2] - query.shape[2]
+    padded = torch.cat([query.new_zeros(*query.shape[:2], past, query.shape[-1]), query], dim=2)  # (B, H, Lk, D)
+    context, _ = state.attend(state, padded, key, value, key_mask, causal)
+    return context[:, :, past:]
+
+
+ATTENTION_FUNCTIONS = {name: _performer_attention(name) for name in IMPLEMENTATIONS}
+
+
+def register_attention_implementations() -> None:
+    """Register ``"performer"`` and ``"performer_hybrid"`` with transformers (done by ``import performer_hf``)."""
+    for name, function in ATTENTION_FUNCTIONS.items():
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, performer_mask)

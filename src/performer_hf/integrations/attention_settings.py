@@ -1,0 +1,103 @@
+"""Where the Performer attention of a transformers model class that is not ours keeps its settings.
+
+A model loaded with ``attn_implementation="performer"`` or ``"performer_hybrid"`` (a ``LlamaForCausalLM``,
+a ``BertModel``, ...) has no Performer fields in its config and no Performer buffers in its weights. Both
+are derived from one config attribute, ``performer_attention``: a dict of ``PerformerConfig``'s attention
+fields (``attention_kernel``, ``nb_features``, ``projection_seed``, ``local_window``, ...). Fields it does
+not name take the method's preset (:data:`IMPLEMENTATIONS`). On first use the resolved dict is written back
+to the config, together with ``attn_implementation``, so that ``save_pretrained`` records both and the saved
+folder loads with the same attention without being told (once ``performer_hf`` is imported).
+
+Each attention module gets an :class:`~performer_hf.modeling.layers_performer.AttentionMethodState` beside
+it (not a submodule: the model's weights stay the source's): the random projection drawn from
+``projection_seed + layer_idx``, as in the Performer family, so the outputs are reproducible from the config.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..modeling.attention_methods import ATTENTION_METHODS
+from ..modeling.configuration_performer import PerformerConfig
+from ..modeling.layers_performer import AttentionMethodState
+
+logger = logging.getLogger(__name__)
+
+CONFIG_ATTRIBUTE = "performer_attention"
+
+# The attention fields of PerformerConfig that `performer_attention` may set.
+ATTENTION_FIELDS = (
+    "attention_kernel", "nb_features", "feature_coupling", "feature_row_norms", "projection_seed",
+    "causal_chunk_size", "exact_max_length", "local_window", "num_global_tokens", "routed_blocks",
+    "route_block_size", "route_group_size", "query_block_size", "center_features", "far_field_parameter",
+)  # fmt: skip
+
+_DEFAULTS = {name: getattr(PerformerConfig(), name) for name in ATTENTION_FIELDS}
+
+# attn_implementation name -> the method's presets for bidirectional and causal models. "performer": plain
+# FAVOR+ (PerformerConfig's defaults). "performer_hybrid": the converter's hybrid presets, except that causal
+# models get no exact prefix (exact_max_length=0), so that their decoding state is constant from the first
+# token, and FAVOR++'s A is 0 (plain positive features) with zero centres until calibrated.
+IMPLEMENTATIONS: dict[str, dict[str, dict[str, Any]]] = {
+    "performer": ATTENTION_METHODS["favor"].presets,
+    "performer_hybrid": {
+        "bidirectional": ATTENTION_METHODS["hybrid"].presets["bidirectional"],
+        "causal": {**ATTENTION_METHODS["hybrid"].presets["causal"], "exact_max_length": 0, "far_field_parameter": 0.0},
+    },
+}
+
+
+def resolved_settings(config, implementation: str, causal: bool) -> dict[str, Any]:
+    """The attention fields for ``config``'s model under ``implementation``: the preset, overridden by
+    ``config.performer_attention``; recorded on the config (with ``attn_implementation``) on first use."""
+    given = getattr(config, CONFIG_ATTRIBUTE, None) or {}
+    unknown = sorted(set(given) - set(ATTENTION_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"config.{CONFIG_ATTRIBUTE} has unknown fields {unknown}; it takes PerformerConfig's attention fields: "
+            f"{', '.join(ATTENTION_FIELDS)}."
+        )
+    preset = IMPLEMENTATIONS[implementation]["causal" if causal else "bidirectional"]
+    # every field explicit, so that a later release's defaults cannot change a saved model
+    settings = {**_DEFAULTS, **preset, **given}
+    if given != settings:
+        setattr(config, CONFIG_ATTRIBUTE, settings)
+    if getattr(config, "attn_implementation", None) != implementation:
+        # a plain attribute: saved to config.json, where transformers reads it back as the implementation
+        config.attn_implementation = implementation
+    return settings
+
+
+def method_config(config, implementation: str, causal: bool, num_heads: int, head_dim: int) -> PerformerConfig:
+    """A ``PerformerConfig`` that carries only the attention method for a model with these head shapes (its
+    validation checks the settings)."""
+    settings = resolved_settings(config, implementation, causal)
+    return PerformerConfig(
+        hidden_size=num_heads * head_dim, num_attention_heads=num_heads,
+        num_hidden_layers=config.get_text_config().num_hidden_layers, is_decoder=causal,
+        attention_probs_dropout_prob=0.0, **settings,
+    )  # fmt: skip
+
+
+def method_state(module: nn.Module, implementation: str, causal: bool, query: torch.Tensor) -> AttentionMethodState:
+    """The :class:`AttentionMethodState` kept beside ``module`` (built on first use, rebuilt when the settings,
+    the head shapes or the implementation change), on ``query``'s device."""
+    num_heads, head_dim = query.shape[1], query.shape[-1]
+    config = module.config
+    key = (implementation, causal, num_heads, head_dim, repr(getattr(config, CONFIG_ATTRIBUTE, None)))
+    state = module.__dict__.get("_performer_method_state")
+    if state is None or state.performer_key != key:
+        built = method_config(config, implementation, causal, num_heads, head_dim)
+        with torch.device("cpu"):
+            state = AttentionMethodState(built, module.layer_idx)
+        state.performer_key = (implementation, causal, num_heads, head_dim, repr(getattr(config, CONFIG_ATTRIBUTE)))
+        # a plain attribute, not a submodule: the model's state dict stays the source's
+        module.__dict__["_performer_method_state"] = state
+        logger.debug("layer %d: %s attention, %s", module.layer_idx, implementation, built.attention_method)
+    if state.projection.device != query.device:
+        state.to(query.device)
+    return state

@@ -1,0 +1,48 @@
+"""Constant-size decoding for transformers models that run Performer attention.
+
+``generate()`` builds a key/value ``DynamicCache`` by default, which Performer attention reads correctly but
+which grows with the context. Pass a :class:`PerformerCache` instead, and each Performer layer keeps its
+method's constant-size state (``modeling/cache_performer.py``)::
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="performer_hybrid")
+    model.generate(**inputs, past_key_values=PerformerCache(model.config))
+"""
+
+from __future__ import annotations
+
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+
+from ..modeling.attention_methods import ATTENTION_METHODS
+from .attention_interface import _keeps_own_attention
+from .attention_settings import IMPLEMENTATIONS, method_config
+
+
+class PerformerCache(Cache):
+    """One cache layer per decoder layer of a model loaded with ``attn_implementation="performer"`` or
+    ``"performer_hybrid"``: the method's constant-size state for Performer layers, a sliding-window key/value
+    layer for the sliding layers that keep their own attention (Gemma3), a key/value layer for exact mode.
+
+    Args:
+        config: the model's config (its text config is used).
+    """
+
+    def __init__(self, config):
+        text_config = config.get_text_config(decoder=True)
+        implementation = text_config._attn_implementation
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"PerformerCache is for models loaded with attn_implementation in {sorted(IMPLEMENTATIONS)}; this "
+                f"one uses {implementation!r}. Load it with attn_implementation='performer_hybrid' (or 'performer')."
+            )
+        # decoders are causal; the head shapes do not change which method runs
+        method = method_config(text_config, implementation, True, 1, 1).attention_method
+        layers = []
+        for layer_idx in range(text_config.num_hidden_layers):
+            if _keeps_own_attention(text_config, layer_idx):
+                layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
+            else:
+                layers.append((ATTENTION_METHODS[method].cache_layer or DynamicLayer)())
+        super().__init__(layers=layers)
+
+
+__all__ = ["PerformerCache"]

@@ -1,0 +1,238 @@
+"""The "performer" and "performer_hybrid" attention implementations on transformers' own model classes
+(tiny random Llama, Mistral, Qwen2, Qwen3, Gemma3, GPT-2 and BERT): finite outputs, no future leak,
+padding, cached generation against a full forward, constant cache bytes, exact-mode parity with the
+source model, and save / load."""
+
+import pytest
+import torch
+import transformers
+from packaging.version import Version
+from transformers import AutoModel, AutoModelForCausalLM
+
+import performer_hf
+from performer_hf import PerformerCache
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+VOCAB = 96
+IMPLEMENTATIONS = ("performer", "performer_hybrid")
+
+
+def _decoder_configs() -> dict[str, transformers.PreTrainedConfig]:
+    """Tiny configs with grouped-query attention where the architecture has it."""
+    shared = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    gqa = dict(num_key_value_heads=2, max_position_embeddings=8192)
+    return {
+        "llama": transformers.LlamaConfig(**shared, **gqa),
+        "mistral": transformers.MistralConfig(**shared, **gqa, sliding_window=4096),
+        "qwen2": transformers.Qwen2Config(**shared, **gqa),
+        "qwen3": transformers.Qwen3Config(**shared, **gqa, head_dim=16),
+        # a sliding layer (keeps its own attention, window 6) and a full one; its own scaling (query_pre_attn_scalar)
+        "gemma3": transformers.Gemma3TextConfig(
+            **shared,
+            **gqa,
+            head_dim=16,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+        ),  # fmt: skip
+        # GPT-2 scales by layer too (1 / (layer_idx + 1))
+        "gpt2": transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=8192, scale_attn_by_inverse_layer_idx=True
+        ),
+    }
+
+
+DECODERS = _decoder_configs()
+
+
+def _bert_config() -> transformers.BertConfig:
+    return transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4
+    )
+
+
+def _source(config, tmp_path, encoder=False):
+    """The source model, random, saved to ``tmp_path / "source"``; returns (model, folder)."""
+    torch.manual_seed(0)
+    model = (AutoModel if encoder else AutoModelForCausalLM).from_config(config).eval()
+    folder = tmp_path / "source"
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def _load(folder, implementation, encoder=False, **settings):
+    auto = AutoModel if encoder else AutoModelForCausalLM
+    if not settings:
+        return auto.from_pretrained(folder, attn_implementation=implementation).eval()
+    config = transformers.AutoConfig.from_pretrained(folder)
+    config.performer_attention = settings
+    return auto.from_pretrained(folder, config=config, attn_implementation=implementation).eval()
+
+
+def _cache_keyword() -> str:
+    """`cache=` since transformers 5.24 (`past_key_values=` is deprecated there); `past_key_values=` before."""
+    return "cache" if Version(transformers.__version__) >= Version("5.24.0") else "past_key_values"
+
+
+def _ids(batch, length, seed=1):
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("arch", list(DECODERS))
+def test_decoder_forward_is_finite_causal_and_ignores_padding(arch, implementation, tmp_path):
+    _, folder = _source(DECODERS[arch], tmp_path)
+    model = _load(folder, implementation)
+    ids = _ids(2, 24)
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert torch.isfinite(logits).all()
+        changed = ids.clone()
+        changed[:, 12:] = 7  # later tokens must not change earlier outputs
+        assert torch.equal(model(changed).logits[:, :12], logits[:, :12])
+        # left padding, positions counted from the first real token (as generate does): row 1 equals it alone
+        mask = torch.ones_like(ids)
+        mask[1, :5] = 0
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        padded = model(ids, attention_mask=mask, position_ids=positions).logits
+        alone = model(ids[1:, 5:]).logits
+    torch.testing.assert_close(padded[1, 5:], alone[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded[0], logits[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("arch", list(DECODERS))
+def test_cached_generation_equals_a_full_forward(arch, implementation, tmp_path):
+    _, folder = _source(DECODERS[arch], tmp_path)
+    model = _load(folder, implementation)
+    prompt = _ids(1, 20)
+    cache = PerformerCache(model.config)
+    options = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    generated = model.generate(prompt, **options, **{_cache_keyword(): cache})
+    with torch.no_grad():
+        full = model(generated.sequences).logits  # (1, 32, V)
+    for step, logits in enumerate(generated.logits):
+        torch.testing.assert_close(logits[0], full[0, prompt.shape[1] - 1 + step], atol=1e-5, rtol=1e-5)
+    # a plain key/value cache (generate's default) reads the same attention
+    default = model.generate(prompt, **options)
+    assert torch.equal(default.sequences, generated.sequences)
+
+
+def _tensor_bytes(value) -> int:
+    """Bytes of every tensor reachable from ``value`` through attributes, lists, tuples and dicts."""
+    if torch.is_tensor(value):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(item) for item in value)
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return sum(_tensor_bytes(item) for item in vars(value).values())
+    return 0
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_cache_bytes_do_not_grow_with_the_context(arch, implementation, tmp_path):
+    _, folder = _source(DECODERS[arch], tmp_path)
+    model = _load(folder, implementation)
+    sizes = {}
+    for context in (256, 4096):
+        cache = PerformerCache(model.config)
+        with torch.no_grad():
+            model(_ids(1, context), use_cache=True, **{_cache_keyword(): cache})
+            model(_ids(1, 1, seed=2), use_cache=True, **{_cache_keyword(): cache})  # one decoding step
+        assert cache.get_seq_length() == context + 1
+        sizes[context] = _tensor_bytes(cache.layers)
+    assert sizes[256] == sizes[4096] > 0
+
+
+@pytest.mark.parametrize("arch", list(DECODERS))
+def test_exact_mode_matches_the_source(arch, tmp_path):
+    source, folder = _source(DECODERS[arch], tmp_path)
+    model = _load(folder, "performer", attention_kernel="exact")
+    ids = _ids(2, 24)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, source(ids).logits, atol=1e-5, rtol=1e-5)
+        expected = source(ids, attention_mask=mask).logits
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits[0, 4:], expected[0, 4:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits[1], expected[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
+def test_save_and_load_reproduce_the_outputs_without_being_told(arch, implementation, tmp_path):
+    _, folder = _source(DECODERS[arch], tmp_path)
+    model = _load(folder, implementation, projection_seed=5)
+    ids = _ids(2, 40)
+    with torch.no_grad():
+        expected = model(ids).logits
+    model.save_pretrained(tmp_path / "converted")
+    told = AutoModelForCausalLM.from_pretrained(tmp_path / "converted", attn_implementation=implementation).eval()
+    untold = AutoModelForCausalLM.from_pretrained(tmp_path / "converted").eval()
+    assert untold.config._attn_implementation == implementation
+    assert untold.config.performer_attention["projection_seed"] == 5
+    with torch.no_grad():
+        assert torch.equal(told(ids).logits, expected)
+        assert torch.equal(untold(ids).logits, expected)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_bert_encoder_is_bidirectional_and_ignores_padding(implementation, tmp_path):
+    _, folder = _source(_bert_config(), tmp_path, encoder=True)
+    model = _load(folder, implementation, encoder=True)
+    ids = _ids(2, 24)
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    with torch.no_grad():
+        hidden = model(ids).last_hidden_state
+        assert torch.isfinite(hidden).all()
+        changed = ids.clone()
+        changed[:, 20:] = 7  # bidirectional: later tokens do change earlier outputs
+        assert not torch.allclose(model(changed).last_hidden_state[:, :12], hidden[:, :12])
+        padded = model(ids, attention_mask=mask).last_hidden_state
+        alone = model(ids[1:, :17]).last_hidden_state
+    torch.testing.assert_close(padded[1, :17], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_bert_exact_mode_matches_the_source(tmp_path):
+    source, folder = _source(_bert_config(), tmp_path, encoder=True)
+    model = _load(folder, "performer", encoder=True, attention_kernel="exact")
+    ids = _ids(2, 24)
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    with torch.no_grad():
+        expected = source(ids, attention_mask=mask).last_hidden_state
+        torch.testing.assert_close(model(ids, attention_mask=mask).last_hidden_state, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_from_config_takes_the_names():
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4
+    )
+    model = AutoModel.from_config(config, attn_implementation="performer")
+    assert model.config._attn_implementation == "performer"
+    assert torch.isfinite(model(_ids(1, 16)).last_hidden_state).all()
+
+
+def test_unknown_settings_and_4d_masks_are_refused(tmp_path):
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, "performer", nb_feature=64)
+    with pytest.raises(ValueError, match="unknown fields \\['nb_feature'\\]"):
+        model(_ids(1, 8))
+    model = _load(folder, "performer")
+    with pytest.raises(ValueError, match="2D padding mask"):
+        model(_ids(1, 8), attention_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
+
+
+def test_importing_registers_both_names():
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for name in IMPLEMENTATIONS:
+        assert name in ALL_ATTENTION_FUNCTIONS.valid_keys()
+        assert name in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    assert performer_hf.PerformerCache is PerformerCache
