@@ -1,7 +1,8 @@
 """The ``performer-hf`` command line.
 
 ``performer-hf convert SOURCE OUT [options]`` converts a BERT / RoBERTa / GPT-2 checkpoint (a folder
-or a Hub id) into a Performer checkpoint; ``performer-hf demo`` runs the offline demo on the real
+or a Hub id) into a Performer checkpoint, and a Llama / Mistral / Qwen2 / Qwen3 / Gemma3 one into the
+same class with Performer attention; ``performer-hf demo`` runs the offline demo on the real
 all-MiniLM-L6-v2; ``performer-hf zoo list|build`` lists / rebuilds the model zoo; ``performer-hf push
 FOLDER REPO_ID`` uploads a checkpoint folder to the Hub. Problems with the inputs end with a
 one-line message and exit status 1.
@@ -64,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
 
     conv = commands.add_parser(
         "convert",
-        help="convert a BERT / RoBERTa / GPT-2 checkpoint into a Performer",
+        help="convert a BERT / RoBERTa / GPT-2 checkpoint into a Performer, or give a Llama / Mistral / Qwen2 / "
+        "Qwen3 / Gemma3 one Performer attention",
         description=f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.",
     )
     conv.add_argument("source", help="checkpoint folder or Hub id")

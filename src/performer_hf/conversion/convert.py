@@ -19,11 +19,12 @@ from ..modeling.configuration_performer import FAVOR_KERNELS, HYBRID_KERNELS, Pe
 from .calibration import calibrate as calibrate_model
 from .errors import ConversionError
 from .fidelity import FidelityReport, measure_fidelity, sample_batch
+from .in_place import IN_PLACE_ARCHITECTURES, convert_in_place
 from .mapping import POSITION_TABLE, MappingResult, extend_positions, map_weights
 from .model_card import build_model_card, source_license
 from .output_folder import check_output_dir, publish
 from .sentence_pipeline import copy_sentence_pipeline
-from .source import SourceCheckpoint, _one_line, load_weights, read_source, resolve_source
+from .source import SourceCheckpoint, _one_line, load_weights, read_source, resolve_source, source_architecture
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +254,10 @@ def convert(
     calibrate: bool = False,
     **overrides: Any,
 ) -> Path:
-    """Convert a pretrained BERT / RoBERTa / GPT-2 checkpoint into a Performer checkpoint.
+    """Convert a pretrained BERT / RoBERTa / GPT-2 checkpoint into a Performer checkpoint, or a Llama / Mistral /
+    Qwen2 / Qwen3 / Gemma3 one into the same class with Performer attention (``conversion/in_place.py``: the
+    weights unchanged, the config naming ``attn_implementation`` and its settings; ``overrides`` may then
+    only set attention fields).
 
     Args:
         source: a local checkpoint folder or a Hub id (fetched with ``huggingface_hub``, so
@@ -290,6 +294,11 @@ def convert(
     output_dir = Path(output_dir).expanduser().absolute()
     check_output_dir(output_dir, overwrite)
     folder, repo_id = resolve_source(source, revision)
+    architecture = source_architecture(folder)
+    if architecture in IN_PLACE_ARCHITECTURES:  # Llama & co. keep their class; only the attention changes
+        if calibrate:
+            raise ConversionError(f"--calibrate is not available yet for {architecture} (converted in place).")
+        return convert_in_place(folder, output_dir, architecture, _method(method, overrides), overrides, fidelity)
     checkpoint = read_source(folder, repo_id)
     head = checkpoint.family.heads[checkpoint.architecture]
     config = performer_config(checkpoint, overrides, method)

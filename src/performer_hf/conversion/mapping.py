@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .errors import ConversionError
+from .in_place import IN_PLACE_ARCHITECTURES
 
 COPY, TRANSPOSE, SPLIT_QKV, DROP, TIED = "copy", "transpose", "split_qkv", "drop", "tied"
 POSITION_TABLE = "performer.embeddings.position_embeddings.weight"
@@ -275,7 +276,8 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 
-SUPPORTED_ARCHITECTURES = tuple(arch for family in FAMILIES.values() for arch in family.heads)
+# the families above, and the architectures converted in place (their class kept, only the attention swapped)
+SUPPORTED_ARCHITECTURES = (*(arch for family in FAMILIES.values() for arch in family.heads), *IN_PLACE_ARCHITECTURES)
 
 
 def find_family(architecture: str) -> Family:
@@ -405,6 +407,12 @@ def rules_markdown() -> str:
             for rule in head.rules:
                 lines.append(_rule_row(rule))
         lines.append("")
+    lines.append("### Converted in place (class and weights kept; the config names the attention implementation)\n")
+    lines.append("| source | model_type | loaded by |")
+    lines.append("| --- | --- | --- |")
+    for architecture, row in IN_PLACE_ARCHITECTURES.items():
+        lines.append(f"| **{architecture}** | `{row.model_type}` | `{row.auto_class}` |")
+    lines.append("")
     return "\n".join(lines)
 
 

@@ -65,36 +65,46 @@ class SourceCheckpoint:
     family: Family
 
 
-def read_source(folder: Path, repo_id: str | None) -> SourceCheckpoint:
-    """Read ``config.json`` and pick the family / head that converts it."""
-    from transformers import CONFIG_MAPPING
-
+def _config_json(folder: Path) -> dict:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ConversionError(f"{folder} has no config.json; it is not a transformers checkpoint.")
     try:
-        raw = json.loads(config_file.read_text())
+        return json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ConversionError(f"{config_file} is not valid JSON ({_one_line(error)}).") from None
-    architectures = raw.get("architectures") or []
+
+
+def source_architecture(folder: Path) -> str:
+    """The one architecture that ``folder``'s ``config.json`` names."""
+    architectures = _config_json(folder).get("architectures") or []
     if len(architectures) != 1:
         raise ConversionError(
             f"config.json must name exactly one architecture (got {architectures}); supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}."
         )
-    family = find_family(architectures[0])
+    return architectures[0]
+
+
+def read_source(folder: Path, repo_id: str | None) -> SourceCheckpoint:
+    """Read ``config.json`` and pick the family / head that converts it."""
+    from transformers import CONFIG_MAPPING
+
+    raw = _config_json(folder)
+    architecture = source_architecture(folder)
+    family = find_family(architecture)
     if raw.get("model_type") != family.model_type:
         raise ConversionError(
-            f"config.json has model_type={raw.get('model_type')!r} but architecture {architectures[0]} needs "
+            f"config.json has model_type={raw.get('model_type')!r} but architecture {architecture} needs "
             f"{family.model_type!r}."
         )
     try:
         config = CONFIG_MAPPING[family.model_type].from_dict(raw)
     except (ValueError, TypeError) as error:
         raise ConversionError(
-            f"{config_file} is not a valid {family.model_type} config ({_one_line(error)})."
+            f"{folder / 'config.json'} is not a valid {family.model_type} config ({_one_line(error)})."
         ) from None
-    return SourceCheckpoint(folder, repo_id, config, architectures[0], family)
+    return SourceCheckpoint(folder, repo_id, config, architecture, family)
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -1,0 +1,143 @@
+"""Converting models that keep their own transformers class: Llama, Mistral, Qwen2, Qwen3, Gemma3.
+
+These architectures (rotary positions, grouped-query attention) are not rewritten into the Performer family:
+their weights stay exactly as they are, and the converted folder only changes the config, which names the
+attention implementation (``"performer_hybrid"`` or ``"performer"``, see ``performer_hf.integrations``) and
+its settings (``performer_attention``). ``AutoModelForCausalLM.from_pretrained(converted)`` then loads the
+source class with Performer attention (``performer_hf`` imported).
+
+:data:`IN_PLACE_ARCHITECTURES` has one row per architecture.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..integrations.attention_settings import ATTENTION_FIELDS, CONFIG_ATTRIBUTE
+from .errors import ConversionError
+from .output_folder import publish
+
+logger = logging.getLogger(__name__)
+
+# the converter's method names -> attn_implementation names
+IMPLEMENTATION_OF_METHOD = {"hybrid": "performer_hybrid", "favor": "performer"}
+PARITY_TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """A source architecture converted in place: its ``model_type`` and the ``Auto*`` class that loads it."""
+
+    model_type: str
+    auto_class: str = "AutoModelForCausalLM"
+
+
+IN_PLACE_ARCHITECTURES: dict[str, InPlace] = {
+    "LlamaForCausalLM": InPlace("llama"),
+    "MistralForCausalLM": InPlace("mistral"),
+    "Qwen2ForCausalLM": InPlace("qwen2"),
+    "Qwen3ForCausalLM": InPlace("qwen3"),
+    "Gemma3ForCausalLM": InPlace("gemma3_text"),
+}
+
+
+def _auto_class(row: InPlace):
+    import transformers
+
+    return getattr(transformers, row.auto_class)
+
+
+def _attention_settings(overrides: dict[str, Any]) -> dict[str, Any]:
+    overrides = {name: value for name, value in overrides.items() if value is not None}
+    unknown = sorted(set(overrides) - set(ATTENTION_FIELDS))
+    if unknown:
+        raise ConversionError(
+            f"{', '.join(unknown)} cannot be set for a model converted in place (its architecture is kept); "
+            f"the attention fields can: {', '.join(ATTENTION_FIELDS)}."
+        )
+    return overrides
+
+
+def _load(folder: Path, row: InPlace, implementation: str, settings: dict[str, Any] | None):
+    """The source model (``implementation`` None: its own attention) or its Performer-attention twin."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    if config.model_type != row.model_type:
+        raise ConversionError(
+            f"config.json has model_type={config.model_type!r}, but its architecture needs {row.model_type!r}."
+        )
+    kwargs = {"config": config, "dtype": torch.float32}
+    if implementation is not None:
+        setattr(config, CONFIG_ATTRIBUTE, settings)
+        kwargs["attn_implementation"] = implementation
+    return _auto_class(row).from_pretrained(folder, **kwargs).eval()
+
+
+def _sample_ids(config, length: int = 64) -> torch.Tensor:
+    """(2, length) token ids, fixed: the parity check's input."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, config.get_text_config().vocab_size, (2, length), generator=generator)
+
+
+@torch.no_grad()
+def exact_parity(folder: Path, row: InPlace, implementation: str) -> float:
+    """Largest |logit difference| between the source and its conversion with ``attention_kernel="exact"``:
+    the adapter (masks, positions, grouped heads, scaling) checked against the source's own attention."""
+    source = _load(folder, row, None, None)
+    exact = _load(folder, row, implementation, {"attention_kernel": "exact"})
+    ids = _sample_ids(source.config)
+    return float((source(ids).logits - exact(ids).logits).abs().max())
+
+
+def convert_in_place(
+    folder: Path, output_dir: Path, architecture: str, method: str, overrides: dict[str, Any], fidelity: bool
+) -> Path:
+    """Write ``folder``'s model with Performer attention to ``output_dir`` (already checked): the same weights,
+    the config naming the attention implementation and its settings, the tokenizer, ``conversion_report.json``."""
+    row = IN_PLACE_ARCHITECTURES[architecture]
+    implementation = IMPLEMENTATION_OF_METHOD[method]
+    settings = _attention_settings(overrides)
+    parity = exact_parity(folder, row, implementation) if fidelity else None
+    if parity is not None and parity > PARITY_TOLERANCE:
+        raise ConversionError(
+            f"with exact attention the converted {architecture} differs from the source by {parity:.2e} (more than "
+            f"{PARITY_TOLERANCE:.0e}): the attention adapter does not reproduce this model; please report it."
+        )
+    model = _load(folder, row, implementation, settings)
+    with torch.no_grad():
+        model(_sample_ids(model.config, 8))  # resolves and records the settings in the config
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    try:
+        model.save_pretrained(staging)
+        prefixes = ("tokenizer", "special_tokens", "generation_config")
+        copied = [p.name for p in folder.iterdir() if p.is_file() and p.name.startswith(prefixes)]
+        for name in copied:
+            if not (staging / name).exists():
+                shutil.copy2(folder / name, staging / name)
+        report = {
+            "source": str(folder),
+            "source_architecture": architecture,
+            "target_class": architecture,
+            "attn_implementation": implementation,
+            "attention": getattr(model.config, CONFIG_ATTRIBUTE),
+            "exact_parity_max_abs_diff": parity,
+            "copied_files": sorted(copied),
+        }
+        (staging / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        publish(staging, output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("wrote %s: %s with attn_implementation=%r (exact parity %s)", output_dir, architecture,
+                implementation, "not measured" if parity is None else f"{parity:.1e}")  # fmt: skip
+    return output_dir
