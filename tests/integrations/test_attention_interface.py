@@ -6,11 +6,11 @@ source model, and save / load."""
 import pytest
 import torch
 import transformers
-from packaging.version import Version
 from transformers import AutoModel, AutoModelForCausalLM
 
 import performer_hf
 from performer_hf import PerformerCache
+from performer_hf.integrations import CACHE_KEYWORD
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -70,11 +70,6 @@ def _load(folder, implementation, encoder=False, **settings):
     return auto.from_pretrained(folder, config=config, attn_implementation=implementation).eval()
 
 
-def _cache_keyword() -> str:
-    """`cache=` since transformers 5.24 (`past_key_values=` is deprecated there); `past_key_values=` before."""
-    return "cache" if Version(transformers.__version__) >= Version("5.24.0") else "past_key_values"
-
-
 def _ids(batch, length, seed=1):
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
@@ -109,7 +104,7 @@ def test_cached_generation_equals_a_full_forward(arch, implementation, tmp_path)
     prompt = _ids(1, 20)
     cache = PerformerCache(model.config)
     options = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    generated = model.generate(prompt, **options, **{_cache_keyword(): cache})
+    generated = model.generate(prompt, **options, **{CACHE_KEYWORD: cache})
     with torch.no_grad():
         full = model(generated.sequences).logits  # (1, 32, V)
     for step, logits in enumerate(generated.logits):
@@ -141,8 +136,8 @@ def test_cache_bytes_do_not_grow_with_the_context(arch, implementation, tmp_path
     for context in (256, 4096):
         cache = PerformerCache(model.config)
         with torch.no_grad():
-            model(_ids(1, context), use_cache=True, **{_cache_keyword(): cache})
-            model(_ids(1, 1, seed=2), use_cache=True, **{_cache_keyword(): cache})  # one decoding step
+            model(_ids(1, context), use_cache=True, **{CACHE_KEYWORD: cache})
+            model(_ids(1, 1, seed=2), use_cache=True, **{CACHE_KEYWORD: cache})  # one decoding step
         assert cache.get_seq_length() == context + 1
         sizes[context] = _tensor_bytes(cache.layers)
     assert sizes[256] == sizes[4096] > 0

@@ -3,6 +3,6 @@
 (``attention_settings.py``) and their constant-size decoding cache (``cache.py``)."""
 
 from .attention_interface import register_attention_implementations
-from .cache import PerformerCache
+from .cache import CACHE_KEYWORD, PerformerCache
 
-__all__ = ["PerformerCache", "register_attention_implementations"]
+__all__ = ["CACHE_KEYWORD", "PerformerCache", "register_attention_implementations"]

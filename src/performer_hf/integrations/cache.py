@@ -5,16 +5,24 @@ which grows with the context. Pass a :class:`PerformerCache` instead, and each P
 method's constant-size state (``modeling/cache_performer.py``)::
 
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="performer_hybrid")
-    model.generate(**inputs, past_key_values=PerformerCache(model.config))
+    model.generate(**inputs, **{CACHE_KEYWORD: PerformerCache(model.config)})
+
+:data:`CACHE_KEYWORD` is the keyword that passes a cache to ``generate`` and to the model's forward in the
+installed transformers: ``cache`` since 5.24 (where ``past_key_values`` is deprecated), ``past_key_values``
+before.
 """
 
 from __future__ import annotations
 
+import transformers
+from packaging.version import Version
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..modeling.attention_methods import ATTENTION_METHODS
 from .attention_interface import _keeps_own_attention
 from .attention_settings import IMPLEMENTATIONS, method_config
+
+CACHE_KEYWORD = "cache" if Version(transformers.__version__) >= Version("5.24.0") else "past_key_values"
 
 
 class PerformerCache(Cache):
@@ -45,4 +53,4 @@ class PerformerCache(Cache):
         super().__init__(layers=layers)
 
 
-__all__ = ["PerformerCache"]
+__all__ = ["CACHE_KEYWORD", "PerformerCache"]
