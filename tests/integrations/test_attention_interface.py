@@ -16,6 +16,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 VOCAB = 96
 IMPLEMENTATIONS = ("performer", "performer_hybrid")
+# a window shorter than the test inputs, so that the hybrid's far field is in use (its preset window is 64)
+SHORT_WINDOW = {"performer": {}, "performer_hybrid": {"local_window": 8}}
 
 
 def _decoder_configs() -> dict[str, transformers.PreTrainedConfig]:
@@ -77,30 +79,47 @@ def _ids(batch, length, seed=1):
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("arch", list(DECODERS))
 def test_decoder_forward_is_finite_causal_and_ignores_padding(arch, implementation, tmp_path):
-    _, folder = _source(DECODERS[arch], tmp_path)
-    model = _load(folder, implementation)
+    source, folder = _source(DECODERS[arch], tmp_path)
+    model = _load(folder, implementation, **SHORT_WINDOW[implementation])
     ids = _ids(2, 24)
     with torch.no_grad():
         logits = model(ids).logits
         assert torch.isfinite(logits).all()
+        assert not torch.allclose(logits, source(ids).logits, atol=1e-4)  # not softmax attention
         changed = ids.clone()
         changed[:, 12:] = 7  # later tokens must not change earlier outputs
         assert torch.equal(model(changed).logits[:, :12], logits[:, :12])
-        # left padding, positions counted from the first real token (as generate does): row 1 equals it alone
+        # right padding: row 1's real tokens equal it alone
         mask = torch.ones_like(ids)
-        mask[1, :5] = 0
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        mask[1, 19:] = 0
+        padded = model(ids, attention_mask=mask).logits
+        alone = model(ids[1:, :19]).logits
+    torch.testing.assert_close(padded[1, :19], alone[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded[0], logits[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", list(DECODERS))
+def test_favor_ignores_left_padding(arch, tmp_path):
+    """Left padding (batched generation), positions counted from the first real token as generate does. (The
+    hybrid's global token is the first position, a pad in a left-padded row: there it differs, as in the
+    Performer family.)"""
+    _, folder = _source(DECODERS[arch], tmp_path)
+    model = _load(folder, "performer")
+    ids = _ids(2, 24)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
         padded = model(ids, attention_mask=mask, position_ids=positions).logits
         alone = model(ids[1:, 5:]).logits
     torch.testing.assert_close(padded[1, 5:], alone[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(padded[0], logits[0], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("arch", list(DECODERS))
 def test_cached_generation_equals_a_full_forward(arch, implementation, tmp_path):
     _, folder = _source(DECODERS[arch], tmp_path)
-    model = _load(folder, implementation)
+    model = _load(folder, implementation, **SHORT_WINDOW[implementation])
     prompt = _ids(1, 20)
     cache = PerformerCache(model.config)
     options = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -161,7 +180,7 @@ def test_exact_mode_matches_the_source(arch, tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
 def test_save_and_load_reproduce_the_outputs_without_being_told(arch, implementation, tmp_path):
     _, folder = _source(DECODERS[arch], tmp_path)
-    model = _load(folder, implementation, projection_seed=5)
+    model = _load(folder, implementation, projection_seed=5, **SHORT_WINDOW[implementation])
     ids = _ids(2, 40)
     with torch.no_grad():
         expected = model(ids).logits
@@ -178,7 +197,10 @@ def test_save_and_load_reproduce_the_outputs_without_being_told(arch, implementa
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_bert_encoder_is_bidirectional_and_ignores_padding(implementation, tmp_path):
     _, folder = _source(_bert_config(), tmp_path, encoder=True)
-    model = _load(folder, implementation, encoder=True)
+    # no exact dispatch at short lengths; for the hybrid a short window and routed blocks of 4 keys
+    hybrid = {"local_window": 5, "routed_blocks": 1, "route_block_size": 4, "query_block_size": 4}
+    settings = {"exact_max_length": 0, **(hybrid if implementation == "performer_hybrid" else {})}
+    model = _load(folder, implementation, encoder=True, **settings)
     ids = _ids(2, 24)
     mask = torch.ones_like(ids)
     mask[1, 17:] = 0
@@ -231,3 +253,20 @@ def test_importing_registers_both_names():
         assert name in ALL_ATTENTION_FUNCTIONS.valid_keys()
         assert name in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
     assert performer_hf.PerformerCache is PerformerCache
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_training_step_and_bfloat16(implementation, tmp_path):
+    """Gradients reach every weight through the methods; a bf16 model keeps bf16 outputs (the methods compute
+    in float32 inside)."""
+    _, folder = _source(DECODERS["qwen2"], tmp_path)
+    model = _load(folder, implementation, **SHORT_WINDOW[implementation]).train()
+    ids = _ids(2, 32)
+    model(ids, labels=ids).loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert model.model.layers[0].self_attn.k_proj.weight.grad.abs().sum() > 0
+    half = _load(folder, implementation, **SHORT_WINDOW[implementation]).to(torch.bfloat16)
+    with torch.no_grad():
+        logits = half(ids).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
