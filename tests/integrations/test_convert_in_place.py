@@ -47,6 +47,8 @@ def test_convert_keeps_the_class_and_weights_and_names_the_attention(architectur
     report = json.loads((out / "conversion_report.json").read_text())
     assert report["exact_parity_max_abs_diff"] <= 1e-5
     assert report["attn_implementation"] == "performer_hybrid"
+    card = (out / "README.md").read_text()
+    assert "base_model: source" in card and "performer_hybrid" in card and "| `local_window` | `64` |" in card
     before, after = load_file(tmp_path / "source" / "model.safetensors"), load_file(out / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     converted = AutoModelForCausalLM.from_pretrained(out).eval()

@@ -298,7 +298,8 @@ def convert(
     if architecture in IN_PLACE_ARCHITECTURES:  # Llama & co. keep their class; only the attention changes
         if calibrate:
             raise ConversionError(f"--calibrate is not available yet for {architecture} (converted in place).")
-        return convert_in_place(folder, output_dir, architecture, _method(method, overrides), overrides, fidelity)
+        return convert_in_place(folder, output_dir, architecture, _method(method, overrides), overrides, fidelity,
+                                base_model or repo_id or folder.name)  # fmt: skip
     checkpoint = read_source(folder, repo_id)
     head = checkpoint.family.heads[checkpoint.architecture]
     config = performer_config(checkpoint, overrides, method)

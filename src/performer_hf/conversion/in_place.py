@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from ..integrations.attention_settings import ATTENTION_FIELDS, CONFIG_ATTRIBUTE
+from ..integrations.attention_settings import ATTENTION_FIELDS, CONFIG_ATTRIBUTE, method_config
 from .errors import ConversionError
+from .model_card import build_in_place_card, source_license
 from .output_folder import publish
 
 logger = logging.getLogger(__name__)
@@ -99,10 +100,17 @@ def exact_parity(folder: Path, row: InPlace, implementation: str) -> float:
 
 
 def convert_in_place(
-    folder: Path, output_dir: Path, architecture: str, method: str, overrides: dict[str, Any], fidelity: bool
+    folder: Path,
+    output_dir: Path,
+    architecture: str,
+    method: str,
+    overrides: dict[str, Any],
+    fidelity: bool,
+    base_model: str,
 ) -> Path:
     """Write ``folder``'s model with Performer attention to ``output_dir`` (already checked): the same weights,
-    the config naming the attention implementation and its settings, the tokenizer, ``conversion_report.json``."""
+    the config naming the attention implementation and its settings, the tokenizer, a model card
+    (``README.md``, naming ``base_model``) and ``conversion_report.json``."""
     row = IN_PLACE_ARCHITECTURES[architecture]
     implementation = IMPLEMENTATION_OF_METHOD[method]
     settings = _attention_settings(overrides)
@@ -134,6 +142,14 @@ def convert_in_place(
             "copied_files": sorted(copied),
         }
         (staging / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        text_config = model.config.get_text_config()
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        card = build_in_place_card(
+            base_model=base_model, license_name=source_license(folder), architecture=architecture,
+            implementation=implementation, parity=parity,
+            method=method_config(text_config, implementation, True, text_config.num_attention_heads, head_dim),
+        )  # fmt: skip
+        card.save(staging / "README.md")
         publish(staging, output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

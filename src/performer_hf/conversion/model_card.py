@@ -8,6 +8,7 @@ from pathlib import Path
 from huggingface_hub import ModelCard, ModelCardData
 
 from ..attention_card import KERNEL_DESCRIPTIONS, hybrid_lines, method_description
+from ..integrations.attention_settings import ATTENTION_FIELDS
 from .fidelity import FidelityReport
 
 logger = logging.getLogger(__name__)
@@ -147,3 +148,43 @@ def build_model_card(
             by_reason.setdefault(reason, []).append(f"`{name}`")
         lines += [f"- {reason}: {', '.join(names)}" for reason, names in by_reason.items()]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
+
+
+def build_in_place_card(
+    *, base_model: str, license_name: str, architecture: str, implementation: str, method, parity: float | None
+) -> ModelCard:
+    """The card of a model converted in place (``in_place.py``): the source class with Performer attention;
+    ``method``: the ``PerformerConfig`` that carries its attention settings."""
+    data = ModelCardData(
+        base_model=base_model,
+        license=license_name,
+        library_name="transformers",
+        tags=["performer", "favor+", "linear-attention", "long-context", "performer-hf"],
+    )
+    measured = "not measured" if parity is None else f"{parity:.1e} (largest logit difference on sample ids)"
+    fields = "\n".join(f"| `{name}` | `{getattr(method, name)}` |" for name in ATTENTION_FIELDS)
+    text = f"""# {base_model} with Performer attention
+
+`{base_model}` ({architecture}) with its softmax attention replaced by the `performer-hf` attention implementation
+`{implementation}`: {method_description(method)}. Every weight is the source's, unchanged; the config names the
+attention (`attn_implementation`, `performer_attention`).
+
+```python
+import performer_hf  # registers the "performer" and "performer_hybrid" attention implementations
+from performer_hf import PerformerCache
+from performer_hf.integrations import CACHE_KEYWORD
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained("<this folder or repo>")
+# generate with a constant-size decoding state: model.generate(..., **{{CACHE_KEYWORD: PerformerCache(model.config)}})
+```
+
+Converted zero-shot, without finetuning: expect lower quality than the source, most of all with plain FAVOR+.
+
+Exact-attention parity of the conversion (`attention_kernel="exact"` through the same adapter): {measured}.
+
+| attention field | value |
+| --- | --- |
+{fields}
+"""
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{text}")
