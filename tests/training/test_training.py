@@ -672,3 +672,82 @@ def test_bad_classification_input_and_cli_message(assets, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         lm_main("clm", lm_args(assets, tmp_path / "out", "--max_seq_length", "65"))
     assert str(exit_info.value).startswith("error: --max_seq_length 65 exceeds")
+
+
+# ----------------------------------------------------------------------------- LoRA (peft)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_performer(assets, tmp_path_factory) -> Path:
+    """A tiny random Llama (grouped-query attention) converted in place to the hybrid with an 8-token window,
+    so that the far field is in use at the 32-token blocks of the tests."""
+    import transformers
+
+    from performer_hf import convert
+
+    root = tmp_path_factory.mktemp("tiny_llama")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(assets["tokenizer"])
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "source")
+    return convert(root / "source", root / "hybrid", local_window=8, fidelity=False)
+
+
+def _lora_clm_args(assets, model, output_dir, *extra) -> list[str]:
+    return [
+        "--train_file", assets["text"], "--tokenizer_name", assets["tokenizer"], "--model_name_or_path", str(model),
+        "--max_seq_length", "32", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "16",
+        "--learning_rate", "1e-2", "--max_train_samples", "24", "--max_train_steps", str(RESUME_STEPS),
+        "--output_dir", str(output_dir), "--with_tracking", "--seed", "7", "--lora_r", "4", "--lora_dropout", "0.1",
+        "--checkpointing_steps", "4", "--eval_steps", "5", *extra,
+    ]  # fmt: skip
+
+
+def test_lora_on_a_llama_with_performer_attention_trains_only_adapters(assets, tiny_llama_performer, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    metrics = train_language_model("clm", _lora_clm_args(assets, tiny_llama_performer, tmp_path / "out"))
+    losses = train_losses(tmp_path / "out")
+    assert losses[RESUME_STEPS] < losses[1]
+    adapter = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    assert adapter and all("lora_" in name for name in adapter)
+    assert {name.split(".")[-3] for name in adapter} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert not (tmp_path / "out" / "model.safetensors").exists()  # the base weights are not copied
+    # the adapter on the untouched base model reproduces the run's final evaluation
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_performer)
+    assert base.config._attn_implementation == "performer_hybrid"
+    model = PeftModel.from_pretrained(base, tmp_path / "out").eval()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(assets["tokenizer"])
+    ids = tokenizer(Path(assets["text"]).read_text()[:400], return_tensors="pt").input_ids[:, :32]
+    with torch.no_grad():
+        adapted, plain = model(ids).logits, model.get_base_model()(ids).logits
+        with model.disable_adapter():
+            disabled = model(ids).logits
+    assert torch.equal(adapted, plain) and not torch.allclose(adapted, disabled)
+    assert math.isfinite(metrics["eval_loss"])
+
+
+def test_lora_resume_reproduces_uninterrupted_losses(assets, tiny_llama_performer, tmp_path):
+    def argv(output_dir, *more):
+        return _lora_clm_args(assets, tiny_llama_performer, output_dir, *more)
+
+    _assert_resume_reproduces(lambda a: train_language_model("clm", a), argv, tmp_path, 4)
+
+
+def test_lora_options_need_a_rank_and_known_modules(assets, tmp_path):
+    with pytest.raises(TrainingInputError, match="--lora_alpha needs --lora_r"):
+        train_language_model("clm", lm_args(assets, tmp_path / "a", "--lora_alpha", "8"))
+    with pytest.raises(TrainingInputError, match="LoRA could not be applied"):
+        train_language_model("mlm", lm_args(assets, tmp_path / "b", "--lora_r", "2", "--lora_target_modules", "nope"))
+
+
+def test_lora_on_a_performer_adapts_its_attention_projections(assets, tmp_path):
+    from safetensors.torch import load_file
+
+    train_language_model("mlm", lm_args(assets, tmp_path / "out", "--lora_r", "2", steps=2))
+    adapter = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    assert {name.split(".")[-3] for name in adapter} == {"query", "key", "value", "output"}

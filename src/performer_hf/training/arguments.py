@@ -104,6 +104,15 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--gradient_checkpointing", action="store_true", help="Recompute activations in backward to save memory."
     )
+    lora = parser.add_argument_group("LoRA (peft): train low-rank adapters of the attention, the rest frozen")
+    lora.add_argument("--lora_r", type=_positive_int, help="LoRA rank (default: no LoRA, every weight trains).")
+    lora.add_argument("--lora_alpha", type=float, help="LoRA scaling numerator (default: twice --lora_r).")
+    lora.add_argument("--lora_dropout", type=_non_negative_float, default=0.0, help="Dropout on the LoRA input.")
+    lora.add_argument(
+        "--lora_target_modules", nargs="+",
+        help="Module names to adapt (default: the attention projections of the model's type, "
+        "performer_hf.training.lora.LORA_TARGET_MODULES).",
+    )  # fmt: skip
 
 
 def _add_optimization_arguments(parser: argparse.ArgumentParser, task: str) -> None:
@@ -243,6 +252,9 @@ def validate_args(args: argparse.Namespace, task: str) -> None:
         )
     if args.num_warmup_steps < 0:
         raise TrainingInputError(f"--num_warmup_steps must be >= 0, got {args.num_warmup_steps}.")
+    lora_options = [flag for flag in ("lora_alpha", "lora_target_modules") if getattr(args, flag) is not None]
+    if args.lora_r is None and (lora_options or args.lora_dropout):
+        raise TrainingInputError(f"--{(lora_options or ['lora_dropout'])[0]} needs --lora_r (the LoRA rank).")
 
 
 def parse_args(task: str, argv: list[str] | None = None) -> argparse.Namespace:

@@ -57,7 +57,7 @@ def train_classifier(argv: list[str] | None = None) -> dict:
         )
     tokenizer = load_tokenizer(args)
     model = load_model(
-        args, AutoModelForSequenceClassification, tokenizer, accelerator, new_head=True,
+        args, AutoModelForSequenceClassification, tokenizer, accelerator, new_head=True, task="classification",
         num_labels=len(label2id), label2id=label2id, id2label={index: name for name, index in label2id.items()},
         problem_type="single_label_classification",
     )  # fmt: skip

@@ -31,7 +31,7 @@ def train_language_model(task: str, argv: list[str] | None = None) -> dict:
     args = parse_args(task, argv)
     accelerator = create_accelerator(args)
     tokenizer = load_tokenizer(args)
-    model = load_model(args, MODEL_CLASSES[task], tokenizer, accelerator)
+    model = load_model(args, MODEL_CLASSES[task], tokenizer, accelerator, task=task)
     block_size = resolve_sequence_length(args.max_seq_length, model.config)
     args.max_seq_length = block_size
     if task == "mlm":

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..modeling.configuration_performer import PerformerConfig
 from .arguments import TrainingInputError
+from .lora import apply_lora
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +99,11 @@ def load_model(
     tokenizer: PreTrainedTokenizerBase,
     accelerator,
     new_head: bool = False,
+    task: str | None = None,
     **config_kwargs,
 ) -> PreTrainedModel:
-    """Build the model for ``auto_class`` (e.g. ``AutoModelForMaskedLM``).
+    """Build the model for ``auto_class`` (e.g. ``AutoModelForMaskedLM``), wrapped with LoRA adapters for
+    ``task`` (``"mlm"``, ``"clm"``, ``"classification"``) when ``--lora_r`` is set.
 
     ``config_kwargs`` (e.g. ``num_labels``) are set on the config whatever the source; a model trained
     from scratch also takes its vocabulary size and padding id from the tokenizer unless
@@ -139,6 +142,8 @@ def load_model(
             len(tokenizer), model.get_input_embeddings().num_embeddings,
         )  # fmt: skip
         model.resize_token_embeddings(len(tokenizer))
+    if args.lora_r is not None:
+        model = apply_lora(model, args, task)
     return model
 
 
