@@ -8,7 +8,7 @@ model_type ``"performer"``, and the attention implementations ``"performer"`` (F
 import transformers
 
 from .conversion import convert
-from .integrations import PerformerCache, register_attention_implementations
+from .integrations import PerformerCache, register_attention_implementations, transfer_attention
 from .modeling import modeling_performer
 from .modeling.cache_performer import FavorCacheLayer
 from .modeling.configuration_performer import PerformerConfig
@@ -21,4 +21,11 @@ for _model, _auto in modeling_performer.AUTO_CLASSES.items():
     getattr(transformers, _auto).register(PerformerConfig, _model, exist_ok=True)
 register_attention_implementations()
 
-__all__ = ["FavorCacheLayer", "PerformerCache", "PerformerConfig", *modeling_performer.__all__, "convert"]
+__all__ = [
+    "FavorCacheLayer",
+    "PerformerCache",
+    "PerformerConfig",
+    *modeling_performer.__all__,
+    "convert",
+    "transfer_attention",
+]

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..integrations.attention_settings import ATTENTION_FIELDS, CONFIG_ATTRIBUTE, method_config
+from ..integrations.attention_settings import ATTENTION_FIELDS, CONFIG_ATTRIBUTE, head_shape, method_config
 from .errors import ConversionError
 from .model_card import build_in_place_card, source_license
 from .output_folder import publish
@@ -143,11 +143,10 @@ def convert_in_place(
         }
         (staging / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
         text_config = model.config.get_text_config()
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         card = build_in_place_card(
             base_model=base_model, license_name=source_license(folder), architecture=architecture,
             implementation=implementation, parity=parity,
-            method=method_config(text_config, implementation, True, text_config.num_attention_heads, head_dim),
+            method=method_config(text_config, implementation, True, *head_shape(text_config)),
         )  # fmt: skip
         card.save(staging / "README.md")
         publish(staging, output_dir)

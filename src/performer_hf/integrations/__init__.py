@@ -1,8 +1,12 @@
 """Performer attention for transformers model classes that are not ours: the ``"performer"`` and
 ``"performer_hybrid"`` attention implementations (``attention_interface.py``), where their settings live
-(``attention_settings.py``) and their constant-size decoding cache (``cache.py``)."""
+(``attention_settings.py``), their constant-size decoding cache (``cache.py``) and attention transfer, which
+trains their small learnable parts to match the source's softmax attention (``attention_transfer.py``)."""
 
 from .attention_interface import register_attention_implementations
+from .attention_transfer import TransferReport, transfer_attention
 from .cache import CACHE_KEYWORD, PerformerCache
 
-__all__ = ["CACHE_KEYWORD", "PerformerCache", "register_attention_implementations"]
+__all__ = [
+    "CACHE_KEYWORD", "PerformerCache", "TransferReport", "register_attention_implementations", "transfer_attention",
+]  # fmt: skip

@@ -29,6 +29,9 @@ What the adapter does around those methods:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextvars import ContextVar
+
 import torch
 from torch import nn
 from transformers import AttentionInterface
@@ -39,6 +42,12 @@ from ..modeling.attention_methods import softmax_attention
 from .attention_settings import IMPLEMENTATIONS, method_state
 
 Tensor = torch.Tensor
+
+
+# Set by attention transfer (``attention_transfer.py``) while it trains the methods' parameters: called as
+# ``hook(state, q, k, v, key_mask, causal)`` on the prepared inputs, it returns the context (B, H, L, D) the
+# model continues with (the source's own attention, so every layer learns from the source's inputs).
+TRANSFER_HOOK: ContextVar[Callable | None] = ContextVar("performer_transfer_hook", default=None)
 
 
 def _keeps_own_attention(config, layer_idx: int) -> bool:
@@ -107,7 +116,10 @@ def _performer_attention(implementation: str):
         if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (B, H, Lk, D)
         key_mask = _key_mask(attention_mask, key.shape[2])
-        if state.kernel == "exact":
+        transfer = TRANSFER_HOOK.get()
+        if transfer is not None:
+            context = transfer(state, query, key, value, key_mask, causal)
+        elif state.kernel == "exact":
             context, _ = softmax_attention(query, key, value, key_mask, causal, dropout if module.training else 0.0)
         elif layer_cache is not None or key.shape[2] == query.shape[2]:
             context, _ = state.attend(state, query, key, value, key_mask, causal, layer_cache)  # (B, H, Lq, D)

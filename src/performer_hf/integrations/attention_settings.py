@@ -15,7 +15,9 @@ it (not a submodule: the model's weights stay the source's): the random projecti
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from typing import Any
 
 import torch
@@ -72,6 +74,13 @@ def resolved_settings(config, implementation: str, causal: bool) -> dict[str, An
     return settings
 
 
+def head_shape(config) -> tuple[int, int]:
+    """(query heads, head dim) of a transformers text config."""
+    text_config = config.get_text_config()
+    heads = text_config.num_attention_heads
+    return heads, getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+
+
 def method_config(config, implementation: str, causal: bool, num_heads: int, head_dim: int) -> PerformerConfig:
     """A ``PerformerConfig`` that carries only the attention method for a model with these head shapes (its
     validation checks the settings)."""
@@ -83,21 +92,83 @@ def method_config(config, implementation: str, causal: bool, num_heads: int, hea
     )  # fmt: skip
 
 
+def state_key(config, implementation: str, causal: bool, num_heads: int, head_dim: int) -> tuple:
+    """What a module's :class:`AttentionMethodState` was built from; a change rebuilds it."""
+    return (implementation, causal, num_heads, head_dim, repr(getattr(config, CONFIG_ATTRIBUTE, None)))
+
+
 def method_state(module: nn.Module, implementation: str, causal: bool, query: torch.Tensor) -> AttentionMethodState:
     """The :class:`AttentionMethodState` kept beside ``module`` (built on first use, rebuilt when the settings,
-    the head shapes or the implementation change), on ``query``'s device."""
+    the head shapes or the implementation change), on ``query``'s device. A model whose attention parameters
+    were trained (``config.performer_learned_attention``, see ``attention_transfer.py``) keeps its state as the
+    submodule ``performer_attention``, whose tensors the checkpoint holds."""
     num_heads, head_dim = query.shape[1], query.shape[-1]
     config = module.config
-    key = (implementation, causal, num_heads, head_dim, repr(getattr(config, CONFIG_ATTRIBUTE, None)))
     state = module.__dict__.get("_performer_method_state")
-    if state is None or state.performer_key != key:
+    if state is None or state.performer_key != state_key(config, implementation, causal, num_heads, head_dim):
         built = method_config(config, implementation, causal, num_heads, head_dim)
         with torch.device("cpu"):
             state = AttentionMethodState(built, module.layer_idx)
-        state.performer_key = (implementation, causal, num_heads, head_dim, repr(getattr(config, CONFIG_ATTRIBUTE)))
-        # a plain attribute, not a submodule: the model's state dict stays the source's
+        if getattr(config, LEARNED_ATTRIBUTE, False):
+            learned = module._modules.get(LEARNED_SUBMODULE)
+            if learned is None:
+                tensors = _checkpoint_tensors(config, module.layer_idx)
+                logger.info(
+                    "layer %d: read the trained Performer attention tensors from %s (transformers' load report "
+                    "lists them as unexpected keys: the model class does not declare them)",
+                    module.layer_idx, config._name_or_path,
+                )  # fmt: skip
+            else:
+                tensors = learned.state_dict()
+            state.load_state_dict(tensors)
+            module.add_module(LEARNED_SUBMODULE, state)  # so that save_pretrained keeps the learned tensors
+        state.performer_key = state_key(config, implementation, causal, num_heads, head_dim)
+        # otherwise a plain attribute, not a submodule: the model's state dict stays the source's
         module.__dict__["_performer_method_state"] = state
         logger.debug("layer %d: %s attention, %s", module.layer_idx, implementation, built.attention_method)
     if state.projection.device != query.device:
         state.to(query.device)
     return state
+
+
+LEARNED_ATTRIBUTE = "performer_learned_attention"
+LEARNED_SUBMODULE = "performer_attention"
+
+
+def _checkpoint_tensors_of(path: str, layer_idx: int) -> dict[str, torch.Tensor]:
+    """Layer ``layer_idx``'s learned attention tensors in the checkpoint at ``path`` (a folder or Hub id): the
+    entries ``<...>.<layer index>.<...>.performer_attention.<name>`` of its safetensors weights."""
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    single = cached_file(path, "model.safetensors", _raise_exceptions_for_missing_entries=False)
+    if single is not None:
+        files = [single]
+    else:
+        index = cached_file(path, "model.safetensors.index.json")
+        with open(index) as handle:
+            weight_map = json.load(handle)["weight_map"]
+        names = sorted({file for key, file in weight_map.items() if f".{LEARNED_SUBMODULE}." in key})
+        files = [cached_file(path, name) for name in names]
+    tensors = {}
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            for key in handle.keys():
+                match = _LEARNED_KEY.search(key)
+                if match and int(match["layer"]) == layer_idx:
+                    tensors[match["name"]] = handle.get_tensor(key)
+    return tensors
+
+
+_LEARNED_KEY = re.compile(rf"\.(?P<layer>\d+)\.(?:[^.]+\.)*?{LEARNED_SUBMODULE}\.(?P<name>\w+)$")
+
+
+def _checkpoint_tensors(config, layer_idx: int) -> dict[str, torch.Tensor]:
+    tensors = _checkpoint_tensors_of(str(config._name_or_path), layer_idx)
+    if not tensors:
+        raise ValueError(
+            f"config.{LEARNED_ATTRIBUTE} says this model's attention parameters were trained, but its checkpoint "
+            f"({config._name_or_path!r}) holds no '{LEARNED_SUBMODULE}' tensors. Save the model with save_pretrained "
+            "after its first forward (or after transfer_attention) so that they are written."
+        )
+    return tensors

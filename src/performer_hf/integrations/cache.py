@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 
 from ..modeling.attention_methods import ATTENTION_METHODS
 from .attention_interface import _keeps_own_attention
-from .attention_settings import IMPLEMENTATIONS, method_config
+from .attention_settings import IMPLEMENTATIONS, head_shape, method_config
 
 CACHE_KEYWORD = "cache" if Version(transformers.__version__) >= Version("5.24.0") else "past_key_values"
 
@@ -42,8 +42,7 @@ class PerformerCache(Cache):
                 f"PerformerCache is for models loaded with attn_implementation in {sorted(IMPLEMENTATIONS)}; this "
                 f"one uses {implementation!r}. Load it with attn_implementation='performer_hybrid' (or 'performer')."
             )
-        # decoders are causal; the head shapes do not change which method runs
-        method = method_config(text_config, implementation, True, 1, 1).attention_method
+        method = method_config(text_config, implementation, True, *head_shape(text_config)).attention_method
         layers = []
         for layer_idx in range(text_config.num_hidden_layers):
             if _keeps_own_attention(text_config, layer_idx):

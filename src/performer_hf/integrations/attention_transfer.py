@@ -1,0 +1,255 @@
+"""Attention transfer: train the small learnable parts of Performer attention to match the source's softmax
+attention, label-free, with the rest of the model frozen (after LoLCATs, arXiv 2410.10254, and Hedgehog,
+arXiv 2402.04347, which learn linear attention's feature maps by matching softmax attention).
+
+What is learned, per attention layer (an :class:`~performer_hf.modeling.layers_performer.AttentionMethodState`):
+
+- the feature projection ``(m, d)`` of FAVOR+ and of the hybrid's random-feature far fields: it starts as the
+  seeded orthogonal draw and becomes a learned positive feature map;
+- the hybrid's fixed centres ``query_center`` / ``key_center`` ``(H, d)`` (``center_features``);
+- FAVOR++'s ``A`` per head (``attention_kernel="softmax_opt"``), kept below 1/8.
+
+The objective: for every layer, the mean squared error between the method's output and softmax attention's
+on the same queries, keys and values, relative to the mean square of softmax attention's output (so layers
+weigh alike), summed over the layers. The model runs with its own softmax attention (teacher forcing), so
+each layer learns from the inputs it sees in the source model, and one forward and backward trains every
+layer at once at the cost of the source's forward plus the method's.
+
+After :func:`transfer_attention`, ``config.performer_learned_attention`` is True, ``A`` is written to the
+config's ``performer_attention`` and the learned tensors ride in the model's state dict (submodule
+``performer_attention`` of each attention module): ``save_pretrained`` writes them, and ``from_pretrained``
+(which reports them as keys the source class does not know) reads them back on the first forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..modeling.attention_methods import softmax_attention
+from ..modeling.favor_hybrid import get_far_field
+from .attention_interface import TRANSFER_HOOK
+from .attention_settings import CONFIG_ATTRIBUTE, LEARNED_ATTRIBUTE, LEARNED_SUBMODULE, state_key
+
+logger = logging.getLogger(__name__)
+
+MAX_FAR_FIELD_PARAMETER = 0.12  # FAVOR++'s A must stay below 1/8 (finite variance)
+
+
+@dataclass
+class TransferReport:
+    """What :func:`transfer_attention` did: steps, tokens, seconds, and the mean relative error per layer over
+    the first and the last ``window`` steps."""
+
+    steps: int
+    tokens: int
+    seconds: float
+    error_first: dict[int, float]
+    error_last: dict[int, float]
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "tokens": self.tokens, "seconds": round(self.seconds, 1),
+                "relative_error_first": self.error_first, "relative_error_last": self.error_last}  # fmt: skip
+
+
+def _states(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(attention module, its method state) for every module that has run Performer attention."""
+    return [
+        (m, m.__dict__["_performer_method_state"]) for m in model.modules() if "_performer_method_state" in m.__dict__
+    ]
+
+
+def _as_parameter(state: nn.Module, name: str) -> nn.Parameter:
+    """Turn the buffer ``name`` of ``state`` into a trainable parameter (float32)."""
+    tensor = state._buffers.pop(name).detach().float()
+    parameter = nn.Parameter(tensor.clone())
+    state.register_parameter(name, parameter)
+    return parameter
+
+
+def _as_buffer(state: nn.Module, name: str) -> None:
+    tensor = state._parameters.pop(name).detach()
+    state.register_buffer(name, tensor, persistent=True)
+
+
+def _learnable(state: nn.Module) -> dict[str, nn.Parameter]:
+    """Make the state's learnable parts parameters; returns them by name."""
+    spec = getattr(state, "hybrid_spec", None)
+    names = []
+    if spec is None or state.uses_projection:
+        names.append("projection")
+    if spec is not None and spec.center:
+        names += ["query_center", "key_center"]
+    learned = {name: _as_parameter(state, name) for name in names}
+    if spec is not None and get_far_field(spec.far_field).uses_parameter:
+        value = torch.as_tensor(state.far_field_parameter, dtype=torch.float32).expand(state.num_heads).clone()
+        state.far_field_parameter = learned["far_field_parameter"] = nn.Parameter(value)  # (H,)
+    return learned
+
+
+def _freeze(state: nn.Module) -> list[float] | None:
+    """Back to buffers (and A to plain numbers, returned)."""
+    for name in list(state._parameters):
+        if name != "far_field_parameter":
+            _as_buffer(state, name)
+    parameter = state._parameters.pop("far_field_parameter", None)
+    if parameter is None:
+        return None
+    state.far_field_parameter = [float(a) for a in parameter.detach().clamp(max=MAX_FAR_FIELD_PARAMETER)]
+    return state.far_field_parameter
+
+
+def _relative_error(prediction: torch.Tensor, target: torch.Tensor, key_mask) -> torch.Tensor:
+    """mean |prediction - target|^2 / mean |target|^2 over the real tokens; (B, H, L, D) inputs."""
+    squared, reference = (prediction - target).pow(2).sum(-1), target.pow(2).sum(-1)  # (B, H, L)
+    if key_mask is not None:
+        weight = key_mask[:, None, -target.shape[2] :].to(squared.dtype)  # (B, 1, L): the queries' own tokens
+        squared, reference = squared * weight, reference * weight
+    return squared.sum() / reference.sum().clamp_min(1e-12)
+
+
+def transfer_attention(
+    model: nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    steps: int,
+    learning_rate: float = 1e-2,
+    window: int = 10,
+    progress: bool = True,
+) -> TransferReport:
+    """Train the Performer attention of ``model`` (loaded with ``attn_implementation="performer"`` or
+    ``"performer_hybrid"``) to match its softmax attention on ``batches`` of unlabelled text.
+
+    Args:
+        model: the model; its own weights are frozen (and left untouched).
+        batches: model inputs (``input_ids`` and optionally ``attention_mask``), cycled through for ``steps``.
+            Inputs longer than the hybrid's window, so that its far field is in use.
+        steps: optimizer steps (Adam).
+        learning_rate: Adam's learning rate.
+        window: steps averaged for the report's first and last errors.
+        progress: show a tqdm bar.
+
+    Returns:
+        A :class:`TransferReport`.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be a positive number, got {steps}.")
+    batches = _cycle(batches)
+    first = next(batches)
+    was_training = model.training
+    model.eval()
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for parameter in frozen:
+        parameter.requires_grad_(False)
+    with torch.no_grad():
+        model(**first)  # builds every layer's method state
+    states = _states(model)
+    if not states:
+        raise ValueError(
+            "the model runs no Performer attention: load it with attn_implementation='performer_hybrid' (or "
+            "'performer'), or convert it with performer_hf.convert."
+        )
+    parameters = [p for _, state in states for p in _learnable(state).values()]
+    optimizer = torch.optim.Adam(parameters, lr=learning_rate)
+    errors: list[dict[int, float]] = []
+    layer_errors: dict[int, torch.Tensor] = {}
+
+    def match_softmax(state, q, k, v, key_mask, causal):
+        with torch.no_grad():
+            target, _ = softmax_attention(q, k, v, key_mask, causal)  # (B, H, L, D): the source's attention
+        prediction, _ = state.attend(state, q, k, v, key_mask, causal)
+        layer_errors[state.layer_idx] = _relative_error(prediction, target, key_mask)
+        return target
+
+    start, tokens = time.perf_counter(), 0
+    token = TRANSFER_HOOK.set(match_softmax)
+    try:
+        for step, batch in enumerate(tqdm(_chain(first, batches), total=steps, desc="attention transfer",
+                                          disable=not progress)):  # fmt: skip
+            if step == steps:
+                break
+            layer_errors.clear()
+            model(**batch)
+            loss = torch.stack(list(layer_errors.values())).sum()
+            if not loss.requires_grad:
+                raise ValueError(
+                    "no layer's approximation was in use (the inputs are within the hybrid's exact window, or "
+                    "attention_kernel is 'exact'): train on longer inputs."
+                )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            with torch.no_grad():
+                for _, state in states:
+                    if isinstance(getattr(state, "far_field_parameter", None), nn.Parameter):
+                        state.far_field_parameter.clamp_(max=MAX_FAR_FIELD_PARAMETER)
+            errors.append({layer: float(e.detach()) for layer, e in layer_errors.items()})
+            tokens += int(batch["input_ids"].numel())
+            logger.debug("transfer step %d: summed relative error %.4f", step + 1, float(loss.detach()))
+    finally:
+        TRANSFER_HOOK.reset(token)
+        for parameter in frozen:
+            parameter.requires_grad_(True)
+        model.train(was_training)
+    _record(model, states)
+    report = TransferReport(len(errors), tokens, time.perf_counter() - start,
+                            _mean(errors[:window]), _mean(errors[-window:]))  # fmt: skip
+    logger.info("attention transfer: %d steps, %d tokens, %.0f s; mean relative error %.4f -> %.4f", report.steps,
+                tokens, report.seconds, _overall(report.error_first), _overall(report.error_last))  # fmt: skip
+    return report
+
+
+def _record(model: nn.Module, states) -> None:
+    """Learned tensors into the state dict (submodules), A into the config, the flag that says so."""
+    config = model.config.get_text_config()
+    parameters = {}
+    for module, state in states:
+        values = _freeze(state)
+        if values is not None:
+            parameters[state.layer_idx] = values
+        module.add_module(LEARNED_SUBMODULE, state)
+    if parameters:
+        settings = dict(getattr(config, CONFIG_ATTRIBUTE))
+        default = settings.get("far_field_parameter")
+        rows = [parameters.get(i, _row(default, i, states[0][1].num_heads)) for i in range(config.num_hidden_layers)]
+        settings["far_field_parameter"] = rows
+        setattr(config, CONFIG_ATTRIBUTE, settings)
+    setattr(config, LEARNED_ATTRIBUTE, True)
+    for _, state in states:  # the settings changed on purpose: keep the learned states
+        num_heads, head_dim = state.num_heads, state.head_dim
+        state.performer_key = state_key(
+            config, config._attn_implementation, state.performer_key[1], num_heads, head_dim
+        )
+
+
+def _row(default, layer: int, heads: int) -> list[float]:
+    if isinstance(default, list):
+        return list(default[layer])
+    return [float(default or 0.0)] * heads
+
+
+def _mean(records: list[dict[int, float]]) -> dict[int, float]:
+    layers = sorted({layer for record in records for layer in record})
+    return {layer: sum(r[layer] for r in records) / len(records) for layer in layers}
+
+
+def _overall(errors: dict[int, float]) -> float:
+    return sum(errors.values()) / max(len(errors), 1)
+
+
+def _cycle(batches: Iterable) -> Iterator:
+    cached = list(batches)
+    if not cached:
+        raise ValueError("no batches to train on.")
+    while True:
+        yield from cached
+
+
+def _chain(first, rest: Iterator) -> Iterator:
+    yield first
+    yield from rest

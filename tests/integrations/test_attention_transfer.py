@@ -1,0 +1,78 @@
+"""Attention transfer on tiny random models: the method's learnable parts (projection, centres, FAVOR++'s A)
+move toward softmax attention, the model's own weights do not, and the result saves, reloads and decodes
+exactly."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import performer_hf
+from performer_hf import PerformerCache
+from performer_hf.integrations import CACHE_KEYWORD
+
+from .test_attention_interface import DECODERS, SHORT_WINDOW, _ids, _load, _source
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _batches(count=3, length=48):
+    return [{"input_ids": _ids(2, length, seed=10 + i)} for i in range(count)]
+
+
+@pytest.mark.parametrize("implementation", ["performer", "performer_hybrid"])
+def test_transfer_lowers_the_error_and_touches_only_the_attention_parameters(implementation, tmp_path):
+    source, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, implementation, **SHORT_WINDOW[implementation])
+    weights = {name: p.clone() for name, p in model.named_parameters()}
+    ids = _ids(1, 48, seed=3)
+    with torch.no_grad():
+        reference = source(ids).logits
+        before = (model(ids).logits - reference).abs().mean()
+    report = performer_hf.transfer_attention(model, _batches(), steps=30, learning_rate=1e-2, progress=False)
+    assert report.steps == 30 and report.tokens == 30 * 2 * 48
+    assert sum(report.error_last.values()) < 0.5 * sum(report.error_first.values())
+    with torch.no_grad():
+        after = (model(ids).logits - reference).abs().mean()
+    assert after < before
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters() if name in weights)
+    assert all(p.requires_grad for name, p in model.named_parameters() if name in weights)
+    learned = dict(model.model.layers[0].self_attn.performer_attention.named_buffers())
+    expected = {"projection", "query_center", "key_center"} if implementation == "performer_hybrid" else {"projection"}
+    assert set(learned) == expected
+    if implementation == "performer_hybrid":  # FAVOR++'s A per layer and head, below 1/8
+        rows = model.config.performer_attention["far_field_parameter"]
+        assert len(rows) == 2 and all(len(row) == 4 and max(row) < 0.125 for row in rows)
+        assert rows[0] != [0.0] * 4
+
+
+def test_a_transferred_model_saves_reloads_and_decodes_exactly(tmp_path):
+    _, folder = _source(DECODERS["qwen2"], tmp_path)
+    model = _load(folder, "performer_hybrid", local_window=8)
+    performer_hf.transfer_attention(model, _batches(), steps=5, progress=False)
+    ids = _ids(1, 40, seed=4)
+    with torch.no_grad():
+        expected = model(ids).logits
+    model.save_pretrained(tmp_path / "transferred")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "transferred").eval()
+    assert reloaded.config.performer_learned_attention
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, expected)
+    # saved again from the reloaded model, the tensors stay
+    reloaded.save_pretrained(tmp_path / "again")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    cache = PerformerCache(again.config)
+    generated = again.generate(ids[:, :24], max_new_tokens=6, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, **{CACHE_KEYWORD: cache})  # fmt: skip
+    with torch.no_grad():
+        full = again(generated.sequences).logits
+    for step, logits in enumerate(generated.logits):
+        torch.testing.assert_close(logits[0], full[0, 23 + step], atol=1e-5, rtol=1e-5)
+
+
+def test_transfer_refuses_inputs_the_window_covers_and_models_without_performer_attention(tmp_path):
+    source, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, "performer_hybrid")  # window 64: 48-token inputs are exact attention
+    with pytest.raises(ValueError, match="train on longer inputs"):
+        performer_hf.transfer_attention(model, _batches(), steps=2, progress=False)
+    with pytest.raises(ValueError, match="runs no Performer attention"):
+        performer_hf.transfer_attention(source, _batches(), steps=2, progress=False)
