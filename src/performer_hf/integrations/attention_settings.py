@@ -15,6 +15,7 @@ it (not a submodule: the model's weights stay the source's): the random projecti
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
@@ -92,9 +93,19 @@ def method_config(config, implementation: str, causal: bool, num_heads: int, hea
     )  # fmt: skip
 
 
-def state_key(config, implementation: str, causal: bool, num_heads: int, head_dim: int) -> tuple:
-    """What a module's :class:`AttentionMethodState` was built from; a change rebuilds it."""
-    return (implementation, causal, num_heads, head_dim, repr(getattr(config, CONFIG_ATTRIBUTE, None)))
+def is_current(state: AttentionMethodState, config, implementation: str, causal: bool, num_heads: int,
+               head_dim: int) -> bool:  # fmt: skip
+    """Whether ``state`` was built for these settings and head shapes (checked at every call: a dict
+    comparison, cheaper than formatting the settings)."""
+    return state.performer_key == (implementation, causal, num_heads, head_dim) and (
+        state.performer_settings == getattr(config, CONFIG_ATTRIBUTE, None)
+    )
+
+
+def mark_current(state: AttentionMethodState, config, implementation: str, causal: bool) -> None:
+    """Record what ``state`` is built from (see :func:`is_current`)."""
+    state.performer_key = (implementation, causal, state.num_heads, state.head_dim)
+    state.performer_settings = copy.deepcopy(getattr(config, CONFIG_ATTRIBUTE, None))
 
 
 def method_state(module: nn.Module, implementation: str, causal: bool, query: torch.Tensor) -> AttentionMethodState:
@@ -105,7 +116,7 @@ def method_state(module: nn.Module, implementation: str, causal: bool, query: to
     num_heads, head_dim = query.shape[1], query.shape[-1]
     config = module.config
     state = module.__dict__.get("_performer_method_state")
-    if state is None or state.performer_key != state_key(config, implementation, causal, num_heads, head_dim):
+    if state is None or not is_current(state, config, implementation, causal, num_heads, head_dim):
         built = method_config(config, implementation, causal, num_heads, head_dim)
         with torch.device("cpu"):
             state = AttentionMethodState(built, module.layer_idx)
@@ -122,7 +133,7 @@ def method_state(module: nn.Module, implementation: str, causal: bool, query: to
                 tensors = learned.state_dict()
             state.load_state_dict(tensors)
             module.add_module(LEARNED_SUBMODULE, state)  # so that save_pretrained keeps the learned tensors
-        state.performer_key = state_key(config, implementation, causal, num_heads, head_dim)
+        mark_current(state, config, implementation, causal)
         # otherwise a plain attribute, not a submodule: the model's state dict stays the source's
         module.__dict__["_performer_method_state"] = state
         logger.debug("layer %d: %s attention, %s", module.layer_idx, implementation, built.attention_method)

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from ..modeling.attention_methods import softmax_attention
 from ..modeling.favor_hybrid import get_far_field
 from .attention_interface import TRANSFER_HOOK
-from .attention_settings import CONFIG_ATTRIBUTE, LEARNED_ATTRIBUTE, LEARNED_SUBMODULE, state_key
+from .attention_settings import CONFIG_ATTRIBUTE, LEARNED_ATTRIBUTE, LEARNED_SUBMODULE, mark_current
 
 logger = logging.getLogger(__name__)
 
@@ -221,10 +221,7 @@ def _record(model: nn.Module, states) -> None:
         setattr(config, CONFIG_ATTRIBUTE, settings)
     setattr(config, LEARNED_ATTRIBUTE, True)
     for _, state in states:  # the settings changed on purpose: keep the learned states
-        num_heads, head_dim = state.num_heads, state.head_dim
-        state.performer_key = state_key(
-            config, config._attn_implementation, state.performer_key[1], num_heads, head_dim
-        )
+        mark_current(state, config, config._attn_implementation, state.performer_key[1])
 
 
 def _row(default, layer: int, heads: int) -> list[float]:
