@@ -454,7 +454,21 @@ def markdown(result: dict) -> str:
                 values = [r["by_offset"][i]["accuracy"] for r in entry["runs"] if r["by_offset"][i].get("n")]
                 cells.append(f"{100 * statistics.mean(values):.1f}" if values else "-")
             lines.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
-    lengths = result["probe_lengths"]
+    seeds = sorted({run["seed"] for entry in arms.values() for run in entry["runs"]})
+    if len(seeds) > 1:
+        header = "| arm | " + " | ".join(f"seed {seed}" for seed in seeds) + " |"
+        lines += ["", "## Each seed: accuracy / accuracy with the passage beyond 512 (%)", "", header,
+                  "|---|" + "---|" * len(seeds)]  # fmt: skip
+        for entry in arms.values():
+            by_seed = {run["seed"]: run for run in entry["runs"]}
+            cells = [
+                f"{100 * by_seed[seed]['all']['accuracy']:.1f} / {100 * by_seed[seed]['beyond_512']['accuracy']:.1f}"
+                if seed in by_seed else "-"
+                for seed in seeds
+            ]  # fmt: skip
+            lines.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
+    # the lengths probed, in this run or in the run its seeds were pooled with
+    lengths = sorted({int(n) for entry in arms.values() for n in entry["cost"]})
     for key, title in (("train_step", "One training step (batch 1)"), ("forward", "One forward (batch 1)")):
         lines += ["", f"## {title}: seconds / peak extra resident memory", "",
                   "| arm | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]  # fmt: skip

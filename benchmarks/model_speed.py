@@ -10,6 +10,9 @@ from a source folder written here, positions set to the longest L:
     encoder   BertForMaskedLM shaped like all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads of 32,
               vocabulary 30,522) -> PerformerForMaskedLM, loss = masked-LM cross-entropy on every token
     decoder   GPT2LMHeadModel, 6 layers x 384, 12 heads -> PerformerForCausalLM, loss = next-token
+    llama     LlamaForCausalLM shaped like SmolLM2-135M but 6 layers (hidden 576, 9 query heads of 64 on 3
+              key/value heads, vocabulary 49,152) -> the same class with Performer attention (converted in
+              place: ``attn_implementation`` "performer_hybrid" / "performer"), loss = next-token
 
 Arms (``--arms``):
 
@@ -64,7 +67,7 @@ import torch
 
 logger = logging.getLogger("benchmarks.model_speed")
 
-MODELS = ("encoder", "decoder")
+MODELS = ("encoder", "decoder", "llama")
 ARMS = ("sdpa", "sdpa_fused", "flash", "hybrid", "favor", "exact", "approximation", "bound")
 SOURCE_ARMS = ("sdpa", "sdpa_fused", "flash")
 MODES = ("train", "inference")
@@ -76,9 +79,15 @@ LAYERS, HIDDEN, HEADS = 6, 384, 12
 
 def source_model(kind: str, positions: int, attention_dropout: float = 0.1):
     """A source model of ``kind`` with random weights (seeded) and ``positions`` positions, SDPA attention."""
-    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    if kind == "llama":  # no attention dropout in Llama: the sdpa arms are the same model
+        config = LlamaConfig(
+            num_hidden_layers=LAYERS, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+            num_key_value_heads=3, vocab_size=49152, max_position_embeddings=positions, tie_word_embeddings=True,
+        )  # fmt: skip
+        return LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
     if kind == "encoder":
         config = BertConfig(
             num_hidden_layers=LAYERS,
@@ -106,6 +115,8 @@ def build_models(kind: str, positions: int, arms: list[str], workdir: Path) -> d
     source.save_pretrained(folder)
     models = {}
     for arm in arms:
+        if kind == "llama" and arm in ("exact", "approximation", "bound"):
+            raise ValueError(f"the {arm!r} arm is for the Performer family; the llama model takes sdpa, hybrid, favor.")
         if arm in SOURCE_ARMS:
             models[arm] = source_model(kind, positions, attention_dropout=0.0 if arm == "sdpa_fused" else 0.1)
             continue
@@ -304,6 +315,8 @@ def measure_attention(args, workdir: Path) -> list[dict]:
     results = []
     dtype = getattr(torch, args.dtype)
     for kind in args.models:
+        if kind == "llama":
+            raise ValueError("--part attention times the Performer family's attention: pass --models encoder decoder.")
         causal = kind == "decoder"
         models = build_models(kind, 64, [a for a in args.arms if a not in SOURCE_ARMS], workdir)
         calls = {arm: AttentionCall(first_attention(m).to(args.device), causal) for arm, m in models.items()}
