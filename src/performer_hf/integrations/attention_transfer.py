@@ -45,7 +45,7 @@ MAX_FAR_FIELD_PARAMETER = 0.12  # FAVOR++'s A must stay below 1/8 (finite varian
 @dataclass
 class TransferReport:
     """What :func:`transfer_attention` did: steps, tokens, seconds, and the mean relative error per layer over
-    the first and the last ``window`` steps."""
+    the first and the last ``window`` steps (at most half the steps each)."""
 
     steps: int
     tokens: int
@@ -131,7 +131,7 @@ def transfer_attention(
             Inputs longer than the hybrid's window, so that its far field is in use.
         steps: optimizer steps (Adam).
         learning_rate: Adam's learning rate.
-        window: steps averaged for the report's first and last errors.
+        window: steps averaged for the report's first and last errors (at most half the steps each).
         progress: show a tqdm bar.
 
     Returns:
@@ -197,8 +197,9 @@ def transfer_attention(
             parameter.requires_grad_(True)
         model.train(was_training)
     _record(model, states)
+    span = max(1, min(window, len(errors) // 2))  # the first and last spans never overlap
     report = TransferReport(len(errors), tokens, time.perf_counter() - start,
-                            _mean(errors[:window]), _mean(errors[-window:]))  # fmt: skip
+                            _mean(errors[:span]), _mean(errors[-span:]))  # fmt: skip
     logger.info("attention transfer: %d steps, %d tokens, %.0f s; mean relative error %.4f -> %.4f", report.steps,
                 tokens, report.seconds, _overall(report.error_first), _overall(report.error_last))  # fmt: skip
     return report
