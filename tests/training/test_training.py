@@ -723,11 +723,18 @@ def test_lora_on_a_llama_with_performer_attention_trains_only_adapters(assets, t
     model = PeftModel.from_pretrained(base, tmp_path / "out").eval()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(assets["tokenizer"])
     ids = tokenizer(Path(assets["text"]).read_text()[:400], return_tensors="pt").input_ids[:, :32]
+    # the loaded adapter is the trained one (LoRA's B starts at zero: training moved it)
+    loaded = {name: p for name, p in model.named_parameters() if "lora_" in name}
+    assert len(loaded) == len(adapter)
+    for name, tensor in adapter.items():
+        assert torch.equal(loaded[name.replace(".weight", ".default.weight")], tensor)
+    assert all(tensor.abs().sum() > 0 for name, tensor in adapter.items() if "lora_B" in name)
+    untouched = AutoModelForCausalLM.from_pretrained(tiny_llama_performer).eval()
     with torch.no_grad():
-        adapted, plain = model(ids).logits, model.get_base_model()(ids).logits
+        adapted, base = model(ids).logits, untouched(ids).logits
         with model.disable_adapter():
             disabled = model(ids).logits
-    assert torch.equal(adapted, plain) and not torch.allclose(adapted, disabled)
+    assert torch.equal(disabled, base) and not torch.allclose(adapted, base)
     assert math.isfinite(metrics["eval_loss"])
 
 

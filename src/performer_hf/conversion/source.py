@@ -77,7 +77,11 @@ def _config_json(folder: Path) -> dict:
 
 def source_architecture(folder: Path) -> str:
     """The one architecture that ``folder``'s ``config.json`` names."""
-    architectures = _config_json(folder).get("architectures") or []
+    return _one_architecture(_config_json(folder))
+
+
+def _one_architecture(raw: dict) -> str:
+    architectures = raw.get("architectures") or []
     if len(architectures) != 1:
         raise ConversionError(
             f"config.json must name exactly one architecture (got {architectures}); supported: "
@@ -91,7 +95,7 @@ def read_source(folder: Path, repo_id: str | None) -> SourceCheckpoint:
     from transformers import CONFIG_MAPPING
 
     raw = _config_json(folder)
-    architecture = source_architecture(folder)
+    architecture = _one_architecture(raw)
     family = find_family(architecture)
     if raw.get("model_type") != family.model_type:
         raise ConversionError(

@@ -50,7 +50,7 @@ Tensor = torch.Tensor
 TRANSFER_HOOK: ContextVar[Callable | None] = ContextVar("performer_transfer_hook", default=None)
 
 
-def _keeps_own_attention(config, layer_idx: int) -> bool:
+def keeps_own_attention(config, layer_idx: int) -> bool:
     """Whether the layer is a sliding-window layer of a model that mixes sliding and full layers."""
     layer_types = getattr(config, "layer_types", None)
     return bool(layer_types) and layer_types[layer_idx] == "sliding_attention"
@@ -74,8 +74,8 @@ def performer_mask(*, attention_mask=None, kv_length: int, local_size: int | Non
     return None if bool(mask.all()) else mask
 
 
-def _key_mask(attention_mask, key_length: int):
-    """The (B, key_length) padding mask from what the mask function produced (or a user's mask)."""
+def _key_mask(attention_mask):
+    """The (B, P + L) padding mask from what the mask function produced (or a user's mask)."""
     if attention_mask is None or attention_mask.dim() == 2:
         return attention_mask
     raise ValueError(
@@ -97,7 +97,7 @@ def _performer_attention(implementation: str):
         **kwargs,
     ) -> tuple[Tensor, None]:
         """q (B, H, Lq, D), k and v (B, H_kv, Lk, D) with rotary positions applied -> ((B, Lq, H, D), None)."""
-        if _keeps_own_attention(module.config, module.layer_idx):
+        if keeps_own_attention(module.config, module.layer_idx):
             return ALL_ATTENTION_FUNCTIONS["sdpa"](
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
             )
@@ -115,7 +115,7 @@ def _performer_attention(implementation: str):
         groups = query.shape[1] // key.shape[1]
         if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (B, H, Lk, D)
-        key_mask = _key_mask(attention_mask, key.shape[2])
+        key_mask = _key_mask(attention_mask)
         transfer = TRANSFER_HOOK.get()
         if transfer is not None:
             context = transfer(state, query, key, value, key_mask, causal)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -94,14 +94,14 @@ def _learnable(state: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def _freeze(state: nn.Module) -> list[float] | None:
-    """Back to buffers (and A to plain numbers, returned)."""
+    """Back to buffers (and A, kept below 1/8 by the training loop, to plain numbers, returned)."""
     for name in list(state._parameters):
         if name != "far_field_parameter":
             _as_buffer(state, name)
     parameter = state._parameters.pop("far_field_parameter", None)
     if parameter is None:
         return None
-    state.far_field_parameter = [float(a) for a in parameter.detach().clamp(max=MAX_FAR_FIELD_PARAMETER)]
+    state.far_field_parameter = [float(a) for a in parameter.detach()]
     return state.far_field_parameter
 
 
@@ -127,7 +127,8 @@ def transfer_attention(
 
     Args:
         model: the model; its own weights are frozen (and left untouched).
-        batches: model inputs (``input_ids`` and optionally ``attention_mask``), cycled through for ``steps``.
+        batches: model inputs (``input_ids`` and optionally ``attention_mask``); step ``i`` takes batch
+            ``i % len(batches)``.
             Inputs longer than the hybrid's window, so that its far field is in use.
         steps: optimizer steps (Adam).
         learning_rate: Adam's learning rate.
@@ -139,23 +140,27 @@ def transfer_attention(
     """
     if steps < 1:
         raise ValueError(f"steps must be a positive number, got {steps}.")
-    batches = _cycle(batches)
-    first = next(batches)
+    batches = list(batches)
+    if not batches:
+        raise ValueError("no batches to train on.")
     was_training = model.training
     model.eval()
     frozen = [p for p in model.parameters() if p.requires_grad]
     for parameter in frozen:
         parameter.requires_grad_(False)
     with torch.no_grad():
-        model(**first)  # builds every layer's method state
+        model(**batches[0])  # builds every layer's method state
     states = _states(model)
     if not states:
         raise ValueError(
             "the model runs no Performer attention: load it with attn_implementation='performer_hybrid' (or "
             "'performer'), or convert it with performer_hf.convert."
         )
-    parameters = [p for _, state in states for p in _learnable(state).values()]
-    optimizer = torch.optim.Adam(parameters, lr=learning_rate)
+    learned = [_learnable(state) for _, state in states]
+    optimizer = torch.optim.Adam([p for parameters in learned for p in parameters.values()], lr=learning_rate)
+    far_field_parameters = [
+        parameters["far_field_parameter"] for parameters in learned if "far_field_parameter" in parameters
+    ]
     errors: list[dict[int, float]] = []
     layer_errors: dict[int, torch.Tensor] = {}
 
@@ -169,10 +174,8 @@ def transfer_attention(
     start, tokens = time.perf_counter(), 0
     token = TRANSFER_HOOK.set(match_softmax)
     try:
-        for step, batch in enumerate(tqdm(_chain(first, batches), total=steps, desc="attention transfer",
-                                          disable=not progress)):  # fmt: skip
-            if step == steps:
-                break
+        for step in tqdm(range(steps), desc="attention transfer", disable=not progress):
+            batch = batches[step % len(batches)]
             layer_errors.clear()
             model(**batch)
             loss = torch.stack(list(layer_errors.values())).sum()
@@ -185,9 +188,8 @@ def transfer_attention(
             loss.backward()
             optimizer.step()
             with torch.no_grad():
-                for _, state in states:
-                    if isinstance(getattr(state, "far_field_parameter", None), nn.Parameter):
-                        state.far_field_parameter.clamp_(max=MAX_FAR_FIELD_PARAMETER)
+                for parameter in far_field_parameters:
+                    parameter.clamp_(max=MAX_FAR_FIELD_PARAMETER)
             errors.append({layer: float(e.detach()) for layer, e in layer_errors.items()})
             tokens += int(batch["input_ids"].numel())
             logger.debug("transfer step %d: summed relative error %.4f", step + 1, float(loss.detach()))
@@ -238,16 +240,3 @@ def _mean(records: list[dict[int, float]]) -> dict[int, float]:
 
 def _overall(errors: dict[int, float]) -> float:
     return sum(errors.values()) / max(len(errors), 1)
-
-
-def _cycle(batches: Iterable) -> Iterator:
-    cached = list(batches)
-    if not cached:
-        raise ValueError("no batches to train on.")
-    while True:
-        yield from cached
-
-
-def _chain(first, rest: Iterator) -> Iterator:
-    yield first
-    yield from rest

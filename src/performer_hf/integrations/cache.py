@@ -19,7 +19,7 @@ from packaging.version import Version
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..modeling.attention_methods import ATTENTION_METHODS
-from .attention_interface import _keeps_own_attention
+from .attention_interface import keeps_own_attention
 from .attention_settings import IMPLEMENTATIONS, head_shape, method_config
 
 CACHE_KEYWORD = "cache" if Version(transformers.__version__) >= Version("5.24.0") else "past_key_values"
@@ -45,7 +45,7 @@ class PerformerCache(Cache):
         method = method_config(text_config, implementation, True, *head_shape(text_config)).attention_method
         layers = []
         for layer_idx in range(text_config.num_hidden_layers):
-            if _keeps_own_attention(text_config, layer_idx):
+            if keeps_own_attention(text_config, layer_idx):
                 layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
             else:
                 layers.append((ATTENTION_METHODS[method].cache_layer or DynamicLayer)())
