@@ -60,6 +60,15 @@ def test_convert_keeps_the_class_and_weights_and_names_the_attention(architectur
     assert torch.isfinite(logits).all() and not torch.allclose(logits, reference, atol=1e-5)
 
 
+def test_a_bfloat16_checkpoint_stays_bfloat16_byte_for_byte(tmp_path):
+    _save_source("LlamaForCausalLM", tmp_path / "fp32")
+    AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16).save_pretrained(tmp_path / "source")
+    out = performer_hf.convert(tmp_path / "source", tmp_path / "out")
+    before, after = load_file(tmp_path / "source" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert {t.dtype for t in after.values()} == {torch.bfloat16}
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Gemma3ForCausalLM"])
 def test_exact_conversion_matches_the_source(architecture, tmp_path):
     source = _save_source(architecture, tmp_path / "source")

@@ -67,8 +67,9 @@ def _attention_settings(overrides: dict[str, Any]) -> dict[str, Any]:
     return overrides
 
 
-def _load(folder: Path, row: InPlace, implementation: str, settings: dict[str, Any] | None):
-    """The source model (``implementation`` None: its own attention) or its Performer-attention twin."""
+def _load(folder: Path, row: InPlace, implementation: str, settings: dict[str, Any] | None, dtype="auto"):
+    """The source model (``implementation`` None: its own attention) or its Performer-attention twin, in the
+    checkpoint's own dtype unless ``dtype`` says otherwise."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
@@ -76,7 +77,7 @@ def _load(folder: Path, row: InPlace, implementation: str, settings: dict[str, A
         raise ConversionError(
             f"config.json has model_type={config.model_type!r}, but its architecture needs {row.model_type!r}."
         )
-    kwargs = {"config": config, "dtype": torch.float32}
+    kwargs = {"config": config, "dtype": dtype}
     if implementation is not None:
         setattr(config, CONFIG_ATTRIBUTE, settings)
         kwargs["attn_implementation"] = implementation
@@ -93,8 +94,8 @@ def _sample_ids(config, length: int = 64) -> torch.Tensor:
 def exact_parity(folder: Path, row: InPlace, implementation: str) -> float:
     """Largest |logit difference| between the source and its conversion with ``attention_kernel="exact"``:
     the adapter (masks, positions, grouped heads, scaling) checked against the source's own attention."""
-    source = _load(folder, row, None, None)
-    exact = _load(folder, row, implementation, {"attention_kernel": "exact"})
+    source = _load(folder, row, None, None, dtype=torch.float32)
+    exact = _load(folder, row, implementation, {"attention_kernel": "exact"}, dtype=torch.float32)
     ids = _sample_ids(source.config)
     return float((source(ids).logits - exact(ids).logits).abs().max())
 
