@@ -170,7 +170,7 @@ def bbc_news(seed: int = 0) -> dict[str, list[dict]]:
     return seeded_split(records, seed)
 
 
-def _stdlib_docstrings(min_chars: int) -> list[str]:
+def python_docstrings(min_chars: int = 200) -> list[str]:
     """Docstrings of at least ``min_chars`` characters from the standard library's modules, classes and
     functions (tests, IDLE and installed packages excluded), in file order."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -199,7 +199,7 @@ def python_docs(include_docstrings: bool = False, min_docstring_chars: int = 200
 
     documents = [topics[name] for name in sorted(topics)]
     if include_docstrings:
-        documents += _stdlib_docstrings(min_docstring_chars)
+        documents += python_docstrings(min_docstring_chars)
     return documents
 
 

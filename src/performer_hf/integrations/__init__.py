@@ -4,9 +4,10 @@
 trains their small learnable parts to match the source's softmax attention (``attention_transfer.py``)."""
 
 from .attention_interface import register_attention_implementations
-from .attention_transfer import TransferReport, transfer_attention
+from .attention_transfer import TransferReport, text_batches, transfer_attention
 from .cache import CACHE_KEYWORD, PerformerCache
 
 __all__ = [
-    "CACHE_KEYWORD", "PerformerCache", "TransferReport", "register_attention_implementations", "transfer_attention",
+    "CACHE_KEYWORD", "PerformerCache", "TransferReport", "register_attention_implementations", "text_batches",
+    "transfer_attention",
 ]  # fmt: skip

@@ -124,11 +124,12 @@ def method_state(module: nn.Module, implementation: str, causal: bool, query: to
             learned = module._modules.get(LEARNED_SUBMODULE)
             if learned is None:
                 tensors = _checkpoint_tensors(config, module.layer_idx)
-                logger.info(
-                    "layer %d: read the trained Performer attention tensors from %s (transformers' load report "
-                    "lists them as unexpected keys: the model class does not declare them)",
-                    module.layer_idx, config._name_or_path,
-                )  # fmt: skip
+                if config._name_or_path not in _REPORTED_CHECKPOINTS:  # once per checkpoint, not per layer
+                    _REPORTED_CHECKPOINTS.add(config._name_or_path)
+                    logger.info(
+                        "read the trained Performer attention tensors from %s (transformers' load report lists them "
+                        "as unexpected keys: the model class does not declare them)", config._name_or_path,
+                    )  # fmt: skip
             else:
                 tensors = learned.state_dict()
             state.load_state_dict(tensors)
@@ -143,6 +144,7 @@ def method_state(module: nn.Module, implementation: str, causal: bool, query: to
 
 
 LEARNED_ATTRIBUTE = "performer_learned_attention"
+_REPORTED_CHECKPOINTS: set[str] = set()
 LEARNED_SUBMODULE = "performer_attention"
 
 

@@ -156,6 +156,7 @@ def transfer_attention(
             "the model runs no Performer attention: load it with attn_implementation='performer_hybrid' (or "
             "'performer'), or convert it with performer_hf.convert."
         )
+    _centre_on_the_source(model, batches[0], states)
     learned = [_learnable(state) for _, state in states]
     optimizer = torch.optim.Adam([p for parameters in learned for p in parameters.values()], lr=learning_rate)
     far_field_parameters = [
@@ -205,6 +206,46 @@ def transfer_attention(
     logger.info("attention transfer: %d steps, %d tokens, %.0f s; mean relative error %.4f -> %.4f", report.steps,
                 tokens, report.seconds, _overall(report.error_first), _overall(report.error_last))  # fmt: skip
     return report
+
+
+@torch.no_grad()
+def _centre_on_the_source(model: nn.Module, batch: dict[str, torch.Tensor], states) -> None:
+    """Start the hybrid's fixed centres at the source's mean scaled query and key per head on ``batch``
+    (as the converter's calibration does): gradient steps alone would move them from zero far too slowly."""
+    centred = [state for _, state in states if getattr(getattr(state, "hybrid_spec", None), "center", False)]
+    if not centred:
+        return
+    means = {}
+
+    def record_means(state, q, k, v, key_mask, causal):
+        scale = q.shape[-1] ** -0.25  # the centres are in units of q and k times head_dim ** -0.25
+        weight = q.new_ones(q.shape[0], q.shape[2]) if key_mask is None else key_mask[:, -q.shape[2] :].float()
+        weight = (weight / weight.sum())[:, None, :, None]  # (B, 1, L, 1): the real tokens, equally
+        means[state.layer_idx] = ((q.float() * weight).sum((0, 2)) * scale, (k.float() * weight).sum((0, 2)) * scale)
+        return softmax_attention(q, k, v, key_mask, causal)[0]
+
+    token = TRANSFER_HOOK.set(record_means)
+    try:
+        model(**batch)
+    finally:
+        TRANSFER_HOOK.reset(token)
+    for state in centred:
+        query_mean, key_mean = means[state.layer_idx]  # (H, D) each
+        state.query_center.copy_(query_mean)
+        state.key_center.copy_(key_mean)
+
+
+def text_batches(tokenizer, texts: Iterable[str], length: int, count: int) -> list[dict[str, torch.Tensor]]:
+    """Up to ``count`` batches for :func:`transfer_attention`: consecutive ``length``-token windows
+    ``{"input_ids": (1, length)}`` of ``texts`` joined by blank lines (fewer when the text runs out)."""
+    ids = tokenizer("\n\n".join(texts), return_tensors="pt", verbose=False).input_ids[0]  # (N,)
+    windows = min(count, ids.numel() // length)
+    if windows == 0:
+        raise ValueError(
+            f"the transfer text has {ids.numel()} tokens, fewer than one window of {length}: give more text or "
+            "a shorter length."
+        )
+    return [{"input_ids": ids[i * length : (i + 1) * length][None]} for i in range(windows)]
 
 
 def _record(model: nn.Module, states) -> None:
