@@ -81,6 +81,15 @@ def _parser() -> argparse.ArgumentParser:
                            f"(default {DEFAULT_METHOD})")  # fmt: skip
     conv.add_argument("--calibrate", action="store_true",
                       help="fix centres / FAVOR++ A per layer and head from sample text")  # fmt: skip
+    conv.add_argument("--transfer-steps", type=int, default=0,
+                      help="Llama & co.: train the attention's feature maps for N steps to match the source's "
+                           "attention on unlabelled text (default 0: none)")  # fmt: skip
+    conv.add_argument(
+        "--transfer-text",
+        metavar="FILE",
+        help="UTF-8 text for --transfer-steps (default: the Python standard library's docstrings)",
+    )
+    conv.add_argument("--transfer-length", type=int, default=1024, help="tokens per transfer step (default 1024)")
     conv.add_argument("--set", dest="fields", action="append", default=[], metavar="FIELD=VALUE",
                       help="any other PerformerConfig field, e.g. --set hidden_dropout_prob=0.0")  # fmt: skip
     conv.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder after success")
@@ -161,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "convert":
             output = convert(args.source, args.output_dir, overwrite=args.overwrite, base_model=args.base_model,
                              revision=args.revision, fidelity=args.fidelity, method=args.method,
-                             calibrate=args.calibrate, **_overrides(args))  # fmt: skip
+                             calibrate=args.calibrate, transfer_steps=args.transfer_steps,
+                             transfer_text=args.transfer_text, transfer_length=args.transfer_length,
+                             **_overrides(args))  # fmt: skip
             print(output)
         elif args.command == "zoo":
             _zoo(args)

@@ -2,19 +2,22 @@
 the class and the weights are kept, the config names the attention, exact mode reproduces the source."""
 
 import json
+import random
 
 import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 import performer_hf
 from performer_hf.cli import main
 from performer_hf.conversion import SUPPORTED_ARCHITECTURES, ConversionError
 from performer_hf.conversion.in_place import IN_PLACE_ARCHITECTURES
+from performer_hf.integrations import text_batches
 
-from .test_attention_interface import DECODERS, _ids
+from .test_attention_interface import DECODERS, VOCAB, _ids
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -95,3 +98,79 @@ def test_fields_the_architecture_fixes_are_refused_before_anything_is_written(tm
         performer_hf.convert(tmp_path / "source", tmp_path / "out", max_position_embeddings=4096)
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["source"]
+
+
+def _save_tokenizer(folder, text):
+    """A word-level tokenizer over ``text``'s words (the tiny sources have none)."""
+    words = sorted(set(text.split()))
+    assert len(words) < VOCAB
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
+
+
+def _transfer_text(path, words=600):
+    rng = random.Random(0)
+    path.write_text(" ".join(f"w{rng.randrange(60)}" for _ in range(words)))
+    return path
+
+
+def test_convert_with_attention_transfer_equals_transfer_attention_on_the_text(tmp_path):
+    source = _save_source("LlamaForCausalLM", tmp_path / "source")
+    text_file = _transfer_text(tmp_path / "text.txt")
+    _save_tokenizer(tmp_path / "source", text_file.read_text())
+    out = tmp_path / "out"
+    args = ["convert", str(tmp_path / "source"), str(out), "--local-window", "8", "--transfer-steps", "4",
+            "--transfer-text", str(text_file), "--transfer-length", "32", "-q"]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads((out / "conversion_report.json").read_text())["attention_transfer"]
+    assert report["text"] == "text.txt" and report["steps"] == 4 and report["tokens"] == 4 * 32
+    assert "Attention transfer at conversion" in (out / "README.md").read_text()
+    before, after = load_file(tmp_path / "source" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the source's weights, byte for byte
+    assert any(".performer_attention.projection" in k for k in after.keys() - before.keys())
+
+    # the same transfer by hand, on the same windows of the same text
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "source", attn_implementation="performer_hybrid").eval()
+    model.config.performer_attention = {"local_window": 8}
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "source")
+    batches = text_batches(tokenizer, [text_file.read_text()], 32, 4)
+    performer_hf.transfer_attention(model, batches, steps=4, progress=False)
+    converted = AutoModelForCausalLM.from_pretrained(out).eval()
+    zero_shot = _load_zero_shot(tmp_path)
+    ids = _ids(1, 48)
+    with torch.no_grad():
+        expected = model(ids).logits
+        torch.testing.assert_close(converted(ids).logits, expected, atol=1e-6, rtol=1e-6)
+        assert not torch.allclose(zero_shot(ids).logits, expected, atol=1e-4)
+        assert not torch.allclose(source(ids).logits, expected, atol=1e-4)
+
+
+def _load_zero_shot(tmp_path):
+    out = performer_hf.convert(tmp_path / "source", tmp_path / "zero-shot", local_window=8, fidelity=False)
+    return AutoModelForCausalLM.from_pretrained(out).eval()
+
+
+def test_bad_transfer_requests_are_refused_before_anything_is_written(tmp_path):
+    _save_source("LlamaForCausalLM", tmp_path / "source")
+    text_file = _transfer_text(tmp_path / "text.txt", words=20)
+    _save_tokenizer(tmp_path / "source", text_file.read_text())
+    cases = [
+        ({"transfer_steps": 2, "transfer_text": tmp_path / "missing.txt"}, "is not a file"),
+        ({"transfer_text": text_file}, "without transfer steps"),
+        ({"transfer_steps": -1}, "whole number of steps"),
+        ({"transfer_steps": 2, "transfer_text": text_file, "transfer_length": 32}, "fewer than one window of 32"),
+        ({"transfer_steps": 2, "transfer_text": text_file, "transfer_length": 16}, "train on longer inputs"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ConversionError, match=message):
+            performer_hf.convert(tmp_path / "source", tmp_path / "out", **options)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["source", "text.txt"]
+    bert = tmp_path / "bert"
+    bert_config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    )
+    transformers.BertModel(bert_config).save_pretrained(bert)
+    with pytest.raises(ConversionError, match="for the models converted in place"):
+        performer_hf.convert(bert, tmp_path / "out", transfer_steps=2)
+    assert not (tmp_path / "out").exists()

@@ -19,7 +19,7 @@ from ..modeling.configuration_performer import FAVOR_KERNELS, HYBRID_KERNELS, Pe
 from .calibration import calibrate as calibrate_model
 from .errors import ConversionError
 from .fidelity import FidelityReport, measure_fidelity, sample_batch
-from .in_place import IN_PLACE_ARCHITECTURES, convert_in_place
+from .in_place import IN_PLACE_ARCHITECTURES, TransferSettings, convert_in_place
 from .mapping import POSITION_TABLE, MappingResult, extend_positions, map_weights
 from .model_card import build_model_card, source_license
 from .output_folder import check_output_dir, publish
@@ -242,6 +242,22 @@ def _copy_tokenizer(source: Path, target: Path, positions: int, extended: bool) 
     return copied
 
 
+def _transfer_settings(steps: int, text: str | Path | None, length: int) -> TransferSettings | None:
+    """The attention-transfer settings, checked before any work; None without transfer."""
+    if not isinstance(steps, int) or steps < 0:
+        raise ConversionError(f"transfer_steps must be a whole number of steps (0: no transfer), got {steps!r}.")
+    if not isinstance(length, int) or length < 2:
+        raise ConversionError(f"transfer_length must be a number of tokens of at least 2, got {length!r}.")
+    if steps == 0:
+        if text is not None:
+            raise ConversionError("a transfer text was given without transfer steps: set --transfer-steps too.")
+        return None
+    text_file = None if text is None else Path(text).expanduser()
+    if text_file is not None and not text_file.is_file():
+        raise ConversionError(f"the transfer text {str(text_file)!r} is not a file: pass a UTF-8 text file.")
+    return TransferSettings(steps, text_file, length)
+
+
 def convert(
     source: str | Path,
     output_dir: str | Path,
@@ -252,6 +268,9 @@ def convert(
     fidelity: bool = True,
     method: str | None = None,
     calibrate: bool = False,
+    transfer_steps: int = 0,
+    transfer_text: str | Path | None = None,
+    transfer_length: int = 1024,
     **overrides: Any,
 ) -> Path:
     """Convert a pretrained BERT / RoBERTa / GPT-2 checkpoint into a Performer checkpoint, or a Llama / Mistral /
@@ -280,6 +299,13 @@ def convert(
         calibrate: measure fixed per-layer statistics (centres, FAVOR++ ``A`` per head) on sample text
             with the source as teacher (see ``calibration.py``). Causal hybrid models that centre or use
             ``"softmax_opt"`` are always calibrated (they must not read later tokens).
+        transfer_steps: models converted in place: train the attention's learnable parts (feature projection,
+            centres, FAVOR++ ``A``) for this many steps to match the source's attention on unlabelled text
+            (:func:`performer_hf.transfer_attention`); 0: none.
+        transfer_text: a UTF-8 text file for attention transfer (default: the Python standard library's
+            docstrings, which ship with Python).
+        transfer_length: tokens per transfer step; longer than the hybrid's window, so that its far field
+            is trained.
         **overrides: ``PerformerConfig`` fields, e.g. ``attention_kernel="exact"``, ``nb_features=128``,
             ``local_window=33``, ``max_position_embeddings=4096`` (tokens; the pretrained position table
             is tiled to fill it).
@@ -293,13 +319,23 @@ def convert(
     """
     output_dir = Path(output_dir).expanduser().absolute()
     check_output_dir(output_dir, overwrite)
+    transfer = _transfer_settings(transfer_steps, transfer_text, transfer_length)
     folder, repo_id = resolve_source(source, revision)
     architecture = source_architecture(folder)
     if architecture in IN_PLACE_ARCHITECTURES:  # Llama & co. keep their class; only the attention changes
         if calibrate:
-            raise ConversionError(f"--calibrate is not available yet for {architecture} (converted in place).")
+            raise ConversionError(
+                f"--calibrate is not available for {architecture} (converted in place): use --transfer-steps, "
+                "which starts from calibrated centres."
+            )
         return convert_in_place(folder, output_dir, architecture, _method(method, overrides), overrides, fidelity,
-                                base_model or repo_id or folder.name)  # fmt: skip
+                                base_model or repo_id or folder.name, transfer)  # fmt: skip
+    if transfer is not None:
+        raise ConversionError(
+            "attention transfer (--transfer-steps) is for the models converted in place "
+            f"({', '.join(IN_PLACE_ARCHITECTURES)}); a {architecture} becomes a Performer model, whose hybrid "
+            "attention is calibrated with --calibrate."
+        )
     checkpoint = read_source(folder, repo_id)
     head = checkpoint.family.heads[checkpoint.architecture]
     config = performer_config(checkpoint, overrides, method)

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
+from ..data_assets import python_docstrings
 from ..integrations.attention_settings import ATTENTION_FIELDS, CONFIG_ATTRIBUTE, head_shape, method_config
+from ..integrations.attention_transfer import TransferReport, text_batches, transfer_attention
 from .errors import ConversionError
 from .model_card import build_in_place_card, source_license
 from .output_folder import publish
@@ -48,6 +50,27 @@ IN_PLACE_ARCHITECTURES: dict[str, InPlace] = {
     "Qwen3ForCausalLM": InPlace("qwen3"),
     "Gemma3ForCausalLM": InPlace("gemma3_text"),
 }
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    """Attention transfer at conversion (:func:`performer_hf.transfer_attention`): ``steps`` windows of
+    ``length`` tokens from ``text_file`` (UTF-8 text; None: the standard library's docstrings, which ship with
+    Python), Adam at ``learning_rate``."""
+
+    steps: int
+    text_file: Path | None = None
+    length: int = 1024
+    learning_rate: float = 1e-2
+
+    @property
+    def text_name(self) -> str:
+        return "the Python standard library's docstrings" if self.text_file is None else self.text_file.name
+
+    def texts(self) -> list[str]:
+        if self.text_file is None:
+            return python_docstrings()
+        return [self.text_file.read_text(encoding="utf-8")]
 
 
 def _auto_class(row: InPlace):
@@ -100,6 +123,18 @@ def exact_parity(folder: Path, row: InPlace, implementation: str) -> float:
     return float((source(ids).logits - exact(ids).logits).abs().max())
 
 
+def _transfer(model, folder: Path, transfer: TransferSettings) -> TransferReport:
+    """Run attention transfer on ``model`` (see :class:`TransferSettings`)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    try:
+        batches = text_batches(tokenizer, transfer.texts(), transfer.length, transfer.steps)
+        return transfer_attention(model, batches, transfer.steps, learning_rate=transfer.learning_rate)
+    except ValueError as error:  # too little text, or windows the exact support covers
+        raise ConversionError(f"attention transfer: {error}") from None
+
+
 def convert_in_place(
     folder: Path,
     output_dir: Path,
@@ -108,10 +143,12 @@ def convert_in_place(
     overrides: dict[str, Any],
     fidelity: bool,
     base_model: str,
+    transfer: TransferSettings | None = None,
 ) -> Path:
     """Write ``folder``'s model with Performer attention to ``output_dir`` (already checked): the same weights,
     the config naming the attention implementation and its settings, the tokenizer, a model card
-    (``README.md``, naming ``base_model``) and ``conversion_report.json``."""
+    (``README.md``, naming ``base_model``) and ``conversion_report.json``. With ``transfer``, the attention's
+    learnable parts are first trained to match the source's attention (the weights stay the source's)."""
     row = IN_PLACE_ARCHITECTURES[architecture]
     implementation = IMPLEMENTATION_OF_METHOD[method]
     settings = _attention_settings(overrides)
@@ -124,6 +161,7 @@ def convert_in_place(
     model = _load(folder, row, implementation, settings)
     with torch.no_grad():
         model(_sample_ids(model.config, 8))  # resolves and records the settings in the config
+    transferred = _transfer(model, folder, transfer) if transfer is not None and transfer.steps else None
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
     try:
@@ -141,6 +179,7 @@ def convert_in_place(
             "attention": getattr(model.config, CONFIG_ATTRIBUTE),
             "exact_parity_max_abs_diff": parity,
             "copied_files": sorted(copied),
+            "attention_transfer": transferred and {"text": transfer.text_name, **transferred.to_dict()},
         }
         (staging / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
         text_config = model.config.get_text_config()
@@ -148,6 +187,7 @@ def convert_in_place(
             base_model=base_model, license_name=source_license(folder), architecture=architecture,
             implementation=implementation, parity=parity,
             method=method_config(text_config, implementation, True, *head_shape(text_config)),
+            transfer=None if transferred is None else (transfer.text_name, transferred),
         )  # fmt: skip
         card.save(staging / "README.md")
         publish(staging, output_dir)
