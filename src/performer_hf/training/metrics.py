@@ -25,9 +25,11 @@ def token_statistics(logits: torch.Tensor, labels: torch.Tensor, shift: bool) ->
     if shift:
         logits, labels = logits[:, :-1], labels[:, 1:]  # (B, L-1, V), (B, L-1)
     scored = labels != IGNORE_INDEX  # (B, L)
+    # rows of (B * L, V): cross_entropy over the (B, V, L) transpose accumulates the log-sum-exp along a strided
+    # axis, 1.5e-4 off in the mean loss of a 49K-token vocabulary (SmolLM2) where rows are 1e-5 off float64
     losses = F.cross_entropy(
-        logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none"
-    )  # (B, L), 0 where ignored
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(labels.shape)  # (B, L), 0 where ignored
     correct = (logits.argmax(dim=-1) == labels) & scored  # (B, L)
     return {
         "loss_sum": losses.double().sum(dim=1),
