@@ -1,5 +1,5 @@
 """The model zoo: the registry and its checks, the `performer-hf zoo` command and its error paths, and
-quick builds of the MiniLM and GPT-2 recipes end to end, their figures recomputed independently."""
+quick builds of the MiniLM, GPT-2 and SmolLM2 recipes end to end, their figures recomputed independently."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import ModelCard
+from safetensors.torch import load_file
 
 from performer_hf import data_assets
 from performer_hf.cli import main
 from performer_hf.conversion.demo import minilm_folder
 from performer_hf.conversion.fidelity import english_sentences
+from performer_hf.model_assets import smollm2_checkpoint
 from performer_hf.zoo import ZooError, build, get_entry, load_registry, model_names
 from performer_hf.zoo import builder as zoo_builder
 
@@ -40,12 +42,15 @@ def _model_index_metrics(card: ModelCard) -> dict[str, float]:
 
 def test_registry_lists_the_required_models_with_complete_recipes():
     names = model_names()
-    assert names[:3] == ["performer-minilm-l6", "performer-minilm-l6-rotten-tomatoes", "performer-gpt2-tiny"]
+    assert names == ["performer-minilm-l6", "performer-minilm-l6-rotten-tomatoes", "performer-gpt2-tiny",
+                     "smollm2-135m-performer-hybrid"]  # fmt: skip
     for name in names:
         for quick in (False, True):
             entry = get_entry(name, quick=quick)
             assert entry.description and entry.license and entry.limits
-            assert entry.convert["method"] == "favor"
+            assert entry.convert["method"] == ("hybrid" if name.startswith("smollm2") else "favor")
+    smollm2 = get_entry("smollm2-135m-performer-hybrid")
+    assert smollm2.source == {"asset": "smollm2"} and smollm2.convert["transfer_steps"] > 0
     sentiment = get_entry("performer-minilm-l6-rotten-tomatoes")
     assert sentiment.data == "rotten_tomatoes" and sentiment.finetune["task"] == "classification"
     assert sentiment.evaluate == {"kind": "classification", "split": "test"}
@@ -285,3 +290,37 @@ def test_quick_sentiment_build_finetunes_the_model_and_its_softmax_reference(tmp
     assert card.data.datasets == ["cornell-movie-review-data/rotten_tomatoes"]
     assert _model_index_metrics(card) == pytest.approx({k: rows["this model"][k] for k in ("accuracy", "f1")}, abs=1e-4)
     assert f"| {entry.reference['label']} |" in card.text and "attention_kernel='exact'" in card.text
+
+
+def test_quick_smollm2_build_linearizes_the_real_llm_with_attention_transfer(tmp_path):
+    out = build("smollm2-135m-performer-hybrid", tmp_path / "smollm2", quick=True)
+    entry = get_entry("smollm2-135m-performer-hybrid", quick=True)
+    results = json.loads((out / "zoo_results.json").read_text())
+    conversion = results["conversion"]
+    assert conversion["attn_implementation"] == "performer_hybrid"
+    assert conversion["attention_transfer"]["steps"] == entry.convert["transfer_steps"]
+    source = smollm2_checkpoint()
+    before, after = load_file(source / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(torch.equal(before[name], after[name]) for name in before)  # every weight is the source's
+    assert any(name.endswith("performer_attention.projection") for name in after.keys() - before.keys())
+
+    # the reported perplexity, recomputed from the test split with the HF loss
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.performer_attention["local_window"] == 16
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    test = data_assets.seeded_split([{"text": t} for t in data_assets.python_docs()], 0)["test"][: entry.data_limit]
+    ids = [token for record in test for token in tokenizer(record["text"])["input_ids"]]
+    size = entry.evaluate["block_size"]
+    blocks = torch.tensor(ids[: len(ids) // size * size]).view(-1, size)[: entry.evaluate["max_blocks"]]
+    with torch.no_grad():  # one block at a time, as the recipe evaluates (batch_size 1); equal-sized blocks
+        loss = torch.stack([model(input_ids=block[None], labels=block[None]).loss for block in blocks]).mean()
+    rows = results["evaluation"]["rows"]
+    assert list(rows) == ["this model", "softmax source model"]
+    assert rows["this model"]["perplexity"] == pytest.approx(loss.exp().item(), rel=1e-4)
+
+    card = _card(out)
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "`performer_hybrid`" in card.text and "Attention transfer at conversion" in card.text
+    assert "PerformerCache" in card.text and "trust_remote_code" not in card.text

