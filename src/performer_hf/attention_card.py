@@ -68,3 +68,18 @@ def hybrid_lines(config: PerformerConfig) -> list[str]:
     if config.attention_kernel == "softmax_opt":
         lines.append(f"- FAVOR++ parameter A: {parameter}")
     return lines
+
+
+def transfer_summary(transfer: dict) -> str:
+    """What attention transfer did, from its record in ``conversion_report.json`` (``text``, ``steps``,
+    ``tokens``, ``relative_error_first`` / ``relative_error_last`` per layer)."""
+    first, last = (
+        sum(errors.values()) / len(errors)
+        for errors in (transfer["relative_error_first"], transfer["relative_error_last"])
+    )
+    return (
+        f"Attention transfer at conversion: the attention's feature projection, centres and FAVOR++ parameters were "
+        f"trained for {transfer['steps']} steps on {transfer['tokens']:,} tokens of {transfer['text']} to match the "
+        f"source's attention outputs, every other weight frozen (mean relative error per layer {first:.4f} -> "
+        f"{last:.4f})."
+    )

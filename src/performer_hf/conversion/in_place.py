@@ -23,7 +23,7 @@ import torch
 
 from ..data_assets import python_docstrings
 from ..integrations.attention_settings import ATTENTION_FIELDS, CONFIG_ATTRIBUTE, head_shape, method_config
-from ..integrations.attention_transfer import TransferReport, text_batches, transfer_attention
+from ..integrations.attention_transfer import text_batches, transfer_attention
 from .errors import ConversionError
 from .model_card import build_in_place_card, source_license
 from .output_folder import publish
@@ -123,16 +123,17 @@ def exact_parity(folder: Path, row: InPlace, implementation: str) -> float:
     return float((source(ids).logits - exact(ids).logits).abs().max())
 
 
-def _transfer(model, folder: Path, transfer: TransferSettings) -> TransferReport:
-    """Run attention transfer on ``model`` (see :class:`TransferSettings`)."""
+def _transfer(model, folder: Path, transfer: TransferSettings) -> dict:
+    """Run attention transfer on ``model`` (see :class:`TransferSettings`); returns its record for the report."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     try:
         batches = text_batches(tokenizer, transfer.texts(), transfer.length, transfer.steps)
-        return transfer_attention(model, batches, transfer.steps, learning_rate=transfer.learning_rate)
+        report = transfer_attention(model, batches, transfer.steps, learning_rate=transfer.learning_rate)
     except ValueError as error:  # too little text, or windows the exact support covers
         raise ConversionError(f"attention transfer: {error}") from None
+    return {"text": transfer.text_name, **report.to_dict()}
 
 
 def convert_in_place(
@@ -179,7 +180,7 @@ def convert_in_place(
             "attention": getattr(model.config, CONFIG_ATTRIBUTE),
             "exact_parity_max_abs_diff": parity,
             "copied_files": sorted(copied),
-            "attention_transfer": transferred and {"text": transfer.text_name, **transferred.to_dict()},
+            "attention_transfer": transferred,
         }
         (staging / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
         text_config = model.config.get_text_config()
@@ -187,7 +188,7 @@ def convert_in_place(
             base_model=base_model, license_name=source_license(folder), architecture=architecture,
             implementation=implementation, parity=parity,
             method=method_config(text_config, implementation, True, *head_shape(text_config)),
-            transfer=None if transferred is None else (transfer.text_name, transferred),
+            transfer=transferred,
         )  # fmt: skip
         card.save(staging / "README.md")
         publish(staging, output_dir)

@@ -7,9 +7,8 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from ..attention_card import KERNEL_DESCRIPTIONS, hybrid_lines, method_description
+from ..attention_card import KERNEL_DESCRIPTIONS, hybrid_lines, method_description, transfer_summary
 from ..integrations.attention_settings import ATTENTION_FIELDS
-from ..integrations.attention_transfer import TransferReport
 from .fidelity import FidelityReport
 
 logger = logging.getLogger(__name__)
@@ -151,20 +150,13 @@ def build_model_card(
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
 
 
-def _transfer_paragraph(transfer: tuple[str, TransferReport] | None) -> str:
+def _transfer_paragraph(transfer: dict | None) -> str:
     if transfer is None:
         return (
             "Converted zero-shot, without finetuning: expect lower quality than the source, most of all with plain "
             "FAVOR+."
         )
-    text, report = transfer
-    first, last = (sum(errors.values()) / len(errors) for errors in (report.error_first, report.error_last))
-    return (
-        f"Attention transfer at conversion: the attention's feature projection, centres and FAVOR++ parameters were "
-        f"trained for {report.steps} steps on {report.tokens:,} tokens of {text} to match the source's attention "
-        f"outputs (mean relative error per layer {first:.4f} -> {last:.4f}); every other weight is the source's. "
-        "No finetuning: expect lower quality than the source."
-    )
+    return transfer_summary(transfer) + " No finetuning: expect lower quality than the source."
 
 
 def build_in_place_card(
@@ -175,11 +167,11 @@ def build_in_place_card(
     implementation: str,
     method,
     parity: float | None,
-    transfer: tuple[str, TransferReport] | None = None,
+    transfer: dict | None = None,
 ) -> ModelCard:
     """The card of a model converted in place (``in_place.py``): the source class with Performer attention;
-    ``method``: the ``PerformerConfig`` that carries its attention settings; ``transfer``: the text and the
-    report of attention transfer, if it ran."""
+    ``method``: the ``PerformerConfig`` that carries its attention settings; ``transfer``: attention transfer's
+    record in ``conversion_report.json``, if it ran."""
     data = ModelCardData(
         base_model=base_model,
         license=license_name,

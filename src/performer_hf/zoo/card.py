@@ -13,7 +13,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from ..attention_card import KERNEL_DESCRIPTIONS, hybrid_lines
+from ..attention_card import KERNEL_DESCRIPTIONS, hybrid_lines, transfer_summary
 from ..integrations.attention_settings import head_shape, method_config
 from ..modeling.configuration_performer import PerformerConfig
 from .data import DATA_SETS, HUB_DATASETS
@@ -23,7 +23,6 @@ from .registry import MODEL_ASSETS, ZooEntry
 TEMPLATE_FILE = "model_card_template.md"
 AUTO_CLASSES = {"feature-extraction": "AutoModel", "text-classification": "AutoModelForSequenceClassification",
                 "text-generation": "AutoModelForCausalLM", "fill-mask": "AutoModelForMaskedLM"}  # fmt: skip
-_TRANSFER_ERRORS = ("relative_error_first", "relative_error_last")
 _COUNTS = ("examples", "tokens")  # reported in the tables, not as model-index metrics
 _METRIC_NAMES = {"accuracy": "accuracy", "f1": "macro F1", "perplexity": "perplexity",
                  "mean_cosine_to_source": "mean cosine to the softmax source",
@@ -101,15 +100,8 @@ def _steps(entry: ZooEntry, results: dict) -> list[str]:
             f"Converted with {_call('performer_hf.convert', entry.convert)}: the source's class and every weight "
             f"kept, softmax attention swapped for the attention implementation `{conversion['attn_implementation']}`."
         )
-        transfer = conversion.get("attention_transfer")
-        if transfer:
-            first, last = (sum(transfer[k].values()) / len(transfer[k]) for k in _TRANSFER_ERRORS)
-            steps.append(
-                f"Attention transfer at conversion: the attention's feature projection, centres and FAVOR++ "
-                f"parameters trained for {transfer['steps']} steps on {transfer['tokens']:,} tokens of "
-                f"{transfer['text']} to match the source's attention outputs, every other weight frozen; mean "
-                f"relative error per layer {first:.4f} -> {last:.4f}."
-            )
+        if conversion.get("attention_transfer"):
+            steps.append(transfer_summary(conversion["attention_transfer"]))
     else:
         positions = conversion["positions"]
         extended = positions["converted"] > positions["pretrained"]
