@@ -151,7 +151,7 @@ def _tensor_bytes(value) -> int:
 def prefill(model, context: torch.Tensor, chunk: int = 2048):
     """The cache after ``context`` (in chunks: no (L, L) matrix for the source) and the next token."""
     options = _cache_options(model)
-    cache = options.get(CACHE_KEYWORD) or DynamicCache(config=model.config)
+    cache = options[CACHE_KEYWORD] if options else DynamicCache(config=model.config)
     for start in range(0, context.shape[1], chunk):
         out = model(context[:, start : start + chunk], use_cache=True, logits_to_keep=1, **{CACHE_KEYWORD: cache})
     return cache, out.logits[:, -1].argmax(-1, keepdim=True)

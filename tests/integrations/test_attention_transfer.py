@@ -4,7 +4,9 @@ exactly."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import performer_hf
 from performer_hf import PerformerCache
@@ -77,3 +79,30 @@ def test_transfer_refuses_inputs_the_window_covers_and_models_without_performer_
         performer_hf.transfer_attention(model, _batches(), steps=2, progress=False)
     with pytest.raises(ValueError, match="runs no Performer attention"):
         performer_hf.transfer_attention(source, _batches(), steps=2, progress=False)
+
+
+def test_transfer_starts_the_centres_at_the_sources_mean_query_and_key(tmp_path):
+    """Independent reference: the rotated queries and keys the source's own attention receives, captured by an
+    attention function that then runs SDPA."""
+    source, folder = _source(DECODERS["llama"], tmp_path)
+    captured = {}
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        captured[module.layer_idx] = (query, key.repeat_interleave(groups, dim=1))  # (B, H, L, d) each
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("capture_queries_and_keys", capture)
+    AttentionMaskInterface.register("capture_queries_and_keys", sdpa_mask)
+    ids = _ids(2, 48, seed=5)
+    source.set_attn_implementation("capture_queries_and_keys")
+    with torch.no_grad():
+        source(ids)
+    model = _load(folder, "performer_hybrid", **SHORT_WINDOW["performer_hybrid"])
+    performer_hf.transfer_attention(model, [{"input_ids": ids}], steps=1, learning_rate=0.0, progress=False)
+    for layer, (query, key) in captured.items():
+        learned = model.model.layers[layer].self_attn.performer_attention
+        scale = query.shape[-1] ** -0.25
+        torch.testing.assert_close(learned.query_center, query.mean(dim=(0, 2)) * scale, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(learned.key_center, key.mean(dim=(0, 2)) * scale, atol=1e-5, rtol=1e-5)
+    assert len(captured) == 2 and learned.query_center.abs().max() > 0

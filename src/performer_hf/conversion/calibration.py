@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..modeling.attention_methods import exact_attention, hybrid_method
+from ..modeling.favor_hybrid import fixed_centres
 from ..modeling.favor_optimal import optimal_parameter
 from ..modeling.layers_performer import PerformerAttention
 from .fidelity import approximation_only
@@ -118,15 +119,15 @@ def calibrate(
     with approximation_only(model):  # A is chosen for the far field, which short inputs would skip
         for module, hidden in zip(_attention_modules(model), attention_inputs(exact, batch), strict=True):
             qkv = _heads(module, hidden)
-            root = module.head_dim**-0.25
-            x, y = (t.transpose(1, 2)[mask] * root for t in qkv[:2])  # (N, H, d): scaled, real tokens
-            a, c = x.mean(0), y.mean(0)  # (H, d)
+            a, c = fixed_centres(*qkv[:2], mask)  # (H, d)
             if config.center_features:
                 module.query_center.copy_(a)
                 module.key_center.copy_(c)
             else:
                 a = c = torch.zeros_like(a)
             if optimise:
+                root = module.head_dim**-0.25
+                x, y = (t.transpose(1, 2)[mask] * root for t in qkv[:2])  # (N, H, d): scaled, real tokens
                 u, w = (x - a).double(), (y - c).double()  # (N, H, d)
                 # rho = mean_{i,j} |u_i + w_j|^2 / d = (mean |u|^2 + mean |w|^2 + 2 mean u . mean w) / d
                 rho = u.pow(2).sum(-1).mean(0) + w.pow(2).sum(-1).mean(0) + 2 * (u.mean(0) * w.mean(0)).sum(-1)

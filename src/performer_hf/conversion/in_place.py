@@ -56,12 +56,11 @@ IN_PLACE_ARCHITECTURES: dict[str, InPlace] = {
 class TransferSettings:
     """Attention transfer at conversion (:func:`performer_hf.transfer_attention`): ``steps`` windows of
     ``length`` tokens from ``text_file`` (UTF-8 text; None: the standard library's docstrings, which ship with
-    Python), Adam at ``learning_rate``."""
+    Python)."""
 
     steps: int
     text_file: Path | None = None
     length: int = 1024
-    learning_rate: float = 1e-2
 
     @property
     def text_name(self) -> str:
@@ -130,7 +129,7 @@ def _transfer(model, folder: Path, transfer: TransferSettings) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     try:
         batches = text_batches(tokenizer, transfer.texts(), transfer.length, transfer.steps)
-        report = transfer_attention(model, batches, transfer.steps, learning_rate=transfer.learning_rate)
+        report = transfer_attention(model, batches, transfer.steps)
     except ValueError as error:  # too little text, or windows the exact support covers
         raise ConversionError(f"attention transfer: {error}") from None
     return {"text": transfer.text_name, **report.to_dict()}
@@ -162,7 +161,7 @@ def convert_in_place(
     model = _load(folder, row, implementation, settings)
     with torch.no_grad():
         model(_sample_ids(model.config, 8))  # resolves and records the settings in the config
-    transferred = _transfer(model, folder, transfer) if transfer is not None and transfer.steps else None
+    transferred = _transfer(model, folder, transfer) if transfer is not None else None
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
     try:

@@ -33,7 +33,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..modeling.attention_methods import softmax_attention
-from ..modeling.favor_hybrid import get_far_field
+from ..modeling.favor_hybrid import fixed_centres, get_far_field
 from .attention_interface import TRANSFER_HOOK
 from .attention_settings import CONFIG_ATTRIBUTE, LEARNED_ATTRIBUTE, LEARNED_SUBMODULE, mark_current
 
@@ -218,10 +218,7 @@ def _centre_on_the_source(model: nn.Module, batch: dict[str, torch.Tensor], stat
     means = {}
 
     def record_means(state, q, k, v, key_mask, causal):
-        scale = q.shape[-1] ** -0.25  # the centres are in units of q and k times head_dim ** -0.25
-        weight = q.new_ones(q.shape[0], q.shape[2]) if key_mask is None else key_mask[:, -q.shape[2] :].float()
-        weight = (weight / weight.sum())[:, None, :, None]  # (B, 1, L, 1): the real tokens, equally
-        means[state.layer_idx] = ((q.float() * weight).sum((0, 2)) * scale, (k.float() * weight).sum((0, 2)) * scale)
+        means[state.layer_idx] = fixed_centres(q.float(), k.float(), key_mask)  # (H, d) each
         return softmax_attention(q, k, v, key_mask, causal)[0]
 
     token = TRANSFER_HOOK.set(record_means)
@@ -230,7 +227,7 @@ def _centre_on_the_source(model: nn.Module, batch: dict[str, torch.Tensor], stat
     finally:
         TRANSFER_HOOK.reset(token)
     for state in centred:
-        query_mean, key_mean = means[state.layer_idx]  # (H, D) each
+        query_mean, key_mean = means[state.layer_idx]
         state.query_center.copy_(query_mean)
         state.key_center.copy_(key_mean)
 

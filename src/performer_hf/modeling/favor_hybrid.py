@@ -171,6 +171,16 @@ class HybridState(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- helpers
+def fixed_centres(q: Tensor, k: Tensor, key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Causal hybrid attention's fixed centres (``query_center``, ``key_center``): the mean query and key per head
+    ``(H, d)`` over the real tokens of q, k ``(B, H, L, d)``, in units of q and k times ``d ** -0.25``."""
+    B, _, L, d = q.shape
+    real = torch.ones(B, L, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
+    real = real[:, -L:].bool()  # (B, L): the queries' own tokens
+    x, y = (t.transpose(1, 2)[real] * d**-0.25 for t in (q, k))  # (N, H, d): scaled, real tokens
+    return x.mean(0), y.mean(0)
+
+
 def _masked_mean(t: Tensor, mask: Tensor) -> Tensor:
     """(B, H, L, d) -> (B, H, 1, d): mean over real positions (zeros where there are none)."""
     keep = mask[:, None, :, None].to(t.dtype)  # (B, 1, L, 1)
