@@ -81,10 +81,12 @@ def _routed_support(x, y, mask, block_q, block_k, left, right, nb_routed, group_
 
 def reference(q, k, v, W=None, *, far_field="softmax", causal=False, mask=None, local_window=0,
               num_global_tokens=0, routed_blocks=0, route_block_size=8, route_group_size=0, query_block_size=16,
-              center=False, far_field_parameter=None, query_center=None, key_center=None):  # fmt: skip
-    """sum_j w_ij v_j / sum_j w_ij with w_ij = exp(x_i . y_j) on the support, kappa(x_i, y_j) elsewhere.
+              center=False, far_field_parameter=None, far_field_gain=None, query_center=None,
+              key_center=None):  # fmt: skip
+    """sum_j w_ij v_j / sum_j w_ij with w_ij = exp(x_i . y_j) on the support, g kappa(x_i, y_j) elsewhere.
 
-    Centres: the means (``center``), fixed ones (``query_center``, ``key_center``: (H, d), scaled units) or none."""
+    Centres: the means (``center``), fixed ones (``query_center``, ``key_center``: (H, d), scaled units) or none.
+    ``far_field_gain`` g: a float or one per head (H,); None: 1."""
     B, H, L, d = q.shape
     x, y = q * d**-0.25, k * d**-0.25
     mask = torch.ones(B, L, dtype=torch.bool) if mask is None else mask
@@ -107,6 +109,8 @@ def reference(q, k, v, W=None, *, far_field="softmax", causal=False, mask=None, 
     else:
         kernel = feature_map(u, W, far_field) @ feature_map(w, W, far_field).transpose(-2, -1)
     kernel = kernel * log_weight.exp()  # (B, H, L, L): estimates exp(x . y)
+    if far_field_gain is not None:
+        kernel = kernel * torch.as_tensor(far_field_gain, dtype=kernel.dtype).reshape(-1, 1, 1)  # (H or 1, 1, 1)
 
     i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
     support = torch.zeros(B, H, L, L, dtype=torch.bool)

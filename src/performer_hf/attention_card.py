@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 from .modeling.attention_methods import ATTENTION_METHODS
 from .modeling.configuration_performer import PerformerConfig
 
@@ -49,7 +51,7 @@ def hybrid_lines(config: PerformerConfig) -> list[str]:
         else "none"
     )
     if isinstance(config.far_field_parameter, list):
-        parameter = "calibrated per layer and head at conversion"
+        parameter = "per layer and head, calibrated or learned at conversion"
     elif config.far_field_parameter is not None:
         parameter = f"{config.far_field_parameter}"
     else:
@@ -67,6 +69,14 @@ def hybrid_lines(config: PerformerConfig) -> list[str]:
     ]
     if config.attention_kernel == "softmax_opt":
         lines.append(f"- FAVOR++ parameter A: {parameter}")
+    if isinstance(config.far_field_gain, list):
+        gains = sorted(gain for row in config.far_field_gain for gain in row)
+        lines.append(
+            "- far-field gain per layer and head (learned by attention transfer): "
+            f"median {statistics.median(gains):.3g}, from {gains[0]:.3g} to {gains[-1]:.3g}"
+        )
+    elif config.far_field_gain is not None:
+        lines.append(f"- far-field gain: {config.far_field_gain}")
     return lines
 
 

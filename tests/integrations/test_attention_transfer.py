@@ -1,6 +1,6 @@
-"""Attention transfer on tiny random models: the method's learnable parts (projection, centres, FAVOR++'s A)
-move toward softmax attention, the model's own weights do not, and the result saves, reloads and decodes
-exactly."""
+"""Attention transfer on tiny random models: the method's learnable parts (projection, centres, FAVOR++'s A,
+the far-field gain) move toward softmax attention, the model's own weights do not, and the result saves, reloads
+and decodes exactly."""
 
 import pytest
 import torch
@@ -41,10 +41,15 @@ def test_transfer_lowers_the_error_and_touches_only_the_attention_parameters(imp
     learned = dict(model.model.layers[0].self_attn.performer_attention.named_buffers())
     expected = {"projection", "query_center", "key_center"} if implementation == "performer_hybrid" else {"projection"}
     assert set(learned) == expected
-    if implementation == "performer_hybrid":  # FAVOR++'s A per layer and head, below 1/8
+    if implementation == "performer_hybrid":  # FAVOR++'s A and the far-field gain per layer and head
         rows = model.config.performer_attention["far_field_parameter"]
         assert len(rows) == 2 and all(len(row) == 4 and max(row) < 0.125 for row in rows)
         assert rows[0] != [0.0] * 4
+        gains = model.config.performer_attention["far_field_gain"]
+        assert len(gains) == 2 and all(len(row) == 4 and min(row) > 0 for row in gains)
+        assert gains[0] != [1.0] * 4
+        state = model.model.layers[0].self_attn.performer_attention
+        assert state.far_field_gain == gains[0]  # what the model now runs with: plain numbers, no graph
 
 
 def test_a_transferred_model_saves_reloads_and_decodes_exactly(tmp_path):

@@ -259,3 +259,65 @@ def test_the_lagged_causal_far_field_equals_decoding_from_its_state(far_field):
         for a, b in zip(torch.autograd.grad(lagged.sum(), (q, k, v)), torch.autograd.grad(stepwise.sum(), (q, k, v)),
                         strict=True):  # fmt: skip
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-11)
+
+
+GAINS = torch.tensor([0.3, 1.7], dtype=torch.float64)  # one per head
+
+
+@pytest.mark.parametrize("far_field", sorted(FAR_FIELDS))
+@pytest.mark.parametrize("causal,config", [(True, CONFIGS[1]), (False, CONFIGS[3])], ids=["causal", "bidirectional"])
+def test_far_field_gain_scales_the_kernel_against_the_support(far_field, causal, config):
+    q, k, v = random_qkv()
+    W = _projection()
+    mask = right_padding(2, 45)
+    kwargs = _kwargs(far_field, causal, config)
+    centres = {"query_center": torch.randn(2, 8) * 0.3, "key_center": torch.randn(2, 8) * 0.3} if causal else {}
+    out = hybrid_attention(q, k, v, W, key_padding_mask=mask, far_field_gain=GAINS, chunk_size=8, **centres, **kwargs)
+    ref = reference(q, k, v, W, mask=mask, far_field_gain=GAINS, **centres, **kwargs)
+    plain = reference(q, k, v, W, mask=mask, **centres, **kwargs)
+    real = mask[:, None, :, None]
+    torch.testing.assert_close(out * real, ref * real, rtol=1e-9, atol=1e-10)
+    assert (ref - plain).abs().amax() > 1e-3  # the gain changes the output
+
+
+def test_far_field_gain_without_the_compiled_kernels(monkeypatch):
+    # the compiled bidirectional polynomial kernels take no gain: a gain must take the PyTorch path
+    monkeypatch.delenv("PERFORMER_HF_CPU_KERNELS")
+    q, k, v = random_qkv()
+    kwargs = dict(far_field="poly2", local_window=5, num_global_tokens=1, center=True)
+    out = hybrid_attention(q.float(), k.float(), v.float(), far_field_gain=GAINS, **kwargs)
+    torch.testing.assert_close(out.double(), reference(q, k, v, far_field_gain=GAINS, **kwargs), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("far_field", ["softmax", "poly2", "softmax_opt"])
+def test_far_field_gain_decoding_equals_one_causal_pass(far_field):
+    q, k, v = random_qkv(length=20, scale=2.0)
+    W = _projection()
+    kwargs = dict(_kwargs(far_field, True, dict(local_window=4, num_global_tokens=2)), far_field_gain=GAINS)
+    full = hybrid_attention(q, k, v, W, chunk_size=4, **kwargs)
+    state, outs = None, []
+    for start, stop in ((0, 7), (7, 8), (8, 20)):
+        part = [t[:, :, start:stop] for t in (q, k, v)]
+        out, state = hybrid_attention(*part, W, chunk_size=4, initial_state=state, return_state=True, **kwargs)
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("far_field", ["softmax_opt", "poly2"])
+def test_far_field_gain_gradient_matches_reference(far_field):
+    q, k, v = random_qkv(length=21)
+    W = _projection()
+    kwargs = _kwargs(far_field, True, dict(local_window=3, num_global_tokens=1))
+    gain = GAINS.clone().requires_grad_()
+    probe = torch.randn(2, 2, 21, 8, dtype=torch.float64)
+    fast = hybrid_attention(q, k, v, W, chunk_size=4, far_field_gain=gain, **kwargs)
+    (g_fast,) = torch.autograd.grad((fast * probe).sum(), gain)
+    (g_ref,) = torch.autograd.grad((reference(q, k, v, W, far_field_gain=gain, **kwargs) * probe).sum(), gain)
+    torch.testing.assert_close(g_fast, g_ref, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("gain", [0.0, -1.0, [1.0, 0.0]])
+def test_far_field_gain_must_be_positive(gain):
+    q, k, v = random_qkv(length=12)
+    with pytest.raises(ValueError, match="far_field_gain must be positive"):
+        hybrid_attention(q, k, v, far_field="poly2", local_window=3, far_field_gain=gain)

@@ -89,6 +89,9 @@ def test_which_attention_a_config_selects(overrides, hybrid, layer_type):
         ({"attention_kernel": "poly2", "far_field_parameter": -0.1}, "only applies to attention_kernel='softmax_opt'"),
         ({"attention_kernel": "softmax_opt", "far_field_parameter": [[-0.1] * HEADS]}, "num_hidden_layers=2 lists"),
         ({"attention_kernel": "softmax_opt", "far_field_parameter": 0.2}, "must be below 1/8"),
+        ({"attention_kernel": "poly2", "far_field_gain": 0.0}, "far_field_gain must be positive"),
+        ({"attention_kernel": "poly2", "far_field_gain": [[1.0] * HEADS]}, "num_hidden_layers=2 lists"),
+        ({"attention_kernel": "relu", "far_field_gain": 0.5}, "cannot be the far field of hybrid attention"),
     ],
 )
 def test_invalid_hybrid_settings_name_the_problem(overrides, message):
@@ -129,21 +132,29 @@ def _merge_heads(module, context):
         {**BIDIRECTIONAL, "attention_kernel": "softmax_opt", "center_features": False},  # A from each sequence
         {**BIDIRECTIONAL, "attention_kernel": "softmax_opt", "far_field_parameter": PER_LAYER_A},
         {**BIDIRECTIONAL, "route_group_size": 2, "routed_blocks": 1},  # 6 key blocks in 3 groups of 2, 1 kept
+        {**BIDIRECTIONAL, "far_field_gain": [[0.5] * HEADS, [0.2, 3.0] + [1.0] * (HEADS - 2)]},
     ],
-    ids=["poly2-centred", "softmax-centred", "softmax_opt-closed-form", "softmax_opt-per-layer-A", "routing-groups"],
+    ids=[
+        "poly2-centred",
+        "softmax-centred",
+        "softmax_opt-closed-form",
+        "softmax_opt-per-layer-A",
+        "routing-groups",
+        "per-layer-gain",
+    ],  # fmt: skip
 )
 @torch.no_grad()
 def test_bidirectional_attention_module_equals_the_dense_reference(overrides):
     module = hybrid_model(PerformerModel, **overrides).double().encoder.layer[1].attention
     hidden, q, k, v, mask = _module_inputs(module)
     config = module_config = tiny_config(**overrides)
-    parameter = module_config.layer_far_field_parameter(1)
+    parameter, gain = module_config.layer_far_field_parameter(1), module_config.layer_far_field_gain(1)
     expected = reference(
         q, k, v, module.projection, far_field=config.attention_kernel, mask=mask, local_window=config.local_window,
         num_global_tokens=config.num_global_tokens, routed_blocks=config.routed_blocks,
         route_block_size=config.route_block_size, route_group_size=config.route_group_size,
         query_block_size=config.query_block_size, center=config.center_features,
-        far_field_parameter=None if parameter is None else torch.tensor(parameter),
+        far_field_parameter=None if parameter is None else torch.tensor(parameter), far_field_gain=gain,
     )  # fmt: skip
     got, _ = module(hidden, mask, causal=False)
     real = mask.bool()
@@ -387,7 +398,8 @@ def test_convert_command_with_hybrid_flags(tiny_sources, tmp_path, capsys):
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=random_ids(2, 40)).logits).all()
     card = (out / "README.md").read_text()
-    assert "FAVOR++ parameter A: calibrated per layer and head" in card and "exact local window: 5 tokens" in card
+    assert "FAVOR++ parameter A: per layer and head, calibrated or learned at conversion" in card
+    assert "exact local window: 5 tokens" in card
 
 
 def test_method_favor_converts_to_plain_favor_and_hybrid_rejects_favor_only_kernels(tiny_sources, tmp_path, capsys):

@@ -37,6 +37,7 @@ ATTENTION_FIELDS = (
     "attention_kernel", "nb_features", "feature_coupling", "feature_row_norms", "projection_seed",
     "causal_chunk_size", "exact_max_length", "local_window", "num_global_tokens", "routed_blocks",
     "route_block_size", "route_group_size", "query_block_size", "center_features", "far_field_parameter",
+    "far_field_gain",
 )  # fmt: skip
 
 _DEFAULTS = {name: getattr(PerformerConfig(), name) for name in ATTENTION_FIELDS}

@@ -7,7 +7,10 @@ What is learned, per attention layer (an :class:`~performer_hf.modeling.layers_p
 - the feature projection ``(m, d)`` of FAVOR+ and of the hybrid's random-feature far fields: it starts as the
   seeded orthogonal draw and becomes a learned positive feature map;
 - the hybrid's fixed centres ``query_center`` / ``key_center`` ``(H, d)`` (``center_features``);
-- FAVOR++'s ``A`` per head (``attention_kernel="softmax_opt"``), kept below 1/8.
+- FAVOR++'s ``A`` per head (``attention_kernel="softmax_opt"``), kept below 1/8;
+- the hybrid's far-field gain per head (``far_field_gain``, learned as its log at ``GAIN_LEARNING_RATE_FACTOR``
+  times the learning rate): the far field's weight against the exact support. Where the far field's estimate
+  of the softmax mass outside the support does more harm than good, transfer turns it down.
 
 The objective: for every layer, the mean squared error between the method's output and softmax attention's
 on the same queries, keys and values, relative to the mean square of softmax attention's output (so layers
@@ -15,10 +18,11 @@ weigh alike), summed over the layers. The model runs with its own softmax attent
 each layer learns from the inputs it sees in the source model, and one forward and backward trains every
 layer at once at the cost of the source's forward plus the method's.
 
-After :func:`transfer_attention`, ``config.performer_learned_attention`` is True, ``A`` is written to the
-config's ``performer_attention`` and the learned tensors ride in the model's state dict (submodule
-``performer_attention`` of each attention module): ``save_pretrained`` writes them, and ``from_pretrained``
-(which reports them as keys the source class does not know) reads them back on the first forward.
+After :func:`transfer_attention`, ``config.performer_learned_attention`` is True, ``A`` and the gains are written
+to the config's ``performer_attention`` (per layer and head) and the learned tensors ride in the model's state
+dict (submodule ``performer_attention`` of each attention module): ``save_pretrained`` writes them, and
+``from_pretrained`` (which reports them as keys the source class does not know) reads them back on the first
+forward.
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ from .attention_settings import CONFIG_ATTRIBUTE, LEARNED_ATTRIBUTE, LEARNED_SUB
 logger = logging.getLogger(__name__)
 
 MAX_FAR_FIELD_PARAMETER = 0.12  # FAVOR++'s A must stay below 1/8 (finite variance)
+# The far-field gains' log moves this many times faster than the rest: a few hundred steps must be able to turn
+# a far field down by orders of magnitude, while the centres and projections take small steps.
+GAIN_LEARNING_RATE_FACTOR = 10.0
+# (config field, the learned tensor's name, the field's neutral value): per-head values that transfer learns and
+# writes to the config
+_CONFIG_VALUES = (("far_field_parameter", "far_field_parameter", 0.0), ("far_field_gain", "far_field_log_gain", 1.0))
 
 
 @dataclass
@@ -90,19 +100,32 @@ def _learnable(state: nn.Module) -> dict[str, nn.Parameter]:
     if spec is not None and get_far_field(spec.far_field).uses_parameter:
         value = torch.as_tensor(state.far_field_parameter, dtype=torch.float32).expand(state.num_heads).clone()
         state.far_field_parameter = learned["far_field_parameter"] = nn.Parameter(value)  # (H,)
+    if spec is not None:
+        gain = torch.as_tensor(1.0 if state.far_field_gain is None else state.far_field_gain, dtype=torch.float32)
+        learned["far_field_log_gain"] = nn.Parameter(gain.expand(state.num_heads).log())  # (H,)
+        _use_gain(state, learned["far_field_log_gain"])
     return learned
 
 
-def _freeze(state: nn.Module) -> list[float] | None:
-    """Back to buffers (and A, kept below 1/8 by the training loop, to plain numbers, returned)."""
-    for name in list(state._parameters):
-        if name != "far_field_parameter":
+def _use_gain(state: nn.Module, log_gain: nn.Parameter) -> None:
+    """The gain the next forward uses, from its learned log (recomputed after every optimizer step)."""
+    state.far_field_gain = log_gain.exp()  # (H,)
+
+
+def _freeze(state: nn.Module, learned: dict[str, nn.Parameter]) -> dict[str, list[float]]:
+    """Back to buffers; A (kept below 1/8 by the training loop) and the gains become plain numbers on the state,
+    returned by config field."""
+    values = {}
+    for field, name, _ in _CONFIG_VALUES:
+        if name in learned:
+            numbers = learned[name].detach().exp() if name == "far_field_log_gain" else learned[name].detach()
+            values[field] = [float(number) for number in numbers]
+            state._parameters.pop(name, None)  # A was a registered parameter
+            setattr(state, field, values[field])
+    for name in learned:
+        if name in state._parameters:
             _as_buffer(state, name)
-    parameter = state._parameters.pop("far_field_parameter", None)
-    if parameter is None:
-        return None
-    state.far_field_parameter = [float(a) for a in parameter.detach()]
-    return state.far_field_parameter
+    return values
 
 
 def _relative_error(prediction: torch.Tensor, target: torch.Tensor, key_mask) -> torch.Tensor:
@@ -158,7 +181,13 @@ def transfer_attention(
         )
     _centre_on_the_source(model, batches[0], states)
     learned = [_learnable(state) for _, state in states]
-    optimizer = torch.optim.Adam([p for parameters in learned for p in parameters.values()], lr=learning_rate)
+    gains = [(state, parameters["far_field_log_gain"]) for (_, state), parameters in zip(states, learned, strict=True)
+             if "far_field_log_gain" in parameters]  # fmt: skip
+    tensors = [p for parameters in learned for name, p in parameters.items() if name != "far_field_log_gain"]
+    optimizer = torch.optim.Adam([
+        {"params": tensors},
+        {"params": [log_gain for _, log_gain in gains], "lr": learning_rate * GAIN_LEARNING_RATE_FACTOR},
+    ], lr=learning_rate)  # fmt: skip
     far_field_parameters = [
         parameters["far_field_parameter"] for parameters in learned if "far_field_parameter" in parameters
     ]
@@ -191,6 +220,8 @@ def transfer_attention(
             with torch.no_grad():
                 for parameter in far_field_parameters:
                     parameter.clamp_(max=MAX_FAR_FIELD_PARAMETER)
+            for state, log_gain in gains:
+                _use_gain(state, log_gain)
             errors.append({layer: float(e.detach()) for layer, e in layer_errors.items()})
             tokens += int(batch["input_ids"].numel())
             logger.debug("transfer step %d: summed relative error %.4f", step + 1, float(loss.detach()))
@@ -199,7 +230,7 @@ def transfer_attention(
         for parameter in frozen:
             parameter.requires_grad_(True)
         model.train(was_training)
-    _record(model, states)
+    _record(model, states, learned)
     span = max(1, min(window, len(errors) // 2))  # the first and last spans never overlap
     report = TransferReport(len(errors), tokens, time.perf_counter() - start,
                             _mean(errors[:span]), _mean(errors[-span:]))  # fmt: skip
@@ -245,30 +276,33 @@ def text_batches(tokenizer, texts: Iterable[str], length: int, count: int) -> li
     return [{"input_ids": ids[i * length : (i + 1) * length][None]} for i in range(windows)]
 
 
-def _record(model: nn.Module, states) -> None:
-    """Learned tensors into the state dict (submodules), A into the config, the flag that says so."""
+def _record(model: nn.Module, states, learned: list[dict[str, nn.Parameter]]) -> None:
+    """Learned tensors into the state dict (submodules), A and the gains into the config, the flag that says so."""
     config = model.config.get_text_config()
-    parameters = {}
-    for module, state in states:
-        values = _freeze(state)
-        if values is not None:
-            parameters[state.layer_idx] = values
+    per_layer: dict[str, dict[int, list[float]]] = {}  # config field -> layer -> one number per head
+    for (module, state), parameters in zip(states, learned, strict=True):
+        for field, values in _freeze(state, parameters).items():
+            per_layer.setdefault(field, {})[state.layer_idx] = values
         module.add_module(LEARNED_SUBMODULE, state)
-    if parameters:
+    if per_layer:
         settings = dict(getattr(config, CONFIG_ATTRIBUTE))
-        default = settings.get("far_field_parameter")
-        rows = [parameters.get(i, _row(default, i, states[0][1].num_heads)) for i in range(config.num_hidden_layers)]
-        settings["far_field_parameter"] = rows
+        heads = states[0][1].num_heads
+        for field, _, neutral in _CONFIG_VALUES:
+            if field in per_layer:
+                default = settings.get(field, neutral)
+                layers = range(config.num_hidden_layers)
+                settings[field] = [per_layer[field].get(i, _row(default, neutral, i, heads)) for i in layers]
         setattr(config, CONFIG_ATTRIBUTE, settings)
     setattr(config, LEARNED_ATTRIBUTE, True)
     for _, state in states:  # the settings changed on purpose: keep the learned states
         mark_current(state, config, config._attn_implementation, state.performer_key[1])
 
 
-def _row(default, layer: int, heads: int) -> list[float]:
+def _row(default, neutral: float, layer: int, heads: int) -> list[float]:
+    """A layer transfer did not train (one that keeps its own attention): its configured values per head."""
     if isinstance(default, list):
         return list(default[layer])
-    return [float(default or 0.0)] * heads
+    return [float(neutral if default is None else default)] * heads
 
 
 def _mean(records: list[dict[int, float]]) -> dict[int, float]:

@@ -129,6 +129,8 @@ def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None) -> T
         kwargs.update(query_center=module.query_center, key_center=module.key_center)
     if module.far_field_parameter is not None:
         kwargs["far_field_parameter"] = module.far_field_parameter
+    if module.far_field_gain is not None:
+        kwargs["far_field_gain"] = module.far_field_gain
     projection = module.projection if module.uses_projection else None
     with torch.autocast(q.device.type, enabled=False):  # float32 inside, as for FAVOR+
         if layer_cache is None:

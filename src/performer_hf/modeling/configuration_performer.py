@@ -89,6 +89,9 @@ class PerformerConfig(PreTrainedConfig):
       layer and head, or a `num_hidden_layers x num_attention_heads` list (calibrated at conversion).
       `None`: the closed-form optimum from each sequence's statistics (bidirectional only; causal
       models need fixed values).
+    - `far_field_gain`: a positive factor on the hybrid's far-field kernel, against its exact support: one
+      number for every layer and head, or a `num_hidden_layers x num_attention_heads` list (learned by
+      attention transfer, which lowers it where the far field's estimate does more harm than good). `None`: 1.
 
     Example:
 
@@ -141,6 +144,7 @@ class PerformerConfig(PreTrainedConfig):
     query_block_size: int = 16
     center_features: bool = False
     far_field_parameter: float | int | list[list[float | int]] | None = None
+    far_field_gain: float | int | list[list[float | int]] | None = None
 
     @property
     def head_dim(self) -> int:
@@ -158,6 +162,7 @@ class PerformerConfig(PreTrainedConfig):
             or self.routed_blocks > 0
             or self.center_features
             or self.far_field_parameter is not None
+            or self.far_field_gain is not None
         )
 
     @property
@@ -207,6 +212,12 @@ class PerformerConfig(PreTrainedConfig):
             return self.far_field_parameter[layer_idx]
         return self.far_field_parameter
 
+    def layer_far_field_gain(self, layer_idx: int) -> float | list[float] | None:
+        """The far-field gain of layer `layer_idx`: one number, one per head, or None (1)."""
+        if isinstance(self.far_field_gain, list):
+            return self.far_field_gain[layer_idx]
+        return self.far_field_gain
+
     def validate_architecture(self):
         """Part of `@strict` validation: reject settings the model cannot be built with."""
         if self.hidden_size % self.num_attention_heads != 0:
@@ -254,12 +265,14 @@ class PerformerConfig(PreTrainedConfig):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}.")
         self._validate_far_field_parameter()
+        self._validate_far_field_gain()
         if not self.uses_hybrid_attention:
             return
         if self.attention_kernel not in HYBRID_KERNELS:
             raise ValueError(
                 f"attention_kernel={self.attention_kernel!r} cannot be the far field of hybrid attention "
-                f"(local_window, num_global_tokens, routed_blocks, center_features or far_field_parameter is set); "
+                "(local_window, num_global_tokens, routed_blocks, center_features, far_field_parameter or "
+                f"far_field_gain is set); "
                 f"choose one of {HYBRID_KERNELS}, or set those fields to 0 / False / None for plain FAVOR+."
             )
         if self.is_decoder and self.routed_blocks:
@@ -283,22 +296,30 @@ class PerformerConfig(PreTrainedConfig):
                 f"far_field_parameter is FAVOR++'s A and only applies to attention_kernel='softmax_opt' "
                 f"(got attention_kernel={self.attention_kernel!r}); set it to None."
             )
-        if isinstance(value, list):
-            shape_ok = len(value) == self.num_hidden_layers and all(
-                len(row) == self.num_attention_heads for row in value
-            )
-            if not shape_ok:
-                raise ValueError(
-                    "far_field_parameter given per layer must be a list of num_hidden_layers="
-                    f"{self.num_hidden_layers} lists of num_attention_heads={self.num_attention_heads} numbers."
-                )
-            values = [a for row in value for a in row]
-        else:
-            values = [value]
-        if max(values) >= 0.125:
+        largest = max(self._per_head_values("far_field_parameter"))
+        if largest >= 0.125:
+            raise ValueError(f"far_field_parameter (FAVOR++'s A) must be below 1/8 (finite variance); got {largest}.")
+
+    def _validate_far_field_gain(self):
+        if self.far_field_gain is None:
+            return
+        if min(self._per_head_values("far_field_gain")) <= 0:
             raise ValueError(
-                f"far_field_parameter (FAVOR++'s A) must be below 1/8 (finite variance); got {max(values)}."
+                f"far_field_gain must be positive (a factor on the far-field kernel); got {self.far_field_gain}. "
+                "Use None for 1."
             )
+
+    def _per_head_values(self, name: str) -> list[float]:
+        """The numbers of a field given as one number or per layer and head (checking the shape)."""
+        value = getattr(self, name)
+        if not isinstance(value, list):
+            return [value]
+        if len(value) != self.num_hidden_layers or any(len(row) != self.num_attention_heads for row in value):
+            raise ValueError(
+                f"{name} given per layer must be a list of num_hidden_layers={self.num_hidden_layers} lists of "
+                f"num_attention_heads={self.num_attention_heads} numbers."
+            )
+        return [number for row in value for number in row]
 
 
 __all__ = ["PerformerConfig"]

@@ -195,6 +195,16 @@ def _as_center(center: Tensor, like: Tensor) -> Tensor:
     return center.unsqueeze(-2)
 
 
+def _log_gain(gain: Tensor | float | list[float], like: Tensor) -> Tensor:
+    """A far-field gain given as a float, (H,) or (B, H) -> its log (1 or B, 1 or H, 1, 1), in ``like``'s dtype."""
+    gain = torch.as_tensor(gain, device=like.device).to(like.dtype)
+    if bool((gain <= 0).any()):
+        raise ValueError(f"far_field_gain must be positive (a factor on the far-field kernel); got {gain.tolist()}.")
+    while gain.dim() < 2:
+        gain = gain.unsqueeze(0)
+    return gain.log()[..., None, None]
+
+
 def _divide_clamped(out1: Tensor) -> Tensor:
     """(..., dv + 1) numerator|denominator -> (..., dv); 0 where nothing was visible."""
     return out1[..., :-1] / out1[..., -1:].clamp_min(torch.finfo(out1.dtype).tiny)
@@ -276,6 +286,7 @@ def hybrid_attention(
     query_center: Tensor | None = None,
     key_center: Tensor | None = None,
     far_field_parameter: Tensor | float | None = None,
+    far_field_gain: Tensor | float | list[float] | None = None,
     initial_state: HybridState | None = None,
     return_state: bool = False,
     **settings,
@@ -312,6 +323,8 @@ def hybrid_attention(
             centres instead (required for causal centering).
         far_field_parameter: FAVOR++'s ``A`` (float or ``(H,)`` / ``(B, H)``); when ``None`` it is
             the closed-form optimum from the sequence's statistics (bidirectional only).
+        far_field_gain: a positive factor on the far-field kernel (float or ``(H,)`` / ``(B, H)``): the far
+            field's weight against the exact support (``None``: 1). Attention transfer learns it per head.
         chunk_size: positions per chunk of the causal prefix-sum scan (speed/memory only).
         query_center, key_center: fixed centres (see ``center``).
         initial_state: causal only: the :class:`HybridState` of the preceding tokens (decoding).
@@ -361,7 +374,9 @@ def hybrid_attention(
         else:
             parameter = optimal_parameter(pair_statistic(x - a, y - c, mask)).to(dtype)  # (B, H)
 
-    kernels = None if causal or far.quadratic is None else support_kernels(q, k, v)
+    # (the compiled kernels read the queries' centering weights as the far field's scale: no gain there)
+    compiled = not causal and far.quadratic is not None and far_field_gain is None
+    kernels = support_kernels(q, k, v) if compiled else None
     state = initial_state
     ctx = FarContext(root, a, c, far, projection, parameter, dtype)
     # A causal pass from the start with an exponential far field scans fused (features per slab, never stored)
@@ -388,6 +403,8 @@ def hybrid_attention(
         far_side = _CausalFar(qf if far.quadratic is None else None, q_scale, shifts.unsqueeze(-1), far_sum, lagged)
     else:
         far_side = _BidirectionalFar(far, x - a, rq, keys, c, projection, parameter, kernels)
+    if far_field_gain is not None:
+        far_side.log_gain = _log_gain(far_field_gain, x)
 
     # Keys a query may compute exactly besides its own sequence: the window buffer and the first
     # num_global_tokens keys of the preceding tokens (decoding), then this call's first ones.
@@ -418,7 +435,10 @@ def hybrid_attention(
 
 class _CausalFar:
     """Far-field quantities of causal attention, precomputed for the whole sequence by the chunked scan;
-    ``excludes_support``: the scan read only the keys outside each query's exact support (lagged)."""
+    ``excludes_support``: the scan read only the keys outside each query's exact support (lagged).
+    ``log_gain``: the far field's log gain (broadcast to (B, H, L, 1)), part of the query-side scale."""
+
+    log_gain: Tensor | float = 0.0
 
     def __init__(self, qf, q_scale, key_shift, far_sum, excludes_support: bool = False):
         self.qf, self.q_scale, self.key_shift, self.far_sum = qf, q_scale, key_shift, far_sum
@@ -426,7 +446,7 @@ class _CausalFar:
 
     def query_side(self):
         """-> (qf or None, q_scale, key_shift, far_sum), each (B, H, L, X)."""
-        return self.qf, self.q_scale, self.key_shift, self.far_sum
+        return self.qf, self.q_scale + self.log_gain, self.key_shift, self.far_sum
 
 
 def _fused_causal_far(far: FarField, u: Tensor, rq: Tensor, keys: Keys, ctx: FarContext, spec: HybridSpec):
@@ -474,6 +494,7 @@ class _BidirectionalFar:
     """
 
     excludes_support = False  # the state holds every key: the support's share is subtracted per candidate
+    log_gain: Tensor | float = 0.0  # as _CausalFar's
 
     def __init__(self, far: FarField, u: Tensor, rq: Tensor, keys: Keys, c: Tensor, projection, parameter,
                  kernels=None):  # fmt: skip
@@ -495,11 +516,12 @@ class _BidirectionalFar:
     def query_side(self):
         """-> (qf or None, q_scale, key_shift, far_sum), each (B, H, L, X)."""
         key_shift = self.shift.expand(*self.rq.shape[:3], 1)
+        q_scale = (self.rq if self.quadratic is not None else self.q_scale) + self.log_gain
         if self.quadratic is not None and self.kernels is not None:
-            return None, self.rq, key_shift, compiled_far_apply(self.kernels, self.u.contiguous(), self.state)
+            return None, q_scale, key_shift, compiled_far_apply(self.kernels, self.u.contiguous(), self.state)
         if self.quadratic is not None:
-            return None, self.rq, key_shift, quadratic_apply(self.u, self.state)
-        return self.qf, self.q_scale, key_shift, self.qf @ self.state
+            return None, q_scale, key_shift, quadratic_apply(self.u, self.state)
+        return self.qf, q_scale, key_shift, self.qf @ self.state
 
 
 def _key_fields(keys: Keys, with_feats: bool) -> list[Tensor]:

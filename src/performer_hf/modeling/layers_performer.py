@@ -112,6 +112,7 @@ class AttentionMethodState(nn.Module):
             self.uses_projection = get_far_field(config.attention_kernel).uses_projection
             # FAVOR++'s A: a float, a list of one per head, or None; a plain value, as models are built on `meta`
             self.far_field_parameter = config.layer_far_field_parameter(layer_idx)
+            self.far_field_gain = config.layer_far_field_gain(layer_idx)  # a factor on the far field: None, 1 or (H,)
         self.dropout_prob = config.attention_probs_dropout_prob
         self.exact_max_length = config.exact_max_length
         self.nb_features = config.nb_features
