@@ -92,10 +92,11 @@ def test_causal_outputs_ignore_the_future(far_field):
 
 @pytest.mark.parametrize("far_field", ["softmax", "poly2", "softmax_opt"])
 @pytest.mark.parametrize("splits", [[1] * 20, [7, 1, 1, 11], [3, 17]])
-def test_decoding_with_state_equals_one_causal_pass(far_field, splits):
+@pytest.mark.parametrize("window", [4, 0, 1, 9])
+def test_decoding_with_state_equals_one_causal_pass(far_field, splits, window):
     q, k, v = random_qkv(length=sum(splits), scale=2.0)
     W = _projection()
-    kwargs = _kwargs(far_field, True, dict(local_window=4, num_global_tokens=2))
+    kwargs = _kwargs(far_field, True, dict(local_window=window, num_global_tokens=2))
     full = hybrid_attention(q, k, v, W, chunk_size=4, **kwargs)
     state, outs, start = None, [], 0
     for n in splits:
@@ -104,7 +105,7 @@ def test_decoding_with_state_equals_one_causal_pass(far_field, splits):
         outs.append(out)
         start += n
     torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-9, atol=1e-11)
-    assert state.keys.shape[2] == 3 and state.global_keys.shape[2] == 2 and state.length == start
+    assert state.keys.shape[2] == max(window - 1, 0) and state.global_keys.shape[2] == 2 and state.length == start
 
 
 @pytest.mark.parametrize("far_field", sorted(FAR_FIELDS))

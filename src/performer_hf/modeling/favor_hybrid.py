@@ -81,7 +81,6 @@ from .hybrid_keys import (
     gather_blocks,
     key_blocks,
     key_side,
-    lagged_far_keys,
     pad_keys,
     route,
     slice_keys,
@@ -148,8 +147,10 @@ class HybridState(NamedTuple):
     keys and values (a ring buffer in effect) and the ``num_global_tokens`` first ones.
 
     Attributes:
-        far_kv: ``(B, H, D, dv + 1)``: ``sum_j phi_k(y_j) [v_j, 1]^T`` over all previous keys,
-            relative to ``far_shift``.
+        far_kv: ``(B, H, D, dv + 1)``: ``sum_j phi_k(y_j) [v_j, 1]^T`` over the previous keys outside the next
+            query's exact support (those before the buffer, except the global tokens), relative to ``far_shift``.
+            A decoding step reads it as its far field, adds the one key that leaves the window, and never
+            evaluates the far-field kernel on its support.
         far_shift: ``(B, H)``: running max of the key log-features (``-1e30`` when empty).
         keys, values: ``(B, H, local_window - 1, d)`` / ``(.., dv)``: the most recent raw keys/values.
         key_mask: ``(B, local_window - 1)``: True where the buffer holds a real token.
@@ -225,13 +226,13 @@ def _exact_and_far_sums(xq, far_scale, far_sum, groups) -> Tensor:
     return sums
 
 
-def _support_sums(xq, qf, rq, far_scale, key_shift, far_sum, groups, quadratic, shared_shift: bool) -> Tensor:
-    """Hybrid numerator|denominator for a slab of query blocks.
+def _support_sums(xq, qf, rq, far_scale, key_shift, far_sum, groups, quadratic) -> Tensor:
+    """Bidirectional hybrid numerator|denominator for a slab of query blocks.
 
     xq: (B, H, n, bq, d); qf: (B, H, n, bq, D) query features (random-feature kernels) or None;
     rq: (B, H, n, bq, 1) the queries' centering log-weights; far_scale: (B, H, n, bq, 1) log of the far
-    field's scale (query shift + key shift s_i); key_shift: (B, H, n, bq, 1) s_i (the same for every
-    query when ``shared_shift``); far_sum: (B, H, n, bq, dv + 1) kernel sums over all visible keys
+    field's scale (query shift + key shift s); key_shift: (B, H, n, bq, 1) s, the same for every query;
+    far_sum: (B, H, n, bq, dv + 1) kernel sums over all visible keys
     relative to exp(far_scale); groups: candidate key sets ``([y, values1, klog(, feats)], support)``
     with tensors (B, H, n, C, X) and support (B, H, n, bq, C): is key c in E(i)?
     Returns (B, H, n, bq, dv + 1) relative to a per-query shift.
@@ -250,10 +251,7 @@ def _support_sums(xq, qf, rq, far_scale, key_shift, far_sum, groups, quadratic, 
             pair = torch.addcmul(1 + t, t, t, value=quadratic)
         else:
             pair = qf @ fields[3].transpose(-2, -1)
-        if shared_shift:  # one key shift for all queries: a per-key factor
-            pair = (pair * torch.exp(klog - key_shift[..., :1, :])).masked_fill(~support, 0.0)
-        else:
-            pair = pair * torch.exp((klog - key_shift).masked_fill(~support, NEG_INF))
+        pair = (pair * torch.exp(klog - key_shift[..., :1, :])).masked_fill(~support, 0.0)  # a per-key factor
         weights = torch.addcmul(torch.exp(ex - shift), far_weight, pair, value=-1)  # exact minus kernel on E(i)
         numerator = numerator + weights @ fields[1]  # (B, H, n, bq, dv + 1)
         kernel_mass = kernel_mass + pair.sum(dim=-1, keepdim=True)
@@ -379,32 +377,10 @@ def hybrid_attention(
     kernels = support_kernels(q, k, v) if compiled else None
     state = initial_state
     ctx = FarContext(root, a, c, far, projection, parameter, dtype)
-    # A causal pass from the start with an exponential far field scans fused (features per slab, never stored)
-    fused_scan = causal and state is None and far.exp_form is not None
-    keys = key_side(k, v, mask, ctx, with_features=not fused_scan if causal else far.quadratic is None)
-    far_kv = far_shift = None
-    if fused_scan:
-        far_side, far_kv, far_shift = _fused_causal_far(far, x - a, rq, keys, ctx, spec)
-        if return_state:  # the state for decoding holds every key
-            far_kv, far_shift = _with_left_out_keys(far_kv, far_shift, k, v, mask, ctx, spec)
-    elif causal:
-        qf, q_scale = far_features(far, x - a, projection, parameter, rq)  # (B, H, L, D), (B, H, L, 1)
-        # Without an earlier state, the scan reads the keys lagged past the window: the far field then never
-        # holds the exact support, and no far-field kernel is evaluated on it. (Decoding steps after a state
-        # keep the per-candidate subtraction: their window reaches into the state's buffer.)
-        lagged = state is None
-        far_keys = lagged_far_keys(keys, spec.local_window, spec.num_global_tokens) if lagged else keys
-        far_sum, shifts, far_kv, far_shift = causal_far_sums(
-            qf, far_keys.feats, far_keys.klog, far_keys.values1, spec.chunk_size,
-            None if state is None else state.far_kv, None if state is None else state.far_shift,
-        )  # fmt: skip
-        if lagged and return_state:  # the state for decoding holds every key
-            far_kv, far_shift = _with_left_out_keys(far_kv, far_shift, k, v, mask, ctx, spec)
-        far_side = _CausalFar(qf if far.quadratic is None else None, q_scale, shifts.unsqueeze(-1), far_sum, lagged)
-    else:
-        far_side = _BidirectionalFar(far, x - a, rq, keys, c, projection, parameter, kernels)
-    if far_field_gain is not None:
-        far_side.log_gain = _log_gain(far_field_gain, x)
+    # Causal: the support's keys need no far-field features (the far field never holds them); bidirectional: the
+    # random-feature far fields subtract their kernel on the support.
+    keys = key_side(k, v, mask, ctx, with_features=not causal and far.quadratic is None)
+    log_gain = 0.0 if far_field_gain is None else _log_gain(far_field_gain, x)  # (.., H or 1, 1, 1)
 
     # Keys a query may compute exactly besides its own sequence: the window buffer and the first
     # num_global_tokens keys of the preceding tokens (decoding), then this call's first ones.
@@ -412,18 +388,42 @@ def hybrid_attention(
     left, right = window_offsets(local_window, causal)
     prefix = None
     if state is not None and left:
-        prefix = key_side(state.keys, state.values, state.key_mask, ctx, with_features=True)
+        prefix = key_side(state.keys, state.values, state.key_mask, ctx, with_features=False)
     globals_ = None
     if num_global_tokens:
         globals_ = slice_keys(keys, 0, max(0, min(num_global_tokens - offset, L)))
         if state is not None and state.global_keys.shape[2]:
-            old = key_side(state.global_keys, state.global_values, state.global_mask, ctx, with_features=True)
+            old = key_side(state.global_keys, state.global_values, state.global_mask, ctx, with_features=False)
             globals_ = cat_keys(old, globals_)
 
-    if kernels is not None:
-        out1 = fused_sums(kernels, x, far_side, keys, spec)
+    far_kv = far_shift = None
+    if causal and state is not None and L == 1:  # a decoding step: no scan, no query blocks
+        out1, far_kv, far_shift = _decoding_step(x, rq, keys, (prefix, globals_), state, k, v, mask, ctx, spec,
+                                                 log_gain)  # fmt: skip
     else:
-        out1 = _hybrid_sums(x, rq, far_side, keys, (prefix, globals_), spec, causal, offset)
+        if causal:
+            # A pass from the start with an exponential far field scans fused (features per slab, never stored)
+            fused_scan = state is None and far.exp_form is not None
+            leaving = _LeavingKeys(state, k, v, mask, ctx, spec)
+            rows = leaving.rows(features=not fused_scan)
+            if fused_scan:
+                far_side, far_kv, far_shift = _fused_causal_far(far, x - a, rq, rows, ctx, spec)
+            else:
+                qf, q_scale = far_features(far, x - a, projection, parameter, rq)  # (B, H, L, D), (B, H, L, 1)
+                far_sum, shifts, far_kv, far_shift = causal_far_sums(
+                    qf, rows.feats, rows.klog, rows.values1, spec.chunk_size,
+                    None if state is None else state.far_kv, None if state is None else state.far_shift,
+                )  # fmt: skip
+                far_side = _CausalFar(q_scale, shifts.unsqueeze(-1), far_sum)
+            if return_state:
+                far_kv, far_shift = _with_keys(far_kv, far_shift, leaving.after())
+        else:
+            far_side = _BidirectionalFar(far, x - a, rq, keys, c, projection, parameter, kernels)
+        far_side.log_gain = log_gain
+        if kernels is not None:
+            out1 = fused_sums(kernels, x, far_side, keys, spec)
+        else:
+            out1 = _hybrid_sums(x, rq, far_side, keys, (prefix, globals_), spec, causal, offset)
     out = _divide_clamped(out1)
     if not causal and num_global_tokens:
         out = _global_rows(x, keys, out, num_global_tokens)
@@ -434,57 +434,142 @@ def hybrid_attention(
 
 
 class _CausalFar:
-    """Far-field quantities of causal attention, precomputed for the whole sequence by the chunked scan;
-    ``excludes_support``: the scan read only the keys outside each query's exact support (lagged).
-    ``log_gain``: the far field's log gain (broadcast to (B, H, L, 1)), part of the query-side scale."""
+    """Far-field quantities of causal attention, precomputed for the whole sequence by the chunked scan, which
+    reads only the keys outside each query's exact support (``excludes_support``). ``log_gain``: the far field's
+    log gain (broadcast to (B, H, L, 1)), part of the query-side scale."""
 
+    excludes_support = True
     log_gain: Tensor | float = 0.0
 
-    def __init__(self, qf, q_scale, key_shift, far_sum, excludes_support: bool = False):
-        self.qf, self.q_scale, self.key_shift, self.far_sum = qf, q_scale, key_shift, far_sum
-        self.excludes_support = excludes_support
+    def __init__(self, q_scale, key_shift, far_sum):
+        self.q_scale, self.key_shift, self.far_sum = q_scale, key_shift, far_sum
 
     def query_side(self):
-        """-> (qf or None, q_scale, key_shift, far_sum), each (B, H, L, X)."""
-        return self.qf, self.q_scale + self.log_gain, self.key_shift, self.far_sum
+        """-> (None, q_scale, key_shift, far_sum), each (B, H, L, X)."""
+        return None, self.q_scale + self.log_gain, self.key_shift, self.far_sum
 
 
-def _fused_causal_far(far: FarField, u: Tensor, rq: Tensor, keys: Keys, ctx: FarContext, spec: HybridSpec):
+class _LeavingKeys:
+    """The keys that leave the exact window during a causal call, for the far field.
+
+    Query ``i`` computes exactly its window (itself and the ``local_window - 1`` keys before it) and the global
+    tokens; its far field reads every other earlier key. The state's far field holds the keys before its window
+    buffer (every later query reads them), the buffer the last ``local_window - 1`` keys. During a call of L
+    tokens, the buffer's keys and then the call's own leave the window, one per query: the key at position
+    ``i - local_window`` leaves at query ``i``. Indices below count the buffer's keys, then the call's: the first
+    ``read`` leaving keys are read by this call's queries, the rest (up to ``count``; at most one) join the state
+    after the call. The global tokens never enter the far field, and no key on a query's support needs far-field
+    features.
+
+    k, v (B, H, L, d / dv), mask (B, L): this call's.
+    """
+
+    def __init__(self, state: HybridState | None, k, v, mask, ctx: FarContext, spec: HybridSpec):
+        self.state, self.k, self.v, self.mask, self.ctx, self.spec = state, k, v, mask, ctx, spec
+        self.window, self.length = spec.local_window, k.shape[2]
+        self.buffered = 0 if state is None else state.keys.shape[2]  # positions start - buffered, ..., start - 1
+        self.start = 0 if state is None else state.length  # the position of this call's first token
+        self.count = max(0, self.buffered + self.length - max(self.window - 1, 0))
+        self.read = max(0, min(self.count, self.length - self.window + self.buffered))
+
+    def keys(self, first: int, stop: int, features: bool) -> Keys:
+        """The leaving keys ``[first, stop)`` (with far-field features when ``features``; otherwise ``klog`` is the
+        centering term alone), -inf log-scale for the global tokens."""
+        k, v, mask = self._raw(first, stop)
+        part = key_side(k, v, mask, self.ctx, features)
+        is_global = (
+            torch.arange(first, stop, device=k.device) + self.start - self.buffered < self.spec.num_global_tokens
+        )
+        return part._replace(klog=part.klog.masked_fill(is_global[:, None], NEG_INF))  # (.., 1): never far
+
+    def _raw(self, first: int, stop: int):
+        """Raw keys, values (B, H, n, d / dv) and mask (B, n) at ``[first, stop)`` of (the buffer, this call)."""
+        b, state = self.buffered, self.state
+        parts = []
+        if first < b:
+            end = min(stop, b)
+            buffer = (state.keys[:, :, first:end], state.values[:, :, first:end], state.key_mask[:, first:end])
+            parts.append((buffer[0].to(self.k.dtype), buffer[1].to(self.v.dtype), buffer[2]))
+        if stop > b or not parts:
+            lo, hi = max(first - b, 0), max(stop - b, 0)
+            parts.append((self.k[:, :, lo:hi], self.v[:, :, lo:hi], self.mask[:, lo:hi]))
+        if len(parts) == 1:
+            return parts[0]
+        (old_k, old_v, old_mask), (k, v, mask) = parts
+        return torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2), torch.cat([old_mask, mask], dim=1)
+
+    def rows(self, features: bool) -> Keys:
+        """L rows for the inclusive scan from the state: row ``t`` holds the key that leaves at query ``t`` (empty
+        where none), so that query ``t`` reads exactly its far field."""
+        # row t holds leaving key (buffered + t - window): the read keys, after window - buffered empty rows
+        read = self.keys(0, self.read, features)
+        return slice_keys(pad_keys(read, self.window - self.buffered, 0), 0, self.length)
+
+    def after(self) -> Keys:
+        """The keys that join the state after the call (with features)."""
+        return self.keys(self.read, self.count, True)
+
+
+def _decoding_step(x, rq, keys: Keys, extra_keys, state: HybridState, k, v, mask, ctx: FarContext,
+                   spec: HybridSpec, log_gain) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """One causal token after ``state`` (what :func:`_hybrid_sums` and the scan compute, for a single query): the
+    state's far field (plus the key that leaves the window at this query, if any) and exact softmax on the window
+    buffer, this token and the global tokens outside the window.
+
+    x, rq: (B, H, 1, d), (B, H, 1, 1) the scaled query and its centering log-weight; ``keys``: this token's (no
+    features); ``extra_keys``: (the window buffer, the global keys), each :class:`Keys` or None; k, v, mask: this
+    token's raw key, value (B, H, 1, d / dv) and mask (B, 1).
+    Returns the numerator|denominator (B, H, 1, dv + 1) relative to a shift, and the far-field state after the token.
+    """
+    prefix, globals_ = extra_keys
+    leaving = _LeavingKeys(state, k, v, mask, ctx, spec)
+    far_kv, far_shift = state.far_kv, state.far_shift
+    if leaving.read:  # the key that leaves the window at this query (with no window: this token itself)
+        far_kv, far_shift = _with_keys(far_kv, far_shift, leaving.keys(0, leaving.read, True))
+    qf, q_scale = far_features(ctx.far, x - ctx.a, ctx.projection, ctx.parameter, rq)  # (B, H, 1, D), (B, H, 1, 1)
+    far_sum = qf @ far_kv  # (B, H, 1, dv + 1) relative to exp(q_scale + far_shift)
+    far_scale = q_scale + far_shift[..., None, None] + log_gain
+    groups = []
+    if spec.local_window:  # the buffer (the last local_window - 1 keys) and this token
+        window = keys if prefix is None else cat_keys(prefix, keys)
+        groups.append(([window.y, window.values1], window.mask[:, None, None, :]))  # (B, 1, 1, C)
+    if globals_ is not None:
+        left, right = window_offsets(spec.local_window, True)
+        key_pos = torch.arange(globals_.y.shape[2], device=x.device)  # (G,)
+        outside = ~_in_window(torch.tensor(state.length, device=x.device), key_pos, left, right)
+        groups.append(([globals_.y, globals_.values1], (globals_.mask & outside)[:, None, None, :]))
+    groups = [([t.unsqueeze(2) for t in fields], support.unsqueeze(2)) for fields, support in groups]  # n = 1 block
+    sums = _exact_and_far_sums(x.unsqueeze(2), far_scale.unsqueeze(2), far_sum.unsqueeze(2), groups)
+    if leaving.count > leaving.read:  # the key that leaves the window at the next token
+        far_kv, far_shift = _with_keys(far_kv, far_shift, leaving.after())
+    return sums.squeeze(2), far_kv, far_shift
+
+
+def _with_keys(kv: Tensor, shift: Tensor, keys: Keys) -> tuple[Tensor, Tensor]:
+    """A causal far-field state (kv (B, H, D, dv + 1) relative to shift (B, H)) with ``keys`` (features) added."""
+    if not keys.y.shape[2]:
+        return kv, shift
+    added, added_shift = causal_far_state(keys.feats, keys.klog, keys.values1)
+    merged = torch.maximum(shift, added_shift)  # (B, H)
+    scale = torch.exp(added_shift - merged)[..., None, None], torch.exp(shift - merged)[..., None, None]
+    return added * scale[0] + kv * scale[1], merged
+
+
+def _fused_causal_far(far: FarField, u: Tensor, rq: Tensor, rows: Keys, ctx: FarContext, spec: HybridSpec):
     """The causal far field of exponential features over the keys lagged past each query's exact support, in
     one fused scan (:func:`.causal_exp_sums`): u (B, H, L, d) centred queries, rq (B, H, L, 1) their centering
-    log-weights; ``keys`` without features (their ``klog`` is the centering term, -inf for padding).
-    -> (the :class:`_CausalFar`, the scan's final state kv (B, H, D, dv + 1) and shift (B, H))"""
-    centred = keys._replace(y=keys.y - ctx.c)  # (B, H, L, d)
-    lagged = lagged_far_keys(centred, spec.local_window, spec.num_global_tokens)  # left-out keys: klog -inf
+    log-weights; ``rows`` (:func:`_far_field_keys`) without features (their ``klog`` is the centering term, -inf
+    where empty). -> (the :class:`_CausalFar`, the scan's final state kv (B, H, D, dv + 1) and shift (B, H))"""
     directions, bias = far.exp_form(ctx.projection, ctx.parameter)
     out1, q_shift, shifts, state = causal_exp_sums(
-        u, lagged.y, lagged.values1, directions, bias=bias, key_row=lagged.klog, mask=lagged.mask,
+        u, rows.y - ctx.c, rows.values1, directions, bias=bias, key_row=rows.klog, mask=rows.mask,
         chunk_size=spec.chunk_size,
     )  # fmt: skip
     # The queries' centering factor exp(rq) stays out of the scan: in the far field's scale, and (a factor of
     # value 1) in its gradient.
     rq_const = rq.detach()
-    far_side = _CausalFar(None, q_shift.unsqueeze(-1) + rq_const, shifts.unsqueeze(-1), out1 * torch.exp(rq - rq_const),
-                          excludes_support=True)  # fmt: skip
+    far_side = _CausalFar(q_shift.unsqueeze(-1) + rq_const, shifts.unsqueeze(-1), out1 * torch.exp(rq - rq_const))
     return far_side, state.kv, state.shift
-
-
-def _with_left_out_keys(lagged_kv, lagged_shift, k: Tensor, v: Tensor, mask: Tensor, ctx: FarContext,
-                        spec: HybridSpec):  # fmt: skip
-    """The far-field state over every key (for decoding) from a lagged scan's final state (kv (B, H, D, dv + 1)
-    relative to the shift (B, H)), which left out the global tokens and the last ``local_window`` keys of k, v
-    (B, H, L, d): -> the same two, over every key."""
-    L = k.shape[2]
-    left_out = sorted(set(range(max(0, L - spec.local_window), L)) | set(range(min(spec.num_global_tokens, L))))
-    if not left_out:
-        return lagged_kv, lagged_shift
-    index = torch.tensor(left_out, device=k.device)
-    missing = key_side(k.index_select(2, index), v.index_select(2, index), mask.index_select(1, index), ctx,
-                       with_features=True)  # fmt: skip
-    kv, shift = causal_far_state(missing.feats, missing.klog, missing.values1)
-    merged = torch.maximum(shift, lagged_shift)  # (B, H)
-    kv = kv * torch.exp(shift - merged)[..., None, None]
-    return kv + lagged_kv * torch.exp(lagged_shift - merged)[..., None, None], merged
 
 
 class _BidirectionalFar:
@@ -610,7 +695,7 @@ def _hybrid_sums(x, rq, far_side, keys: Keys, extra_keys, spec: HybridSpec, caus
         else:
             qf_s = None if qf is None else qf[slab]
             outputs.append(recomputed(_support_sums, xq[slab], qf_s, rq_q[slab], far_scale, key_shift[slab],
-                                      far_sum[slab], groups, far.quadratic, not causal))  # fmt: skip
+                                      far_sum[slab], groups, far.quadratic))  # fmt: skip
     return torch.cat(outputs, dim=2).flatten(2, 3)[:, :, :L]
 
 

@@ -209,13 +209,3 @@ def gather_blocks(t: Tensor, blocks: Tensor, block_k: int) -> Tensor:
     offsets = (torch.arange(B * H, device=t.device) * Nk).view(B, H, 1, 1)
     picked = rows.index_select(0, (blocks + offsets).flatten())  # (B * H * n * t, block_k * X)
     return picked.view(*blocks.shape[:3], blocks.shape[3] * block_k, X)
-
-
-def lagged_far_keys(keys: Keys, local_window: int, num_global_tokens: int) -> Keys:
-    """The keys a causal far field reads when it leaves out the exact support: position i holds key
-    i - local_window (query i's scan then reads keys j <= i - local_window, those outside its window), and
-    the first num_global_tokens keys are left out (masked)."""
-    L = keys.y.shape[2]
-    is_global = torch.arange(L, device=keys.y.device) < num_global_tokens  # (L,)
-    far_keys = keys._replace(klog=keys.klog.masked_fill(is_global[:, None], NEG_INF))
-    return slice_keys(pad_keys(far_keys, local_window, 0), 0, L)
