@@ -126,7 +126,7 @@ def test_convert_with_attention_transfer_equals_transfer_attention_on_the_text(t
     report = json.loads((out / "conversion_report.json").read_text())["attention_transfer"]
     assert report["text"] == "text.txt" and report["steps"] == 4 and report["tokens"] == 4 * 32
     card = (out / "README.md").read_text()
-    assert "Attention transfer at conversion" in card and "far-field gain per layer and head (learned" in card
+    assert "Attention transfer at conversion" in card and "| `far_field_gain` | per layer and head (2 x 4)" in card
     before, after = load_file(tmp_path / "source" / "model.safetensors"), load_file(out / "model.safetensors")
     assert all(torch.equal(before[k], after[k]) for k in before)  # the source's weights, byte for byte
     assert any(".performer_attention.projection" in k for k in after.keys() - before.keys())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import statistics
 from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
@@ -159,6 +160,18 @@ def _transfer_paragraph(transfer: dict | None) -> str:
     return transfer_summary(transfer) + " No finetuning: expect lower quality than the source."
 
 
+def _field_value(value) -> str:
+    """An attention field for the card's table: per-layer-and-head lists (FAVOR++'s A, far-field gains) as their
+    shape and range, anything else as it is."""
+    if not isinstance(value, list):
+        return f"`{value}`"
+    numbers = sorted(number for row in value for number in row)
+    return (
+        f"per layer and head ({len(value)} x {len(value[0])}): median {statistics.median(numbers):.3g}, "
+        f"from {numbers[0]:.3g} to {numbers[-1]:.3g}"
+    )
+
+
 def build_in_place_card(
     *,
     base_model: str,
@@ -179,7 +192,7 @@ def build_in_place_card(
         tags=["performer", "favor+", "linear-attention", "long-context", "performer-hf"],
     )
     measured = "not measured" if parity is None else f"{parity:.1e} (largest logit difference on sample ids)"
-    fields = "\n".join(f"| `{name}` | `{getattr(method, name)}` |" for name in ATTENTION_FIELDS)
+    fields = "\n".join(f"| `{name}` | {_field_value(getattr(method, name))} |" for name in ATTENTION_FIELDS)
     text = f"""# {base_model} with Performer attention
 
 `{base_model}` ({architecture}) with its softmax attention replaced by the `performer-hf` attention implementation
