@@ -9,7 +9,9 @@ Stages, for the hybrid (exact window, first token, FAVOR++ far field) and for pl
 3. ``training/run_clm.py --lora_r ...`` on the transferred model: a short LoRA finetune (language modeling,
    the same docstrings), adapter put back with ``peft.PeftModel.from_pretrained``.
 
-The source gets the same LoRA finetune, so that what the finetune itself brings is in view.
+The source gets the same LoRA finetune, so that what the finetune itself brings is in view. For each hybrid
+window, the source with exact attention on that window and the first token only (no far field; SDPA with a band
+mask) shows what the far field adds.
 
 Held-out perplexity on text no stage trained on: Python's documentation topics (``pydoc_data.topics``, the
 language and library reference, not the docstrings) and BBC News articles of the test split, in windows of
@@ -40,7 +42,9 @@ from pathlib import Path
 
 import harness
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
 
 import performer_hf
 from performer_hf import PerformerCache
@@ -57,13 +61,14 @@ SAMPLE_PROMPTS = {
 
 
 def arguments():
-    parser = harness.parser(__doc__, quick="transfer 4 steps, LoRA 2 steps, 1 window per text, contexts 256 1024",
-                            threads=2)  # fmt: skip
+    parser = harness.parser(__doc__, quick="window 64 only, transfer 4 steps, LoRA 2 steps, 1 window per text, "
+                            "contexts 256 1024", threads=2)  # fmt: skip
     parser.add_argument("--methods", nargs="+", default=["hybrid", "favor"], choices=["hybrid", "favor"])
-    parser.add_argument("--local-windows", type=int, nargs="+", default=[64, 256],
+    parser.add_argument("--local-windows", type=int, nargs="+", default=[64, 256, 512],
                         help="the hybrid's exact window (keys): one hybrid arm per value")  # fmt: skip
-    parser.add_argument("--transfer-steps", type=int, default=100)
-    parser.add_argument("--transfer-length", type=int, default=1024, help="tokens per transfer step")
+    parser.add_argument("--transfer-steps", type=int, default=50)
+    parser.add_argument("--transfer-length", type=int, default=2048,
+                        help="tokens per transfer step (past the widest window: every far field in use)")  # fmt: skip
     parser.add_argument("--lora-steps", type=int, default=40)
     parser.add_argument("--lora-length", type=int, default=1024, help="tokens per LoRA step")
     parser.add_argument("--lora-r", type=int, default=16)
@@ -112,8 +117,27 @@ def lora_finetune(base: Path, out: Path, train_file: Path, args) -> float:
     return time.perf_counter() - start
 
 
-def load_arm(folder: Path, adapter: Path | None = None):
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+def window_only(window: int) -> str:
+    """Register an attention implementation for the source: exact attention on each query's last ``window`` keys and
+    the first token, nothing else (the hybrid's exact support without its far field); returns its name."""
+    name = f"window_only_{window}"
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        # query (B, H, L, d) at the last L of the S key positions (no padding in this study's inputs)
+        length, total = query.shape[2], key.shape[2]
+        i = torch.arange(total - length, total, device=query.device)[:, None]
+        j = torch.arange(total, device=query.device)[None, :]
+        visible = (j <= i) & ((i - j < window) | (j == 0))  # (L, S)
+        return sdpa_attention_forward(module, query, key, value, visible[None, None], scaling=scaling, **kwargs)
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, lambda **kwargs: None)  # the mask is built above
+    return name
+
+
+def load_arm(folder: Path, adapter: Path | None = None, attn_implementation: str | None = None):
+    options = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = AutoModelForCausalLM.from_pretrained(folder, **options).eval()
     if adapter is None:
         return model
     from peft import PeftModel
@@ -212,6 +236,7 @@ def measure(args) -> dict:
         args.transfer_steps, args.lora_steps, args.eval_windows, args.sample_tokens = 4, 2, 1, 8
         args.decode_contexts, args.decode_steps, args.decode_rounds = [256, 1024], 4, 1
         args.eval_length, args.transfer_length, args.lora_length = 512, 256, 256
+        args.local_windows = [64]
     source = smollm2_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(source)
     eval_sets = {
@@ -228,8 +253,8 @@ def measure(args) -> dict:
     train_file = _docstrings_file(work)
     arms: dict[str, dict] = {}
 
-    def evaluate(name: str, folder: Path, adapter: Path | None = None, **record):
-        model = load_arm(folder, adapter)
+    def evaluate(name: str, folder: Path, adapter: Path | None = None, implementation: str | None = None, **record):
+        model = load_arm(folder, adapter, implementation)
         start = time.perf_counter()
         record["perplexity"] = {text: perplexity(model, windows) for text, windows in eval_sets.items()}
         record["eval_s"] = time.perf_counter() - start
@@ -243,6 +268,9 @@ def measure(args) -> dict:
     converted = _converted_arms(args)
     for name, settings in converted.items():
         slug = name.replace(" ", "-")
+        if "local_window" in settings:
+            evaluate(f"window {settings['local_window']} only (source, no far field)", source,
+                     implementation=window_only(settings["local_window"]))  # fmt: skip
         zero = performer_hf.convert(source, work / f"{slug}-zero-shot", overwrite=True, **settings)
         evaluate(f"{name}, zero-shot", zero)
         start = time.perf_counter()
