@@ -558,7 +558,7 @@ def _with_keys(kv: Tensor, shift: Tensor, keys: Keys) -> tuple[Tensor, Tensor]:
 def _fused_causal_far(far: FarField, u: Tensor, rq: Tensor, rows: Keys, ctx: FarContext, spec: HybridSpec):
     """The causal far field of exponential features over the keys lagged past each query's exact support, in
     one fused scan (:func:`.causal_exp_sums`): u (B, H, L, d) centred queries, rq (B, H, L, 1) their centering
-    log-weights; ``rows`` (:func:`_far_field_keys`) without features (their ``klog`` is the centering term, -inf
+    log-weights; ``rows`` (:meth:`_LeavingKeys.rows`) without features (their ``klog`` is the centering term, -inf
     where empty). -> (the :class:`_CausalFar`, the scan's final state kv (B, H, D, dv + 1) and shift (B, H))"""
     directions, bias = far.exp_form(ctx.projection, ctx.parameter)
     out1, q_shift, shifts, state = causal_exp_sums(
