@@ -88,8 +88,8 @@ def transfer_summary(transfer: dict) -> str:
         for errors in (transfer["relative_error_first"], transfer["relative_error_last"])
     )
     return (
-        f"Attention transfer at conversion: the attention's feature projection, centres and FAVOR++ parameters were "
-        f"trained for {transfer['steps']} steps on {transfer['tokens']:,} tokens of {transfer['text']} to match the "
-        f"source's attention outputs, every other weight frozen (mean relative error per layer {first:.4f} -> "
-        f"{last:.4f})."
+        "Attention transfer at conversion: the attention's small learnable parts (its feature projection; the "
+        f"hybrid's centres, FAVOR++ parameters and far-field gains) were trained for {transfer['steps']} steps on "
+        f"{transfer['tokens']:,} tokens of {transfer['text']} to match the source's attention outputs, every other "
+        f"weight frozen (mean relative error per layer {first:.4f} -> {last:.4f})."
     )
