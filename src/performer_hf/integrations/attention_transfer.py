@@ -9,8 +9,8 @@ What is learned, per attention layer (an :class:`~performer_hf.modeling.layers_p
 - the hybrid's fixed centres ``query_center`` / ``key_center`` ``(H, d)`` (``center_features``);
 - FAVOR++'s ``A`` per head (``attention_kernel="softmax_opt"``), kept below 1/8;
 - the hybrid's far-field gain per head (``far_field_gain``, learned as its log at ``GAIN_LEARNING_RATE_FACTOR``
-  times the learning rate): the far field's weight against the exact support. Where the far field's estimate
-  of the softmax mass outside the support does more harm than good, transfer turns it down.
+  times the learning rate): the far field's weight against the exact support, set by the same per-layer
+  objective (on SmolLM2 it ends between 0.14 and 27; see benchmarks/README.md for what that does to perplexity).
 
 The objective: for every layer, the mean squared error between the method's output and softmax attention's
 on the same queries, keys and values, relative to the mean square of softmax attention's output (so layers
