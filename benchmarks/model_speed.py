@@ -48,9 +48,17 @@ an earlier arm left resident can hide part of a later one's). An arm whose media
 ``--check`` first compares every arm's outputs at a short length with the same model in float32 on
 the CPU (relative L2 error of the logits): the CUDA path and the reduced precision, measured.
 
+``--baseline DIR`` times a change against another checkout in the same process: for every Performer arm of the
+encoder and decoder, an arm ``baseline:<arm>`` runs the same converted folder (the same weights) with the modeling
+code of ``DIR`` (a checkout's ``src/performer_hf/modeling``, imported under a name of its own, C++ kernels
+included), interleaved with the others; the table adds the ratio ``baseline:<arm> / <arm>`` (> 1: this checkout
+is faster).
+
     python benchmarks/model_speed.py                                    # CPU, fp32, 2 threads, 512 .. 16K
     python benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check
     python benchmarks/model_speed.py --quick --out-dir /tmp/ms          # smoke test: 256 and 512 tokens
+    git worktree add /tmp/main main && python benchmarks/model_speed.py --models encoder decoder \
+        --arms hybrid --baseline /tmp/main/src/performer_hf/modeling --out-dir /tmp/vs-main
 """
 
 from __future__ import annotations
@@ -104,8 +112,26 @@ def source_model(kind: str, positions: int, attention_dropout: float = 0.1):
     return GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
 
 
-def build_models(kind: str, positions: int, arms: list[str], workdir: Path) -> dict:
-    """Every arm's model of ``kind`` (float32, CPU, train mode): the source, and its conversions."""
+def baseline_modeling(folder: str):
+    """The ``modeling_performer`` module of another checkout's flat modeling package ``folder``, imported under a
+    name of its own (it uses sibling imports only, as the Hub's remote code does)."""
+    import importlib
+    import importlib.util
+    import sys
+
+    name = "performer_baseline_modeling"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, Path(folder) / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return importlib.import_module(f"{name}.modeling_performer")
+
+
+def build_models(kind: str, positions: int, arms: list[str], workdir: Path, baseline: str | None = None) -> dict:
+    """Every arm's model of ``kind`` (float32, CPU, train mode): the source, and its conversions (and, with
+    ``baseline``, each conversion run by the baseline's modeling code as ``baseline:<arm>``)."""
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     from performer_hf import convert
@@ -129,6 +155,8 @@ def build_models(kind: str, positions: int, arms: list[str], workdir: Path) -> d
                       **settings.get(arm, {"method": arm}))  # fmt: skip
         auto = AutoModelForMaskedLM if kind == "encoder" else AutoModelForCausalLM
         models[arm] = auto.from_pretrained(out)
+        if baseline and kind != "llama" and arm != "bound":
+            models[f"baseline:{arm}"] = getattr(baseline_modeling(baseline), type(models[arm]).__name__).from_pretrained(out)
         if arm == "bound":
             for module in models[arm].modules():
                 if hasattr(module, "attend"):
@@ -262,7 +290,7 @@ def measure_models(args, workdir: Path) -> list[dict]:
     results = []
     dtype = getattr(torch, args.dtype)
     for kind in args.models:
-        models = build_models(kind, max(args.lengths), args.arms, workdir)
+        models = build_models(kind, max(args.lengths), args.arms, workdir, args.baseline)
         for model in models.values():
             model.to(device=args.device, dtype=dtype)
         stopped: dict[tuple[str, str], str] = {}
@@ -424,21 +452,24 @@ def markdown(payload: dict) -> str:
         + (f" Memory allocator: {environment['allocator']}." if "allocator" in environment else ""),
         "",
     ]
-    performer_arms = [a for a in s["arms"] if a not in SOURCE_ARMS]
-    source_arms = [a for a in s["arms"] if a in SOURCE_ARMS]
+    arms = list(s["arms"]) + sorted({r["arm"] for r in results if r["arm"].startswith("baseline:")})
+    performer_arms = [a for a in arms if a not in SOURCE_ARMS]
+    source_arms = [a for a in arms if a in SOURCE_ARMS]
+    compared = [a for a in performer_arms if f"baseline:{a}" in arms]  # (this checkout, the baseline) pairs
     for kind in s["models"]:
         for mode in modes:
             lines += [f"## {kind}, {mode.replace('_', ' + ')}", ""]
-            header = [f"{a} (s)" for a in s["arms"]] + [f"{b} / {a}" for a in performer_arms for b in source_arms]
+            header = [f"{a} (s)" for a in arms] + [f"{b} / {a}" for a in performer_arms for b in source_arms]
+            header += [f"baseline:{a} / {a}" for a in compared]
             lines += ["| L | batch | " + " | ".join(header) + " |", "|---|---|" + "---|" * len(header)]
             for length in s["lengths"]:
-                times = {a: _median(results, model=kind, arm=a, mode=mode, length=length) for a in s["arms"]}
+                times = {a: _median(results, model=kind, arm=a, mode=mode, length=length) for a in arms}
                 batch = next((r["batch"] for r in results if r["length"] == length), "-")
-                cells = ["-" if times[a] is None else f"{times[a]:.4f}" for a in s["arms"]]
-                for a in performer_arms:
-                    for b in source_arms:
-                        ok = times[a] and times[b]
-                        cells.append(f"**{times[b] / times[a]:.2f}x**" if ok else "-")
+                cells = ["-" if times[a] is None else f"{times[a]:.4f}" for a in arms]
+                pairs = [(a, b) for a in performer_arms for b in source_arms] + [(a, f"baseline:{a}") for a in compared]
+                for a, b in pairs:
+                    ok = times[a] and times[b]
+                    cells.append(f"**{times[b] / times[a]:.2f}x**" if ok else "-")
                 lines.append(f"| {length} | {batch} | " + " | ".join(cells) + " |")
             lines.append("")
     if any(r.get("peak_mb") for r in results):
@@ -453,8 +484,8 @@ def markdown(payload: dict) -> str:
                 lines += [
                     f"{kind}, {mode}:",
                     "",
-                    "| L | " + " | ".join(s["arms"]) + " |",
-                    "|---|" + "---|" * len(s["arms"]),
+                    "| L | " + " | ".join(arms) + " |",
+                    "|---|" + "---|" * len(arms),
                 ]
                 for length in s["lengths"]:
                     peaks = [
@@ -466,7 +497,7 @@ def markdown(payload: dict) -> str:
                             ),
                             None,
                         )
-                        for a in s["arms"]
+                        for a in arms
                     ]
                     lines.append(f"| {length} | " + " | ".join("-" if p is None else f"{p:.0f}" for p in peaks) + " |")
                 lines.append("")
@@ -527,6 +558,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--reps", type=int, default=3, help="timed runs per configuration (median reported)")
     parser.add_argument("--time-cap", type=float, default=60.0, help="skip longer lengths past this median (s)")
     parser.add_argument("--check", action="store_true", help="first compare outputs with float32 on the CPU")
+    parser.add_argument("--baseline", help="another checkout's src/performer_hf/modeling: its arms baseline:<arm>")
     args, _ = parser.parse_known_args(argv)
     name = "model_speed" + ("_attention" if args.part == "attention" else "")
     if (args.device, args.dtype) != ("cpu", "float32"):

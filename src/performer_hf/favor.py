@@ -10,9 +10,10 @@ and dense references.
 from .favor_reference import exact_attention, explicit_feature_attention
 from .modeling.favor_attention import DEFAULT_CHUNK_SIZE, FavorState, favor_attention
 from .modeling.favor_features import FEATURE_MAPS, FeatureMap, feature_map, get_feature_map
-from .modeling.favor_hybrid import HybridSpec, HybridState, hybrid_attention
+from .modeling.favor_hybrid import hybrid_attention
+from .modeling.hybrid_spec import HybridSpec, HybridState
 from .modeling.favor_projection import draw_projection
-from .modeling.hybrid_far_field import FAR_FIELDS, FarField, get_far_field
+from .modeling.far_fields import FAR_FIELDS, FarField, get_far_field
 
 KERNELS = tuple(FEATURE_MAPS)
 

@@ -8,7 +8,8 @@ import torch
 
 import performer_hf.modeling.cpu_kernels as cpu_kernels
 from performer_hf.modeling.favor_hybrid import hybrid_attention
-from performer_hf.modeling.hybrid_keys import Keys, group_bounds, key_blocks, pad_keys, query_blocks, route
+from performer_hf.modeling.hybrid_keys import Keys, pad_keys
+from performer_hf.modeling.hybrid_routing import group_bounds, key_blocks, query_blocks, route
 
 from ..hybrid_reference import CONFIGS, QUADRATIC, random_qkv, reference, right_padding
 
@@ -33,7 +34,7 @@ def _spy_on_kernel(monkeypatch) -> list:
             calls.append(args)
             return kernels.hybrid_support_sums(*args)
 
-    monkeypatch.setattr("performer_hf.modeling.hybrid_compiled.hybrid_kernels", Spy)
+    monkeypatch.setattr("performer_hf.modeling.hybrid_backends.hybrid_kernels", Spy)
     return calls
 
 
@@ -113,6 +114,25 @@ def test_kernel_gradients_match_dense_reference_in_float64(far_field, config, pa
         torch.testing.assert_close(fast, slow, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize("config", [CONFIGS[3], CONFIGS[7]], ids=["routed", "routing-groups"])
+def test_kernel_takes_the_far_field_gain(config, monkeypatch):
+    # learned per-head gains (attention transfer) run in the compiled kernels, outputs and gradients, the gain's too
+    calls = _spy_on_kernel(monkeypatch)
+    q, k, v = (t.requires_grad_() for t in random_qkv())
+    gain = torch.tensor([0.3, 1.7], dtype=torch.float64, requires_grad=True)  # one per head
+    mask = right_padding(2, 45)
+    keep = mask[:, None, :, None]
+    kwargs = dict(far_field="poly2", center=True, far_field_gain=gain, **config)
+    out = hybrid_attention(q, k, v, key_padding_mask=mask, **kwargs) * keep
+    ref = reference(q, k, v, mask=mask, **kwargs) * keep
+    assert len(calls) == 1
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=out.dtype)
+    for fast, slow in zip(torch.autograd.grad((out * probe).sum(), (q, k, v, gain)),
+                          torch.autograd.grad((ref * probe).sum(), (q, k, v, gain)), strict=True):  # fmt: skip
+        torch.testing.assert_close(fast, slow, rtol=1e-8, atol=1e-10)
+
+
 @pytest.mark.parametrize("value_dim", [16, 40])
 def test_kernel_gradients_match_pytorch_in_float32(value_dim, monkeypatch):
     q, k, v, mask = _long_inputs(length=300, value_dim=value_dim)
@@ -152,8 +172,9 @@ def test_routed_candidates_match_grouped_routing_in_pytorch():
     chosen, real = route(xq, q_mask, blocks, 0, 8, 8, 8, 6)
     queries = query_blocks(xq, q_mask, 0, 8, 8)
     groups = kernels.top_blocks(group_bounds(queries, blocks, 8, 6).contiguous(), 6)
-    compiled = kernels.routed_candidates(queries.means.contiguous(), blocks.means, blocks.has_keys, groups,
-                                         queries.window_lo.flatten(), queries.window_hi.flatten(), 8, 4, 6)  # fmt: skip
+    tensors = [queries.means.contiguous(), blocks.means, blocks.has_keys, groups, queries.window_lo.flatten(),
+               queries.window_hi.flatten()]  # fmt: skip
+    compiled = kernels.routed_candidates(tensors, [8, 4, 6])
     rows = q_mask.any(-1)[:, None, :].expand(2, 3, 38)  # query blocks past the padding tie everywhere: skipped
     expected = chosen.masked_fill(~real, -1).sort(dim=-1).values[rows]
     assert torch.equal(compiled.sort(dim=-1).values[rows], expected)

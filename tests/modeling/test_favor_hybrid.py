@@ -281,15 +281,6 @@ def test_far_field_gain_scales_the_kernel_against_the_support(far_field, causal,
     assert (ref - plain).abs().amax() > 1e-3  # the gain changes the output
 
 
-def test_far_field_gain_without_the_compiled_kernels(monkeypatch):
-    # the compiled bidirectional polynomial kernels take no gain: a gain must take the PyTorch path
-    monkeypatch.delenv("PERFORMER_HF_CPU_KERNELS")
-    q, k, v = random_qkv()
-    kwargs = dict(far_field="poly2", local_window=5, num_global_tokens=1, center=True)
-    out = hybrid_attention(q.float(), k.float(), v.float(), far_field_gain=GAINS, **kwargs)
-    torch.testing.assert_close(out.double(), reference(q, k, v, far_field_gain=GAINS, **kwargs), rtol=1e-4, atol=1e-5)
-
-
 @pytest.mark.parametrize("far_field", ["softmax", "poly2", "softmax_opt"])
 def test_far_field_gain_decoding_equals_one_causal_pass(far_field):
     q, k, v = random_qkv(length=20, scale=2.0)

@@ -37,7 +37,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..modeling.attention_methods import softmax_attention
-from ..modeling.favor_hybrid import fixed_centres, get_far_field
+from ..modeling.far_fields import get_far_field
+from ..modeling.favor_hybrid import fixed_centres
 from .attention_interface import TRANSFER_HOOK
 from .attention_settings import CONFIG_ATTRIBUTE, LEARNED_ATTRIBUTE, LEARNED_SUBMODULE, mark_current
 

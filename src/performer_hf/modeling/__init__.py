@@ -11,12 +11,16 @@ files, so these modules import only each other (and torch / transformers), never
 - ``attention_methods.py``: the attention-method registry (exact, FAVOR+, hybrid): each method's function,
   cache layer, card description and conversion presets;
 - FAVOR+: ``favor_projection.py`` (random projections), ``favor_features.py`` (the feature-map registry),
-  ``favor_attention.py`` (bidirectional and causal FAVOR+), ``favor_optimal.py`` (FAVOR++);
+  ``favor_attention.py`` (bidirectional and causal FAVOR+), ``favor_exp.py`` (its slabbed autograd functions for
+  exponential features), ``favor_optimal.py`` (FAVOR++);
 - ``causal_scan.py``: the one chunked causal scan (FAVOR+ and the hybrid's far field);
-- hybrid attention: ``favor_hybrid.py`` (the attention and ``HybridSpec``), ``hybrid_far_field.py`` (its
-  far-field kernels and causal far sums), ``hybrid_keys.py`` (key sets, window, routing, the lagged keys of
-  the causal far field), ``slabs.py`` (slab sizing);
-- ``cache_performer.py``: the constant-size decoding caches; ``cpu_kernels.py`` + ``csrc/``: the compiled
-  CPU kernels of hybrid attention (built on first use; not shipped, so remote code takes the PyTorch path),
-  and ``hybrid_compiled.py``, their autograd functions.
+- hybrid attention, ``favor_hybrid.py`` (the entry point) and its parts: ``hybrid_spec.py`` (settings and decoding
+  state), ``hybrid_keys.py`` (key sets, the far field's feature context), ``hybrid_selection.py`` and
+  ``hybrid_routing.py`` (each query block's exact support), ``hybrid_exact.py`` (the exact part and the merge),
+  ``hybrid_far_field.py`` (the far field), ``hybrid_causal.py`` (causal lagging and decoding), ``far_fields.py`` (the
+  far-field kernel registry) with ``far_field_polynomial.py``, ``hybrid_backends.py`` (PyTorch or compiled, one
+  choice), ``slabs.py`` (slab sizing);
+- ``cache_performer.py``: the constant-size decoding caches; ``cpu_kernels.py`` + ``csrc/``: the compiled CPU kernels
+  of hybrid attention (built on first use; not shipped, so remote code takes the PyTorch path), and
+  ``hybrid_compiled.py``, their autograd functions.
 """

@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
 from .favor_attention import FavorState
-from .favor_hybrid import HybridState
+from .hybrid_spec import HybridState
 
 _KV, _SHIFT = 0, 1  # recurrent-state slots of a FavorCacheLayer
 

@@ -19,7 +19,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "hybrid_support.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("hybrid_support.cpp", "hybrid_far_field.cpp",
+                                                                  "hybrid_routing.cpp")]
+_HEADER = Path(__file__).parent / "csrc" / "hybrid_kernels.h"
 _FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 
 
@@ -36,7 +38,8 @@ def _cpu_signature() -> str:
         cpu += next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         pass
-    return hashlib.sha256((cpu + " ".join(_FLAGS) + _SOURCE.read_text()).encode()).hexdigest()[:12]
+    sources = "".join(path.read_text() for path in (*_SOURCES, _HEADER))
+    return hashlib.sha256((cpu + " ".join(_FLAGS) + sources).encode()).hexdigest()[:12]
 
 
 def _put_ninja_on_path() -> None:
@@ -52,9 +55,9 @@ def _put_ninja_on_path() -> None:
 @functools.cache
 def _compiled_kernels():
     """Build (or load from PyTorch's cache) the extension; ``None``, with a warning, when that fails."""
-    if not _SOURCE.exists():  # e.g. a trust_remote_code copy of the modules, which carries no C++ source
+    if not all(path.exists() for path in _SOURCES):  # e.g. a trust_remote_code copy, which carries no C++ source
         logger.info("No source for the fused hybrid-attention CPU kernel at %s; using the PyTorch implementation.",
-                    _SOURCE)  # fmt: skip
+                    _SOURCES[0].parent)  # fmt: skip
         return None
     logger.info("Loading the fused hybrid-attention CPU kernel (compiled on first use: about a minute)")
     try:
@@ -63,7 +66,7 @@ def _compiled_kernels():
         _put_ninja_on_path()
         module = cpp_extension.load(
             name=f"performer_hf_hybrid_{_cpu_signature()}",
-            sources=[str(_SOURCE)],
+            sources=[str(path) for path in _SOURCES],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
         )
@@ -81,6 +84,6 @@ def _compiled_kernels():
 
 def hybrid_kernels():
     """The compiled module (``hybrid_support_sums``, ``quadratic_far_state``, ``quadratic_far_apply``, each
-    with its ``_backward``, ``top_blocks``, ``max_value_width``; see ``csrc/hybrid_support.cpp``), or ``None``
-    when disabled or the build failed."""
+    with its ``_backward``, ``top_blocks``, ``routed_candidates``, ``max_value_width``; see ``csrc/hybrid_kernels.h``),
+    or ``None`` when disabled or the build failed."""
     return _compiled_kernels() if kernels_enabled() else None

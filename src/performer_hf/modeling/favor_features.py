@@ -34,15 +34,23 @@ class FeatureMap:
         compute: ``(x, projection) -> (base, log_scale)``.
         query_stabilizer: added to each query feature after the per-query max shift, so that
             the attention normaliser can never be zero (relative to the largest feature).
+        description: what the map computes, as model cards say it.
+        query_stabilizer: added to each query feature after the per-query max shift, so that
+            the attention normaliser can never be zero (relative to the largest feature).
         uses_projection: whether the map reads the random projection at all.
         nonnegative: whether the features are guaranteed >= 0 (a valid attention distribution).
+        exp_directions: for maps of the form ``exp(x D^T - |x|^2 / 2) / sqrt(rows of D)``, the rows ``D`` as a
+            function of the projection: FAVOR+ then runs them in its slabbed autograd functions
+            (:mod:`.favor_exp`); ``None`` for other maps.
     """
 
     name: str
     compute: FeatureFn
+    description: str
     query_stabilizer: float = 0.0
     uses_projection: bool = True
     nonnegative: bool = True
+    exp_directions: Callable[[Tensor], Tensor] | None = None
 
 
 def _half_sq_norm(x: Tensor) -> Tensor:
@@ -83,14 +91,32 @@ def _elu(x: Tensor, projection: Tensor) -> tuple[Tensor, None]:
     return F.elu(x) + 1.0, None
 
 
+def _hyperbolic_directions(projection: Tensor) -> Tensor:
+    return torch.cat([projection, -projection], dim=0)  # (2m, d): [exp(w.x), exp(-w.x)]
+
+
 FEATURE_MAPS: dict[str, FeatureMap] = {
     fm.name: fm
     for fm in (
-        FeatureMap("softmax", _softmax_positive, query_stabilizer=1e-6),
-        FeatureMap("softmax_hyperbolic", _softmax_hyperbolic, query_stabilizer=1e-6),
-        FeatureMap("softmax_trig", _softmax_trig, nonnegative=False),
-        FeatureMap("relu", _relu),
-        FeatureMap("elu", _elu, uses_projection=False),
+        FeatureMap(
+            "softmax",
+            _softmax_positive,
+            "FAVOR+ positive random features (unbiased softmax kernel)",
+            query_stabilizer=1e-6,
+            exp_directions=lambda projection: projection,
+        ),
+        FeatureMap(
+            "softmax_hyperbolic",
+            _softmax_hyperbolic,
+            "FAVOR+ hyperbolic positive random features (softmax kernel)",
+            query_stabilizer=1e-6,
+            exp_directions=_hyperbolic_directions,
+        ),
+        FeatureMap(
+            "softmax_trig", _softmax_trig, "trigonometric random features (softmax kernel)", nonnegative=False
+        ),
+        FeatureMap("relu", _relu, "generalized attention with ReLU features"),
+        FeatureMap("elu", _elu, "elu + 1 features", uses_projection=False),
     )
 }
 

@@ -1,5 +1,5 @@
-"""The exact support of hybrid attention: key sets (keys, values, log-scales, far-field features and mask),
-the local window's offsets, and content-based routing of key blocks to query blocks."""
+"""The key side of hybrid attention: what maps queries and keys to far-field features (:class:`FarContext`), and
+key sets with everything the exact part and the far field read (:class:`Keys`)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,40 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .hybrid_far_field import FarContext, far_features
+from .far_fields import FarField
+from .hybrid_spec import HybridSpec
 
 Tensor = torch.Tensor
 
 NEG_INF = float("-inf")
+
+
+class FarContext(NamedTuple):
+    """What maps keys (and queries) to far-field features: shared by every key set of one call."""
+
+    root: float  # q and k are scaled by root (sqrt of the logit scale)
+    a: Tensor  # (.., 1 or H, 1, d) query centre
+    c: Tensor  # (.., 1 or H, 1, d) key centre
+    far: FarField
+    projection: Tensor | None
+    parameter: Tensor | None  # FAVOR++'s A, (B, H), or None
+    dtype: torch.dtype
+
+    def features(self, u: Tensor, row_log: Tensor) -> tuple[Tensor, Tensor]:
+        """Far-field features of centred rows u (B, H, L, d) as (normalised features, per-row log scale).
+
+        Returns ``feats`` (B, H, L, D) with ``phi(u) * exp(row_log) = feats * exp(scale)`` and
+        ``scale`` (B, H, L, 1): the row max of the log-features (so that ``|feats| <= 1`` for the
+        exponential kernels; polynomial kernels keep their base features as they are).
+        """
+        base, log = self.far.features(u, self.projection, self.parameter)
+        if log is None:
+            return base, row_log
+        log = log + row_log
+        scale = log.amax(dim=-1, keepdim=True).detach()  # (B, H, L, 1)
+        scale = torch.where(torch.isfinite(scale), scale, torch.zeros_like(scale))
+        feats = torch.exp(log - scale)
+        return (feats if base is None else base * feats), scale
 
 
 class Keys(NamedTuple):
@@ -24,21 +53,24 @@ class Keys(NamedTuple):
     mask: Tensor  # (B, S) bool
     feats: Tensor | None  # (B, H, S, D): far-field features (|.| <= 1 for the exponential kernels)
 
+    def fields(self, with_feats: bool) -> list[Tensor]:
+        """The per-key tensors a candidate set carries: y, values1, klog (and the features)."""
+        return [self.y, self.values1, self.klog] + ([self.feats] if with_feats else [])
+
 
 def key_side(k, v, mask, ctx: FarContext, with_features: bool) -> Keys:
     """Keys (B, H, S, d), values (B, H, S, dv) and their mask (B, S) prepared for the support and the far field;
     without features, ``klog`` is the centering term ``a . y - a . c`` alone."""
-    root, a, c, far, projection, parameter, dtype = ctx
-    y = k.to(dtype) * root
-    rk = y @ a.transpose(-2, -1) - (a * c).sum(-1, keepdim=True)  # (B, H, S, 1): a . y_j - a . c
+    y = k.to(ctx.dtype) * ctx.root
+    rk = y @ ctx.a.transpose(-2, -1) - (ctx.a * ctx.c).sum(-1, keepdim=True)  # (B, H, S, 1): a . y_j - a . c
     keep = mask[:, None, :, None]  # (B, 1, S, 1)
     feats = None
     if not with_features:  # the log-scale of the centering factor alone
         klog = rk
     else:
-        feats, klog = far_features(far, y - c, projection, parameter, rk)
+        feats, klog = ctx.features(y - ctx.c, rk)
         feats = feats * keep
-    v = v.to(dtype) * keep
+    v = v.to(ctx.dtype) * keep
     values1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * keep
     return Keys(y, values1, klog.masked_fill(~keep, NEG_INF), mask, feats)
 
@@ -56,156 +88,26 @@ def pad_keys(keys: Keys, before: int, after: int) -> Keys:
     """Add empty (masked) keys on both sides of the sequence axis."""
     if not before and not after:
         return keys
-    return _map_keys(lambda t, fill: F.pad(t, (0, 0, before, after), value=fill), keys,
-                     lambda m: F.pad(m, (before, after), value=False))  # fmt: skip
+    return _map_keys(
+        lambda t, fill: F.pad(t, (0, 0, before, after), value=fill), keys, lambda m: F.pad(m, (before, after), value=False)
+    )
 
 
 def cat_keys(first: Keys, second: Keys) -> Keys:
     feats = None if first.feats is None else torch.cat([first.feats, second.feats], dim=2)
-    return Keys(*(torch.cat([f, s], dim=2) for f, s in zip(first[:3], second[:3], strict=True)),
-                 torch.cat([first.mask, second.mask], dim=1), feats)  # fmt: skip
+    tensors = (torch.cat([f, s], dim=2) for f, s in zip(first[:3], second[:3], strict=True))
+    return Keys(*tensors, torch.cat([first.mask, second.mask], dim=1), feats)
 
 
-def window_offsets(local_window: int, causal: bool) -> tuple[int, int]:
-    """(left, right): query i computes keys i - left ... i + right exactly (right = -1: none)."""
-    if not local_window:
-        return 0, -1
-    if causal:
-        return local_window - 1, 0
-    left = (local_window - 1) // 2
-    return left, local_window - 1 - left
+class HybridCall(NamedTuple):
+    """The prepared inputs of one call of hybrid attention, which its parts read."""
 
-
-class KeyBlocks(NamedTuple):
-    """Block statistics for routing (:func:`key_blocks`)."""
-
-    means: Tensor  # (B, H, Nk, d): the mean of each key block's real keys (0 where it has none)
-    has_keys: Tensor  # (B, Nk) bool: whether the block has a real key
-    group_size: int  # key blocks per routing group (Nk a multiple of it: blocks without keys pad); 0: no groups
-    group_means: Tensor | None  # (B, H, Ng, d): the mean of each group's block means (blocks with keys)
-    group_radii: Tensor | None  # (B, H, Ng): the largest distance from that mean to one of them
-    group_has_keys: Tensor | None  # (B, Ng) bool: whether the group has a block with keys
-
-
-def key_blocks(keys: Keys, block_k: int, group_size: int = 0) -> KeyBlocks:
-    """Routing statistics of the key blocks of ``block_k`` keys (S a multiple of ``block_k``), and of their
-    groups of ``group_size`` consecutive blocks when ``group_size`` > 0 (see :func:`route`)."""
-    B, H, S, d = keys.y.shape
-    keep = keys.mask.view(B, 1, S // block_k, block_k, 1).to(keys.y.dtype)
-    total = (keys.y.detach().view(B, H, S // block_k, block_k, d) * keep).sum(3)
-    count = keep.sum(3)  # (B, 1, Nk, 1)
-    means, has_keys = total / count.clamp_min(1), count[:, 0, :, 0] > 0
-    if not group_size:
-        return KeyBlocks(means, has_keys, 0, None, None, None)
-    pad = -means.shape[2] % group_size
-    means, has_keys = F.pad(means, (0, 0, 0, pad)), F.pad(has_keys, (0, pad))
-    in_group = has_keys.view(B, 1, -1, group_size, 1)  # (B, 1, Ng, G, 1)
-    grouped = means.view(B, H, -1, group_size, d)  # (B, H, Ng, G, d)
-    group_means = (grouped * in_group).sum(3) / in_group.sum(3).clamp_min(1)  # (B, H, Ng, d)
-    spread = (grouped - group_means.unsqueeze(3)).norm(dim=-1, keepdim=True)  # (B, H, Ng, G, 1)
-    group_radii = (spread * in_group).amax(dim=(3, 4))  # (B, H, Ng)
-    return KeyBlocks(means, has_keys, group_size, group_means, group_radii, in_group[:, 0, :, :, 0].any(-1))
-
-
-class QueryBlocks(NamedTuple):
-    """What routing reads of a slab of query blocks (:func:`query_blocks`)."""
-
-    means: Tensor  # (B, H, n, d): the mean of each query block's real queries (0 where it has none)
-    window_lo: Tensor  # (n, 1): the first key of each query block's window span
-    window_hi: Tensor  # (n, 1): its last key
-
-
-def query_blocks(xq: Tensor, q_mask: Tensor, first_block: int, left: int, right: int) -> QueryBlocks:
-    """xq (B, H, n, bq, d) and q_mask (B, n, bq), the query blocks ``first_block, ...``, with the window's
-    ``left`` / ``right`` offsets."""
-    n, bq = xq.shape[2:4]
-    keep = q_mask[:, None, :, :, None].to(xq.dtype)  # (B, 1, n, bq, 1)
-    means = (xq.detach() * keep).sum(3) / keep.sum(3).clamp_min(1)  # (B, H, n, d)
-    start = ((torch.arange(n, device=xq.device) + first_block) * bq)[:, None]  # (n, 1)
-    return QueryBlocks(means, start - left, start + bq - 1 + right)
-
-
-def group_bounds(queries: QueryBlocks, blocks: KeyBlocks, block_k: int, nb_groups: int) -> Tensor | None:
-    """(B, H, n, Ng) an upper bound on each routing group's best block score against each query block, by which
-    routing keeps ``nb_groups`` groups; None when there are no more groups than that (every block is then a
-    candidate, as without groups).
-
-    ``q . m_b <= q . c + |q| r`` for every block mean ``m_b`` of a group with centre ``c`` and radius ``r``.
-    Groups without keys, and groups whose every block overlaps the query block's window span, have ``-inf``."""
-    if not blocks.group_size or blocks.group_means.shape[2] <= nb_groups:
-        return None
-    Ng, size = blocks.group_means.shape[2], blocks.group_size
-    mean_q = queries.means
-    bound = mean_q @ blocks.group_means.transpose(-2, -1)  # (B, H, n, Ng)
-    bound = bound + mean_q.norm(dim=-1, keepdim=True) * blocks.group_radii.unsqueeze(2)
-    group_start = torch.arange(Ng, device=mean_q.device) * size * block_k  # (Ng,): the first key of each group
-    first_overlaps = group_start + block_k - 1 >= queries.window_lo  # (n, Ng)
-    inside = first_overlaps & (group_start + (size - 1) * block_k <= queries.window_hi)  # ... and so does its last
-    return bound.masked_fill_(inside | ~blocks.group_has_keys[:, None, None, :], NEG_INF)
-
-
-def route_scores(queries: QueryBlocks, blocks: KeyBlocks, block_k: int,
-                 groups: Tensor | None) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-    """Routing scores of a slab of query blocks: the mean logit between each query block and its candidate
-    key blocks, (B, H, n, C), and the candidates (B, H, n, C): the blocks of ``groups`` ((B, H, n, g), chosen
-    by :func:`group_bounds`), or None for every key block (C = Nk).
-
-    The mean of ``x_i . y_j`` over the real queries ``i`` of a query block and the real keys ``j`` of
-    a key block is the dot product of the two block means.
-    Key blocks overlapping the query block's window span, and blocks without real keys, score ``-inf``.
-    """
-    mean_q = queries.means  # (B, H, n, d)
-    if groups is None:
-        candidates = None
-        k_start = torch.arange(blocks.means.shape[2], device=mean_q.device) * block_k  # (Nk,)
-        scores = mean_q @ blocks.means.transpose(-2, -1)  # (B, H, n, Nk)
-        has_keys = blocks.has_keys[:, None, None, :]  # (B, 1, 1, Nk)
-    else:
-        B, H, n, _ = mean_q.shape
-        size = blocks.group_size
-        within = torch.arange(size, device=mean_q.device)
-        candidates = (groups.unsqueeze(-1) * size + within).flatten(-2)  # (B, H, n, C): the groups' blocks
-        means = gather_blocks(blocks.means, groups, size)  # (B, H, n, C, d)
-        scores = (means @ mean_q.unsqueeze(-1)).squeeze(-1)  # (B, H, n, C)
-        has_keys = blocks.has_keys[:, None, None, :].expand(B, H, n, -1).gather(-1, candidates)
-        k_start = candidates * block_k
-    overlaps = (k_start <= queries.window_hi) & (k_start + block_k - 1 >= queries.window_lo)
-    return scores.masked_fill_(overlaps | ~has_keys, NEG_INF), candidates
-
-
-def route_width(blocks: KeyBlocks, nb_routed: int) -> int:
-    """Elements per query block (and head) of :func:`route_scores`' temporaries, for sizing slabs."""
-    if blocks.group_size and blocks.group_means.shape[2] > nb_routed:
-        return blocks.group_means.shape[2] + nb_routed * blocks.group_size * (blocks.means.shape[-1] + 1)
-    return blocks.means.shape[2]
-
-
-def route(xq: Tensor, q_mask: Tensor, blocks: KeyBlocks, first_block: int, block_k: int, left: int, right: int,
-          nb_routed: int) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Top ``nb_routed`` key blocks for a slab of query blocks (xq (B, H, n, bq, d), q_mask (B, n, bq)) by
-    :func:`route_scores`.
-
-    Returns the chosen key blocks (B, H, n, t) and whether each choice is real (B, H, n, t)
-    (False when fewer than ``nb_routed`` blocks qualify; such a choice names block 0).
-    With routing groups (``blocks.group_size``), the candidates are the blocks of the ``nb_routed`` groups
-    with the highest :func:`group_bounds`: the bounds are quadratic in the length, but ``group_size`` times
-    fewer than the scores of every block; the candidates' scores are a fixed number per query block.
-    """
-    queries = query_blocks(xq, q_mask, first_block, left, right)
-    bounds = group_bounds(queries, blocks, block_k, nb_routed)
-    groups = None if bounds is None else bounds.topk(nb_routed, dim=-1, sorted=False).indices
-    scores, candidates = route_scores(queries, blocks, block_k, groups)
-    top = scores.topk(min(nb_routed, scores.shape[-1]), dim=-1, sorted=False)  # (B, H, n, t)
-    real = torch.isfinite(top.values)
-    chosen = top.indices if candidates is None else candidates.gather(-1, top.indices)
-    return chosen.masked_fill_(~real, 0), real
-
-
-def gather_blocks(t: Tensor, blocks: Tensor, block_k: int) -> Tensor:
-    """t (B, H, S, X), blocks (B, H, n, t) -> (B, H, n, t * block_k, X): the rows of the chosen key blocks."""
-    B, H, S, X = t.shape
-    Nk = S // block_k
-    rows = t.reshape(B * H * Nk, block_k * X)
-    offsets = (torch.arange(B * H, device=t.device) * Nk).view(B, H, 1, 1)
-    picked = rows.index_select(0, (blocks + offsets).flatten())  # (B * H * n * t, block_k * X)
-    return picked.view(*blocks.shape[:3], blocks.shape[3] * block_k, X)
+    k: Tensor  # (B, H, L, d) raw keys (for the decoding state)
+    v: Tensor  # (B, H, L, dv) raw values
+    mask: Tensor  # (B, L) bool, True for real tokens
+    x: Tensor  # (B, H, L, d) queries times the root of the logit scale
+    rq: Tensor  # (B, H, L, 1) the queries' centering log-weights x . c
+    keys: Keys  # this call's keys (with far-field features where the far field subtracts its kernel)
+    ctx: FarContext
+    log_gain: Tensor | float  # the far field's log gain, (1 or B, 1 or H, 1, 1), or 0
+    spec: HybridSpec

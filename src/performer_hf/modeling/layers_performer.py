@@ -14,7 +14,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention_methods import ATTENTION_METHODS
 from .configuration_performer import PerformerConfig
-from .favor_hybrid import HybridSpec, get_far_field
+from .far_fields import get_far_field
+from .hybrid_spec import HybridSpec
 from .favor_projection import draw_projection
 
 

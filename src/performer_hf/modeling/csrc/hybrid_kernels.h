@@ -1,0 +1,109 @@
+// Shared by the compiled CPU kernels of hybrid attention (performer_hf.modeling.cpu_kernels builds the three files
+// into one module): a vectorisable exp, the register tiles, the compiled value widths, and the entry points.
+// - hybrid_support.cpp: the support sums (the exact part and the far field's share on the support) and the module;
+// - hybrid_far_field.cpp: the polynomial far field's state and sums;
+// - hybrid_routing.cpp: the routing's top-k over key blocks.
+// Every function checks only what the Python side cannot get wrong cheaply; favor_hybrid validates inputs.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace performer_hf {
+
+// relative error about 2e-7 (Cephes' polynomial on [-ln 2 / 2, ln 2 / 2]); 0 below -87.
+inline float exp_approx(float x) {
+  const float clamped = std::min(std::max(x, -87.0f), 88.0f);
+  const float k = std::floor(clamped * 1.44269504088896341f + 0.5f);
+  const float r = clamped - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+inline double exp_approx(double x) { return std::exp(x); }
+
+// Register tiles: kQueries queries against kLanes candidates (logits), or against a packed value row.
+constexpr int64_t kQueries = 4;
+constexpr int64_t kLanes = 16;
+
+inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+// logits (kQueries, Cp) = queries (kQueries, d) @ keys_t (d, Cp), Cp a multiple of kLanes
+template <typename T>
+void tile_logits(const T* queries, int64_t d, const T* keys_t, int64_t Cp, T* logits) {
+  for (int64_t c0 = 0; c0 < Cp; c0 += kLanes) {
+    T acc[kQueries][kLanes] = {};
+    for (int64_t e = 0; e < d; ++e) {
+      const T* row = keys_t + e * Cp + c0;
+      for (int64_t q = 0; q < kQueries; ++q) {
+        const T x = queries[q * d + e];
+#pragma omp simd
+        for (int64_t k = 0; k < kLanes; ++k) acc[q][k] += x * row[k];
+      }
+    }
+    for (int64_t q = 0; q < kQueries; ++q) std::memcpy(logits + q * Cp + c0, acc[q], kLanes * sizeof(T));
+  }
+}
+
+// sums (kQueries, W) = weights (kQueries, Cp) @ values (Cp, W)
+template <typename T, int64_t W>
+void tile_values(const T* weights, int64_t Cp, const T* values, T* sums) {
+  T acc[kQueries][W] = {};
+  for (int64_t c = 0; c < Cp; ++c) {
+    const T* row = values + c * W;
+    for (int64_t q = 0; q < kQueries; ++q) {
+      const T w = weights[q * Cp + c];
+#pragma omp simd
+      for (int64_t k = 0; k < W; ++k) acc[q][k] += w * row[k];
+    }
+  }
+  std::memcpy(sums, acc, sizeof(acc));
+}
+// Value widths the kernels are compiled for: dv + 1 is padded up to the next one.
+constexpr int64_t kMaxWidth = 256;
+
+// body.template operator()<W>() with the smallest compiled width W >= D1
+template <typename Body>
+void with_width(int64_t D1, Body&& body) {
+  if (D1 <= 16) return body.template operator()<16>();
+  if (D1 <= 32) return body.template operator()<32>();
+  if (D1 <= 48) return body.template operator()<48>();
+  if (D1 <= 64) return body.template operator()<64>();
+  if (D1 <= 96) return body.template operator()<96>();
+  if (D1 <= 128) return body.template operator()<128>();
+  return body.template operator()<kMaxWidth>();
+}
+// ---- entry points (see hybrid_compiled.py for the contracts)
+// inputs: x, rq, q_scale, far_sum, key_shift, y_t, values1, klog, mask, routed; geometry: left, right, num_global,
+// block_q, block_k
+torch::Tensor hybrid_support_sums(const std::vector<torch::Tensor>& inputs, const std::vector<int64_t>& geometry,
+                                  double quadratic);
+std::vector<torch::Tensor> hybrid_support_sums_backward(const torch::Tensor& grad_out,
+                                                        const std::vector<torch::Tensor>& inputs,
+                                                        const std::vector<int64_t>& geometry, double quadratic);
+torch::Tensor quadratic_far_state(torch::Tensor w, torch::Tensor wv1, double quadratic);
+std::vector<torch::Tensor> quadratic_far_state_backward(torch::Tensor w, torch::Tensor wv1, torch::Tensor d_state,
+                                                        double quadratic);
+torch::Tensor quadratic_far_apply(torch::Tensor u, torch::Tensor state);
+std::vector<torch::Tensor> quadratic_far_apply_backward(torch::Tensor u, torch::Tensor state, torch::Tensor d_sums);
+torch::Tensor top_blocks(torch::Tensor scores, int64_t R);
+torch::Tensor routed_candidates(const std::vector<torch::Tensor>& blocks, const std::vector<int64_t>& settings);
+
+}  // namespace performer_hf

@@ -1,0 +1,99 @@
+"""The backends of hybrid attention: who computes the far field's state and the support sums (the exact part, the
+far field's complement and their merge), behind one signature, and :func:`choose_backend`, the one place that picks.
+
+- :data:`PYTORCH`: every setting, on every device; slab by slab over the query blocks, each slab recomputed in
+  backward (:func:`.recomputed`), so that training keeps no slab's temporaries. It is the reference the others
+  are tested against.
+- :class:`CompiledCpuBackend`: the C++ kernels of :mod:`.hybrid_compiled` (forward and backward) for bidirectional
+  attention with a polynomial far field on the CPU.
+
+A backend that cannot serve a setting says why once in the log, and the PyTorch backend serves it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .cpu_kernels import hybrid_kernels, kernels_enabled
+from .far_field_polynomial import quadratic_apply, quadratic_state
+from .hybrid_compiled import compiled_polynomial, fused_sums
+from .hybrid_exact import CandidateSet, exact_logits, exact_sums, merge
+from .hybrid_far_field import FarQueries
+from .hybrid_keys import HybridCall
+from .hybrid_selection import Selection
+from .slabs import recomputed
+
+logger = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+
+
+def _slab_sums(xq: Tensor, far: FarQueries, sets: list[CandidateSet], quadratic: float | None) -> Tensor:
+    """The merged sums of a slab of query blocks xq (B, H, n, bq, d): the exact part on each query's support and
+    the far field over the rest, under one shift. -> (B, H, n, bq, dv + 1)"""
+    logits = exact_logits(xq, sets)
+    return merge(exact_sums(logits, sets), far.complement(logits, sets, quadratic))
+
+
+class TorchBackend:
+    """Hybrid attention in PyTorch: any device, dtype and setting."""
+
+    name = "pytorch"
+    polynomial = (quadratic_state, quadratic_apply)  # the polynomial far field's (state, apply)
+
+    def support_sums(self, selection: Selection, far: FarQueries, quadratic: float | None) -> Tensor:
+        """Numerator|denominator (B, H, L, dv + 1) of hybrid attention, relative to a per-query shift."""
+        blocking = selection.blocking
+        if not selection.nb_candidates:
+            return far.complement([], [], quadratic).sums
+        sets_by_slab = selection.candidate_sets()
+        slabs = zip(blocking.blocked(selection.x), far.split(blocking.blocked), sets_by_slab, strict=True)
+        return blocking.unblocked([recomputed(_slab_sums, xq, far_s, sets, quadratic) for xq, far_s, sets in slabs])
+
+
+class CompiledCpuBackend:
+    """Bidirectional hybrid attention with a polynomial far field in the compiled CPU kernels."""
+
+    name = "cpu"
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+        self.polynomial = compiled_polynomial(kernels)
+
+    def support_sums(self, selection: Selection, far: FarQueries, quadratic: float) -> Tensor:
+        return fused_sums(self.kernels, selection, far, quadratic)
+
+
+PYTORCH = TorchBackend()
+_EXPLAINED: set[str] = set()
+
+
+def _served_by_pytorch(reason: str) -> TorchBackend:
+    if reason not in _EXPLAINED:
+        _EXPLAINED.add(reason)
+        logger.info("Hybrid attention runs in PyTorch, not in the compiled CPU kernels: %s.", reason)
+    return PYTORCH
+
+
+def choose_backend(call: HybridCall, causal: bool) -> TorchBackend | CompiledCpuBackend:
+    """The backend for a call: by its device, dtype and direction, and the settings (the far field, the value
+    width, the length). The compiled CPU kernels when they serve the call, else PyTorch."""
+    x, far = call.x, call.ctx.far
+    if x.device.type != "cpu" or not kernels_enabled():
+        return PYTORCH
+    if torch.compiler.is_compiling():  # torch.export / torch.compile trace the PyTorch path; kernels are opaque
+        return PYTORCH
+    if causal:
+        return _served_by_pytorch("the compiled kernels are bidirectional only")
+    if far.quadratic is None:
+        return _served_by_pytorch(f"they serve the polynomial far fields, not far_field={far.name!r}")
+    if x.dtype not in (torch.float32, torch.float64) or x.shape[2] >= 1 << 24:
+        return _served_by_pytorch("they serve float32 / float64 inputs of fewer than 2^24 positions")
+    kernels = hybrid_kernels()  # None (after one warning) where the build failed
+    if kernels is None:
+        return PYTORCH
+    if call.keys.values1.shape[-1] > kernels.max_value_width:
+        return _served_by_pytorch(f"value heads wider than {kernels.max_value_width - 1}")
+    return CompiledCpuBackend(kernels)

@@ -1,0 +1,183 @@
+"""Causal hybrid attention: the far field lagged past each query's window, and the constant-size decoding state.
+
+Query ``i`` computes exactly its window (itself and the ``local_window - 1`` keys before it) and the global tokens;
+its far field reads every other earlier key. A call scans the keys as they leave the window (:class:`LeavingKeys`),
+so that its far field never holds a key of the query's support and nothing is subtracted: from the first token
+with an exponential far field in the fused scan of :func:`.causal_exp_sums` (features one slab at a time), and
+otherwise in the chunked scan of :func:`.causal_far_sums`. A single token after a state takes
+:func:`decoding_step`: the state's far field plus exact softmax on the window buffer and the global tokens, no scan.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .favor_exp import ExpFeatures, causal_exp_sums
+from .hybrid_exact import CandidateSet, exact_logits, exact_sums, merge
+from .hybrid_far_field import FarQueries, add_keys, causal_far_sums
+from .hybrid_keys import NEG_INF, HybridCall, Keys, cat_keys, key_side, pad_keys, slice_keys
+from .hybrid_selection import ExtraKeys
+from .hybrid_spec import HybridState, in_window
+
+Tensor = torch.Tensor
+
+
+class LeavingKeys:
+    """The keys that leave the exact window during a causal call, for the far field.
+
+    The state's far field holds the keys before its window buffer (every later query reads them), the buffer the
+    last ``local_window - 1`` keys. During a call of L tokens, the buffer's keys and then the call's own leave the
+    window, one per query: the key at position ``i - local_window`` leaves at query ``i``. Indices below count the
+    buffer's keys, then the call's: the first ``read`` leaving keys are read by this call's queries, the rest (up to
+    ``count``; at most one) join the state after the call. The global tokens never enter the far field, and no key
+    on a query's support needs far-field features.
+    """
+
+    def __init__(self, state: HybridState | None, call: HybridCall):
+        self.state, self.call = state, call
+        self.window, self.length = call.spec.local_window, call.k.shape[2]
+        self.buffered = 0 if state is None else state.keys.shape[2]  # positions start - buffered, ..., start - 1
+        self.start = 0 if state is None else state.length  # the position of this call's first token
+        self.count = max(0, self.buffered + self.length - max(self.window - 1, 0))
+        self.read = max(0, min(self.count, self.length - self.window + self.buffered))
+
+    def keys(self, first: int, stop: int, features: bool) -> Keys:
+        """The leaving keys ``[first, stop)`` (with far-field features when ``features``; otherwise ``klog`` is the
+        centering term alone), -inf log-scale for the global tokens."""
+        k, v, mask = self._raw(first, stop)
+        part = key_side(k, v, mask, self.call.ctx, features)
+        position = torch.arange(first, stop, device=k.device) + self.start - self.buffered
+        is_global = position < self.call.spec.num_global_tokens
+        return part._replace(klog=part.klog.masked_fill(is_global[:, None], NEG_INF))  # (.., 1): never far
+
+    def _raw(self, first: int, stop: int):
+        """Raw keys, values (B, H, n, d / dv) and mask (B, n) at ``[first, stop)`` of (the buffer, this call)."""
+        b, state, call = self.buffered, self.state, self.call
+        parts = []
+        if first < b:
+            end = min(stop, b)
+            keys, values = state.keys[:, :, first:end].to(call.k.dtype), state.values[:, :, first:end].to(call.v.dtype)
+            parts.append((keys, values, state.key_mask[:, first:end]))
+        if stop > b or not parts:
+            lo, hi = max(first - b, 0), max(stop - b, 0)
+            parts.append((call.k[:, :, lo:hi], call.v[:, :, lo:hi], call.mask[:, lo:hi]))
+        if len(parts) == 1:
+            return parts[0]
+        (old_k, old_v, old_mask), (k, v, mask) = parts
+        return torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2), torch.cat([old_mask, mask], dim=1)
+
+    def rows(self, features: bool) -> Keys:
+        """L rows for the inclusive scan from the state: row ``t`` holds the key that leaves at query ``t`` (empty
+        where none), so that query ``t`` reads exactly its far field."""
+        # row t holds leaving key (buffered + t - window): the read keys, after window - buffered empty rows
+        read = self.keys(0, self.read, features)
+        return slice_keys(pad_keys(read, self.window - self.buffered, 0), 0, self.length)
+
+    def after(self) -> Keys:
+        """The keys that join the state after the call (with features)."""
+        return self.keys(self.read, self.count, True)
+
+
+def extra_keys(call: HybridCall, state: HybridState | None) -> ExtraKeys:
+    """The window buffer and the global keys a causal call's queries may compute exactly besides their own call's:
+    those of the preceding tokens (decoding), then this call's first ones."""
+    spec, ctx, L = call.spec, call.ctx, call.k.shape[2]
+    offset = 0 if state is None else state.length
+    prefix = None
+    if state is not None and spec.local_window > 1:
+        prefix = key_side(state.keys, state.values, state.key_mask, ctx, with_features=False)
+    globals_ = None
+    if spec.num_global_tokens:
+        globals_ = slice_keys(call.keys, 0, max(0, min(spec.num_global_tokens - offset, L)))
+        if state is not None and state.global_keys.shape[2]:
+            old = key_side(state.global_keys, state.global_values, state.global_mask, ctx, with_features=False)
+            globals_ = cat_keys(old, globals_)
+    return ExtraKeys(prefix, globals_)
+
+
+def lagged_far_field(call: HybridCall, state: HybridState | None, with_state: bool):
+    """The causal far field of every query of the call over the keys lagged past its window: its
+    :class:`.FarQueries` and, ``with_state``, the far-field state after the call (kv (B, H, D, dv + 1), shift (B, H)),
+    else None."""
+    ctx, spec = call.ctx, call.spec
+    u = call.x - ctx.a
+    leaving = LeavingKeys(state, call)
+    fused = state is None and ctx.far.exp_form is not None  # from the start: features per slab, never stored
+    rows = leaving.rows(features=not fused)
+    if fused:
+        directions, bias = ctx.far.exp_form(ctx.projection, ctx.parameter)
+        scan = causal_exp_sums(u, rows.y - ctx.c, rows.values1, ExpFeatures(directions, bias), key_row=rows.klog,
+                               mask=rows.mask, chunk_size=spec.chunk_size)  # fmt: skip
+        # The queries' centering factor exp(rq) stays out of the scan: in the far field's scale, and (a factor of
+        # value 1) in its gradient.
+        rq_const = call.rq.detach()
+        far_sum, scale, shifts = scan.sums * torch.exp(call.rq - rq_const), scan.q_shifts.unsqueeze(-1), scan.shifts
+        scale, final = scale + rq_const, (scan.kv, scan.shift)
+    else:
+        qf, scale = ctx.features(u, call.rq)  # (B, H, L, D), (B, H, L, 1)
+        previous = None if state is None else (state.far_kv, state.far_shift)
+        far_sum, shifts, *final = causal_far_sums(qf, rows.feats, rows.klog, rows.values1, spec.chunk_size, previous)
+    far = FarQueries(None, call.rq, scale + call.log_gain, shifts.unsqueeze(-1), far_sum, excludes_support=True)
+    return far, add_keys(*final, leaving.after()) if with_state else None
+
+
+def decoding_step(call: HybridCall, state: HybridState) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """One causal token after ``state``, what the scan computes for a single query: the state's far field (plus the
+    key that leaves the window at this query, if any) and exact softmax on the window buffer, this token and the
+    global tokens outside the window. Returns its numerator|denominator (B, H, 1, dv + 1) relative to a shift, and
+    the far-field state (kv, shift) after the token."""
+    ctx, spec = call.ctx, call.spec
+    prefix, globals_ = extra_keys(call, state)
+    leaving = LeavingKeys(state, call)
+    far_kv, far_shift = state.far_kv, state.far_shift
+    if leaving.read:  # the key that leaves the window at this query (with no window: this token itself)
+        far_kv, far_shift = add_keys(far_kv, far_shift, leaving.keys(0, leaving.read, True))
+    qf, q_scale = ctx.features(call.x - ctx.a, call.rq)  # (B, H, 1, D), (B, H, 1, 1)
+    far = FarQueries(None, call.rq, q_scale + call.log_gain, far_shift[..., None, None], qf @ far_kv, True)
+    sets = []
+    if spec.local_window:  # the buffer (the last local_window - 1 keys) and this token
+        window = call.keys if prefix is None else cat_keys(prefix, call.keys)
+        sets.append(CandidateSet([window.y, window.values1], window.mask[:, None, None, :]))  # (B, 1, 1, C)
+    if globals_ is not None:
+        left, right = spec.offsets(causal=True)
+        key_pos = torch.arange(globals_.y.shape[2], device=call.x.device)  # (G,)
+        outside = ~in_window(torch.tensor(state.length, device=call.x.device), key_pos, left, right)
+        sets.append(CandidateSet([globals_.y, globals_.values1], (globals_.mask & outside)[:, None, None, :]))
+    # one block of one query: (B, H, n = 1, 1, X)
+    sets = [CandidateSet([t.unsqueeze(2) for t in s.keys], s.support.unsqueeze(2)) for s in sets]
+    far = FarQueries(*(None if t is None else t.unsqueeze(2) for t in far.tensors()), excludes_support=True)
+    xq = call.x.unsqueeze(2)
+    parts = [far.complement([], [], None)]
+    if sets:
+        parts.append(exact_sums(exact_logits(xq, sets), sets))
+    if leaving.count > leaving.read:  # the key that leaves the window at the next token
+        far_kv, far_shift = add_keys(far_kv, far_shift, leaving.after())
+    return merge(*parts).squeeze(2), (far_kv, far_shift)
+
+
+def next_state(state: HybridState | None, far: tuple[Tensor, Tensor], call: HybridCall) -> HybridState:
+    """The state after the call: its far field ``far`` (kv, shift), and this call's raw keys/values appended to
+    the window buffer and to the global prefix."""
+    k, v, mask, spec = call.k, call.v, call.mask, call.spec
+    B, H, L, d = k.shape
+    length = 0 if state is None else state.length
+    if state is None:
+        empty_k, empty_v, empty_m = k.new_zeros(B, H, 0, d), v.new_zeros(B, H, 0, v.shape[-1]), mask.new_zeros(B, 0)
+        state = HybridState(*far, empty_k, empty_v, empty_m, empty_k, empty_v, empty_m, 0)
+    keep = max(spec.local_window - 1, 0)
+    keys = torch.cat([state.keys, k.to(state.keys.dtype)], dim=2)
+    values = torch.cat([state.values, v.to(state.values.dtype)], dim=2)
+    key_mask = torch.cat([state.key_mask, mask], dim=1)
+    start = max(0, keys.shape[2] - keep)
+    new = max(0, min(spec.num_global_tokens - length, L))
+    return HybridState(
+        far_kv=far[0],
+        far_shift=far[1],
+        keys=keys[:, :, start:],
+        values=values[:, :, start:],
+        key_mask=key_mask[:, start:],
+        global_keys=torch.cat([state.global_keys, k[:, :, :new].to(state.global_keys.dtype)], dim=2),
+        global_values=torch.cat([state.global_values, v[:, :, :new].to(state.global_values.dtype)], dim=2),
+        global_mask=torch.cat([state.global_mask, mask[:, :new]], dim=1),
+        length=length + L,
+    )

@@ -1,0 +1,160 @@
+"""The selection of hybrid attention: each block of queries' exact support, as candidate sets.
+
+The queries are processed by blocks of ``query_block_size``, in slabs of blocks (:class:`QueryBlocking`). Block
+``n`` reads its window keys ``[n * block_q - left, (n + 1) * block_q + right)``, the global keys and (bidirectional)
+its routed key blocks (:mod:`.hybrid_routing`): one :class:`.CandidateSet` of C keys per block and kind, with a
+(block_q, C) support mask. Every per-block tensor is built once for all blocks (views, one gather) and split into
+slabs, so that backward gathers each gradient once instead of writing a full-size one per slab.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .hybrid_exact import CandidateSet
+from .hybrid_keys import Keys, cat_keys, pad_keys, slice_keys
+from .hybrid_routing import gather_blocks, key_blocks, route
+from .hybrid_spec import HybridSpec, in_window
+from .slabs import slab_sizes
+
+Tensor = torch.Tensor
+
+
+class ExtraKeys(NamedTuple):
+    """Keys a query may compute exactly besides its own call's: the window buffer of earlier tokens (decoding) and
+    the global keys (the first ``num_global_tokens`` of the sequence), each a :class:`.Keys` or None."""
+
+    prefix: Keys | None
+    globals_: Keys | None
+
+
+class QueryBlocking:
+    """How the L queries of a call are cut: N blocks of ``block_q`` (padded to a multiple of ``period``), in
+    slabs of blocks sized so that each slab's largest temporary stays within the device's budget."""
+
+    def __init__(self, x: Tensor, period: int, block_q: int, per_block: int):
+        self.B, self.H, self.L = x.shape[:3]
+        self.block_q, self.device = block_q, x.device
+        self.pad = -(-self.L // period) * period - self.L
+        self.N = (self.L + self.pad) // block_q
+        self.sizes = slab_sizes(self.N, per_block, "blocks", x.device)  # query blocks per slab
+        self.starts = list(itertools.accumulate(self.sizes[:-1], initial=0))  # each slab's first query block
+
+    def by_slab(self, t: Tensor) -> list[Tensor]:
+        """(B, H, N, ...) -> its slabs along the block axis."""
+        return t.split(self.sizes, dim=2)
+
+    def blocked(self, t: Tensor) -> list[Tensor]:
+        """(B, H, L, X) -> slabs of (B, H, n, block_q, X)."""
+        return self.by_slab(F.pad(t, (0, 0, 0, self.pad)).view(self.B, self.H, self.N, self.block_q, -1))
+
+    def positions(self, first_block: int, count: int, offset: int) -> Tensor:
+        """(count, block_q, 1) the absolute positions of the queries of blocks ``first_block ...``."""
+        first, stop = first_block * self.block_q, (first_block + count) * self.block_q
+        return (torch.arange(first, stop, device=self.device) + offset).view(count, self.block_q, 1)
+
+    def unblocked(self, slabs: list[Tensor]) -> Tensor:
+        """Slabs of (B, H, n, block_q, X) -> (B, H, L, X)."""
+        return torch.cat(slabs, dim=2).flatten(2, 3)[:, :, : self.L]
+
+
+class Selection:
+    """The exact support of every query of a call, as candidate sets per slab of query blocks.
+
+    Args:
+        x: (B, H, L, d) scaled queries; keys: the call's :class:`.Keys`; extra: the :class:`ExtraKeys`.
+        spec: the settings; causal: the direction; offset: the absolute position of the call's first token.
+        with_feats: whether the candidates carry far-field features (the bidirectional random-feature far fields
+            subtract their kernel on the support).
+    """
+
+    def __init__(self, x: Tensor, keys: Keys, extra: ExtraKeys, spec: HybridSpec, causal: bool, offset: int,
+                 with_feats: bool):  # fmt: skip
+        self.x, self.keys, self.extra, self.spec, self.causal, self.offset = x, keys, extra, spec, causal, offset
+        self.with_feats = with_feats
+        self.left, self.right = spec.offsets(causal)
+        block_q, block_k = spec.query_block_size, spec.route_block_size
+        self.width = block_q + self.left + self.right if self.right >= 0 else 0
+        self.nb_global = 0 if extra.globals_ is None else extra.globals_.y.shape[2]
+        self.nb_candidates = self.width + self.nb_global + spec.routed_blocks * block_k
+        d = x.shape[-1]
+        widest = max(d, keys.values1.shape[-1], keys.feats.shape[-1] if with_feats else 1)
+        per_block = x.shape[0] * x.shape[1] * block_q * max(self.nb_candidates, 1) * widest
+        period = math.lcm(block_q, block_k) if spec.routed_blocks else block_q
+        self.blocking = QueryBlocking(x, period, block_q, per_block)
+        self.padded_keys = pad_keys(keys, 0, self.blocking.pad)
+
+    def candidate_sets(self) -> list[list[CandidateSet]]:
+        """Per slab of query blocks, its candidate sets (window, routed blocks, global keys; those that apply)."""
+        per_slab = [[] for _ in self.blocking.sizes]
+        for kind in (self._window, self._routed):
+            for slab, candidates in enumerate(kind()):
+                per_slab[slab].append(candidates)
+        if self.nb_global:
+            for slab, (first, count) in enumerate(zip(self.blocking.starts, self.blocking.sizes, strict=True)):
+                per_slab[slab].append(self._globals(first, count))
+        return per_slab
+
+    def _expanded(self, keys: list[Tensor], support: Tensor, count: int) -> CandidateSet:
+        B, H, block_q = self.x.shape[0], self.x.shape[1], self.spec.query_block_size
+        keys = [t.expand(B, H, count, *t.shape[3:]) for t in keys]
+        return CandidateSet(keys, support.expand(B, H, count, block_q, -1))
+
+    def _window(self) -> list[CandidateSet]:
+        """The window context: buffered keys (decoding) or nothing before, nothing after."""
+        if not self.width:
+            return []
+        blocking, block_q, width = self.blocking, self.spec.query_block_size, self.width
+        prefix = self.extra.prefix
+        before = prefix if prefix is not None else slice_keys(self.keys, 0, 0)
+        window = cat_keys(pad_keys(before, self.left - before.y.shape[2], 0), pad_keys(self.padded_keys, 0, self.right))
+        band = torch.arange(width, device=self.x.device)[None, :] - torch.arange(block_q, device=self.x.device)[:, None]
+        band = (band >= 0) & (band <= self.left + self.right)  # (block_q, width): i - left <= j <= i + right
+        support = band & window.mask.unfold(1, width, block_q)[:, None, :, None, :]  # (B, 1, N, block_q, width)
+        fields = [blocking.by_slab(t.unfold(2, width, block_q).transpose(-2, -1)) for t in window.fields(self.with_feats)]
+        return [
+            self._expanded(list(keys), support_s, count)
+            for *keys, support_s, count in zip(*fields, blocking.by_slab(support), blocking.sizes, strict=True)
+        ]
+
+    def _routed(self) -> list[CandidateSet]:
+        """Each query block's routed key blocks, minus its window and the global tokens."""
+        spec, blocking, keys = self.spec, self.blocking, self.keys
+        if not spec.routed_blocks:
+            return []
+        B, N, block_q, block_k = self.x.shape[0], blocking.N, spec.query_block_size, spec.route_block_size
+        blocks = key_blocks(pad_keys(keys, 0, -keys.y.shape[2] % block_k), block_k, spec.route_group_size)
+        q_mask = F.pad(keys.mask, (0, blocking.pad), value=False).view(B, N, block_q).split(blocking.sizes, dim=1)
+        routes = [
+            route(xq, q_mask_s, blocks, first, block_k, self.left, self.right, spec.routed_blocks)
+            for xq, q_mask_s, first in zip(blocking.blocked(self.x), q_mask, blocking.starts, strict=True)
+        ]
+        chosen = torch.cat([chosen_s for chosen_s, _ in routes], dim=2)  # (B, H, N, t)
+        chosen_real = torch.cat([real for _, real in routes], dim=2)
+        fields = [blocking.by_slab(gather_blocks(t, chosen, block_k)) for t in self.padded_keys.fields(self.with_feats)]
+        key_pos = (chosen.unsqueeze(-1) * block_k + torch.arange(block_k, device=self.x.device)).flatten(-2)
+        real = self.padded_keys.mask.gather(1, key_pos.flatten(1)).view(key_pos.shape)  # (B, H, N, R): real keys
+        real = real & chosen_real.repeat_interleave(block_k, dim=-1)  # ... of blocks that qualified
+        pos = blocking.positions(0, N, self.offset)  # (N, block_q, 1) absolute
+        key_pos = key_pos.unsqueeze(-2)  # (B, H, N, 1, R)
+        support = real.unsqueeze(-2) & ~in_window(pos, key_pos, self.left, self.right) & (key_pos >= self.nb_global)
+        return [
+            self._expanded(list(keys), support_s, count)
+            for *keys, support_s, count in zip(*fields, blocking.by_slab(support), blocking.sizes, strict=True)
+        ]
+
+    def _globals(self, first: int, count: int) -> CandidateSet:
+        """The global keys, for the queries of ``count`` blocks from ``first`` (those outside their window)."""
+        globals_ = self.extra.globals_
+        keys = [t.unsqueeze(2) for t in globals_.fields(self.with_feats)]
+        pos = self.blocking.positions(first, count, self.offset)
+        key_pos = torch.arange(self.nb_global, device=self.x.device)  # (G,)
+        support = globals_.mask[:, None, None, None, :] & ~in_window(pos, key_pos, self.left, self.right)
+        if self.causal:
+            support = support & (key_pos <= pos)
+        return self._expanded(keys, support, count)  # (B, 1, n, block_q, G)
