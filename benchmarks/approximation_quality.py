@@ -145,8 +145,9 @@ def _default_conversion() -> Method:
     preset = dict(CONVERSION_METHODS[DEFAULT_METHOD]["bidirectional"])
     preset.pop("exact_max_length", None)
     far_field, center = preset.pop("attention_kernel"), preset.pop("center_features", False)
-    return Method("default conversion", "hybrid", {**preset, "far_field": far_field, "center": center},
-                  _coupling(far_field))  # fmt: skip
+    return Method(
+        "default conversion", "hybrid", {**preset, "far_field": far_field, "center": center}, _coupling(far_field)
+    )
 
 
 METHODS = (
@@ -333,9 +334,18 @@ def quality(model, swap: SwappedAttention, texts: dict, runs: list, head_dim: in
             )
             r = records[-1]
             logger.info(
-                "[%d/%d] %-28s m=%s seed=%s %-9s cos=%.4f rho=%.4f err=%.3f (%.1fs)", number, len(runs), method.name,
-                m, seed, name, r["mean_cosine"], r["pairwise_spearman"], r["mean_layer_error"], r["seconds"],
-            )  # fmt: skip
+                "[%d/%d] %-28s m=%s seed=%s %-9s cos=%.4f rho=%.4f err=%.3f (%.1fs)",
+                number,
+                len(runs),
+                method.name,
+                m,
+                seed,
+                name,
+                r["mean_cosine"],
+                r["pairwise_spearman"],
+                r["mean_layer_error"],
+                r["seconds"],
+            )
     model.set_attn_implementation("sdpa")
     return records, skipped
 
@@ -396,8 +406,13 @@ def speed(model, swap: SwappedAttention, tokenizer, ms: list[int], repeats: int,
     model.set_attn_implementation("sdpa")
     timings = []
     for key, (own, ref) in attention_times.items():
-        timing = {"method": key[0], "m": key[1], "attention_s": own, "sdpa_attention_s": ref,
-                  "attention_speedup": ref / own}  # fmt: skip
+        timing = {
+            "method": key[0],
+            "m": key[1],
+            "attention_s": own,
+            "sdpa_attention_s": ref,
+            "attention_speedup": ref / own,
+        }
         if key in forward_times:
             own, ref = forward_times[key]
             timing.update({"forward_s": own, "sdpa_forward_s": ref, "forward_speedup": ref / own})
@@ -661,9 +676,10 @@ def measure(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> dict:
     parser = harness.parser(
-        __doc__, threads=1,
+        __doc__,
+        threads=1,
         quick=f"16 sentences, 3 docs, m = 64 256, 2 seeds at m = 256, a 3-minute budget, lengths {QUICK_LENGTHS}",
-    )  # fmt: skip
+    )
     parser.add_argument("--sentences", type=int, default=200)
     parser.add_argument("--docs", type=int, default=8)
     parser.add_argument("--seeds", type=int, default=3, help=f"projection seeds at m = {SELECT_AT}")

@@ -67,11 +67,16 @@ def train_tokenizer(documents: list[str], vocab_size: int) -> PreTrainedTokenize
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(documents, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=END_OF_TEXT, eos_token=END_OF_TEXT,
-                                   unk_token=END_OF_TEXT)  # fmt: skip
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=END_OF_TEXT, eos_token=END_OF_TEXT, unk_token=END_OF_TEXT
+    )
 
 
 def make_blocks(tokenizer, documents: list[str], context: int) -> torch.Tensor:
@@ -101,8 +106,9 @@ def evaluate(model, blocks: torch.Tensor, batch_size: int) -> dict:
 def batch_order(num_blocks: int, steps: int, batch_size: int, seed: int) -> list[torch.Tensor]:
     """Block indices of every step: seeded permutations, one per pass over the data."""
     generator = torch.Generator().manual_seed(seed)
-    indices = torch.cat([torch.randperm(num_blocks, generator=generator)
-                         for _ in range(math.ceil(steps * batch_size / num_blocks))])  # fmt: skip
+    indices = torch.cat(
+        [torch.randperm(num_blocks, generator=generator) for _ in range(math.ceil(steps * batch_size / num_blocks))]
+    )
     return [indices[i * batch_size : (i + 1) * batch_size] for i in range(steps)]
 
 
@@ -122,8 +128,9 @@ def train(
     the training seconds (evaluations excluded)."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     rest = [p for n, p in model.named_parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
-                                  lr=learning_rate)  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}], lr=learning_rate
+    )
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=warmup, num_training_steps=len(order))
     records = [record for record in [evaluate_at(0)] if record is not None]
     seconds = 0.0
@@ -176,33 +183,69 @@ def measure(args: argparse.Namespace) -> dict:
     finetune_steps = max(1, round(args.finetune_fraction * pretrain_steps))
     result = {
         "study": "compat_causal",
-        "data": {"name": "Python documentation: pydoc_data.topics + stdlib docstrings >= 200 chars",
-                 "python": platform.python_version(), "documents": {k: len(v) for k, v in split.items()},
-                 "characters": sum(map(len, documents)), "tokenizer": f"byte-level BPE, vocab {len(tokenizer)}",
-                 "train_tokens": train_blocks.numel(), "eval_tokens": eval_blocks.numel()},
-        "model": {"class": "GPT2LMHeadModel", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
-                  "context": args.context, "dropout": 0.0},
-        "budget": {"pretrain_steps": pretrain_steps, "finetune_steps": finetune_steps, "batch_size": args.batch_size,
-                   "pretrain_lr": args.lr, "finetune_lr": args.finetune_lr, "warmup_steps": args.warmup,
-                   "finetune_warmup_steps": args.finetune_warmup, "redraw_interval": args.redraw_interval,
-                   "nb_features": args.nb_features, "seed": args.seed,
-                   "pretrain_tokens": pretrain_steps * args.batch_size * args.context},
-        "quick": args.quick, "threads": torch.get_num_threads(),
-    }  # fmt: skip
+        "data": {
+            "name": "Python documentation: pydoc_data.topics + stdlib docstrings >= 200 chars",
+            "python": platform.python_version(),
+            "documents": {k: len(v) for k, v in split.items()},
+            "characters": sum(map(len, documents)),
+            "tokenizer": f"byte-level BPE, vocab {len(tokenizer)}",
+            "train_tokens": train_blocks.numel(),
+            "eval_tokens": eval_blocks.numel(),
+        },
+        "model": {
+            "class": "GPT2LMHeadModel",
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "heads": args.heads,
+            "context": args.context,
+            "dropout": 0.0,
+        },
+        "budget": {
+            "pretrain_steps": pretrain_steps,
+            "finetune_steps": finetune_steps,
+            "batch_size": args.batch_size,
+            "pretrain_lr": args.lr,
+            "finetune_lr": args.finetune_lr,
+            "warmup_steps": args.warmup,
+            "finetune_warmup_steps": args.finetune_warmup,
+            "redraw_interval": args.redraw_interval,
+            "nb_features": args.nb_features,
+            "seed": args.seed,
+            "pretrain_tokens": pretrain_steps * args.batch_size * args.context,
+        },
+        "quick": args.quick,
+        "threads": torch.get_num_threads(),
+    }
 
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=args.context, n_embd=args.hidden, n_layer=args.layers,
-                        n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=args.context,
+        n_embd=args.hidden,
+        n_layer=args.layers,
+        n_head=args.heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     gpt2 = GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
     every = max(1, pretrain_steps // 10)
-    curve, seconds = train(gpt2, train_blocks, batch_order(len(train_blocks), pretrain_steps, args.batch_size,
-                           args.seed), args.lr, args.warmup, evaluator(eval_blocks, every, pretrain_steps,
-                           args.batch_size, gpt2), description="pretraining GPT-2")  # fmt: skip
+    curve, seconds = train(
+        gpt2,
+        train_blocks,
+        batch_order(len(train_blocks), pretrain_steps, args.batch_size, args.seed),
+        args.lr,
+        args.warmup,
+        evaluator(eval_blocks, every, pretrain_steps, args.batch_size, gpt2),
+        description="pretraining GPT-2",
+    )
     softmax = curve[-1]
     result["pretraining"] = {"curve": curve, "seconds": seconds, "steps_per_second": pretrain_steps / seconds}
     result["softmax_level"] = {"perplexity": softmax["perplexity"], "accuracy": softmax["accuracy"]}
-    logger.info("pretrained GPT-2: perplexity %.2f, accuracy %.4f, %.0f s", softmax["perplexity"],
-                softmax["accuracy"], seconds)  # fmt: skip
+    logger.info(
+        "pretrained GPT-2: perplexity %.2f, accuracy %.4f, %.0f s", softmax["perplexity"], softmax["accuracy"], seconds
+    )
 
     finetune_order = batch_order(len(train_blocks), finetune_steps, args.batch_size, args.seed + 1)
     arms: dict[str, dict] = {}
@@ -211,42 +254,62 @@ def measure(args: argparse.Namespace) -> dict:
         gpt2.save_pretrained(source)
         tokenizer.save_pretrained(source)
         exact = PerformerForCausalLM.from_pretrained(
-            convert(source, Path(scratch) / "exact", fidelity=False, attention_kernel="exact"))  # fmt: skip
+            convert(source, Path(scratch) / "exact", fidelity=False, attention_kernel="exact")
+        )
         result["exact_conversion"] = evaluate(exact, eval_blocks, args.batch_size)
         del exact
         converted = {}
         for kernel in dict.fromkeys(kernel for kernel, _ in ARMS.values()):
-            converted[kernel] = convert(source, Path(scratch) / kernel, fidelity=False,
-                                        **plain_favor(kernel, args.nb_features))  # fmt: skip
+            converted[kernel] = convert(
+                source, Path(scratch) / kernel, fidelity=False, **plain_favor(kernel, args.nb_features)
+            )
 
         def finetune(name: str, model, redraw: bool) -> None:
             torch.manual_seed(args.seed)
             records, seconds = train(
-                model, train_blocks, finetune_order, args.finetune_lr, args.finetune_warmup,
+                model,
+                train_blocks,
+                finetune_order,
+                args.finetune_lr,
+                args.finetune_warmup,
                 evaluator(eval_blocks, args.eval_every, finetune_steps, args.batch_size, model),
-                redraw_interval=args.redraw_interval if redraw else None, description=f"finetuning {name}",
-            )  # fmt: skip
-            arms[name] = {"curve": records, "seconds": seconds, "steps_per_second": finetune_steps / seconds,
-                          "redraw_interval": args.redraw_interval if redraw else None,
-                          "steps_to_within_5_percent": first_within(records, softmax["perplexity"])}  # fmt: skip
-            logger.info("%s: step 0 perplexity %.2f -> %.2f after %d steps", name, records[0]["perplexity"],
-                        records[-1]["perplexity"], finetune_steps)  # fmt: skip
+                redraw_interval=args.redraw_interval if redraw else None,
+                description=f"finetuning {name}",
+            )
+            arms[name] = {
+                "curve": records,
+                "seconds": seconds,
+                "steps_per_second": finetune_steps / seconds,
+                "redraw_interval": args.redraw_interval if redraw else None,
+                "steps_to_within_5_percent": first_within(records, softmax["perplexity"]),
+            }
+            logger.info(
+                "%s: step 0 perplexity %.2f -> %.2f after %d steps",
+                name,
+                records[0]["perplexity"],
+                records[-1]["perplexity"],
+                finetune_steps,
+            )
 
         for name in tqdm(args.arms, desc="compat_causal arms"):
             kernel, redraw = ARMS[name]
             finetune(name, PerformerForCausalLM.from_pretrained(converted[kernel]), redraw)
             arms[name]["attention_kernel"] = kernel
         if not args.no_softmax_reference:
-            finetune("softmax GPT-2, continued", GPT2LMHeadModel.from_pretrained(source, attn_implementation="sdpa"),
-                     redraw=False)  # fmt: skip
+            finetune(
+                "softmax GPT-2, continued",
+                GPT2LMHeadModel.from_pretrained(source, attn_implementation="sdpa"),
+                redraw=False,
+            )
             arms["softmax GPT-2, continued"]["attention_kernel"] = "exact (GPT-2)"
     result["arms"] = arms
     performers = [record["steps_to_within_5_percent"] for name, record in arms.items() if name in ARMS]
     reached = [steps for steps in performers if steps is not None]
     result["floor"] = {
-        "limit_steps": finetune_steps, "best_steps_to_within_5_percent": min(reached) if reached else None,
+        "limit_steps": finetune_steps,
+        "best_steps_to_within_5_percent": min(reached) if reached else None,
         "met": bool(reached) and min(reached) <= finetune_steps,
-    }  # fmt: skip
+    }
     return result
 
 
@@ -264,8 +327,9 @@ def markdown(result: dict) -> str:
         f"lr {budget['pretrain_lr']}, cosine, {result['pretraining']['seconds']:.0f} s. Finetuning after conversion: "
         f"{budget['finetune_steps']} steps (10%), lr {budget['finetune_lr']}, same batches for every arm; FAVOR+ with "
         f"m = {budget['nb_features']} orthogonal features, redraw every {budget['redraw_interval']} steps where "
-        f"named; {result['threads']} CPU threads" + (" (QUICK smoke run: figures mean nothing)" if result["quick"]
-                                                      else "") + ".",
+        f"named; {result['threads']} CPU threads"
+        + (" (QUICK smoke run: figures mean nothing)" if result["quick"] else "")
+        + ".",
         "",
         f"Softmax GPT-2 after pretraining: perplexity {level['perplexity']:.2f}, next-token accuracy "
         f"{100 * level['accuracy']:.2f}%. Exact-kernel conversion: perplexity "
@@ -274,7 +338,7 @@ def markdown(result: dict) -> str:
         "| arm | ppl at step 0 | acc at step 0 | ppl at end | acc at end | steps to within 5% of softmax ppl |"
         " finetune steps/s |",
         "| --- | --- | --- | --- | --- | --- | --- |",
-    ]  # fmt: skip
+    ]
     for name, record in result["arms"].items():
         first, last = record["curve"][0], record["curve"][-1]
         within = record["steps_to_within_5_percent"]
@@ -284,9 +348,12 @@ def markdown(result: dict) -> str:
             f"{record['steps_per_second']:.2f} |"
         )
     floor = result["floor"]
-    lines += ["", f"Floor (issue 7): a converted model within 5% of the softmax perplexity in at most "
-              f"{floor['limit_steps']} steps (10% of pretraining): "
-              f"{'met' if floor['met'] else 'NOT met'} (best: {floor['best_steps_to_within_5_percent']})."]  # fmt: skip
+    lines += [
+        "",
+        f"Floor (issue 7): a converted model within 5% of the softmax perplexity in at most "
+        f"{floor['limit_steps']} steps (10% of pretraining): "
+        f"{'met' if floor['met'] else 'NOT met'} (best: {floor['best_steps_to_within_5_percent']}).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -301,8 +368,12 @@ def plot(result: dict):
     axes[0].set_ylabel("held-out perplexity")
     level = result["softmax_level"]
     for index, (name, record) in enumerate(result["arms"].items()):
-        style = {"color": "black" if name not in ARMS else f"C{index}",
-                 "linestyle": "--" if "fixed" in name else "-", "marker": "o", "markersize": 3}  # fmt: skip
+        style = {
+            "color": "black" if name not in ARMS else f"C{index}",
+            "linestyle": "--" if "fixed" in name else "-",
+            "marker": "o",
+            "markersize": 3,
+        }
         steps = [r["step"] for r in record["curve"]]
         axes[1].plot(steps, [r["perplexity"] for r in record["curve"]], label=name, **style)
         axes[2].plot(steps, [100 * r["accuracy"] for r in record["curve"]], label=name, **style)
@@ -317,8 +388,11 @@ def plot(result: dict):
         axis.legend(fontsize=7)
     for axis in axes:
         axis.grid(alpha=0.3)
-    figure.suptitle("Fig. 5 replication: softmax GPT-2 -> FAVOR+ (positive vs trigonometric, redraw vs fixed)"
-                    + (" [quick]" if result["quick"] else ""), fontsize=10)  # fmt: skip
+    figure.suptitle(
+        "Fig. 5 replication: softmax GPT-2 -> FAVOR+ (positive vs trigonometric, redraw vs fixed)"
+        + (" [quick]" if result["quick"] else ""),
+        fontsize=10,
+    )
     return figure
 
 

@@ -49,22 +49,37 @@ from performer_hf.training.tracking import read_log
 logger = logging.getLogger("benchmarks.compat_sentiment")
 
 # Hybrid-attention fields switched off, for the PerformerConfig versions that have them.
-HYBRID_OFF = {"local_window": 0, "num_global_tokens": 0, "routed_blocks": 0, "center_features": False,
-              "far_field_parameter": None}  # fmt: skip
+HYBRID_OFF = {
+    "local_window": 0,
+    "num_global_tokens": 0,
+    "routed_blocks": 0,
+    "center_features": False,
+    "far_field_parameter": None,
+}
 
 
 def plain_favor(kernel: str = "softmax", nb_features: int = 256) -> dict:
     """PerformerConfig overrides for plain FAVOR+ (the paper's setting), independent of converter defaults."""
     fields = set(PerformerConfig.__dataclass_fields__)
-    settings = {"attention_kernel": kernel, "nb_features": nb_features, "feature_coupling": "orthogonal",
-                "feature_row_norms": "chi"}  # fmt: skip
+    settings = {
+        "attention_kernel": kernel,
+        "nb_features": nb_features,
+        "feature_coupling": "orthogonal",
+        "feature_row_norms": "chi",
+    }
     return {**settings, **{name: value for name, value in HYBRID_OFF.items() if name in fields}}
 
 
 def attention_fields(config: PerformerConfig) -> dict:
     """The config fields that define the attention, as recorded in the results."""
-    names = ["attention_kernel", "nb_features", "feature_coupling", "feature_row_norms", *HYBRID_OFF,
-             "max_position_embeddings"]  # fmt: skip
+    names = [
+        "attention_kernel",
+        "nb_features",
+        "feature_coupling",
+        "feature_row_norms",
+        *HYBRID_OFF,
+        "max_position_embeddings",
+    ]
     return {name: getattr(config, name) for name in names if hasattr(config, name)}
 
 
@@ -131,8 +146,9 @@ def evaluate_classifier(folder: Path, records: list[dict], max_length: int, batc
 
 def eval_curve(log: list[dict]) -> list[dict]:
     """(step, validation accuracy, loss) from a run's JSON log."""
-    return [{"step": r["step"], "accuracy": r["eval_accuracy"], "loss": r["eval_loss"]}
-            for r in log if "eval_accuracy" in r]  # fmt: skip
+    return [
+        {"step": r["step"], "accuracy": r["eval_accuracy"], "loss": r["eval_loss"]} for r in log if "eval_accuracy" in r
+    ]
 
 
 def train_loss_curve(log: list[dict]) -> list[dict]:
@@ -152,11 +168,16 @@ CONVERTED_ARMS = {"favor": "plain FAVOR+", "default": "default conversion"}
 
 def setup(args: argparse.Namespace) -> dict:
     if args.quick:
-        return {"train": 256, "validation": 64, "test": 128, "epochs": 1, "max_steps": 8, "batch": 16,
-                "eval_steps": 4}  # fmt: skip
-    return {"train": args.train_size, "validation": args.validation_size, "test": None, "epochs": args.epochs,
-            "max_steps": None,
-            "batch": args.batch_size, "eval_steps": args.eval_steps}  # fmt: skip
+        return {"train": 256, "validation": 64, "test": 128, "epochs": 1, "max_steps": 8, "batch": 16, "eval_steps": 4}
+    return {
+        "train": args.train_size,
+        "validation": args.validation_size,
+        "test": None,
+        "epochs": args.epochs,
+        "max_steps": None,
+        "batch": args.batch_size,
+        "eval_steps": args.eval_steps,
+    }
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -167,18 +188,32 @@ def measure(args: argparse.Namespace) -> dict:
     source = minilm_folder()
     arms = [arm for arm in args.arms if arm in ARMS]
     result = {
-        "study": "compat_sentiment", "model": "sentence-transformers/all-MiniLM-L6-v2",
-        "data": {"name": "Rotten-Tomatoes sentences (vaderSentiment 3.3.2 sdist, Hutto & Gilbert 2014)",
-                 "split_seed": args.data_seed, **{name: len(records) for name, records in data.items()},
-                 "full_split_sizes": {name: len(records) for name, records in splits.items()},
-                 "positive_share_train": sum(r["label"] for r in data["train"]) / len(data["train"])},
-        "budget": {"epochs": budget["epochs"], "max_train_steps": budget["max_steps"], "batch_size": budget["batch"],
-                   "max_seq_length": args.max_length,
-                   "learning_rate": {"pretrained": args.lr, "random": args.lr_random},
-                   "warmup_steps": args.warmup, "eval_steps": budget["eval_steps"], "max_grad_norm": 0.5,
-                   "weight_decay": 0.01, "seeds": args.seeds, "feature_redraw": None},
-        "quick": args.quick, "threads": torch.get_num_threads(), "arms": {},
-    }  # fmt: skip
+        "study": "compat_sentiment",
+        "model": "sentence-transformers/all-MiniLM-L6-v2",
+        "data": {
+            "name": "Rotten-Tomatoes sentences (vaderSentiment 3.3.2 sdist, Hutto & Gilbert 2014)",
+            "split_seed": args.data_seed,
+            **{name: len(records) for name, records in data.items()},
+            "full_split_sizes": {name: len(records) for name, records in splits.items()},
+            "positive_share_train": sum(r["label"] for r in data["train"]) / len(data["train"]),
+        },
+        "budget": {
+            "epochs": budget["epochs"],
+            "max_train_steps": budget["max_steps"],
+            "batch_size": budget["batch"],
+            "max_seq_length": args.max_length,
+            "learning_rate": {"pretrained": args.lr, "random": args.lr_random},
+            "warmup_steps": args.warmup,
+            "eval_steps": budget["eval_steps"],
+            "max_grad_norm": 0.5,
+            "weight_decay": 0.01,
+            "seeds": args.seeds,
+            "feature_redraw": None,
+        },
+        "quick": args.quick,
+        "threads": torch.get_num_threads(),
+        "arms": {},
+    }
     with tempfile.TemporaryDirectory(prefix="compat_sentiment-") as scratch:
         work = Path(scratch)
         files = {name: write_jsonl(records, work / f"{name}.jsonl") for name, records in data.items()}
@@ -196,33 +231,74 @@ def measure(args: argparse.Namespace) -> dict:
         runs = [(arm, seed) for seed in range(args.seeds) for arm in arms]
         for arm, seed in tqdm(runs, desc="compat_sentiment runs"):
             lr = args.lr_random if arm == "random" else args.lr
-            model = ["--config_name", str(folders["favor"]), "--tokenizer_name", str(source)] if arm == "random" else [
-                "--model_name_or_path", str(folders[arm])]  # fmt: skip
+            model = (
+                ["--config_name", str(folders["favor"]), "--tokenizer_name", str(source)]
+                if arm == "random"
+                else ["--model_name_or_path", str(folders[arm])]
+            )
             argv = [
-                "--train_file", str(files["train"]), "--validation_file", str(files["validation"]), *model,
-                "--max_seq_length", str(args.max_length), "--per_device_train_batch_size", str(budget["batch"]),
-                "--per_device_eval_batch_size", "64", "--learning_rate", str(lr), "--weight_decay", "0.01",
-                "--num_train_epochs", str(budget["epochs"]), "--num_warmup_steps", str(args.warmup),
-                "--eval_steps", str(budget["eval_steps"]), "--seed", str(seed),
-            ]  # fmt: skip
+                "--train_file",
+                str(files["train"]),
+                "--validation_file",
+                str(files["validation"]),
+                *model,
+                "--max_seq_length",
+                str(args.max_length),
+                "--per_device_train_batch_size",
+                str(budget["batch"]),
+                "--per_device_eval_batch_size",
+                "64",
+                "--learning_rate",
+                str(lr),
+                "--weight_decay",
+                "0.01",
+                "--num_train_epochs",
+                str(budget["epochs"]),
+                "--num_warmup_steps",
+                str(args.warmup),
+                "--eval_steps",
+                str(budget["eval_steps"]),
+                "--seed",
+                str(seed),
+            ]
             if budget["max_steps"]:
                 argv += ["--max_train_steps", str(budget["max_steps"])]
             output = work / f"run-{arm}-{seed}"
             metrics, log, seconds = run_classifier(argv, output)
             test = evaluate_classifier(output, data["test"], args.max_length, 64)
-            record = result["arms"].setdefault(arm, {
-                "label": ARMS[arm], "attention": settings.get(arm if arm != "random" else "favor"),
-                "conversion_seconds": convert_seconds.get(arm), "learning_rate": lr, "runs": [],
-            })  # fmt: skip
-            record["runs"].append({
-                "seed": seed, "test_accuracy": test["accuracy"], "test_f1": test["f1"], "test_loss": test["loss"],
-                "validation_accuracy": metrics["eval_accuracy"], "train_steps": metrics["train_steps"],
-                "train_seconds": seconds, "steps_per_second": metrics.get("train_steps_per_second"),
-                "test_seconds": test["seconds"],
-                "validation_curve": eval_curve(log), "train_loss_curve": train_loss_curve(log),
-            })  # fmt: skip
-            logger.info("%s seed %d: test accuracy %.4f (validation %.4f), %.0f s", arm, seed, test["accuracy"],
-                        metrics["eval_accuracy"], seconds)  # fmt: skip
+            record = result["arms"].setdefault(
+                arm,
+                {
+                    "label": ARMS[arm],
+                    "attention": settings.get(arm if arm != "random" else "favor"),
+                    "conversion_seconds": convert_seconds.get(arm),
+                    "learning_rate": lr,
+                    "runs": [],
+                },
+            )
+            record["runs"].append(
+                {
+                    "seed": seed,
+                    "test_accuracy": test["accuracy"],
+                    "test_f1": test["f1"],
+                    "test_loss": test["loss"],
+                    "validation_accuracy": metrics["eval_accuracy"],
+                    "train_steps": metrics["train_steps"],
+                    "train_seconds": seconds,
+                    "steps_per_second": metrics.get("train_steps_per_second"),
+                    "test_seconds": test["seconds"],
+                    "validation_curve": eval_curve(log),
+                    "train_loss_curve": train_loss_curve(log),
+                }
+            )
+            logger.info(
+                "%s seed %d: test accuracy %.4f (validation %.4f), %.0f s",
+                arm,
+                seed,
+                test["accuracy"],
+                metrics["eval_accuracy"],
+                seconds,
+            )
     summarise(result)
     return result
 
@@ -266,15 +342,20 @@ def markdown(result: dict) -> str:
         f"; random init {rates['random']}), weight decay {budget['weight_decay']}, "
         f"{budget['warmup_steps']} warm-up steps then linear decay, clipping {budget['max_grad_norm']}, "
         f"fixed random features; {budget['seeds']} seed(s), {result['threads']} CPU threads"
-        + (" (QUICK smoke run: figures mean nothing)" if result["quick"] else "") + ".",
+        + (" (QUICK smoke run: figures mean nothing)" if result["quick"] else "")
+        + ".",
         "",
         "| arm | attention | test accuracy | test macro-F1 | train s | steps/s |",
         "| --- | --- | --- | --- | --- | --- |",
-    ]  # fmt: skip
+    ]
     for record in result["arms"].values():
         attention = record["attention"] or {}
-        described = ", ".join(f"{k}={v}" for k, v in attention.items() if k != "max_position_embeddings" and
-                              (k in ("attention_kernel", "nb_features") or v not in (0, False, None)))  # fmt: skip
+        described = ", ".join(
+            f"{k}={v}"
+            for k, v in attention.items()
+            if k != "max_position_embeddings"
+            and (k in ("attention_kernel", "nb_features") or v not in (0, False, None))
+        )
         if attention.get("attention_kernel") == "exact":
             described = "exact softmax"
         runs = record["runs"]
@@ -296,11 +377,16 @@ def markdown(result: dict) -> str:
         if f"{arm}_minus_random_points" in floors:
             lines.append(f"- {name} - random init = {floors[f'{arm}_minus_random_points']:+.2f} points")
     if "one_run_standard_error_points" in floors:
-        lines.append(f"- one run's binomial standard error on this test set: "
-                     f"{floors['one_run_standard_error_points']:.2f} points")  # fmt: skip
+        lines.append(
+            f"- one run's binomial standard error on this test set: "
+            f"{floors['one_run_standard_error_points']:.2f} points"
+        )
     if "softmax_parity_max_abs_diff" in result:
-        lines += ["", f"The softmax arm is the exact-kernel conversion; its last hidden states differ from HF "
-                      f"BertModel's by at most {result['softmax_parity_max_abs_diff']:.1e}."]  # fmt: skip
+        lines += [
+            "",
+            f"The softmax arm is the exact-kernel conversion; its last hidden states differ from HF "
+            f"BertModel's by at most {result['softmax_parity_max_abs_diff']:.1e}.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -312,8 +398,14 @@ def plot(result: dict):
         for seed_index, run_record in enumerate(record["runs"]):
             curve = run_record["validation_curve"]
             label = record["label"] if seed_index == 0 else None
-            left.plot([c["step"] for c in curve], [100 * c["accuracy"] for c in curve], color=color, label=label,
-                      marker="o", markersize=3)  # fmt: skip
+            left.plot(
+                [c["step"] for c in curve],
+                [100 * c["accuracy"] for c in curve],
+                color=color,
+                label=label,
+                marker="o",
+                markersize=3,
+            )
             losses = run_record["train_loss_curve"]
             window = max(1, len(losses) // 40)
             smoothed = [_mean([c["loss"] for c in losses[i : i + window]]) for i in range(0, len(losses), window)]
@@ -327,15 +419,23 @@ def plot(result: dict):
     right.set_ylabel("training loss (smoothed)")
     right.set_title("training loss")
     right.grid(alpha=0.3)
-    figure.suptitle(f"all-MiniLM-L6-v2 on Rotten-Tomatoes sentences ({result['data']['train']} train)"
-                    + (" [quick]" if result["quick"] else ""), fontsize=10)  # fmt: skip
+    figure.suptitle(
+        f"all-MiniLM-L6-v2 on Rotten-Tomatoes sentences ({result['data']['train']} train)"
+        + (" [quick]" if result["quick"] else ""),
+        fontsize=10,
+    )
     return figure
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = harness.parser(__doc__, quick="256 sentences, 8 steps", threads=1)
-    parser.add_argument("--arms", nargs="+", default=["softmax", "favor", "random"], choices=list(ARMS),
-                        help="'default' (the converter's current default settings) is optional")  # fmt: skip
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        default=["softmax", "favor", "random"],
+        choices=list(ARMS),
+        help="'default' (the converter's current default settings) is optional",
+    )
     parser.add_argument("--train-size", type=int, default=2560, help="sentences used of the 8,454 in the train split")
     parser.add_argument("--validation-size", type=int, default=500, help="validation sentences for the curves")
     parser.add_argument("--epochs", type=int, default=1)

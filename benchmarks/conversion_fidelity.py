@@ -57,8 +57,17 @@ logger = logging.getLogger("benchmarks.conversion_fidelity")
 CONVERSIONS = {"performer-hf default": {"exact_max_length": 0}, "performer-hf favor+": {"method": "favor"}}
 METHODS = (*CONVERSIONS, "performer-pytorch")
 METRICS = ("mean_cosine", "pairwise_spearman")
-ATTENTION_FIELDS = ("attention_kernel", "nb_features", "feature_coupling", "local_window", "num_global_tokens",
-                    "routed_blocks", "route_block_size", "query_block_size", "center_features")  # fmt: skip
+ATTENTION_FIELDS = (
+    "attention_kernel",
+    "nb_features",
+    "feature_coupling",
+    "local_window",
+    "num_global_tokens",
+    "routed_blocks",
+    "route_block_size",
+    "query_block_size",
+    "center_features",
+)
 
 
 def length_buckets(tokenizer, sentences: list[str], batch_size: int) -> list[list[int]]:

@@ -36,12 +36,20 @@ def build_models(max_positions: int, nb_features: int, kernel: str) -> dict[str,
     torch.manual_seed(0)
     performer = PerformerForCausalLM(
         PerformerConfig(
-            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-            intermediate_size=4 * HIDDEN, max_position_embeddings=max_positions, layer_norm_position="pre",
-            hidden_act="gelu_new", layer_norm_eps=1e-5, type_vocab_size=0, attention_kernel=kernel,
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            intermediate_size=4 * HIDDEN,
+            max_position_embeddings=max_positions,
+            layer_norm_position="pre",
+            hidden_act="gelu_new",
+            layer_norm_eps=1e-5,
+            type_vocab_size=0,
+            attention_kernel=kernel,
             nb_features=nb_features,
         )
-    ).eval()  # fmt: skip
+    ).eval()
     gpt2 = GPT2LMHeadModel(
         GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=max_positions)
     ).eval()
@@ -77,8 +85,9 @@ def measure(args) -> dict:
     """Prefill every context once, then time greedy decode steps in interleaved rounds."""
     if args.quick:
         args.contexts, args.steps, args.rounds = [256, 2048], 16, 2
-    models = build_models(max(args.contexts) + args.rounds * (args.steps + args.warmup) + 1, args.nb_features,
-                          args.kernel)  # fmt: skip
+    models = build_models(
+        max(args.contexts) + args.rounds * (args.steps + args.warmup) + 1, args.nb_features, args.kernel
+    )
     generator = torch.Generator().manual_seed(0)
     prefilled, prefill_s = {}, {name: {} for name in models}
     for n in args.contexts:
@@ -136,13 +145,14 @@ def markdown(payload: dict) -> str:
         f"# Decode step time vs context ({LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, fp32, batch 1, "
         f"{environment['machine']['torch_threads']} CPU threads)",
         "",
-        "Median of " + ", ".join(f"{r['contexts'][str(lo)]['steps_timed']}" for r in results.values())
+        "Median of "
+        + ", ".join(f"{r['contexts'][str(lo)]['steps_timed']}" for r in results.values())
         + f" timed steps per cell ({settings['rounds']} interleaved rounds of {settings['steps']}). Shared 2-core "
         f"CPU, 1-minute load average {load['before'][0]:.1f} at the start, {load['after'][0]:.1f} at the end.",
         "",
         "| model | " + " | ".join(f"L={n}" for n in contexts) + f" | step(L={hi}) / step(L={lo}) |",
         "|---|" + "---|" * (len(contexts) + 1),
-    ]  # fmt: skip
+    ]
     for name, r in results.items():
         cells = [f"{r['contexts'][str(n)]['step_ms_median']:.2f} ms" for n in contexts]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {r[f'ratio_{hi}_over_{lo}']:.2f}x |")

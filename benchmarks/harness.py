@@ -71,15 +71,18 @@ def parser(doc: str, *, quick: str, threads: int | None = None) -> argparse.Argu
     arguments.add_argument("--out-dir", type=Path, default=RESULTS, help="where the JSON, Markdown and PNG go")
     if threads is not None:
         arguments.add_argument(
-            "--threads", type=int, default=threads,
+            "--threads",
+            type=int,
+            default=threads,
             help="torch threads, 0 for torch's default; default %(default)s (on a shared CPU, more threads than "
             "free cores can make every step ~10x slower)",
-        )  # fmt: skip
+        )
     arguments.add_argument("--from-json", type=Path, help="write the Markdown and PNG again from this JSON")
     arguments.add_argument(
-        "--retain-freed-memory", action="store_true",
+        "--retain-freed-memory",
+        action="store_true",
         help="keep freed memory in the process for reuse (performer_hf.cpu_memory), for every arm alike",
-    )  # fmt: skip
+    )
     return arguments
 
 
@@ -177,8 +180,12 @@ def in_fresh_process(script: str, *, memory_cap_gb: float | None = None, env: di
     (which may catch it) instead of waking the machine's OOM killer; ``env`` is added to the environment.
     """
     request = json.dumps({"memory_cap_gb": memory_cap_gb, "kwargs": kwargs})
-    done = subprocess.run([sys.executable, script, FRESH_PROCESS, request], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})})  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, script, FRESH_PROCESS, request],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     if RESULT_MARK not in done.stdout:
         return {"ok": False, "error": f"exit {done.returncode}: {done.stderr.strip()[-300:]}"}
     return json.loads(done.stdout.split(RESULT_MARK, 1)[1].splitlines()[0])
@@ -260,7 +267,10 @@ def main(
     else:
         before = _load_average()
         payload = measure(args)
-        payload["environment"] = {"machine": _machine(), "load_average": {"before": before, "after": _load_average()},
-                                  "allocator": ALLOCATORS[retained]}  # fmt: skip
+        payload["environment"] = {
+            "machine": _machine(),
+            "load_average": {"before": before, "after": _load_average()},
+            "allocator": ALLOCATORS[retained],
+        }
     print(_write(name, payload, args.out_dir, markdown, plot, with_json=from_json is None))
     return payload

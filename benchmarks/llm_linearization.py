@@ -61,14 +61,24 @@ SAMPLE_PROMPTS = {
 
 
 def arguments():
-    parser = harness.parser(__doc__, quick="window 64 only, transfer 4 steps, LoRA 2 steps, 1 window per text, "
-                            "contexts 256 1024", threads=2)  # fmt: skip
+    parser = harness.parser(
+        __doc__, quick="window 64 only, transfer 4 steps, LoRA 2 steps, 1 window per text, contexts 256 1024", threads=2
+    )
     parser.add_argument("--methods", nargs="+", default=["hybrid", "favor"], choices=["hybrid", "favor"])
-    parser.add_argument("--local-windows", type=int, nargs="+", default=[64, 256, 512],
-                        help="the hybrid's exact window (keys): one hybrid arm per value")  # fmt: skip
+    parser.add_argument(
+        "--local-windows",
+        type=int,
+        nargs="+",
+        default=[64, 256, 512],
+        help="the hybrid's exact window (keys): one hybrid arm per value",
+    )
     parser.add_argument("--transfer-steps", type=int, default=50)
-    parser.add_argument("--transfer-length", type=int, default=2048,
-                        help="tokens per transfer step (past the widest window: every far field in use)")  # fmt: skip
+    parser.add_argument(
+        "--transfer-length",
+        type=int,
+        default=2048,
+        help="tokens per transfer step (past the widest window: every far field in use)",
+    )
     parser.add_argument("--lora-steps", type=int, default=40)
     parser.add_argument("--lora-length", type=int, default=1024, help="tokens per LoRA step")
     parser.add_argument("--lora-r", type=int, default=16)
@@ -106,12 +116,33 @@ def _docstrings_file(work: Path) -> Path:
 def lora_finetune(base: Path, out: Path, train_file: Path, args) -> float:
     """``training/run_clm.py`` with LoRA on ``base``; returns the seconds it took."""
     command = [
-        sys.executable, str(REPO / "training" / "run_clm.py"), "--model_name_or_path", str(base),
-        "--train_file", str(train_file), "--max_seq_length", str(args.lora_length), "--validation_split_percentage",
-        "1", "--max_eval_samples", "2", "--per_device_train_batch_size", "1", "--max_train_steps",
-        str(args.lora_steps), "--learning_rate", str(args.lora_learning_rate), "--num_warmup_steps",
-        str(max(1, args.lora_steps // 10)), "--lora_r", str(args.lora_r), "--output_dir", str(out), "--seed", "0",
-    ]  # fmt: skip
+        sys.executable,
+        str(REPO / "training" / "run_clm.py"),
+        "--model_name_or_path",
+        str(base),
+        "--train_file",
+        str(train_file),
+        "--max_seq_length",
+        str(args.lora_length),
+        "--validation_split_percentage",
+        "1",
+        "--max_eval_samples",
+        "2",
+        "--per_device_train_batch_size",
+        "1",
+        "--max_train_steps",
+        str(args.lora_steps),
+        "--learning_rate",
+        str(args.lora_learning_rate),
+        "--num_warmup_steps",
+        str(max(1, args.lora_steps // 10)),
+        "--lora_r",
+        str(args.lora_r),
+        "--output_dir",
+        str(out),
+        "--seed",
+        "0",
+    ]
     start = time.perf_counter()
     subprocess.run(command, check=True, cwd=REPO)
     return time.perf_counter() - start
@@ -206,14 +237,19 @@ def decode_timings(models: dict, context_ids: torch.Tensor, args) -> dict:
                 cache = copy.deepcopy(cache)  # every round decodes from the same context
                 decode_steps(model, cache, token, 2)  # warm-up
                 timings[name, n] += decode_steps(model, cache, token, args.decode_steps)
-                logger.info("decode round %d, %d tokens, %s: %.1f ms", round_idx, n, name,
-                            1e3 * statistics.median(timings[name, n]))  # fmt: skip
+                logger.info(
+                    "decode round %d, %d tokens, %s: %.1f ms",
+                    round_idx,
+                    n,
+                    name,
+                    1e3 * statistics.median(timings[name, n]),
+                )
     return {
         name: {
             str(n): {
                 "step_ms": 1e3 * statistics.median(timings[name, n]),
                 "cache_bytes": _tensor_bytes(prefilled[name, n][0]),
-            }  # fmt: skip
+            }
             for n in args.decode_contexts
         }
         for name in models
@@ -243,10 +279,14 @@ def measure(args) -> dict:
         "python_docs": _windows(tokenizer, python_docs(), args.eval_length, args.eval_windows),
         "bbc_news_test": _windows(
             tokenizer, [r["text"] for r in bbc_news()["test"]], args.eval_length, args.eval_windows
-        ),  # fmt: skip
+        ),
     }
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": SAMPLE_PROMPTS["chat"]}],
-                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)  # fmt: skip
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": SAMPLE_PROMPTS["chat"]}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     prompts = {"documentation": eval_sets["python_docs"][0][:, :200], "chat": chat["input_ids"]}
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="llm-linearization-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -269,14 +309,22 @@ def measure(args) -> dict:
     for name, settings in converted.items():
         slug = name.replace(" ", "-")
         if "local_window" in settings:
-            evaluate(f"window {settings['local_window']} only (source, no far field)", source,
-                     implementation=window_only(settings["local_window"]))  # fmt: skip
+            evaluate(
+                f"window {settings['local_window']} only (source, no far field)",
+                source,
+                implementation=window_only(settings["local_window"]),
+            )
         zero = performer_hf.convert(source, work / f"{slug}-zero-shot", overwrite=True, **settings)
         evaluate(f"{name}, zero-shot", zero)
         start = time.perf_counter()
-        transferred = performer_hf.convert(source, work / f"{slug}-transfer", overwrite=True,
-                                           transfer_steps=args.transfer_steps, transfer_length=args.transfer_length,
-                                           **settings)  # fmt: skip
+        transferred = performer_hf.convert(
+            source,
+            work / f"{slug}-transfer",
+            overwrite=True,
+            transfer_steps=args.transfer_steps,
+            transfer_length=args.transfer_length,
+            **settings,
+        )
         report = json.loads((transferred / "conversion_report.json").read_text())["attention_transfer"]
         evaluate(f"{name} + transfer", transferred, transfer=report, convert_s=time.perf_counter() - start)
         seconds = lora_finetune(transferred, work / f"{slug}-lora", train_file, args)
@@ -321,8 +369,13 @@ def markdown(payload: dict) -> str:
     for name, arm in arms.items():
         cells = [f"{arm['perplexity'][t]:.2f} ({arm['perplexity'][t] / source[t]:.2f}x)" for t in texts]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "## Attention transfer", "", "| arm | mean relative error per layer, first -> last | seconds |",
-              "|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "## Attention transfer",
+        "",
+        "| arm | mean relative error per layer, first -> last | seconds |",
+        "|---|---|---|",
+    ]
     for name, arm in arms.items():
         if "transfer" in arm:
             report = arm["transfer"]
@@ -332,10 +385,14 @@ def markdown(payload: dict) -> str:
             lines.append(f"| {name} | {first:.4f} -> {last:.4f} | {report['seconds']} |")
     contexts = list(next(iter(decode.values())))
     lo, hi = contexts[0], contexts[-1]
-    lines += ["", f"## Decode (median step over {settings['decode_rounds']} interleaved rounds of "
-              f"{settings['decode_steps']} steps)", "",
-              "| arm | " + " | ".join(f"step at {n} (ms) | cache at {n} (MB)" for n in contexts)
-              + f" | step {hi} / {lo} |", "|---|" + "---|---|" * len(contexts) + "---|"]  # fmt: skip
+    lines += [
+        "",
+        f"## Decode (median step over {settings['decode_rounds']} interleaved rounds of "
+        f"{settings['decode_steps']} steps)",
+        "",
+        "| arm | " + " | ".join(f"step at {n} (ms) | cache at {n} (MB)" for n in contexts) + f" | step {hi} / {lo} |",
+        "|---|" + "---|---|" * len(contexts) + "---|",
+    ]
     for name, per in decode.items():
         cells = [f"{per[n]['step_ms']:.1f} | {per[n]['cache_bytes'] / 2**20:.1f}" for n in contexts]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {per[hi]['step_ms'] / per[lo]['step_ms']:.2f}x |")

@@ -41,11 +41,17 @@ def child(kernel: str, direction: str, length: int, repeats: int, nb_features: i
         torch.set_num_threads(threads)
     torch.manual_seed(0)
     config = PerformerConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        intermediate_size=4 * HIDDEN, max_position_embeddings=length, attention_kernel=KERNELS[kernel],
-        nb_features=nb_features, is_decoder=direction == "causal",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=4 * HIDDEN,
+        max_position_embeddings=length,
+        attention_kernel=KERNELS[kernel],
+        nb_features=nb_features,
+        is_decoder=direction == "causal",
         layer_norm_position="pre" if direction == "causal" else "post",
-    )  # fmt: skip
+    )
     model = PerformerModel(config, add_pooling_layer=False).eval()
     ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(0))
     record = {"times_s": []}
@@ -60,17 +66,24 @@ def child(kernel: str, direction: str, length: int, repeats: int, nb_features: i
             record["ok"] = True
         except (RuntimeError, MemoryError) as error:  # allocation failures under the address-space limit
             record.update(ok=False, error=f"{type(error).__name__}: {str(error)[:300]}")
-    record.update(rss_before_mb=memory.before / 2**20, peak_rss_mb=memory.peak / 2**20,
-                  peak_delta_mb=memory.extra / 2**20)  # fmt: skip
+    record.update(
+        rss_before_mb=memory.before / 2**20, peak_rss_mb=memory.peak / 2**20, peak_delta_mb=memory.extra / 2**20
+    )
     return record
 
 
 def run_config(args, kernel: str, direction: str, length: int) -> dict:
     """One (kernel, direction, length) in a fresh process under the memory cap, with its median time."""
     record = harness.in_fresh_process(
-        __file__, memory_cap_gb=args.memory_limit_gb, kernel=kernel, direction=direction, length=length,
-        repeats=args.repeats, nb_features=args.nb_features, threads=args.threads,
-    )  # fmt: skip
+        __file__,
+        memory_cap_gb=args.memory_limit_gb,
+        kernel=kernel,
+        direction=direction,
+        length=length,
+        repeats=args.repeats,
+        nb_features=args.nb_features,
+        threads=args.threads,
+    )
     if record.get("times_s"):
         record["time_s_median"] = statistics.median(record["times_s"])
     return record
@@ -87,10 +100,14 @@ def measure(args) -> dict:
                 record = {"kernel": kernel, "direction": direction, "length": length}
                 record.update(run_config(args, kernel, direction, length))
                 logger.info(
-                    "%-9s %-13s L=%-6d %s", kernel, direction, length,
-                    f"{record['time_s_median']:.2f} s, +{record['peak_delta_mb']:.0f} MB" if record["ok"]
+                    "%-9s %-13s L=%-6d %s",
+                    kernel,
+                    direction,
+                    length,
+                    f"{record['time_s_median']:.2f} s, +{record['peak_delta_mb']:.0f} MB"
+                    if record["ok"]
                     else record["error"],
-                )  # fmt: skip
+                )
                 results.append(record)
     return {
         "benchmark": "forward time and peak memory at long context",

@@ -106,8 +106,16 @@ def _offsets(count: int, length: int, article: int, rng: random.Random, stratifi
     return [rng.randrange(*bins[i % len(bins)]) for i in range(count)]
 
 
-def documents(tokenizer, articles: list[dict], prose: list[int], count: int, length: int, evidence: int, seed: int,
-              stratified: bool) -> list[dict]:  # fmt: skip
+def documents(
+    tokenizer,
+    articles: list[dict],
+    prose: list[int],
+    count: int,
+    length: int,
+    evidence: int,
+    seed: int,
+    stratified: bool,
+) -> list[dict]:
     """``count`` documents of ``length`` tokens: ``{"text", "label", "offset", "articles"}``.
 
     Each holds one passage of ``evidence`` tokens made of articles of one topic (the label, drawn uniformly; each
@@ -155,13 +163,23 @@ def bigbird_from_minilm(source: Path, target: Path, length: int, num_labels: int
 
     bert = BertConfig.from_pretrained(source)
     config = BigBirdConfig(
-        vocab_size=bert.vocab_size, hidden_size=bert.hidden_size, num_hidden_layers=bert.num_hidden_layers,
-        num_attention_heads=bert.num_attention_heads, intermediate_size=bert.intermediate_size,
-        hidden_act=bert.hidden_act, hidden_dropout_prob=bert.hidden_dropout_prob,
-        attention_probs_dropout_prob=0.0, max_position_embeddings=length,
-        type_vocab_size=bert.type_vocab_size, layer_norm_eps=bert.layer_norm_eps, pad_token_id=bert.pad_token_id,
-        attention_type="block_sparse", block_size=64, num_random_blocks=3, num_labels=num_labels,
-    )  # fmt: skip
+        vocab_size=bert.vocab_size,
+        hidden_size=bert.hidden_size,
+        num_hidden_layers=bert.num_hidden_layers,
+        num_attention_heads=bert.num_attention_heads,
+        intermediate_size=bert.intermediate_size,
+        hidden_act=bert.hidden_act,
+        hidden_dropout_prob=bert.hidden_dropout_prob,
+        attention_probs_dropout_prob=0.0,
+        max_position_embeddings=length,
+        type_vocab_size=bert.type_vocab_size,
+        layer_norm_eps=bert.layer_norm_eps,
+        pad_token_id=bert.pad_token_id,
+        attention_type="block_sparse",
+        block_size=64,
+        num_random_blocks=3,
+        num_labels=num_labels,
+    )
     torch.manual_seed(seed)
     model = BigBirdForSequenceClassification(config)
     state = {}
@@ -232,8 +250,13 @@ def scores(labels: list[int], predictions: list[int], seed: int = 0, draws: int 
     for _ in range(draws):
         picks = [rng.randrange(n) for _ in range(n)]
         boot.append(macro_f1([labels[i] for i in picks], [predictions[i] for i in picks]))
-    return {"n": n, "accuracy": accuracy, "accuracy_se": math.sqrt(accuracy * (1 - accuracy) / n),
-            "f1": macro_f1(labels, predictions), "f1_se": statistics.stdev(boot)}  # fmt: skip
+    return {
+        "n": n,
+        "accuracy": accuracy,
+        "accuracy_se": math.sqrt(accuracy * (1 - accuracy) / n),
+        "f1": macro_f1(labels, predictions),
+        "f1_se": statistics.stdev(boot),
+    }
 
 
 def evaluation(records: list[dict], predictions: list[int], length: int) -> dict:
@@ -276,8 +299,12 @@ def probe(folder: Path, length: int) -> dict:
             optimizer.step()
             optimizer.zero_grad()
             times.append(time.perf_counter() - start)
-    return {"train_step_seconds": times[-1], "train_step_peak_bytes": train_memory.extra,
-            "forward_seconds": forward_seconds, "forward_peak_bytes": forward_memory.extra}  # fmt: skip
+    return {
+        "train_step_seconds": times[-1],
+        "train_step_peak_bytes": train_memory.extra,
+        "forward_seconds": forward_seconds,
+        "forward_peak_bytes": forward_memory.extra,
+    }
 
 
 def probe_child(folder: str, length: int, threads: int) -> dict:
@@ -295,8 +322,9 @@ def probe_child(folder: str, length: int, threads: int) -> dict:
 
 def cost(folder: Path, length: int, memory_cap_gb: float) -> dict:
     """:func:`probe` in a new Python process under an address-space cap."""
-    return harness.in_fresh_process(__file__, memory_cap_gb=memory_cap_gb, folder=str(folder), length=length,
-                                    threads=torch.get_num_threads())  # fmt: skip
+    return harness.in_fresh_process(
+        __file__, memory_cap_gb=memory_cap_gb, folder=str(folder), length=length, threads=torch.get_num_threads()
+    )
 
 
 # ---- the study ------------------------------------------------------------------------------------
@@ -316,28 +344,47 @@ def measure(args: argparse.Namespace) -> dict:
         "validation": (1, args.validation_docs, 2, True),
         "test": (1, args.test_docs, 3, True),
     }  # split -> (prose half, documents, seed, stratified offsets)
-    data = {name: documents(tokenizer, splits[name], prose[half], count, args.length, args.evidence_tokens, seed,
-                            stratified) for name, (half, count, seed, stratified) in plan.items()}  # fmt: skip
+    data = {
+        name: documents(
+            tokenizer, splits[name], prose[half], count, args.length, args.evidence_tokens, seed, stratified
+        )
+        for name, (half, count, seed, stratified) in plan.items()
+    }
     result = {
-        "study": "long_documents", "model": "sentence-transformers/all-MiniLM-L6-v2", "length": args.length,
+        "study": "long_documents",
+        "model": "sentence-transformers/all-MiniLM-L6-v2",
+        "length": args.length,
         "task": f"a passage of {args.evidence_tokens} tokens of BBC News articles of one topic (each article's first "
-                f"{ARTICLE_TOKENS} tokens) at a random offset in {args.length} tokens of Python documentation prose; "
-                "label: the topic (5 classes)",
+        f"{ARTICLE_TOKENS} tokens) at a random offset in {args.length} tokens of Python documentation prose; "
+        "label: the topic (5 classes)",
         "data": {name: len(records) for name, records in data.items()},
         "test_offsets": [r["offset"] for r in data["test"]],
-        "budget": {"steps": args.train_docs // args.batch_size, "batch_size": args.batch_size, "learning_rate": args.lr,
-                   "warmup_steps": args.warmup, "weight_decay": 0.01, "seeds": args.seeds},
-        "quick": args.quick, "threads": torch.get_num_threads(), "probe_lengths": args.probe_lengths,
-        "memory_cap_gb": args.memory_cap_gb, "arms": {},
-    }  # fmt: skip
+        "budget": {
+            "steps": args.train_docs // args.batch_size,
+            "batch_size": args.batch_size,
+            "learning_rate": args.lr,
+            "warmup_steps": args.warmup,
+            "weight_decay": 0.01,
+            "seeds": args.seeds,
+        },
+        "quick": args.quick,
+        "threads": torch.get_num_threads(),
+        "probe_lengths": args.probe_lengths,
+        "memory_cap_gb": args.memory_cap_gb,
+        "arms": {},
+    }
     with tempfile.TemporaryDirectory(prefix="long_documents-") as scratch:
         work = Path(scratch)
         files = {name: write_jsonl(records, work / f"{name}.jsonl") for name, records in data.items()}
         for arm in tqdm(args.arms, desc="long_documents arms"):
             built = build_arm(arm, source, work / f"model-{arm}", max([args.length, *args.probe_lengths]), 0)
-            entry = result["arms"][arm] = {"label": ARMS[arm][0], "max_length": min(built["max_length"], args.length),
-                                           **{k: v for k, v in built.items() if k not in ("folder", "max_length")},
-                                           "cost": {}, "runs": []}  # fmt: skip
+            entry = result["arms"][arm] = {
+                "label": ARMS[arm][0],
+                "max_length": min(built["max_length"], args.length),
+                **{k: v for k, v in built.items() if k not in ("folder", "max_length")},
+                "cost": {},
+                "runs": [],
+            }
             for length in args.probe_lengths:
                 if length > built["max_length"]:
                     continue
@@ -345,22 +392,51 @@ def measure(args: argparse.Namespace) -> dict:
                 logger.info("%s cost at %d: %s", arm, length, entry["cost"][str(length)])
             for seed in range(args.first_seed, args.first_seed + args.seeds):
                 argv = [
-                    "--train_file", str(files["train"]), "--validation_file", str(files["validation"]),
-                    "--model_name_or_path", str(built["folder"]), "--max_seq_length", str(entry["max_length"]),
-                    "--per_device_train_batch_size", str(args.batch_size), "--per_device_eval_batch_size", "1",
-                    "--learning_rate", str(args.lr), "--weight_decay", "0.01", "--num_train_epochs", "1",
-                    "--num_warmup_steps", str(args.warmup), "--seed", str(seed),
-                ]  # fmt: skip
+                    "--train_file",
+                    str(files["train"]),
+                    "--validation_file",
+                    str(files["validation"]),
+                    "--model_name_or_path",
+                    str(built["folder"]),
+                    "--max_seq_length",
+                    str(entry["max_length"]),
+                    "--per_device_train_batch_size",
+                    str(args.batch_size),
+                    "--per_device_eval_batch_size",
+                    "1",
+                    "--learning_rate",
+                    str(args.lr),
+                    "--weight_decay",
+                    "0.01",
+                    "--num_train_epochs",
+                    "1",
+                    "--num_warmup_steps",
+                    str(args.warmup),
+                    "--seed",
+                    str(seed),
+                ]
                 output = work / f"run-{arm}-{seed}"
                 metrics, log, seconds = run_classifier(argv, output)
                 predictions, test_seconds = predict(output, data["test"], entry["max_length"])
-                run = {"seed": seed, "train_seconds": seconds, "train_steps": metrics["train_steps"],
-                       "test_seconds": test_seconds, "validation_curve": eval_curve(log), "predictions": predictions,
-                       **evaluation(data["test"], predictions, args.length)}  # fmt: skip
+                run = {
+                    "seed": seed,
+                    "train_seconds": seconds,
+                    "train_steps": metrics["train_steps"],
+                    "test_seconds": test_seconds,
+                    "validation_curve": eval_curve(log),
+                    "predictions": predictions,
+                    **evaluation(data["test"], predictions, args.length),
+                }
                 entry["runs"].append(run)
                 beyond = run["beyond_512"].get("accuracy", float("nan"))
-                logger.info("%s seed %d: accuracy %.3f (beyond 512: %.3f), train %.0f s", arm, seed,
-                            run["all"]["accuracy"], beyond, seconds)  # fmt: skip
+                logger.info(
+                    "%s seed %d: accuracy %.3f (beyond 512: %.3f), train %.0f s",
+                    arm,
+                    seed,
+                    run["all"]["accuracy"],
+                    beyond,
+                    seconds,
+                )
                 shutil.rmtree(output)
     return merged(result, args.merge_with) if args.merge_with else result
 
@@ -371,8 +447,11 @@ POOLED = ("length", "task", "data", "test_offsets", "budget_steps", "batch_size"
 
 def _settings(result: dict) -> dict:
     budget = result["budget"]
-    return {**{k: result[k] for k in ("length", "task", "data", "test_offsets")}, "budget_steps": budget["steps"],
-            **{k: budget[k] for k in ("batch_size", "learning_rate", "warmup_steps")}}  # fmt: skip
+    return {
+        **{k: result[k] for k in ("length", "task", "data", "test_offsets")},
+        "budget_steps": budget["steps"],
+        **{k: budget[k] for k in ("batch_size", "learning_rate", "warmup_steps")},
+    }
 
 
 def merged(result: dict, earlier_file: Path) -> dict:
@@ -445,9 +524,13 @@ def markdown(result: dict) -> str:
     first = next((entry for entry in arms.values() if entry["runs"]), None)
     if first is not None:
         bins = first["runs"][0]["by_offset"]
-        lines += ["", "## Accuracy by the passage's offset (%)", "",
-                  "| arm | " + " | ".join(f"{b['from']}-{b['to']} (n={b['n']})" for b in bins) + " |",
-                  "|---|" + "---|" * len(bins)]  # fmt: skip
+        lines += [
+            "",
+            "## Accuracy by the passage's offset (%)",
+            "",
+            "| arm | " + " | ".join(f"{b['from']}-{b['to']} (n={b['n']})" for b in bins) + " |",
+            "|---|" + "---|" * len(bins),
+        ]
         for entry in arms.values():
             cells = []
             for i in range(len(bins)):
@@ -457,28 +540,42 @@ def markdown(result: dict) -> str:
     seeds = sorted({run["seed"] for entry in arms.values() for run in entry["runs"]})
     if len(seeds) > 1:
         header = "| arm | " + " | ".join(f"seed {seed}" for seed in seeds) + " |"
-        lines += ["", "## Each seed: accuracy / accuracy with the passage beyond 512 (%)", "", header,
-                  "|---|" + "---|" * len(seeds)]  # fmt: skip
+        lines += [
+            "",
+            "## Each seed: accuracy / accuracy with the passage beyond 512 (%)",
+            "",
+            header,
+            "|---|" + "---|" * len(seeds),
+        ]
         for entry in arms.values():
             by_seed = {run["seed"]: run for run in entry["runs"]}
             cells = [
                 f"{100 * by_seed[seed]['all']['accuracy']:.1f} / {100 * by_seed[seed]['beyond_512']['accuracy']:.1f}"
-                if seed in by_seed else "-"
+                if seed in by_seed
+                else "-"
                 for seed in seeds
-            ]  # fmt: skip
+            ]
             lines.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
     # the lengths probed, in this run or in the run its seeds were pooled with
     lengths = sorted({int(n) for entry in arms.values() for n in entry["cost"]})
     for key, title in (("train_step", "One training step (batch 1)"), ("forward", "One forward (batch 1)")):
-        lines += ["", f"## {title}: seconds / peak extra resident memory", "",
-                  "| arm | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]  # fmt: skip
+        lines += [
+            "",
+            f"## {title}: seconds / peak extra resident memory",
+            "",
+            "| arm | " + " | ".join(str(n) for n in lengths) + " |",
+            "|---|" + "---|" * len(lengths),
+        ]
         for entry in arms.values():
             cells = [_cost_cell(entry["cost"].get(str(n)), key) for n in lengths]
             lines.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
     bigbird = arms.get("bigbird", {}).get("warm_start")
     if bigbird:
-        lines += ["", f"BigBird warm start: {len(bigbird['mapped'])} tensors mapped from MiniLM (position table tiled; "
-                      "BERT's pooler as the head's dense layer); new: " + ", ".join(bigbird["new"]) + "."]  # fmt: skip
+        lines += [
+            "",
+            f"BigBird warm start: {len(bigbird['mapped'])} tensors mapped from MiniLM (position table tiled; "
+            "BERT's pooler as the head's dense layer); new: " + ", ".join(bigbird["new"]) + ".",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -489,8 +586,12 @@ def plot(result: dict):
         if entry["runs"]:
             bins = entry["runs"][0]["by_offset"]
             centres = [(b["from"] + b["to"]) / 2 for b in bins]
-            values = [statistics.mean(r["by_offset"][i]["accuracy"] for r in entry["runs"]) if bins[i].get("n")
-                      else float("nan") for i in range(len(bins))]  # fmt: skip
+            values = [
+                statistics.mean(r["by_offset"][i]["accuracy"] for r in entry["runs"])
+                if bins[i].get("n")
+                else float("nan")
+                for i in range(len(bins))
+            ]
             left.plot(centres, [100 * v for v in values], marker="o", label=entry["label"])
         points = [(int(n), c["train_step_seconds"]) for n, c in entry["cost"].items() if c.get("ok", True)]
         if points:

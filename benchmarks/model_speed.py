@@ -92,9 +92,15 @@ def source_model(kind: str, positions: int, attention_dropout: float = 0.1):
     torch.manual_seed(0)
     if kind == "llama":  # no attention dropout in Llama: the sdpa arms are the same model
         config = LlamaConfig(
-            num_hidden_layers=LAYERS, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-            num_key_value_heads=3, vocab_size=49152, max_position_embeddings=positions, tie_word_embeddings=True,
-        )  # fmt: skip
+            num_hidden_layers=LAYERS,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=49152,
+            max_position_embeddings=positions,
+            tie_word_embeddings=True,
+        )
         return LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
     if kind == "encoder":
         config = BertConfig(
@@ -129,6 +135,21 @@ def baseline_modeling(folder: str):
     return importlib.import_module(f"{name}.modeling_performer")
 
 
+def baseline_model(folder: str, class_name: str, checkpoint: Path):
+    """The converted ``checkpoint`` loaded by the baseline's model class ``class_name``; config entries that the
+    baseline's config computes itself (properties of its class: fields added since) are left out."""
+    import json
+
+    model_class = getattr(baseline_modeling(folder), class_name)
+    settings = json.loads((checkpoint / "config.json").read_text())
+    known = {
+        key: value
+        for key, value in settings.items()
+        if not isinstance(getattr(model_class.config_class, key, None), property)
+    }
+    return model_class.from_pretrained(checkpoint, config=model_class.config_class.from_dict(known))
+
+
 def build_models(kind: str, positions: int, arms: list[str], workdir: Path, baseline: str | None = None) -> dict:
     """Every arm's model of ``kind`` (float32, CPU, train mode): the source, and its conversions (and, with
     ``baseline``, each conversion run by the baseline's modeling code as ``baseline:<arm>``)."""
@@ -151,12 +172,13 @@ def build_models(kind: str, positions: int, arms: list[str], workdir: Path, base
             "approximation": {"method": "hybrid", "exact_max_length": 0},
             "bound": {"method": "favor"},
         }
-        out = convert(folder, workdir / f"{kind}-{arm}", fidelity=False, overwrite=True,
-                      **settings.get(arm, {"method": arm}))  # fmt: skip
+        out = convert(
+            folder, workdir / f"{kind}-{arm}", fidelity=False, overwrite=True, **settings.get(arm, {"method": arm})
+        )
         auto = AutoModelForMaskedLM if kind == "encoder" else AutoModelForCausalLM
         models[arm] = auto.from_pretrained(out)
         if baseline and kind != "llama" and arm != "bound":
-            models[f"baseline:{arm}"] = getattr(baseline_modeling(baseline), type(models[arm]).__name__).from_pretrained(out)
+            models[f"baseline:{arm}"] = baseline_model(baseline, type(models[arm]).__name__, out)
         if arm == "bound":
             for module in models[arm].modules():
                 if hasattr(module, "attend"):

@@ -7,6 +7,7 @@ and the number of kernel launches per call: the figures that say whether a path 
 by memory traffic or by arithmetic. Nothing is written; this is a diagnostic, not a study.
 
     python benchmarks/profile_attention.py --device cuda --dtype bfloat16 --length 16384
+    python benchmarks/profile_attention.py --quick      # smoke test: 256 tokens, one call, encoder and decoder
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ def main(argv=None) -> None:
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=15, help="operators shown per arm")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 256 tokens, one call, no llama")
+    parser.add_argument("--out-dir", help="unused (nothing is written); taken so that every study takes it")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.length, args.reps = 256, 1
+        args.models = [kind for kind in args.models if kind != "llama"]
     logging.basicConfig(level=logging.WARNING)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     sort_by = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"

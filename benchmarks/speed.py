@@ -161,8 +161,9 @@ def memory_child(method: str, length: int, mode: str) -> dict:
 def measure_memory(method: str, length: int, mode: str, args) -> dict:
     """Peak memory of one configuration, measured by :func:`memory_child` in a fresh process."""
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
-    return harness.in_fresh_process(__file__, memory_cap_gb=args.memory_cap_gb, env=env, method=method,
-                                    length=length, mode=mode)  # fmt: skip
+    return harness.in_fresh_process(
+        __file__, memory_cap_gb=args.memory_cap_gb, env=env, method=method, length=length, mode=mode
+    )
 
 
 # ---- the benchmark ------------------------------------------------------------------------------
@@ -220,9 +221,13 @@ def run_benchmark(args) -> list[dict]:
                 rec["warmup_s"] = warm[name]
                 logger.info(
                     "%-26s L=%-6d %-16s %8.3f s  (runs %s)  peak %s MB",
-                    name, length, mode, rec["median_s"], " ".join(f"{t:.3f}" for t in rec["times_s"]),
+                    name,
+                    length,
+                    mode,
+                    rec["median_s"],
+                    " ".join(f"{t:.3f}" for t in rec["times_s"]),
                     f"{rec['peak_mb']:.0f}" if "peak_mb" in rec else "-",
-                )  # fmt: skip
+                )
                 if rec["median_s"] > args.time_cap:
                     stopped[(name, mode)] = f"a shorter length already took over {args.time_cap:g} s"
             del inputs

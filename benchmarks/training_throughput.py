@@ -54,12 +54,28 @@ def run_once(args: argparse.Namespace, kernel: str, corpus: Path, tokenizer: str
     """One run of run_mlm.py; the seconds of every optimizer step after the first."""
     output_dir = workdir / f"{kernel}-{len(list(workdir.iterdir()))}"
     argv = [
-        "--train_file", str(corpus), "--tokenizer_name", tokenizer,
-        "--config_overrides", model_overrides(args, kernel), "--max_seq_length", str(args.seq_len),
-        "--per_device_train_batch_size", "1", "--per_device_eval_batch_size", "1", "--max_eval_samples", "1",
-        "--max_train_steps", str(args.steps + 1), "--learning_rate", "1e-4", "--output_dir", str(output_dir),
+        "--train_file",
+        str(corpus),
+        "--tokenizer_name",
+        tokenizer,
+        "--config_overrides",
+        model_overrides(args, kernel),
+        "--max_seq_length",
+        str(args.seq_len),
+        "--per_device_train_batch_size",
+        "1",
+        "--per_device_eval_batch_size",
+        "1",
+        "--max_eval_samples",
+        "1",
+        "--max_train_steps",
+        str(args.steps + 1),
+        "--learning_rate",
+        "1e-4",
+        "--output_dir",
+        str(output_dir),
         "--with_tracking",
-    ]  # fmt: skip
+    ]
     train_language_model("mlm", argv)
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -90,18 +106,30 @@ def measure(args: argparse.Namespace) -> dict:
     for kernel, seconds in times.items():
         median = statistics.median(seconds)
         name = f"FAVOR+ (softmax, m={args.nb_features})" if kernel == "softmax" else "exact"
-        kernels[name] = {"attention_kernel": kernel, "median_step_seconds": median, "steps_per_second": 1 / median,
-                         "step_seconds": seconds}  # fmt: skip
+        kernels[name] = {
+            "attention_kernel": kernel,
+            "median_step_seconds": median,
+            "steps_per_second": 1 / median,
+            "step_seconds": seconds,
+        }
     favor, exact = (kernels[name]["steps_per_second"] for name in kernels)
     return {
         "setup": {
-            "script": "training/run_mlm.py", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
-            "seq_len": args.seq_len, "batch_size": 1, "nb_features": args.nb_features, "steps": args.steps,
-            "rounds": args.rounds, "threads": torch.get_num_threads(), "vocab": "all-MiniLM-L6-v2 (30522)",
+            "script": "training/run_mlm.py",
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "heads": args.heads,
+            "seq_len": args.seq_len,
+            "batch_size": 1,
+            "nb_features": args.nb_features,
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "threads": torch.get_num_threads(),
+            "vocab": "all-MiniLM-L6-v2 (30522)",
         },
         "kernels": kernels,
         "favor_over_exact_speedup": favor / exact,
-    }  # fmt: skip
+    }
 
 
 def markdown(result: dict) -> str:
@@ -116,12 +144,14 @@ def markdown(result: dict) -> str:
         "",
         "| attention | median s / step | steps / s |",
         "|---|---|---|",
-        *(f"| {name} | {row['median_step_seconds']:.2f} | {row['steps_per_second']:.3f} |"
-          for name, row in result["kernels"].items()),
+        *(
+            f"| {name} | {row['median_step_seconds']:.2f} | {row['steps_per_second']:.3f} |"
+            for name, row in result["kernels"].items()
+        ),
         "",
         f"FAVOR+ / exact steps per second: {result['favor_over_exact_speedup']:.2f}x",
         "",
-    ]  # fmt: skip
+    ]
     return "\n".join(lines)
 
 

@@ -4,8 +4,9 @@ installs and tests; a release outside them is never picked up silently."""
 
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
 requirement = next(r for r in project["dependencies"] if re.match(r"transformers\b", r))

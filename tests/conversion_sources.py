@@ -18,8 +18,15 @@ from transformers import (
     RobertaConfig,
 )
 
-TINY_BERT = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-                 max_position_embeddings=64, type_vocab_size=2)  # fmt: skip
+TINY_BERT = dict(
+    vocab_size=99,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=37,
+    max_position_embeddings=64,
+    type_vocab_size=2,
+)
 TINY_GPT2 = dict(vocab_size=99, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=98, eos_token_id=98)
 
 
@@ -38,18 +45,42 @@ class Case:
 
 CASES = [
     Case("bert-mlm", "BertForMaskedLM", BertConfig(**TINY_BERT), AutoModelForMaskedLM, "PerformerForMaskedLM", 0),
-    Case("roberta-mlm", "RobertaForMaskedLM", RobertaConfig(**TINY_BERT, pad_token_id=1), AutoModelForMaskedLM,
-         "PerformerForMaskedLM", 1),
+    Case(
+        "roberta-mlm",
+        "RobertaForMaskedLM",
+        RobertaConfig(**TINY_BERT, pad_token_id=1),
+        AutoModelForMaskedLM,
+        "PerformerForMaskedLM",
+        1,
+    ),
     Case("gpt2-lm", "GPT2LMHeadModel", GPT2Config(**TINY_GPT2), AutoModelForCausalLM, "PerformerForCausalLM", 0),
-    Case("bert-cls", "BertForSequenceClassification", BertConfig(**TINY_BERT, num_labels=3),
-         AutoModelForSequenceClassification, "PerformerForSequenceClassification", 0),
-    Case("roberta-cls", "RobertaForSequenceClassification", RobertaConfig(**TINY_BERT, pad_token_id=1, num_labels=3),
-         AutoModelForSequenceClassification, "PerformerForSequenceClassification", 1),
+    Case(
+        "bert-cls",
+        "BertForSequenceClassification",
+        BertConfig(**TINY_BERT, num_labels=3),
+        AutoModelForSequenceClassification,
+        "PerformerForSequenceClassification",
+        0,
+    ),
+    Case(
+        "roberta-cls",
+        "RobertaForSequenceClassification",
+        RobertaConfig(**TINY_BERT, pad_token_id=1, num_labels=3),
+        AutoModelForSequenceClassification,
+        "PerformerForSequenceClassification",
+        1,
+    ),
     Case("bert-base", "BertModel", BertConfig(**TINY_BERT), AutoModel, "PerformerModel", 0),
     Case("gpt2-base", "GPT2Model", GPT2Config(**TINY_GPT2), AutoModel, "PerformerModel", 0),
-    Case("bert-pretraining", "BertForPreTraining", BertConfig(**TINY_BERT), AutoModelForMaskedLM,
-         "PerformerForMaskedLM", 0),
-]  # fmt: skip
+    Case(
+        "bert-pretraining",
+        "BertForPreTraining",
+        BertConfig(**TINY_BERT),
+        AutoModelForMaskedLM,
+        "PerformerForMaskedLM",
+        0,
+    ),
+]
 
 
 def save_source(case: Case, folder: Path, seed: int = 0) -> torch.nn.Module:

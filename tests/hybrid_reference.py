@@ -5,11 +5,11 @@ import math
 
 import torch
 
-from performer_hf.favor import exact_attention, feature_map
+from performer_hf.favor import FAR_FIELDS, FEATURE_MAPS, exact_attention, feature_map
 from performer_hf.modeling.favor_optimal import optimal_log_features, optimal_parameter, pair_statistic
 
 # the polynomial far fields, kappa(u, w) = 1 + t + c t^2 with t = u . w: their coefficient c
-QUADRATIC = {"taylor2": 0.5, "poly2": 0.25}
+QUADRATIC = {name: far.quadratic for name, far in FAR_FIELDS.items() if far.quadratic is not None}
 # exact-attention supports: windows, global tokens and routed blocks, alone and together
 CONFIGS = [
     dict(local_window=5),
@@ -79,10 +79,33 @@ def _routed_support(x, y, mask, block_q, block_k, left, right, nb_routed, group_
     return support
 
 
-def reference(q, k, v, W=None, *, far_field="softmax", causal=False, mask=None, local_window=0,
-              num_global_tokens=0, routed_blocks=0, route_block_size=8, route_group_size=0, query_block_size=16,
-              center=False, far_field_parameter=None, far_field_gain=None, query_center=None,
-              key_center=None):  # fmt: skip
+def _features(far_field, x, W, parameter):
+    """phi(x) of a registered far field, from its feature function: base * exp(log)."""
+    base, log = FAR_FIELDS[far_field].features(x, W, parameter)
+    return (1.0 if base is None else base) * (1.0 if log is None else log.exp())
+
+
+def reference(
+    q,
+    k,
+    v,
+    W=None,
+    *,
+    far_field="softmax",
+    causal=False,
+    mask=None,
+    local_window=0,
+    num_global_tokens=0,
+    routed_blocks=0,
+    route_block_size=8,
+    route_group_size=0,
+    query_block_size=16,
+    center=False,
+    far_field_parameter=None,
+    far_field_gain=None,
+    query_center=None,
+    key_center=None,
+):
     """sum_j w_ij v_j / sum_j w_ij with w_ij = exp(x_i . y_j) on the support, g kappa(x_i, y_j) elsewhere.
 
     Centres: the means (``center``), fixed ones (``query_center``, ``key_center``: (H, d), scaled units) or none.
@@ -106,8 +129,10 @@ def reference(q, k, v, W=None, *, far_field="softmax", causal=False, mask=None, 
     elif far_field == "softmax_opt":
         A = far_field_parameter if far_field_parameter is not None else optimal_parameter(pair_statistic(u, w, mask))
         kernel = optimal_log_features(u, W, A).exp() @ optimal_log_features(w, W, A).exp().transpose(-2, -1)
-    else:
+    elif far_field in FEATURE_MAPS:
         kernel = feature_map(u, W, far_field) @ feature_map(w, W, far_field).transpose(-2, -1)
+    else:  # any other registered far field, through its own features
+        kernel = _features(far_field, u, W, far_field_parameter) @ _features(far_field, w, W, far_field_parameter).mT
     kernel = kernel * log_weight.exp()  # (B, H, L, L): estimates exp(x . y)
     if far_field_gain is not None:
         kernel = kernel * torch.as_tensor(far_field_gain, dtype=kernel.dtype).reshape(-1, 1, 1)  # (H or 1, 1, 1)

@@ -50,8 +50,21 @@ def assert_failed_cleanly(code: int, capsys, out: Path, message: str) -> None:
 
 def test_convert_command(tiny_bert, tmp_path, capsys):
     out = tmp_path / "out"
-    code = main(["convert", str(tiny_bert), str(out), "--nb-features", "16", "--set", "hidden_dropout_prob=0.0",
-                 "--feature-redraw-interval", "100", "--base-model", "org/tiny-bert"])  # fmt: skip
+    code = main(
+        [
+            "convert",
+            str(tiny_bert),
+            str(out),
+            "--nb-features",
+            "16",
+            "--set",
+            "hidden_dropout_prob=0.0",
+            "--feature-redraw-interval",
+            "100",
+            "--base-model",
+            "org/tiny-bert",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0
     assert captured.out.strip().splitlines()[-1] == str(out)
@@ -123,8 +136,9 @@ class Exploit:
 def _pickled_object(folder: Path, tmp_path: Path) -> Path:
     source = copy_source(folder, tmp_path)
     (source / "model.safetensors").unlink()
-    torch.save({"bert.embeddings.word_embeddings.weight": torch.zeros(99, 32), "x": Exploit()},
-               source / "pytorch_model.bin")  # fmt: skip
+    torch.save(
+        {"bert.embeddings.word_embeddings.weight": torch.zeros(99, 32), "x": Exploit()}, source / "pytorch_model.bin"
+    )
     return source
 
 
@@ -192,8 +206,13 @@ def test_console_script_resolves_hub_ids_from_the_cache_offline(tiny_bert, tmp_p
     _hub_cache(tiny_bert, cache, "org/tiny-bert")
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "performer_hf.cli", "convert"]
-    done = subprocess.run([*command, "org/tiny-bert", str(tmp_path / "out"), "--no-fidelity", "-q"],
-                          env=env, capture_output=True, text=True, check=False)  # fmt: skip
+    done = subprocess.run(
+        [*command, "org/tiny-bert", str(tmp_path / "out"), "--no-fidelity", "-q"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     card = (tmp_path / "out" / "README.md").read_text()
     assert "base_model: org/tiny-bert" in card
@@ -245,7 +264,23 @@ def test_demo_method_reaches_the_conversion(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(demo, "peak_memory", demo._measure_memory_in_this_process)
     out = tmp_path / "demo"
-    assert main(["demo", "--output-dir", str(out), "--length", "128", "--sentences", "4", "--repeats", "1",
-                 "--method", "favor"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "demo",
+                "--output-dir",
+                str(out),
+                "--length",
+                "128",
+                "--sentences",
+                "4",
+                "--repeats",
+                "1",
+                "--method",
+                "favor",
+            ]
+        )
+        == 0
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["attention_kernel"] == "softmax" and config["local_window"] == 0 and config["routed_blocks"] == 0

@@ -28,8 +28,11 @@ def articles():
 
 def test_rotten_tomatoes_split_sizes_and_labels(sentences):
     # 10,605 rated sentences, 37 of them rated exactly 0 (dropped)
-    assert {name: len(records) for name, records in sentences.items()} == {"train": 8454, "validation": 1057,
-                                                                           "test": 1057}  # fmt: skip
+    assert {name: len(records) for name, records in sentences.items()} == {
+        "train": 8454,
+        "validation": 1057,
+        "test": 1057,
+    }
     everything = [r for records in sentences.values() for r in records]
     assert len({r["id"] for r in everything}) == 10568
     assert all(r["label"] == (r["score"] > 0) and r["score"] != 0 for r in everything)
@@ -72,8 +75,7 @@ def test_bbc_news_classes_and_split(articles):
     everything = [r for records in articles.values() for r in records]
     counts = Counter(BBC_LABELS[r["label"]] for r in everything)
     assert counts == {"business": 510, "entertainment": 386, "politics": 417, "sports": 511, "tech": 401}
-    assert {name: len(records) for name, records in articles.items()} == {"train": 1780, "validation": 222,
-                                                                          "test": 223}  # fmt: skip
+    assert {name: len(records) for name, records in articles.items()} == {"train": 1780, "validation": 222, "test": 223}
     assert len({r["id"] for r in everything}) == 2225
     by_id = {r["id"]: r for r in everything}
     assert "\u00a315.8m signing from Parma" in by_id["sports/199.txt"]["text"]  # the one Latin-1 article

@@ -43,8 +43,15 @@ TEXT = ["Performers approximate softmax attention with random features.", "A sho
 def _tiny_checkpoint(folder: Path) -> PerformerForMaskedLM:
     """A tiny MLM Performer with the real MiniLM tokenizer (vocab 30522), a card and training leftovers."""
     torch.manual_seed(0)
-    config = PerformerConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                             intermediate_size=37, max_position_embeddings=64, nb_features=16)  # fmt: skip
+    config = PerformerConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+        nb_features=16,
+    )
     model = PerformerForMaskedLM(config).eval()
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(minilm_folder()).save_pretrained(folder)
@@ -244,7 +251,8 @@ def olah_server(tmp_path):
     mirror = tmp_path / "mirrors"
     port = _free_port()
     config = tmp_path / "olah.toml"
-    config.write_text(textwrap.dedent(f"""
+    config.write_text(
+        textwrap.dedent(f"""
         [basic]
         host = "127.0.0.1"
         port = {port}
@@ -252,12 +260,14 @@ def olah_server(tmp_path):
         mirrors-path = ["{mirror}"]
         [accessibility]
         offline = true
-    """))  # fmt: skip
+    """)
+    )
     repo = mirror / "models" / "org" / "tiny-performer"
     repo.mkdir(parents=True)
     log = (tmp_path / "olah.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "olah.server", "-c", str(config)], cwd=tmp_path,
-                              stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    server = subprocess.Popen(
+        [sys.executable, "-m", "olah.server", "-c", str(config)], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT
+    )
     endpoint = f"http://127.0.0.1:{port}"
     try:
         yield endpoint, repo
@@ -294,8 +304,13 @@ def test_pull_through_a_hub_protocol_server_without_performer_hf(tmp_path, olah_
     assert info["sha"] == commit
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf-home"), HF_MODULES_CACHE=str(tmp_path / "modules"),
-               NO_PROXY="127.0.0.1,localhost", OMP_NUM_THREADS="1")  # fmt: skip
+    env.update(
+        HF_ENDPOINT=endpoint,
+        HF_HOME=str(tmp_path / "hf-home"),
+        HF_MODULES_CACHE=str(tmp_path / "modules"),
+        NO_PROXY="127.0.0.1,localhost",
+        OMP_NUM_THREADS="1",
+    )
     argv = [sys.executable, "-c", _PULL_SCRIPT, "org/tiny-performer", json.dumps(TEXT)]
     result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

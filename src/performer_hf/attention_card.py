@@ -3,23 +3,34 @@
 
 from __future__ import annotations
 
-import statistics
-
 from .modeling.attention_methods import ATTENTION_METHODS
 from .modeling.configuration_performer import PerformerConfig
+from .modeling.far_fields import FAR_FIELDS
+from .modeling.favor_features import FEATURE_MAPS
 
-# what each attention_kernel computes
-KERNEL_DESCRIPTIONS = {
-    "softmax": "FAVOR+ positive random features (unbiased softmax kernel)",
-    "softmax_hyperbolic": "FAVOR+ hyperbolic positive random features (softmax kernel)",
-    "softmax_trig": "trigonometric random features (softmax kernel)",
-    "softmax_opt": "FAVOR++ optimal positive random features (Likhosherstov et al., 2022)",
-    "taylor2": "deterministic second-order Taylor kernel 1 + t + t^2/2",
-    "poly2": "deterministic second-order polynomial kernel (1 + t/2)^2",
-    "relu": "generalized attention with ReLU features",
-    "elu": "elu + 1 features",
-    "exact": "exact softmax attention (no approximation)",
-}
+
+def kernel_description(config: PerformerConfig) -> str:
+    """What the config's ``attention_kernel`` computes, from the registry of its method's kernels (FAVOR+'s
+    feature maps, the hybrid's far fields)."""
+    if config.attention_method == "exact":
+        return "exact softmax attention (no approximation)"
+    registry = FAR_FIELDS if config.attention_method == "hybrid" else FEATURE_MAPS
+    return registry[config.attention_kernel].description
+
+
+def uses_projection(config: PerformerConfig) -> bool:
+    """Whether the attention reads the random projection (``nb_features``, coupling, seed): not the deterministic
+    far fields, nor exact attention."""
+    if config.attention_method == "exact":
+        return False
+    registry = FAR_FIELDS if config.attention_method == "hybrid" else FEATURE_MAPS
+    return registry[config.attention_kernel].uses_projection
+
+
+def method_lines(config: PerformerConfig) -> list[str]:
+    """The method's own settings as card bullet points (the hybrid's support and far field), if it lists any."""
+    card_lines = ATTENTION_METHODS[config.attention_method].card_lines
+    return [] if card_lines is None else card_lines(config)
 
 
 def method_description(config: PerformerConfig) -> str:
@@ -34,50 +45,6 @@ def method_description(config: PerformerConfig) -> str:
         )
         description += f" ({exact}: faster there, and the quality the approximation aims for)"
     return description
-
-
-def hybrid_lines(config: PerformerConfig) -> list[str]:
-    """The hybrid-attention settings as card bullet points."""
-    routed = (
-        f"{config.routed_blocks} blocks of {config.route_block_size} keys per block of {config.query_block_size} "
-        "queries, chosen by the mean logit between the blocks (bidirectional only)"
-        + (
-            f"; only the blocks of the {config.routed_blocks} groups of {config.route_group_size} blocks that may "
-            "hold the best ones are scored"
-            if config.route_group_size
-            else ""
-        )
-        if config.routed_blocks
-        else "none"
-    )
-    if isinstance(config.far_field_parameter, list):
-        parameter = "per layer and head, calibrated or learned at conversion"
-    elif config.far_field_parameter is not None:
-        parameter = f"{config.far_field_parameter}"
-    else:
-        parameter = "closed-form optimum from each sequence's statistics"
-    lines = [
-        f"- exact local window: {config.local_window} tokens" if config.local_window else "- exact local window: none",
-        f"- global tokens (exact for every query): {config.num_global_tokens}",
-        f"- routed exact key blocks: {routed}",
-        "- centred queries and keys before the far field: "
-        + (
-            "yes (per-sequence means bidirectionally; fixed per-layer centres, calibrated at conversion, when causal)"
-            if config.center_features
-            else "no"
-        ),  # fmt: skip
-    ]
-    if config.attention_kernel == "softmax_opt":
-        lines.append(f"- FAVOR++ parameter A: {parameter}")
-    if isinstance(config.far_field_gain, list):
-        gains = sorted(gain for row in config.far_field_gain for gain in row)
-        lines.append(
-            "- far-field gain per layer and head (learned by attention transfer): "
-            f"median {statistics.median(gains):.3g}, from {gains[0]:.3g} to {gains[-1]:.3g}"
-        )
-    elif config.far_field_gain is not None:
-        lines.append(f"- far-field gain: {config.far_field_gain}")
-    return lines
 
 
 def transfer_summary(transfer: dict) -> str:

@@ -11,44 +11,52 @@ one-line message and exit status 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
+from pathlib import Path
 
-from .conversion import SUPPORTED_ARCHITECTURES, ConversionError, convert
+from .conversion import SUPPORTED_ARCHITECTURES, ConversionError, TransferSettings, convert
 from .conversion.convert import DEFAULT_METHOD, METHODS
+from .conversion.source import resolve_source
 from .hub import PushError
+from .modeling.attention_methods import ATTENTION_FIELDS
 from .modeling.configuration_performer import PerformerConfig
 from .zoo.errors import ZooError
 
-_HYBRID = METHODS[DEFAULT_METHOD]["bidirectional"]
-_HYBRID_CAUSAL = METHODS[DEFAULT_METHOD]["causal"]
-# PerformerConfig fields with their own option; any other field goes through --set FIELD=VALUE. The defaults
-# named in the help are the PerformerConfig defaults and the converter's default method's presets.
-_CONFIG_OPTIONS = (
-    ("attention_kernel", str, "FAVOR+ kernel, hybrid far field (softmax_opt = FAVOR++, taylor2, poly2) or exact"),
-    ("nb_features", int, f"random features per head (default {PerformerConfig.nb_features})"),
-    ("feature_coupling", str, f"orthogonal, simplex or iid (default {PerformerConfig.feature_coupling})"),
-    ("feature_row_norms", str, f"chi (unbiased) or sqrt_d (default {PerformerConfig.feature_row_norms})"),
-    ("projection_seed", int, f"seed of the random features (default {PerformerConfig.projection_seed})"),
-    ("feature_redraw_interval", int, "optimizer steps between feature redraws in training (default: never)"),
-    ("causal_chunk_size", int, "positions per chunk of the causal scan"),
-    ("max_position_embeddings", int, "tokens the model reads; the pretrained position table is tiled to fill it"),
-    ("local_window", int, f"hybrid: keys around each query computed exactly (default {_HYBRID['local_window']}; "
-                          f"causal {_HYBRID_CAUSAL['local_window']}; 0: none)"),
-    ("num_global_tokens", int, f"hybrid: first tokens attended exactly by every query "
-                               f"(default {_HYBRID['num_global_tokens']})"),
-    ("routed_blocks", int, f"hybrid, bidirectional: key blocks per query block chosen by content "
-                           f"(default {_HYBRID['routed_blocks']})"),
-    ("route_block_size", int, f"hybrid: keys per routed block (default {_HYBRID['route_block_size']})"),
-    ("route_group_size", int, f"hybrid: key blocks per routing group, scored together first "
-                              f"(default {_HYBRID['route_group_size']}; 0: score every block)"),
-    ("query_block_size", int, f"hybrid: queries per routing block (default {_HYBRID['query_block_size']})"),
-    ("far_field_parameter", float, "FAVOR++'s A for --attention-kernel softmax_opt (default: closed form)"),
-    ("exact_max_length", int, f"bidirectional: inputs of at most this many tokens keep exact attention "
-                              f"(default {_HYBRID['exact_max_length']}); causal: the first this many positions "
-                              f"attend exactly (default {_HYBRID_CAUSAL['exact_max_length']}); 0: never"),
-)  # fmt: skip
+
+def _config_options() -> list[tuple[str, type, str]]:
+    """(field, type, help) of the PerformerConfig fields with an option of their own: every attention field but
+    the method (``--method``), and the positions. The help is the field's; the defaults named are the config's and
+    the converter's presets for the default method. Any other field goes through ``--set FIELD=VALUE``."""
+    fields = {f.name: f for f in dataclasses.fields(PerformerConfig)}
+    presets = METHODS[DEFAULT_METHOD]
+    options = []
+    for name in (*ATTENTION_FIELDS, "max_position_embeddings"):
+        field = fields[name]
+        if name == "attention_method":
+            continue
+        default, annotation = field.default, str(field.type)
+        kind = (
+            bool
+            if isinstance(default, bool)
+            else str
+            if "str" in annotation
+            else float
+            if "float" in annotation
+            else int
+        )
+        hybrid, causal = presets["bidirectional"].get(name, default), presets["causal"].get(name, default)
+        named = [f"default {default}"] if default is not None and name in ATTENTION_FIELDS else []
+        named += [f"{DEFAULT_METHOD} {hybrid}"] if hybrid != default else []
+        named += [f"causal {causal}"] if causal != hybrid else []
+        help_text = field.metadata["help"]
+        options.append((name, kind, f"{help_text} ({'; '.join(named)})" if named else help_text))
+    return options
+
+
+_CONFIG_OPTIONS = _config_options()
 
 
 def _field_value(text: str):
@@ -73,25 +81,40 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("output_dir", help="folder to write (must be empty or absent, unless --overwrite)")
     for name, kind, text in _CONFIG_OPTIONS:
         flags = ["--" + name.replace("_", "-")] + (["--far-field"] if name == "attention_kernel" else [])
-        conv.add_argument(*flags, dest=name, type=kind, default=None, help=text)
-    conv.add_argument("--center-features", action=argparse.BooleanOptionalAction, default=None,
-                      help="hybrid: centre queries and keys before the far field (default: on)")  # fmt: skip
-    conv.add_argument("--method", choices=sorted(METHODS), default=None,
-                      help=f"attention settings under the options: {' or '.join(sorted(METHODS))} "
-                           f"(default {DEFAULT_METHOD})")  # fmt: skip
-    conv.add_argument("--calibrate", action="store_true",
-                      help="fix centres / FAVOR++ A per layer and head from sample text")  # fmt: skip
-    conv.add_argument("--transfer-steps", type=int, default=0,
-                      help="Llama & co.: train the attention's feature maps for N steps to match the source's "
-                           "attention on unlabelled text (default 0: none)")  # fmt: skip
+        if kind is bool:
+            conv.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            conv.add_argument(*flags, dest=name, type=kind, default=None, help=text)
+    conv.add_argument(
+        "--method",
+        choices=sorted(METHODS),
+        default=None,
+        help=f"attention settings under the options: {' or '.join(sorted(METHODS))} (default {DEFAULT_METHOD})",
+    )
+    conv.add_argument(
+        "--calibrate", action="store_true", help="fix centres / FAVOR++ A per layer and head from sample text"
+    )
+    conv.add_argument(
+        "--transfer-steps",
+        type=int,
+        default=0,
+        help="Llama & co.: train the attention's feature maps for N steps to match the source's "
+        "attention on unlabelled text (default 0: none)",
+    )
     conv.add_argument(
         "--transfer-text",
         metavar="FILE",
         help="UTF-8 text for --transfer-steps (default: the Python standard library's docstrings)",
     )
     conv.add_argument("--transfer-length", type=int, default=1024, help="tokens per transfer step (default 1024)")
-    conv.add_argument("--set", dest="fields", action="append", default=[], metavar="FIELD=VALUE",
-                      help="any other PerformerConfig field, e.g. --set hidden_dropout_prob=0.0")  # fmt: skip
+    conv.add_argument(
+        "--set",
+        dest="fields",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="any other PerformerConfig field, e.g. --set hidden_dropout_prob=0.0",
+    )
     conv.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder after success")
     conv.add_argument("--base-model", help="Hub id named in the model card (default: the source's)")
     conv.add_argument("--revision", help="Hub revision of the source")
@@ -104,8 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--length", type=int, default=8192, help="tokens for the speed / memory comparison")
     demo.add_argument("--sentences", type=int, default=200, help="English sentences for the embedding comparison")
     demo.add_argument("--repeats", type=int, default=3, help="timed forward passes per model")
-    demo.add_argument("--method", choices=sorted(METHODS),
-                      help=f"attention method of the conversion (default: {DEFAULT_METHOD})")  # fmt: skip
+    demo.add_argument(
+        "--method", choices=sorted(METHODS), help=f"attention method of the conversion (default: {DEFAULT_METHOD})"
+    )
 
     zoo = commands.add_parser("zoo", help="list or build the models of the performer-hf zoo")
     zoo_commands = zoo.add_subparsers(dest="zoo_command", required=True)
@@ -140,14 +164,33 @@ def _zoo(args: argparse.Namespace) -> None:
 
 def _overrides(args: argparse.Namespace) -> dict:
     overrides = {name: getattr(args, name) for name, _, _ in _CONFIG_OPTIONS if getattr(args, name) is not None}
-    if args.center_features is not None:
-        overrides["center_features"] = args.center_features
     for item in args.fields:
         name, sep, value = item.partition("=")
         if not sep:
             raise ConversionError(f"--set expects FIELD=VALUE, got {item!r}.")
         overrides[name.strip()] = _field_value(value)
     return overrides
+
+
+def _convert(args: argparse.Namespace) -> Path:
+    """``performer-hf convert``: the source resolved at ``--revision``, the transfer settings, the conversion."""
+    if args.transfer_text is not None and not args.transfer_steps:
+        raise ConversionError("a transfer text was given without transfer steps: set --transfer-steps too.")
+    transfer = None
+    if args.transfer_steps:
+        transfer = TransferSettings(args.transfer_steps, args.transfer_text, args.transfer_length)
+    source, repo_id = resolve_source(args.source, args.revision)
+    return convert(
+        source,
+        args.output_dir,
+        overwrite=args.overwrite,
+        base_model=args.base_model or repo_id,
+        fidelity=args.fidelity,
+        method=args.method,
+        calibrate=args.calibrate,
+        transfer=transfer,
+        **_overrides(args),
+    )
 
 
 def _setup_logging(quiet: bool) -> None:
@@ -168,25 +211,32 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(getattr(args, "quiet", False))
     try:
         if args.command == "convert":
-            output = convert(args.source, args.output_dir, overwrite=args.overwrite, base_model=args.base_model,
-                             revision=args.revision, fidelity=args.fidelity, method=args.method,
-                             calibrate=args.calibrate, transfer_steps=args.transfer_steps,
-                             transfer_text=args.transfer_text, transfer_length=args.transfer_length,
-                             **_overrides(args))  # fmt: skip
-            print(output)
+            print(_convert(args))
         elif args.command == "zoo":
             _zoo(args)
         elif args.command == "push":
             from .hub import push_to_hub
 
-            commit = push_to_hub(args.folder, args.repo_id, private=args.private, revision=args.revision,
-                                 commit_message=args.message, create_pr=args.create_pr)  # fmt: skip
+            commit = push_to_hub(
+                args.folder,
+                args.repo_id,
+                private=args.private,
+                revision=args.revision,
+                commit_message=args.message,
+                create_pr=args.create_pr,
+            )
             print(commit.commit_url)
         else:
             from .conversion.demo import format_demo, run_demo
 
-            result = run_demo(args.output_dir, length=args.length, num_sentences=args.sentences,
-                              repeats=args.repeats, overwrite=args.overwrite, method=args.method)  # fmt: skip
+            result = run_demo(
+                args.output_dir,
+                length=args.length,
+                num_sentences=args.sentences,
+                repeats=args.repeats,
+                overwrite=args.overwrite,
+                method=args.method,
+            )
             print(format_demo(result))
     except (ConversionError, ZooError, PushError) as error:
         print(f"performer-hf: error: {error}", file=sys.stderr)

@@ -79,8 +79,19 @@ def fetch_vader_sdist(cache_dir: str | Path | None = None) -> Path:
         cache.mkdir(parents=True, exist_ok=True)
         logger.info("downloading the %s source distribution into %s", VADER_REQUIREMENT, cache)
         with tempfile.TemporaryDirectory(dir=cache) as scratch:
-            command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                       VADER_REQUIREMENT, "--dest", scratch]  # fmt: skip
+            command = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                VADER_REQUIREMENT,
+                "--dest",
+                scratch,
+            ]
             done = subprocess.run(command, capture_output=True, text=True)
             downloaded = Path(scratch) / VADER_SDIST
             if done.returncode != 0 or not downloaded.is_file():
@@ -134,8 +145,9 @@ def rotten_tomatoes(seed: int = 0, cache_dir: str | Path | None = None) -> dict[
         identifier, score, text = line.split("\t", 2)
         if float(score) == 0.0:
             continue
-        records.append({"text": text.strip(), "label": int(float(score) > 0), "score": float(score),
-                        "id": int(identifier)})  # fmt: skip
+        records.append(
+            {"text": text.strip(), "label": int(float(score) > 0), "score": float(score), "id": int(identifier)}
+        )
     return seeded_split(records, seed)
 
 

@@ -8,12 +8,12 @@ and dense references.
 """
 
 from .favor_reference import exact_attention, explicit_feature_attention
+from .modeling.far_fields import FAR_FIELDS, FarField, get_far_field
 from .modeling.favor_attention import DEFAULT_CHUNK_SIZE, FavorState, favor_attention
 from .modeling.favor_features import FEATURE_MAPS, FeatureMap, feature_map, get_feature_map
 from .modeling.favor_hybrid import hybrid_attention
-from .modeling.hybrid_spec import HybridSpec, HybridState
 from .modeling.favor_projection import draw_projection
-from .modeling.far_fields import FAR_FIELDS, FarField, get_far_field
+from .modeling.hybrid_spec import HybridSpec, HybridState
 
 KERNELS = tuple(FEATURE_MAPS)
 

@@ -131,5 +131,6 @@ def push_to_hub(
         api.create_branch(repo_id, branch=revision, exist_ok=True)
     operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name in files]
     logger.info("uploading %d files to %s: %s", len(files), repo_id, ", ".join(files))
-    return api.create_commit(repo_id, operations=operations, commit_message=commit_message, revision=revision,
-                             create_pr=create_pr)  # fmt: skip
+    return api.create_commit(
+        repo_id, operations=operations, commit_message=commit_message, revision=revision, create_pr=create_pr
+    )

@@ -185,8 +185,10 @@ def test_legacy_pytorch_bin_checkpoint(sources, tmp_path):
     case = next(c for c in CASES if c.name == "bert-mlm")
     folder, source = sources["bert-mlm"]
     state = dict(load_file(folder / "model.safetensors"))
-    state = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
-             for k, v in state.items()}  # fmt: skip
+    state = {
+        k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+        for k, v in state.items()
+    }
     state["cls.predictions.decoder.weight"] = state["bert.embeddings.word_embeddings.weight"].clone()
     state["cls.predictions.decoder.bias"] = state["cls.predictions.bias"].clone()
     state["bert.embeddings.position_ids"] = torch.arange(64)[None]
@@ -232,8 +234,16 @@ def test_untied_decoder_that_differs_is_a_mismatch(sources, tmp_path):
 def test_tables_cover_every_supported_architecture_and_mapping_doc_is_current():
     rewritten = {arch for family in FAMILIES.values() for arch in family.heads}
     assert set(SUPPORTED_ARCHITECTURES) == rewritten | set(IN_PLACE_ARCHITECTURES)
-    required = {"BertModel", "BertForMaskedLM", "BertForSequenceClassification", "RobertaModel", "RobertaForMaskedLM",
-                "RobertaForSequenceClassification", "GPT2Model", "GPT2LMHeadModel"}  # fmt: skip
+    required = {
+        "BertModel",
+        "BertForMaskedLM",
+        "BertForSequenceClassification",
+        "RobertaModel",
+        "RobertaForMaskedLM",
+        "RobertaForSequenceClassification",
+        "GPT2Model",
+        "GPT2LMHeadModel",
+    }
     assert required <= set(SUPPORTED_ARCHITECTURES)
     mapping_doc = Path(__file__).resolve().parents[2] / "conversion" / "MAPPING.md"
     assert rules_markdown() in mapping_doc.read_text(), "regenerate with: python conversion/make_mapping_doc.py"
@@ -284,8 +294,10 @@ def sentence_source(sources, tmp_path: Path, paths=("", "1_Pooling", "2_Dense", 
     folder.mkdir()
     for name in ("config.json", "model.safetensors"):
         (folder / name).write_bytes((sources["bert-base"][0] / name).read_bytes())
-    modules = [{"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.M{i}"}
-               for i, path in enumerate(paths)]  # fmt: skip
+    modules = [
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.M{i}"}
+        for i, path in enumerate(paths)
+    ]
     (folder / "modules.json").write_text(json.dumps(modules))
     (folder / "sentence_bert_config.json").write_text('{"max_seq_length": 32, "do_lower_case": false}')
     (folder / "config_sentence_transformers.json").write_text('{"similarity_fn_name": "cosine"}')
@@ -302,8 +314,13 @@ def test_sentence_transformers_pipeline_files_are_carried_over(positions, max_se
     folder = sentence_source(sources, tmp_path)
     overrides = {"max_position_embeddings": positions} if positions else {}
     out = convert(folder, tmp_path / "out", attention_kernel="exact", fidelity=False, **overrides)
-    for name in ("modules.json", "config_sentence_transformers.json", "1_Pooling/config.json",
-                 "2_Dense/config.json", "2_Dense/sub/weights.bin"):  # fmt: skip
+    for name in (
+        "modules.json",
+        "config_sentence_transformers.json",
+        "1_Pooling/config.json",
+        "2_Dense/config.json",
+        "2_Dense/sub/weights.bin",
+    ):
         assert (out / name).read_bytes() == (folder / name).read_bytes(), name
     assert not (out / "3_Normalize").exists()
     assert json.loads((out / "sentence_bert_config.json").read_text()) == {
@@ -312,8 +329,13 @@ def test_sentence_transformers_pipeline_files_are_carried_over(positions, max_se
     }  # the source's truncation, unless the positions were extended
     assert json.loads((out / "config.json").read_text())["model_type"] == "performer"  # the root is the Performer
     report = json.loads((out / "conversion_report.json").read_text())
-    assert report["sentence_transformers_files"] == ["modules.json", "config_sentence_transformers.json",
-                                                     "sentence_bert_config.json", "1_Pooling/", "2_Dense/"]  # fmt: skip
+    assert report["sentence_transformers_files"] == [
+        "modules.json",
+        "config_sentence_transformers.json",
+        "sentence_bert_config.json",
+        "1_Pooling/",
+        "2_Dense/",
+    ]
     card = ModelCard.load(out / "README.md")
     assert "sentence-transformers" in card.data.tags and "SentenceTransformer(" in card.text
 
@@ -329,10 +351,12 @@ def test_sentence_pipeline_without_the_converted_model_is_not_carried_over(sourc
 
 @pytest.mark.parametrize(
     "modules, message",
-    [('[{"path": ""}, {"path": "../elsewhere"}]', "outside the checkpoint"),
-     ('[{"path": ""}, {"name": "1"}]', "needs a 'path' string"),
-     ('[{"path": ""},', "not valid JSON")],
-)  # fmt: skip
+    [
+        ('[{"path": ""}, {"path": "../elsewhere"}]', "outside the checkpoint"),
+        ('[{"path": ""}, {"name": "1"}]', "needs a 'path' string"),
+        ('[{"path": ""},', "not valid JSON"),
+    ],
+)
 def test_broken_modules_json_is_refused_and_nothing_is_written(modules, message, sources, tmp_path):
     folder = sentence_source(sources, tmp_path)
     (folder / "modules.json").write_text(modules)

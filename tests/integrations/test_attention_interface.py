@@ -37,7 +37,7 @@ def _decoder_configs() -> dict[str, transformers.PreTrainedConfig]:
             sliding_window=6,
             layer_types=["sliding_attention", "full_attention"],
             query_pre_attn_scalar=24,
-        ),  # fmt: skip
+        ),
         # GPT-2 scales by layer too (1 / (layer_idx + 1))
         "gpt2": transformers.GPT2Config(
             vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=8192, scale_attn_by_inverse_layer_idx=True

@@ -69,8 +69,14 @@ def test_a_transferred_model_saves_reloads_and_decodes_exactly(tmp_path):
     reloaded.save_pretrained(tmp_path / "again")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
     cache = PerformerCache(again.config)
-    generated = again.generate(ids[:, :24], max_new_tokens=6, do_sample=False, output_logits=True,
-                               return_dict_in_generate=True, **{CACHE_KEYWORD: cache})  # fmt: skip
+    generated = again.generate(
+        ids[:, :24],
+        max_new_tokens=6,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **{CACHE_KEYWORD: cache},
+    )
     with torch.no_grad():
         full = again(generated.sequences).logits
     for step, logits in enumerate(generated.logits):

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 import performer_hf
 from performer_hf.cli import main
-from performer_hf.conversion import SUPPORTED_ARCHITECTURES, ConversionError
+from performer_hf.conversion import SUPPORTED_ARCHITECTURES, ConversionError, TransferSettings
 from performer_hf.conversion.in_place import IN_PLACE_ARCHITECTURES
 from performer_hf.integrations import text_batches
 
@@ -120,8 +120,20 @@ def test_convert_with_attention_transfer_equals_transfer_attention_on_the_text(t
     text_file = _transfer_text(tmp_path / "text.txt")
     _save_tokenizer(tmp_path / "source", text_file.read_text())
     out = tmp_path / "out"
-    args = ["convert", str(tmp_path / "source"), str(out), "--local-window", "8", "--transfer-steps", "4",
-            "--transfer-text", str(text_file), "--transfer-length", "32", "-q"]  # fmt: skip
+    args = [
+        "convert",
+        str(tmp_path / "source"),
+        str(out),
+        "--local-window",
+        "8",
+        "--transfer-steps",
+        "4",
+        "--transfer-text",
+        str(text_file),
+        "--transfer-length",
+        "32",
+        "-q",
+    ]
     assert main(args) == 0
     report = json.loads((out / "conversion_report.json").read_text())["attention_transfer"]
     assert report["text"] == "text.txt" and report["steps"] == 4 and report["tokens"] == 4 * 32
@@ -156,22 +168,34 @@ def test_bad_transfer_requests_are_refused_before_anything_is_written(tmp_path):
     _save_source("LlamaForCausalLM", tmp_path / "source")
     text_file = _transfer_text(tmp_path / "text.txt", words=20)
     _save_tokenizer(tmp_path / "source", text_file.read_text())
+    with pytest.raises(ConversionError, match="is not a file"):
+        TransferSettings(2, tmp_path / "missing.txt")
+    with pytest.raises(ConversionError, match="positive whole number"):
+        TransferSettings(-1)
+    with pytest.raises(ConversionError, match="at least 2"):
+        TransferSettings(2, length=1)
     cases = [
-        ({"transfer_steps": 2, "transfer_text": tmp_path / "missing.txt"}, "is not a file"),
-        ({"transfer_text": text_file}, "without transfer steps"),
-        ({"transfer_steps": -1}, "whole number of steps"),
-        ({"transfer_steps": 2, "transfer_text": text_file, "transfer_length": 32}, "fewer than one window of 32"),
-        ({"transfer_steps": 2, "transfer_text": text_file, "transfer_length": 16}, "train on longer inputs"),
+        (TransferSettings(2, text_file, 32), "fewer than one window of 32"),
+        (TransferSettings(2, text_file, 16), "train on longer inputs"),
     ]
-    for options, message in cases:
+    for transfer, message in cases:
         with pytest.raises(ConversionError, match=message):
-            performer_hf.convert(tmp_path / "source", tmp_path / "out", **options)
+            performer_hf.convert(tmp_path / "source", tmp_path / "out", transfer=transfer)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["source", "text.txt"]
+    # the keywords of earlier releases still work, with a FutureWarning that names the new ones
+    with pytest.warns(FutureWarning, match="transfer=TransferSettings"), pytest.raises(ConversionError, match="32"):
+        performer_hf.convert(
+            tmp_path / "source", tmp_path / "out", transfer_steps=2, transfer_text=text_file, transfer_length=32
+        )
+    with pytest.warns(FutureWarning), pytest.raises(ConversionError, match="without transfer steps"):
+        performer_hf.convert(tmp_path / "source", tmp_path / "out", transfer_text=text_file)
+    assert main(["convert", str(tmp_path / "source"), str(tmp_path / "out"), "--transfer-text", str(text_file)]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source", "text.txt"]
     bert = tmp_path / "bert"
     bert_config = transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
     )
     transformers.BertModel(bert_config).save_pretrained(bert)
     with pytest.raises(ConversionError, match="for the models converted in place"):
-        performer_hf.convert(bert, tmp_path / "out", transfer_steps=2)
+        performer_hf.convert(bert, tmp_path / "out", transfer=TransferSettings(2))
     assert not (tmp_path / "out").exists()

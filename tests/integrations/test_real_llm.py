@@ -46,8 +46,14 @@ def test_greedy_text_and_cached_decoding(smollm2):
     text = "\n\n".join(python_docs())
     prompt = tokenizer(text, return_tensors="pt").input_ids[:, 1000:1200]
     cache = PerformerCache(model.config)
-    generated = model.generate(prompt, max_new_tokens=6, do_sample=False, output_logits=True,
-                               return_dict_in_generate=True, **{CACHE_KEYWORD: cache})  # fmt: skip
+    generated = model.generate(
+        prompt,
+        max_new_tokens=6,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **{CACHE_KEYWORD: cache},
+    )
     full = model(generated.sequences).logits
     for step, logits in enumerate(generated.logits):
         torch.testing.assert_close(logits[0], full[0, 199 + step], atol=1e-4, rtol=1e-4)

@@ -128,16 +128,27 @@ def test_kernel_takes_the_far_field_gain(config, monkeypatch):
     assert len(calls) == 1
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
     probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=out.dtype)
-    for fast, slow in zip(torch.autograd.grad((out * probe).sum(), (q, k, v, gain)),
-                          torch.autograd.grad((ref * probe).sum(), (q, k, v, gain)), strict=True):  # fmt: skip
+    for fast, slow in zip(
+        torch.autograd.grad((out * probe).sum(), (q, k, v, gain)),
+        torch.autograd.grad((ref * probe).sum(), (q, k, v, gain)),
+        strict=True,
+    ):
         torch.testing.assert_close(fast, slow, rtol=1e-8, atol=1e-10)
 
 
 @pytest.mark.parametrize("value_dim", [16, 40])
 def test_kernel_gradients_match_pytorch_in_float32(value_dim, monkeypatch):
     q, k, v, mask = _long_inputs(length=300, value_dim=value_dim)
-    kwargs = dict(key_padding_mask=mask, far_field="poly2", center=True, local_window=17, num_global_tokens=1,
-                  routed_blocks=6, route_block_size=8, query_block_size=16)  # fmt: skip
+    kwargs = dict(
+        key_padding_mask=mask,
+        far_field="poly2",
+        center=True,
+        local_window=17,
+        num_global_tokens=1,
+        routed_blocks=6,
+        route_block_size=8,
+        query_block_size=16,
+    )
     keep = mask[:, None, :, None]
     probe = torch.randn(q.shape[:3] + v.shape[-1:], generator=torch.Generator().manual_seed(9))
     grads = []
@@ -172,8 +183,14 @@ def test_routed_candidates_match_grouped_routing_in_pytorch():
     chosen, real = route(xq, q_mask, blocks, 0, 8, 8, 8, 6)
     queries = query_blocks(xq, q_mask, 0, 8, 8)
     groups = kernels.top_blocks(group_bounds(queries, blocks, 8, 6).contiguous(), 6)
-    tensors = [queries.means.contiguous(), blocks.means, blocks.has_keys, groups, queries.window_lo.flatten(),
-               queries.window_hi.flatten()]  # fmt: skip
+    tensors = [
+        queries.means.contiguous(),
+        blocks.means,
+        blocks.has_keys,
+        groups,
+        queries.window_lo.flatten(),
+        queries.window_hi.flatten(),
+    ]
     compiled = kernels.routed_candidates(tensors, [8, 4, 6])
     rows = q_mask.any(-1)[:, None, :].expand(2, 3, 38)  # query blocks past the padding tie everywhere: skipped
     expected = chosen.masked_fill(~real, -1).sort(dim=-1).values[rows]

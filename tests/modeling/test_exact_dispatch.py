@@ -17,8 +17,15 @@ APPROXIMATIONS = {"favor": METHODS["favor"], "hybrid": BIDIRECTIONAL_HYBRID}
 
 def _exact_twin(model, model_class):
     """The same weights with attention_kernel="exact" (the projection and centres are unused there)."""
-    fields = {**model.config.to_dict(), "attention_kernel": "exact", "center_features": False, "local_window": 0,
-              "num_global_tokens": 0, "routed_blocks": 0, "exact_max_length": 0}  # fmt: skip
+    fields = {
+        **model.config.to_dict(),
+        "attention_kernel": "exact",
+        "center_features": False,
+        "local_window": 0,
+        "num_global_tokens": 0,
+        "routed_blocks": 0,
+        "exact_max_length": 0,
+    }
     twin = model_class(PerformerConfig(**fields)).eval()
     missing, unexpected = twin.load_state_dict(model.state_dict(), strict=False)
     assert not missing and all("center" in name for name in unexpected), (missing, unexpected)
@@ -66,8 +73,9 @@ def test_longer_inputs_run_the_method_itself(method):
 
 
 def test_causal_hybrid_within_its_window_is_exact_attention_and_needs_no_threshold():
-    model = random_centres(tiny_model(local_window=8, **{k: v for k, v in METHODS["hybrid"].items()
-                                                          if k != "local_window"}))  # fmt: skip
+    model = random_centres(
+        tiny_model(local_window=8, **{k: v for k, v in METHODS["hybrid"].items() if k != "local_window"})
+    )
     twin = _exact_twin(model, type(model))
     ids = random_ids(length=8)
     torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=1e-5, atol=1e-5)

@@ -281,9 +281,16 @@ def test_state_carries_across_uneven_pieces_with_padding():
     state, pieces = None, []
     for a, b in ((0, 7), (7, 8), (8, 31), (31, 50)):
         out, state = favor_attention(
-            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], W, causal=True, key_padding_mask=mask[:, a:b],
-            initial_state=state, return_state=True, chunk_size=8,
-        )  # fmt: skip
+            q[:, :, a:b],
+            k[:, :, a:b],
+            v[:, :, a:b],
+            W,
+            causal=True,
+            key_padding_mask=mask[:, a:b],
+            initial_state=state,
+            return_state=True,
+            chunk_size=8,
+        )
         pieces.append(out)
     torch.testing.assert_close(torch.cat(pieces, dim=2), full, rtol=1e-9, atol=1e-9)
 

@@ -71,8 +71,9 @@ def test_padding_equals_the_unpadded_sequence(far_field):
         if causal:
             config = dict(local_window=5, num_global_tokens=1)
         plain = hybrid_attention(q, k, v, W, far_field=far_field, causal=causal, center=not causal, **config)
-        padded = hybrid_attention(*pad, W, far_field=far_field, causal=causal, center=not causal,
-                                  key_padding_mask=mask, **config)  # fmt: skip
+        padded = hybrid_attention(
+            *pad, W, far_field=far_field, causal=causal, center=not causal, key_padding_mask=mask, **config
+        )
         torch.testing.assert_close(padded[:, :, :30], plain, rtol=1e-10, atol=1e-12)
 
 
@@ -163,8 +164,9 @@ def test_routing_groups_choose_as_every_block_while_there_are_few_groups():
     # Groups of 1: the bound is the block's own score, the same ranking.
     q, k, v = random_qkv()
     mask = right_padding(2, 45)
-    config = dict(far_field="poly2", local_window=5, num_global_tokens=1, routed_blocks=3, route_block_size=4,
-                  query_block_size=8)  # fmt: skip
+    config = dict(
+        far_field="poly2", local_window=5, num_global_tokens=1, routed_blocks=3, route_block_size=4, query_block_size=8
+    )
     plain = hybrid_attention(q, k, v, key_padding_mask=mask, **config)
     keep = mask[:, None, :, None]
     for group_size in (4, 1):
@@ -219,14 +221,22 @@ def test_results_do_not_depend_on_the_slab_size(far_field, causal, monkeypatch):
 
 def test_a_spec_and_its_fields_as_keywords_give_the_same_attention():
     q, k, v = (torch.randn(2, 3, 30, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
-    fields = dict(far_field="poly2", local_window=5, num_global_tokens=1, routed_blocks=2, route_block_size=4,
-                  query_block_size=4, center=True)  # fmt: skip
+    fields = dict(
+        far_field="poly2",
+        local_window=5,
+        num_global_tokens=1,
+        routed_blocks=2,
+        route_block_size=4,
+        query_block_size=4,
+        center=True,
+    )
     spec = HybridSpec(**fields)
     expected = hybrid_attention(q, k, v, **fields)
     assert torch.equal(hybrid_attention(q, k, v, None, spec), expected)
     # keywords override the spec's fields
-    assert torch.equal(hybrid_attention(q, k, v, None, HybridSpec(**{**fields, "local_window": 3}), local_window=5),
-                       expected)  # fmt: skip
+    assert torch.equal(
+        hybrid_attention(q, k, v, None, HybridSpec(**{**fields, "local_window": 3}), local_window=5), expected
+    )
     with pytest.raises(ValueError, match="local_window must be an integer >= 0"):
         HybridSpec(local_window=-1)
     with pytest.raises(ValueError, match="routed_blocks is bidirectional only"):
@@ -245,20 +255,34 @@ def test_the_lagged_causal_far_field_equals_decoding_from_its_state(far_field):
     mask[1, :5] = False  # left padding
     parameter = -0.3 if far_field == "softmax_opt" else None
     for local_window, num_global_tokens in ((0, 0), (1, 0), (4, 1), (7, 2), (40, 1)):
-        spec = HybridSpec(far_field=far_field, local_window=local_window, num_global_tokens=num_global_tokens,
-                          chunk_size=4)  # fmt: skip
+        spec = HybridSpec(
+            far_field=far_field, local_window=local_window, num_global_tokens=num_global_tokens, chunk_size=4
+        )
         q, k, v = (torch.randn(2, 3, 29, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
         kwargs = {"causal": True, "far_field_parameter": parameter}
         whole = hybrid_attention(q, k, v, projection, spec, key_padding_mask=mask, **kwargs)
-        head, state = hybrid_attention(*(t[:, :, :11] for t in (q, k, v)), projection, spec,
-                                       key_padding_mask=mask[:, :11], return_state=True, **kwargs)  # fmt: skip
-        tail = hybrid_attention(*(t[:, :, 11:] for t in (q, k, v)), projection, spec, key_padding_mask=mask[:, 11:],
-                                initial_state=state, **kwargs)  # fmt: skip
+        head, state = hybrid_attention(
+            *(t[:, :, :11] for t in (q, k, v)),
+            projection,
+            spec,
+            key_padding_mask=mask[:, :11],
+            return_state=True,
+            **kwargs,
+        )
+        tail = hybrid_attention(
+            *(t[:, :, 11:] for t in (q, k, v)),
+            projection,
+            spec,
+            key_padding_mask=mask[:, 11:],
+            initial_state=state,
+            **kwargs,
+        )
         keep = mask[:, None, :, None]
         lagged, stepwise = whole * keep, torch.cat([head, tail], dim=2) * keep
         torch.testing.assert_close(lagged, stepwise, rtol=1e-11, atol=1e-12)
-        for a, b in zip(torch.autograd.grad(lagged.sum(), (q, k, v)), torch.autograd.grad(stepwise.sum(), (q, k, v)),
-                        strict=True):  # fmt: skip
+        for a, b in zip(
+            torch.autograd.grad(lagged.sum(), (q, k, v)), torch.autograd.grad(stepwise.sum(), (q, k, v)), strict=True
+        ):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-11)
 
 
@@ -313,3 +337,43 @@ def test_far_field_gain_must_be_positive(gain):
     q, k, v = random_qkv(length=12)
     with pytest.raises(ValueError, match="far_field_gain must be positive"):
         hybrid_attention(q, k, v, far_field="poly2", local_window=3, far_field_gain=gain)
+
+
+def test_a_far_field_is_its_features_and_one_registry_entry(monkeypatch):
+    # A kernel registered with a feature function alone (no exponential form, no polynomial shortcut) runs through
+    # the generic paths: bidirectional and causal attention against the dense reference (which takes any
+    # registered kernel through its features), cached decoding against one pass, and a model built from a config.
+    import math
+
+    from performer_hf import PerformerConfig, PerformerForCausalLM
+    from performer_hf.favor import FarField
+
+    def relu_features(u, projection, _parameter):
+        return torch.relu(u @ projection.T) / math.sqrt(projection.shape[0]) + 1e-3, None
+
+    monkeypatch.setitem(FAR_FIELDS, "relu_far", FarField("relu_far", "ReLU random features", relu_features))
+    q, k, v = random_qkv(length=30)
+    W = _projection()
+    mask = right_padding(2, 30, real=(30, 21))
+    keep = mask[:, None, :, None]
+    for causal, config in ((False, CONFIGS[3]), (True, CONFIGS[1])):
+        kwargs = dict(far_field="relu_far", causal=causal, **config)
+        out = hybrid_attention(q, k, v, W, key_padding_mask=mask, chunk_size=8, **kwargs)
+        torch.testing.assert_close(out * keep, reference(q, k, v, W, mask=mask, **kwargs) * keep, rtol=1e-9, atol=1e-10)
+    kwargs = dict(far_field="relu_far", causal=True, local_window=4, num_global_tokens=1, chunk_size=4)
+    head, state = hybrid_attention(*(t[:, :, :17] for t in (q, k, v)), W, return_state=True, **kwargs)
+    tail = hybrid_attention(*(t[:, :, 17:] for t in (q, k, v)), W, initial_state=state, **kwargs)
+    torch.testing.assert_close(torch.cat([head, tail], dim=2), hybrid_attention(q, k, v, W, **kwargs))
+    config = PerformerConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        is_decoder=True,
+        attention_method="hybrid",
+        attention_kernel="relu_far",
+        local_window=3,
+    )
+    logits = PerformerForCausalLM(config).eval()(torch.arange(20)[None] % 50).logits
+    assert logits.shape == (1, 20, 50) and torch.isfinite(logits).all()

@@ -11,16 +11,19 @@ from performer_hf.modeling.favor_optimal import optimal_log_features, optimal_pa
 
 def _unit_pair(d, norm, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x, y = (torch.nn.functional.normalize(torch.randn(1, 1, 1, d, generator=g, dtype=torch.float64), dim=-1) * norm
-            for _ in "xy")  # fmt: skip
+    x, y = (
+        torch.nn.functional.normalize(torch.randn(1, 1, 1, d, generator=g, dtype=torch.float64), dim=-1) * norm
+        for _ in "xy"
+    )
     return x, y
 
 
 def _estimates(x, y, a, draws=1500, m=16):
     out = []
     for seed in range(draws):
-        W = draw_projection(m, x.shape[-1], coupling="iid", generator=torch.Generator().manual_seed(seed),
-                            dtype=torch.float64)  # fmt: skip
+        W = draw_projection(
+            m, x.shape[-1], coupling="iid", generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+        )
         out.append((optimal_log_features(x, W, a).exp() @ optimal_log_features(y, W, a).exp().transpose(-2, -1)).item())
     return torch.tensor(out)
 

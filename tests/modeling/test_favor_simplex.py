@@ -10,8 +10,9 @@ from performer_hf.favor import draw_projection, feature_map
 
 
 def _draw(m, d, seed=0, **kwargs):
-    return draw_projection(m, d, coupling="simplex", generator=torch.Generator().manual_seed(seed),
-                           dtype=torch.float64, **kwargs)  # fmt: skip
+    return draw_projection(
+        m, d, coupling="simplex", generator=torch.Generator().manual_seed(seed), dtype=torch.float64, **kwargs
+    )
 
 
 @pytest.mark.parametrize("m,d", [(16, 16), (64, 16), (50, 16), (7, 16), (256, 32), (12, 5)])
@@ -61,8 +62,9 @@ def test_unbiased_with_lower_mse_than_orthogonal_and_iid():
     for coupling in ("iid", "orthogonal", "simplex"):
         estimates = []
         for seed in range(draws):
-            W = draw_projection(d, d, coupling=coupling, generator=torch.Generator().manual_seed(seed),
-                                dtype=torch.float64)  # fmt: skip
+            W = draw_projection(
+                d, d, coupling=coupling, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+            )
             estimates.append((feature_map(x, W) @ feature_map(y, W).T).item())
         estimates = torch.tensor(estimates)
         standard_error = estimates.std().item() / math.sqrt(draws)
@@ -75,11 +77,15 @@ def test_coupling_keyword_and_backward_compatibility():
     gen = lambda: torch.Generator().manual_seed(4)  # noqa: E731
     default = draw_projection(40, 8, generator=gen())
     torch.testing.assert_close(draw_projection(40, 8, coupling="orthogonal", generator=gen()), default)
-    torch.testing.assert_close(draw_projection(40, 8, orthogonal=False, generator=gen()),
-                               draw_projection(40, 8, coupling="iid", generator=gen()))  # fmt: skip
+    torch.testing.assert_close(
+        draw_projection(40, 8, orthogonal=False, generator=gen()),
+        draw_projection(40, 8, coupling="iid", generator=gen()),
+    )
     # coupling wins over the legacy flag
-    torch.testing.assert_close(draw_projection(40, 8, orthogonal=False, coupling="simplex", generator=gen()),
-                               draw_projection(40, 8, coupling="simplex", generator=gen()))  # fmt: skip
+    torch.testing.assert_close(
+        draw_projection(40, 8, orthogonal=False, coupling="simplex", generator=gen()),
+        draw_projection(40, 8, coupling="simplex", generator=gen()),
+    )
     torch.testing.assert_close(_draw(40, 8, seed=9), _draw(40, 8, seed=9))
     with pytest.raises(ValueError, match="coupling must be one of"):
         draw_projection(8, 8, coupling="hexagonal")

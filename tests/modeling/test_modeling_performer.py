@@ -214,8 +214,14 @@ def test_save_pretrained_lists_every_head_for_remote_code(tmp_path):
     for head, auto in HEAD_AUTO.items():
         assert auto_map[auto.__name__] == f"modeling_performer.{head.__name__}"
     copied = {p.name for p in tmp_path.glob("*.py")}
-    assert {"modeling_performer.py", "configuration_performer.py", "cache_performer.py", "favor_attention.py",
-            "favor_features.py", "favor_projection.py"} <= copied  # fmt: skip
+    assert {
+        "modeling_performer.py",
+        "configuration_performer.py",
+        "cache_performer.py",
+        "favor_attention.py",
+        "favor_features.py",
+        "favor_projection.py",
+    } <= copied
 
 
 # ---------------------------------------------------------------- gradient checkpointing
@@ -331,9 +337,15 @@ def test_config_validation_names_the_problem(overrides, message):
 
 def test_config_json_round_trip(tmp_path):
     config = tiny_config(
-        attention_kernel="relu", layer_norm_position="pre", position_offset=2, feature_redraw_interval=100,
-        feature_coupling="iid", feature_row_norms="sqrt_d", is_decoder=True, type_vocab_size=0,
-    )  # fmt: skip
+        attention_kernel="relu",
+        layer_norm_position="pre",
+        position_offset=2,
+        feature_redraw_interval=100,
+        feature_coupling="iid",
+        feature_row_norms="sqrt_d",
+        is_decoder=True,
+        type_vocab_size=0,
+    )
     config.save_pretrained(tmp_path)
     reloaded = PerformerConfig.from_pretrained(tmp_path)
     assert reloaded.to_dict() == config.to_dict()

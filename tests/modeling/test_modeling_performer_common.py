@@ -31,10 +31,14 @@ METHODS = {
     "favor": {"attention_kernel": "softmax", "nb_features": 16, "causal_chunk_size": 4},
     # one setting that serves every head, the causal one included (routing would read future tokens)
     "hybrid": {
-        "attention_kernel": "poly2", "center_features": True, "local_window": 3, "num_global_tokens": 1,
-        "routed_blocks": 0, "causal_chunk_size": 4,
+        "attention_kernel": "poly2",
+        "center_features": True,
+        "local_window": 3,
+        "num_global_tokens": 1,
+        "routed_blocks": 0,
+        "causal_chunk_size": 4,
     },
-}  # fmt: skip
+}
 
 
 class PerformerModelTester:

@@ -18,9 +18,15 @@ KERNELS = ["softmax", "relu", "exact"]
 
 def greedy(model, ids, use_cache, **kwargs):
     return model.generate(
-        ids, max_new_tokens=8, do_sample=False, use_cache=use_cache, output_scores=True,
-        return_dict_in_generate=True, pad_token_id=0, **kwargs,
-    )  # fmt: skip
+        ids,
+        max_new_tokens=8,
+        do_sample=False,
+        use_cache=use_cache,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        **kwargs,
+    )
 
 
 def count_new_tokens_per_call(model) -> list[int]:
@@ -197,9 +203,16 @@ def test_cached_decoding_equals_a_full_forward_at_every_generated_position(metho
     ids, mask = prompts(padded)
     torch.manual_seed(0)
     out = model.generate(
-        ids, attention_mask=mask, max_new_tokens=8, use_cache=True, pad_token_id=0, output_logits=True,
-        output_scores=True, return_dict_in_generate=True, **MODES[mode],
-    )  # fmt: skip
+        ids,
+        attention_mask=mask,
+        max_new_tokens=8,
+        use_cache=True,
+        pad_token_id=0,
+        output_logits=True,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **MODES[mode],
+    )
     sequences = out.sequences  # (rows, 9 + 8): rows = 3, or 3 x beams (the best beam of each prompt)
     full_mask = torch.cat([mask, torch.ones(3, 8, dtype=torch.long)], 1)
     positions = (full_mask.cumsum(-1) - 1).clamp_min(0)  # generate numbers the real tokens from 0

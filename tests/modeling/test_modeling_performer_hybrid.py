@@ -29,8 +29,15 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 HEAD_DIM = HIDDEN // HEADS
 # bidirectional: window 5, the first token global, 2 routed blocks of 4 keys per block of 4 queries
-BIDIRECTIONAL = dict(attention_kernel="poly2", center_features=True, local_window=5, num_global_tokens=1,
-                     routed_blocks=2, route_block_size=4, query_block_size=4)  # fmt: skip
+BIDIRECTIONAL = dict(
+    attention_kernel="poly2",
+    center_features=True,
+    local_window=5,
+    num_global_tokens=1,
+    routed_blocks=2,
+    route_block_size=4,
+    query_block_size=4,
+)
 CAUSAL = dict(attention_kernel="poly2", center_features=True, local_window=4, num_global_tokens=1)
 PER_LAYER_A = [[-0.05 * (h + 1) for h in range(HEADS)] for _ in range(LAYERS)]
 
@@ -45,15 +52,31 @@ def hybrid_model(model_class, seed=0, **overrides):
 
 def test_hybrid_fields_round_trip_through_json(tmp_path):
     config = tiny_config(
-        attention_kernel="softmax_opt", feature_coupling="simplex", local_window=7, num_global_tokens=2,
-        routed_blocks=3, route_block_size=5, route_group_size=2, query_block_size=6, center_features=True,
+        attention_kernel="softmax_opt",
+        feature_coupling="simplex",
+        local_window=7,
+        num_global_tokens=2,
+        routed_blocks=3,
+        route_block_size=5,
+        route_group_size=2,
+        query_block_size=6,
+        center_features=True,
         far_field_parameter=PER_LAYER_A,
-    )  # fmt: skip
+    )
     config.save_pretrained(tmp_path)
     reloaded = PerformerConfig.from_pretrained(tmp_path)
-    for name in ("attention_kernel", "feature_coupling", "local_window", "num_global_tokens", "routed_blocks",
-                 "route_block_size", "route_group_size", "query_block_size", "center_features",
-                 "far_field_parameter"):  # fmt: skip
+    for name in (
+        "attention_kernel",
+        "feature_coupling",
+        "local_window",
+        "num_global_tokens",
+        "routed_blocks",
+        "route_block_size",
+        "route_group_size",
+        "query_block_size",
+        "center_features",
+        "far_field_parameter",
+    ):
         assert getattr(reloaded, name) == getattr(config, name), name
     assert json.loads((tmp_path / "config.json").read_text())["far_field_parameter"] == PER_LAYER_A
     assert reloaded.uses_hybrid_attention and reloaded.layer_types == ["hybrid_attention"] * LAYERS
@@ -71,8 +94,21 @@ def test_hybrid_fields_round_trip_through_json(tmp_path):
     ],
 )
 def test_which_attention_a_config_selects(overrides, hybrid, layer_type):
+    # configs that do not name their method (those saved before attention_method existed) get the one their
+    # fields always selected, and record it
     config = tiny_config(**overrides)
     assert config.uses_hybrid_attention == hybrid and config.layer_types == [layer_type] * LAYERS
+    method = {"favor_attention": "favor", "hybrid_attention": "hybrid", "full_attention": "exact"}[layer_type]
+    assert config.attention_method == method and config.to_dict()["attention_method"] == method
+
+
+def test_a_config_saved_without_its_method_loads_with_the_method_its_fields_select(tmp_path):
+    config = tiny_config(**BIDIRECTIONAL)
+    saved = {key: value for key, value in config.to_dict().items() if key != "attention_method"}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert PerformerConfig.from_pretrained(tmp_path).attention_method == "hybrid"
+    # attention_kernel="exact" is exact attention, whatever method a copied config names
+    assert PerformerConfig.from_dict({**config.to_dict(), "attention_kernel": "exact"}).attention_method == "exact"
 
 
 @pytest.mark.parametrize(
@@ -81,7 +117,7 @@ def test_which_attention_a_config_selects(overrides, hybrid, layer_type):
         ({"local_window": -1}, "local_window must be >= 0"),
         ({"route_block_size": 0}, "route_block_size must be a positive integer"),
         ({"route_group_size": -1}, "route_group_size must be >= 0"),
-        ({"attention_kernel": "relu", "local_window": 5}, "cannot be the far field of hybrid attention"),
+        ({"attention_kernel": "relu", "local_window": 5}, "'relu' is not a kernel of attention_method='hybrid'"),
         ({"attention_kernel": "bogus"}, "attention_kernel='bogus' is not supported"),
         ({"feature_coupling": "bogus"}, "feature_coupling='bogus' is not supported"),
         ({"is_decoder": True, "routed_blocks": 2}, "Set routed_blocks=0 for causal models"),
@@ -91,7 +127,13 @@ def test_which_attention_a_config_selects(overrides, hybrid, layer_type):
         ({"attention_kernel": "softmax_opt", "far_field_parameter": 0.2}, "must be below 1/8"),
         ({"attention_kernel": "poly2", "far_field_gain": 0.0}, "far_field_gain must be positive"),
         ({"attention_kernel": "poly2", "far_field_gain": [[1.0] * HEADS]}, "num_hidden_layers=2 lists"),
-        ({"attention_kernel": "relu", "far_field_gain": 0.5}, "cannot be the far field of hybrid attention"),
+        ({"attention_kernel": "relu", "far_field_gain": 0.5}, "'relu' is not a kernel of attention_method='hybrid'"),
+        # an explicit method is validated against the fields it reads: another method's fields are refused
+        ({"attention_method": "favor", "local_window": 3}, "local_window is not read by attention_method='favor'"),
+        ({"attention_method": "favor", "far_field_gain": 0.5}, "set attention_method='hybrid'"),
+        ({"attention_method": "favor", "attention_kernel": "poly2"}, "or set attention_method='hybrid'"),
+        ({"attention_method": "hybrid", "attention_kernel": "elu"}, "or set attention_method='favor'"),
+        ({"attention_method": "bogus"}, "attention_method='bogus' is not supported"),
     ],
 )
 def test_invalid_hybrid_settings_name_the_problem(overrides, message):
@@ -141,7 +183,7 @@ def _merge_heads(module, context):
         "softmax_opt-per-layer-A",
         "routing-groups",
         "per-layer-gain",
-    ],  # fmt: skip
+    ],
 )
 @torch.no_grad()
 def test_bidirectional_attention_module_equals_the_dense_reference(overrides):
@@ -150,12 +192,22 @@ def test_bidirectional_attention_module_equals_the_dense_reference(overrides):
     config = module_config = tiny_config(**overrides)
     parameter, gain = module_config.layer_far_field_parameter(1), module_config.layer_far_field_gain(1)
     expected = reference(
-        q, k, v, module.projection, far_field=config.attention_kernel, mask=mask, local_window=config.local_window,
-        num_global_tokens=config.num_global_tokens, routed_blocks=config.routed_blocks,
-        route_block_size=config.route_block_size, route_group_size=config.route_group_size,
-        query_block_size=config.query_block_size, center=config.center_features,
-        far_field_parameter=None if parameter is None else torch.tensor(parameter), far_field_gain=gain,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        module.projection,
+        far_field=config.attention_kernel,
+        mask=mask,
+        local_window=config.local_window,
+        num_global_tokens=config.num_global_tokens,
+        routed_blocks=config.routed_blocks,
+        route_block_size=config.route_block_size,
+        route_group_size=config.route_group_size,
+        query_block_size=config.query_block_size,
+        center=config.center_features,
+        far_field_parameter=None if parameter is None else torch.tensor(parameter),
+        far_field_gain=gain,
+    )
     got, _ = module(hidden, mask, causal=False)
     real = mask.bool()
     torch.testing.assert_close(got[real], _merge_heads(module, expected)[real], rtol=1e-9, atol=1e-9)
@@ -247,9 +299,15 @@ def test_hybrid_models_train(model_class, overrides):
 
 def _greedy(model, ids, use_cache, **kwargs):
     return model.generate(
-        ids, max_new_tokens=8, do_sample=False, use_cache=use_cache, output_scores=True,
-        return_dict_in_generate=True, pad_token_id=0, **kwargs,
-    )  # fmt: skip
+        ids,
+        max_new_tokens=8,
+        do_sample=False,
+        use_cache=use_cache,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize(
@@ -380,16 +438,38 @@ def test_default_conversion_is_the_hybrid_and_calibrates_causal_centres(tiny_sou
 
 def test_convert_command_with_hybrid_flags(tiny_sources, tmp_path, capsys):
     out = tmp_path / "out"
-    code = main(["convert", str(tiny_sources / "bert-mlm"), str(out), "--local-window", "5", "--num-global-tokens",
-                 "2", "--routed-blocks", "3", "--route-block-size", "4", "--query-block-size", "4", "--far-field",
-                 "softmax_opt", "--feature-coupling", "simplex", "--no-center-features", "--calibrate",
-                 "-q"])  # fmt: skip
+    code = main(
+        [
+            "convert",
+            str(tiny_sources / "bert-mlm"),
+            str(out),
+            "--local-window",
+            "5",
+            "--num-global-tokens",
+            "2",
+            "--routed-blocks",
+            "3",
+            "--route-block-size",
+            "4",
+            "--query-block-size",
+            "4",
+            "--far-field",
+            "softmax_opt",
+            "--feature-coupling",
+            "simplex",
+            "--no-center-features",
+            "--calibrate",
+            "-q",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     config = json.loads((out / "config.json").read_text())
     assert (config["local_window"], config["num_global_tokens"], config["routed_blocks"]) == (5, 2, 3)
     assert (config["attention_kernel"], config["feature_coupling"], config["center_features"]) == (
-        "softmax_opt", "simplex", False,
-    )  # fmt: skip
+        "softmax_opt",
+        "simplex",
+        False,
+    )
     parameter = torch.tensor(config["far_field_parameter"])  # calibrated: one A per layer and head
     assert parameter.shape == (LAYERS, HEADS) and (parameter <= 0).all()
     errors = torch.tensor(json.loads((out / "conversion_report.json").read_text())["calibration"]["far_field_error"])
@@ -413,9 +493,29 @@ def test_method_favor_converts_to_plain_favor_and_hybrid_rejects_favor_only_kern
     )
     assert not PerformerConfig.from_pretrained(relu).uses_hybrid_attention
     capsys.readouterr()
-    code = main(["convert", str(tiny_sources / "bert-mlm"), str(tmp_path / "bad"), "--method", "hybrid",
-                 "--attention-kernel", "relu", "--no-fidelity"])  # fmt: skip
+    code = main(
+        [
+            "convert",
+            str(tiny_sources / "bert-mlm"),
+            str(tmp_path / "bad"),
+            "--method",
+            "hybrid",
+            "--attention-kernel",
+            "relu",
+            "--no-fidelity",
+        ]
+    )
     assert code == 1 and "convert with --method favor" in capsys.readouterr().err
-    code = main(["convert", str(tiny_sources / "gpt2-lm"), str(tmp_path / "bad"), "--routed-blocks", "2",
-                 "--no-fidelity"])  # fmt: skip
+    code = main(
+        ["convert", str(tiny_sources / "gpt2-lm"), str(tmp_path / "bad"), "--routed-blocks", "2", "--no-fidelity"]
+    )
     assert code == 1 and "Set routed_blocks=0 for causal models" in capsys.readouterr().err
+
+
+def test_a_field_set_after_the_config_was_built_fails_when_the_model_is_built():
+    config = tiny_config()  # FAVOR+
+    config.local_window = 5  # would be ignored by FAVOR+: refused with the fix instead
+    with pytest.raises(ValueError, match="set attention_method='hybrid'"):
+        PerformerModel(config)
+    config.attention_method = "hybrid"
+    assert PerformerModel(config).encoder.layer[0].attention.hybrid_spec.local_window == 5

@@ -59,11 +59,16 @@ def test_exact_post_ln_model_equals_bert_with_padding_and_token_types():
     torch.manual_seed(0)
     bert = BertModel(
         BertConfig(
-            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-            intermediate_size=37, max_position_embeddings=64, hidden_dropout_prob=0.0,
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            intermediate_size=37,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0,
         )
-    ).eval()  # fmt: skip
+    ).eval()
     performer = PerformerModel(tiny_config(attention_kernel="exact")).eval()
     _bert_into_performer(bert, performer)
     ids, mask = random_ids(2, 12), torch.ones(2, 12, dtype=torch.long)
@@ -82,16 +87,27 @@ def test_exact_pre_ln_causal_lm_equals_gpt2_forward_and_generation():
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(
         GPT2Config(
-            vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=37, n_positions=64,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0,
+            vocab_size=VOCAB,
+            n_embd=HIDDEN,
+            n_layer=LAYERS,
+            n_head=HEADS,
+            n_inner=37,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            pad_token_id=0,
         )
-    ).eval()  # fmt: skip
+    ).eval()
     performer = PerformerForCausalLM(
         tiny_config(
-            attention_kernel="exact", layer_norm_position="pre", hidden_act="gelu_new", layer_norm_eps=1e-5,
+            attention_kernel="exact",
+            layer_norm_position="pre",
+            hidden_act="gelu_new",
+            layer_norm_eps=1e-5,
             type_vocab_size=0,
         )
-    ).eval()  # fmt: skip
+    ).eval()
     _gpt2_into_performer(gpt2, performer)
     ids, mask = random_ids(2, 12), torch.ones(2, 12, dtype=torch.long)
     mask[1, 8:] = 0
@@ -116,8 +132,14 @@ def test_trust_remote_code_loads_in_a_process_without_performer_hf(tmp_path):
     mlm.save_pretrained(tmp_path / "mlm")
     for folder in ("causal", "mlm"):
         copied = {p.name for p in (tmp_path / folder).glob("*.py")}
-        assert {"modeling_performer.py", "configuration_performer.py", "cache_performer.py", "favor_attention.py",
-                "favor_features.py", "favor_projection.py"} <= copied  # fmt: skip
+        assert {
+            "modeling_performer.py",
+            "configuration_performer.py",
+            "cache_performer.py",
+            "favor_attention.py",
+            "favor_features.py",
+            "favor_projection.py",
+        } <= copied
     ids = random_ids(2, 9)
 
     report = load_without_performer_hf(tmp_path, ids)
@@ -155,10 +177,20 @@ def test_hf_trainer_reduces_the_loss(tmp_path):
     torch.manual_seed(0)
     model = PerformerForCausalLM(tiny_config(layer_norm_position="pre", type_vocab_size=0))
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=30, per_device_train_batch_size=8, gradient_accumulation_steps=2,
-        learning_rate=1e-2, warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-        disable_tqdm=True, dataloader_num_workers=0, activation_checkpointing=True,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        max_steps=30,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        warmup_steps=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        activation_checkpointing=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=_CopyTask(), eval_dataset=_CopyTask(size=16))
     before = trainer.evaluate()["eval_loss"]
     trainer.train()

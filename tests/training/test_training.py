@@ -78,14 +78,19 @@ def assets(tmp_path_factory) -> dict:
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=1000, special_tokens=SPECIAL_TOKENS))
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B [SEP]",
         special_tokens=[(token, tokenizer.token_to_id(token)) for token in ("[CLS]", "[SEP]")],
-    )  # fmt: skip
+    )
     tokenizer_dir = root / "tokenizer"
     PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+        tokenizer_object=tokenizer,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
         mask_token="[MASK]",
-    ).save_pretrained(tokenizer_dir)  # fmt: skip
+    ).save_pretrained(tokenizer_dir)
 
     # Classification: which documentation page does a paragraph come from? (string labels)
     rows = []
@@ -113,11 +118,29 @@ def isolated_run(tmp_path_factory, monkeypatch, single_thread):
 
 def lm_args(assets, output_dir, *extra, steps=12, config=TINY + NO_DROPOUT) -> list[str]:
     return [
-        "--train_file", assets["text"], "--tokenizer_name", assets["tokenizer"], "--config_overrides", config,
-        "--max_seq_length", "32", "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "16",
-        "--learning_rate", "3e-3", "--max_train_steps", str(steps), "--output_dir", str(output_dir),
-        "--with_tracking", "--seed", "7", *extra,
-    ]  # fmt: skip
+        "--train_file",
+        assets["text"],
+        "--tokenizer_name",
+        assets["tokenizer"],
+        "--config_overrides",
+        config,
+        "--max_seq_length",
+        "32",
+        "--per_device_train_batch_size",
+        "8",
+        "--per_device_eval_batch_size",
+        "16",
+        "--learning_rate",
+        "3e-3",
+        "--max_train_steps",
+        str(steps),
+        "--output_dir",
+        str(output_dir),
+        "--with_tracking",
+        "--seed",
+        "7",
+        *extra,
+    ]
 
 
 def train_losses(output_dir) -> dict[int, float]:
@@ -177,8 +200,10 @@ def test_group_into_blocks_keeps_every_full_block_across_map_batches():
 
 def test_config_overrides_and_label_mapping():
     assert parse_config_overrides("hidden_size=64,attention_kernel=relu,feature_redraw_interval=none") == {
-        "hidden_size": 64, "attention_kernel": "relu", "feature_redraw_interval": None,
-    }  # fmt: skip
+        "hidden_size": 64,
+        "attention_kernel": "relu",
+        "feature_redraw_interval": None,
+    }
     with pytest.raises(TrainingInputError, match="not a PerformerConfig field"):
         parse_config_overrides("hidden_sise=64")
     assert build_label_mapping(["b", "a", "b", "c"]) == {"a": 0, "b": 1, "c": 2}
@@ -219,8 +244,10 @@ def test_masking_statistics_and_special_tokens(assets):
     collator = ReproducibleMaskingCollator(tokenizer, mlm_probability=0.15, seed=3)
     blocks = _masking_blocks(tokenizer, 400)
     special_ids = torch.tensor(tokenizer.all_special_ids)
-    given = [{**b, "special_tokens_mask": torch.isin(torch.tensor(b["input_ids"]), special_ids).int().tolist()}
-             for b in blocks]  # fmt: skip
+    given = [
+        {**b, "special_tokens_mask": torch.isin(torch.tensor(b["input_ids"]), special_ids).int().tolist()}
+        for b in blocks
+    ]
     batch = collator(blocks)
     assert torch.equal(collator(given)["labels"], batch["labels"])  # the same mask either way
     original = torch.tensor([b["input_ids"] for b in blocks])  # (N, L)
@@ -326,12 +353,33 @@ def test_classification_learns_string_labels_and_pushes(assets, tmp_path):
     out = tmp_path / "classification"
     root = assets["root"]
     argv = [
-        "--train_file", str(root / "train.csv"), "--validation_file", str(root / "dev.csv"),
-        "--text_column_name", "sentence", "--label_column_name", "topic", "--tokenizer_name", str(get_model_path()),
-        "--config_overrides", TINY + NO_DROPOUT, "--max_seq_length", "64", "--per_device_train_batch_size", "16",
-        "--learning_rate", "3e-3", "--num_train_epochs", "10", "--output_dir", str(out), "--with_tracking",
-        "--push_to_hub", "--hub_model_id", "someone/performer-topics",
-    ]  # fmt: skip
+        "--train_file",
+        str(root / "train.csv"),
+        "--validation_file",
+        str(root / "dev.csv"),
+        "--text_column_name",
+        "sentence",
+        "--label_column_name",
+        "topic",
+        "--tokenizer_name",
+        str(get_model_path()),
+        "--config_overrides",
+        TINY + NO_DROPOUT,
+        "--max_seq_length",
+        "64",
+        "--per_device_train_batch_size",
+        "16",
+        "--learning_rate",
+        "3e-3",
+        "--num_train_epochs",
+        "10",
+        "--output_dir",
+        str(out),
+        "--with_tracking",
+        "--push_to_hub",
+        "--hub_model_id",
+        "someone/performer-topics",
+    ]
     with (
         mock.patch("transformers.PreTrainedModel.push_to_hub") as push_model,
         mock.patch("transformers.PreTrainedTokenizerBase.push_to_hub") as push_tokenizer,
@@ -357,18 +405,45 @@ def test_classification_trains_a_transformers_baseline(assets, tmp_path):
     from transformers import BigBirdConfig, BigBirdForSequenceClassification
 
     start = tmp_path / "bigbird"
-    config = BigBirdConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                           intermediate_size=64, max_position_embeddings=128, attention_type="block_sparse",
-                           block_size=8, num_random_blocks=1)  # fmt: skip
+    config = BigBirdConfig(
+        vocab_size=1000,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        attention_type="block_sparse",
+        block_size=8,
+        num_random_blocks=1,
+    )
     BigBirdForSequenceClassification(config).save_pretrained(start)
     out = tmp_path / "trained"
     root = assets["root"]
     argv = [
-        "--train_file", str(root / "train.csv"), "--validation_file", str(root / "dev.csv"),
-        "--text_column_name", "sentence", "--label_column_name", "topic", "--tokenizer_name", assets["tokenizer"],
-        "--model_name_or_path", str(start), "--per_device_train_batch_size", "16", "--learning_rate", "1e-3",
-        "--max_train_steps", "6", "--output_dir", str(out), "--with_tracking", "--seed", "7",
-    ]  # fmt: skip
+        "--train_file",
+        str(root / "train.csv"),
+        "--validation_file",
+        str(root / "dev.csv"),
+        "--text_column_name",
+        "sentence",
+        "--label_column_name",
+        "topic",
+        "--tokenizer_name",
+        assets["tokenizer"],
+        "--model_name_or_path",
+        str(start),
+        "--per_device_train_batch_size",
+        "16",
+        "--learning_rate",
+        "1e-3",
+        "--max_train_steps",
+        "6",
+        "--output_dir",
+        str(out),
+        "--with_tracking",
+        "--seed",
+        "7",
+    ]
     metrics = train_classifier(argv)
     assert metrics["train_steps"] == 6 and metrics["eval_examples"] == 24
     assert json.loads((out / "config.json").read_text())["model_type"] == "big_bird"
@@ -387,10 +462,25 @@ def test_mlm_from_a_checkpoint_converted_on_the_fly(assets, tmp_path):
     source = str(get_model_path())
     out = tmp_path / "converted_mlm"
     argv = [
-        "--train_file", assets["text"], "--convert_from", source, "--config_overrides", "nb_features=32",
-        "--max_seq_length", "32", "--per_device_train_batch_size", "4", "--learning_rate", "1e-4",
-        "--max_train_steps", "3", "--max_eval_samples", "8", "--output_dir", str(out),
-    ]  # fmt: skip
+        "--train_file",
+        assets["text"],
+        "--convert_from",
+        source,
+        "--config_overrides",
+        "nb_features=32",
+        "--max_seq_length",
+        "32",
+        "--per_device_train_batch_size",
+        "4",
+        "--learning_rate",
+        "1e-4",
+        "--max_train_steps",
+        "3",
+        "--max_eval_samples",
+        "8",
+        "--output_dir",
+        str(out),
+    ]
     metrics = train_language_model("mlm", argv)
     assert json.loads((out / "converted" / "config.json").read_text())["nb_features"] == 32
     trained = AutoModelForMaskedLM.from_pretrained(out)
@@ -419,18 +509,40 @@ def test_two_process_ddp_matches_single_process(assets, tmp_path):
         args[args.index("--per_device_train_batch_size") + 1] = str(batch)
         return args + list(extra)
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_CACHE": datasets.config.HF_DATASETS_CACHE}  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_CACHE": datasets.config.HF_DATASETS_CACHE,
+    }
     # `--multi_gpu` on a machine without GPUs starts gloo CPU processes; `--cpu --num_processes 2`
     # would start only one (accelerate's simple launcher).
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(_free_port())]  # fmt: skip
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+    ]
     ddp_out = tmp_path / "ddp"
     process = subprocess.Popen(
         [*launch, str(REPO / "training" / "run_clm.py"), *argv(ddp_out, 2)],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     # The single-process references run while the two processes work.
     single = train_language_model("clm", argv(tmp_path / "single", 4))
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -462,20 +574,49 @@ def test_two_process_ddp_matches_single_process(assets, tmp_path):
 DROPOUT = ",hidden_dropout_prob=0.1,attention_probs_dropout_prob=0.1"
 # 24 examples / batch 4 = 6 batches per epoch, 10 steps: resuming from step 4 (epoch 0) or 8 (epoch 1,
 # 2 batches in) crosses a redraw (every 3 steps), an evaluation (step 5) and, from 4, an epoch boundary.
-RESUME_ARGS = ["--max_train_samples", "24", "--per_device_train_batch_size", "4", "--checkpointing_steps", "4",
-               "--feature_redraw_interval", "3", "--eval_steps", "5"]  # fmt: skip
+RESUME_ARGS = [
+    "--max_train_samples",
+    "24",
+    "--per_device_train_batch_size",
+    "4",
+    "--checkpointing_steps",
+    "4",
+    "--feature_redraw_interval",
+    "3",
+    "--eval_steps",
+    "5",
+]
 RESUME_STEPS = 10
 
 
 def _classification_args(assets, output_dir, *extra) -> list[str]:
     root = assets["root"]
     return [
-        "--train_file", str(root / "train.csv"), "--validation_file", str(root / "dev.csv"),
-        "--text_column_name", "sentence", "--label_column_name", "topic", "--tokenizer_name", assets["tokenizer"],
-        "--config_overrides", TINY + DROPOUT, "--max_seq_length", "64", "--learning_rate", "3e-3",
-        "--max_train_steps", str(RESUME_STEPS), "--output_dir", str(output_dir), "--with_tracking", "--seed", "7",
+        "--train_file",
+        str(root / "train.csv"),
+        "--validation_file",
+        str(root / "dev.csv"),
+        "--text_column_name",
+        "sentence",
+        "--label_column_name",
+        "topic",
+        "--tokenizer_name",
+        assets["tokenizer"],
+        "--config_overrides",
+        TINY + DROPOUT,
+        "--max_seq_length",
+        "64",
+        "--learning_rate",
+        "3e-3",
+        "--max_train_steps",
+        str(RESUME_STEPS),
+        "--output_dir",
+        str(output_dir),
+        "--with_tracking",
+        "--seed",
+        "7",
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 def _assert_resume_reproduces(train, argv, tmp_path, resume_step):
@@ -561,10 +702,19 @@ def _train_with_callback(tmp_path, model, callback, steps=7) -> _ProjectionSpy:
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(5, 100, (32, 16), generator=generator)]
     spy = _ProjectionSpy()
     args = TrainingArguments(
-        output_dir=str(tmp_path / "trainer"), max_steps=steps, per_device_train_batch_size=2,
-        gradient_accumulation_steps=2, learning_rate=1e-3, save_strategy="no", eval_strategy="no",
-        logging_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "trainer"),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        save_strategy="no",
+        eval_strategy="no",
+        logging_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
     Trainer(model=model, args=args, train_dataset=data, callbacks=[callback, spy]).train()
     return spy
 
@@ -673,8 +823,18 @@ def test_bad_input_stops_before_training(assets, tmp_path, case, message):
 
 def test_bad_classification_input_and_cli_message(assets, tmp_path, capsys):
     root = assets["root"]
-    argv = ["--train_file", str(root / "train.csv"), "--label_column_name", "category", "--text_column_name",
-            "sentence", "--tokenizer_name", assets["tokenizer"], "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    argv = [
+        "--train_file",
+        str(root / "train.csv"),
+        "--label_column_name",
+        "category",
+        "--text_column_name",
+        "sentence",
+        "--tokenizer_name",
+        assets["tokenizer"],
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
     with pytest.raises(TrainingInputError, match="'category' is not a column.*sentence"):
         train_classifier(argv)
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -698,9 +858,15 @@ def tiny_llama_performer(assets, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tiny_llama")
     tokenizer = PreTrainedTokenizerFast.from_pretrained(assets["tokenizer"])
     config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(root / "source")
     return convert(root / "source", root / "hybrid", local_window=8, fidelity=False)
@@ -708,12 +874,39 @@ def tiny_llama_performer(assets, tmp_path_factory) -> Path:
 
 def _lora_clm_args(assets, model, output_dir, *extra) -> list[str]:
     return [
-        "--train_file", assets["text"], "--tokenizer_name", assets["tokenizer"], "--model_name_or_path", str(model),
-        "--max_seq_length", "32", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "16",
-        "--learning_rate", "1e-2", "--max_train_samples", "24", "--max_train_steps", str(RESUME_STEPS),
-        "--output_dir", str(output_dir), "--with_tracking", "--seed", "7", "--lora_r", "4", "--lora_dropout", "0.1",
-        "--checkpointing_steps", "4", "--eval_steps", "5", *extra,
-    ]  # fmt: skip
+        "--train_file",
+        assets["text"],
+        "--tokenizer_name",
+        assets["tokenizer"],
+        "--model_name_or_path",
+        str(model),
+        "--max_seq_length",
+        "32",
+        "--per_device_train_batch_size",
+        "4",
+        "--per_device_eval_batch_size",
+        "16",
+        "--learning_rate",
+        "1e-2",
+        "--max_train_samples",
+        "24",
+        "--max_train_steps",
+        str(RESUME_STEPS),
+        "--output_dir",
+        str(output_dir),
+        "--with_tracking",
+        "--seed",
+        "7",
+        "--lora_r",
+        "4",
+        "--lora_dropout",
+        "0.1",
+        "--checkpointing_steps",
+        "4",
+        "--eval_steps",
+        "5",
+        *extra,
+    ]
 
 
 def test_lora_on_a_llama_with_performer_attention_trains_only_adapters(assets, tiny_llama_performer, tmp_path):

@@ -19,8 +19,14 @@ from performer_hf.model_assets import smollm2_checkpoint
 from performer_hf.zoo import ZooError, build, get_entry, load_registry, model_names
 from performer_hf.zoo import builder as zoo_builder
 
-REMOTE_CODE = {"modeling_performer.py", "configuration_performer.py", "favor_attention.py", "favor_features.py",
-               "favor_projection.py", "cache_performer.py"}  # fmt: skip
+REMOTE_CODE = {
+    "modeling_performer.py",
+    "configuration_performer.py",
+    "favor_attention.py",
+    "favor_features.py",
+    "favor_projection.py",
+    "cache_performer.py",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -42,8 +48,12 @@ def _model_index_metrics(card: ModelCard) -> dict[str, float]:
 
 def test_registry_lists_the_required_models_with_complete_recipes():
     names = model_names()
-    assert names == ["performer-minilm-l6", "performer-minilm-l6-rotten-tomatoes", "performer-gpt2-tiny",
-                     "smollm2-135m-performer-hybrid"]  # fmt: skip
+    assert names == [
+        "performer-minilm-l6",
+        "performer-minilm-l6-rotten-tomatoes",
+        "performer-gpt2-tiny",
+        "smollm2-135m-performer-hybrid",
+    ]
     for name in names:
         for quick in (False, True):
             entry = get_entry(name, quick=quick)
@@ -158,8 +168,15 @@ def minilm_build(tmp_path_factory):
 def test_quick_minilm_build_writes_checkpoint_card_and_results(minilm_build):
     out = minilm_build
     files = {path.name for path in out.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "vocab.txt", "README.md", "zoo_results.json",
-            "conversion_report.json"} | REMOTE_CODE <= files  # fmt: skip
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "vocab.txt",
+        "README.md",
+        "zoo_results.json",
+        "conversion_report.json",
+    } | REMOTE_CODE <= files
     config = json.loads((out / "config.json").read_text())
     entry = get_entry("performer-minilm-l6", quick=True)
     assert config["model_type"] == "performer" and config["auto_map"]["AutoModel"].startswith("modeling_performer.")
@@ -194,9 +211,11 @@ def test_quick_minilm_figures_match_an_independent_measurement(minilm_build):
     with torch.no_grad():
         embeddings = [
             (model(**batch).last_hidden_state * weights).sum(1) / weights.sum(1)  # (N, H)
-            for model in (BertModel.from_pretrained(minilm_folder()).eval(),
-                          PerformerModel.from_pretrained(minilm_build).eval())
-        ]  # fmt: skip
+            for model in (
+                BertModel.from_pretrained(minilm_folder()).eval(),
+                PerformerModel.from_pretrained(minilm_build).eval(),
+            )
+        ]
     cosine = torch.nn.functional.cosine_similarity(*embeddings, dim=-1).mean().item()
     reported = json.loads((minilm_build / "zoo_results.json").read_text())["evaluation"]["rows"]["this model"]
     assert reported["mean_cosine_to_source"] == pytest.approx(cosine, abs=1e-4)
@@ -256,8 +275,11 @@ def _synthetic_sentiment(name, folder, limit=None):
     words = {"positive": ["good", "great", "fine", "lovely"], "negative": ["bad", "awful", "dull", "poor"]}
     paths = {}
     for offset, split in enumerate(("train", "validation", "test")):
-        records = [{"text": f"a {words[label][(i + offset) % 4]} film number {i}", "label": label}
-                   for i in range(16) for label in ("negative", "positive")]  # fmt: skip
+        records = [
+            {"text": f"a {words[label][(i + offset) % 4]} film number {i}", "label": label}
+            for i in range(16)
+            for label in ("negative", "positive")
+        ]
         paths[split] = data_assets.write_jsonl(records[:limit], Path(folder) / f"{split}.jsonl")
     return paths
 

@@ -6,6 +6,7 @@ measures the converted model against its source, ``model_card`` writes the READM
 
 from .convert import convert
 from .errors import ConversionError
+from .in_place import TransferSettings
 from .mapping import SUPPORTED_ARCHITECTURES
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ConversionError", "convert"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "ConversionError", "TransferSettings", "convert"]

@@ -24,10 +24,12 @@ import logging
 import torch
 from torch import nn
 
-from ..modeling.attention_methods import exact_attention, hybrid_method
+from ..modeling.far_fields import get_far_field
 from ..modeling.favor_hybrid import fixed_centres
 from ..modeling.favor_optimal import optimal_parameter
 from ..modeling.layers_performer import PerformerAttention
+from ..modeling.method_exact import exact_attention
+from ..modeling.method_hybrid import hybrid_method
 from .fidelity import approximation_only
 
 logger = logging.getLogger(__name__)
@@ -114,7 +116,7 @@ def calibrate(
     if "token_type_ids" in batch and config.type_vocab_size == 0:
         batch = {k: v for k, v in batch.items() if k != "token_type_ids"}
     mask = batch["attention_mask"].bool()  # (B, L)
-    optimise = parameter and config.attention_kernel == "softmax_opt"
+    optimise = parameter and get_far_field(config.attention_kernel).uses_parameter
     parameters, errors = [], []
     with approximation_only(model):  # A is chosen for the far field, which short inputs would skip
         for module, hidden in zip(_attention_modules(model), attention_inputs(exact, batch), strict=True):
@@ -139,8 +141,14 @@ def calibrate(
         config.far_field_parameter = parameters
     num_tokens = int(mask.sum())
     logger.info(
-        "calibrated on %d tokens: %s%s", num_tokens, "centres" if config.center_features else "",
+        "calibrated on %d tokens: %s%s",
+        num_tokens,
+        "centres" if config.center_features else "",
         ", FAVOR++ A per layer and head" if optimise else "",
-    )  # fmt: skip
-    return {"centres": bool(config.center_features), "far_field_parameter": parameters if optimise else None,
-            "far_field_error": errors if optimise else None, "num_tokens": num_tokens}  # fmt: skip
+    )
+    return {
+        "centres": bool(config.center_features),
+        "far_field_parameter": parameters if optimise else None,
+        "far_field_error": errors if optimise else None,
+        "num_tokens": num_tokens,
+    }

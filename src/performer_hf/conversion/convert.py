@@ -7,21 +7,24 @@ import json
 import logging
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
+from ..attention_card import uses_projection
 from ..modeling import modeling_performer
 from ..modeling.attention_methods import ATTENTION_METHODS
-from ..modeling.configuration_performer import FAVOR_KERNELS, HYBRID_KERNELS, PerformerConfig
+from ..modeling.configuration_performer import PerformerConfig
+from ..modeling.far_fields import FAR_FIELDS
 from .calibration import calibrate as calibrate_model
 from .errors import ConversionError
 from .fidelity import FidelityReport, measure_fidelity, sample_batch
 from .in_place import IN_PLACE_ARCHITECTURES, TransferSettings, convert_in_place
 from .mapping import POSITION_TABLE, MappingResult, extend_positions, map_weights
-from .model_card import build_model_card, source_license
+from .model_card import CardSource, build_model_card, source_license
 from .output_folder import check_output_dir, publish
 from .sentence_pipeline import copy_sentence_pipeline
 from .source import SourceCheckpoint, _one_line, load_weights, read_source, resolve_source, source_architecture
@@ -30,12 +33,35 @@ logger = logging.getLogger(__name__)
 
 # Fields the source weights determine: overriding them would not match the tensors.
 FIXED_BY_SOURCE = frozenset(
-    {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
-     "type_vocab_size", "layer_norm_eps", "pad_token_id", "is_decoder", "tie_word_embeddings",
-     "layer_norm_position", "position_offset", "transformers_version", "architectures"}
-)  # fmt: skip
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model")  # fmt: skip
+    {
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "hidden_act",
+        "type_vocab_size",
+        "layer_norm_eps",
+        "pad_token_id",
+        "is_decoder",
+        "tie_word_embeddings",
+        "layer_norm_position",
+        "position_offset",
+        "transformers_version",
+        "architectures",
+    }
+)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 REPORT_FILE = "conversion_report.json"
 
 # Attention methods the converter offers: each registry entry's presets of PerformerConfig fields (per
@@ -51,19 +77,20 @@ def _overridable_fields() -> list[str]:
 
 
 def _method(method: str | None, overrides: dict[str, Any]) -> str:
-    """The attention method: ``method``, or by default "hybrid" unless a FAVOR+-only kernel is asked for."""
+    """The attention method: ``method``, or by default "hybrid" unless a kernel only FAVOR+ has is asked for."""
     kernel = overrides.get("attention_kernel")
     if method is None:
-        if kernel in FAVOR_KERNELS and kernel not in HYBRID_KERNELS:
+        if kernel not in (None, "exact") and kernel not in ATTENTION_METHODS[DEFAULT_METHOD].kernels:
             logger.info("attention_kernel=%r is a plain FAVOR+ kernel: converting with method 'favor'", kernel)
             return "favor"
         return DEFAULT_METHOD
     if method not in METHODS:
         raise ConversionError(f"unknown method {method!r}; choose one of {sorted(METHODS)}.")
-    if method == "hybrid" and kernel in FAVOR_KERNELS and kernel not in HYBRID_KERNELS:
+    kernels = ATTENTION_METHODS[method].kernels
+    if kernel not in (None, "exact") and kernel not in kernels:
         raise ConversionError(
-            f"attention_kernel={kernel!r} cannot be the far field of the hybrid method; choose one of "
-            f"{HYBRID_KERNELS}, or convert with --method favor for plain FAVOR+."
+            f"attention_kernel={kernel!r} is not a kernel of the {method} method; choose one of {sorted(kernels)}"
+            + (", or convert with --method favor for plain FAVOR+." if method == "hybrid" else ".")
         )
     return method
 
@@ -71,18 +98,20 @@ def _method(method: str | None, overrides: dict[str, Any]) -> str:
 def is_causal(checkpoint: SourceCheckpoint) -> bool:
     """Whether the converted model attends causally (GPT-2, or a source configured as a decoder)."""
     head = checkpoint.family.heads[checkpoint.architecture]
-    return head.target_class == "PerformerForCausalLM" or bool(checkpoint.family.map_config(checkpoint.config)
-                                                                .get("is_decoder"))  # fmt: skip
+    return head.target_class == "PerformerForCausalLM" or bool(
+        checkpoint.family.map_config(checkpoint.config).get("is_decoder")
+    )
 
 
-def performer_config(checkpoint: SourceCheckpoint, overrides: dict[str, Any], method: str | None = None
-                     ) -> PerformerConfig:  # fmt: skip
+def performer_config(
+    checkpoint: SourceCheckpoint, overrides: dict[str, Any], method: str | None = None
+) -> PerformerConfig:
     """The PerformerConfig for ``checkpoint``: the ``method``'s settings (see ``METHODS``; by default
     "hybrid", or "favor" when ``overrides`` name a FAVOR+-only kernel) under ``overrides``
     (PerformerConfig fields). ``attention_kernel="exact"`` takes no method settings.
 
     ``max_position_embeddings`` counts tokens: RoBERTa's table gets ``position_offset`` more rows.
-    A causal model with ``attention_kernel="softmax_opt"`` and no ``far_field_parameter`` gets zeros
+    A causal model with a far field that takes a parameter (FAVOR++'s ``A``) and no ``far_field_parameter`` gets zeros
     as placeholders, to be calibrated (``convert`` does it).
     """
     unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(PerformerConfig)})
@@ -103,8 +132,9 @@ def performer_config(checkpoint: SourceCheckpoint, overrides: dict[str, Any], me
     preset = METHODS[method]["causal" if causal else "bidirectional"]
     if overrides.get("attention_kernel") == "exact":  # exact attention ignores the method
         preset = {}
-    merged = {**fields, **preset, **overrides}
-    if causal and merged.get("attention_kernel") == "softmax_opt" and merged.get("far_field_parameter") is None:
+    merged = {**fields, **preset, "attention_method": method, **overrides}
+    far_field = FAR_FIELDS.get(merged.get("attention_kernel"))
+    if causal and far_field is not None and far_field.uses_parameter and merged.get("far_field_parameter") is None:
         merged["far_field_parameter"] = [[0.0] * fields["num_attention_heads"]] * fields["num_hidden_layers"]
     try:
         return PerformerConfig(**merged)
@@ -125,9 +155,9 @@ NEW_BUFFERS = (".attention.projection", ".attention.query_center", ".attention.k
 
 def needs_calibration(config: PerformerConfig, causal: bool) -> bool:
     """Whether leak-free causal attention needs statistics fixed at conversion (centres, FAVOR++ A)."""
-    if not causal or not config.uses_hybrid_attention:
+    if not causal or config.attention_method != "hybrid":
         return False
-    return config.center_features or (config.attention_kernel == "softmax_opt")
+    return config.center_features or FAR_FIELDS[config.attention_kernel].uses_parameter
 
 
 def _fill_model(model: torch.nn.Module, mapping: MappingResult) -> list[str]:
@@ -215,11 +245,10 @@ def fidelity_report(
 def attention_settings(config: PerformerConfig) -> dict[str, Any]:
     """The config fields that define the attention method (for the report and the card)."""
     names = ["attention_kernel"]
-    if config.attention_kernel != "exact":
-        if not config.uses_hybrid_attention or config.attention_kernel in ("softmax", "softmax_hyperbolic",
-                                                                           "softmax_opt"):  # fmt: skip
+    if config.attention_method != "exact":
+        if config.attention_method == "favor" or uses_projection(config):
             names += ["nb_features", "feature_coupling", "feature_row_norms"]
-        if config.uses_hybrid_attention:
+        if config.attention_method == "hybrid":
             names += ["local_window", "num_global_tokens", "routed_blocks", "center_features"]
             if config.routed_blocks:
                 names += ["route_block_size", "query_block_size", "route_group_size"]
@@ -242,20 +271,29 @@ def _copy_tokenizer(source: Path, target: Path, positions: int, extended: bool) 
     return copied
 
 
-def _transfer_settings(steps: int, text: str | Path | None, length: int) -> TransferSettings | None:
-    """The attention-transfer settings, checked before any work; None without transfer."""
-    if not isinstance(steps, int) or steps < 0:
-        raise ConversionError(f"transfer_steps must be a whole number of steps (0: no transfer), got {steps!r}.")
-    if not isinstance(length, int) or length < 2:
-        raise ConversionError(f"transfer_length must be a number of tokens of at least 2, got {length!r}.")
-    if steps == 0:
-        if text is not None:
-            raise ConversionError("a transfer text was given without transfer steps: set --transfer-steps too.")
-        return None
-    text_file = None if text is None else Path(text).expanduser()
-    if text_file is not None and not text_file.is_file():
-        raise ConversionError(f"the transfer text {str(text_file)!r} is not a file: pass a UTF-8 text file.")
-    return TransferSettings(steps, text_file, length)
+# Keywords of earlier releases, still taken (with a FutureWarning): the transfer options, now one TransferSettings,
+# and the source's revision, which the caller now resolves (``performer-hf convert --revision`` does it).
+_TRANSFER_KEYWORDS = {"transfer_steps": "steps", "transfer_text": "text_file", "transfer_length": "length"}
+
+
+def _deprecated_keywords(overrides: dict[str, Any], transfer: TransferSettings | None):
+    """Take the earlier keywords out of ``overrides``: -> (transfer settings, revision)."""
+    given = {key: overrides.pop(key) for key in (*_TRANSFER_KEYWORDS, "revision") if key in overrides}
+    if not given:
+        return transfer, None
+    warnings.warn(
+        f"convert({', '.join(f'{key}=' for key in given)}) is deprecated: pass transfer=TransferSettings(steps, "
+        "text_file, length), and for a Hub revision resolve the source first (snapshot_download(repo_id, "
+        "revision=...)) and pass its folder with base_model=repo_id.",
+        FutureWarning,
+        stacklevel=3,
+    )
+    old = {_TRANSFER_KEYWORDS[key]: value for key, value in given.items() if key in _TRANSFER_KEYWORDS}
+    if old.get("steps", 0):
+        transfer = TransferSettings(**old)
+    elif old.get("text_file") is not None:
+        raise ConversionError("a transfer text was given without transfer steps: set --transfer-steps too.")
+    return transfer, given.get("revision")
 
 
 def convert(
@@ -264,13 +302,10 @@ def convert(
     *,
     overwrite: bool = False,
     base_model: str | None = None,
-    revision: str | None = None,
     fidelity: bool = True,
     method: str | None = None,
     calibrate: bool = False,
-    transfer_steps: int = 0,
-    transfer_text: str | Path | None = None,
-    transfer_length: int = 1024,
+    transfer: TransferSettings | None = None,
     **overrides: Any,
 ) -> Path:
     """Convert a pretrained BERT / RoBERTa / GPT-2 checkpoint into a Performer checkpoint, or a Llama / Mistral /
@@ -290,7 +325,6 @@ def convert(
         overwrite: replace a non-empty ``output_dir`` (only once the conversion has succeeded).
         base_model: the Hub id named in the model card (default: the Hub id of ``source``, or the
             folder name for a local folder).
-        revision: Hub revision of ``source``.
         fidelity: measure the fidelity report on sample text (see ``fidelity.py``) and put it in the card.
         method: the attention settings under ``overrides`` (see ``METHODS``): ``"hybrid"`` (the default:
             exact local window, global token and, bidirectionally, routed key blocks, plus a centred
@@ -299,13 +333,9 @@ def convert(
         calibrate: measure fixed per-layer statistics (centres, FAVOR++ ``A`` per head) on sample text
             with the source as teacher (see ``calibration.py``). Causal hybrid models that centre or use
             ``"softmax_opt"`` are always calibrated (they must not read later tokens).
-        transfer_steps: models converted in place: train the attention's learnable parts (feature projection,
-            centres, FAVOR++ ``A``) for this many steps to match the source's attention on unlabelled text
-            (:func:`performer_hf.transfer_attention`); 0: none.
-        transfer_text: a UTF-8 text file for attention transfer (default: the Python standard library's
-            docstrings, which ship with Python).
-        transfer_length: tokens per transfer step; longer than the hybrid's window, so that its far field
-            is trained.
+        transfer: models converted in place: train the attention's learnable parts (feature projection, centres,
+            FAVOR++ ``A``, far-field gains) to match the source's attention on unlabelled text
+            (:func:`performer_hf.transfer_attention`), as a :class:`TransferSettings`; None: no transfer.
         **overrides: ``PerformerConfig`` fields, e.g. ``attention_kernel="exact"``, ``nb_features=128``,
             ``local_window=33``, ``max_position_embeddings=4096`` (tokens; the pretrained position table
             is tiled to fill it).
@@ -319,7 +349,8 @@ def convert(
     """
     output_dir = Path(output_dir).expanduser().absolute()
     check_output_dir(output_dir, overwrite)
-    transfer = _transfer_settings(transfer_steps, transfer_text, transfer_length)
+    overrides = dict(overrides)
+    transfer, revision = _deprecated_keywords(overrides, transfer)
     folder, repo_id = resolve_source(source, revision)
     architecture = source_architecture(folder)
     if architecture in IN_PLACE_ARCHITECTURES:  # Llama & co. keep their class; only the attention changes
@@ -328,8 +359,16 @@ def convert(
                 f"--calibrate is not available for {architecture} (converted in place): use --transfer-steps, "
                 "which starts from calibrated centres."
             )
-        return convert_in_place(folder, output_dir, architecture, _method(method, overrides), overrides, fidelity,
-                                base_model or repo_id or folder.name, transfer)  # fmt: skip
+        return convert_in_place(
+            folder,
+            output_dir,
+            architecture,
+            _method(method, overrides),
+            overrides,
+            fidelity,
+            base_model or repo_id or folder.name,
+            transfer,
+        )
     if transfer is not None:
         raise ConversionError(
             "attention transfer (--transfer-steps) is for the models converted in place "
@@ -341,8 +380,9 @@ def convert(
     config = performer_config(checkpoint, overrides, method)
 
     weights = load_weights(folder)
-    mapping = map_weights(weights, checkpoint.family, checkpoint.architecture, config.hidden_size,
-                          config.tie_word_embeddings)  # fmt: skip
+    mapping = map_weights(
+        weights, checkpoint.family, checkpoint.architecture, config.hidden_size, config.tie_word_embeddings
+    )
     pretrained_rows = mapping.tensors[POSITION_TABLE].shape[0] if POSITION_TABLE in mapping.tensors else 0
     extended = overrides.get("max_position_embeddings") is not None and pretrained_rows > 0
     if extended:
@@ -356,16 +396,24 @@ def convert(
     new = _fill_model(model, mapping)
     logger.info(
         "mapped %d source tensors to a %s, dropped %d (%s), %d new (random-feature projections)",
-        len(mapping.used), head.target_class, len(mapping.dropped),
-        ", ".join(sorted(set(mapping.dropped.values()))) or "none", len(new),
-    )  # fmt: skip
+        len(mapping.used),
+        head.target_class,
+        len(mapping.dropped),
+        ", ".join(sorted(set(mapping.dropped.values()))) or "none",
+        len(new),
+    )
 
     tokenizer = _load_tokenizer(folder)
     calibration = None
-    if config.uses_hybrid_attention and (calibrate or needs_calibration(config, is_causal(checkpoint))):
+    if config.attention_method == "hybrid" and (calibrate or needs_calibration(config, is_causal(checkpoint))):
         exact = exact_twin(model, head.target_class, pooler)
-        calibration = calibrate_model(model, exact, sample_batch(config, tokenizer), is_causal(checkpoint),
-                                      parameter="far_field_parameter" not in overrides)  # fmt: skip
+        calibration = calibrate_model(
+            model,
+            exact,
+            sample_batch(config, tokenizer),
+            is_causal(checkpoint),
+            parameter="far_field_parameter" not in overrides,
+        )
         del exact
     report = fidelity_report(checkpoint, model, head.target_class, pooler, tokenizer) if fidelity else None
     if report is not None:
@@ -385,11 +433,12 @@ def convert(
         positions = config.max_position_embeddings - config.position_offset
         copied = _copy_tokenizer(folder, staging, positions, extended)
         sentence_pipeline = copy_sentence_pipeline(folder, staging, positions, extended)
+        card_source = CardSource(
+            base_model, source_license(folder), checkpoint.architecture, pretrained_rows - config.position_offset
+        )
         card = build_model_card(
-            base_model=base_model, license_name=source_license(folder), source_architecture=checkpoint.architecture,
-            target_class=head.target_class, config=config, dropped=mapping.dropped, report=report,
-            pretrained_positions=pretrained_rows - config.position_offset, sentence_pipeline=bool(sentence_pipeline),
-        )  # fmt: skip
+            card_source, head.target_class, config, mapping.dropped, report, sentence_pipeline=bool(sentence_pipeline)
+        )
         card.save(staging / "README.md")
         summary = {
             "source": str(source),

@@ -86,8 +86,9 @@ def _load(kind: str, folder: Path, positions: int):
 
 
 @torch.no_grad()
-def time_forwards(models: dict[str, torch.nn.Module], inputs: dict[str, torch.Tensor], repeats: int,
-                  progress: tqdm) -> dict[str, float]:  # fmt: skip
+def time_forwards(
+    models: dict[str, torch.nn.Module], inputs: dict[str, torch.Tensor], repeats: int, progress: tqdm
+) -> dict[str, float]:
     """Median seconds per forward of each model, runs interleaved so that background load hits all alike."""
     times: dict[str, list[float]] = {name: [] for name in models}
     for model in models.values():  # warm-up
@@ -143,8 +144,14 @@ def peak_memory(kind: str, folder: Path, positions: int, length: int) -> dict[st
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run_demo(output_dir: str | Path | None = None, length: int = 8192, num_sentences: int = 200, repeats: int = 3,
-             overwrite: bool = False, method: str | None = None) -> dict:  # fmt: skip
+def run_demo(
+    output_dir: str | Path | None = None,
+    length: int = 8192,
+    num_sentences: int = 200,
+    repeats: int = 3,
+    overwrite: bool = False,
+    method: str | None = None,
+) -> dict:
     """Run the demo; returns its figures (see :func:`format_demo`). ``output_dir`` keeps the converted
     checkpoint (default: a temporary folder, deleted at the end); ``method`` is the conversion's attention
     method (``convert``'s default when None: the hybrid; ``"favor"``: plain FAVOR+)."""
@@ -164,9 +171,13 @@ def run_demo(output_dir: str | Path | None = None, length: int = 8192, num_sente
         convert_logger.setLevel(logging.WARNING)  # the report is printed once, at the end
         try:
             convert(
-                source_folder, target, base_model=BASE_MODEL, overwrite=overwrite, method=method,
-                max_position_embeddings=positions
-            )  # fmt: skip
+                source_folder,
+                target,
+                base_model=BASE_MODEL,
+                overwrite=overwrite,
+                method=method,
+                max_position_embeddings=positions,
+            )
         finally:
             convert_logger.setLevel(level)
         report = json.loads((target / "conversion_report.json").read_text())
@@ -230,8 +241,10 @@ def format_demo(result: dict) -> str:
     ]
     for name in MODELS:
         memory = result["memory"][name]
-        lines.append(f"  {name:<26} {result['seconds'][name]:>8.2f} {memory['forward_peak_mb']:>16.0f} "
-                     f"{memory['process_peak_mb']:>16.0f}")  # fmt: skip
+        lines.append(
+            f"  {name:<26} {result['seconds'][name]:>8.2f} {memory['forward_peak_mb']:>16.0f} "
+            f"{memory['process_peak_mb']:>16.0f}"
+        )
     source, performer = (result["seconds"][name] for name in MODELS)
     lines.append(f"  speed-up {source / performer:.2f}x")
     if result["output_dir"]:

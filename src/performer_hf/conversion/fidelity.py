@@ -62,8 +62,9 @@ def sample_batch(config, tokenizer=None, num_passages: int = 8, max_length: int 
     if tokenizer is not None:
         if tokenizer.pad_token is None:  # GPT-2 has no padding token; any id works under the mask
             tokenizer.pad_token = tokenizer.eos_token
-        encoded = tokenizer(sample_passages(num_passages), padding=True, truncation=True, max_length=max_length,
-                            return_tensors="pt")  # fmt: skip
+        encoded = tokenizer(
+            sample_passages(num_passages), padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+        )
         return {k: encoded[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in encoded}
     generator = torch.Generator().manual_seed(0)
     pad = config.pad_token_id if config.pad_token_id is not None else 0
@@ -99,13 +100,19 @@ def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def sentence_embeddings(model: nn.Module, tokenizer, sentences: list[str], batch_size: int = 32,
-                        max_length: int = 128) -> torch.Tensor:  # fmt: skip
+def sentence_embeddings(
+    model: nn.Module, tokenizer, sentences: list[str], batch_size: int = 32, max_length: int = 128
+) -> torch.Tensor:
     """Mean-pooled last hidden states (N, H) of ``sentences`` (works for HF and Performer models)."""
     chunks = []
     for start in range(0, len(sentences), batch_size):
-        batch = tokenizer(sentences[start : start + batch_size], padding=True, truncation=True,
-                          max_length=max_length, return_tensors="pt")  # fmt: skip
+        batch = tokenizer(
+            sentences[start : start + batch_size],
+            padding=True,
+            truncation=True,
+            max_length=max_length,
+            return_tensors="pt",
+        )
         hidden = model(**batch, output_hidden_states=True).hidden_states[-1]  # (b, L, H)
         chunks.append(mean_pool(hidden, batch["attention_mask"]))
     return torch.cat(chunks)
@@ -166,8 +173,10 @@ class FidelityReport:
             zip(self.attention_error_local, self.attention_error_propagated, strict=True)
         ):
             lines.append(f"{i:>5} | {local:>32.4f} | {propagated:>32.4f}")
-        lines.append(f"final hidden states vs source: cosine {self.hidden_cosine:.4f}, "
-                     f"rel. error {self.hidden_relative_error:.4f}")  # fmt: skip
+        lines.append(
+            f"final hidden states vs source: cosine {self.hidden_cosine:.4f}, "
+            f"rel. error {self.hidden_relative_error:.4f}"
+        )
         lines += [f"{name.replace('_', ' ')} vs source: {value:.4f}" for name, value in self.head.items()]
         exact = ", ".join(f"{name} {value:.2e}" for name, value in self.exact_max_abs_diff.items())
         lines.append(f"exact-kernel conversion vs source, max |diff|: {exact}")
@@ -211,8 +220,10 @@ def measure_fidelity(
 
     exact_calls: list[tuple[tuple, dict, torch.Tensor]] = []
     favor_outputs: list[torch.Tensor] = []
-    hooks = [m.register_forward_hook(lambda _m, a, kw, out: exact_calls.append((a, kw, out[0])), with_kwargs=True)
-             for m in _attention_modules(exact)]  # fmt: skip
+    hooks = [
+        m.register_forward_hook(lambda _m, a, kw, out: exact_calls.append((a, kw, out[0])), with_kwargs=True)
+        for m in _attention_modules(exact)
+    ]
     hooks += [
         m.register_forward_hook(lambda _m, _a, out: favor_outputs.append(out[0])) for m in _attention_modules(favor)
     ]

@@ -54,13 +54,27 @@ IN_PLACE_ARCHITECTURES: dict[str, InPlace] = {
 
 @dataclass(frozen=True)
 class TransferSettings:
-    """Attention transfer at conversion (:func:`performer_hf.transfer_attention`): ``steps`` windows of
-    ``length`` tokens from ``text_file`` (UTF-8 text; None: the standard library's docstrings, which ship with
-    Python)."""
+    """Attention transfer at conversion (:func:`performer_hf.transfer_attention`), for the models converted in
+    place: ``steps`` windows of ``length`` tokens from ``text_file`` (UTF-8 text; None: the standard library's
+    docstrings, which ship with Python). Checked on construction, so a bad request fails before any work.
+
+    >>> performer_hf.convert(folder, out, transfer=TransferSettings(steps=50, length=2048))
+    """
 
     steps: int
-    text_file: Path | None = None
+    text_file: str | Path | None = None
     length: int = 1024
+
+    def __post_init__(self):
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ConversionError(f"transfer steps must be a positive whole number, got {self.steps!r}.")
+        if not isinstance(self.length, int) or self.length < 2:
+            raise ConversionError(f"the transfer length must be a number of tokens of at least 2, got {self.length!r}.")
+        if self.text_file is not None:
+            text_file = Path(self.text_file).expanduser()
+            if not text_file.is_file():
+                raise ConversionError(f"the transfer text {str(text_file)!r} is not a file: pass a UTF-8 text file.")
+            object.__setattr__(self, "text_file", text_file)
 
     @property
     def text_name(self) -> str:
@@ -184,16 +198,24 @@ def convert_in_place(
         (staging / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
         text_config = model.config.get_text_config()
         card = build_in_place_card(
-            base_model=base_model, license_name=source_license(folder), architecture=architecture,
-            implementation=implementation, parity=parity,
+            base_model=base_model,
+            license_name=source_license(folder),
+            architecture=architecture,
+            implementation=implementation,
+            parity=parity,
             method=method_config(text_config, implementation, True, *head_shape(text_config)),
             transfer=transferred,
-        )  # fmt: skip
+        )
         card.save(staging / "README.md")
         publish(staging, output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    logger.info("wrote %s: %s with attn_implementation=%r (exact parity %s)", output_dir, architecture,
-                implementation, "not measured" if parity is None else f"{parity:.1e}")  # fmt: skip
+    logger.info(
+        "wrote %s: %s with attn_implementation=%r (exact parity %s)",
+        output_dir,
+        architecture,
+        implementation,
+        "not measured" if parity is None else f"{parity:.1e}",
+    )
     return output_dir

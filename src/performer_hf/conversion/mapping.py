@@ -113,12 +113,22 @@ _BERT_MLM = (
     Rule("cls.predictions.transform.dense.{p}", COPY, ("lm_head.dense.{p}",)),
     Rule("cls.predictions.transform.LayerNorm.{p}", COPY, ("lm_head.layer_norm.{p}",)),
     Rule("cls.predictions.bias", COPY, ("lm_head.bias",)),
-    Rule("cls.predictions.decoder.weight", TIED, ("lm_head.decoder.weight",), "tied output embeddings",
-         tied_to="embeddings.word_embeddings.weight"),
-    Rule("cls.predictions.decoder.bias", TIED, note="duplicate of cls.predictions.bias",
-         tied_to="cls.predictions.bias", always_tied=True),
+    Rule(
+        "cls.predictions.decoder.weight",
+        TIED,
+        ("lm_head.decoder.weight",),
+        "tied output embeddings",
+        tied_to="embeddings.word_embeddings.weight",
+    ),
+    Rule(
+        "cls.predictions.decoder.bias",
+        TIED,
+        note="duplicate of cls.predictions.bias",
+        tied_to="cls.predictions.bias",
+        always_tied=True,
+    ),
     _POOLER_DROP,
-)  # fmt: skip
+)
 _BERT_NSP = Rule("cls.seq_relationship.{p}", DROP, note="next-sentence-prediction head (pre-training only)")
 _SEQUENCE_CLASSIFIER = (Rule("classifier.{p}", COPY, ("classifier.{p}",)),)
 
@@ -126,11 +136,16 @@ _ROBERTA_MLM = (
     Rule("lm_head.dense.{p}", COPY, ("lm_head.dense.{p}",)),
     Rule("lm_head.layer_norm.{p}", COPY, ("lm_head.layer_norm.{p}",)),
     Rule("lm_head.bias", COPY, ("lm_head.bias",)),
-    Rule("lm_head.decoder.weight", TIED, ("lm_head.decoder.weight",), "tied output embeddings",
-         tied_to="embeddings.word_embeddings.weight"),
+    Rule(
+        "lm_head.decoder.weight",
+        TIED,
+        ("lm_head.decoder.weight",),
+        "tied output embeddings",
+        tied_to="embeddings.word_embeddings.weight",
+    ),
     Rule("lm_head.decoder.bias", TIED, note="duplicate of lm_head.bias", tied_to="lm_head.bias", always_tied=True),
     _POOLER_DROP,
-)  # fmt: skip
+)
 # RoBERTa's classification head is dense + tanh on <s>, then out_proj: exactly BERT's pooler + classifier.
 _ROBERTA_CLASSIFIER = (
     Rule("classifier.dense.{p}", COPY, (_p("pooler.dense.{p}"),)),
@@ -143,10 +158,16 @@ _GPT2_BODY = (
     Rule("wte.weight", COPY, (_p("embeddings.word_embeddings.weight"),)),
     Rule("wpe.weight", COPY, (POSITION_TABLE,)),
     Rule("h.{i}.ln_1.{p}", COPY, (_p(f"{_GPT2_LAYER}.attention_norm.{{p}}"),)),
-    Rule("h.{i}.attn.c_attn.weight", SPLIT_QKV,
-         tuple(_p(f"{_GPT2_LAYER}.attention.{name}.weight") for name in ("query", "key", "value"))),
-    Rule("h.{i}.attn.c_attn.bias", SPLIT_QKV,
-         tuple(_p(f"{_GPT2_LAYER}.attention.{name}.bias") for name in ("query", "key", "value"))),
+    Rule(
+        "h.{i}.attn.c_attn.weight",
+        SPLIT_QKV,
+        tuple(_p(f"{_GPT2_LAYER}.attention.{name}.weight") for name in ("query", "key", "value")),
+    ),
+    Rule(
+        "h.{i}.attn.c_attn.bias",
+        SPLIT_QKV,
+        tuple(_p(f"{_GPT2_LAYER}.attention.{name}.bias") for name in ("query", "key", "value")),
+    ),
     Rule("h.{i}.attn.c_proj.weight", TRANSPOSE, (_p(f"{_GPT2_LAYER}.attention.output.weight"),)),
     Rule("h.{i}.attn.c_proj.bias", COPY, (_p(f"{_GPT2_LAYER}.attention.output.bias"),)),
     Rule("h.{i}.ln_2.{p}", COPY, (_p(f"{_GPT2_LAYER}.mlp_norm.{{p}}"),)),
@@ -157,7 +178,7 @@ _GPT2_BODY = (
     Rule("ln_f.{p}", COPY, (_p("encoder.final_norm.{p}"),)),
     Rule("h.{i}.attn.bias", DROP, note="buffer (causal mask of old checkpoints)"),
     Rule("h.{i}.attn.masked_bias", DROP, note="buffer (mask fill value of old checkpoints)"),
-)  # fmt: skip
+)
 _GPT2_LM = (Rule("lm_head.weight", TIED, ("lm_head.weight",), "tied output embeddings", tied_to="wte.weight"),)
 
 

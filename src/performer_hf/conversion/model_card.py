@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from ..attention_card import KERNEL_DESCRIPTIONS, hybrid_lines, method_description, transfer_summary
+from ..attention_card import kernel_description, method_description, method_lines, transfer_summary, uses_projection
 from ..integrations.attention_settings import ATTENTION_FIELDS
 from .fidelity import FidelityReport
 
@@ -29,14 +30,21 @@ def source_license(folder: Path) -> str:
     return "unknown"
 
 
+@dataclass(frozen=True)
+class CardSource:
+    """What a conversion card says about the source: the Hub id it names, its license, its architecture and
+    the positions it was pretrained with."""
+
+    base_model: str
+    license_name: str
+    architecture: str
+    pretrained_positions: int
+
+
 def build_model_card(
-    *,
-    base_model: str,
-    license_name: str,
-    source_architecture: str,
+    source: CardSource,
     target_class: str,
     config,
-    pretrained_positions: int,
     dropped: dict[str, str],
     report: FidelityReport | None,
     sentence_pipeline: bool = False,
@@ -44,6 +52,12 @@ def build_model_card(
     """A model card whose metadata names the base model, license, library and tags, and whose text
     states the FAVOR+ settings and the fidelity measured at conversion; ``sentence_pipeline``: the
     folder carries the source's sentence-transformers pipeline (tagged, with its usage)."""
+    base_model, license_name, source_architecture, pretrained_positions = (
+        source.base_model,
+        source.license_name,
+        source.architecture,
+        source.pretrained_positions,
+    )
     data = ModelCardData(
         base_model=base_model,
         license=license_name,
@@ -59,7 +73,7 @@ def build_model_card(
         "code (`model.redraw_projections(step)`); never inside `forward`, so evaluation is deterministic"
     )
     coupling = {"orthogonal": "orthogonal", "simplex": "simplex", "iid": "i.i.d."}[config.feature_coupling]
-    hybrid = config.uses_hybrid_attention
+    hybrid = config.attention_method == "hybrid"
     lines = [
         f"# Performer conversion of {base_model}",
         "",
@@ -71,14 +85,13 @@ def build_model_card(
         "## Attention settings",
         "",
         f"- attention kernel{' (far field)' if hybrid else ''}: `{config.attention_kernel}` "
-        f"({KERNEL_DESCRIPTIONS.get(config.attention_kernel, '')})",
+        f"({kernel_description(config)})",
         f"- nb_features (random features per head): {config.nb_features}"
-        + (" (unused by this deterministic kernel)" if config.attention_kernel in ("taylor2", "poly2") else ""),
+        + ("" if uses_projection(config) else " (unused by this deterministic kernel)"),
         f"- feature coupling: {coupling}, row norms `{config.feature_row_norms}`, seed {config.projection_seed}",
         f"- redraw policy: {redraw}",
     ]
-    if hybrid:
-        lines += hybrid_lines(config)
+    lines += method_lines(config)
     lines += [
         f"- causal: {'yes' if config.is_decoder or target_class == 'PerformerForCausalLM' else 'no'}",
         f"- positions: {positions} (pretrained: {pretrained_positions}"

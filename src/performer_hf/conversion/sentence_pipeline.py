@@ -20,10 +20,15 @@ logger = logging.getLogger(__name__)
 
 MODULES_FILE = "modules.json"
 # the transformer module's config under the names sentence-transformers reads, in its order
-TRANSFORMER_CONFIG_FILES = ("sentence_bert_config.json", "sentence_roberta_config.json",
-                            "sentence_distilbert_config.json", "sentence_camembert_config.json",
-                            "sentence_albert_config.json", "sentence_xlm-roberta_config.json",
-                            "sentence_xlnet_config.json")  # fmt: skip
+TRANSFORMER_CONFIG_FILES = (
+    "sentence_bert_config.json",
+    "sentence_roberta_config.json",
+    "sentence_distilbert_config.json",
+    "sentence_camembert_config.json",
+    "sentence_albert_config.json",
+    "sentence_xlm-roberta_config.json",
+    "sentence_xlnet_config.json",
+)
 TOP_LEVEL_FILES = (MODULES_FILE, "config_sentence_transformers.json", *TRANSFORMER_CONFIG_FILES)
 
 
@@ -114,8 +119,9 @@ def copy_sentence_pipeline(source: Path, target: Path, positions: int, extended:
         logger.info(
             "sentence-transformers max_seq_length raised from %d to %d, the extended positions (set "
             "model.max_seq_length after loading to truncate earlier)",
-            config["max_seq_length"], positions,
-        )  # fmt: skip
+            config["max_seq_length"],
+            positions,
+        )
         config["max_seq_length"] = positions
         config_file.write_text(json.dumps(config, indent=2) + "\n")
     logger.info("carried the sentence-transformers pipeline over: %s", ", ".join(copied))

@@ -8,6 +8,10 @@ from .attention_transfer import TransferReport, text_batches, transfer_attention
 from .cache import CACHE_KEYWORD, PerformerCache
 
 __all__ = [
-    "CACHE_KEYWORD", "PerformerCache", "TransferReport", "register_attention_implementations", "text_batches",
+    "CACHE_KEYWORD",
+    "PerformerCache",
+    "TransferReport",
+    "register_attention_implementations",
+    "text_batches",
     "transfer_attention",
-]  # fmt: skip
+]

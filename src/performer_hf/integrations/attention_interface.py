@@ -38,7 +38,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..modeling.attention_methods import softmax_attention
+from ..modeling.method_exact import softmax_attention
 from .attention_settings import IMPLEMENTATIONS, method_state
 
 Tensor = torch.Tensor
@@ -119,7 +119,7 @@ def _performer_attention(implementation: str):
         transfer = TRANSFER_HOOK.get()
         if transfer is not None:
             context = transfer(state, query, key, value, key_mask, causal)
-        elif state.kernel == "exact":
+        elif state.attention_method == "exact":
             context, _ = softmax_attention(query, key, value, key_mask, causal, dropout if module.training else 0.0)
         elif layer_cache is not None or key.shape[2] == query.shape[2]:
             context, _ = state.attend(state, query, key, value, key_mask, causal, layer_cache)  # (B, H, Lq, D)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..modeling.attention_methods import ATTENTION_METHODS
+from ..modeling.attention_methods import ATTENTION_FIELDS, ATTENTION_METHODS, infer_method
 from ..modeling.configuration_performer import PerformerConfig
 from ..modeling.layers_performer import AttentionMethodState
 
@@ -32,20 +32,13 @@ logger = logging.getLogger(__name__)
 
 CONFIG_ATTRIBUTE = "performer_attention"
 
-# The attention fields of PerformerConfig that `performer_attention` may set.
-ATTENTION_FIELDS = (
-    "attention_kernel", "nb_features", "feature_coupling", "feature_row_norms", "projection_seed",
-    "causal_chunk_size", "exact_max_length", "local_window", "num_global_tokens", "routed_blocks",
-    "route_block_size", "route_group_size", "query_block_size", "center_features", "far_field_parameter",
-    "far_field_gain",
-)  # fmt: skip
-
-_DEFAULTS = {name: getattr(PerformerConfig(), name) for name in ATTENTION_FIELDS}
+_DEFAULTS = {name: getattr(PerformerConfig(), name) for name in ATTENTION_FIELDS if name != "attention_method"}
 
 # attn_implementation name -> the method's presets for bidirectional and causal models. "performer": plain
 # FAVOR+ (PerformerConfig's defaults). "performer_hybrid": the converter's hybrid presets, except that causal
 # models get no exact prefix (exact_max_length=0), so that their decoding state is constant from the first
-# token, and FAVOR++'s A is 0 (plain positive features) with zero centres until calibrated.
+# token, and FAVOR++'s A is 0 (plain positive features) with zero centres until calibrated. Settings that do
+# not name their attention_method take the one their fields select (attention_methods.infer_method).
 IMPLEMENTATIONS: dict[str, dict[str, dict[str, Any]]] = {
     "performer": ATTENTION_METHODS["favor"].presets,
     "performer_hybrid": {
@@ -66,8 +59,11 @@ def resolved_settings(config, implementation: str, causal: bool) -> dict[str, An
             f"{', '.join(ATTENTION_FIELDS)}."
         )
     preset = IMPLEMENTATIONS[implementation]["causal" if causal else "bidirectional"]
-    # every field explicit, so that a later release's defaults cannot change a saved model
+    # every field explicit, so that a later release's defaults cannot change a saved model; settings saved before
+    # attention_method existed keep the method their fields selected
     settings = {**_DEFAULTS, **preset, **given}
+    if "attention_method" not in given:
+        settings["attention_method"] = infer_method(settings)
     if given != settings:
         setattr(config, CONFIG_ATTRIBUTE, settings)
     if getattr(config, "attn_implementation", None) != implementation:
@@ -88,14 +84,18 @@ def method_config(config, implementation: str, causal: bool, num_heads: int, hea
     validation checks the settings)."""
     settings = resolved_settings(config, implementation, causal)
     return PerformerConfig(
-        hidden_size=num_heads * head_dim, num_attention_heads=num_heads,
-        num_hidden_layers=config.get_text_config().num_hidden_layers, is_decoder=causal,
-        attention_probs_dropout_prob=0.0, **settings,
-    )  # fmt: skip
+        hidden_size=num_heads * head_dim,
+        num_attention_heads=num_heads,
+        num_hidden_layers=config.get_text_config().num_hidden_layers,
+        is_decoder=causal,
+        attention_probs_dropout_prob=0.0,
+        **settings,
+    )
 
 
-def is_current(state: AttentionMethodState, config, implementation: str, causal: bool, num_heads: int,
-               head_dim: int) -> bool:  # fmt: skip
+def is_current(
+    state: AttentionMethodState, config, implementation: str, causal: bool, num_heads: int, head_dim: int
+) -> bool:
     """Whether ``state`` was built for these settings and head shapes (checked at every call: a dict
     comparison, cheaper than formatting the settings)."""
     return state.performer_key == (implementation, causal, num_heads, head_dim) and (
@@ -129,8 +129,9 @@ def method_state(module: nn.Module, implementation: str, causal: bool, query: to
                     _REPORTED_CHECKPOINTS.add(config._name_or_path)
                     logger.info(
                         "read the trained Performer attention tensors from %s (transformers' load report lists them "
-                        "as unexpected keys: the model class does not declare them)", config._name_or_path,
-                    )  # fmt: skip
+                        "as unexpected keys: the model class does not declare them)",
+                        config._name_or_path,
+                    )
             else:
                 tensors = learned.state_dict()
             state.load_state_dict(tensors)

@@ -36,9 +36,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..modeling.attention_methods import softmax_attention
 from ..modeling.far_fields import get_far_field
 from ..modeling.favor_hybrid import fixed_centres
+from ..modeling.method_exact import softmax_attention
 from .attention_interface import TRANSFER_HOOK
 from .attention_settings import CONFIG_ATTRIBUTE, LEARNED_ATTRIBUTE, LEARNED_SUBMODULE, mark_current
 
@@ -65,8 +65,13 @@ class TransferReport:
     error_last: dict[int, float]
 
     def to_dict(self) -> dict:
-        return {"steps": self.steps, "tokens": self.tokens, "seconds": round(self.seconds, 1),
-                "relative_error_first": self.error_first, "relative_error_last": self.error_last}  # fmt: skip
+        return {
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 1),
+            "relative_error_first": self.error_first,
+            "relative_error_last": self.error_last,
+        }
 
 
 def _states(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
@@ -93,7 +98,7 @@ def _learnable(state: nn.Module) -> dict[str, nn.Parameter]:
     """Make the state's learnable parts parameters; returns them by name."""
     spec = getattr(state, "hybrid_spec", None)
     names = []
-    if spec is None or state.uses_projection:
+    if spec is None or spec.uses_projection:
         names.append("projection")
     if spec is not None and spec.center:
         names += ["query_center", "key_center"]
@@ -182,13 +187,19 @@ def transfer_attention(
         )
     _centre_on_the_source(model, batches[0], states)
     learned = [_learnable(state) for _, state in states]
-    gains = [(state, parameters["far_field_log_gain"]) for (_, state), parameters in zip(states, learned, strict=True)
-             if "far_field_log_gain" in parameters]  # fmt: skip
+    gains = [
+        (state, parameters["far_field_log_gain"])
+        for (_, state), parameters in zip(states, learned, strict=True)
+        if "far_field_log_gain" in parameters
+    ]
     tensors = [p for parameters in learned for name, p in parameters.items() if name != "far_field_log_gain"]
-    optimizer = torch.optim.Adam([
-        {"params": tensors},
-        {"params": [log_gain for _, log_gain in gains], "lr": learning_rate * GAIN_LEARNING_RATE_FACTOR},
-    ], lr=learning_rate)  # fmt: skip
+    optimizer = torch.optim.Adam(
+        [
+            {"params": tensors},
+            {"params": [log_gain for _, log_gain in gains], "lr": learning_rate * GAIN_LEARNING_RATE_FACTOR},
+        ],
+        lr=learning_rate,
+    )
     far_field_parameters = [
         parameters["far_field_parameter"] for parameters in learned if "far_field_parameter" in parameters
     ]
@@ -233,10 +244,17 @@ def transfer_attention(
         model.train(was_training)
     _record(model, states, learned)
     span = max(1, min(window, len(errors) // 2))  # the first and last spans never overlap
-    report = TransferReport(len(errors), tokens, time.perf_counter() - start,
-                            _mean(errors[:span]), _mean(errors[-span:]))  # fmt: skip
-    logger.info("attention transfer: %d steps, %d tokens, %.0f s; mean relative error %.4f -> %.4f", report.steps,
-                tokens, report.seconds, _overall(report.error_first), _overall(report.error_last))  # fmt: skip
+    report = TransferReport(
+        len(errors), tokens, time.perf_counter() - start, _mean(errors[:span]), _mean(errors[-span:])
+    )
+    logger.info(
+        "attention transfer: %d steps, %d tokens, %.0f s; mean relative error %.4f -> %.4f",
+        report.steps,
+        tokens,
+        report.seconds,
+        _overall(report.error_first),
+        _overall(report.error_last),
+    )
     return report
 
 

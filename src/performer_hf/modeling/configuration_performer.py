@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import field
+
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .attention_methods import ATTENTION_METHODS
+from .attention_methods import ATTENTION_METHODS, infer_method
+from .far_fields import FAR_FIELDS
+from .favor_features import FEATURE_MAPS
+from .favor_projection import COUPLINGS, ROW_NORMS
 
-# Kept literal (not imported from the kernels) so this file stays self-contained when the
-# Hub's remote-code loader copies it next to a checkpoint.
-FAVOR_KERNELS = ("softmax", "softmax_hyperbolic", "softmax_trig", "relu", "elu")
-# Far fields of performer_hf.favor_hybrid.hybrid_attention; the last three exist only there.
-HYBRID_KERNELS = ("softmax", "softmax_hyperbolic", "softmax_opt", "taylor2", "poly2")
-ATTENTION_KERNELS = (*FAVOR_KERNELS, "softmax_opt", "taylor2", "poly2", "exact")
-FEATURE_COUPLINGS = ("orthogonal", "simplex", "iid")
-FEATURE_ROW_NORMS = ("chi", "sqrt_d")
 LAYER_NORM_POSITIONS = ("post", "pre")
 
 
@@ -32,7 +30,16 @@ class PerformerConfig(PreTrainedConfig):
       `pad_token_id + 1` and counts only real tokens, padding gets position `pad_token_id`.
     - `is_decoder`: causal attention in `PerformerModel` (`PerformerForCausalLM` is always causal).
 
-    FAVOR+ fields:
+    - `attention_method`: the attention that replaces softmax: `"favor"` (FAVOR+), `"hybrid"` (below) or
+      `"exact"` (softmax attention with the same weights, the reference the approximations are measured
+      against; it ignores every field below). Each method reads its own fields; a config of one method that
+      sets another's (a FAVOR+ config with a `local_window`, say) is refused with the fix. `None` (configs
+      saved before the field existed, or built without it) takes the method those fields always selected:
+      `attention_kernel="exact"` is exact attention, a kernel that only the hybrid has (`"softmax_opt"`,
+      `"taylor2"`, `"poly2"`) or any hybrid field away from its default the hybrid, anything else FAVOR+;
+      the config then records it. `attention_kernel="exact"` always means exact attention.
+
+    FAVOR+ fields (the hybrid's random-feature far fields read them too):
 
     - `attention_kernel`: a feature map of `performer_hf.favor` (`"softmax"` positive random
       features, `"softmax_hyperbolic"`, `"softmax_trig"`, `"relu"`, `"elu"`), a far field of the
@@ -58,11 +65,9 @@ class PerformerConfig(PreTrainedConfig):
       keys and values until the sequence passes them, then the hybrid's constant-size state. (Where the
       hybrid's window covers every key, it is exact attention anyway.)
 
-    Hybrid attention (`performer_hf.favor_hybrid.hybrid_attention`): exact softmax on a sparse support
-    per query plus the `attention_kernel` as a linear-time far field for every other key, sharing one
-    normaliser. It is used whenever `attention_kernel` is `"softmax_opt"`, `"taylor2"` or `"poly2"`,
-    or any of the fields below is set; with all of them at their defaults the kernels above run as
-    plain FAVOR+ (`performer_hf.favor.favor_attention`).
+    Hybrid attention (`attention_method="hybrid"`, `performer_hf.favor.hybrid_attention`): exact softmax on a
+    sparse support per query plus the `attention_kernel` as a linear-time far field for every other key,
+    sharing one normaliser (its settings as a `HybridSpec`: `HybridSpec.from_config(config)`).
 
     - `local_window`: `w` keys around each query computed exactly (bidirectional: `(w - 1) // 2`
       before, the rest after; causal: the query and the `w - 1` before). `0`: no window.
@@ -112,7 +117,9 @@ class PerformerConfig(PreTrainedConfig):
     hidden_act: str = "gelu"
     hidden_dropout_prob: float | int = 0.1
     attention_probs_dropout_prob: float | int = 0.1
-    max_position_embeddings: int = 512
+    max_position_embeddings: int = field(
+        default=512, metadata={"help": "tokens the model reads; the pretrained position table is tiled to fill it"}
+    )
     type_vocab_size: int = 2
     initializer_range: float = 0.02
     layer_norm_eps: float = 1e-12
@@ -127,51 +134,65 @@ class PerformerConfig(PreTrainedConfig):
     layer_norm_position: str = "post"
     position_offset: int = 0
 
-    attention_kernel: str = "softmax"
-    nb_features: int = 256
-    feature_coupling: str = "orthogonal"
-    feature_row_norms: str = "chi"
-    projection_seed: int = 0
-    feature_redraw_interval: int | None = None
-    causal_chunk_size: int = 128
-    exact_max_length: int = 0
-
-    local_window: int = 0
-    num_global_tokens: int = 0
-    routed_blocks: int = 0
-    route_block_size: int = 8
-    route_group_size: int = 0
-    query_block_size: int = 16
-    center_features: bool = False
-    far_field_parameter: float | int | list[list[float | int]] | None = None
-    far_field_gain: float | int | list[list[float | int]] | None = None
+    # the attention fields: their help is the converter's command line (performer-hf convert --help)
+    attention_method: str | None = field(default=None, metadata={"help": "favor, hybrid or exact"})
+    attention_kernel: str = field(
+        default="softmax",
+        metadata={"help": "FAVOR+ kernel, hybrid far field (softmax_opt = FAVOR++, poly2, ...) or exact"},
+    )
+    nb_features: int = field(default=256, metadata={"help": "random features per head"})
+    feature_coupling: str = field(default="orthogonal", metadata={"help": "orthogonal, simplex or iid"})
+    feature_row_norms: str = field(default="chi", metadata={"help": "chi (unbiased) or sqrt_d"})
+    projection_seed: int = field(default=0, metadata={"help": "seed of the random features"})
+    feature_redraw_interval: int | None = field(
+        default=None, metadata={"help": "optimizer steps between feature redraws in training (None: never)"}
+    )
+    causal_chunk_size: int = field(default=128, metadata={"help": "positions per chunk of the causal scan"})
+    exact_max_length: int = field(
+        default=0,
+        metadata={
+            "help": "bidirectional: inputs of at most this many tokens keep exact attention; causal: the "
+            "first this many positions attend exactly; 0: never"
+        },
+    )
+    local_window: int = field(default=0, metadata={"help": "hybrid: keys around each query computed exactly"})
+    num_global_tokens: int = field(default=0, metadata={"help": "hybrid: first tokens attended exactly by every query"})
+    routed_blocks: int = field(
+        default=0, metadata={"help": "hybrid, bidirectional: key blocks per query block chosen by content"}
+    )
+    route_block_size: int = field(default=8, metadata={"help": "hybrid: keys per routed block"})
+    route_group_size: int = field(
+        default=0, metadata={"help": "hybrid: key blocks per routing group, scored together first (0: every block)"}
+    )
+    query_block_size: int = field(default=16, metadata={"help": "hybrid: queries per routing block"})
+    center_features: bool = field(
+        default=False, metadata={"help": "hybrid: centre queries and keys before the far field"}
+    )
+    far_field_parameter: float | int | list[list[float | int]] | None = field(
+        default=None, metadata={"help": "hybrid: FAVOR++'s A for attention_kernel softmax_opt (None: closed form)"}
+    )
+    far_field_gain: float | int | list[list[float | int]] | None = field(
+        default=None, metadata={"help": "hybrid: a factor on the far-field kernel against the exact support"}
+    )
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    @property
-    def uses_hybrid_attention(self) -> bool:
-        """Whether attention runs through the hybrid kernel (see the class docstring)."""
-        if self.attention_kernel == "exact":
-            return False
-        return (
-            self.attention_kernel not in FAVOR_KERNELS
-            or self.local_window > 0
-            or self.num_global_tokens > 0
-            or self.routed_blocks > 0
-            or self.center_features
-            or self.far_field_parameter is not None
-            or self.far_field_gain is not None
-        )
+    def __post_init__(self, **kwargs):
+        if self.attention_kernel == "exact" or self.attention_method is None:
+            self.attention_method = infer_method(self.__dict__)  # recorded: saved configs name their method
+        if self.attention_method not in ATTENTION_METHODS:  # before any validator looks the method up
+            raise ValueError(
+                f"attention_method={self.attention_method!r} is not supported; choose one of "
+                f"{tuple(ATTENTION_METHODS)}."
+            )
+        super().__post_init__(**kwargs)
 
     @property
-    def attention_method(self) -> str:
-        """The entry of ``attention_methods.ATTENTION_METHODS`` these settings select: ``"exact"``,
-        ``"hybrid"`` (see :attr:`uses_hybrid_attention`) or ``"favor"``."""
-        if self.attention_kernel == "exact":
-            return "exact"
-        return "hybrid" if self.uses_hybrid_attention else "favor"
+    def uses_hybrid_attention(self) -> bool:
+        """Whether attention runs through the hybrid kernel (``attention_method == "hybrid"``)."""
+        return self.attention_method == "hybrid"
 
     @property
     def has_attention_weights(self) -> bool:
@@ -202,7 +223,7 @@ class PerformerConfig(PreTrainedConfig):
         return [ATTENTION_METHODS[self.attention_method].cache_layer_type] * self.num_hidden_layers
 
     def validate_layer_type(self):
-        """Part of `@strict` validation. `layer_types` is derived from `attention_kernel` (checked in
+        """Part of `@strict` validation. `layer_types` is derived from `attention_method` (checked in
         `validate_architecture`); its `"favor_attention"` / `"hybrid_attention"` entries name cache
         layer types that `cache_performer.py` registers, outside transformers' list of built-in types."""
 
@@ -226,16 +247,25 @@ class PerformerConfig(PreTrainedConfig):
                 f"({self.num_attention_heads})."
             )
         choices = {
-            "attention_kernel": ATTENTION_KERNELS,
-            "feature_coupling": FEATURE_COUPLINGS,
-            "feature_row_norms": FEATURE_ROW_NORMS,
+            # FAVOR+'s feature maps, the hybrid's far fields, and "exact" (exact attention)
+            "attention_kernel": tuple(dict.fromkeys([*FEATURE_MAPS, *FAR_FIELDS, "exact"])),
+            "feature_coupling": COUPLINGS,
+            "feature_row_norms": ROW_NORMS,
             "layer_norm_position": LAYER_NORM_POSITIONS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported; choose one of {allowed}.")
-        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                    "max_position_embeddings", "nb_features", "causal_chunk_size")  # fmt: skip
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "nb_features",
+            "causal_chunk_size",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}.")
@@ -254,51 +284,81 @@ class PerformerConfig(PreTrainedConfig):
                 "feature_redraw_interval must be a positive number of steps or None, "
                 f"got {self.feature_redraw_interval}."
             )
+        self.check_attention_settings()
+
+    def check_attention_settings(self):
+        """Refuse attention settings the method cannot run, or fields it would ignore. Part of `@strict`
+        validation, and run again when a model is built: a field set after the config was (a FAVOR+ config given a
+        `local_window`) fails there, with the fix, instead of being ignored."""
+        self._validate_ranges()
+        self._validate_method()
         self._validate_hybrid()
 
-    def _validate_hybrid(self):
-        """The hybrid-attention fields: ranges, kernels that can be a far field, causal restrictions."""
+    def _validate_method(self):
+        """The attention method against the fields it reads: one of its kernels, and no field of another method
+        away from its default (it would be ignored)."""
+        method = ATTENTION_METHODS[self.attention_method]
+        if method.kernels is None:  # exact attention reads none of them
+            return
+        if self.attention_kernel not in method.kernels:
+            others = [
+                name
+                for name, entry in ATTENTION_METHODS.items()
+                if entry.kernels and self.attention_kernel in entry.kernels
+            ]
+            raise ValueError(
+                f"attention_kernel={self.attention_kernel!r} is not a kernel of attention_method="
+                f"{self.attention_method!r}; choose one of {sorted(method.kernels)}"
+                + (f", or set attention_method={others[0]!r}." if others else ".")
+            )
+        defaults = {f.name: f.default for f in dataclasses.fields(PerformerConfig)}
+        every_field = dict.fromkeys(name for entry in ATTENTION_METHODS.values() for name in entry.fields)
+        foreign = [name for name in every_field if name not in method.fields and getattr(self, name) != defaults[name]]
+        if foreign:
+            owner = next(name for name, entry in ATTENTION_METHODS.items() if set(foreign) <= set(entry.fields))
+            raise ValueError(
+                f"{', '.join(foreign)} {'is' if len(foreign) == 1 else 'are'} not read by attention_method="
+                f"{self.attention_method!r} (the fields of {owner!r}): set attention_method={owner!r}, or leave "
+                f"{'it' if len(foreign) == 1 else 'them'} at the default."
+            )
+
+    def _validate_ranges(self):
+        """The hybrid's integer fields and gains, whatever the method (a wrong value is wrong everywhere)."""
         for name in ("local_window", "num_global_tokens", "routed_blocks", "route_group_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 switches it off), got {getattr(self, name)}.")
         for name in ("route_block_size", "query_block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}.")
-        self._validate_far_field_parameter()
         self._validate_far_field_gain()
-        if not self.uses_hybrid_attention:
+
+    def _validate_hybrid(self):
+        """The hybrid's far field: FAVOR++'s A, and what causal attention cannot do."""
+        if self.attention_method != "hybrid":
             return
-        if self.attention_kernel not in HYBRID_KERNELS:
-            raise ValueError(
-                f"attention_kernel={self.attention_kernel!r} cannot be the far field of hybrid attention "
-                "(local_window, num_global_tokens, routed_blocks, center_features, far_field_parameter or "
-                f"far_field_gain is set); "
-                f"choose one of {HYBRID_KERNELS}, or set those fields to 0 / False / None for plain FAVOR+."
-            )
+        far = FAR_FIELDS[self.attention_kernel]
+        if self.far_field_parameter is not None:
+            if not far.uses_parameter:
+                raise ValueError(
+                    f"far_field_parameter is FAVOR++'s A and only applies to attention_kernel='softmax_opt' "
+                    f"(got attention_kernel={self.attention_kernel!r}); set it to None."
+                )
+            largest = max(self._per_head_values("far_field_parameter"))
+            if largest >= 0.125:
+                raise ValueError(
+                    f"far_field_parameter (FAVOR++'s A) must be below 1/8 (finite variance); got {largest}."
+                )
         if self.is_decoder and self.routed_blocks:
             raise ValueError(
                 f"routed_blocks={self.routed_blocks} with is_decoder=True: routing reads every query and key of "
                 "a block, which leaks future tokens in causal attention. Set routed_blocks=0 for causal models."
             )
-        if self.is_decoder and self.attention_kernel == "softmax_opt" and self.far_field_parameter is None:
+        if self.is_decoder and far.uses_parameter and self.far_field_parameter is None:
             raise ValueError(
-                "attention_kernel='softmax_opt' with is_decoder=True needs a fixed far_field_parameter (FAVOR++'s A): "
-                "the per-sequence optimum would read future tokens. Convert with --calibrate (or set "
+                f"attention_kernel={far.name!r} with is_decoder=True needs a fixed far_field_parameter (FAVOR++'s "
+                "A): the per-sequence optimum would read future tokens. Convert with --calibrate (or set "
                 "far_field_parameter, e.g. -0.5)."
             )
-
-    def _validate_far_field_parameter(self):
-        value = self.far_field_parameter
-        if value is None:
-            return
-        if self.attention_kernel not in ("softmax_opt", "exact"):
-            raise ValueError(
-                f"far_field_parameter is FAVOR++'s A and only applies to attention_kernel='softmax_opt' "
-                f"(got attention_kernel={self.attention_kernel!r}); set it to None."
-            )
-        largest = max(self._per_head_values("far_field_parameter"))
-        if largest >= 0.125:
-            raise ValueError(f"far_field_parameter (FAVOR++'s A) must be below 1/8 (finite variance); got {largest}.")
 
     def _validate_far_field_gain(self):
         if self.far_field_gain is None:

@@ -19,8 +19,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("hybrid_support.cpp", "hybrid_far_field.cpp",
-                                                                  "hybrid_routing.cpp")]
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("hybrid_support.cpp", "hybrid_far_field.cpp", "hybrid_routing.cpp")
+]
 _HEADER = Path(__file__).parent / "csrc" / "hybrid_kernels.h"
 _FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 
@@ -56,8 +58,10 @@ def _put_ninja_on_path() -> None:
 def _compiled_kernels():
     """Build (or load from PyTorch's cache) the extension; ``None``, with a warning, when that fails."""
     if not all(path.exists() for path in _SOURCES):  # e.g. a trust_remote_code copy, which carries no C++ source
-        logger.info("No source for the fused hybrid-attention CPU kernel at %s; using the PyTorch implementation.",
-                    _SOURCES[0].parent)  # fmt: skip
+        logger.info(
+            "No source for the fused hybrid-attention CPU kernel at %s; using the PyTorch implementation.",
+            _SOURCES[0].parent,
+        )
         return None
     logger.info("Loading the fused hybrid-attention CPU kernel (compiled on first use: about a minute)")
     try:
@@ -76,8 +80,9 @@ def _compiled_kernels():
             "Fused hybrid-attention CPU kernel unavailable (%s: %s); using the PyTorch implementation, about "
             "2.5x slower at 8K tokens. For the kernel, install a C++ compiler (g++) and the ninja package; to "
             "silence this, set PERFORMER_HF_CPU_KERNELS=0.",
-            type(error).__name__, reason,
-        )  # fmt: skip
+            type(error).__name__,
+            reason,
+        )
         return None
     return module
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .far_field_polynomial import quadratic_features
 from .favor_features import FEATURE_MAPS
 from .favor_optimal import optimal_exp_form, optimal_log_features
-from .far_field_polynomial import quadratic_features
 
 Tensor = torch.Tensor
 

@@ -132,8 +132,16 @@ def _bidirectional(q: Tensor, k: Tensor, v1: Tensor, projection: Tensor, kernel:
     return qf @ kv
 
 
-def _causal(q: Tensor, k: Tensor, v1: Tensor, projection: Tensor, kernel: str, mask: Tensor | None, chunk_size: int,
-            state: FavorState | None) -> tuple[Tensor, FavorState]:
+def _causal(
+    q: Tensor,
+    k: Tensor,
+    v1: Tensor,
+    projection: Tensor,
+    kernel: str,
+    mask: Tensor | None,
+    chunk_size: int,
+    state: FavorState | None,
+) -> tuple[Tensor, FavorState]:
     """Chunked causal linear attention.
 
     q, k: (B, H, L, d), v1: (B, H, L, dv + 1) -> ((B, H, L, dv + 1), FavorState)

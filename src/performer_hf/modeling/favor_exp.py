@@ -256,8 +256,13 @@ class _CausalExp(torch.autograd.Function):
             q_shifts[:, :, a:b] = (top - 0.5 * xq.pow(2).sum(dim=-1, keepdim=True)).squeeze(-1) - log_root_m
             if stabilizer:
                 phi_q.add_(stabilizer)
-            log_phi = _exp_log_features(k[:, :, a:b], directions, None if keep is None else keep[:, :, a:b], bias,
-                                        None if key_row is None else key_row[:, :, a:b])  # fmt: skip
+            log_phi = _exp_log_features(
+                k[:, :, a:b],
+                directions,
+                None if keep is None else keep[:, :, a:b],
+                bias,
+                None if key_row is None else key_row[:, :, a:b],
+            )
             row_max = torch.maximum(log_phi.amax(dim=-1).nan_to_num_(neginf=EMPTY_SHIFT), prev.unsqueeze(-1))
             s = torch.cummax(row_max, dim=-1).values  # (B, H, S)
             shifts[:, :, a:b] = s
@@ -308,8 +313,13 @@ class _CausalExp(torch.autograd.Function):
             phi_q, _ = _exp_query_features(xq, directions, bias)  # without the stabilizer
             phi_q1 = phi_q + stabilizer if stabilizer else phi_q  # as used in the forward
             s = shifts[:, :, a:b]
-            log_phi = _exp_log_features(xk, directions, None if keep is None else keep[:, :, a:b], bias,
-                                        None if key_row is None else key_row[:, :, a:b])  # fmt: skip
+            log_phi = _exp_log_features(
+                xk,
+                directions,
+                None if keep is None else keep[:, :, a:b],
+                bias,
+                None if key_row is None else key_row[:, :, a:b],
+            )
             phi_k = log_phi.sub_(s.unsqueeze(-1)).exp_()
             qc, q1c, kc = (t.view(B, H, G, C, m) for t in (phi_q, phi_q1, phi_k))
             vc, sc = v1[:, :, a:b].view(B, H, G, C, d1), s.view(B, H, G, C)

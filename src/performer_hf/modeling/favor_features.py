@@ -112,9 +112,7 @@ FEATURE_MAPS: dict[str, FeatureMap] = {
             query_stabilizer=1e-6,
             exp_directions=_hyperbolic_directions,
         ),
-        FeatureMap(
-            "softmax_trig", _softmax_trig, "trigonometric random features (softmax kernel)", nonnegative=False
-        ),
+        FeatureMap("softmax_trig", _softmax_trig, "trigonometric random features (softmax kernel)", nonnegative=False),
         FeatureMap("relu", _relu, "generalized attention with ReLU features"),
         FeatureMap("elu", _elu, "elu + 1 features", uses_projection=False),
     )

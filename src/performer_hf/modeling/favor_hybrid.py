@@ -43,9 +43,9 @@ import dataclasses
 
 import torch
 
+from .far_fields import FarField, get_far_field
 from .favor_attention import check_attention_inputs
 from .favor_optimal import optimal_parameter, pair_statistic
-from .far_fields import FarField, get_far_field
 from .hybrid_backends import choose_backend
 from .hybrid_causal import decoding_step, extra_keys, lagged_far_field, next_state
 from .hybrid_exact import divide, global_rows
@@ -155,8 +155,9 @@ def _bidirectional(call: HybridCall) -> Tensor:
     globals_ = slice_keys(call.keys, 0, min(call.spec.num_global_tokens, call.x.shape[2]))
     extra = ExtraKeys(None, globals_ if call.spec.num_global_tokens else None)
     with_feats = call.ctx.far.quadratic is None
-    return backend.support_sums(Selection(call.x, call.keys, extra, call.spec, False, 0, with_feats), far,
-                                call.ctx.far.quadratic)  # fmt: skip
+    return backend.support_sums(
+        Selection(call.x, call.keys, extra, call.spec, False, 0, with_feats), far, call.ctx.far.quadratic
+    )
 
 
 def _causal(call: HybridCall, state: HybridState | None, return_state: bool):
@@ -238,9 +239,14 @@ def hybrid_attention(
     _check(q, k, v, projection, get_far_field(spec.far_field), key_padding_mask)
     stateful = initial_state is not None or return_state
     spec.check_direction(causal, query_center is not None and key_center is not None, stateful)
-    options = {"scaling": scaling, "key_padding_mask": key_padding_mask, "query_center": query_center,
-               "key_center": key_center, "far_field_parameter": far_field_parameter,
-               "far_field_gain": far_field_gain}  # fmt: skip
+    options = {
+        "scaling": scaling,
+        "key_padding_mask": key_padding_mask,
+        "query_center": query_center,
+        "key_center": key_center,
+        "far_field_parameter": far_field_parameter,
+        "far_field_gain": far_field_gain,
+    }
     call = _prepare(q, k, v, projection, spec, causal, options)
     if causal:
         sums, far_state = _causal(call, initial_state, return_state)

@@ -106,8 +106,15 @@ def lagged_far_field(call: HybridCall, state: HybridState | None, with_state: bo
     rows = leaving.rows(features=not fused)
     if fused:
         directions, bias = ctx.far.exp_form(ctx.projection, ctx.parameter)
-        scan = causal_exp_sums(u, rows.y - ctx.c, rows.values1, ExpFeatures(directions, bias), key_row=rows.klog,
-                               mask=rows.mask, chunk_size=spec.chunk_size)  # fmt: skip
+        scan = causal_exp_sums(
+            u,
+            rows.y - ctx.c,
+            rows.values1,
+            ExpFeatures(directions, bias),
+            key_row=rows.klog,
+            mask=rows.mask,
+            chunk_size=spec.chunk_size,
+        )
         # The queries' centering factor exp(rq) stays out of the scan: in the far field's scale, and (a factor of
         # value 1) in its gradient.
         rq_const = call.rq.detach()

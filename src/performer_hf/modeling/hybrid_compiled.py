@@ -46,8 +46,14 @@ def _routes(kernels, selection) -> Tensor:
             routes.append(kernels.top_blocks(scores.contiguous(), min(routed, scores.shape[-1])))
             continue
         groups = kernels.top_blocks(bounds.contiguous(), routed)  # (B, H, n, routed), -1: none
-        tensors = [queries.means.contiguous(), blocks.means.contiguous(), blocks.has_keys.contiguous(), groups,
-                   queries.window_lo.flatten(), queries.window_hi.flatten()]  # fmt: skip
+        tensors = [
+            queries.means.contiguous(),
+            blocks.means.contiguous(),
+            blocks.has_keys.contiguous(),
+            groups,
+            queries.window_lo.flatten(),
+            queries.window_hi.flatten(),
+        ]
         routes.append(kernels.routed_candidates(tensors, [block_k, blocks.group_size, routed]))
     return torch.cat(routes, dim=2)
 
@@ -59,8 +65,18 @@ def fused_sums(kernels, selection, far: FarQueries, quadratic: float) -> Tensor:
     B, H, L, _ = x.shape
     geometry = [selection.left, selection.right, selection.nb_global, spec.query_block_size, spec.route_block_size]
     rows = [t.expand(B, H, L, 1).reshape(B, H, L) for t in (far.rq, far.scale, keys.klog)]  # (B, H, L) each
-    tensors = [x, rows[0], rows[1], far.far_sum, far.key_shift[:, :, 0, 0], keys.y, keys.values1, rows[2], keys.mask,
-               _routes(kernels, selection)]  # fmt: skip
+    tensors = [
+        x,
+        rows[0],
+        rows[1],
+        far.far_sum,
+        far.key_shift[:, :, 0, 0],
+        keys.y,
+        keys.values1,
+        rows[2],
+        keys.mask,
+        _routes(kernels, selection),
+    ]
     return _SupportSums.apply(kernels, (geometry, quadratic), *(t.contiguous() for t in tensors))
 
 

@@ -13,7 +13,7 @@ import torch
 
 from .causal_scan import EMPTY_SHIFT, causal_scan
 from .hybrid_exact import CandidateSet, PartialSums
-from .hybrid_keys import FarContext, Keys
+from .hybrid_keys import Keys
 
 Tensor = torch.Tensor
 

@@ -89,7 +89,9 @@ def pad_keys(keys: Keys, before: int, after: int) -> Keys:
     if not before and not after:
         return keys
     return _map_keys(
-        lambda t, fill: F.pad(t, (0, 0, before, after), value=fill), keys, lambda m: F.pad(m, (before, after), value=False)
+        lambda t, fill: F.pad(t, (0, 0, before, after), value=fill),
+        keys,
+        lambda m: F.pad(m, (before, after), value=False),
     )
 
 

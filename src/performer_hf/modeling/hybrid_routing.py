@@ -81,8 +81,9 @@ def group_bounds(queries: QueryBlocks, blocks: KeyBlocks, block_k: int, nb_group
     return bound.masked_fill_(inside | ~blocks.group_has_keys[:, None, None, :], NEG_INF)
 
 
-def route_scores(queries: QueryBlocks, blocks: KeyBlocks, block_k: int,
-                 groups: Tensor | None) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+def route_scores(
+    queries: QueryBlocks, blocks: KeyBlocks, block_k: int, groups: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
     """Routing scores of a slab of query blocks: the mean logit between each query block and its candidate
     key blocks, (B, H, n, C), and the candidates (B, H, n, C): the blocks of ``groups`` ((B, H, n, g), chosen
     by :func:`group_bounds`), or None for every key block (C = Nk).
@@ -117,8 +118,9 @@ def route_width(blocks: KeyBlocks, nb_routed: int) -> int:
     return blocks.means.shape[2]
 
 
-def route(xq: Tensor, q_mask: Tensor, blocks: KeyBlocks, first_block: int, block_k: int, left: int, right: int,
-          nb_routed: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+def route(
+    xq: Tensor, q_mask: Tensor, blocks: KeyBlocks, first_block: int, block_k: int, left: int, right: int, nb_routed: int
+) -> tuple[Tensor, Tensor]:
     """Top ``nb_routed`` key blocks for a slab of query blocks (xq (B, H, n, bq, d), q_mask (B, n, bq)) by
     :func:`route_scores`.
 

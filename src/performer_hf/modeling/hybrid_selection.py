@@ -73,8 +73,9 @@ class Selection:
             subtract their kernel on the support).
     """
 
-    def __init__(self, x: Tensor, keys: Keys, extra: ExtraKeys, spec: HybridSpec, causal: bool, offset: int,
-                 with_feats: bool):  # fmt: skip
+    def __init__(
+        self, x: Tensor, keys: Keys, extra: ExtraKeys, spec: HybridSpec, causal: bool, offset: int, with_feats: bool
+    ):
         self.x, self.keys, self.extra, self.spec, self.causal, self.offset = x, keys, extra, spec, causal, offset
         self.with_feats = with_feats
         self.left, self.right = spec.offsets(causal)
@@ -116,7 +117,9 @@ class Selection:
         band = torch.arange(width, device=self.x.device)[None, :] - torch.arange(block_q, device=self.x.device)[:, None]
         band = (band >= 0) & (band <= self.left + self.right)  # (block_q, width): i - left <= j <= i + right
         support = band & window.mask.unfold(1, width, block_q)[:, None, :, None, :]  # (B, 1, N, block_q, width)
-        fields = [blocking.by_slab(t.unfold(2, width, block_q).transpose(-2, -1)) for t in window.fields(self.with_feats)]
+        fields = [
+            blocking.by_slab(t.unfold(2, width, block_q).transpose(-2, -1)) for t in window.fields(self.with_feats)
+        ]
         return [
             self._expanded(list(keys), support_s, count)
             for *keys, support_s, count in zip(*fields, blocking.by_slab(support), blocking.sizes, strict=True)

@@ -14,8 +14,6 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention_methods import ATTENTION_METHODS
 from .configuration_performer import PerformerConfig
-from .far_fields import get_far_field
-from .hybrid_spec import HybridSpec
 from .favor_projection import draw_projection
 
 
@@ -101,19 +99,12 @@ class AttentionMethodState(nn.Module):
         self.chunk_size = config.causal_chunk_size
         self.feature_coupling = config.feature_coupling
         self.feature_row_norms = config.feature_row_norms
-        self.attend = ATTENTION_METHODS[config.attention_method].attend
-        if config.attention_method == "hybrid":
-            self.hybrid_spec = HybridSpec(
-                far_field=config.attention_kernel, local_window=config.local_window,
-                num_global_tokens=config.num_global_tokens, routed_blocks=config.routed_blocks,
-                route_block_size=config.route_block_size, route_group_size=config.route_group_size,
-                query_block_size=config.query_block_size,
-                center=config.center_features, chunk_size=config.causal_chunk_size,
-            )  # fmt: skip
-            self.uses_projection = get_far_field(config.attention_kernel).uses_projection
-            # FAVOR++'s A: a float, a list of one per head, or None; a plain value, as models are built on `meta`
-            self.far_field_parameter = config.layer_far_field_parameter(layer_idx)
-            self.far_field_gain = config.layer_far_field_gain(layer_idx)  # a factor on the far field: None, 1 or (H,)
+        config.check_attention_settings()
+        method = ATTENTION_METHODS[config.attention_method]
+        self.attention_method, self.attend = config.attention_method, method.attend
+        if method.layer_settings is not None:  # e.g. the hybrid's HybridSpec, A and gain
+            for name, value in method.layer_settings(config, layer_idx).items():
+                setattr(self, name, value)
         self.dropout_prob = config.attention_probs_dropout_prob
         self.exact_max_length = config.exact_max_length
         self.nb_features = config.nb_features
@@ -131,9 +122,14 @@ class AttentionMethodState(nn.Module):
         """A ``(nb_features, head_dim)`` float32 projection drawn on the CPU from ``seed``."""
         generator = torch.Generator().manual_seed(seed)
         return draw_projection(
-            self.nb_features, self.head_dim, coupling=self.feature_coupling, row_norms=self.feature_row_norms,
-            generator=generator, device="cpu", dtype=torch.float32,
-        )  # fmt: skip
+            self.nb_features,
+            self.head_dim,
+            coupling=self.feature_coupling,
+            row_norms=self.feature_row_norms,
+            generator=generator,
+            device="cpu",
+            dtype=torch.float32,
+        )
 
     def draw_projection(self, seed: int) -> torch.Tensor:
         """A fresh ``(nb_features, head_dim)`` projection, reproducible from ``seed``, where the current one lives."""

@@ -205,9 +205,12 @@ class PerformerModel(PerformerPreTrainedModel):
             )
 
         hidden_states = self.embeddings(
-            input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, past_length=past_length,
-        )  # fmt: skip
+            input_ids=input_ids,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            past_length=past_length,
+        )
         sequence_output, all_hidden, all_weights = self.encoder(
             hidden_states, key_mask, causal, cache, output_hidden_states, output_attentions
         )
@@ -271,9 +274,15 @@ class PerformerForMaskedLM(PerformerPreTrainedModel):
     ) -> MaskedLMOutput | tuple:
         """``labels``: (B, L) token ids, -100 where no prediction is scored."""
         outputs = self.performer(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, return_dict=True, causal=False, **kwargs,
-        )  # fmt: skip
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            causal=False,
+            **kwargs,
+        )
         logits = self.lm_head(outputs.last_hidden_state)
         loss = None if labels is None else _token_loss(logits, labels, num_items_in_batch)
         output = MaskedLMOutput(
@@ -338,10 +347,17 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
         ``cache``: the decoding cache (``past_key_values`` before transformers 5.24)."""
         shift_labels = kwargs.pop("shift_labels", None)
         outputs = self.performer(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, cache=_cache_argument(cache, past_key_values, kwargs), use_cache=use_cache,
-            return_dict=True, causal=True, **kwargs,
-        )  # fmt: skip
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            cache=_cache_argument(cache, past_key_values, kwargs),
+            use_cache=use_cache,
+            return_dict=True,
+            causal=True,
+            **kwargs,
+        )
         hidden_states = outputs.last_hidden_state  # (B, L, hidden)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep])  # (B, L or N, vocab)
@@ -474,9 +490,15 @@ class PerformerForQuestionAnswering(PerformerPreTrainedModel):
     ) -> QuestionAnsweringModelOutput | tuple:
         """``start_positions`` / ``end_positions``: (B,) token indices of the answer span."""
         outputs = self.performer(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, return_dict=True, causal=False, **kwargs,
-        )  # fmt: skip
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            causal=False,
+            **kwargs,
+        )
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(dim=-1)  # (B, L) each
         loss = None
         if start_positions is not None and end_positions is not None:

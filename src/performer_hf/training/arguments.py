@@ -46,9 +46,11 @@ def _add_data_arguments(parser: argparse.ArgumentParser, task: str) -> None:
     group.add_argument("--train_file", help="A local .txt, .json/.jsonl or .csv file with the training data.")
     group.add_argument("--validation_file", help="A local file with the evaluation data (same format as train).")
     group.add_argument(
-        "--validation_split_percentage", type=int, default=5,
+        "--validation_split_percentage",
+        type=int,
+        default=5,
         help="Without a validation set: the percentage of the training set held out for evaluation.",
-    )  # fmt: skip
+    )
     group.add_argument(
         "--text_column_name",
         help="Column holding the text (default: 'text' if present, else the first column that is not the label).",
@@ -57,12 +59,15 @@ def _add_data_arguments(parser: argparse.ArgumentParser, task: str) -> None:
         group.add_argument("--text_pair_column_name", help="Optional second text column (sentence pairs).")
         group.add_argument("--label_column_name", default="label", help="Column holding the labels.")
     group.add_argument(
-        "--max_seq_length", "--block_size", dest="max_seq_length", type=_positive_int,
+        "--max_seq_length",
+        "--block_size",
+        dest="max_seq_length",
+        type=_positive_int,
         help=(
             "Tokens per example: the block length texts are grouped into (language modeling) or the truncation "
             "length (classification). Default: the model's number of positions."
         ),
-    )  # fmt: skip
+    )
     if task == "mlm":
         group.add_argument(
             "--mlm_probability", type=float, default=0.15, help="Share of tokens masked for the MLM loss."
@@ -95,12 +100,13 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--trust_remote_code", action="store_true", help="Allow custom code from the checkpoint when loading."
     )
     group.add_argument(
-        "--feature_redraw_interval", type=_positive_int,
+        "--feature_redraw_interval",
+        type=_positive_int,
         help=(
             "Redraw the FAVOR+ random features every N optimizer steps, seeded from the step so that all "
             "processes draw the same features (default: the config's feature_redraw_interval; never if unset)."
         ),
-    )  # fmt: skip
+    )
     group.add_argument(
         "--gradient_checkpointing", action="store_true", help="Recompute activations in backward to save memory."
     )
@@ -109,10 +115,11 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     lora.add_argument("--lora_alpha", type=float, help="LoRA scaling numerator (default: twice --lora_r).")
     lora.add_argument("--lora_dropout", type=_non_negative_float, default=0.0, help="Dropout on the LoRA input.")
     lora.add_argument(
-        "--lora_target_modules", nargs="+",
+        "--lora_target_modules",
+        nargs="+",
         help="Module names to adapt (default: the attention projections of the model's type, "
         "performer_hf.training.lora.LORA_TARGET_MODULES).",
-    )  # fmt: skip
+    )
 
 
 def _add_optimization_arguments(parser: argparse.ArgumentParser, task: str) -> None:
@@ -127,19 +134,34 @@ def _add_optimization_arguments(parser: argparse.ArgumentParser, task: str) -> N
     )
     group.add_argument("--gradient_accumulation_steps", type=_positive_int, default=1)
     group.add_argument(
-        "--lr_scheduler_type", type=SchedulerType, default="linear",
-        choices=[SchedulerType(name) for name in ("linear", "cosine", "cosine_with_restarts", "polynomial",
-                                                  "constant", "constant_with_warmup", "inverse_sqrt")],
-    )  # fmt: skip
+        "--lr_scheduler_type",
+        type=SchedulerType,
+        default="linear",
+        choices=[
+            SchedulerType(name)
+            for name in (
+                "linear",
+                "cosine",
+                "cosine_with_restarts",
+                "polynomial",
+                "constant",
+                "constant_with_warmup",
+                "inverse_sqrt",
+            )
+        ],
+    )
     group.add_argument("--num_warmup_steps", type=int, default=0, help="Optimizer steps of linear warm-up.")
     group.add_argument(
-        "--max_grad_norm", type=_non_negative_float, default=0.5,
+        "--max_grad_norm",
+        type=_non_negative_float,
+        default=0.5,
         help="Clip the gradient norm to this value (0 disables clipping). Default 0.5, as in the Performer paper.",
-    )  # fmt: skip
+    )
     group.add_argument(
-        "--mixed_precision", choices=("no", "fp16", "bf16"),
+        "--mixed_precision",
+        choices=("no", "fp16", "bf16"),
         help="Mixed precision (default: whatever `accelerate launch` / `accelerate config` says, else 'no').",
-    )  # fmt: skip
+    )
     group.add_argument("--seed", type=int, default=42, help="Seed for initialisation, data order and masking.")
 
 
@@ -155,19 +177,21 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="A checkpoint folder written by --checkpointing_steps, or 'latest' for the newest in --output_dir.",
     )
     group.add_argument(
-        "--eval_steps", type=_positive_int,
+        "--eval_steps",
+        type=_positive_int,
         help="Evaluate every N optimizer steps (default: at the end of every epoch).",
-    )  # fmt: skip
+    )
     group.add_argument(
         "--with_tracking", action="store_true", help="Log metrics with the trackers named by --report_to."
     )
     group.add_argument(
-        "--report_to", default=REPORT_TO_JSON,
+        "--report_to",
+        default=REPORT_TO_JSON,
         help=(
             "Comma-separated trackers: 'json' (a train_log.jsonl in --output_dir), any tracker Accelerate "
             "supports ('tensorboard', 'wandb', ...), or 'all'."
         ),
-    )  # fmt: skip
+    )
     group.add_argument("--push_to_hub", action="store_true", help="Push the final model, tokenizer and card.")
     group.add_argument("--hub_model_id", help="Repository to push to (default: the name of --output_dir).")
     group.add_argument("--hub_token", help="Token for --push_to_hub (default: the logged-in user's).")

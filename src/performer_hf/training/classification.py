@@ -57,10 +57,17 @@ def train_classifier(argv: list[str] | None = None) -> dict:
         )
     tokenizer = load_tokenizer(args)
     model = load_model(
-        args, AutoModelForSequenceClassification, tokenizer, accelerator, new_head=True, task="classification",
-        num_labels=len(label2id), label2id=label2id, id2label={index: name for name, index in label2id.items()},
+        args,
+        AutoModelForSequenceClassification,
+        tokenizer,
+        accelerator,
+        new_head=True,
+        task="classification",
+        num_labels=len(label2id),
+        label2id=label2id,
+        id2label={index: name for name, index in label2id.items()},
         problem_type="single_label_classification",
-    )  # fmt: skip
+    )
     max_length = resolve_sequence_length(args.max_seq_length, model.config)
     args.max_seq_length = max_length
     data = classification_datasets(raw, tokenizer, args, accelerator, label2id, max_length)

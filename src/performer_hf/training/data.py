@@ -148,9 +148,11 @@ def tokenize_texts(
             return {"input_ids": [], **({"special_tokens_mask": []} if special_tokens_mask else {})}
         with _QuietLengthWarning():
             return tokenizer(
-                texts, return_attention_mask=False, return_token_type_ids=False,
+                texts,
+                return_attention_mask=False,
+                return_token_type_ids=False,
                 return_special_tokens_mask=special_tokens_mask,
-            )  # fmt: skip
+            )
 
     return _tokenize_splits(raw, tokenize, args, accelerator)
 

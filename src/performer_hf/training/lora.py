@@ -69,6 +69,12 @@ def apply_lora(model: nn.Module, args: argparse.Namespace, task: str) -> nn.Modu
     except ValueError as error:  # e.g. target modules the model does not have
         raise TrainingInputError(f"LoRA could not be applied: {error}") from error
     trainable, total = wrapped.get_nb_trainable_parameters()
-    logger.info("LoRA r=%d on %s: %d of %d parameters trainable (%.2f%%)", args.lora_r,
-                ", ".join(config.target_modules), trainable, total, 100 * trainable / total)  # fmt: skip
+    logger.info(
+        "LoRA r=%d on %s: %d of %d parameters trainable (%.2f%%)",
+        args.lora_r,
+        ", ".join(config.target_modules),
+        trainable,
+        total,
+        100 * trainable / total,
+    )
     return wrapped

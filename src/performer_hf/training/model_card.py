@@ -13,7 +13,7 @@ import os
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from ..attention_card import hybrid_lines, method_description
+from ..attention_card import method_description, method_lines
 from ..modeling.configuration_performer import PerformerConfig
 
 logger = logging.getLogger(__name__)
@@ -21,11 +21,25 @@ logger = logging.getLogger(__name__)
 TASK_PIPELINES = {"mlm": "fill-mask", "clm": "text-generation", "classification": "text-classification"}
 TASK_NAMES = {"mlm": "masked language modeling", "clm": "causal language modeling", "classification": "classification"}
 
-FAVOR_FIELDS = ("attention_method", "attention_kernel", "nb_features", "feature_coupling", "feature_row_norms",
-                "feature_redraw_interval")  # fmt: skip
-SETUP_FIELDS = ("max_seq_length", "learning_rate", "lr_scheduler_type", "num_warmup_steps",
-                "per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "weight_decay",
-                "seed")  # fmt: skip
+FAVOR_FIELDS = (
+    "attention_method",
+    "attention_kernel",
+    "nb_features",
+    "feature_coupling",
+    "feature_row_norms",
+    "feature_redraw_interval",
+)
+SETUP_FIELDS = (
+    "max_seq_length",
+    "learning_rate",
+    "lr_scheduler_type",
+    "num_warmup_steps",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_grad_norm",
+    "weight_decay",
+    "seed",
+)
 
 
 def starting_card_metadata(folder: str | None) -> dict:
@@ -61,7 +75,7 @@ def _attention_section(config: PerformerConfig) -> list[str]:
         json.dumps(favor, indent=2),
         "```",
         "",
-        *(hybrid_lines(config) + [""] if config.uses_hybrid_attention else []),
+        *(lines + [""] if (lines := method_lines(config)) else []),
         _redraw_sentence(config.feature_redraw_interval),
         "",
     ]
@@ -94,15 +108,19 @@ def build_model_card(
         license=inherited.get("license"),
     )
     architecture = {
-        "num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
         "num_attention_heads": config.num_attention_heads,
         "max_position_embeddings": config.max_position_embeddings,
         "layer_norm_position": getattr(config, "layer_norm_position", "post"),
-    }  # fmt: skip
+    }
     setup = {key: args.get(key) for key in SETUP_FIELDS}
     setup["optimizer_steps"] = metrics.get("train_steps")
-    rows = [f"| {name} | {value:.4g} |" if isinstance(value, float) else f"| {name} | {value} |"
-            for name, value in metrics.items() if name.startswith("eval_")]  # fmt: skip
+    rows = [
+        f"| {name} | {value:.4g} |" if isinstance(value, float) else f"| {name} | {value} |"
+        for name, value in metrics.items()
+        if name.startswith("eval_")
+    ]
     lines = [
         "---",
         card_data.to_yaml(),
@@ -150,7 +168,7 @@ def build_model_card(
             ['# without performer-hf: AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=True)']
             if performer
             else []
-        ),  # fmt: skip
+        ),
         "```",
         "",
     ]

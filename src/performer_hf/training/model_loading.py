@@ -118,9 +118,11 @@ def load_model(
     elif args.model_name_or_path is not None:
         try:
             model = auto_class.from_pretrained(
-                args.model_name_or_path, trust_remote_code=args.trust_remote_code,
-                **{**overrides, **config_kwargs}, **load_options,
-            )  # fmt: skip
+                args.model_name_or_path,
+                trust_remote_code=args.trust_remote_code,
+                **{**overrides, **config_kwargs},
+                **load_options,
+            )
         except OSError as error:
             raise TrainingInputError(f"Could not load a model from {args.model_name_or_path!r}: {error}") from error
     else:
@@ -139,8 +141,9 @@ def load_model(
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         logger.warning(
             "The tokenizer has %d tokens but the model only %d embeddings; resizing the embeddings.",
-            len(tokenizer), model.get_input_embeddings().num_embeddings,
-        )  # fmt: skip
+            len(tokenizer),
+            model.get_input_embeddings().num_embeddings,
+        )
         model.resize_token_embeddings(len(tokenizer))
     if args.lora_r is not None:
         model = apply_lora(model, args, task)

@@ -119,8 +119,9 @@ def _configure_deepspeed(accelerator: Accelerator, args: argparse.Namespace) -> 
     if clipping != args.max_grad_norm:
         logger.warning(
             "The DeepSpeed config clips gradients at %s, not --max_grad_norm %s; DeepSpeed's value applies.",
-            clipping, args.max_grad_norm,
-        )  # fmt: skip
+            clipping,
+            args.max_grad_norm,
+        )
 
 
 def _batches_per_process(num_examples: int, batch_size: int, num_processes: int) -> int:
@@ -210,13 +211,18 @@ def run_training(
     # Explicit generators: iterating a DataLoader then draws its base seed from them, not from the
     # global RNG (which dropout uses), so evaluations and resumes leave the training RNG untouched.
     train_dataloader = DataLoader(
-        data.train, shuffle=True, batch_size=args.per_device_train_batch_size, collate_fn=data.train_collator,
+        data.train,
+        shuffle=True,
+        batch_size=args.per_device_train_batch_size,
+        collate_fn=data.train_collator,
         generator=torch.Generator().manual_seed(args.seed),
-    )  # fmt: skip
+    )
     eval_dataloader = DataLoader(
-        data.validation, batch_size=args.per_device_eval_batch_size, collate_fn=data.eval_collator,
+        data.validation,
+        batch_size=args.per_device_eval_batch_size,
+        collate_fn=data.eval_collator,
         generator=torch.Generator().manual_seed(args.seed),
-    )  # fmt: skip
+    )
     optimizer = _optimizer(model, args)
 
     plan = _Plan.from_args(
@@ -224,10 +230,11 @@ def run_training(
     )
     # The prepared scheduler steps once per process per optimizer step, hence the factor.
     lr_scheduler = get_scheduler(
-        args.lr_scheduler_type, optimizer=optimizer,
+        args.lr_scheduler_type,
+        optimizer=optimizer,
         num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
         num_training_steps=plan.max_train_steps * accelerator.num_processes,
-    )  # fmt: skip
+    )
     _configure_deepspeed(accelerator, args)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
@@ -243,9 +250,14 @@ def run_training(
     logger.info(
         "***** Running training *****\n  examples = %d, epochs = %d, batch per device = %d, total batch = %d, "
         "accumulation = %d, optimizer steps = %d, feature redraw every %s steps",
-        len(data.train), plan.num_epochs, args.per_device_train_batch_size, total_batch,
-        args.gradient_accumulation_steps, max_train_steps, redraw_interval,
-    )  # fmt: skip
+        len(data.train),
+        plan.num_epochs,
+        args.per_device_train_batch_size,
+        total_batch,
+        args.gradient_accumulation_steps,
+        max_train_steps,
+        redraw_interval,
+    )
 
     progress = _Progress()
     if args.resume_from_checkpoint:
@@ -305,14 +317,18 @@ def run_training(
             step_losses = []
             progress_bar.set_postfix(loss=f"{train_loss:.4f}")
             if redrawn:
-                logger.info("Redrew the FAVOR+ features after step %d (checksum %012x)", step,
-                            projection_checksum(unwrapped))  # fmt: skip
+                logger.info(
+                    "Redrew the FAVOR+ features after step %d (checksum %012x)", step, projection_checksum(unwrapped)
+                )
             if args.with_tracking:
                 record = {
-                    "train_loss": train_loss, "learning_rate": lr_scheduler.get_last_lr()[0], "epoch": epoch,
-                    "step_seconds": step_seconds, "feature_redraw": redrawn,
+                    "train_loss": train_loss,
+                    "learning_rate": lr_scheduler.get_last_lr()[0],
+                    "epoch": epoch,
+                    "step_seconds": step_seconds,
+                    "feature_redraw": redrawn,
                     "projection_checksums": _gathered_checksums(accelerator, unwrapped),
-                }  # fmt: skip
+                }
                 if grad_norm is not None:
                     record["grad_norm"] = float(grad_norm)
                 accelerator.log(record, step=step)
@@ -377,9 +393,14 @@ def _save_final(args, task: TrainingTask, accelerator: Accelerator, model, token
     with open(os.path.join(args.output_dir, RESULTS_FILE), "w") as handle:
         json.dump(metrics, handle, indent=2)
     card = build_model_card(
-        task.name, unwrapped.config, args.model_name_or_path or args.convert_from, data_source, metrics,
-        _config_for_trackers(args), starting_folder=unwrapped.config._name_or_path or None,
-    )  # fmt: skip
+        task.name,
+        unwrapped.config,
+        args.model_name_or_path or args.convert_from,
+        data_source,
+        metrics,
+        _config_for_trackers(args),
+        starting_folder=unwrapped.config._name_or_path or None,
+    )
     write_model_card(args.output_dir, card)
     logger.info("Saved the model, tokenizer and card to %s", args.output_dir)
     if args.push_to_hub:

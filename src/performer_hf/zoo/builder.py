@@ -37,8 +37,7 @@ logger = logging.getLogger(__name__)
 RESULTS_FILE = "zoo_results.json"
 # conversion_report.json's figures kept in zoo_results.json (the Performer family's, then those of a model
 # converted in place)
-CONVERSION_FIGURES = ("positions", "fidelity", "attn_implementation", "exact_parity_max_abs_diff",
-                      "attention_transfer")  # fmt: skip
+CONVERSION_FIGURES = ("positions", "fidelity", "attn_implementation", "exact_parity_max_abs_diff", "attention_transfer")
 CONVERTED_REFERENCE = "Performer right after conversion (no finetuning)"
 SOFTMAX_REFERENCE = "softmax source model"
 
@@ -64,8 +63,14 @@ def _source_folder(entry: ZooEntry, work: Path) -> tuple[Path, dict]:
         return folder, dict(source)
     paths = _write_data(source["data"], work, entry.data_limit)
     folder = work / "source"
-    figures = pretrain_gpt2(paths["train"], paths["validation"], folder, tokenizer=source["tokenizer"],
-                            model=source["model"], training=source["training"])  # fmt: skip
+    figures = pretrain_gpt2(
+        paths["train"],
+        paths["validation"],
+        folder,
+        tokenizer=source["tokenizer"],
+        model=source["model"],
+        training=source["training"],
+    )
     return folder, {"pretrain": "gpt2", "data": source["data"], **figures}
 
 
@@ -79,8 +84,17 @@ def _write_data(name: str, work: Path, limit: int | None) -> dict[str, Path]:
 
 def finetune_argv(entry: ZooEntry, model_dir: Path, data: dict[str, Path], output_dir: Path) -> list[str]:
     """The command line of ``training/run_<task>.py`` for the recipe's finetuning step."""
-    argv = ["--model_name_or_path", str(model_dir), "--train_file", str(data["train"]), "--validation_file",
-            str(data["validation"]), "--output_dir", str(output_dir), "--with_tracking"]  # fmt: skip
+    argv = [
+        "--model_name_or_path",
+        str(model_dir),
+        "--train_file",
+        str(data["train"]),
+        "--validation_file",
+        str(data["validation"]),
+        "--output_dir",
+        str(output_dir),
+        "--with_tracking",
+    ]
     for flag, value in entry.finetune.get("args", {}).items():
         if value is True:
             argv.append(f"--{flag}")
@@ -106,14 +120,19 @@ def _build_reference(entry: ZooEntry, source: Path, work: Path, data: dict[str, 
     convert(source, converted, fidelity=False, **{**entry.convert, **entry.reference["convert"]})
     finetuned = work / "reference-finetuned"
     argv = finetune_argv(entry, converted, data, finetuned)
-    logger.info("finetuning the reference (%s): training/run_%s.py %s", entry.reference["label"],
-                entry.finetune["task"], " ".join(argv))  # fmt: skip
+    logger.info(
+        "finetuning the reference (%s): training/run_%s.py %s",
+        entry.reference["label"],
+        entry.finetune["task"],
+        " ".join(argv),
+    )
     _finetune(entry.finetune["task"], argv)
     return finetuned
 
 
-def _evaluate(entry: ZooEntry, final: Path, source: Path, converted: Path, data: dict[str, Path],
-              reference: Path | None) -> dict:  # fmt: skip
+def _evaluate(
+    entry: ZooEntry, final: Path, source: Path, converted: Path, data: dict[str, Path], reference: Path | None
+) -> dict:
     options = {key: value for key, value in entry.evaluate.items() if key != "kind"}
     kind = entry.evaluate["kind"]
     if kind == "embeddings":
@@ -134,8 +153,12 @@ def _versions() -> dict:
 
     from .. import __version__
 
-    return {"performer_hf": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version()}  # fmt: skip
+    return {
+        "performer_hf": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def _run_recipe(entry: ZooEntry, work: Path, staging: Path, quick: bool) -> dict:

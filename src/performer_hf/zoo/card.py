@@ -13,7 +13,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from ..attention_card import KERNEL_DESCRIPTIONS, hybrid_lines, transfer_summary
+from ..attention_card import kernel_description, method_lines, transfer_summary
 from ..integrations.attention_settings import head_shape, method_config
 from ..modeling.configuration_performer import PerformerConfig
 from .data import DATA_SETS, HUB_DATASETS
@@ -21,12 +21,20 @@ from .evaluation import THIS_MODEL
 from .registry import MODEL_ASSETS, ZooEntry
 
 TEMPLATE_FILE = "model_card_template.md"
-AUTO_CLASSES = {"feature-extraction": "AutoModel", "text-classification": "AutoModelForSequenceClassification",
-                "text-generation": "AutoModelForCausalLM", "fill-mask": "AutoModelForMaskedLM"}  # fmt: skip
+AUTO_CLASSES = {
+    "feature-extraction": "AutoModel",
+    "text-classification": "AutoModelForSequenceClassification",
+    "text-generation": "AutoModelForCausalLM",
+    "fill-mask": "AutoModelForMaskedLM",
+}
 _COUNTS = ("examples", "tokens")  # reported in the tables, not as model-index metrics
-_METRIC_NAMES = {"accuracy": "accuracy", "f1": "macro F1", "perplexity": "perplexity",
-                 "mean_cosine_to_source": "mean cosine to the softmax source",
-                 "pairwise_spearman_to_source": "Spearman of pairwise similarities vs the softmax source"}  # fmt: skip
+_METRIC_NAMES = {
+    "accuracy": "accuracy",
+    "f1": "macro F1",
+    "perplexity": "perplexity",
+    "mean_cosine_to_source": "mean cosine to the softmax source",
+    "pairwise_spearman_to_source": "Spearman of pairwise similarities vs the softmax source",
+}
 
 
 def template_text() -> str:
@@ -46,7 +54,7 @@ def favor_settings(config: PerformerConfig) -> list[tuple[str, str]]:
     """(setting, value) rows describing the attention of a Performer config."""
     kernel = config.attention_kernel
     rows = [
-        ("attention kernel", f"`{kernel}` ({KERNEL_DESCRIPTIONS.get(kernel, 'see PerformerConfig')})"),
+        ("attention kernel", f"`{kernel}` ({kernel_description(config)})"),
         ("random features per head (`nb_features`)", str(config.nb_features)),
         ("head dimension", str(config.head_dim)),
         ("feature coupling / row norms", f"{config.feature_coupling} / `{config.feature_row_norms}`"),
@@ -85,8 +93,10 @@ def _steps(entry: ZooEntry, results: dict) -> list[str]:
     elif "checkpoint" in source:
         steps.append(f"Source: `{source['checkpoint']}`.")
     elif "asset" in source:
-        steps.append(f"Source: `{entry.base_model}`, as `performer_hf.model_assets.{MODEL_ASSETS[source['asset']]}()` "
-                     "writes it from an offline package.")  # fmt: skip
+        steps.append(
+            f"Source: `{entry.base_model}`, as `performer_hf.model_assets.{MODEL_ASSETS[source['asset']]}()` "
+            "writes it from an offline package."
+        )
     else:
         model = _call("GPT2Config", entry.source["model"])
         steps.append(
@@ -113,8 +123,11 @@ def _steps(entry: ZooEntry, results: dict) -> list[str]:
     if training is not None:
         flags = " ".join(f"--{key} {value}" for key, value in training["args"].items())
         metrics = training["metrics"]
-        figures = ", ".join(f"{name} {_value(value)}" for name, value in metrics.items()
-                            if name.startswith("eval_") and name.removeprefix("eval_") not in _COUNTS)  # fmt: skip
+        figures = ", ".join(
+            f"{name} {_value(value)}"
+            for name, value in metrics.items()
+            if name.startswith("eval_") and name.removeprefix("eval_") not in _COUNTS
+        )
         steps.append(
             f"Finetuned with `training/run_{training['task']}.py --train_file train --validation_file validation "
             f"{flags}` on {DATA_SETS[entry.data]}: {metrics['train_steps']} optimizer steps; at the end, on the "
@@ -142,7 +155,7 @@ def _table(evaluation: dict) -> dict:
         "rows": [
             [model, *(_value(figures.get(name, "")) for name in columns)]
             for model, figures in evaluation["rows"].items()
-        ],  # fmt: skip
+        ],
     }
 
 
@@ -158,7 +171,7 @@ def _eval_results(evaluation: dict) -> list[EvalResult]:
             metric_type=name,
             metric_name=_METRIC_NAMES.get(name, name),
             metric_value=round(value, 4),
-        )  # fmt: skip
+        )
         for name, value in evaluation["rows"][THIS_MODEL].items()
         if name not in _COUNTS
     ]
@@ -189,12 +202,20 @@ def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard
     if entry.pipeline_tag == "feature-extraction":
         tags.append("sentence-embeddings")
     card_data = ModelCardData(
-        license=entry.license, base_model=entry.base_model, library_name="transformers",
-        pipeline_tag=entry.pipeline_tag, tags=tags, datasets=datasets, metrics=metrics, model_name=entry.name,
+        license=entry.license,
+        base_model=entry.base_model,
+        library_name="transformers",
+        pipeline_tag=entry.pipeline_tag,
+        tags=tags,
+        datasets=datasets,
+        metrics=metrics,
+        model_name=entry.name,
         eval_results=_eval_results(evaluation),
-    )  # fmt: skip
-    positions = results["conversion"].get("positions") or {"converted": config.max_position_embeddings,
-                                                           "pretrained": config.max_position_embeddings}  # fmt: skip
+    )
+    positions = results["conversion"].get("positions") or {
+        "converted": config.max_position_embeddings,
+        "pretrained": config.max_position_embeddings,
+    }
     max_length = f"{positions['converted']} tokens"
     limits = list(entry.limits)
     if positions["converted"] > positions["pretrained"]:
@@ -214,7 +235,7 @@ def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard
         description=entry.description,
         quick=results["quick"],
         favor_settings=favor_settings(config),
-        hybrid_lines=hybrid_lines(config) if config.uses_hybrid_attention else [],
+        hybrid_lines=method_lines(config),
         redraw_policy=redraw_policy(config, results["training"] is not None, results["conversion"]),
         max_length=max_length,
         steps=_steps(entry, results),

@@ -54,7 +54,7 @@ def evaluate_embeddings(model_dir: Path, source_dir: Path, sentences: int = 200)
                 "mean_cosine_to_source": agreement["mean_cosine"],
                 "pairwise_spearman_to_source": agreement["pairwise_spearman"],
             }
-        },  # fmt: skip
+        },
     }
 
 
@@ -69,8 +69,9 @@ def classification_figures(model_dir: Path, records: list[dict], batch_size: int
     parts: dict[str, list[torch.Tensor]] = {"loss_sum": [], "predictions": [], "references": []}
     for start in range(0, len(records), batch_size):
         chunk = records[start : start + batch_size]
-        batch = tokenizer([row["text"] for row in chunk], padding=True, truncation=True, max_length=max_length,
-                          return_tensors="pt")  # fmt: skip
+        batch = tokenizer(
+            [row["text"] for row in chunk], padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+        )
         logits = model(**batch).logits.float()  # (b, num_labels)
         labels = torch.tensor([label2id[row["label"]] for row in chunk])
         parts["loss_sum"].append(torch.nn.functional.cross_entropy(logits, labels, reduction="none").double())
@@ -80,8 +81,9 @@ def classification_figures(model_dir: Path, records: list[dict], batch_size: int
     return {"accuracy": metrics["accuracy"], "f1": metrics["f1"], "examples": metrics["examples"]}
 
 
-def evaluate_classification(model_dir: Path, test_file: Path, data: str, references: dict[str, Path] | None = None,
-                            **options) -> dict:  # fmt: skip
+def evaluate_classification(
+    model_dir: Path, test_file: Path, data: str, references: dict[str, Path] | None = None, **options
+) -> dict:
     """Accuracy and macro-F1 on ``test_file`` (JSON lines with ``text`` and ``label``) of the classifier in
     ``model_dir`` and of each reference classifier (e.g. the softmax model finetuned the same way);
     ``options``: ``batch_size``, ``max_length``."""
@@ -110,9 +112,15 @@ def language_modeling_figures(model, blocks: torch.Tensor, batch_size: int = 32)
     return {"perplexity": metrics["perplexity"], "accuracy": metrics["accuracy"], "tokens": metrics["tokens"]}
 
 
-def evaluate_language_modeling(model_dir: Path, test_file: Path, data: str, block_size: int,
-                               references: dict[str, Path], max_blocks: int | None = None,
-                               batch_size: int = 32) -> dict:  # fmt: skip
+def evaluate_language_modeling(
+    model_dir: Path,
+    test_file: Path,
+    data: str,
+    block_size: int,
+    references: dict[str, Path],
+    max_blocks: int | None = None,
+    batch_size: int = 32,
+) -> dict:
     """Perplexity / next-token accuracy on ``test_file`` (its first ``max_blocks`` blocks, default all) of
     the model in ``model_dir`` and of each reference (e.g. the softmax source, the Performer right
     after conversion), ``batch_size`` blocks at a time."""

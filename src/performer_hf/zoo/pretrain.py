@@ -32,11 +32,20 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=END_OF_TEXT, eos_token=END_OF_TEXT,
-                                   unk_token=END_OF_TEXT, pad_token=END_OF_TEXT)  # fmt: skip
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=END_OF_TEXT,
+        eos_token=END_OF_TEXT,
+        unk_token=END_OF_TEXT,
+        pad_token=END_OF_TEXT,
+    )
 
 
 def token_blocks(tokenizer, texts: list[str], block_size: int) -> torch.Tensor:
@@ -62,8 +71,9 @@ def mean_loss(model, blocks: torch.Tensor, batch_size: int = 32) -> float:
     return total / count
 
 
-def pretrain_gpt2(train_file: Path, validation_file: Path, output_dir: Path, *, tokenizer: dict, model: dict,
-                  training: dict) -> dict:  # fmt: skip
+def pretrain_gpt2(
+    train_file: Path, validation_file: Path, output_dir: Path, *, tokenizer: dict, model: dict, training: dict
+) -> dict:
     """Train a tokenizer and a ``GPT2LMHeadModel`` on ``train_file`` (JSON lines with ``text``) and save
     both to ``output_dir``.
 
@@ -75,22 +85,41 @@ def pretrain_gpt2(train_file: Path, validation_file: Path, output_dir: Path, *, 
     """
     from transformers import GPT2Config, GPT2LMHeadModel, get_scheduler
 
-    settings = {"steps": 1000, "batch_size": 16, "block_size": 128, "learning_rate": 1e-3, "warmup_steps": 0,
-                "seed": 0, "eval_blocks": None, **training}  # fmt: skip
+    settings = {
+        "steps": 1000,
+        "batch_size": 16,
+        "block_size": 128,
+        "learning_rate": 1e-3,
+        "warmup_steps": 0,
+        "seed": 0,
+        "eval_blocks": None,
+        **training,
+    }
     torch.manual_seed(settings["seed"])
     texts = read_texts(train_file)
     tok = train_tokenizer(texts, tokenizer["vocab_size"])
     blocks = token_blocks(tok, texts, settings["block_size"])  # (N, L)
     validation = token_blocks(tok, read_texts(validation_file), settings["block_size"])[: settings["eval_blocks"]]
-    config = GPT2Config(vocab_size=len(tok), bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
-                        pad_token_id=tok.eos_token_id, **model)  # fmt: skip
+    config = GPT2Config(
+        vocab_size=len(tok),
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+        **model,
+    )
     gpt2 = GPT2LMHeadModel(config)
     optimizer = torch.optim.AdamW(gpt2.parameters(), lr=settings["learning_rate"], weight_decay=0.01)
-    schedule = get_scheduler("cosine", optimizer, num_warmup_steps=settings["warmup_steps"],
-                             num_training_steps=settings["steps"])  # fmt: skip
+    schedule = get_scheduler(
+        "cosine", optimizer, num_warmup_steps=settings["warmup_steps"], num_training_steps=settings["steps"]
+    )
     generator = torch.Generator().manual_seed(settings["seed"])
-    logger.info("pretraining a softmax GPT-2 (%d parameters) on %d blocks of %d tokens for %d steps",
-                gpt2.num_parameters(), len(blocks), settings["block_size"], settings["steps"])  # fmt: skip
+    logger.info(
+        "pretraining a softmax GPT-2 (%d parameters) on %d blocks of %d tokens for %d steps",
+        gpt2.num_parameters(),
+        len(blocks),
+        settings["block_size"],
+        settings["steps"],
+    )
     gpt2.train()
     start = time.perf_counter()
     for step in range(1, settings["steps"] + 1):

@@ -18,8 +18,20 @@ SOURCE_KINDS = ("package", "checkpoint", "pretrain", "asset")
 MODEL_ASSETS = {"smollm2": "smollm2_checkpoint"}
 FINETUNE_TASKS = ("classification", "mlm", "clm")
 EVALUATIONS = ("embeddings", "classification", "language_modeling")
-_FIELDS = {"description", "base_model", "license", "pipeline_tag", "source", "convert", "data", "finetune",
-           "evaluate", "quick", "limits", "reference"}  # fmt: skip
+_FIELDS = {
+    "description",
+    "base_model",
+    "license",
+    "pipeline_tag",
+    "source",
+    "convert",
+    "data",
+    "finetune",
+    "evaluate",
+    "quick",
+    "limits",
+    "reference",
+}
 _RESERVED_ARGS = ("model_name_or_path", "convert_from", "train_file", "validation_file", "output_dir")
 
 

@@ -1,0 +1,56 @@
+"""Exact softmax attention as an attention method (``attention_method="exact"``), and the exact dispatch the
+approximate methods share (:func:`exact_is_enough`): below the crossover length, and where the hybrid's support
+covers every key, they compute softmax attention with SDPA instead."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def exact_attention(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None, output_attentions=False):
+    """Softmax attention with SDPA (its fused causal path when nothing is masked); with ``layer_cache``, a
+    key/value cache layer: k, v become (B, H, P + L, D), the P cached keys first."""
+    if layer_cache is not None:
+        k, v = layer_cache.update(k, v)  # (B, H, P + L, D)
+    dropout = module.dropout_prob if module.training else 0.0
+    return softmax_attention(q, k, v, key_mask, causal, dropout, output_attentions)
+
+
+def softmax_attention(q, k, v, key_mask, causal, dropout=0.0, output_attentions=False):
+    """Softmax attention of q (B, H, Lq, D) over k, v (B, H, Lk, D), the last Lq keys being the queries'
+    own: SDPA's fused kernels, its causal path when nothing is masked. -> (context, weights or None)."""
+    q_len, k_len = q.shape[2], k.shape[2]
+    if causal and key_mask is None and q_len == k_len and not output_attentions:
+        # SDPA's fused causal path: no (L, L) mask in memory
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True), None
+    visible = None
+    if key_mask is not None:
+        visible = key_mask[:, None, None, :]  # (B, 1, 1, Lk)
+    if causal:
+        past = k_len - q_len  # query i sits at position past + i and sees keys j <= past + i
+        tril = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=past)  # (Lq, Lk)
+        visible = tril if visible is None else visible & tril
+        own = torch.arange(k_len, device=q.device) == torch.arange(past, k_len, device=q.device)[:, None]
+        visible = visible | own  # a query always sees itself: no empty rows (left padding)
+    if not output_attentions:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout), None
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, Lq, Lk)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    weights = scores.float().softmax(dim=-1).to(q.dtype)
+    return F.dropout(weights, p=dropout, training=dropout > 0) @ v, weights
+
+
+def exact_is_enough(module: nn.Module, length: int, causal: bool, layer_cache) -> bool:
+    """Whether a FAVOR+ or hybrid call computes exact softmax attention instead (SDPA, no attention dropout,
+    as for the approximations): bidirectional inputs of at most ``module.exact_max_length`` tokens (below
+    the crossover, where exact attention is also the faster), or inputs the hybrid's exact support covers
+    entirely (its output is then exact attention). Cached decoding keeps the method's own state."""
+    if layer_cache is not None:
+        return False
+    if not causal and length <= module.exact_max_length:
+        return True
+    spec = getattr(module, "hybrid_spec", None)
+    return spec is not None and spec.covers(length, causal)

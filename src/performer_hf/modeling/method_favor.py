@@ -1,0 +1,35 @@
+"""FAVOR+ as an attention method (``attention_method="favor"``): the paper's linear attention with the module's
+random projection, and its constant-size decoding state in a :class:`.FavorCacheLayer`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .favor_attention import favor_attention
+from .method_exact import exact_is_enough, softmax_attention
+
+
+def favor_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None, output_attentions=False):
+    """FAVOR+ (:func:`.favor_attention`) with ``module.projection``; with ``layer_cache``, its
+    constant-size :class:`FavorCacheLayer` state holds every earlier token."""
+    length = q.shape[2]
+    if exact_is_enough(module, length, causal, layer_cache):
+        return softmax_attention(q, k, v, key_mask, causal)
+    new_key_mask = None if key_mask is None else key_mask[:, -length:]  # (B, L): past keys live in the state
+    kwargs = {
+        "causal": causal,
+        "kernel": module.kernel,
+        "key_padding_mask": new_key_mask,
+        "chunk_size": module.chunk_size,
+    }
+    # The kernel computes in float32 whatever the input dtype; autocast must not lower its
+    # exponentials and prefix sums to bf16/fp16.
+    with torch.autocast(q.device.type, enabled=False):
+        if layer_cache is None:
+            return favor_attention(q, k, v, module.projection, **kwargs), None
+        context, state = favor_attention(
+            q, k, v, module.projection, initial_state=layer_cache.get_state(), return_state=True, **kwargs
+        )
+    layer_cache.update_state(state, num_new_tokens=length)
+    return context, None

@@ -1,0 +1,143 @@
+"""Hybrid attention as an attention method (``attention_method="hybrid"``): exact softmax on the module's sparse
+support and a linear far field elsewhere (:func:`.hybrid_attention`), its constant-size decoding state in a
+:class:`.HybridCacheLayer`, and the exact prefix of causal models (``exact_max_length``)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+from torch import nn
+
+from .far_fields import get_far_field
+from .favor_hybrid import hybrid_attention
+from .hybrid_spec import HybridSpec
+from .method_exact import exact_is_enough, softmax_attention
+
+Tensor = torch.Tensor
+
+
+def hybrid_layer_settings(config, layer_idx: int) -> dict[str, Any]:
+    """What a layer's method state holds for hybrid attention: the :class:`.HybridSpec` derived from the config,
+    and the layer's FAVOR++ ``A`` and far-field gain (a float, one per head, or None; plain values, as models are
+    also built on the ``meta`` device)."""
+    return {
+        "hybrid_spec": HybridSpec.from_config(config),
+        "far_field_parameter": config.layer_far_field_parameter(layer_idx),
+        "far_field_gain": config.layer_far_field_gain(layer_idx),
+    }
+
+
+def hybrid_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None, output_attentions=False):
+    """Hybrid attention (:func:`.hybrid_attention`): exact on the module's sparse support, a linear far
+    field elsewhere; with ``layer_cache``, its constant-size :class:`HybridCacheLayer` state. Causal models with
+    ``module.exact_max_length`` attend exactly at their first positions (:func:`_causal_exact_prefix`)."""
+    spec = module.hybrid_spec
+    if causal and spec.routed_blocks:
+        raise ValueError(
+            f"routed_blocks={spec.routed_blocks} cannot be used in causal attention (routing reads future "
+            "tokens): set routed_blocks=0 in the config (e.g. convert with --routed-blocks 0)."
+        )
+    if causal and module.exact_max_length:
+        return _causal_exact_prefix(module, q, k, v, key_mask, layer_cache)
+    if exact_is_enough(module, q.shape[2], causal, layer_cache):
+        return softmax_attention(q, k, v, key_mask, causal)
+    return _hybrid(module, q, k, v, key_mask, causal, layer_cache), None
+
+
+def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None) -> Tensor:
+    """:func:`.hybrid_attention` with the module's settings, continuing from (and updating) ``layer_cache``'s state."""
+    spec = module.hybrid_spec
+    new_key_mask = None if key_mask is None else key_mask[:, -q.shape[2] :]  # (B, L): the past is in the state
+    kwargs = {"causal": causal, "key_padding_mask": new_key_mask}
+    if causal and spec.center:  # fixed centres: causal outputs must not depend on later tokens
+        kwargs.update(query_center=module.query_center, key_center=module.key_center)
+    if module.far_field_parameter is not None:
+        kwargs["far_field_parameter"] = module.far_field_parameter
+    if module.far_field_gain is not None:
+        kwargs["far_field_gain"] = module.far_field_gain
+    projection = module.projection if spec.uses_projection else None
+    with torch.autocast(q.device.type, enabled=False):  # float32 inside, as for FAVOR+
+        if layer_cache is None:
+            return hybrid_attention(q, k, v, projection, spec, **kwargs)
+        context, state = hybrid_attention(
+            q, k, v, projection, spec, initial_state=layer_cache.get_state(), return_state=True, **kwargs
+        )
+    layer_cache.update_state(state)
+    return context
+
+
+def _causal_exact_prefix(module: nn.Module, q, k, v, key_mask, layer_cache) -> tuple[Tensor, None]:
+    """Causal hybrid attention whose first ``T = module.exact_max_length`` positions attend exactly (SDPA).
+
+    The rule is by position, so that cached decoding equals a full forward: queries at positions below T see
+    every earlier key exactly (the cache layer keeps their keys and values until then); from position T on,
+    the hybrid itself (the cache layer switches to its constant-size state when the sequence passes T)."""
+    T = module.exact_max_length
+    past = 0 if layer_cache is None else layer_cache.get_seq_length()
+    prefix = None if layer_cache is None else layer_cache.get_exact_prefix()  # (B, H, P, D) keys, values
+    if past and prefix is None:  # decoding past the prefix: the hybrid's state
+        return _hybrid(module, q, k, v, key_mask, True, layer_cache), None
+    if past:
+        k, v = torch.cat([prefix[0], k], dim=2), torch.cat([prefix[1], v], dim=2)  # (B, H, P + L, D)
+    total = k.shape[2]
+    exact_end = max(past, min(T, total))  # queries before it attend exactly
+    visible = None if key_mask is None else key_mask[:, :exact_end]
+    context, _ = softmax_attention(q[:, :, : exact_end - past], k[:, :, :exact_end], v[:, :, :exact_end], visible, True)
+    if exact_end == total:
+        if layer_cache is not None:
+            layer_cache.update_exact_prefix(k, v)
+        return context, None
+    # The rest: the hybrid over every key so far, as from the first token (the past queries are placeholders,
+    # their outputs unused); with a cache, its state after them takes over.
+    if past:
+        q = torch.cat([q.new_zeros(*q.shape[:2], past, q.shape[-1]), q], dim=2)
+    if layer_cache is not None:
+        layer_cache.reset()
+    hybrid = _hybrid(module, q, k, v, key_mask, True, layer_cache)  # (B, H, P + L, D)
+    return torch.cat([context, hybrid[:, :, exact_end:]], dim=2), None
+
+
+def hybrid_card_lines(config) -> list[str]:
+    """The hybrid-attention settings as card bullet points."""
+    routed = (
+        f"{config.routed_blocks} blocks of {config.route_block_size} keys per block of {config.query_block_size} "
+        "queries, chosen by the mean logit between the blocks (bidirectional only)"
+        + (
+            f"; only the blocks of the {config.routed_blocks} groups of {config.route_group_size} blocks that may "
+            "hold the best ones are scored"
+            if config.route_group_size
+            else ""
+        )
+        if config.routed_blocks
+        else "none"
+    )
+    if isinstance(config.far_field_parameter, list):
+        parameter = "per layer and head, calibrated or learned at conversion"
+    elif config.far_field_parameter is not None:
+        parameter = f"{config.far_field_parameter}"
+    else:
+        parameter = "closed-form optimum from each sequence's statistics"
+    lines = [
+        f"- exact local window: {config.local_window} tokens" if config.local_window else "- exact local window: none",
+        f"- global tokens (exact for every query): {config.num_global_tokens}",
+        f"- routed exact key blocks: {routed}",
+        "- centred queries and keys before the far field: "
+        + (
+            "yes (per-sequence means bidirectionally; fixed per-layer centres, calibrated at conversion, when causal)"
+            if config.center_features
+            else "no"
+        ),
+    ]
+    if get_far_field(config.attention_kernel).uses_parameter:
+        lines.append(f"- FAVOR++ parameter A: {parameter}")
+    if isinstance(config.far_field_gain, list):
+        gains = sorted(gain for row in config.far_field_gain for gain in row)
+        lines.append(
+            "- far-field gain per layer and head (learned by attention transfer): "
+            f"median {statistics.median(gains):.3g}, from {gains[0]:.3g} to {gains[-1]:.3g}"
+        )
+    elif config.far_field_gain is not None:
+        lines.append(f"- far-field gain: {config.far_field_gain}")
+    return lines
