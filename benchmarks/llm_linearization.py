@@ -4,8 +4,8 @@ transfer and after a short LoRA finetune, against the source.
 Stages, for the hybrid (exact window, first token, FAVOR++ far field) and for plain FAVOR+:
 
 1. ``performer_hf.convert``: the converted model, zero-shot;
-2. ``performer_hf.convert(..., transfer_steps=N)``: attention transfer at conversion on the Python standard
-   library's docstrings (the converter's default text);
+2. ``performer_hf.convert(..., transfer=TransferSettings(N, length=L))``: attention transfer at conversion on the
+   Python standard library's docstrings (the converter's default text);
 3. ``training/run_clm.py --lora_r ...`` on the transferred model: a short LoRA finetune (language modeling,
    the same docstrings), adapter put back with ``peft.PeftModel.from_pretrained``.
 
@@ -48,6 +48,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import performer_hf
 from performer_hf import PerformerCache
+from performer_hf.conversion import TransferSettings
 from performer_hf.data_assets import bbc_news, python_docs, python_docstrings
 from performer_hf.integrations import CACHE_KEYWORD
 from performer_hf.model_assets import smollm2_checkpoint
@@ -62,7 +63,9 @@ SAMPLE_PROMPTS = {
 
 def arguments():
     parser = harness.parser(
-        __doc__, quick="window 64 only, transfer 4 steps, LoRA 2 steps, 1 window per text, contexts 256 1024", threads=2
+        __doc__,
+        quick="hybrid window 64 only, transfer 4 steps, LoRA 2 steps, 1 window of 256 per text, contexts 128 512",
+        threads=2,
     )
     parser.add_argument("--methods", nargs="+", default=["hybrid", "favor"], choices=["hybrid", "favor"])
     parser.add_argument(
@@ -270,9 +273,9 @@ def _converted_arms(args) -> dict[str, dict]:
 def measure(args) -> dict:
     if args.quick:
         args.transfer_steps, args.lora_steps, args.eval_windows, args.sample_tokens = 4, 2, 1, 8
-        args.decode_contexts, args.decode_steps, args.decode_rounds = [256, 1024], 4, 1
-        args.eval_length, args.transfer_length, args.lora_length = 512, 256, 256
-        args.local_windows = [64]
+        args.decode_contexts, args.decode_steps, args.decode_rounds = [128, 512], 4, 1
+        args.eval_length, args.transfer_length, args.lora_length = 256, 128, 128
+        args.local_windows, args.methods = [64], ["hybrid"]
     source = smollm2_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(source)
     eval_sets = {
@@ -321,8 +324,7 @@ def measure(args) -> dict:
             source,
             work / f"{slug}-transfer",
             overwrite=True,
-            transfer_steps=args.transfer_steps,
-            transfer_length=args.transfer_length,
+            transfer=TransferSettings(args.transfer_steps, length=args.transfer_length),
             **settings,
         )
         report = json.loads((transferred / "conversion_report.json").read_text())["attention_transfer"]

@@ -1,6 +1,8 @@
 """Every study of benchmarks/ still runs: its ``--quick`` configuration (a smoke test whose figures say nothing),
 in a fresh process, writing into a temporary folder so that the committed results stay as they are. A study that
-no longer runs against the current code fails here, not when someone next needs its figures."""
+no longer runs against the current code fails here, not when someone next needs its figures. About seven minutes
+in all on two CPU cores; CI runs them against the newest transformers of the range (``-m "not studies"`` leaves them
+out, as scripts/test.sh does for the oldest)."""
 
 import os
 import subprocess
@@ -17,7 +19,7 @@ def test_every_study_is_listed():
     assert len(STUDIES) >= 13 and "model_speed" in STUDIES and "llm_linearization" in STUDIES
 
 
-@pytest.mark.slow
+@pytest.mark.studies
 @pytest.mark.parametrize("study", STUDIES)
 def test_the_study_runs_quick(study, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

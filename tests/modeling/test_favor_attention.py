@@ -417,7 +417,7 @@ def test_causal_exp_sums_gradients_with_per_head_directions_bias_and_key_terms(m
     # the keys' centering terms; left-out keys; a length off the chunk grid; two slabs): every input's gradient,
     # bias and directions included, against finite differences. The sums are taken back to absolute scale
     # (times exp(query shift + key shift)), which is what the attention reads; the shifts are constants there.
-    from performer_hf.modeling.favor_exp import ExpFeatures, causal_exp_sums
+    from performer_hf.modeling.favor_exp import ExpFeatures, ScanKeys, causal_exp_sums
 
     monkeypatch.setitem(slabs_module.SLAB_ELEMENTS["cpu"], "features", 1)  # one chunk per slab
     g = torch.Generator().manual_seed(0)
@@ -431,7 +431,7 @@ def test_causal_exp_sums_gradients_with_per_head_directions_bias_and_key_terms(m
     mask = torch.rand(B, L, generator=g) > 0.2
 
     def absolute(q, k, v1, directions, bias, key_row):
-        scan = causal_exp_sums(q, k, v1, ExpFeatures(directions, bias), key_row=key_row, mask=mask, chunk_size=4)
+        scan = causal_exp_sums(q, ScanKeys(k, v1, key_row, mask), ExpFeatures(directions, bias), chunk_size=4)
         return scan.sums * torch.exp(scan.q_shifts + scan.shifts).unsqueeze(-1)
 
     assert torch.autograd.gradcheck(absolute, (q, k, v1, directions, bias, key_row), eps=1e-6, atol=1e-8)

@@ -289,7 +289,10 @@ class PerformerConfig(PreTrainedConfig):
     def check_attention_settings(self):
         """Refuse attention settings the method cannot run, or fields it would ignore. Part of `@strict`
         validation, and run again when a model is built: a field set after the config was (a FAVOR+ config given a
-        `local_window`) fails there, with the fix, instead of being ignored."""
+        `local_window`) fails there, with the fix, instead of being ignored. `attention_kernel="exact"` set after the
+        config was built is exact attention, as at construction."""
+        if self.attention_kernel == "exact":
+            self.attention_method = "exact"
         self._validate_ranges()
         self._validate_method()
         self._validate_hybrid()

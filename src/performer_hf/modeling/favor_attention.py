@@ -30,7 +30,14 @@ from typing import NamedTuple
 import torch
 
 from .causal_scan import EMPTY_SHIFT, causal_scan
-from .favor_exp import DEFAULT_CHUNK_SIZE, ExpFeatures, bidirectional_exp_sums, causal_exp_sums, pad_to_chunks
+from .favor_exp import (
+    DEFAULT_CHUNK_SIZE,
+    ExpFeatures,
+    ScanKeys,
+    bidirectional_exp_sums,
+    causal_exp_sums,
+    pad_to_chunks,
+)
 from .favor_features import FeatureMap, get_feature_map
 
 Tensor = torch.Tensor
@@ -148,7 +155,7 @@ def _causal(
     """
     features = _exp_features(get_feature_map(kernel), projection)
     if features is not None:
-        scan = causal_exp_sums(q, k, v1, features, mask=mask, chunk_size=chunk_size, state=state)
+        scan = causal_exp_sums(q, ScanKeys(k, v1, mask=mask), features, chunk_size, state)
         return scan.sums, FavorState(scan.kv, scan.shift)
     L = q.shape[2]
     C = min(chunk_size, L)

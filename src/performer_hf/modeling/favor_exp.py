@@ -382,29 +382,31 @@ def bidirectional_exp_sums(q: Tensor, k: Tensor, v1: Tensor, features: ExpFeatur
     return _BidirectionalExp.apply(q, k, v1, features.directions, keep, features.stabilizer, slab)
 
 
+class ScanKeys(NamedTuple):
+    """The keys of :func:`causal_exp_sums`: k (B, H, L, d), v1 (B, H, L, dv + 1) (values with a ones column), and
+    optionally ``row`` (B, H, L, 1), a per-key term added to the keys' log-features (hybrid attention's centering),
+    and ``mask`` (B, L) bool, False for keys left out."""
+
+    k: Tensor
+    v1: Tensor
+    row: Tensor | None = None
+    mask: Tensor | None = None
+
+
 def causal_exp_sums(
-    q: Tensor,
-    k: Tensor,
-    v1: Tensor,
-    features: ExpFeatures,
-    *,
-    key_row: Tensor | None = None,
-    mask: Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    state: tuple[Tensor, Tensor] | None = None,
+    q: Tensor, keys: ScanKeys, features: ExpFeatures, chunk_size: int = DEFAULT_CHUNK_SIZE, state=None
 ) -> ScanResult:
     """Causal sums ``sum_{j <= i} phi(q_i) . phi(k_j) [v_j, 1]`` of exponential features (:class:`_CausalExp`).
 
     Args:
-        q, k: (B, H, L, d); v1: (B, H, L, dv + 1).
-        features: the :class:`ExpFeatures`; keys' log-features also add ``key_row`` (B, H, L, 1) when given.
-        mask: (B, L) bool, False for keys left out.
+        q: (B, H, L, d) queries; keys: their :class:`ScanKeys`.
+        features: the :class:`ExpFeatures`.
         chunk_size: positions per chunk of the scan.
         state: (kv (B, H, m', dv + 1), shift (B, H)) before position 0 (a ``FavorState``), or None.
     """
     B, H, L, _ = q.shape
     C = min(chunk_size, L)
-    (q, k, v1, key_row), mask = pad_to_chunks([q, k, v1, key_row], mask, L, C)
+    (q, k, v1, key_row), mask = pad_to_chunks([q, keys.k, keys.v1, keys.row], keys.mask, L, C)
     keep = None if mask is None else mask[:, None, :, None]  # (B, 1, N * C, 1)
     if state is None:
         kv0 = q.new_zeros(B, H, features.directions.shape[-2], v1.shape[-1])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .favor_exp import ExpFeatures, causal_exp_sums
+from .favor_exp import ExpFeatures, ScanKeys, causal_exp_sums
 from .hybrid_exact import CandidateSet, exact_logits, exact_sums, merge
 from .hybrid_far_field import FarQueries, add_keys, causal_far_sums
 from .hybrid_keys import NEG_INF, HybridCall, Keys, cat_keys, key_side, pad_keys, slice_keys
@@ -106,15 +106,8 @@ def lagged_far_field(call: HybridCall, state: HybridState | None, with_state: bo
     rows = leaving.rows(features=not fused)
     if fused:
         directions, bias = ctx.far.exp_form(ctx.projection, ctx.parameter)
-        scan = causal_exp_sums(
-            u,
-            rows.y - ctx.c,
-            rows.values1,
-            ExpFeatures(directions, bias),
-            key_row=rows.klog,
-            mask=rows.mask,
-            chunk_size=spec.chunk_size,
-        )
+        keys = ScanKeys(rows.y - ctx.c, rows.values1, rows.klog, rows.mask)
+        scan = causal_exp_sums(u, keys, ExpFeatures(directions, bias), spec.chunk_size)
         # The queries' centering factor exp(rq) stays out of the scan: in the far field's scale, and (a factor of
         # value 1) in its gradient.
         rq_const = call.rq.detach()

@@ -225,22 +225,15 @@ class PerformerLayer(GradientCheckpointingLayer):
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        key_mask: torch.Tensor | None,
-        causal: bool,
-        cache: Cache | None = None,
-        output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden_states: (B, L, hidden) -> (B, L, hidden), attention weights or None."""
+    def forward(self, hidden_states: torch.Tensor, **attention_inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states: (B, L, hidden) -> (B, L, hidden), attention weights or None. ``attention_inputs``: the
+        keywords of :meth:`PerformerAttention.forward` (``key_mask``, ``causal``, ``cache``, ``output_attentions``),
+        passed through (``cache`` by name, so that gradient checkpointing drops it as it does for every layer)."""
         if self.pre_norm:
-            attended, weights = self.attention(
-                self.attention_norm(hidden_states), key_mask, causal, cache, output_attentions
-            )
+            attended, weights = self.attention(self.attention_norm(hidden_states), **attention_inputs)
             hidden_states = hidden_states + self.dropout(attended)
             return hidden_states + self.dropout(self.mlp(self.mlp_norm(hidden_states))), weights
-        attended, weights = self.attention(hidden_states, key_mask, causal, cache, output_attentions)
+        attended, weights = self.attention(hidden_states, **attention_inputs)
         hidden_states = self.attention_norm(hidden_states + self.dropout(attended))
         return self.mlp_norm(hidden_states + self.dropout(self.mlp(hidden_states))), weights
 
@@ -254,22 +247,14 @@ class PerformerEncoder(nn.Module):
         )
         self.gradient_checkpointing = False
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        key_mask: torch.Tensor | None,
-        causal: bool,
-        cache: Cache | None = None,
-        output_hidden_states: bool = False,
-        output_attentions: bool = False,
-    ):
-        """Returns the last hidden state and the per-layer hidden states / attention weights (or None)."""
+    def forward(self, hidden_states: torch.Tensor, output_hidden_states: bool = False, **attention_inputs):
+        """Returns the last hidden state and the per-layer hidden states / attention weights (or None).
+        ``attention_inputs``: the keywords of :meth:`PerformerAttention.forward`, for every layer."""
+        output_attentions = attention_inputs.get("output_attentions", False)
         all_hidden = [hidden_states] if output_hidden_states else None
         all_weights = [] if output_attentions else None
         for layer in self.layer:
-            hidden_states, weights = layer(
-                hidden_states, key_mask, causal, cache=cache, output_attentions=output_attentions
-            )
+            hidden_states, weights = layer(hidden_states, **attention_inputs)
             if output_hidden_states:
                 all_hidden.append(hidden_states)
             if output_attentions:

@@ -25,7 +25,7 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.modeling_utils import PreTrainedModel
-from transformers.utils import logging
+from transformers.utils import ModelOutput, logging
 
 from .attention_methods import ATTENTION_METHODS
 from .configuration_performer import PerformerConfig
@@ -212,7 +212,12 @@ class PerformerModel(PerformerPreTrainedModel):
             past_length=past_length,
         )
         sequence_output, all_hidden, all_weights = self.encoder(
-            hidden_states, key_mask, causal, cache, output_hidden_states, output_attentions
+            hidden_states,
+            output_hidden_states,
+            key_mask=key_mask,
+            causal=causal,
+            cache=cache,
+            output_attentions=output_attentions,
         )
         pooled = self.pooler(sequence_output) if self.pooler is not None else None
         output = BaseModelOutputWithPoolingAndCrossAttentions(
@@ -238,7 +243,51 @@ def _token_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=N
     return F.cross_entropy(logits, labels, reduction="sum") / num_items_in_batch
 
 
-class PerformerForMaskedLM(PerformerPreTrainedModel):
+class _BidirectionalHead(PerformerPreTrainedModel):
+    """A task head on the bidirectional encoder: a subclass gives its logits (``_logits(outputs)``), its loss
+    (``_loss(logits, labels, num_items_in_batch)``) and its output class; ``labels`` are the head's targets."""
+
+    output_class: type
+
+    def _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs):
+        """The encoder's outputs (``BaseModelOutputWithPooling``), bidirectional."""
+        return self.performer(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            causal=False,
+            **kwargs,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        return_dict: bool | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        **kwargs,
+    ) -> ModelOutput | tuple:
+        outputs = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
+        logits = self._logits(outputs)
+        loss = None if labels is None else self._loss(logits, labels, num_items_in_batch)
+        output = self.output_class(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+        return output if return_dict is not False else output.to_tuple()
+
+
+class PerformerForMaskedLM(_BidirectionalHead):
+    """The BERT / RoBERTa masked-LM head (dense, activation, LayerNorm, tied decoder); bidirectional. ``labels``:
+    (B, L) token ids, -100 where no prediction is scored."""
+
+    output_class = MaskedLMOutput
     _tied_weights_keys = {"lm_head.decoder.weight": "performer.embeddings.word_embeddings.weight"}
 
     def __init__(self, config: PerformerConfig):
@@ -260,35 +309,11 @@ class PerformerForMaskedLM(PerformerPreTrainedModel):
         self.lm_head.resize_bias(embeddings.num_embeddings)
         return embeddings
 
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        return_dict=None,
-        num_items_in_batch=None,
-        **kwargs,
-    ) -> MaskedLMOutput | tuple:
-        """``labels``: (B, L) token ids, -100 where no prediction is scored."""
-        outputs = self.performer(
-            input_ids,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            return_dict=True,
-            causal=False,
-            **kwargs,
-        )
-        logits = self.lm_head(outputs.last_hidden_state)
-        loss = None if labels is None else _token_loss(logits, labels, num_items_in_batch)
-        output = MaskedLMOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
-        return output if return_dict is not False else output.to_tuple()
+    def _logits(self, outputs):
+        return self.lm_head(outputs.last_hidden_state)  # (B, L, vocab)
+
+    def _loss(self, logits, labels, num_items_in_batch):
+        return _token_loss(logits, labels, num_items_in_batch)  # labels (B, L), -100 where unscored
 
 
 class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
@@ -396,13 +421,12 @@ def _classification_loss(config: PerformerConfig, logits: torch.Tensor, labels: 
     return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
 
 
-class _PerformerClassifier(PerformerPreTrainedModel):
+class _PerformerClassifier(_BidirectionalHead):
     """The encoder, dropout and a linear classifier, bidirectional. A subclass says what is classified
     (``pooled``: the pooled first token, one prediction per sequence; else every token), its loss
     (``_loss(logits, labels, num_items_in_batch)``) and its output class."""
 
     pooled: bool
-    output_class: type
 
     def __init__(self, config: PerformerConfig):
         super().__init__(config)
@@ -413,37 +437,9 @@ class _PerformerClassifier(PerformerPreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        return_dict=None,
-        num_items_in_batch=None,
-        **kwargs,
-    ):
-        """``labels``: (B,) class ids per sequence (float targets for regression / multi-label), or (B, L)
-        per token (-100 where no prediction is scored)."""
-        outputs = self.performer(
-            input_ids,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            return_dict=True,
-            causal=False,
-            **kwargs,
-        )
+    def _logits(self, outputs):
         features = outputs.pooler_output if self.pooled else outputs.last_hidden_state
-        logits = self.classifier(self.dropout(features))  # (B, num_labels) pooled, else (B, L, num_labels)
-        loss = None if labels is None else self._loss(logits, labels, num_items_in_batch)
-        output = self.output_class(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
-        return output if return_dict is not False else output.to_tuple()
+        return self.classifier(self.dropout(features))  # (B, num_labels) pooled, else (B, L, num_labels)
 
 
 class PerformerForSequenceClassification(_PerformerClassifier):
@@ -466,7 +462,7 @@ class PerformerForTokenClassification(_PerformerClassifier):
         return _token_loss(logits, labels, num_items_in_batch)
 
 
-class PerformerForQuestionAnswering(PerformerPreTrainedModel):
+class PerformerForQuestionAnswering(_BidirectionalHead):
     # the loss is a per-sequence mean: the Trainer scales it for gradient accumulation itself
     accepts_loss_kwargs = False
 
@@ -478,27 +474,18 @@ class PerformerForQuestionAnswering(PerformerPreTrainedModel):
 
     def forward(
         self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        position_ids=None,
-        inputs_embeds=None,
-        start_positions=None,
-        end_positions=None,
-        return_dict=None,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        start_positions: torch.Tensor | None = None,
+        end_positions: torch.Tensor | None = None,
+        return_dict: bool | None = None,
         **kwargs,
     ) -> QuestionAnsweringModelOutput | tuple:
         """``start_positions`` / ``end_positions``: (B,) token indices of the answer span."""
-        outputs = self.performer(
-            input_ids,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            return_dict=True,
-            causal=False,
-            **kwargs,
-        )
+        outputs = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(dim=-1)  # (B, L) each
         loss = None
         if start_positions is not None and end_positions is not None:

@@ -187,10 +187,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--report_to",
         default=REPORT_TO_JSON,
-        help=(
-            "Comma-separated trackers: 'json' (a train_log.jsonl in --output_dir), any tracker Accelerate "
-            "supports ('tensorboard', 'wandb', ...), or 'all'."
-        ),
+        help="Trackers, comma-separated: 'json' (train_log.jsonl in --output_dir), 'tensorboard', 'wandb' or 'all'.",
     )
     group.add_argument("--push_to_hub", action="store_true", help="Push the final model, tokenizer and card.")
     group.add_argument("--hub_model_id", help="Repository to push to (default: the name of --output_dir).")
