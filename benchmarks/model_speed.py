@@ -37,7 +37,8 @@ path. The converted models have no attention dropout (FAVOR+ and the hybrid cann
 model calls) on (batch, 12, L, 32) tensors, forward + backward and forward, against SDPA.
 
 Timing: for every L, each arm's model is built once; a warm-up run, then ``--reps`` runs interleaved
-(arm after arm, round after round) so that a change of load hits every arm alike; the median is
+(arm after arm, round after round, the order reversed every other round) so that a change of load, or a cost
+left by the arm before, hits every arm alike; the median is
 reported, with ratios source / Performer (> 1: the Performer is faster). CUDA runs are synchronised
 before the clock is read. Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` over the step
 (weights and optimizer state included); on a CPU, the extra resident memory at the step's peak
@@ -289,7 +290,8 @@ def time_arms(steps: dict[str, Step], reps: int) -> dict[str, dict]:
     records = {arm: {"times_s": [], "peak_mb": None} for arm in steps}
     live = dict(steps)
     for round_ in range(reps + 1):
-        for arm, step in list(live.items()):
+        order = list(live.items())
+        for arm, step in order if round_ % 2 else order[::-1]:  # the order alternates: no arm always goes first
             try:
                 seconds, peak = step.timed()
             except (RuntimeError, MemoryError) as error:
@@ -370,7 +372,7 @@ def measure_attention(args, workdir: Path) -> list[dict]:
         if kind == "llama":
             raise ValueError("--part attention times the Performer family's attention: pass --models encoder decoder.")
         causal = kind == "decoder"
-        models = build_models(kind, 64, [a for a in args.arms if a not in SOURCE_ARMS], workdir)
+        models = build_models(kind, 64, [a for a in args.arms if a not in SOURCE_ARMS], workdir, args.baseline)
         calls = {arm: AttentionCall(first_attention(m).to(args.device), causal) for arm, m in models.items()}
         # the step's backend context holds "flash" to its kernel; a bare SDPA call has no dropout, so
         # sdpa_fused would time the same call as sdpa

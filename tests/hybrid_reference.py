@@ -79,6 +79,37 @@ def _routed_support(x, y, mask, block_q, block_k, left, right, nb_routed, group_
     return support
 
 
+def dense_support(
+    x,
+    y,
+    mask,
+    causal,
+    local_window=0,
+    num_global_tokens=0,
+    routed_blocks=0,
+    route_block_size=8,
+    route_group_size=0,
+    query_block_size=16,
+):
+    """(B, H, L, L) bool: the keys each query computes exactly (its window, the global tokens, its routed blocks),
+    written densely; x, y: scaled queries and keys (routing reads them)."""
+    B, H, L, _ = x.shape
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    support = torch.zeros(B, H, L, L, dtype=torch.bool)
+    left, right = 0, -1
+    if local_window:
+        left, right = (
+            (local_window - 1, 0) if causal else ((local_window - 1) // 2, local_window - 1 - (local_window - 1) // 2)
+        )
+        support |= (i - j <= left) & (i - j >= -right)
+    support |= j < num_global_tokens
+    if routed_blocks:
+        support |= _routed_support(
+            x, y, mask, query_block_size, route_block_size, left, right, routed_blocks, route_group_size
+        )
+    return support
+
+
 def _features(far_field, x, W, parameter):
     """phi(x) of a registered far field, from its feature function: base * exp(log)."""
     base, log = FAR_FIELDS[far_field].features(x, W, parameter)
@@ -137,19 +168,19 @@ def reference(
     if far_field_gain is not None:
         kernel = kernel * torch.as_tensor(far_field_gain, dtype=kernel.dtype).reshape(-1, 1, 1)  # (H or 1, 1, 1)
 
+    support = dense_support(
+        x,
+        y,
+        mask,
+        causal,
+        local_window,
+        num_global_tokens,
+        routed_blocks,
+        route_block_size,
+        route_group_size,
+        query_block_size,
+    )
     i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
-    support = torch.zeros(B, H, L, L, dtype=torch.bool)
-    left, right = 0, -1
-    if local_window:
-        left, right = (
-            (local_window - 1, 0) if causal else ((local_window - 1) // 2, local_window - 1 - (local_window - 1) // 2)
-        )
-        support |= (i - j <= left) & (i - j >= -right)
-    support |= j < num_global_tokens
-    if routed_blocks:
-        support |= _routed_support(
-            x, y, mask, query_block_size, route_block_size, left, right, routed_blocks, route_group_size
-        )
     visible = mask[:, None, None, :] & ((j <= i) if causal else torch.ones(L, L, dtype=torch.bool))
     weights = torch.where(support, (x @ y.transpose(-2, -1)).exp(), kernel) * visible
     out = (weights @ v) / weights.sum(-1, keepdim=True)

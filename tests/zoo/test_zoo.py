@@ -60,7 +60,7 @@ def test_registry_lists_the_required_models_with_complete_recipes():
             assert entry.description and entry.license and entry.limits
             assert entry.convert["method"] == ("hybrid" if name.startswith("smollm2") else "favor")
     smollm2 = get_entry("smollm2-135m-performer-hybrid")
-    assert smollm2.source == {"asset": "smollm2"} and smollm2.convert["transfer_steps"] > 0
+    assert smollm2.source == {"asset": "smollm2"} and smollm2.convert["transfer"]["steps"] > 0
     sentiment = get_entry("performer-minilm-l6-rotten-tomatoes")
     assert sentiment.data == "rotten_tomatoes" and sentiment.finetune["task"] == "classification"
     assert sentiment.evaluate == {"kind": "classification", "split": "test"}
@@ -320,7 +320,7 @@ def test_quick_smollm2_build_linearizes_the_real_llm_with_attention_transfer(tmp
     results = json.loads((out / "zoo_results.json").read_text())
     conversion = results["conversion"]
     assert conversion["attn_implementation"] == "performer_hybrid"
-    assert conversion["attention_transfer"]["steps"] == entry.convert["transfer_steps"]
+    assert conversion["attention_transfer"]["steps"] == entry.convert["transfer"]["steps"]
     source = smollm2_checkpoint()
     before, after = load_file(source / "model.safetensors"), load_file(out / "model.safetensors")
     assert all(torch.equal(before[name], after[name]) for name in before)  # every weight is the source's

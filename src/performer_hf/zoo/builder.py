@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..conversion import ConversionError, convert
+from ..conversion import ConversionError, TransferSettings, convert
 from ..conversion.output_folder import check_output_dir, publish
 from ..conversion.sentence_pipeline import sentence_pipeline_files
 from ..conversion.source import resolve_source
@@ -113,11 +113,19 @@ def _finetune(task: str, argv: list[str]) -> dict:
     return train_language_model(task, argv)
 
 
+def convert_options(options: dict) -> dict:
+    """A recipe's ``convert`` options as ``performer_hf.convert`` takes them: its ``transfer`` mapping (``steps``,
+    ``length``, ``text_file``) as a :class:`TransferSettings`."""
+    if "transfer" not in options:
+        return options
+    return {**options, "transfer": TransferSettings(**options["transfer"])}
+
+
 def _build_reference(entry: ZooEntry, source: Path, work: Path, data: dict[str, Path]) -> Path:
     """The entry's reference model: converted with ``reference.convert`` over the entry's options (e.g.
     ``attention_kernel: exact``, the softmax model) and finetuned by the same recipe."""
     converted = work / "reference-converted"
-    convert(source, converted, fidelity=False, **{**entry.convert, **entry.reference["convert"]})
+    convert(source, converted, fidelity=False, **convert_options({**entry.convert, **entry.reference["convert"]}))
     finetuned = work / "reference-finetuned"
     argv = finetune_argv(entry, converted, data, finetuned)
     logger.info(
@@ -171,7 +179,7 @@ def _run_recipe(entry: ZooEntry, work: Path, staging: Path, quick: bool) -> dict
     tick = time.perf_counter()
     converted = work / "converted"
     base_model = entry.base_model or f"{entry.name} softmax source"
-    convert(source, converted, base_model=base_model, fidelity=not quick, **entry.convert)
+    convert(source, converted, base_model=base_model, fidelity=not quick, **convert_options(entry.convert))
     conversion = json.loads((converted / "conversion_report.json").read_text())
     timings["convert"] = time.perf_counter() - tick
 

@@ -47,7 +47,14 @@ def _value(value) -> str:
 
 
 def _call(function: str, options: dict) -> str:
-    return f"`{function}({', '.join(f'{key}={value!r}' for key, value in options.items())})`"
+    """The Python call of a recipe's options (a ``transfer`` mapping as the TransferSettings it becomes)."""
+
+    def shown(key, value) -> str:
+        if key == "transfer":
+            return f"TransferSettings({', '.join(f'{k}={v!r}' for k, v in value.items())})"
+        return repr(value)
+
+    return f"`{function}({', '.join(f'{key}={shown(key, value)}' for key, value in options.items())})`"
 
 
 def favor_settings(config: PerformerConfig) -> list[tuple[str, str]]:
