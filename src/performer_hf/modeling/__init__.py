@@ -8,8 +8,9 @@ files, so these modules import only each other (and torch / transformers), never
 
 - ``configuration_performer.py`` / ``modeling_performer.py``: the config and the model classes, built from
   ``layers_performer.py`` (embeddings, attention, layers, heads' parts);
-- ``attention_methods.py``: the attention-method registry (exact, FAVOR+, hybrid): each method's function,
-  cache layer, card description and conversion presets;
+- ``attention_methods.py``: the attention-method registry (exact, FAVOR+, hybrid): each method's function (in
+  ``method_exact.py``, ``method_favor.py``, ``method_hybrid.py``), config fields, kernels, cache layer, card text and
+  conversion presets;
 - FAVOR+: ``favor_projection.py`` (random projections), ``favor_features.py`` (the feature-map registry),
   ``favor_attention.py`` (bidirectional and causal FAVOR+), ``favor_exp.py`` (its slabbed autograd functions for
   exponential features), ``favor_optimal.py`` (FAVOR++);
