@@ -40,7 +40,6 @@ def _slab_sums(xq: Tensor, far: FarQueries, sets: list[CandidateSet], quadratic:
 class TorchBackend:
     """Hybrid attention in PyTorch: any device, dtype and setting."""
 
-    name = "pytorch"
     polynomial = (quadratic_state, quadratic_apply)  # the polynomial far field's (state, apply)
 
     def support_sums(self, selection: Selection, far: FarQueries, quadratic: float | None) -> Tensor:
@@ -55,8 +54,6 @@ class TorchBackend:
 
 class CompiledCpuBackend:
     """Bidirectional hybrid attention with a polynomial far field in the compiled CPU kernels."""
-
-    name = "cpu"
 
     def __init__(self, kernels):
         self.kernels = kernels

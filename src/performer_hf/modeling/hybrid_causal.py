@@ -145,7 +145,7 @@ def decoding_step(call: HybridCall, state: HybridState) -> tuple[Tensor, tuple[T
         sets.append(CandidateSet([globals_.y, globals_.values1], (globals_.mask & outside)[:, None, None, :]))
     # one block of one query: (B, H, n = 1, 1, X)
     sets = [CandidateSet([t.unsqueeze(2) for t in s.keys], s.support.unsqueeze(2)) for s in sets]
-    far = FarQueries(*(None if t is None else t.unsqueeze(2) for t in far.tensors()), excludes_support=True)
+    far = FarQueries(*(None if t is None else t.unsqueeze(2) for t in far[:-1]), excludes_support=True)
     xq = call.x.unsqueeze(2)
     parts = [far.complement([], [], None)]
     if sets:

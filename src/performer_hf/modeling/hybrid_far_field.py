@@ -1,13 +1,15 @@
 """The far field of hybrid attention: the kernel's sums over the keys outside each query's exact support.
 
 Bidirectionally (:class:`BidirectionalFar`) the state holds every key, one shift per batch and head, and each
-query's sums leave out its support by subtracting the kernel's values there (:meth:`BidirectionalFar.complement`,
-from the exact logits for the polynomial kernels, from feature products otherwise). Causally (:class:`CausalFar`)
-a chunked scan reads only the keys lagged past each query's window (:mod:`.hybrid_causal`), so nothing needs
-subtracting. Either way the result is a :class:`.PartialSums` for :func:`.merge`.
+query's sums leave out its support by subtracting the kernel's values there (:meth:`FarQueries.complement`, from
+the exact logits for the polynomial kernels, from feature products otherwise). Causally a chunked scan reads only
+the keys lagged past each query's window (:func:`.lagged_far_field`), so nothing needs subtracting. Either way the
+queries see a :class:`FarQueries`, whose complement is a :class:`.PartialSums` for :func:`.merge`.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -18,25 +20,20 @@ from .hybrid_keys import Keys
 Tensor = torch.Tensor
 
 
-class FarQueries:
-    """The far field as the queries see it, each (B, H, L, X) or split into query blocks alike: ``qf`` the query
-    features (random-feature kernels whose state holds the support) or None, ``rq`` the queries' centering
-    log-weights, ``scale`` the log of each query's far-field factor (its feature scale, its centering weight for
-    the polynomials, and the gain), ``key_shift`` the keys' shift, ``far_sum`` the kernel sums relative to
-    ``exp(scale + key_shift)``. ``excludes_support``: whether ``far_sum`` leaves out the support already."""
+class FarQueries(NamedTuple):
+    """The far field as the queries see it, each (B, H, L, X) or split into query blocks alike."""
 
-    def __init__(self, qf, rq, scale, key_shift, far_sum, excludes_support: bool):
-        self.qf, self.rq, self.scale, self.key_shift, self.far_sum = qf, rq, scale, key_shift, far_sum
-        self.excludes_support = excludes_support
-
-    def tensors(self) -> list[Tensor | None]:
-        return [self.qf, self.rq, self.scale, self.key_shift, self.far_sum]
+    qf: Tensor | None  # query features (random-feature kernels whose state holds the support), or None
+    rq: Tensor  # the queries' centering log-weights
+    scale: Tensor  # log of each query's far-field factor: its feature scale or centering weight, plus the gain
+    key_shift: Tensor  # the keys' shift
+    far_sum: Tensor  # kernel sums relative to exp(scale + key_shift)
+    excludes_support: bool  # whether far_sum leaves out the support already
 
     def split(self, split_fn) -> list[FarQueries]:
         """The same for each slab of query blocks: ``split_fn`` maps a (B, H, L, X) tensor to its slabs."""
-        parts = [None if t is None else split_fn(t) for t in self.tensors()]
-        count = len(parts[-1])
-        parts = [[None] * count if p is None else p for p in parts]
+        parts = [None if t is None else split_fn(t) for t in self[:-1]]
+        parts = [[None] * len(parts[-1]) if p is None else p for p in parts]
         return [FarQueries(*slab, self.excludes_support) for slab in zip(*parts, strict=True)]
 
     def complement(self, logits: list[Tensor], sets: list[CandidateSet], quadratic: float | None) -> PartialSums:

@@ -9,6 +9,7 @@ slabs, so that backward gathers each gradient once instead of writing a full-siz
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import NamedTuple
@@ -88,7 +89,11 @@ class Selection:
         per_block = x.shape[0] * x.shape[1] * block_q * max(self.nb_candidates, 1) * widest
         period = math.lcm(block_q, block_k) if spec.routed_blocks else block_q
         self.blocking = QueryBlocking(x, period, block_q, per_block)
-        self.padded_keys = pad_keys(keys, 0, self.blocking.pad)
+
+    @functools.cached_property
+    def padded_keys(self) -> Keys:
+        """The call's keys padded to the blocks' length (built when candidate sets are, not by the compiled path)."""
+        return pad_keys(self.keys, 0, self.blocking.pad)
 
     def candidate_sets(self) -> list[list[CandidateSet]]:
         """Per slab of query blocks, its candidate sets (window, routed blocks, global keys; those that apply)."""
