@@ -1,0 +1,145 @@
+"""The settings of sparse attention (:class:`SparseSpec`, derived from a config) and its decoding state
+(:class:`SparseState`): what :mod:`.sparse_attention` reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class SparseSpec:
+    """Causal block-sparse attention: every query computes exact softmax over
+
+    - its window: the keys of its own block up to itself and of the ``local_window // block_size`` blocks before;
+    - the first ``num_global_tokens`` keys (attention sinks);
+    - the ``select_blocks`` earlier key blocks it scores highest (an upper bound of its logits from each block's
+      per-channel key minimum and maximum, as Quest does), chosen per key/value head.
+
+    ``budget``: 0 keeps every key block that leaves the window, so that any can be selected again (memory grows with
+    the context, reads do not). ``n > 0`` keeps only the ``n`` blocks that received the most attention while they were
+    in the window: decoding memory stops growing.
+
+    A model derives it from its config (:meth:`from_config`), under the names of :attr:`CONFIG_NAMES`.
+    """
+
+    local_window: int = 512
+    num_global_tokens: int = 4
+    block_size: int = 64
+    select_blocks: int = 8
+    budget: int = 0
+
+    CONFIG_NAMES: ClassVar[dict[str, str]] = {"block_size": "select_block_size", "budget": "select_budget"}
+    _LOWEST: ClassVar[dict[str, int]] = {
+        "local_window": 0,
+        "num_global_tokens": 0,
+        "block_size": 1,
+        "select_blocks": 0,
+        "budget": 0,
+    }
+
+    def __post_init__(self):
+        for name, low in self._LOWEST.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{self.config_fields()[name]} must be an integer >= {low}, got {value!r}.")
+        if self.local_window % self.block_size:
+            raise ValueError(
+                f"local_window={self.local_window} must be a multiple of select_block_size={self.block_size} for "
+                f"attention_method='sparse' (the window is whole key blocks); use e.g. local_window="
+                f"{max(1, round(self.local_window / self.block_size)) * self.block_size}."
+            )
+        if self.budget and self.budget < self.select_blocks:
+            raise ValueError(
+                f"select_budget={self.budget} keeps fewer key blocks than select_blocks={self.select_blocks} reads; "
+                "raise select_budget (or set it to 0 to keep every block)."
+            )
+
+    @classmethod
+    def config_fields(cls) -> dict[str, str]:
+        """Each setting's config field name, by setting."""
+        return {f.name: cls.CONFIG_NAMES.get(f.name, f.name) for f in fields(cls)}
+
+    @classmethod
+    def from_config(cls, config: Any) -> SparseSpec:
+        """The spec of a config (a ``PerformerConfig``, or anything with its field names)."""
+        return cls(**{name: getattr(config, field) for name, field in cls.config_fields().items()})
+
+    @property
+    def window_blocks(self) -> int:
+        """Whole key blocks before the query's own that its window holds."""
+        return self.local_window // self.block_size
+
+    def covers(self, length: int) -> bool:
+        """Whether every query of a ``length``-token input reads every earlier key exactly (no selection)."""
+        return length <= (self.window_blocks + 1 + self.select_blocks) * self.block_size
+
+
+class SparseState(NamedTuple):
+    """What causal sparse attention keeps after ``length`` tokens (one per key/value head, never repeated for
+    grouped-query attention).
+
+    Attributes:
+        keys, values: ``(B, Hkv, R, D)``: positions ``start ... length - 1``, the window of the next query and the
+            blocks after it.
+        key_mask: ``(B, R)`` bool, True for real tokens.
+        mass: ``(B, Hkv, ceil(R / block))`` float32: the attention each of those blocks received so far (what the
+            bounded pool ranks blocks by when they leave the window).
+        pool_keys, pool_values: ``(B, Hkv, N, block, D)``: key blocks that left the window and were kept (all of
+            them with ``budget=0``).
+        pool_mask: ``(B, Hkv, N, block)`` bool: real keys that are not global tokens.
+        pool_min, pool_max: ``(B, Hkv, N, D)``: per-channel minimum and maximum of each pool block's keys.
+        pool_score: ``(B, Hkv, N)`` float32: each pool block's mass when it left the window.
+        global_keys, global_values: ``(B, Hkv, S, D)``: the first ``S <= num_global_tokens`` keys and values.
+        global_mask: ``(B, S)`` bool.
+        start: the position of ``keys[:, :, 0]`` (a block boundary: the blocks before it are in the pool or dropped).
+        length: tokens consumed so far (the position of the next token).
+    """
+
+    keys: Tensor
+    values: Tensor
+    key_mask: Tensor
+    mass: Tensor
+    pool_keys: Tensor
+    pool_values: Tensor
+    pool_mask: Tensor
+    pool_min: Tensor
+    pool_max: Tensor
+    pool_score: Tensor
+    global_keys: Tensor
+    global_values: Tensor
+    global_mask: Tensor
+    start: int
+    length: int
+
+    @classmethod
+    def empty(cls, k: Tensor, v: Tensor, block: int) -> SparseState:
+        """The state before the first token, for keys ``k`` and values ``v`` shaped (B, Hkv, ., D)."""
+        B, Hkv, _, D = k.shape
+        Dv = v.shape[-1]
+        pool = dict(device=k.device)
+        return cls(
+            keys=k.new_zeros(B, Hkv, 0, D),
+            values=v.new_zeros(B, Hkv, 0, Dv),
+            key_mask=torch.zeros(B, 0, dtype=torch.bool, **pool),
+            mass=torch.zeros(B, Hkv, 0, dtype=torch.float32, **pool),
+            pool_keys=k.new_zeros(B, Hkv, 0, block, D),
+            pool_values=v.new_zeros(B, Hkv, 0, block, Dv),
+            pool_mask=torch.zeros(B, Hkv, 0, block, dtype=torch.bool, **pool),
+            pool_min=k.new_zeros(B, Hkv, 0, D),
+            pool_max=k.new_zeros(B, Hkv, 0, D),
+            pool_score=torch.zeros(B, Hkv, 0, dtype=torch.float32, **pool),
+            global_keys=k.new_zeros(B, Hkv, 0, D),
+            global_values=v.new_zeros(B, Hkv, 0, Dv),
+            global_mask=torch.zeros(B, 0, dtype=torch.bool, **pool),
+            start=0,
+            length=0,
+        )
+
+    def nbytes(self) -> int:
+        """Bytes held by the state's tensors."""
+        return sum(t.numel() * t.element_size() for t in self if torch.is_tensor(t))
