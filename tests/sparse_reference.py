@@ -1,5 +1,5 @@
-"""sparse_attention's reference: one query at a time, its support built from positions with plain Python, then a
-dense softmax over it (float64)."""
+"""sparse_attention's reference: one query at a time, its support built from positions with plain Python (blocks
+ranked by the log-sum-exp of its logits over their keys), then a dense softmax over it (float64)."""
 
 import torch
 
@@ -23,14 +23,15 @@ def reference_sparse(q, k, v, spec, key_mask=None):
                     blocks = sorted(blocks, key=lambda j: -float(mass[b, h, j]))[: spec.budget]
                 visible = torch.zeros(L, dtype=torch.bool)
                 visible[window_start : p + 1] = real[b, window_start : p + 1]
-                visible[: min(spec.num_global_tokens, window_start)] = real[b, : min(spec.num_global_tokens, window_start)]
+                sinks = min(spec.num_global_tokens, window_start)
+                visible[:sinks] = real[b, :sinks]
                 scored = []
                 for j in blocks:
                     keys = [i for i in range(j * block, (j + 1) * block) if real[b, i] and i >= spec.num_global_tokens]
                     if not keys:
                         continue
-                    kb = k[b, h, keys]  # (n, D)
-                    bound = sum(torch.maximum(q[b, h * G + g] [p] * kb.min(0).values, q[b, h * G + g][p] * kb.max(0).values).sum() for g in range(G))
+                    heads = q[b, h * G : (h + 1) * G, p]  # (G, D): the query heads sharing key/value head h
+                    bound = ((heads @ k[b, h, keys].T) * D**-0.5).logsumexp(dim=(0, 1))  # the attention it holds
                     scored.append((float(bound), j, keys))
                 scored.sort(key=lambda t: -t[0])
                 for _, _, keys in scored[: spec.select_blocks]:

@@ -173,11 +173,23 @@ MODES = {
 }
 
 
+SPARSE = {
+    "attention_method": "sparse",
+    "local_window": 4,
+    "num_global_tokens": 1,
+    "select_blocks": 1,
+    "select_block_size": 2,
+    "nb_features": 256,  # FAVOR+'s fields at their defaults (tiny_config sets them)
+    "causal_chunk_size": 128,
+}
 # ... and the hybrid with an exact prefix (exact_max_length): crossed while decoding (12) and by the prompt (5)
 GENERATION_METHODS = {
     **METHODS,
     "hybrid_exact12": {**METHODS["hybrid"], "exact_max_length": 12},
     "hybrid_exact5": {**METHODS["hybrid"], "exact_max_length": 5},
+    # sparse attention: a window of two blocks of 2 keys, one selected block, every block kept or a pool of 2
+    "sparse": SPARSE,
+    "sparse_budget2": {**SPARSE, "select_budget": 2},
 }
 
 

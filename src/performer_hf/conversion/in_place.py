@@ -31,7 +31,7 @@ from .output_folder import publish
 logger = logging.getLogger(__name__)
 
 # the converter's method names -> attn_implementation names
-IMPLEMENTATION_OF_METHOD = {"hybrid": "performer_hybrid", "favor": "performer"}
+IMPLEMENTATION_OF_METHOD = {"hybrid": "performer_hybrid", "favor": "performer", "sparse": "performer_sparse"}
 PARITY_TOLERANCE = 1e-4
 
 

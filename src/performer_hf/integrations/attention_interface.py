@@ -18,13 +18,16 @@ What the adapter does around those methods:
   every layer without naming layer types (Mistral) get Performer attention everywhere, over the whole context;
 - rotary positions: the model applies them to q and k before calling the function, so the feature maps see
   rotated queries and keys;
-- grouped-query attention: the key/value heads are repeated to the query heads;
+- grouped-query attention: the key/value heads are repeated to the query heads, except for methods that take
+  them as they are (``AttentionMethod.grouped_kv``: the sparse method keeps its state per key/value head);
 - ``scaling``: q is rescaled so that q.k times the method's ``head_dim ** -0.5`` is the model's q.k * scaling
   (Gemma3's ``query_pre_attn_scalar``, GPT-2's per-layer scaling);
 - padding: the registered mask function hands the attention the 2D ``(B, P + L)`` padding mask (or None);
-- decoding: with a :class:`~performer_hf.integrations.cache.PerformerCache`, the layer's constant-size state
+- decoding: with the method's own cache layer (a :class:`~performer_hf.integrations.cache.PerformerCache`, or the
+  ``DynamicCache`` that ``generate`` builds when the config's ``layer_types`` name the layer), the layer's state
   (the cache layer passes the new keys through, marked with itself); with a key/value cache (a plain
-  ``DynamicCache``), the method runs over every cached key again, as a full forward would.
+  ``DynamicCache``), the method runs over every cached key again, as a full forward would (the sparse method
+  reads the cached keys as its state).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..modeling.attention_methods import ATTENTION_METHODS
 from ..modeling.method_exact import softmax_attention
 from .attention_settings import IMPLEMENTATIONS, method_state
 
@@ -113,7 +117,8 @@ def _performer_attention(implementation: str):
         if scaling is not None and scaling != head_dim**-0.5:
             query = query * (scaling * head_dim**0.5)  # the methods scale q.k by head_dim ** -0.5
         groups = query.shape[1] // key.shape[1]
-        if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
+        grouped_kv = ATTENTION_METHODS[state.attention_method].grouped_kv and TRANSFER_HOOK.get() is None
+        if groups > 1 and not grouped_kv:  # grouped-query attention: each key/value head serves `groups` query heads
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (B, H, Lk, D)
         key_mask = _key_mask(attention_mask)
         transfer = TRANSFER_HOOK.get()
@@ -121,7 +126,7 @@ def _performer_attention(implementation: str):
             context = transfer(state, query, key, value, key_mask, causal)
         elif state.attention_method == "exact":
             context, _ = softmax_attention(query, key, value, key_mask, causal, dropout if module.training else 0.0)
-        elif layer_cache is not None or key.shape[2] == query.shape[2]:
+        elif layer_cache is not None or key.shape[2] == query.shape[2] or grouped_kv:
             context, _ = state.attend(state, query, key, value, key_mask, causal, layer_cache)  # (B, H, Lq, D)
         else:  # a key/value cache: the method over every key, the past queries as placeholders
             context = _over_cached_keys(state, query, key, value, key_mask, causal)

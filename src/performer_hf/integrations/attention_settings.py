@@ -39,8 +39,10 @@ _DEFAULTS = {name: getattr(PerformerConfig(), name) for name in ATTENTION_FIELDS
 # models get no exact prefix (exact_max_length=0), so that their decoding state is constant from the first
 # token, and FAVOR++'s A is 0 (plain positive features) with zero centres until calibrated. Settings that do
 # not name their attention_method take the one their fields select (attention_methods.infer_method).
+# "performer_sparse": the sparse method (causal only), whose decoding state stays per key/value head.
 IMPLEMENTATIONS: dict[str, dict[str, dict[str, Any]]] = {
     "performer": ATTENTION_METHODS["favor"].presets,
+    "performer_sparse": {"causal": {"attention_method": "sparse", **ATTENTION_METHODS["sparse"].presets["causal"]}},
     "performer_hybrid": {
         "bidirectional": ATTENTION_METHODS["hybrid"].presets["bidirectional"],
         "causal": {**ATTENTION_METHODS["hybrid"].presets["causal"], "exact_max_length": 0, "far_field_parameter": 0.0},
@@ -58,18 +60,44 @@ def resolved_settings(config, implementation: str, causal: bool) -> dict[str, An
             f"config.{CONFIG_ATTRIBUTE} has unknown fields {unknown}; it takes PerformerConfig's attention fields: "
             f"{', '.join(ATTENTION_FIELDS)}."
         )
-    preset = IMPLEMENTATIONS[implementation]["causal" if causal else "bidirectional"]
+    direction = "causal" if causal else "bidirectional"
+    if direction not in IMPLEMENTATIONS[implementation]:
+        raise ValueError(
+            f"attn_implementation={implementation!r} is causal only; this {type(config).__name__} attends "
+            "bidirectionally. Use attn_implementation='performer_hybrid' for encoders."
+        )
+    preset = IMPLEMENTATIONS[implementation][direction]
     # every field explicit, so that a later release's defaults cannot change a saved model; settings saved before
     # attention_method existed keep the method their fields selected
     settings = {**_DEFAULTS, **preset, **given}
-    if "attention_method" not in given:
+    if "attention_method" not in given and "attention_method" not in preset:
         settings["attention_method"] = infer_method(settings)
     if given != settings:
         setattr(config, CONFIG_ATTRIBUTE, settings)
     if getattr(config, "attn_implementation", None) != implementation:
         # a plain attribute: saved to config.json, where transformers reads it back as the implementation
         config.attn_implementation = implementation
+    _name_cache_layers(config, settings["attention_method"])
     return settings
+
+
+def _name_cache_layers(config, method: str) -> None:
+    """Name the method's cache layer in ``config.layer_types`` (saved to config.json), so that the ``DynamicCache``
+    that ``generate`` builds with no argument holds the method's state instead of growing keys and values. Only where
+    the model class does not read ``layer_types`` itself (it is absent: Llama, Mistral, GPT-2) or names our layers
+    already; models that mark their sliding layers there (Gemma3, Qwen2) keep a key/value cache unless given a
+    ``PerformerCache``."""
+    text_config = config.get_text_config(decoder=True)
+    current = getattr(text_config, "layer_types", None)
+    if current is not None and not set(current) <= _OWN_LAYER_TYPES:
+        return
+    entry = ATTENTION_METHODS[method]
+    text_config.layer_types = (
+        None if entry.cache_layer is None else [entry.cache_layer_type] * text_config.num_hidden_layers
+    )
+
+
+_OWN_LAYER_TYPES = {entry.cache_layer_type for entry in ATTENTION_METHODS.values() if entry.cache_layer is not None}
 
 
 def head_shape(config) -> tuple[int, int]:

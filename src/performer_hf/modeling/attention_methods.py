@@ -29,13 +29,15 @@ from typing import Any
 
 import torch
 
-from .cache_performer import FavorCacheLayer, HybridCacheLayer
+from .cache_performer import FavorCacheLayer, HybridCacheLayer, SparseCacheLayer
 from .far_fields import FAR_FIELDS
 from .favor_features import FEATURE_MAPS
 from .hybrid_spec import HybridSpec
 from .method_exact import exact_attention
 from .method_favor import favor_method
 from .method_hybrid import hybrid_card_lines, hybrid_layer_settings, hybrid_method
+from .method_sparse import sparse_card_lines, sparse_layer_settings, sparse_method
+from .sparse_spec import SparseSpec
 
 Tensor = torch.Tensor
 
@@ -57,8 +59,11 @@ class AttentionMethod:
             the projection and centres; None for nothing.
         card_lines: ``config -> [markdown bullet]``: its settings as model cards list them; None for none.
         presets: the ``PerformerConfig`` fields a conversion sets for this method, for ``"bidirectional"``
-            and ``"causal"`` sources (explicit options override them); None where the converter does not
-            offer the method (exact attention is asked for with ``attention_kernel="exact"``).
+            and ``"causal"`` sources (explicit options override them; a direction left out is one the method
+            cannot run); None where the converter does not offer the method (exact attention is asked for with
+            ``attention_kernel="exact"``).
+        grouped_kv: whether ``attend`` takes grouped-query keys and values as they are, (B, Hkv, L, D) with the
+            query heads a multiple of ``Hkv``; otherwise the integrations repeat them to the query heads.
     """
 
     attend: Callable[..., tuple[Tensor, Tensor | None]]
@@ -70,6 +75,7 @@ class AttentionMethod:
     layer_settings: Callable[[Any, int], dict[str, Any]] | None = None
     card_lines: Callable[[Any], list[str]] | None = None
     presets: dict[str, dict[str, Any]] | None = None
+    grouped_kv: bool = False
 
     @property
     def cache_layer_type(self) -> str:
@@ -94,6 +100,7 @@ HYBRID_FIELDS = (
     "far_field_parameter",
     "far_field_gain",
 )
+SPARSE_FIELDS = tuple(SparseSpec.config_fields().values())
 
 # The converter's presets. "hybrid", its default: exact softmax on a local window, the first token and
 # (bidirectionally) 24 routed key blocks of 8, with a centred second-order polynomial far field (`poly2`) for
@@ -112,6 +119,15 @@ HYBRID_FIELDS = (
 # training is even (1.01x) and the hybrid infers 1.13x faster.
 # "favor": plain FAVOR+ (the paper's positive orthogonal random features), the PerformerConfig defaults;
 # no exact dispatch, so that FAVOR+ is what is measured (its own crossover there is about 1-2K tokens).
+# "sparse", for decoders: exact softmax on a window of 512 keys (plus the query's own block), the first 4 tokens and
+# the 8 blocks of 64 earlier keys each query scores highest; every block is kept (select_budget=0).
+SPARSE_CAUSAL_PRESET = {
+    "local_window": 512,
+    "num_global_tokens": 4,
+    "select_blocks": 8,
+    "select_block_size": 64,
+    "select_budget": 0,
+}
 ATTENTION_METHODS: dict[str, AttentionMethod] = {
     "exact": AttentionMethod(
         exact_attention,
@@ -162,6 +178,21 @@ ATTENTION_METHODS: dict[str, AttentionMethod] = {
                 "exact_max_length": 4096,
             },
         },
+    ),
+    "sparse": AttentionMethod(
+        sparse_method,
+        cache_layer=SparseCacheLayer,
+        has_attention_weights=False,
+        description=(
+            "sparse attention: exact softmax over each query's local window, the first tokens and the earlier key "
+            "blocks it selects by an upper bound of its logits (causal)"
+        ),
+        fields=SPARSE_FIELDS,
+        kernels=None,
+        layer_settings=sparse_layer_settings,
+        card_lines=sparse_card_lines,
+        presets={"causal": SPARSE_CAUSAL_PRESET},
+        grouped_kv=True,
     ),
 }
 

@@ -23,6 +23,7 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
 from .favor_attention import FavorState
 from .hybrid_spec import HybridState
+from .sparse_spec import SparseState
 
 _KV, _SHIFT = 0, 1  # recurrent-state slots of a FavorCacheLayer
 
@@ -182,4 +183,62 @@ class HybridCacheLayer(_BatchFirstState, CacheLayerMixin):
             self.prefix = tuple(index_fn(t) for t in self.prefix)
 
 
-__all__ = ["FavorCacheLayer", "HybridCacheLayer"]
+class SparseCacheLayer(_BatchFirstState, CacheLayerMixin):
+    """One layer's :class:`SparseState`: the keys and values of the window, the global tokens and the pool of key
+    blocks the queries select from, per key/value head (grouped-query models are not repeated). Bounded in the
+    context length with ``select_budget``; every block otherwise.
+
+    It registers the cache layer type ``"sparse_attention"``: a config whose ``layer_types`` names it gets one per
+    layer from ``DynamicCache(config=...)``, what ``generate`` builds with no argument.
+    """
+
+    _layer_type = "sparse_attention"
+    is_compileable = False  # as for FavorCacheLayer: generate must pass the 2D padding mask through
+    is_sliding = False
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.state: SparseState | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate ahead: the first :meth:`update_state` stores the state."""
+
+    def get_state(self) -> SparseState | None:
+        """The state after the tokens seen so far, or ``None`` before the first one."""
+        return self.state
+
+    def update_state(self, state: SparseState) -> SparseState:
+        """Store the state returned by ``sparse_attention(..., return_state=True)``; returns it."""
+        self.state = SparseState(*(t.detach() if torch.is_tensor(t) else t for t in state))
+        self.is_initialized = True
+        return self.state
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """As :meth:`FavorCacheLayer.update`: the new keys and values pass through to the attention function."""
+        return passed_through(self, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return 0 if self.state is None else self.state.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self):
+        """Nothing to offload: the state stays where the model runs."""
+
+    def prefetch(self):
+        """Nothing to prefetch."""
+
+    def reset(self) -> None:
+        self.state = None
+        self.is_initialized = False
+
+    def _select(self, index_fn) -> None:
+        if self.state is not None:
+            self.state = SparseState(*(index_fn(t) if torch.is_tensor(t) else t for t in self.state))
+
+
+__all__ = ["FavorCacheLayer", "HybridCacheLayer", "SparseCacheLayer"]

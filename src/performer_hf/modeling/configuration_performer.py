@@ -12,6 +12,7 @@ from .attention_methods import ATTENTION_METHODS, infer_method
 from .far_fields import FAR_FIELDS
 from .favor_features import FEATURE_MAPS
 from .favor_projection import COUPLINGS, ROW_NORMS
+from .sparse_spec import SparseSpec
 
 LAYER_NORM_POSITIONS = ("post", "pre")
 
@@ -175,6 +176,14 @@ class PerformerConfig(PreTrainedConfig):
         default=None, metadata={"help": "hybrid: a factor on the far-field kernel against the exact support"}
     )
 
+    select_blocks: int = field(
+        default=0, metadata={"help": "sparse: earlier key blocks each query selects and reads exactly"}
+    )
+    select_block_size: int = field(default=64, metadata={"help": "sparse: keys per selectable block"})
+    select_budget: int = field(
+        default=0, metadata={"help": "sparse: key blocks kept once they leave the window (0: every block)"}
+    )
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
@@ -296,14 +305,16 @@ class PerformerConfig(PreTrainedConfig):
         self._validate_ranges()
         self._validate_method()
         self._validate_hybrid()
+        if self.attention_method == "sparse":
+            SparseSpec.from_config(self)  # checks the window against the block size, and the budget
 
     def _validate_method(self):
         """The attention method against the fields it reads: one of its kernels, and no field of another method
         away from its default (it would be ignored)."""
         method = ATTENTION_METHODS[self.attention_method]
-        if method.kernels is None:  # exact attention reads none of them
+        if not method.fields:  # exact attention reads none of them
             return
-        if self.attention_kernel not in method.kernels:
+        if method.kernels is not None and self.attention_kernel not in method.kernels:
             others = [
                 name
                 for name, entry in ATTENTION_METHODS.items()

@@ -17,8 +17,8 @@ class SparseSpec:
 
     - its window: the keys of its own block up to itself and of the ``local_window // block_size`` blocks before;
     - the first ``num_global_tokens`` keys (attention sinks);
-    - the ``select_blocks`` earlier key blocks it scores highest (an upper bound of its logits from each block's
-      per-channel key minimum and maximum, as Quest does), chosen per key/value head.
+    - the ``select_blocks`` earlier key blocks that hold most of its attention among the selectable ones: ranked
+      by the log-sum-exp of its logits over each block's keys (and the query heads that share a key/value head).
 
     ``budget``: 0 keeps every key block that leaves the window, so that any can be selected again (memory grows with
     the context, reads do not). ``n > 0`` keeps only the ``n`` blocks that received the most attention while they were
@@ -84,15 +84,15 @@ class SparseState(NamedTuple):
     grouped-query attention).
 
     Attributes:
-        keys, values: ``(B, Hkv, R, D)``: positions ``start ... length - 1``, the window of the next query and the
-            blocks after it.
+        keys, values: ``(B, Hkv, R, D)``: positions ``start ... length - 1``: every key with ``budget=0``
+            (``start`` stays 0; the blocks before a query's window are its pool), else the window of the next query
+            and the blocks after it.
         key_mask: ``(B, R)`` bool, True for real tokens.
         mass: ``(B, Hkv, ceil(R / block))`` float32: the attention each of those blocks received so far (what the
             bounded pool ranks blocks by when they leave the window).
-        pool_keys, pool_values: ``(B, Hkv, N, block, D)``: key blocks that left the window and were kept (all of
-            them with ``budget=0``).
+        pool_keys, pool_values: ``(B, Hkv, N, block, D)``: with a budget, the key blocks that left the window and
+            were kept (empty with ``budget=0``).
         pool_mask: ``(B, Hkv, N, block)`` bool: real keys that are not global tokens.
-        pool_min, pool_max: ``(B, Hkv, N, D)``: per-channel minimum and maximum of each pool block's keys.
         pool_score: ``(B, Hkv, N)`` float32: each pool block's mass when it left the window.
         global_keys, global_values: ``(B, Hkv, S, D)``: the first ``S <= num_global_tokens`` keys and values.
         global_mask: ``(B, S)`` bool.
@@ -107,8 +107,6 @@ class SparseState(NamedTuple):
     pool_keys: Tensor
     pool_values: Tensor
     pool_mask: Tensor
-    pool_min: Tensor
-    pool_max: Tensor
     pool_score: Tensor
     global_keys: Tensor
     global_values: Tensor
@@ -130,8 +128,6 @@ class SparseState(NamedTuple):
             pool_keys=k.new_zeros(B, Hkv, 0, block, D),
             pool_values=v.new_zeros(B, Hkv, 0, block, Dv),
             pool_mask=torch.zeros(B, Hkv, 0, block, dtype=torch.bool, **pool),
-            pool_min=k.new_zeros(B, Hkv, 0, D),
-            pool_max=k.new_zeros(B, Hkv, 0, D),
             pool_score=torch.zeros(B, Hkv, 0, dtype=torch.float32, **pool),
             global_keys=k.new_zeros(B, Hkv, 0, D),
             global_values=v.new_zeros(B, Hkv, 0, Dv),

@@ -1,0 +1,128 @@
+"""Sparse attention (``attention_method="sparse"``): each query's output against a one-query-at-a-time reference
+(window, global tokens, per-query block selection, the bounded pool), cached decoding against a full forward, no
+future leak, a state that stops growing with a budget, gradients, and the settings' checks."""
+
+import pytest
+import torch
+from huggingface_hub.errors import StrictDataclassClassValidationError
+
+from performer_hf import PerformerConfig
+from performer_hf.modeling.sparse_attention import sparse_attention
+from performer_hf.modeling.sparse_spec import SparseSpec
+from tests.sparse_reference import reference_sparse
+
+INVALID = (ValueError, StrictDataclassClassValidationError)
+
+SPECS = {
+    "window+globals+select": SparseSpec(local_window=8, num_global_tokens=2, block_size=4, select_blocks=2),
+    "bounded pool": SparseSpec(local_window=8, num_global_tokens=2, block_size=4, select_blocks=2, budget=3),
+    "own block only": SparseSpec(local_window=0, num_global_tokens=0, block_size=5, select_blocks=1),
+    "globals beyond a block": SparseSpec(local_window=12, num_global_tokens=6, block_size=4, select_blocks=3, budget=4),
+    "select everything": SparseSpec(local_window=4, num_global_tokens=1, block_size=4, select_blocks=50),
+}
+
+
+def _inputs(batch=2, heads=4, kv_heads=2, length=70, dim=8, seed=0):
+    """Float64 q (B, H, L, D), k, v (B, Hkv, L, D) and a (B, L) mask with row 1 right-padded by 9."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, length, dim, generator=g, dtype=torch.float64) * 2
+    k = torch.randn(batch, kv_heads, length, dim, generator=g, dtype=torch.float64) * 2
+    v = torch.randn(batch, kv_heads, length, dim, generator=g, dtype=torch.float64)
+    mask = torch.arange(length)[None] < torch.tensor([[length], [length - 9]])
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS)
+def test_every_query_matches_the_reference(spec):
+    q, k, v, mask = _inputs()
+    expected = reference_sparse(q, k, v, spec, mask)
+    real = mask[:, None, :, None]
+    torch.testing.assert_close(sparse_attention(q, k, v, spec, mask) * real, expected * real)
+
+
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS)
+def test_prefill_then_decoding_equals_one_forward(spec):
+    """A prefill of 37 tokens, a chunk of 6, then one token at a time: the same outputs as one call."""
+    q, k, v, mask = _inputs()
+    full = sparse_attention(q, k, v, spec, mask)
+    pieces, state = [], None
+    for lo, hi in [(0, 37), (37, 43), *((t, t + 1) for t in range(43, 70))]:
+        out, state = sparse_attention(
+            q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], spec, mask[:, lo:hi], state, return_state=True
+        )
+        pieces.append(out)
+    torch.testing.assert_close(torch.cat(pieces, dim=2), full, rtol=1e-12, atol=1e-12)
+    assert state.length == 70
+
+
+def test_no_future_leak():
+    spec = SPECS["bounded pool"]
+    q, k, v, _ = _inputs(batch=1)
+    out = sparse_attention(q, k, v, spec)
+    k2, v2, q2 = k.clone(), v.clone(), q.clone()
+    k2[:, :, 40:] += 5.0
+    v2[:, :, 40:] -= 3.0
+    q2[:, :, 40:] *= -1
+    torch.testing.assert_close(sparse_attention(q2, k2, v2, spec)[:, :, :40], out[:, :, :40], rtol=0, atol=0)
+
+
+def test_a_budget_bounds_the_state_and_keeping_every_block_does_not():
+    q, k, v, _ = _inputs(batch=1, length=200)
+    sizes = {}
+    for budget in (0, 3):
+        spec = SparseSpec(local_window=8, num_global_tokens=2, block_size=4, select_blocks=2, budget=budget)
+        _, short = sparse_attention(q[:, :, :100], k[:, :, :100], v[:, :, :100], spec, return_state=True)
+        _, long = sparse_attention(q, k, v, spec, return_state=True)
+        sizes[budget] = short.nbytes(), long.nbytes()
+    assert sizes[3][0] == sizes[3][1]
+    assert sizes[0][1] > 1.8 * sizes[0][0]
+    assert sizes[3][1] < sizes[0][1] / 5
+
+
+def test_gradients_match_the_reference():
+    spec = SPECS["bounded pool"]
+    q, k, v, mask = _inputs(length=30)
+    grads = []
+    for function in (sparse_attention, reference_sparse):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        (function(*inputs, spec, mask) * mask[:, None, :, None]).pow(2).sum().backward()
+        grads.append([t.grad for t in inputs])
+    for ours, expected in zip(*grads, strict=True):
+        torch.testing.assert_close(ours, expected)
+
+
+def test_bfloat16_runs_and_stays_close_to_float32():
+    spec = SPECS["select everything"]  # no selection that rounding could tip
+    q, k, v, _ = _inputs(batch=1)
+    expected = sparse_attention(*(t.float() for t in (q, k, v)), spec)
+    out = sparse_attention(*(t.bfloat16() for t in (q, k, v)), spec)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(local_window=10, select_block_size=4), "multiple of select_block_size"),
+        (dict(select_blocks=4, select_budget=2), "fewer key blocks"),
+        (dict(select_blocks=-1), "select_blocks must be an integer >= 0"),
+    ],
+)
+def test_bad_settings_name_the_fix(settings, message):
+    with pytest.raises(INVALID, match=message):
+        PerformerConfig(attention_method="sparse", is_decoder=True, **settings)
+
+
+def test_a_hybrid_config_with_selection_fields_is_refused():
+    with pytest.raises(INVALID, match="attention_method='sparse'"):
+        PerformerConfig(attention_method="hybrid", attention_kernel="poly2", local_window=8, select_blocks=4)
+
+
+def test_bidirectional_calls_are_refused():
+    from performer_hf import PerformerModel
+
+    config = PerformerConfig(
+        attention_method="sparse", hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=37
+    )
+    with pytest.raises(ValueError, match="causal only"):
+        PerformerModel(config)(torch.ones(1, 5, dtype=torch.long))
