@@ -55,6 +55,18 @@ def test_prefill_then_decoding_equals_one_forward(spec):
     assert state.length == 70
 
 
+def test_a_key_value_cache_is_read_in_place():
+    """Keys and values of earlier tokens given before the new ones (a plain key/value cache, every block kept)."""
+    spec = SPECS["window+globals+select"]
+    q, k, v, mask = _inputs()
+    full = sparse_attention(q, k, v, spec, mask)
+    for new in (1, 7):
+        out = sparse_attention(q[:, :, -new:], k, v, spec, mask)
+        torch.testing.assert_close(out, full[:, :, -new:], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="without a budget"):
+        sparse_attention(q[:, :, -1:], k, v, SPECS["bounded pool"], mask)
+
+
 def test_no_future_leak():
     spec = SPECS["bounded pool"]
     q, k, v, _ = _inputs(batch=1)

@@ -70,27 +70,33 @@ METHODS: dict[str, dict[str, dict[str, Any]]] = {
     name: method.presets for name, method in ATTENTION_METHODS.items() if method.presets is not None
 }
 DEFAULT_METHOD = "hybrid"
+# Decoders converted in place (Llama & co.): the sparse method, whose selected blocks find what lies beyond the
+# window (benchmarks/results/long_context_retrieval.md: SmolLM2's pass keys as the source finds them, where the
+# hybrid's window and far field find none beyond the window).
+DEFAULT_IN_PLACE_METHOD = "sparse"
 
 
 def _overridable_fields() -> list[str]:
     return sorted({f.name for f in dataclasses.fields(PerformerConfig)} - FIXED_BY_SOURCE)
 
 
-def _method(method: str | None, overrides: dict[str, Any]) -> str:
-    """The attention method: ``method``, or by default "hybrid" unless a kernel only FAVOR+ has is asked for."""
+def _method(method: str | None, overrides: dict[str, Any], default: str = DEFAULT_METHOD) -> str:
+    """The attention method: ``method``, or by default ``default`` unless a kernel only FAVOR+ has is asked for."""
     kernel = overrides.get("attention_kernel")
     if method is None:
-        if kernel not in (None, "exact") and kernel not in ATTENTION_METHODS[DEFAULT_METHOD].kernels:
+        default_kernels = ATTENTION_METHODS[default].kernels
+        if kernel not in (None, "exact") and (default_kernels is None or kernel not in default_kernels):
             logger.info("attention_kernel=%r is a plain FAVOR+ kernel: converting with method 'favor'", kernel)
             return "favor"
-        return DEFAULT_METHOD
+        return default
     if method not in METHODS:
         raise ConversionError(f"unknown method {method!r}; choose one of {sorted(METHODS)}.")
     kernels = ATTENTION_METHODS[method].kernels
-    if kernel not in (None, "exact") and kernel not in kernels:
+    if kernel not in (None, "exact") and (kernels is None or kernel not in kernels):
         raise ConversionError(
-            f"attention_kernel={kernel!r} is not a kernel of the {method} method; choose one of {sorted(kernels)}"
-            + (", or convert with --method favor for plain FAVOR+." if method == "hybrid" else ".")
+            f"attention_kernel={kernel!r} is not a kernel of the {method} method; choose one of "
+            f"{sorted(kernels or ['exact'])}"
+            + (", or convert with --method favor for plain FAVOR+." if method in ("hybrid", "sparse") else ".")
         )
     return method
 
@@ -129,7 +135,10 @@ def performer_config(
         overrides["max_position_embeddings"] += fields["position_offset"]
     method = _method(method, overrides)
     causal = is_causal(checkpoint)
-    preset = METHODS[method]["causal" if causal else "bidirectional"]
+    direction = "causal" if causal else "bidirectional"
+    if direction not in METHODS[method]:
+        raise ConversionError(f"the {method} method is causal only; convert this encoder with --method hybrid.")
+    preset = METHODS[method][direction]
     if overrides.get("attention_kernel") == "exact":  # exact attention ignores the method
         preset = {}
     merged = {**fields, **preset, "attention_method": method, **overrides}
@@ -326,10 +335,11 @@ def convert(
         base_model: the Hub id named in the model card (default: the Hub id of ``source``, or the
             folder name for a local folder).
         fidelity: measure the fidelity report on sample text (see ``fidelity.py``) and put it in the card.
-        method: the attention settings under ``overrides`` (see ``METHODS``): ``"hybrid"`` (the default:
-            exact local window, global token and, bidirectionally, routed key blocks, plus a centred
-            ``poly2`` far field) or ``"favor"`` (plain FAVOR+). Default: ``"hybrid"``, or ``"favor"``
-            when ``attention_kernel`` names a FAVOR+-only kernel (``relu``, ``elu``, ``softmax_trig``).
+        method: the attention settings under ``overrides`` (see ``METHODS``): ``"hybrid"`` (exact local window,
+            global token and, bidirectionally, routed key blocks, plus a centred ``poly2`` far field), ``"sparse"``
+            (causal only: exact window, first tokens and the earlier key blocks each query selects) or ``"favor"``
+            (plain FAVOR+). Default: ``"sparse"`` for the decoders converted in place, ``"hybrid"`` otherwise;
+            ``"favor"`` when ``attention_kernel`` names a FAVOR+-only kernel (``relu``, ``elu``, ``softmax_trig``).
         calibrate: measure fixed per-layer statistics (centres, FAVOR++ ``A`` per head) on sample text
             with the source as teacher (see ``calibration.py``). Causal hybrid models that centre or use
             ``"softmax_opt"`` are always calibrated (they must not read later tokens).
@@ -363,7 +373,7 @@ def convert(
             folder,
             output_dir,
             architecture,
-            _method(method, overrides),
+            _method(method, overrides, DEFAULT_IN_PLACE_METHOD),
             overrides,
             fidelity,
             base_model or repo_id or folder.name,

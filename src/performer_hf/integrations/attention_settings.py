@@ -77,27 +77,7 @@ def resolved_settings(config, implementation: str, causal: bool) -> dict[str, An
     if getattr(config, "attn_implementation", None) != implementation:
         # a plain attribute: saved to config.json, where transformers reads it back as the implementation
         config.attn_implementation = implementation
-    _name_cache_layers(config, settings["attention_method"])
     return settings
-
-
-def _name_cache_layers(config, method: str) -> None:
-    """Name the method's cache layer in ``config.layer_types`` (saved to config.json), so that the ``DynamicCache``
-    that ``generate`` builds with no argument holds the method's state instead of growing keys and values. Only where
-    the model class does not read ``layer_types`` itself (it is absent: Llama, Mistral, GPT-2) or names our layers
-    already; models that mark their sliding layers there (Gemma3, Qwen2) keep a key/value cache unless given a
-    ``PerformerCache``."""
-    text_config = config.get_text_config(decoder=True)
-    current = getattr(text_config, "layer_types", None)
-    if current is not None and not set(current) <= _OWN_LAYER_TYPES:
-        return
-    entry = ATTENTION_METHODS[method]
-    text_config.layer_types = (
-        None if entry.cache_layer is None else [entry.cache_layer_type] * text_config.num_hidden_layers
-    )
-
-
-_OWN_LAYER_TYPES = {entry.cache_layer_type for entry in ATTENTION_METHODS.values() if entry.cache_layer is not None}
 
 
 def head_shape(config) -> tuple[int, int]:

@@ -31,10 +31,11 @@ class PerformerConfig(PreTrainedConfig):
       `pad_token_id + 1` and counts only real tokens, padding gets position `pad_token_id`.
     - `is_decoder`: causal attention in `PerformerModel` (`PerformerForCausalLM` is always causal).
 
-    - `attention_method`: the attention that replaces softmax: `"favor"` (FAVOR+), `"hybrid"` (below) or
-      `"exact"` (softmax attention with the same weights, the reference the approximations are measured
-      against; it ignores every field below). Each method reads its own fields; a config of one method that
-      sets another's (a FAVOR+ config with a `local_window`, say) is refused with the fix. `None` (configs
+    - `attention_method`: the attention that replaces softmax: `"favor"` (FAVOR+), `"hybrid"` (below), `"sparse"`
+      (below, causal only) or `"exact"` (softmax attention with the same weights, the reference the
+      approximations are measured against; it ignores every field below). Each method reads its own fields; a
+      config of one method that sets another's (a FAVOR+ config with a `local_window`, say) is refused with the
+      fix. `None` (configs
       saved before the field existed, or built without it) takes the method those fields always selected:
       `attention_kernel="exact"` is exact attention, a kernel that only the hybrid has (`"softmax_opt"`,
       `"taylor2"`, `"poly2"`) or any hybrid field away from its default the hybrid, anything else FAVOR+;
@@ -99,6 +100,20 @@ class PerformerConfig(PreTrainedConfig):
       number for every layer and head, or a `num_hidden_layers x num_attention_heads` list (learned by
       attention transfer, which lowers it where the far field's estimate does more harm than good). `None`: 1.
 
+    Sparse attention (`attention_method="sparse"`, causal only; `performer_hf.modeling.sparse_attention`): exact
+    softmax over a sparse support per query and nothing else (no far field). `local_window` and
+    `num_global_tokens` as above, except that the window is whole key blocks: the query's own block and the
+    `local_window // select_block_size` blocks before it (`local_window` must be a multiple of `select_block_size`).
+
+    - `select_blocks`: each query also reads exactly the `select_blocks` earlier key blocks that hold the most of
+      its attention (the log-sum-exp of its logits over each block's keys). `0`: the window and the global tokens
+      only (StreamingLLM's shape).
+    - `select_block_size`: keys per block.
+    - `select_budget`: `0` keeps every key block that leaves the window (memory grows as a key/value cache does;
+      what each query reads does not); `n` keeps the `n` blocks that received the most attention while they were
+      in the window, so that decoding memory stops growing (its cache layer is needed: `PerformerCache`, or
+      `generate`'s default cache for the Performer family).
+
     Example:
 
     ```python
@@ -136,7 +151,7 @@ class PerformerConfig(PreTrainedConfig):
     position_offset: int = 0
 
     # the attention fields: their help is the converter's command line (performer-hf convert --help)
-    attention_method: str | None = field(default=None, metadata={"help": "favor, hybrid or exact"})
+    attention_method: str | None = field(default=None, metadata={"help": "favor, hybrid, sparse or exact"})
     attention_kernel: str = field(
         default="softmax",
         metadata={"help": "FAVOR+ kernel, hybrid far field (softmax_opt = FAVOR++, poly2, ...) or exact"},

@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .method_exact import softmax_attention
 from .sparse_attention import sparse_attention
-from .sparse_spec import SparseSpec, SparseState
+from .sparse_spec import SparseSpec
 
 
 def sparse_layer_settings(config, layer_idx: int) -> dict[str, Any]:
@@ -35,50 +35,37 @@ def sparse_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None
         context, state = sparse_attention(q, k, v, spec, new_mask, layer_cache.get_state(), return_state=True)
         layer_cache.update_state(state)
         return context, None
-    if total > length:  # a plain key/value cache: the past keys as a state, then the new tokens
+    if spec.covers(total):  # every query reads every earlier key: SDPA's exact causal attention
+        return _exact(q, k, v, key_mask), None
+    if total > length:  # a plain key/value cache: its keys read in place
         return _over_cached_keys(spec, q, k, v, key_mask), None
-    if spec.covers(length):  # every query reads every earlier key: SDPA's exact causal attention
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        return softmax_attention(q, k, v, key_mask, True)
     return sparse_attention(q, k, v, spec, key_mask), None
 
 
-def _over_cached_keys(spec: SparseSpec, q, k, v, key_mask):
-    """The new queries over a key/value cache's keys (B, Hkv, P + L, D): the past keys form the state (every block
-    kept). A bounded pool ranks blocks by the attention the past queries gave them, which a key/value cache has lost:
-    refused, with the fix."""
-    if spec.budget:
-        raise ValueError(
-            f"select_budget={spec.budget} (bounded decoding) needs the sparse method's own cache; this call got a "
-            "plain key/value cache. Pass cache=PerformerCache(model.config) to generate "
-            "(performer_hf.integrations), or set select_budget=0."
-        )
+def _exact(q, k, v, key_mask):
+    """Causal softmax attention of q (B, H, L, D) over the last keys k, v (B, Hkv, P + L, D), grouped-query keys
+    read in place (SDPA's ``enable_gqa``)."""
     length, total = q.shape[2], k.shape[2]
-    past = total - length
-    past_mask = None if key_mask is None else key_mask[:, :past]
-    new_mask = None if key_mask is None else key_mask[:, past:]
-    state = _with_past(SparseState.empty(k, v, spec.block_size), spec, k[:, :, :past], v[:, :, :past], past_mask)
-    return sparse_attention(q, k[:, :, past:], v[:, :, past:], spec, new_mask, state)
+    if key_mask is None and length == total:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    visible = torch.ones(length, total, dtype=torch.bool, device=q.device).tril(diagonal=total - length)
+    if key_mask is not None:  # a query always sees itself: no empty rows (left padding)
+        own = torch.arange(total, device=q.device) == torch.arange(total - length, total, device=q.device)[:, None]
+        visible = (visible & key_mask[:, None, None, :]) | own
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
 
 
-def _with_past(state: SparseState, spec: SparseSpec, k, v, key_mask) -> SparseState:
-    """The keep-every-block state after ``P`` past tokens whose outputs are not needed: their keys and values stored
-    as the window would hold them, the global tokens kept; the next call moves the rest to the pool."""
-    B, _, P, _ = k.shape
-    mask = torch.ones(B, P, dtype=torch.bool, device=k.device) if key_mask is None else key_mask
-    g = min(spec.num_global_tokens, P)
-    blocks = -(-P // spec.block_size)
-    return state._replace(
-        keys=k,
-        values=v,
-        key_mask=mask,
-        mass=state.mass.new_zeros(B, k.shape[1], blocks),
-        global_keys=k[:, :, :g],
-        global_values=v[:, :, :g],
-        global_mask=mask[:, :g],
-        length=P,
-    )
+def _over_cached_keys(spec: SparseSpec, q, k, v, key_mask):
+    """The new queries over a key/value cache's keys (B, Hkv, P + L, D), read in place (every block kept). A bounded
+    pool ranks blocks by the attention the past queries gave them, which a key/value cache has lost: refused, with
+    the fix."""
+    if spec.bounded:
+        raise ValueError(
+            f"select_budget={spec.budget}, select_blocks={spec.select_blocks} (bounded decoding) needs the sparse "
+            "method's own cache; this call got a plain key/value cache. Pass cache=PerformerCache(model.config) to "
+            "generate (performer_hf.integrations), or set select_budget=0 and select_blocks > 0."
+        )
+    return sparse_attention(q, k, v, spec, key_mask)
 
 
 def sparse_card_lines(config) -> list[str]:

@@ -57,6 +57,21 @@ def _gather_blocks(blocks: Tensor, index: Tensor) -> Tensor:
     return blocks.gather(2, index[..., None, None].expand(-1, -1, -1, *blocks.shape[3:]))
 
 
+def _chosen_blocks(blocks: Tensor, chosen: Tensor, values: Tensor):
+    """Only the blocks some query chose: logits (B, Hkv, G, nq, N, block), chosen (B, Hkv, nq, N) and values
+    (B, Hkv, N * block, Dv) -> the same at the U <= N blocks of their union."""
+    B, Hkv, G, nq, N, block = blocks.shape
+    union = chosen.any(dim=2)  # (B, Hkv, N)
+    count = int(union.sum(dim=-1).max())
+    if count == N:
+        return blocks, chosen, values
+    index = union.to(torch.int8).topk(count, dim=-1).indices  # (B, Hkv, U)
+    blocks = blocks.gather(4, index[:, :, None, None, :, None].expand(B, Hkv, G, nq, count, block))
+    chosen = chosen.gather(3, index[:, :, None, :].expand(B, Hkv, nq, count))
+    values = _gather_blocks(values.unflatten(2, (N, block)), index).flatten(2, 3)
+    return blocks, chosen, values
+
+
 def sparse_attention(
     q: Tensor,
     k: Tensor,
@@ -70,9 +85,10 @@ def sparse_attention(
 
     Args:
         q: (B, H, L, D) queries; k, v: (B, Hkv, L, D) keys and values, ``H`` a multiple of ``Hkv`` (query head ``h``
-            reads key/value head ``h // (H // Hkv)``).
+            reads key/value head ``h // (H // Hkv)``). Without ``state`` and ``budget``, k and v may also hold P
+            earlier tokens first, (B, Hkv, P + L, D): a key/value cache, read in place.
         spec: the settings (:class:`.SparseSpec`).
-        key_padding_mask: (B, L) bool, True for real tokens; None: all real.
+        key_padding_mask: (B, Lk) bool over the keys given, True for real tokens; None: all real.
         state: what the earlier tokens left (:class:`.SparseState`), or None.
         return_state: also return the state after these tokens.
 
@@ -84,19 +100,32 @@ def sparse_attention(
     if H % Hkv:
         raise ValueError(f"{H} query heads cannot share {Hkv} key/value heads evenly.")
     G = H // Hkv
-    state = SparseState.empty(k, v, block) if state is None else state
-    new_mask = torch.ones(B, L, dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
-    first, end, start = state.length, state.length + L, state.start
-    keys = torch.cat([state.keys, k.to(state.keys.dtype)], dim=2)  # (B, Hkv, R, D): positions start ... end - 1
-    values = torch.cat([state.values, v.to(state.values.dtype)], dim=2)
-    key_mask = torch.cat([state.key_mask, new_mask], dim=1)  # (B, R)
-    stored_blocks = -(-(end - start) // block)
-    mass = torch.cat([state.mass, state.mass.new_zeros(B, Hkv, stored_blocks - state.mass.shape[2])], dim=2)
-    new_globals = max(0, min(spec.num_global_tokens, end) - first)
-    fresh = slice(first - start, first - start + new_globals)
-    global_keys = torch.cat([state.global_keys, keys[:, :, fresh]], dim=2)  # (B, Hkv, S, D)
-    global_values = torch.cat([state.global_values, values[:, :, fresh]], dim=2)
-    global_mask = torch.cat([state.global_mask, key_mask[:, fresh]], dim=1)
+    past = k.shape[2] - L  # keys of earlier tokens given with the new ones (a key/value cache)
+    if past and (state is not None or spec.bounded):
+        raise ValueError("earlier keys are given either as a state or, without a budget, before the new keys.")
+    new_mask = key_padding_mask
+    if new_mask is None:
+        new_mask = torch.ones(B, k.shape[2], dtype=torch.bool, device=k.device)
+    if state is None:  # the keys are stored as given: positions 0 ... P + L - 1
+        state = SparseState.empty(k, v, block)
+        keys, values, key_mask = k, v, new_mask
+    else:
+        keys = torch.cat([state.keys, k.to(state.keys.dtype)], dim=2)  # (B, Hkv, R, D): positions start ... end - 1
+        values = torch.cat([state.values, v.to(state.values.dtype)], dim=2)
+        key_mask = torch.cat([state.key_mask, new_mask], dim=1)  # (B, R)
+    first, start = state.length + past, state.start
+    end = first + L
+    mass = state.mass
+    if spec.bounded:  # the attention each stored block receives, for the pool's ranking
+        stored_blocks = -(-(end - start) // block)
+        mass = torch.cat([mass, mass.new_zeros(B, Hkv, stored_blocks - mass.shape[2])], dim=2)
+    known, last = state.global_keys.shape[2], min(spec.num_global_tokens, end)  # global tokens: [0, last)
+    global_keys, global_values, global_mask = state.global_keys, state.global_values, state.global_mask
+    if last > known:
+        fresh = slice(known - start, last - start)
+        global_keys = torch.cat([global_keys, keys[:, :, fresh]], dim=2)  # (B, Hkv, S, D)
+        global_values = torch.cat([global_values, values[:, :, fresh]], dim=2)
+        global_mask = torch.cat([global_mask, key_mask[:, fresh]], dim=1)
     # real keys that are not global tokens: what the pool may select
     selectable = key_mask & (torch.arange(start, end, device=k.device) >= spec.num_global_tokens)  # (B, R)
 
@@ -104,7 +133,7 @@ def sparse_attention(
     contexts = []
     for c in range(first // block, (end - 1) // block + 1):  # the query blocks of this call
         window_block = max(0, c - spec.window_blocks)
-        if spec.budget and pushed < window_block:  # blocks [pushed, window_block) leave the window
+        if spec.bounded and pushed < window_block:  # blocks [pushed, window_block) leave the window
             lo, hi = pushed * block - start, window_block * block - start
             pool.add(
                 keys[:, :, lo:hi].unflatten(2, (-1, block)),
@@ -114,7 +143,7 @@ def sparse_attention(
                 spec.budget,
             )
             pushed = window_block
-        if spec.budget:
+        if spec.bounded:
             candidates = pool.flat()
         else:  # every block before the window, where the keys are stored
             hi = window_block * block - start
@@ -136,7 +165,7 @@ def sparse_attention(
             received = window_probs.sum(dim=(2, 3))  # (B, Hkv, Kw)
             ids = torch.arange(window_lo, window_hi, device=k.device) // block
             mass.index_add_(2, ids, received.to(mass.dtype))
-    context = torch.cat(contexts, dim=2)
+    context = contexts[0] if len(contexts) == 1 else torch.cat(contexts, dim=2)
     if not return_state:
         return context
     drop = pushed * block - start
@@ -167,33 +196,45 @@ def _attend(queries: Tensor, parts, candidates, spec: SparseSpec):
     scale = queries.shape[-1] ** -0.5
     flat = queries.flatten(2, 3)  # (B, Hkv, G * nq, D)
     B, Hkv, G, nq, _ = queries.shape
-    logits, values = [], []
+    logits, values = [], []  # the parts read whole, then the pool's
     for keys, part_values, visible in parts:
-        if not keys.shape[2]:
-            continue
-        part = (flat @ keys.transpose(-1, -2) * scale).unflatten(2, (G, nq))  # (B, Hkv, G, nq, K)
-        logits.append(part.masked_fill(~visible[:, :, None], NEG_INF))
-        values.append(part_values)
+        if keys.shape[2]:
+            part = (flat @ keys.transpose(-1, -2) * scale).unflatten(2, (G, nq))  # (B, Hkv, G, nq, K)
+            logits.append(part.masked_fill(~visible[:, :, None], NEG_INF))
+            values.append(part_values)
+    window = len(logits) - 1  # the window, never empty (every query sees itself), is the last part read whole
     pool_keys, pool_values, pool_mask = candidates
-    if pool_keys.shape[2] and spec.select_blocks:
+    selecting = pool_keys.shape[2] and spec.select_blocks
+    if selecting:
         part = (flat @ pool_keys.transpose(-1, -2) * scale).unflatten(2, (G, nq))  # (B, Hkv, G, nq, N * block)
-        part = part.masked_fill(~pool_mask[:, :, None, None], NEG_INF)
-        blocks = part.unflatten(-1, (-1, spec.block_size))  # (B, Hkv, G, nq, N, block)
-        if blocks.shape[-2] > spec.select_blocks:
-            score = blocks.detach().logsumexp(dim=-1).logsumexp(dim=2)  # (B, Hkv, nq, N)
-            top = score.topk(spec.select_blocks, dim=-1).indices
-            chosen = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True)  # (B, Hkv, nq, N)
-            blocks = blocks.masked_fill(~chosen[:, :, None, :, :, None], NEG_INF)
-        logits.insert(-1, blocks.flatten(-2))
-        values.insert(-1, pool_values)
-    # one softmax over every part: a shared maximum, each part's exponentials and values
-    peak = torch.stack([part.amax(dim=-1) for part in logits], dim=-1).amax(dim=-1, keepdim=True)  # (B, Hkv, G, nq, 1)
+        logits.append(part.masked_fill(~pool_mask[:, :, None, None], NEG_INF))
+    # one softmax over every part: a shared maximum per query and head, each part's exponentials and values
+    peak = logits[0].amax(dim=-1, keepdim=True)
+    for part in logits[1:]:
+        peak = torch.maximum(peak, part.amax(dim=-1, keepdim=True))  # (B, Hkv, G, nq, 1)
     dtype = torch.promote_types(peak.dtype, torch.float32)
     weights = [(part.to(dtype) - peak.to(dtype)).exp() for part in logits]
+    if selecting:
+        weights[-1], pool_values = _selected(weights[-1], peak, pool_values, spec)
+        values.append(pool_values)
     total = sum(weight.sum(dim=-1, keepdim=True) for weight in weights)  # >= 1: every query sees itself
-    context = sum(
-        weight.to(part_values.dtype).flatten(2, 3) @ part_values
-        for weight, part_values in zip(weights, values, strict=True)
-    )  # (B, Hkv, G * nq, Dv)
+    pairs = zip(weights, values, strict=True)
+    context = sum(weight.to(part.dtype).flatten(2, 3) @ part for weight, part in pairs)  # (B, Hkv, G * nq, Dv)
     context = (context.unflatten(2, (G, nq)) / total.to(context.dtype)).to(queries.dtype)
-    return context, (weights[-1] / total).detach()
+    return context, (weights[window] / total).detach()
+
+
+def _selected(weights: Tensor, peak: Tensor, values: Tensor, spec: SparseSpec) -> tuple[Tensor, Tensor]:
+    """The pool's exponentials (B, Hkv, G, nq, N * block) kept on each query's ``select_blocks`` blocks of most
+    attention (the exponentials' sum over a block's keys and the query heads of the group, brought under one shift:
+    the order of the log-sum-exp of the logits), with the values (B, Hkv, N * block, Dv); only the blocks some query
+    chose are returned."""
+    blocks = weights.unflatten(-1, (-1, spec.block_size))  # (B, Hkv, G, nq, N, block)
+    if blocks.shape[-2] <= spec.select_blocks:
+        return weights, values
+    heads = (peak - peak.amax(dim=2, keepdim=True)).exp()  # (B, Hkv, G, nq, 1): each head's shift against the top
+    score = (blocks.detach().sum(dim=-1) * heads.detach()).sum(dim=2)  # (B, Hkv, nq, N)
+    top = score.topk(spec.select_blocks, dim=-1).indices
+    chosen = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True)  # (B, Hkv, nq, N)
+    blocks, chosen, values = _chosen_blocks(blocks, chosen, values)
+    return (blocks * chosen[:, :, None, :, :, None]).flatten(-2), values

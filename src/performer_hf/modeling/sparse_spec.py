@@ -21,8 +21,9 @@ class SparseSpec:
       by the log-sum-exp of its logits over each block's keys (and the query heads that share a key/value head).
 
     ``budget``: 0 keeps every key block that leaves the window, so that any can be selected again (memory grows with
-    the context, reads do not). ``n > 0`` keeps only the ``n`` blocks that received the most attention while they were
-    in the window: decoding memory stops growing.
+    the context, reads do not); with ``select_blocks=0`` nothing is kept beyond the window and the global tokens.
+    ``n > 0`` keeps only the ``n`` blocks that received the most attention while they were in the window: decoding
+    memory stops growing.
 
     A model derives it from its config (:meth:`from_config`), under the names of :attr:`CONFIG_NAMES`.
     """
@@ -68,6 +69,12 @@ class SparseSpec:
     def from_config(cls, config: Any) -> SparseSpec:
         """The spec of a config (a ``PerformerConfig``, or anything with its field names)."""
         return cls(**{name: getattr(config, field) for name, field in cls.config_fields().items()})
+
+    @property
+    def bounded(self) -> bool:
+        """Whether key blocks that leave the window are dropped beyond a fixed number: a budget, or no selection
+        (then nothing outside the window and the global tokens is ever read again)."""
+        return self.budget > 0 or self.select_blocks == 0
 
     @property
     def window_blocks(self) -> int:

@@ -1,0 +1,341 @@
+"""What a converted decoder can still read far from its window: pass-key retrieval with plain ``generate()``, the
+decoding state's bytes, decode time per token, prefill time and perplexity, for SmolLM2-135M-Instruct (the real
+Llama-architecture model of ``performer_hf.model_assets``) and its conversions.
+
+Arms (each a folder written by ``performer_hf.convert`` and loaded back, then ``model.generate(**inputs)`` with no
+cache argument, as a user would):
+
+- ``source``: the model itself (SDPA, its key/value cache);
+- ``window``: exact attention on the first 4 tokens and a window of 512 keys only (StreamingLLM's shape: the sparse
+  method with ``select_blocks=0``);
+- ``hybrid``: the in-place conversion's hybrid (window 64, first token, FAVOR++ far field), the default before the
+  sparse method;
+- ``sparse``: the sparse method's preset (window 512, 4 global tokens, 8 selected blocks of 64 per query, every
+  block kept);
+- ``bounded-N``: the sparse method keeping N blocks once they leave the window (``select_budget``).
+
+The bounded arms (``window``, ``bounded-N``) and the hybrid keep their state in the method's own cache, passed as
+``generate(..., cache=PerformerCache(model.config))`` (a plain key/value cache is refused for a bounded state and
+recomputes the hybrid's at every step); the others run ``generate()`` with no cache argument.
+
+Pass key: a five-digit key in BBC News articles (test split), behind one line that says a key is hidden, and the
+question at the end; keys at evenly spaced depths from 0 to 100% of the prompt, one trial per depth and length.
+A trial counts when the key appears in the first 8 generated tokens (greedy). Timing: a logits processor stamps each
+generation step; prefill is the first step's time, decode the median gap between later steps. Bytes: every tensor
+the cache holds after the prompt and the answer. Perplexity: mean loss over ``--ppl-windows`` windows of
+``--ppl-length`` tokens of Python's documentation topics (text no arm was tuned on), exponentiated.
+
+Writes long_context_retrieval.{json,md,png} to --out-dir.
+
+    python benchmarks/long_context_retrieval.py                                     # about an hour on 2 CPU cores
+    python benchmarks/long_context_retrieval.py --lengths 4096 8192 --arms source sparse bounded-16
+    python benchmarks/long_context_retrieval.py --quick --out-dir /tmp/retrieval    # smoke test: a minute or two
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import harness
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LogitsProcessor, LogitsProcessorList
+
+import performer_hf
+from performer_hf import PerformerCache
+from performer_hf.data_assets import bbc_news, python_docs
+from performer_hf.integrations import CACHE_KEYWORD
+from performer_hf.model_assets import smollm2_checkpoint
+from performer_hf.modeling.attention_methods import ATTENTION_METHODS
+
+logger = logging.getLogger("benchmarks.long_context_retrieval")
+METHOD_FIELDS = {name: method.fields for name, method in ATTENTION_METHODS.items()}
+
+# arm -> convert()'s method and overrides (None: the source itself)
+ARMS = {
+    "source": None,
+    "window": ("sparse", {"select_blocks": 0}),
+    "hybrid": ("hybrid", {}),
+    "sparse": ("sparse", {}),
+    "bounded-16": ("sparse", {"select_budget": 16}),
+    "bounded-24": ("sparse", {"select_budget": 24}),
+}
+HEADER = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you "
+    "about the important information there.\n"
+)
+QUESTION = "\nWhat is the pass key? The pass key is"
+ANSWER_TOKENS = 8
+
+
+def _arguments():
+    arguments = harness.parser(__doc__, quick="1K tokens, 2 depths, 3 arms, one 1K perplexity window", threads=2)
+    arguments.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    arguments.add_argument(
+        "--lengths",
+        nargs="+",
+        type=int,
+        default=[2048, 4096, 8184],
+        help="prompt tokens (8184 + the 8 answer tokens fill SmolLM2's 8192 positions)",
+    )
+    arguments.add_argument("--trials", type=int, default=8, help="depths per length, from 0 to 100%%")
+    arguments.add_argument("--ppl-length", type=int, default=8192)
+    arguments.add_argument("--ppl-windows", type=int, default=2)
+    arguments.add_argument("--seed", type=int, default=0)
+    arguments.add_argument("--decode-contexts", nargs="+", type=int, default=[1024, 4096, 8184])
+    arguments.add_argument("--decode-rounds", type=int, default=9)
+    return arguments
+
+
+class _Stamps(LogitsProcessor):
+    """Records the time of every generation step (called once per step, after the model's forward)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def _tensor_bytes(value, seen=None) -> int:
+    """Bytes of every distinct tensor reachable from ``value`` (attributes, lists, tuples, dicts)."""
+    seen = set() if seen is None else seen
+    if torch.is_tensor(value):
+        if value.data_ptr() in seen:
+            return 0
+        seen.add(value.data_ptr())
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item, seen) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(item, seen) for item in value)
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return sum(_tensor_bytes(item, seen) for item in vars(value).values())
+    return 0
+
+
+def _prompt(tokenizer, filler: list[int], length: int, depth: float, key: int) -> str:
+    needle = f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+    fixed = sum(len(tokenizer(text)["input_ids"]) for text in (HEADER, needle, QUESTION))
+    body = length - fixed
+    cut = int(body * depth)
+    return HEADER + tokenizer.decode(filler[:cut]) + needle + tokenizer.decode(filler[cut:body]) + QUESTION
+
+
+def _convert(arm: str, source: Path, workdir: Path) -> Path:
+    if ARMS[arm] is None:
+        return source
+    method, overrides = ARMS[arm]
+    return performer_hf.convert(source, workdir / arm, method=method, fidelity=False, **overrides)
+
+
+def _cache_argument(model) -> dict:
+    """What the arm's generate() is given: nothing (its default cache), except the arms whose state needs the method's
+    own cache layer (a bounded pool, the window alone; the hybrid's constant-size state, which a key/value cache
+    recomputes)."""
+    settings = getattr(model.config, "performer_attention", None) or {}
+    bounded = settings.get("select_budget") or settings.get("select_blocks") == 0
+    if bounded or settings.get("attention_method") == "hybrid":
+        return {CACHE_KEYWORD: PerformerCache(model.config)}
+    return {}
+
+
+def _trials(model, tokenizer, filler, length: int, trials: int, rng: random.Random) -> list[dict]:
+    rows = []
+    for trial in range(trials):
+        depth = trial / max(trials - 1, 1)
+        key = rng.randint(10000, 99999)
+        inputs = tokenizer(_prompt(tokenizer, filler, length, depth, key), return_tensors="pt")
+        stamps = _Stamps()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                **inputs,
+                **_cache_argument(model),
+                max_new_tokens=ANSWER_TOKENS,
+                do_sample=False,
+                logits_processor=LogitsProcessorList([stamps]),
+                return_dict_in_generate=True,
+            )
+        answer = tokenizer.decode(out.sequences[0, inputs["input_ids"].shape[1] :])
+        cache = out.get("cache", out.get("past_key_values"))  # named by the installed transformers
+        rows.append(
+            {
+                "depth": depth,
+                "key": key,
+                "found": str(key) in answer,
+                "answer": answer,
+                "prompt_tokens": int(inputs["input_ids"].shape[1]),
+                "prefill_s": stamps.times[0] - start,
+                "cache_bytes": _tensor_bytes(cache.layers) if cache is not None else None,
+                "cache_type": type(cache.layers[0]).__name__ if cache is not None else None,
+            }
+        )
+        logger.info(
+            "  %5d tokens, depth %.2f: %s (%r)", length, depth, "found" if rows[-1]["found"] else "missed", answer
+        )
+    return rows
+
+
+@torch.no_grad()
+def _decode_times(models: dict, contexts: list[int], rounds: int) -> dict:
+    """Decode ms per token at each context, the arms interleaved: every arm's cache is filled with the same random
+    prompt (as generate() would fill it), then ``rounds`` rounds of one step per arm, in alternating order; the
+    median per arm. Also the cache's bytes after the prompt."""
+    results = {arm: {} for arm in models}
+    for context in contexts:
+        ids = torch.randint(100, 20000, (1, context), generator=torch.Generator().manual_seed(context))
+        caches = {}
+        for arm, model in models.items():
+            cache = _cache_argument(model).get(CACHE_KEYWORD) or DynamicCache(config=model.config)
+            model(ids, use_cache=True, **{CACHE_KEYWORD: cache})
+            caches[arm] = cache
+        steps = {arm: [] for arm in models}
+        token = torch.tensor([[42]])
+        for round_ in range(rounds):
+            for arm in list(models)[:: 1 if round_ % 2 == 0 else -1]:
+                start = time.perf_counter()
+                models[arm](token, use_cache=True, **{CACHE_KEYWORD: caches[arm]})
+                steps[arm].append(1000 * (time.perf_counter() - start))
+        for arm in models:
+            results[arm][context] = {
+                "decode_ms": statistics.median(steps[arm]),
+                "cache_bytes": _tensor_bytes(caches[arm].layers),
+            }
+        logger.info(
+            "decode at %d tokens: %s", context, {a: round(r[context]["decode_ms"], 1) for a, r in results.items()}
+        )
+    return results
+
+
+@torch.no_grad()
+def _perplexity(model, windows: list[torch.Tensor]) -> float | None:
+    if not windows:
+        return None
+    losses = [float(model(window[None], labels=window[None]).loss) for window in windows]
+    return math.exp(statistics.mean(losses))
+
+
+def measure(args) -> dict:
+    if args.quick:
+        args.lengths, args.trials, args.arms = [1024], 2, ["source", "window", "bounded-16"]
+        args.ppl_length, args.ppl_windows = 1024, 1
+        args.decode_contexts, args.decode_rounds = [512], 3
+    source = smollm2_checkpoint()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    filler = tokenizer("\n\n".join(record["text"] for record in bbc_news()["test"]))["input_ids"]
+    docs = tokenizer("\n\n".join(python_docs()), return_tensors="pt")["input_ids"][0]
+    windows = [docs[i * args.ppl_length : (i + 1) * args.ppl_length] for i in range(args.ppl_windows)]
+    results, models = {}, {}
+    with tempfile.TemporaryDirectory() as workdir:
+        for arm in args.arms:
+            logger.info("arm %s", arm)
+            folder = _convert(arm, source, Path(workdir))
+            model = models[arm] = AutoModelForCausalLM.from_pretrained(folder).eval()
+            rng = random.Random(args.seed)  # the same keys for every arm
+            by_length = {length: _trials(model, tokenizer, filler, length, args.trials, rng) for length in args.lengths}
+            settings = getattr(model.config, "performer_attention", None)
+            if settings is not None:  # the method and the fields it reads
+                settings = {
+                    name: settings[name] for name in ("attention_method", *METHOD_FIELDS[settings["attention_method"]])
+                }
+            results[arm] = {
+                "attn_implementation": model.config._attn_implementation,
+                "settings": settings,
+                "passkey": by_length,
+                "perplexity": _perplexity(model, windows),
+            }
+        logger.info("decode timing (the arms interleaved): keep the machine otherwise idle")
+        for arm, times in _decode_times(models, args.decode_contexts, args.decode_rounds).items():
+            results[arm]["decode"] = times
+    return {
+        "model": "SmolLM2-135M-Instruct",
+        "lengths": args.lengths,
+        "trials": args.trials,
+        "ppl_length": args.ppl_length,
+        "ppl_windows": args.ppl_windows,
+        "arms": results,
+    }
+
+
+def markdown(payload: dict) -> str:
+    arms = payload["arms"]
+    source = arms.get("source")
+    lines = [
+        f"# Long-context retrieval: {payload['model']}, plain `generate()`",
+        "",
+        f"Pass key in BBC News prose, {payload['trials']} depths from 0 to 100% per length (greedy, 8 tokens). "
+        "Prefill: median seconds to the first token (arms run one after another: indicative). Cache: bytes the "
+        "cache holds after the prompt and the answer.",
+        "",
+        "| arm | prompt tokens | keys found | prefill s | cache MB | cache vs source |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for arm, result in arms.items():
+        for length, rows in result["passkey"].items():
+            cache = max(row["cache_bytes"] or 0 for row in rows) / 2**20
+            base = max(row["cache_bytes"] or 0 for row in source["passkey"][length]) / 2**20 if source else 0
+            lines.append(
+                f"| {arm} | {length} | {sum(row['found'] for row in rows)}/{len(rows)} | "
+                f"{statistics.median(row['prefill_s'] for row in rows):.1f} | {cache:.1f} | "
+                f"{f'{cache / base:.1%}' if base else '-'} |"
+            )
+    lines += [
+        "",
+        "Decode: ms per token after a prompt of random tokens, the arms interleaved in one process (median of "
+        "alternating rounds); the cache's bytes after that prompt.",
+        "",
+        "| arm | context | decode ms/token | vs source | cache MB | vs source |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for arm, result in arms.items():
+        for context, row in result.get("decode", {}).items():
+            base = source["decode"][context] if source else None
+            speed = f"{row['decode_ms'] / base['decode_ms']:.2f}x" if base else "-"
+            size = f"{row['cache_bytes'] / base['cache_bytes']:.1%}" if base else "-"
+            lines.append(
+                f"| {arm} | {context} | {row['decode_ms']:.1f} | {speed} | {row['cache_bytes'] / 2**20:.1f} | {size} |"
+            )
+    lines += [
+        "",
+        f"Perplexity over {payload['ppl_windows']} windows of {payload['ppl_length']} tokens of Python's "
+        "documentation:",
+        "",
+        "| arm | perplexity | vs source |",
+        "|---|---:|---:|",
+    ]
+    for arm, result in arms.items():
+        if result["perplexity"] is not None:
+            ratio = f"{result['perplexity'] / source['perplexity']:.3f}x" if source else "-"
+            lines.append(f"| {arm} | {result['perplexity']:.3f} | {ratio} |")
+    lines += ["", "Settings per arm:", ""]
+    lines += [f"- {arm}: `{result['attn_implementation']}` {result['settings'] or ''}" for arm, result in arms.items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(payload: dict):
+    plt = harness.pyplot()
+    arms = payload["arms"]
+    figure, axes = plt.subplots(1, len(arms), figsize=(2.6 * len(arms), 2.8), squeeze=False)
+    for ax, (arm, result) in zip(axes[0], arms.items(), strict=True):
+        lengths = list(result["passkey"])
+        grid = [[float(row["found"]) for row in result["passkey"][length]] for length in lengths]
+        ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        depths = [row["depth"] for row in result["passkey"][lengths[0]]]
+        ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths], rotation=90, fontsize=7)
+        ax.set_yticks(range(len(lengths)), lengths, fontsize=7)
+        ax.set_title(arm, fontsize=9)
+        ax.set_xlabel("key depth", fontsize=8)
+    axes[0][0].set_ylabel("prompt tokens", fontsize=8)
+    figure.suptitle("pass key found (green) by depth and length", fontsize=9)
+    return figure
+
+
+if __name__ == "__main__":
+    harness.main("long_context_retrieval", _arguments(), measure, markdown, plot)
