@@ -62,8 +62,8 @@ ARMS = {
     "window": ("sparse", {"select_blocks": 0}),
     "hybrid": ("hybrid", {}),
     "sparse": ("sparse", {}),
+    "bounded-8": ("sparse", {"select_budget": 8}),
     "bounded-16": ("sparse", {"select_budget": 16}),
-    "bounded-24": ("sparse", {"select_budget": 24}),
 }
 HEADER = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you "
