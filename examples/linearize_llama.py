@@ -1,5 +1,6 @@
-"""Give a Llama-family checkpoint (Llama, Mistral, Qwen2 / Qwen3, Gemma3) linear attention, keep its class and
-weights, and generate with a constant-size cache beside the source.
+"""Give a Llama-family checkpoint (Llama, Mistral, Qwen2 / Qwen3, Gemma3) Performer attention, keep its class and
+weights, and generate beside the source: the sparse method (the default) with plain ``generate()``, the hybrid and
+FAVOR+ with their constant-size ``PerformerCache``.
 
     python examples/linearize_llama.py path/to/llama-folder out/llama-performer --prompt "The Python language is"
 
@@ -23,7 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a transformers checkpoint folder of a supported architecture")
     parser.add_argument("output_dir")
-    parser.add_argument("--method", choices=["hybrid", "favor"], default="hybrid")
+    parser.add_argument("--method", choices=["sparse", "hybrid", "favor"], default="sparse")
     parser.add_argument("--prompt", default="The Python programming language is")
     parser.add_argument("--max-new-tokens", type=int, default=30)
     parser.add_argument("--overwrite", action="store_true")
@@ -33,12 +34,13 @@ def main() -> None:
     # the conversion
     performer_hf.convert(args.source, args.output_dir, method=args.method, overwrite=args.overwrite)
     model = AutoModelForCausalLM.from_pretrained(args.output_dir)  # the source class, Performer attention
-    cache = PerformerCache(model.config)  # constant-size decoding state
+    # the sparse method reads generate()'s own cache in place; the others keep a constant-size state
+    options = {} if args.method == "sparse" else {CACHE_KEYWORD: PerformerCache(model.config)}
 
     tokenizer = AutoTokenizer.from_pretrained(args.source)
     inputs = tokenizer(args.prompt, return_tensors="pt")
     source = AutoModelForCausalLM.from_pretrained(args.source)
-    arms = (("source", source, {}), (model.config._attn_implementation, model, {CACHE_KEYWORD: cache}))
+    arms = (("source", source, {}), (model.config._attn_implementation, model, options))
     for name, candidate, options in arms:
         with torch.no_grad():
             generated = candidate.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, **options)

@@ -16,8 +16,12 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 VOCAB = 96
 IMPLEMENTATIONS = ("performer", "performer_hybrid")
-# a window shorter than the test inputs, so that the hybrid's far field is in use (its preset window is 64)
-SHORT_WINDOW = {"performer": {}, "performer_hybrid": {"local_window": 8}}
+# and for decoders, the sparse method (causal only)
+DECODER_IMPLEMENTATIONS = (*IMPLEMENTATIONS, "performer_sparse")
+# a window shorter than the test inputs, so that the hybrid's far field is in use (its preset window is 64), and
+# for the sparse method selection among blocks of 4 (two of them; the window is two blocks and the query's own)
+SPARSE = {"local_window": 8, "select_block_size": 4, "select_blocks": 2, "num_global_tokens": 1}
+SHORT_WINDOW = {"performer": {}, "performer_hybrid": {"local_window": 8}, "performer_sparse": SPARSE}
 
 
 def _decoder_configs() -> dict[str, transformers.PreTrainedConfig]:
@@ -76,7 +80,7 @@ def _ids(batch, length, seed=1):
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
 @pytest.mark.parametrize("arch", list(DECODERS))
 def test_decoder_forward_is_finite_causal_and_ignores_padding(arch, implementation, tmp_path):
     source, folder = _source(DECODERS[arch], tmp_path)
@@ -115,7 +119,7 @@ def test_favor_ignores_left_padding(arch, tmp_path):
     torch.testing.assert_close(padded[1, 5:], alone[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
 @pytest.mark.parametrize("arch", list(DECODERS))
 def test_cached_generation_equals_a_full_forward(arch, implementation, tmp_path):
     _, folder = _source(DECODERS[arch], tmp_path)
@@ -162,6 +166,35 @@ def test_cache_bytes_do_not_grow_with_the_context(arch, implementation, tmp_path
     assert sizes[256] == sizes[4096] > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_sparse_keeps_grouped_keys_and_a_budget_bounds_its_cache(arch, tmp_path):
+    """The sparse method's state holds the key/value heads as they are (no repeat to the query heads); with a budget
+    its bytes stop growing, and every block kept grows them as a key/value cache does."""
+    _, folder = _source(DECODERS[arch], tmp_path)
+    sizes = {}
+    for budget in (0, 3):
+        model = _load(folder, "performer_sparse", **SPARSE, select_budget=budget)
+        for context in (256, 1024):
+            cache = PerformerCache(model.config)
+            with torch.no_grad():
+                model(_ids(1, context), use_cache=True, **{CACHE_KEYWORD: cache})
+                model(_ids(1, 1, seed=2), use_cache=True, **{CACHE_KEYWORD: cache})
+            state = cache.layers[0].get_state()
+            assert cache.get_seq_length() == context + 1 and state.keys.shape[1] == {"llama": 2, "gpt2": 4}[arch]
+            sizes[budget, context] = _tensor_bytes(cache.layers)
+    assert sizes[3, 256] == sizes[3, 1024] < sizes[0, 256] < sizes[0, 1024]
+
+
+def test_sparse_refuses_encoders_and_a_bounded_state_in_a_key_value_cache(tmp_path):
+    _, folder = _source(_bert_config(), tmp_path, encoder=True)
+    with pytest.raises(ValueError, match="causal only"):
+        _load(folder, "performer_sparse", encoder=True)(_ids(1, 8))
+    _, folder = _source(DECODERS["llama"], tmp_path / "llama")
+    model = _load(folder, "performer_sparse", **SPARSE, select_budget=3)
+    with pytest.raises(ValueError, match="PerformerCache"):
+        model.generate(_ids(1, 40), max_new_tokens=2, do_sample=False)
+
+
 @pytest.mark.parametrize("arch", list(DECODERS))
 def test_exact_mode_matches_the_source(arch, tmp_path):
     source, folder = _source(DECODERS[arch], tmp_path)
@@ -176,11 +209,13 @@ def test_exact_mode_matches_the_source(arch, tmp_path):
         torch.testing.assert_close(model(ids, attention_mask=mask).logits[1], expected[1], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
 def test_save_and_load_reproduce_the_outputs_without_being_told(arch, implementation, tmp_path):
     _, folder = _source(DECODERS[arch], tmp_path)
-    model = _load(folder, implementation, projection_seed=5, **SHORT_WINDOW[implementation])
+    # a setting away from its preset, which the saved folder must carry
+    marker = {"num_global_tokens": 3} if implementation == "performer_sparse" else {"projection_seed": 5}
+    model = _load(folder, implementation, **{**SHORT_WINDOW[implementation], **marker})
     ids = _ids(2, 40)
     with torch.no_grad():
         expected = model(ids).logits
@@ -188,7 +223,7 @@ def test_save_and_load_reproduce_the_outputs_without_being_told(arch, implementa
     told = AutoModelForCausalLM.from_pretrained(tmp_path / "converted", attn_implementation=implementation).eval()
     untold = AutoModelForCausalLM.from_pretrained(tmp_path / "converted").eval()
     assert untold.config._attn_implementation == implementation
-    assert untold.config.performer_attention["projection_seed"] == 5
+    assert all(untold.config.performer_attention[name] == value for name, value in marker.items())
     with torch.no_grad():
         assert torch.equal(told(ids).logits, expected)
         assert torch.equal(untold(ids).logits, expected)
@@ -249,13 +284,13 @@ def test_importing_registers_both_names():
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    for name in IMPLEMENTATIONS:
+    for name in DECODER_IMPLEMENTATIONS:
         assert name in ALL_ATTENTION_FUNCTIONS.valid_keys()
         assert name in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
     assert performer_hf.PerformerCache is PerformerCache
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
 def test_training_step_and_bfloat16(implementation, tmp_path):
     """Gradients reach every weight through the methods; a bf16 model keeps bf16 outputs (the methods compute
     in float32 inside)."""

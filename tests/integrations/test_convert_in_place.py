@@ -49,15 +49,15 @@ def test_convert_keeps_the_class_and_weights_and_names_the_attention(architectur
     out = performer_hf.convert(tmp_path / "source", tmp_path / "out")
     report = json.loads((out / "conversion_report.json").read_text())
     assert report["exact_parity_max_abs_diff"] <= 1e-5
-    assert report["attn_implementation"] == "performer_hybrid"
+    assert report["attn_implementation"] == "performer_sparse"  # decoders convert to the sparse method
     card = (out / "README.md").read_text()
-    assert "base_model: source" in card and "performer_hybrid" in card and "| `local_window` | `64` |" in card
+    assert "base_model: source" in card and "performer_sparse" in card and "| `local_window` | `512` |" in card
     before, after = load_file(tmp_path / "source" / "model.safetensors"), load_file(out / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     converted = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(converted) is type(source)
-    assert converted.config._attn_implementation == "performer_hybrid"
-    ids = _ids(1, 96)  # longer than the hybrid's window: the far field is in use
+    assert converted.config._attn_implementation == "performer_sparse"
+    ids = _ids(1, 1200)  # past the window and the 8 selected blocks: the selection is in use
     with torch.no_grad():
         logits, reference = converted(ids).logits, source(ids).logits
     assert torch.isfinite(logits).all() and not torch.allclose(logits, reference, atol=1e-5)
@@ -124,6 +124,8 @@ def test_convert_with_attention_transfer_equals_transfer_attention_on_the_text(t
         "convert",
         str(tmp_path / "source"),
         str(out),
+        "--method",
+        "hybrid",
         "--local-window",
         "8",
         "--transfer-steps",
@@ -160,7 +162,9 @@ def test_convert_with_attention_transfer_equals_transfer_attention_on_the_text(t
 
 
 def _load_zero_shot(tmp_path):
-    out = performer_hf.convert(tmp_path / "source", tmp_path / "zero-shot", local_window=8, fidelity=False)
+    out = performer_hf.convert(
+        tmp_path / "source", tmp_path / "zero-shot", method="hybrid", local_window=8, fidelity=False
+    )
     return AutoModelForCausalLM.from_pretrained(out).eval()
 
 
@@ -180,13 +184,21 @@ def test_bad_transfer_requests_are_refused_before_anything_is_written(tmp_path):
     ]
     for transfer, message in cases:
         with pytest.raises(ConversionError, match=message):
-            performer_hf.convert(tmp_path / "source", tmp_path / "out", transfer=transfer)
+            performer_hf.convert(tmp_path / "source", tmp_path / "out", method="hybrid", transfer=transfer)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["source", "text.txt"]
     # the keywords of earlier releases still work, with a FutureWarning that names the new ones
     with pytest.warns(FutureWarning, match="transfer=TransferSettings"), pytest.raises(ConversionError, match="32"):
         performer_hf.convert(
-            tmp_path / "source", tmp_path / "out", transfer_steps=2, transfer_text=text_file, transfer_length=32
+            tmp_path / "source",
+            tmp_path / "out",
+            method="hybrid",
+            transfer_steps=2,
+            transfer_text=text_file,
+            transfer_length=32,
         )
+    # the sparse method (the decoders' default) learns nothing: transfer names the method that does
+    with pytest.raises(ConversionError, match="--method hybrid"):
+        performer_hf.convert(tmp_path / "source", tmp_path / "out", transfer=TransferSettings(2, text_file, 16))
     with pytest.warns(FutureWarning), pytest.raises(ConversionError, match="without transfer steps"):
         performer_hf.convert(tmp_path / "source", tmp_path / "out", transfer_text=text_file)
     assert main(["convert", str(tmp_path / "source"), str(tmp_path / "out"), "--transfer-text", str(text_file)]) == 1

