@@ -11,6 +11,8 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from ..attention_card import kernel_description, method_description, method_lines, transfer_summary, uses_projection
 from ..integrations.attention_settings import ATTENTION_FIELDS
+from ..modeling.attention_methods import ATTENTION_METHODS
+from ..modeling.sparse_spec import SparseSpec
 from .fidelity import FidelityReport
 
 logger = logging.getLogger(__name__)
@@ -205,7 +207,16 @@ def build_in_place_card(
         tags=["performer", "favor+", "linear-attention", "long-context", "performer-hf"],
     )
     measured = "not measured" if parity is None else f"{parity:.1e} (largest logit difference on sample ids)"
-    fields = "\n".join(f"| `{name}` | {_field_value(getattr(method, name))} |" for name in ATTENTION_FIELDS)
+    read = ("attention_method", *ATTENTION_METHODS[method.attention_method].fields)  # the fields its method reads
+    rows = [f"| `{name}` | {_field_value(getattr(method, name))} |" for name in ATTENTION_FIELDS if name in read]
+    fields = "\n".join(rows)
+    if method.attention_method == "sparse" and not SparseSpec.from_config(method).bounded:
+        decoding = "# generate() reads its own key/value cache in place: model.generate(...)"
+    else:
+        decoding = (
+            "# generate with the method's own decoding state: "
+            "model.generate(..., **{CACHE_KEYWORD: PerformerCache(model.config)})"
+        )
     text = f"""# {base_model} with Performer attention
 
 `{base_model}` ({architecture}) with its softmax attention replaced by the `performer-hf` attention implementation
@@ -213,13 +224,13 @@ def build_in_place_card(
 attention (`attn_implementation`, `performer_attention`).
 
 ```python
-import performer_hf  # registers the "performer" and "performer_hybrid" attention implementations
+import performer_hf  # registers the Performer attention implementations
 from performer_hf import PerformerCache
 from performer_hf.integrations import CACHE_KEYWORD
 from transformers import AutoModelForCausalLM
 
 model = AutoModelForCausalLM.from_pretrained("<this folder or repo>")
-# generate with a constant-size decoding state: model.generate(..., **{{CACHE_KEYWORD: PerformerCache(model.config)}})
+{decoding}
 ```
 
 {_transfer_paragraph(transfer)}
