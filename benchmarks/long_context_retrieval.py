@@ -164,7 +164,7 @@ def _trials(model, tokenizer, filler, length: int, trials: int, rng: random.Rand
                 return_dict_in_generate=True,
             )
         answer = tokenizer.decode(out.sequences[0, inputs["input_ids"].shape[1] :])
-        cache = out.get("cache", out.get("past_key_values"))  # named by the installed transformers
+        cache = out.get(CACHE_KEYWORD)  # the name the installed transformers gives it
         rows.append(
             {
                 "depth": depth,

@@ -1,8 +1,8 @@
 """performer-hf: Performers (FAVOR+ linear attention) as a Hugging Face model family.
 
 Importing the package registers the Performer classes with the ``Auto*`` factories under
-model_type ``"performer"``, and the attention implementations ``"performer"`` (FAVOR+) and
-``"performer_hybrid"`` with transformers' ``AttentionInterface``, for any model class.
+model_type ``"performer"``, and the attention implementations ``"performer"`` (FAVOR+), ``"performer_hybrid"``
+and ``"performer_sparse"`` with transformers' ``AttentionInterface``, for any model class.
 """
 
 import transformers

@@ -1,6 +1,6 @@
-"""Performer attention for transformers model classes that are not ours: the ``"performer"`` and
-``"performer_hybrid"`` attention implementations (``attention_interface.py``), where their settings live
-(``attention_settings.py``), their constant-size decoding cache (``cache.py``) and attention transfer, which
+"""Performer attention for transformers model classes that are not ours: the ``"performer"``,
+``"performer_hybrid"`` and ``"performer_sparse"`` attention implementations (``attention_interface.py``), where
+their settings live (``attention_settings.py``), their decoding cache (``cache.py``) and attention transfer, which
 trains their small learnable parts to match the source's softmax attention (``attention_transfer.py``)."""
 
 from .attention_interface import register_attention_implementations

@@ -1,10 +1,11 @@
 """FAVOR+ and hybrid attention as transformers attention implementations, for any model class.
 
-``import performer_hf`` registers two names with transformers' ``AttentionInterface`` (the attention) and
+``import performer_hf`` registers three names with transformers' ``AttentionInterface`` (the attention) and
 ``AttentionMaskInterface`` (the masks they take):
 
 - ``"performer"``: plain FAVOR+ (positive orthogonal random features);
-- ``"performer_hybrid"``: the default hybrid method (exact window / global / routed keys, a linear far field).
+- ``"performer_hybrid"``: the hybrid method (exact window / global / routed keys, a linear far field);
+- ``"performer_sparse"``: the sparse method, causal only (exact window, first tokens and selected key blocks).
 
 so that ``AutoModelForCausalLM.from_pretrained(folder, attn_implementation="performer_hybrid")`` swaps the
 attention of a Llama, Mistral, Qwen2 / Qwen3, Gemma3, GPT-2 or BERT model and keeps everything else. The
@@ -66,7 +67,7 @@ def _mixes_sliding_layers(config) -> bool:
 
 
 def performer_mask(*, attention_mask=None, kv_length: int, local_size: int | None = None, **kwargs):
-    """The mask function of both names: the 2D ``(B, kv_length)`` bool padding mask (True: a real token) for
+    """The mask function of every name: the 2D ``(B, kv_length)`` bool padding mask (True: a real token) for
     Performer layers, None when nothing is padded; SDPA's 4D mask for the sliding layers that keep their own
     attention (``local_size`` is the window the sliding mask builders pass)."""
     config = kwargs["config"]
@@ -152,7 +153,7 @@ ATTENTION_FUNCTIONS = {name: _performer_attention(name) for name in IMPLEMENTATI
 
 
 def register_attention_implementations() -> None:
-    """Register ``"performer"`` and ``"performer_hybrid"`` with transformers (done by ``import performer_hf``)."""
+    """Register the names of :data:`.IMPLEMENTATIONS` with transformers (done by ``import performer_hf``)."""
     for name, function in ATTENTION_FUNCTIONS.items():
         AttentionInterface.register(name, function)
         AttentionMaskInterface.register(name, performer_mask)

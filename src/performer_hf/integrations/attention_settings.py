@@ -1,8 +1,8 @@
 """Where the Performer attention of a transformers model class that is not ours keeps its settings.
 
-A model loaded with ``attn_implementation="performer"`` or ``"performer_hybrid"`` (a ``LlamaForCausalLM``,
-a ``BertModel``, ...) has no Performer fields in its config and no Performer buffers in its weights. Both
-are derived from one config attribute, ``performer_attention``: a dict of ``PerformerConfig``'s attention
+A model loaded with ``attn_implementation="performer"``, ``"performer_hybrid"`` or ``"performer_sparse"`` (a
+``LlamaForCausalLM``, a ``BertModel``, ...) has no Performer fields in its config and no Performer buffers in its
+weights. Both are derived from one config attribute, ``performer_attention``: a dict of ``PerformerConfig``'s attention
 fields (``attention_kernel``, ``nb_features``, ``projection_seed``, ``local_window``, ...). Fields it does
 not name take the method's preset (:data:`IMPLEMENTATIONS`). On first use the resolved dict is written back
 to the config, together with ``attn_implementation``, so that ``save_pretrained`` records both and the saved

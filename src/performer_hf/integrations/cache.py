@@ -1,8 +1,10 @@
-"""Constant-size decoding for transformers models that run Performer attention.
+"""The methods' own decoding state for transformers models that run Performer attention.
 
-``generate()`` builds a key/value ``DynamicCache`` by default, which Performer attention reads correctly but
-which grows with the context. Pass a :class:`PerformerCache` instead, and each Performer layer keeps its
-method's constant-size state (``modeling/cache_performer.py``)::
+``generate()`` builds a key/value ``DynamicCache`` by default. The sparse method (every block kept) reads it in
+place; the hybrid and FAVOR+ read it correctly but recompute their state over every key at each step, and a bounded
+sparse state refuses it. Pass a :class:`PerformerCache` instead, and each Performer layer keeps its method's state
+(``modeling/cache_performer.py``): constant-size for the hybrid and FAVOR+, bounded by ``select_budget`` for the
+sparse method::
 
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="performer_hybrid")
     model.generate(**inputs, **{CACHE_KEYWORD: PerformerCache(model.config)})
@@ -26,9 +28,9 @@ CACHE_KEYWORD = "cache" if Version(transformers.__version__) >= Version("5.24.0"
 
 
 class PerformerCache(Cache):
-    """One cache layer per decoder layer of a model loaded with ``attn_implementation="performer"`` or
-    ``"performer_hybrid"``: the method's constant-size state for Performer layers, a sliding-window key/value
-    layer for the sliding layers that keep their own attention (Gemma3), a key/value layer for exact mode.
+    """One cache layer per decoder layer of a model loaded with ``attn_implementation="performer"``,
+    ``"performer_hybrid"`` or ``"performer_sparse"``: the method's state for Performer layers, a sliding-window
+    key/value layer for the sliding layers that keep their own attention (Gemma3), a key/value layer for exact mode.
 
     Args:
         config: the model's config (its text config is used).
