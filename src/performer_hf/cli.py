@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from .conversion import SUPPORTED_ARCHITECTURES, ConversionError, TransferSettings, convert
-from .conversion.convert import DEFAULT_METHOD, METHODS
+from .conversion.convert import DEFAULT_IN_PLACE_METHOD, DEFAULT_METHOD, METHODS
 from .conversion.source import resolve_source
 from .hub import PushError
 from .modeling.attention_methods import ATTENTION_FIELDS
@@ -48,9 +48,11 @@ def _config_options() -> list[tuple[str, type, str]]:
             else int
         )
         hybrid, causal = presets["bidirectional"].get(name, default), presets["causal"].get(name, default)
+        in_place = METHODS[DEFAULT_IN_PLACE_METHOD]["causal"].get(name, default)
         named = [f"default {default}"] if default is not None and name in ATTENTION_FIELDS else []
         named += [f"{DEFAULT_METHOD} {hybrid}"] if hybrid != default else []
         named += [f"causal {causal}"] if causal != hybrid else []
+        named += [f"{DEFAULT_IN_PLACE_METHOD} (Llama & co.) {in_place}"] if in_place != default else []
         help_text = field.metadata["help"]
         options.append((name, kind, f"{help_text} ({'; '.join(named)})" if named else help_text))
     return options
@@ -89,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
         "--method",
         choices=sorted(METHODS),
         default=None,
-        help=f"attention settings under the options: {' or '.join(sorted(METHODS))} (default {DEFAULT_METHOD})",
+        help=f"attention settings under the options: {' or '.join(sorted(METHODS))} (default {DEFAULT_METHOD}; "
+        f"{DEFAULT_IN_PLACE_METHOD} for the decoders converted in place)",
     )
     conv.add_argument(
         "--calibrate", action="store_true", help="fix centres / FAVOR++ A per layer and head from sample text"
@@ -128,7 +131,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--sentences", type=int, default=200, help="English sentences for the embedding comparison")
     demo.add_argument("--repeats", type=int, default=3, help="timed forward passes per model")
     demo.add_argument(
-        "--method", choices=sorted(METHODS), help=f"attention method of the conversion (default: {DEFAULT_METHOD})"
+        "--method",
+        choices=sorted(METHODS),
+        help=f"attention method of the conversion (default: {DEFAULT_METHOD}; {DEFAULT_IN_PLACE_METHOD} for the "
+        "decoders converted in place)",
     )
 
     zoo = commands.add_parser("zoo", help="list or build the models of the performer-hf zoo")
