@@ -171,8 +171,12 @@ class PerformerConfig(PreTrainedConfig):
             "first this many positions attend exactly; 0: never"
         },
     )
-    local_window: int = field(default=0, metadata={"help": "hybrid: keys around each query computed exactly"})
-    num_global_tokens: int = field(default=0, metadata={"help": "hybrid: first tokens attended exactly by every query"})
+    local_window: int = field(
+        default=0, metadata={"help": "hybrid, sparse: keys around (sparse: before) each query computed exactly"}
+    )
+    num_global_tokens: int = field(
+        default=0, metadata={"help": "hybrid, sparse: first tokens attended exactly by every query"}
+    )
     routed_blocks: int = field(
         default=0, metadata={"help": "hybrid, bidirectional: key blocks per query block chosen by content"}
     )
