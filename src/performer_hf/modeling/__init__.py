@@ -8,9 +8,9 @@ files, so these modules import only each other (and torch / transformers), never
 
 - ``configuration_performer.py`` / ``modeling_performer.py``: the config and the model classes, built from
   ``layers_performer.py`` (embeddings, attention, layers, heads' parts);
-- ``attention_methods.py``: the attention-method registry (exact, FAVOR+, hybrid): each method's function (in
-  ``method_exact.py``, ``method_favor.py``, ``method_hybrid.py``), config fields, kernels, cache layer, card text and
-  conversion presets;
+- ``attention_methods.py``: the attention-method registry (exact, FAVOR+, hybrid, sparse): each method's function
+  (in ``method_exact.py``, ``method_favor.py``, ``method_hybrid.py``, ``method_sparse.py``), config fields, kernels,
+  cache layer, card text and conversion presets;
 - FAVOR+: ``favor_projection.py`` (random projections), ``favor_features.py`` (the feature-map registry),
   ``favor_attention.py`` (bidirectional and causal FAVOR+), ``favor_exp.py`` (its slabbed autograd functions for
   exponential features), ``favor_optimal.py`` (FAVOR++);
@@ -21,7 +21,9 @@ files, so these modules import only each other (and torch / transformers), never
   ``hybrid_far_field.py`` (the far field), ``hybrid_causal.py`` (causal lagging and decoding), ``far_fields.py`` (the
   far-field kernel registry) with ``far_field_polynomial.py``, ``hybrid_backends.py`` (PyTorch or compiled, one
   choice), ``slabs.py`` (slab sizing);
-- ``cache_performer.py``: the constant-size decoding caches; ``cpu_kernels.py`` + ``csrc/``: the compiled CPU kernels
+- sparse attention (causal): ``sparse_spec.py`` (settings and decoding state), ``sparse_attention.py`` (window,
+  first tokens and the key blocks each query selects, exact softmax);
+- ``cache_performer.py``: the methods' decoding caches; ``cpu_kernels.py`` + ``csrc/``: the compiled CPU kernels
   of hybrid attention (built on first use; not shipped, so remote code takes the PyTorch path), and
   ``hybrid_compiled.py``, their autograd functions.
 """
