@@ -102,7 +102,8 @@ HYBRID_FIELDS = (
 )
 SPARSE_FIELDS = tuple(SparseSpec.config_fields().values())
 
-# The converter's presets. "hybrid", its default: exact softmax on a local window, the first token and
+# The converter's presets. "hybrid", its default for encoders and GPT-2 conversions (decoders converted in place
+# take "sparse", below): exact softmax on a local window, the first token and
 # (bidirectionally) 24 routed key blocks of 8, with a centred second-order polynomial far field (`poly2`) for
 # every other key; on the real all-MiniLM-L6-v2 it keeps 2,048-token document embeddings at cosine ~0.99 to
 # the source. Causal models cannot route (it would read future tokens): they get a wider window, and FAVOR++
