@@ -19,6 +19,7 @@ SPECS = {
     "own block only": SparseSpec(local_window=0, num_global_tokens=0, block_size=5, select_blocks=1),
     "globals beyond a block": SparseSpec(local_window=12, num_global_tokens=6, block_size=4, select_blocks=3, budget=4),
     "select everything": SparseSpec(local_window=4, num_global_tokens=1, block_size=4, select_blocks=50),
+    "window and globals only": SparseSpec(local_window=8, num_global_tokens=2, block_size=4, select_blocks=0),
 }
 
 
@@ -89,6 +90,10 @@ def test_a_budget_bounds_the_state_and_keeping_every_block_does_not():
     assert sizes[3][0] == sizes[3][1]
     assert sizes[0][1] > 1.8 * sizes[0][0]
     assert sizes[3][1] < sizes[0][1] / 5
+    # no selection: nothing is kept beyond the window and the global tokens
+    spec = SPECS["window and globals only"]
+    states = [sparse_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], spec, return_state=True)[1] for n in (100, 200)]
+    assert states[0].nbytes() == states[1].nbytes() < sizes[3][1] and states[1].pool_keys.shape[2] == 0
 
 
 def test_gradients_match_the_reference():

@@ -118,11 +118,11 @@ def _performer_attention(implementation: str):
         if scaling is not None and scaling != head_dim**-0.5:
             query = query * (scaling * head_dim**0.5)  # the methods scale q.k by head_dim ** -0.5
         groups = query.shape[1] // key.shape[1]
-        grouped_kv = ATTENTION_METHODS[state.attention_method].grouped_kv and TRANSFER_HOOK.get() is None
+        transfer = TRANSFER_HOOK.get()
+        grouped_kv = ATTENTION_METHODS[state.attention_method].grouped_kv and transfer is None
         if groups > 1 and not grouped_kv:  # grouped-query attention: each key/value head serves `groups` query heads
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (B, H, Lk, D)
         key_mask = _key_mask(attention_mask)
-        transfer = TRANSFER_HOOK.get()
         if transfer is not None:
             context = transfer(state, query, key, value, key_mask, causal)
         elif state.attention_method == "exact":

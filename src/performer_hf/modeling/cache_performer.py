@@ -110,106 +110,28 @@ class FavorCacheLayer(_BatchFirstState, LinearAttentionLayer, CacheLayerMixin):
                 self.recurrent_states[slot] = index_fn(self.recurrent_states[slot])
 
 
-class HybridCacheLayer(_BatchFirstState, CacheLayerMixin):
-    """One layer's :class:`HybridState` (far-field state, window buffer, global keys), constant in size; with
-    ``exact_max_length``, the keys and values of the first positions instead, until the sequence passes it.
+class _TupleStateLayer(_BatchFirstState, CacheLayerMixin):
+    """A cache layer holding its method's state as one ``NamedTuple`` whose tensors all have the batch first and whose
+    ``length`` counts the tokens seen: the attention function reads it (:meth:`get_state`) and stores the next one
+    (:meth:`update_state`); transformers' attention modules get their new keys passed through (:meth:`update`)."""
 
-    The state's tensors all have the batch first, so beam search and batch selection index every
-    one of them alike.
-    """
-
-    _layer_type = "hybrid_attention"
     is_compileable = False  # as for FavorCacheLayer: generate must pass the 2D padding mask through
     is_sliding = False
 
     def __init__(self, **kwargs):
         super().__init__()
-        self.state: HybridState | None = None
-        # the keys and values of the first positions, while the model attends to them exactly (exact_max_length)
-        self.prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.state = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to allocate ahead: the first :meth:`update_state` stores the state."""
 
-    def get_state(self) -> HybridState | None:
+    def get_state(self):
         """The state after the tokens seen so far, or ``None`` before the first one."""
         return self.state
 
-    def update_state(self, state: HybridState) -> HybridState:
-        """Store the state returned by ``hybrid_attention(..., return_state=True)``; returns it."""
-        self.state = HybridState(*(t.detach() if torch.is_tensor(t) else t for t in state))
-        self.prefix = None
-        self.is_initialized = True
-        return self.state
-
-    def get_exact_prefix(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The keys and values (B, H, P, D) of the tokens seen so far while they are attended exactly, or None."""
-        return self.prefix
-
-    def update_exact_prefix(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store the keys and values (B, H, P, D) of every token so far (all of them below ``exact_max_length``)."""
-        self.prefix = (keys.detach(), values.detach())
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """As :meth:`FavorCacheLayer.update`: the new keys and values pass through to the attention function."""
-        return passed_through(self, key_states, value_states)
-
-    def get_seq_length(self) -> int:
-        if self.prefix is not None:
-            return self.prefix[0].shape[2]
-        return 0 if self.state is None else self.state.length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def offload(self):
-        """Nothing to offload: the state is small."""
-
-    def prefetch(self):
-        """Nothing to prefetch: the state is small."""
-
-    def reset(self) -> None:
-        self.state = self.prefix = None
-        self.is_initialized = False
-
-    def _select(self, index_fn) -> None:
-        if self.state is not None:
-            self.state = HybridState(*(index_fn(t) if torch.is_tensor(t) else t for t in self.state))
-        if self.prefix is not None:
-            self.prefix = tuple(index_fn(t) for t in self.prefix)
-
-
-class SparseCacheLayer(_BatchFirstState, CacheLayerMixin):
-    """One layer's :class:`SparseState`: the keys and values of the window, the global tokens and the pool of key
-    blocks the queries select from, per key/value head (grouped-query models are not repeated). Bounded in the
-    context length with ``select_budget``; every block otherwise.
-
-    It registers the cache layer type ``"sparse_attention"``: a config whose ``layer_types`` names it gets one per
-    layer from ``DynamicCache(config=...)``, what ``generate`` builds with no argument.
-    """
-
-    _layer_type = "sparse_attention"
-    is_compileable = False  # as for FavorCacheLayer: generate must pass the 2D padding mask through
-    is_sliding = False
-
-    def __init__(self, **kwargs):
-        super().__init__()
-        self.state: SparseState | None = None
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Nothing to allocate ahead: the first :meth:`update_state` stores the state."""
-
-    def get_state(self) -> SparseState | None:
-        """The state after the tokens seen so far, or ``None`` before the first one."""
-        return self.state
-
-    def update_state(self, state: SparseState) -> SparseState:
-        """Store the state returned by ``sparse_attention(..., return_state=True)``; returns it."""
-        self.state = SparseState(*(t.detach() if torch.is_tensor(t) else t for t in state))
+    def update_state(self, state):
+        """Store the state a method returned with ``return_state=True`` (detached); returns it."""
+        self.state = type(state)(*(t.detach() if torch.is_tensor(t) else t for t in state))
         self.is_initialized = True
         return self.state
 
@@ -238,7 +160,65 @@ class SparseCacheLayer(_BatchFirstState, CacheLayerMixin):
 
     def _select(self, index_fn) -> None:
         if self.state is not None:
-            self.state = SparseState(*(index_fn(t) if torch.is_tensor(t) else t for t in self.state))
+            self.state = type(self.state)(*(index_fn(t) if torch.is_tensor(t) else t for t in self.state))
+
+
+class HybridCacheLayer(_TupleStateLayer):
+    """One layer's :class:`HybridState` (far-field state, window buffer, global keys), constant in size; with
+    ``exact_max_length``, the keys and values of the first positions instead, until the sequence passes it.
+    """
+
+    _layer_type = "hybrid_attention"
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.state: HybridState | None = None
+        # the keys and values of the first positions, while the model attends to them exactly (exact_max_length)
+        self.prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update_state(self, state: HybridState) -> HybridState:
+        """Store the state returned by ``hybrid_attention(..., return_state=True)``; returns it."""
+        self.prefix = None
+        return super().update_state(state)
+
+    def get_exact_prefix(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The keys and values (B, H, P, D) of the tokens seen so far while they are attended exactly, or None."""
+        return self.prefix
+
+    def update_exact_prefix(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store the keys and values (B, H, P, D) of every token so far (all of them below ``exact_max_length``)."""
+        self.prefix = (keys.detach(), values.detach())
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        if self.prefix is not None:
+            return self.prefix[0].shape[2]
+        return super().get_seq_length()
+
+    def reset(self) -> None:
+        super().reset()
+        self.prefix = None
+
+    def _select(self, index_fn) -> None:
+        super()._select(index_fn)
+        if self.prefix is not None:
+            self.prefix = tuple(index_fn(t) for t in self.prefix)
+
+
+class SparseCacheLayer(_TupleStateLayer):
+    """One layer's :class:`SparseState`: the keys and values of the window, the global tokens and the pool of key
+    blocks the queries select from, per key/value head (grouped-query models are not repeated). Bounded in the
+    context length with ``select_budget``; every block otherwise.
+
+    It registers the cache layer type ``"sparse_attention"``: a config whose ``layer_types`` names it (the Performer
+    family's) gets one per layer from ``DynamicCache(config=...)``, what ``generate`` builds with no argument.
+    """
+
+    _layer_type = "sparse_attention"
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.state: SparseState | None = None
 
 
 __all__ = ["FavorCacheLayer", "HybridCacheLayer", "SparseCacheLayer"]

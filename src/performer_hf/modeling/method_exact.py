@@ -20,11 +20,13 @@ def exact_attention(module: nn.Module, q, k, v, key_mask, causal, layer_cache=No
 
 def softmax_attention(q, k, v, key_mask, causal, dropout=0.0, output_attentions=False):
     """Softmax attention of q (B, H, Lq, D) over k, v (B, H, Lk, D), the last Lq keys being the queries'
-    own: SDPA's fused kernels, its causal path when nothing is masked. -> (context, weights or None)."""
+    own: SDPA's fused kernels, its causal path when nothing is masked. -> (context, weights or None).
+    Without ``output_attentions``, k and v may have fewer heads (grouped-query attention, read in place)."""
     q_len, k_len = q.shape[2], k.shape[2]
+    grouped = q.shape[1] != k.shape[1]
     if causal and key_mask is None and q_len == k_len and not output_attentions:
         # SDPA's fused causal path: no (L, L) mask in memory
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True), None
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped), None
     visible = None
     if key_mask is not None:
         visible = key_mask[:, None, None, :]  # (B, 1, 1, Lk)
@@ -35,7 +37,7 @@ def softmax_attention(q, k, v, key_mask, causal, dropout=0.0, output_attentions=
         own = torch.arange(k_len, device=q.device) == torch.arange(past, k_len, device=q.device)[:, None]
         visible = visible | own  # a query always sees itself: no empty rows (left padding)
     if not output_attentions:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout), None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout, enable_gqa=grouped), None
     scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, Lq, Lk)
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .method_exact import softmax_attention
 from .sparse_attention import sparse_attention
 from .sparse_spec import SparseSpec
 
@@ -36,36 +35,14 @@ def sparse_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None
         layer_cache.update_state(state)
         return context, None
     if spec.covers(total):  # every query reads every earlier key: SDPA's exact causal attention
-        return _exact(q, k, v, key_mask), None
-    if total > length:  # a plain key/value cache: its keys read in place
-        return _over_cached_keys(spec, q, k, v, key_mask), None
-    return sparse_attention(q, k, v, spec, key_mask), None
-
-
-def _exact(q, k, v, key_mask):
-    """Causal softmax attention of q (B, H, L, D) over the last keys k, v (B, Hkv, P + L, D), grouped-query keys
-    read in place (SDPA's ``enable_gqa``)."""
-    length, total = q.shape[2], k.shape[2]
-    if key_mask is None and length == total:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    visible = torch.ones(length, total, dtype=torch.bool, device=q.device).tril(diagonal=total - length)
-    if key_mask is not None:  # a query always sees itself: no empty rows (left padding)
-        own = torch.arange(total, device=q.device) == torch.arange(total - length, total, device=q.device)[:, None]
-        visible = (visible & key_mask[:, None, None, :]) | own
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
-
-
-def _over_cached_keys(spec: SparseSpec, q, k, v, key_mask):
-    """The new queries over a key/value cache's keys (B, Hkv, P + L, D), read in place (every block kept). A bounded
-    pool ranks blocks by the attention the past queries gave them, which a key/value cache has lost: refused, with
-    the fix."""
-    if spec.bounded:
+        return softmax_attention(q, k, v, key_mask, True)
+    if total > length and spec.bounded:  # a plain key/value cache: it has lost what a bounded pool ranks by
         raise ValueError(
             f"select_budget={spec.budget}, select_blocks={spec.select_blocks} (bounded decoding) needs the sparse "
             "method's own cache; this call got a plain key/value cache. Pass cache=PerformerCache(model.config) to "
             "generate (performer_hf.integrations), or set select_budget=0 and select_blocks > 0."
         )
-    return sparse_attention(q, k, v, spec, key_mask)
+    return sparse_attention(q, k, v, spec, key_mask), None  # a key/value cache's keys are read in place
 
 
 def sparse_card_lines(config) -> list[str]:

@@ -28,7 +28,7 @@ NEG_INF = float("-inf")
 
 class _Pool:
     """The blocks kept once they left the window (``budget > 0``) during a call: the state's, then the ones that
-    leave the window, the ``budget`` best by the attention they received."""
+    leave the window, the ``budget`` best by the attention they received (with ``select_blocks=0``, empty)."""
 
     def __init__(self, state: SparseState):
         self.keys, self.values = state.pool_keys, state.pool_values  # (B, Hkv, N, block, D)
@@ -116,7 +116,7 @@ def sparse_attention(
     first, start = state.length + past, state.start
     end = first + L
     mass = state.mass
-    if spec.bounded:  # the attention each stored block receives, for the pool's ranking
+    if spec.budget:  # the attention each stored block receives, for the pool's ranking
         stored_blocks = -(-(end - start) // block)
         mass = torch.cat([mass, mass.new_zeros(B, Hkv, stored_blocks - mass.shape[2])], dim=2)
     known, last = state.global_keys.shape[2], min(spec.num_global_tokens, end)  # global tokens: [0, last)
@@ -134,14 +134,15 @@ def sparse_attention(
     for c in range(first // block, (end - 1) // block + 1):  # the query blocks of this call
         window_block = max(0, c - spec.window_blocks)
         if spec.bounded and pushed < window_block:  # blocks [pushed, window_block) leave the window
-            lo, hi = pushed * block - start, window_block * block - start
-            pool.add(
-                keys[:, :, lo:hi].unflatten(2, (-1, block)),
-                values[:, :, lo:hi].unflatten(2, (-1, block)),
-                selectable[:, None, lo:hi].expand(B, Hkv, -1).unflatten(2, (-1, block)),
-                mass[:, :, lo // block : hi // block],
-                spec.budget,
-            )
+            if spec.budget:  # the pool ranks them; with no selection, none is kept
+                lo, hi = pushed * block - start, window_block * block - start
+                pool.add(
+                    keys[:, :, lo:hi].unflatten(2, (-1, block)),
+                    values[:, :, lo:hi].unflatten(2, (-1, block)),
+                    selectable[:, None, lo:hi].expand(B, Hkv, -1).unflatten(2, (-1, block)),
+                    mass[:, :, lo // block : hi // block],
+                    spec.budget,
+                )
             pushed = window_block
         if spec.bounded:
             candidates = pool.flat()

@@ -126,19 +126,19 @@ class SparseState(NamedTuple):
         """The state before the first token, for keys ``k`` and values ``v`` shaped (B, Hkv, ., D)."""
         B, Hkv, _, D = k.shape
         Dv = v.shape[-1]
-        pool = dict(device=k.device)
+        on = dict(device=k.device)
         return cls(
             keys=k.new_zeros(B, Hkv, 0, D),
             values=v.new_zeros(B, Hkv, 0, Dv),
-            key_mask=torch.zeros(B, 0, dtype=torch.bool, **pool),
-            mass=torch.zeros(B, Hkv, 0, dtype=torch.float32, **pool),
+            key_mask=torch.zeros(B, 0, dtype=torch.bool, **on),
+            mass=torch.zeros(B, Hkv, 0, dtype=torch.float32, **on),
             pool_keys=k.new_zeros(B, Hkv, 0, block, D),
             pool_values=v.new_zeros(B, Hkv, 0, block, Dv),
-            pool_mask=torch.zeros(B, Hkv, 0, block, dtype=torch.bool, **pool),
-            pool_score=torch.zeros(B, Hkv, 0, dtype=torch.float32, **pool),
+            pool_mask=torch.zeros(B, Hkv, 0, block, dtype=torch.bool, **on),
+            pool_score=torch.zeros(B, Hkv, 0, dtype=torch.float32, **on),
             global_keys=k.new_zeros(B, Hkv, 0, D),
             global_values=v.new_zeros(B, Hkv, 0, Dv),
-            global_mask=torch.zeros(B, 0, dtype=torch.bool, **pool),
+            global_mask=torch.zeros(B, 0, dtype=torch.bool, **on),
             start=0,
             length=0,
         )
