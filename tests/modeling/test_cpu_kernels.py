@@ -223,3 +223,33 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
     torch.testing.assert_close(out, reference(q, k, v, far_field="poly2", local_window=5), rtol=1e-9, atol=1e-10)
     warnings = [r for r in caplog.records if "kernel unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "no compiler here" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 72])  # below, at and beyond the kernel's 16-lane dot products
+@pytest.mark.parametrize("left_padded", [False, True])
+def test_sparse_decoding_step_kernel_matches_the_reference(head_dim, left_padded, monkeypatch):
+    """One float32 query per head over a key/value cache, without gradients: the compiled step runs and matches
+    the float64 one-query-at-a-time reference, for every keep-all geometry of the sparse tests."""
+    from performer_hf.modeling.sparse_attention import sparse_attention
+
+    from ..sparse_reference import reference_sparse
+    from .test_sparse_attention import KEEP_ALL
+
+    kernels, calls = cpu_kernels.hybrid_kernels(), []
+
+    class Spy:
+        def sparse_decode_step(self, *args):
+            calls.append(args)
+            return kernels.sparse_decode_step(*args)
+
+    monkeypatch.setattr("performer_hf.modeling.sparse_attention.hybrid_kernels", Spy)
+    g = torch.Generator().manual_seed(head_dim)
+    q = torch.randn(2, 6, 93, head_dim, generator=g, dtype=torch.float64) * 2
+    k, v = (torch.randn(2, 2, 93, head_dim, generator=g, dtype=torch.float64) * 2 for _ in range(2))
+    mask = torch.arange(93)[None] >= torch.tensor([[0], [17 if left_padded else 0]])
+    for spec in KEEP_ALL.values():
+        expected = reference_sparse(q, k, v, spec, mask)[:, :, -1:]
+        with torch.no_grad():
+            step = sparse_attention(q[:, :, -1:].float(), k.float(), v.float(), spec, mask if left_padded else None)
+        torch.testing.assert_close(step.double(), expected, rtol=1e-5, atol=1e-5)
+    assert len(calls) == len(KEEP_ALL)

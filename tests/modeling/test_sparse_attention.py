@@ -68,6 +68,26 @@ def test_a_key_value_cache_is_read_in_place():
         sparse_attention(q[:, :, -1:], k, v, SPECS["bounded pool"], mask)
 
 
+KEEP_ALL = {name: spec for name, spec in SPECS.items() if not spec.bounded}
+
+
+@pytest.mark.parametrize("spec", KEEP_ALL.values(), ids=KEEP_ALL)
+def test_one_decoding_step_matches_the_reference_and_the_block_walk(spec):
+    """A single new query over a left-padded key/value cache (the one-pass decoding step): its output against the
+    reference, its gradients against the block-by-block path that two new queries take."""
+    q, k, v, _ = _inputs()
+    mask = torch.arange(70)[None] >= torch.tensor([[0], [11]])  # row 1 left-padded by 11
+    expected = reference_sparse(q, k, v, spec, mask)[:, :, -1:]
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    weight = torch.randn_like(expected)
+    step = sparse_attention(q[:, :, -1:], k, v, spec, mask)
+    torch.testing.assert_close(step, expected)
+    walked = sparse_attention(q[:, :, -2:], k, v, spec, mask)[:, :, -1:]
+    grads = [torch.autograd.grad((out * weight).sum(), (q, k, v)) for out in (step, walked)]
+    for ours, theirs in zip(*grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
 def test_no_future_leak():
     spec = SPECS["bounded pool"]
     q, k, v, _ = _inputs(batch=1)

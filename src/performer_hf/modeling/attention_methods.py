@@ -186,7 +186,7 @@ ATTENTION_METHODS: dict[str, AttentionMethod] = {
         has_attention_weights=False,
         description=(
             "sparse attention: exact softmax over each query's local window, the first tokens and the earlier key "
-            "blocks it selects by an upper bound of its logits (causal)"
+            "blocks that hold the most of its attention (causal)"
         ),
         fields=SPARSE_FIELDS,
         kernels=None,

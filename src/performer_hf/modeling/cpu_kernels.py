@@ -1,8 +1,9 @@
 """Compiled CPU kernels, built on first use with PyTorch's C++ extension JIT (needs a C++ compiler).
 
-The kernels are optional fast paths (forward and backward, :mod:`.hybrid_compiled`) with pure-PyTorch
-fallbacks. When the build fails (no compiler, no ninja), :func:`hybrid_kernels` logs why once and returns
-``None``, and callers use the PyTorch code. ``PERFORMER_HF_CPU_KERNELS=0`` turns the kernels off.
+The kernels are optional fast paths (forward and backward, :mod:`.hybrid_compiled`; sparse attention's
+decoding step, :mod:`.sparse_attention`) with pure-PyTorch fallbacks. When the build fails (no compiler, no
+ninja), :func:`hybrid_kernels` logs why once and returns ``None``, and callers use the PyTorch code.
+``PERFORMER_HF_CPU_KERNELS=0`` turns the kernels off.
 
 The build is cached by PyTorch (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``),
 under a name that includes this machine's CPU flags, since it is compiled with ``-march=native``.
@@ -21,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("hybrid_support.cpp", "hybrid_far_field.cpp", "hybrid_routing.cpp")
+    for name in ("hybrid_support.cpp", "hybrid_far_field.cpp", "hybrid_routing.cpp", "sparse_decode.cpp")
 ]
 _HEADER = Path(__file__).parent / "csrc" / "hybrid_kernels.h"
 _FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
@@ -89,6 +90,6 @@ def _compiled_kernels():
 
 def hybrid_kernels():
     """The compiled module (``hybrid_support_sums``, ``quadratic_far_state``, ``quadratic_far_apply``, each
-    with its ``_backward``, ``top_blocks``, ``routed_candidates``, ``max_value_width``; see ``csrc/hybrid_kernels.h``),
-    or ``None`` when disabled or the build failed."""
+    with its ``_backward``, ``top_blocks``, ``routed_candidates``, ``max_value_width``, and sparse attention's
+    ``sparse_decode_step``; see ``csrc/hybrid_kernels.h``), or ``None`` when disabled or the build failed."""
     return _compiled_kernels() if kernels_enabled() else None

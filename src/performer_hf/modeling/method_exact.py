@@ -24,9 +24,10 @@ def softmax_attention(q, k, v, key_mask, causal, dropout=0.0, output_attentions=
     Without ``output_attentions``, k and v may have fewer heads (grouped-query attention, read in place)."""
     q_len, k_len = q.shape[2], k.shape[2]
     grouped = q.shape[1] != k.shape[1]
-    if causal and key_mask is None and q_len == k_len and not output_attentions:
-        # SDPA's fused causal path: no (L, L) mask in memory
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped), None
+    if causal and key_mask is None and q_len in (1, k_len) and not output_attentions:
+        # SDPA's fused causal path: no (L, L) mask in memory (one query, the last, sees every key: no mask at all)
+        fused = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=q_len > 1, enable_gqa=grouped)
+        return fused, None
     visible = None
     if key_mask is not None:
         visible = key_mask[:, None, None, :]  # (B, 1, 1, Lk)

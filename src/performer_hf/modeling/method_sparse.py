@@ -55,7 +55,7 @@ def sparse_card_lines(config) -> list[str]:
     return [
         f"- exact local window: the query's block and {config.local_window} tokens before it",
         f"- global tokens (exact for every query): {config.num_global_tokens}",
-        f"- selected exact key blocks: {config.select_blocks} of {config.select_block_size} keys per query, by an "
-        "upper bound of its logits (per-channel key minimum and maximum)",
+        f"- selected exact key blocks: {config.select_blocks} of {config.select_block_size} keys per query, the ones "
+        "that hold the most of its attention (the log-sum-exp of its logits over each block's keys)",
         f"- key blocks kept once they leave the window: {kept}",
     ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .cpu_kernels import hybrid_kernels
 from .sparse_spec import SparseSpec, SparseState
 
 Tensor = torch.Tensor
@@ -99,10 +100,11 @@ def sparse_attention(
     Hkv, block = k.shape[1], spec.block_size
     if H % Hkv:
         raise ValueError(f"{H} query heads cannot share {Hkv} key/value heads evenly.")
-    G = H // Hkv
     past = k.shape[2] - L  # keys of earlier tokens given with the new ones (a key/value cache)
     if past and (state is not None or spec.bounded):
         raise ValueError("earlier keys are given either as a state or, without a budget, before the new keys.")
+    if L == 1 and state is None and not spec.bounded and not return_state:  # a decoding step on a key/value cache
+        return _decode_step(q, k, v, key_padding_mask, spec)
     new_mask = key_padding_mask
     if new_mask is None:
         new_mask = torch.ones(B, k.shape[2], dtype=torch.bool, device=k.device)
@@ -115,10 +117,6 @@ def sparse_attention(
         key_mask = torch.cat([state.key_mask, new_mask], dim=1)  # (B, R)
     first, start = state.length + past, state.start
     end = first + L
-    mass = state.mass
-    if spec.budget:  # the attention each stored block receives, for the pool's ranking
-        stored_blocks = -(-(end - start) // block)
-        mass = torch.cat([mass, mass.new_zeros(B, Hkv, stored_blocks - mass.shape[2])], dim=2)
     known, last = state.global_keys.shape[2], min(spec.num_global_tokens, end)  # global tokens: [0, last)
     global_keys, global_values, global_mask = state.global_keys, state.global_values, state.global_mask
     if last > known:
@@ -126,47 +124,13 @@ def sparse_attention(
         global_keys = torch.cat([global_keys, keys[:, :, fresh]], dim=2)  # (B, Hkv, S, D)
         global_values = torch.cat([global_values, values[:, :, fresh]], dim=2)
         global_mask = torch.cat([global_mask, key_mask[:, fresh]], dim=1)
-    # real keys that are not global tokens: what the pool may select
-    selectable = key_mask & (torch.arange(start, end, device=k.device) >= spec.num_global_tokens)  # (B, R)
-
-    pool, pushed = _Pool(state), start // block
-    contexts = []
-    for c in range(first // block, (end - 1) // block + 1):  # the query blocks of this call
-        window_block = max(0, c - spec.window_blocks)
-        if spec.bounded and pushed < window_block:  # blocks [pushed, window_block) leave the window
-            if spec.budget:  # the pool ranks them; with no selection, none is kept
-                lo, hi = pushed * block - start, window_block * block - start
-                pool.add(
-                    keys[:, :, lo:hi].unflatten(2, (-1, block)),
-                    values[:, :, lo:hi].unflatten(2, (-1, block)),
-                    selectable[:, None, lo:hi].expand(B, Hkv, -1).unflatten(2, (-1, block)),
-                    mass[:, :, lo // block : hi // block],
-                    spec.budget,
-                )
-            pushed = window_block
-        if spec.bounded:
-            candidates = pool.flat()
-        else:  # every block before the window, where the keys are stored
-            hi = window_block * block - start
-            candidates = (keys[:, :, :hi], values[:, :, :hi], selectable[:, None, :hi].expand(B, Hkv, hi))
-        q_lo, q_hi = max(first, c * block), min(end, (c + 1) * block)
-        queries = q[:, :, q_lo - first : q_hi - first].unflatten(1, (Hkv, G))  # (B, Hkv, G, nq, D)
-        window_lo, window_hi = window_block * block - start, q_hi - start
-        key_pos = torch.arange(window_block * block, q_hi, device=k.device)
-        query_pos = torch.arange(q_lo, q_hi, device=k.device)[:, None]
-        window_visible = ((key_pos <= query_pos) & key_mask[:, None, window_lo:window_hi]) | (key_pos == query_pos)
-        outside = min(global_keys.shape[2], window_block * block)  # global tokens in the window are read there
-        parts = [
-            (global_keys[:, :, :outside], global_values[:, :, :outside], global_mask[:, None, None, :outside]),
-            (keys[:, :, window_lo:window_hi], values[:, :, window_lo:window_hi], window_visible[:, None]),
-        ]
-        context, window_probs = _attend(queries, parts, candidates, spec)
-        contexts.append(context.flatten(1, 2))  # (B, H, nq, Dv)
-        if spec.budget:  # the attention the window's keys received, for the pool's ranking
-            received = window_probs.sum(dim=(2, 3))  # (B, Hkv, Kw)
-            ids = torch.arange(window_lo, window_hi, device=k.device) // block
-            mass.index_add_(2, ids, received.to(mass.dtype))
-    context = contexts[0] if len(contexts) == 1 else torch.cat(contexts, dim=2)
+    if L == 1 and not spec.bounded:  # a decoding step with every key kept (start is 0): one pass over them
+        context = _decode_step(q, keys, values, None if bool(key_mask.all()) else key_mask, spec)
+        pool, pushed, mass = _Pool(state), start // block, state.mass
+    else:
+        walk = _BlockWalk(keys, values, key_mask, (global_keys, global_values, global_mask), state, spec)
+        context = walk.run(q, first, end)
+        pool, pushed, mass = walk.pool, walk.pushed, walk.mass
     if not return_state:
         return context
     drop = pushed * block - start
@@ -186,6 +150,122 @@ def sparse_attention(
         length=end,
     )
     return context, new_state
+
+
+class _BlockWalk:
+    """The queries of a call one key block at a time: each block's window, global tokens and selected pool blocks;
+    the pool (``budget > 0``) takes the blocks that leave the window, ranked by the attention they received."""
+
+    def __init__(self, keys: Tensor, values: Tensor, key_mask: Tensor, globals_, state: SparseState, spec: SparseSpec):
+        self.keys, self.values, self.key_mask = keys, values, key_mask  # (B, Hkv, R, D), (B, R): positions start...
+        self.global_keys, self.global_values, self.global_mask = globals_
+        self.spec, self.start = spec, state.start
+        self.pool, self.pushed = _Pool(state), state.start // spec.block_size
+        B, Hkv, R, _ = keys.shape
+        self.mass = state.mass
+        if spec.budget:  # the attention each stored block receives, for the pool's ranking
+            stored_blocks = -(-R // spec.block_size)
+            self.mass = torch.cat([self.mass, self.mass.new_zeros(B, Hkv, stored_blocks - self.mass.shape[2])], dim=2)
+        # real keys that are not global tokens: what the pool may select
+        positions = torch.arange(self.start, self.start + R, device=keys.device)
+        self.selectable = key_mask & (positions >= spec.num_global_tokens)  # (B, R)
+
+    def run(self, q: Tensor, first: int, end: int) -> Tensor:
+        """The context (B, H, L, Dv) of the queries q (B, H, L, D) at positions first ... end - 1."""
+        block = self.spec.block_size
+        contexts = [self._query_block(q, c, first, end) for c in range(first // block, (end - 1) // block + 1)]
+        return contexts[0] if len(contexts) == 1 else torch.cat(contexts, dim=2)
+
+    def _query_block(self, q: Tensor, c: int, first: int, end: int) -> Tensor:
+        """The context (B, H, nq, Dv) of the call's queries in key block c."""
+        spec, start, block = self.spec, self.start, self.spec.block_size
+        keys, values, key_mask, selectable = self.keys, self.values, self.key_mask, self.selectable
+        B, Hkv = keys.shape[:2]
+        window_block = max(0, c - spec.window_blocks)
+        if spec.bounded and self.pushed < window_block:  # blocks [pushed, window_block) leave the window
+            if spec.budget:  # the pool ranks them; with no selection, none is kept
+                lo, hi = self.pushed * block - start, window_block * block - start
+                self.pool.add(
+                    keys[:, :, lo:hi].unflatten(2, (-1, block)),
+                    values[:, :, lo:hi].unflatten(2, (-1, block)),
+                    selectable[:, None, lo:hi].expand(B, Hkv, -1).unflatten(2, (-1, block)),
+                    self.mass[:, :, lo // block : hi // block],
+                    spec.budget,
+                )
+            self.pushed = window_block
+        if spec.bounded:
+            candidates = self.pool.flat()
+        else:  # every block before the window, where the keys are stored
+            hi = window_block * block - start
+            candidates = (keys[:, :, :hi], values[:, :, :hi], selectable[:, None, :hi].expand(B, Hkv, hi))
+        q_lo, q_hi = max(first, c * block), min(end, (c + 1) * block)
+        queries = q[:, :, q_lo - first : q_hi - first].unflatten(1, (Hkv, -1))  # (B, Hkv, G, nq, D)
+        window_lo, window_hi = window_block * block - start, q_hi - start
+        key_pos = torch.arange(window_block * block, q_hi, device=keys.device)
+        query_pos = torch.arange(q_lo, q_hi, device=keys.device)[:, None]
+        window_visible = ((key_pos <= query_pos) & key_mask[:, None, window_lo:window_hi]) | (key_pos == query_pos)
+        outside = min(self.global_keys.shape[2], window_block * block)  # global tokens in the window are read there
+        parts = [
+            (
+                self.global_keys[:, :, :outside],
+                self.global_values[:, :, :outside],
+                self.global_mask[:, None, None, :outside],
+            ),
+            (keys[:, :, window_lo:window_hi], values[:, :, window_lo:window_hi], window_visible[:, None]),
+        ]
+        context, window_probs = _attend(queries, parts, candidates, spec)
+        if spec.budget:  # the attention the window's keys received, for the pool's ranking
+            received = window_probs.sum(dim=(2, 3))  # (B, Hkv, Kw)
+            ids = torch.arange(window_lo, window_hi, device=keys.device) // block
+            self.mass.index_add_(2, ids, received.to(self.mass.dtype))
+        return context.flatten(1, 2)  # (B, H, nq, Dv)
+
+
+def _decode_step(q: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | None, spec: SparseSpec) -> Tensor:
+    """One query (B, H, 1, D) at position T - 1 over every key and value (B, Hkv, T, D) before it, ``key_mask``
+    (B, T) or None: the logits are formed once, the blocks before the window ranked from them, and the values read
+    only where the query attends (what :class:`_BlockWalk` computes for it, with fewer passes). In float32 on the
+    CPU without gradients, the compiled kernel does it (``csrc/sparse_decode.cpp``)."""
+    B, H, _, D = q.shape
+    Hkv, T, Dv = keys.shape[1], keys.shape[2], values.shape[-1]
+    G, block = H // Hkv, spec.block_size
+    window_lo = max(0, (T - 1) // block - spec.window_blocks) * block  # the window: keys window_lo ... T - 1
+    outside = min(spec.num_global_tokens, window_lo)  # global tokens read apart from the window
+    kernels = _decode_kernels(q, keys, values)
+    if kernels is not None:
+        geometry = [window_lo, outside, spec.num_global_tokens, block, spec.select_blocks]
+        mask = torch.empty(0, dtype=torch.bool) if key_mask is None else key_mask.contiguous()
+        grouped = q.reshape(B, Hkv, G, D)
+        context = kernels.sparse_decode_step(grouped, keys.contiguous(), values.contiguous(), mask, geometry)
+        return context.view(B, H, 1, Dv)
+    logits = q.view(B, Hkv, G, D) @ keys.transpose(-1, -2) * D**-0.5  # (B, Hkv, G, T)
+    if key_mask is not None:
+        hidden = ~key_mask
+        hidden[:, -1] = False  # every query sees itself
+        logits = logits.masked_fill(hidden[:, None, None], NEG_INF)
+    global_logits = logits[..., :outside].clone()
+    logits[..., :outside] = NEG_INF  # global tokens are not selectable
+    n_blocks = window_lo // block
+    blocks = logits[..., :window_lo].unflatten(-1, (n_blocks, block))  # (B, Hkv, G, N, block)
+    block_values = values[:, :, :window_lo].unflatten(2, (n_blocks, block))  # (B, Hkv, N, block, Dv)
+    if n_blocks > spec.select_blocks:  # rank by the log-sum-exp over each block's keys and the group's heads
+        top = blocks.logsumexp(dim=(2, 4)).topk(spec.select_blocks, dim=-1).indices  # (B, Hkv, S)
+        blocks = blocks.gather(3, top[:, :, None, :, None].expand(B, Hkv, G, -1, block))  # (B, Hkv, G, S, block)
+        block_values = block_values.gather(2, top[..., None, None].expand(-1, -1, -1, block, Dv))
+    support = torch.cat([global_logits, blocks.flatten(-2), logits[..., window_lo:]], dim=-1)  # (B, Hkv, G, K)
+    probs = support.softmax(dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    support_values = torch.cat([values[:, :, :outside], block_values.flatten(2, 3), values[:, :, window_lo:]], dim=2)
+    context = probs.to(values.dtype) @ support_values  # (B, Hkv, G, Dv)
+    return context.view(B, H, 1, Dv)
+
+
+def _decode_kernels(*tensors: Tensor):
+    """The compiled kernels when they serve these tensors: float32 on the CPU, no gradient to record."""
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    return hybrid_kernels()
 
 
 def _attend(queries: Tensor, parts, candidates, spec: SparseSpec):

@@ -1,8 +1,9 @@
-// Shared by the compiled CPU kernels of hybrid attention (performer_hf.modeling.cpu_kernels builds the three files
+// Shared by the compiled CPU kernels of hybrid attention (performer_hf.modeling.cpu_kernels builds the four files
 // into one module): a vectorisable exp, the register tiles, the compiled value widths, and the entry points.
 // - hybrid_support.cpp: the support sums (the exact part and the far field's share on the support) and the module;
 // - hybrid_far_field.cpp: the polynomial far field's state and sums;
 // - hybrid_routing.cpp: the routing's top-k over key blocks.
+// - sparse_decode.cpp: sparse attention's decoding step (one query per head over a key/value cache).
 // Every function checks only what the Python side cannot get wrong cheaply; favor_hybrid validates inputs.
 #pragma once
 
@@ -105,5 +106,9 @@ torch::Tensor quadratic_far_apply(torch::Tensor u, torch::Tensor state);
 std::vector<torch::Tensor> quadratic_far_apply_backward(torch::Tensor u, torch::Tensor state, torch::Tensor d_sums);
 torch::Tensor top_blocks(torch::Tensor scores, int64_t R);
 torch::Tensor routed_candidates(const std::vector<torch::Tensor>& blocks, const std::vector<int64_t>& settings);
+// sparse attention's decoding step: q (B, Hkv, G, D), k (B, Hkv, T, D), v (B, Hkv, T, Dv), key_mask (B, T) or empty;
+// geometry: window_lo, outside, num_global, block, select_blocks
+torch::Tensor sparse_decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor key_mask,
+                                 const std::vector<int64_t>& geometry);
 
 }  // namespace performer_hf
