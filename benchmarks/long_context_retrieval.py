@@ -12,9 +12,12 @@ cache argument, as a user would):
   sparse method;
 - ``sparse``: the sparse method's preset (window 512, 4 global tokens, 8 selected blocks of 64 per query, every
   block kept);
-- ``bounded-N``: the sparse method keeping N blocks once they leave the window (``select_budget``).
+- ``bounded-N``: the sparse method keeping N blocks once they leave the window (``select_budget``), the ones that
+  received the most attention in the window (causal);
+- ``latest-N``: the same budget, the blocks that the prompt's last queries attend to most (``select_ranking=
+  "latest"``, as SnapKV; decoding then reads only those).
 
-The bounded arms (``window``, ``bounded-N``) and the hybrid keep their state in the method's own cache, passed as
+The bounded arms (``window``, ``bounded-N``, ``latest-N``) and the hybrid keep their state in the method's own cache, passed as
 ``generate(..., cache=PerformerCache(model.config))`` (a plain key/value cache is refused for a bounded state and
 recomputes the hybrid's at every step); the others run ``generate()`` with no cache argument.
 
@@ -64,6 +67,8 @@ ARMS = {
     "sparse": ("sparse", {}),
     "bounded-8": ("sparse", {"select_budget": 8}),
     "bounded-16": ("sparse", {"select_budget": 16}),
+    "latest-8": ("sparse", {"select_budget": 8, "select_ranking": "latest"}),
+    "latest-16": ("sparse", {"select_budget": 16, "select_ranking": "latest"}),
 }
 HEADER = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you "

@@ -88,6 +88,85 @@ def test_one_decoding_step_matches_the_reference_and_the_block_walk(spec):
         torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
 
 
+LATEST = SparseSpec(local_window=8, num_global_tokens=2, block_size=4, select_blocks=2, budget=3, ranking="latest")
+LATEST_KEEP_ALL = SparseSpec(local_window=8, num_global_tokens=2, block_size=4, select_blocks=2)
+
+
+def _kept_blocks(state, k, block):
+    """The block indices of k (B, 1, L, D) whose keys the state's pool holds, per batch row."""
+    blocks = k[:, 0, : k.shape[2] // block * block].unflatten(1, (-1, block))  # (B, N, block, D)
+    pool = state.pool_keys[:, 0]  # (B, U, block, D)
+    same = (blocks[:, :, None] == pool[:, None]).all(dim=(-1, -2))  # (B, N, U)
+    return [set(same[b].any(dim=1).nonzero().flatten().tolist()) for b in range(k.shape[0])]
+
+
+def test_latest_ranking_keeps_what_the_last_queries_attend_to_and_decodes_over_it():
+    """select_ranking="latest": a prefill computes what keeping every block does; its pool keeps the budget blocks
+    that its last block of queries attends to most (softmax over the earlier blocks' keys, summed over queries and
+    heads, computed here independently); each decoding step then equals the reference with the dropped blocks'
+    keys hidden."""
+    q, k, v, _ = _inputs(batch=2, heads=2, kv_heads=1, length=70)
+    mask = torch.arange(70)[None] >= torch.tensor([[0], [5]])  # row 1 left-padded by 5
+    prompt = 50
+    out, state = sparse_attention(
+        q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], LATEST, mask[:, :prompt], return_state=True
+    )
+    torch.testing.assert_close(
+        out,
+        sparse_attention(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], LATEST_KEEP_ALL, mask[:, :prompt]),
+        rtol=0,
+        atol=0,
+    )
+    # the pool after the prefill: blocks before the next query's window, ranked by the last 4 queries (46 ... 49)
+    pool_blocks = prompt // 4 - LATEST.window_blocks  # blocks 0 ... 3 (the next query, 50, is in block 12)
+    keys = k[:, 0, : pool_blocks * 4]  # (B, 16, D)
+    selectable = mask[:, : pool_blocks * 4] & (torch.arange(pool_blocks * 4) >= 2)
+    logits = (q[:, :, prompt - 4 : prompt] @ keys[:, None].transpose(-1, -2)) * 8**-0.5  # (B, H, 4, 16)
+    probs = logits.masked_fill(~selectable[:, None, None], float("-inf")).softmax(-1)
+    ranked = probs.unflatten(-1, (pool_blocks, 4)).sum(dim=(1, 2, 4)).topk(3).indices
+    assert _kept_blocks(state, k, 4) == [set(row.tolist()) for row in ranked]
+    for position in range(prompt, 56):  # decoding reads the kept blocks (and the ones that leave the window since)
+        hidden = mask.clone()
+        for b, kept in enumerate(_kept_blocks(state, k, 4)):
+            for block in set(range(pool_blocks)) - kept:
+                hidden[b, max(2, block * 4) : block * 4 + 4] = False  # global tokens stay
+        pool_blocks = max(pool_blocks, (position // 4 - LATEST.window_blocks))
+        expected = reference_sparse(
+            q[:, :, : position + 1],
+            k[:, :, : position + 1],
+            v[:, :, : position + 1],
+            LATEST_KEEP_ALL,
+            hidden[:, : position + 1],
+        )[:, :, -1:]
+        step, state = sparse_attention(
+            q[:, :, position : position + 1],
+            k[:, :, position : position + 1],
+            v[:, :, position : position + 1],
+            LATEST,
+            mask[:, position : position + 1],
+            state,
+            return_state=True,
+        )
+        torch.testing.assert_close(step, expected)
+        assert state.pool_keys.shape[2] == LATEST.budget
+
+
+def test_latest_ranking_keeps_a_block_only_the_prompt_end_asks_for():
+    """A key block that nothing attends to while it is in the window, and that the prompt's last queries match:
+    ranking by the window drops it, ranking by the latest queries keeps it."""
+    q, k, v, _ = _inputs(batch=1, heads=2, kv_heads=1, length=64)
+    needle = torch.randn(8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    k[:, :, 8:12] = needle * 3  # block 2
+    q[:, :, 12:24] = -needle * 3  # the queries of its window look away from it
+    q[:, :, 60:64] = needle * 3  # the prompt's end asks for it
+    by_window = SparseSpec(local_window=8, num_global_tokens=2, block_size=4, select_blocks=2, budget=3)
+    kept = {}
+    for name, spec in {"window": by_window, "latest": LATEST}.items():
+        _, state = sparse_attention(q, k, v, spec, return_state=True)
+        kept[name] = _kept_blocks(state, k, 4)[0]
+    assert 2 in kept["latest"] and 2 not in kept["window"]
+
+
 def test_no_future_leak():
     spec = SPECS["bounded pool"]
     q, k, v, _ = _inputs(batch=1)

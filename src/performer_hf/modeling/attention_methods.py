@@ -128,6 +128,7 @@ SPARSE_CAUSAL_PRESET = {
     "select_blocks": 8,
     "select_block_size": 64,
     "select_budget": 0,
+    "select_ranking": "window",
 }
 ATTENTION_METHODS: dict[str, AttentionMethod] = {
     "exact": AttentionMethod(

@@ -110,9 +110,12 @@ class PerformerConfig(PreTrainedConfig):
       only (StreamingLLM's shape).
     - `select_block_size`: keys per block.
     - `select_budget`: `0` keeps every key block that leaves the window (memory grows as a key/value cache does;
-      what each query reads does not); `n` keeps the `n` blocks that received the most attention while they were
-      in the window, so that decoding memory stops growing (its cache layer is needed: `PerformerCache`, or
-      `generate`'s default cache for the Performer family).
+      what each query reads does not); `n` keeps `n` blocks, so that decoding memory stops growing (its cache
+      layer is needed: `PerformerCache`, or `generate`'s default cache for the Performer family).
+    - `select_ranking`: which `n` blocks: `"window"` the ones that received the most attention while they were in
+      the window (causal: cached decoding computes what a full forward does); `"latest"` the ones the last queries
+      of each call (the end of the prompt, then each decoding step) attend to most, as SnapKV: a prefill computes
+      what keeping every block does, and decoding reads the blocks the prompt's end chose.
 
     Example:
 
@@ -201,6 +204,13 @@ class PerformerConfig(PreTrainedConfig):
     select_block_size: int = field(default=64, metadata={"help": "sparse: keys per selectable block"})
     select_budget: int = field(
         default=0, metadata={"help": "sparse: key blocks kept once they leave the window (0: every block)"}
+    )
+    select_ranking: str = field(
+        default="window",
+        metadata={
+            "help": "sparse, with select_budget: keep the blocks of most attention in the window (window, causal) "
+            "or from each call's last queries (latest: the prompt's end chooses, as SnapKV)"
+        },
     )
 
     @property

@@ -47,8 +47,12 @@ def sparse_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None
 
 def sparse_card_lines(config) -> list[str]:
     """The sparse-attention settings as card bullet points."""
+    rankings = {
+        "window": "that received the most attention in the window",
+        "latest": "that the last queries of each call (the end of the prompt) attend to most",
+    }
     kept = (
-        f"the {config.select_budget} blocks that received the most attention in the window (bounded decoding memory)"
+        f"the {config.select_budget} blocks {rankings[config.select_ranking]} (bounded decoding memory)"
         if config.select_budget
         else "every block (decoding memory grows with the context; reads do not)"
     )

@@ -11,8 +11,10 @@ log-sum-exp finds it; ``benchmarks/long_context_retrieval.py``.)
 
 Keys are kept per key/value head: grouped-query models are never repeated to the query heads. A call walks the
 queries one key block at a time; the key blocks before a query's window are its *pool*. With ``budget=0`` the pool
-is every earlier block (the keys are kept, reads stay sparse); with ``budget=n`` it is the ``n`` blocks that
-received the most attention while they were in the window (:class:`.SparseState`), and memory stops growing.
+is every earlier block (the keys are kept, reads stay sparse); with ``budget=n`` it is ``n`` blocks, and memory
+stops growing: the ones that received the most attention while they were in the window (``ranking="window"``), or
+the ones the last queries of each call attend to most (``ranking="latest"``, pruned at the end of the call; see
+:class:`.SparseSpec`).
 """
 
 from __future__ import annotations
@@ -29,24 +31,41 @@ NEG_INF = float("-inf")
 
 class _Pool:
     """The blocks kept once they left the window (``budget > 0``) during a call: the state's, then the ones that
-    leave the window, the ``budget`` best by the attention they received (with ``select_blocks=0``, empty)."""
+    leave the window, the ``budget`` best by their score (with ``select_blocks=0``, empty)."""
 
     def __init__(self, state: SparseState):
         self.keys, self.values = state.pool_keys, state.pool_values  # (B, Hkv, N, block, D)
         self.mask, self.score = state.pool_mask, state.pool_score  # (B, Hkv, N, block), (B, Hkv, N)
 
-    def add(self, keys: Tensor, values: Tensor, mask: Tensor, score: Tensor, budget: int) -> None:
-        """Append n blocks: keys / values (B, Hkv, n, block, D), mask (B, Hkv, n, block), score (B, Hkv, n); then keep
-        the ``budget`` best."""
+    def add(self, keys: Tensor, values: Tensor, mask: Tensor, score: Tensor) -> None:
+        """Append n blocks: keys / values (B, Hkv, n, block, D), mask (B, Hkv, n, block), score (B, Hkv, n)."""
         self.keys = torch.cat([self.keys, keys], dim=2)
         self.values = torch.cat([self.values, values], dim=2)
         self.mask = torch.cat([self.mask, mask], dim=2)
         self.score = torch.cat([self.score, score], dim=2)
+
+    def prune(self, budget: int) -> None:
+        """Keep the ``budget`` blocks of highest score, in pool order."""
         if self.score.shape[2] > budget:
             keep = self.score.topk(budget, dim=-1).indices.sort(dim=-1).values  # (B, Hkv, budget), in pool order
             self.score = self.score.gather(2, keep)
             self.mask = _gather_blocks(self.mask[..., None], keep)[..., 0]
             self.keys, self.values = _gather_blocks(self.keys, keep), _gather_blocks(self.values, keep)
+
+    def observe(self, queries: Tensor) -> None:
+        """Add to each block's score the attention it receives from queries (B, H, n, D): softmax over the pool's
+        keys per query and head, summed over the queries and the heads that share a key/value head."""
+        B, Hkv, N, block, D = self.keys.shape
+        if not N:
+            return
+        grouped = queries.unflatten(1, (Hkv, -1)).flatten(2, 3)  # (B, Hkv, G * n, D)
+        logits = grouped @ self.keys.flatten(2, 3).transpose(-1, -2) * D**-0.5  # (B, Hkv, G * n, N * block)
+        real = self.mask.flatten(2, 3)[:, :, None]  # (B, Hkv, 1, N * block)
+        logits = logits.float().masked_fill(~real, NEG_INF)
+        peak = logits.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)  # no key: no weight
+        weights = (logits - peak).exp()
+        probs = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        self.score = self.score + probs.unflatten(-1, (N, block)).sum(dim=(2, 4)).detach()  # (B, Hkv, N)
 
     def flat(self) -> tuple[Tensor, Tensor, Tensor]:
         """Keys, values (B, Hkv, N * block, D) and mask (B, Hkv, N * block)."""
@@ -131,6 +150,9 @@ def sparse_attention(
         walk = _BlockWalk(keys, values, key_mask, (global_keys, global_values, global_mask), state, spec)
         context = walk.run(q, first, end)
         pool, pushed, mass = walk.pool, walk.pushed, walk.mass
+        if spec.budget and spec.ranking == "latest":  # the call's last queries rank the pool, then it is pruned
+            pool.observe(q[:, :, -min(L, block) :])
+            pool.prune(spec.budget)
     if not return_state:
         return context
     drop = pushed * block - start
@@ -163,7 +185,8 @@ class _BlockWalk:
         self.pool, self.pushed = _Pool(state), state.start // spec.block_size
         B, Hkv, R, _ = keys.shape
         self.mass = state.mass
-        if spec.budget:  # the attention each stored block receives, for the pool's ranking
+        self.by_window = spec.budget > 0 and spec.ranking == "window"
+        if self.by_window:  # the attention each stored block receives, for the pool's ranking
             stored_blocks = -(-R // spec.block_size)
             self.mass = torch.cat([self.mass, self.mass.new_zeros(B, Hkv, stored_blocks - self.mass.shape[2])], dim=2)
         # real keys that are not global tokens: what the pool may select
@@ -183,15 +206,21 @@ class _BlockWalk:
         B, Hkv = keys.shape[:2]
         window_block = max(0, c - spec.window_blocks)
         if spec.bounded and self.pushed < window_block:  # blocks [pushed, window_block) leave the window
-            if spec.budget:  # the pool ranks them; with no selection, none is kept
+            if spec.budget:  # the pool takes them; with no selection, none is kept
                 lo, hi = self.pushed * block - start, window_block * block - start
+                score = (  # ranked now by the attention they received in the window, or at the end of the call
+                    self.mass[:, :, lo // block : hi // block]
+                    if self.by_window
+                    else keys.new_zeros(B, Hkv, (hi - lo) // block, dtype=torch.float32)
+                )
                 self.pool.add(
                     keys[:, :, lo:hi].unflatten(2, (-1, block)),
                     values[:, :, lo:hi].unflatten(2, (-1, block)),
                     selectable[:, None, lo:hi].expand(B, Hkv, -1).unflatten(2, (-1, block)),
-                    self.mass[:, :, lo // block : hi // block],
-                    spec.budget,
+                    score,
                 )
+                if self.by_window:
+                    self.pool.prune(spec.budget)
             self.pushed = window_block
         if spec.bounded:
             candidates = self.pool.flat()
@@ -214,7 +243,7 @@ class _BlockWalk:
             (keys[:, :, window_lo:window_hi], values[:, :, window_lo:window_hi], window_visible[:, None]),
         ]
         context, window_probs = _attend(queries, parts, candidates, spec)
-        if spec.budget:  # the attention the window's keys received, for the pool's ranking
+        if self.by_window:  # the attention the window's keys received, for the pool's ranking
             received = window_probs.sum(dim=(2, 3))  # (B, Hkv, Kw)
             ids = torch.arange(window_lo, window_hi, device=keys.device) // block
             self.mass.index_add_(2, ids, received.to(self.mass.dtype))

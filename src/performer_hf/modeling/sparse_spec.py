@@ -22,8 +22,16 @@ class SparseSpec:
 
     ``budget``: 0 keeps every key block that leaves the window, so that any can be selected again (memory grows with
     the context, reads do not); with ``select_blocks=0`` nothing is kept beyond the window and the global tokens.
-    ``n > 0`` keeps only the ``n`` blocks that received the most attention while they were in the window: decoding
-    memory stops growing.
+    ``n > 0`` keeps ``n`` blocks, and decoding memory stops growing. Which ones, by ``ranking``:
+
+    - ``"window"``: the blocks that received the most attention while they were in the window, pruned as blocks
+      leave it. Causal: a prefill, a chunked continuation or decoding one token at a time computes what one full
+      forward does. It cannot know what a later question will ask for.
+    - ``"latest"``: the blocks that the last queries of each call attend to most (each call's last block of queries,
+      softmax over the kept blocks; the sums accumulate over calls), pruned at the end of each call, as SnapKV
+      compresses a prompt by the attention of its last tokens. Within a call every block is kept, so a prefill
+      computes what keeping every block does; decoding then reads only the kept blocks, so its outputs depend on
+      where the prompt ended (they are not those of one full forward).
 
     A model derives it from its config (:meth:`from_config`), under the names of :attr:`CONFIG_NAMES`.
     """
@@ -33,8 +41,14 @@ class SparseSpec:
     block_size: int = 64
     select_blocks: int = 8
     budget: int = 0
+    ranking: str = "window"
 
-    CONFIG_NAMES: ClassVar[dict[str, str]] = {"block_size": "select_block_size", "budget": "select_budget"}
+    CONFIG_NAMES: ClassVar[dict[str, str]] = {
+        "block_size": "select_block_size",
+        "budget": "select_budget",
+        "ranking": "select_ranking",
+    }
+    RANKINGS: ClassVar[tuple[str, ...]] = ("window", "latest")
     _LOWEST: ClassVar[dict[str, int]] = {
         "local_window": 0,
         "num_global_tokens": 0,
@@ -48,6 +62,8 @@ class SparseSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{self.config_fields()[name]} must be an integer >= {low}, got {value!r}.")
+        if self.ranking not in self.RANKINGS:
+            raise ValueError(f"select_ranking must be one of {self.RANKINGS}, got {self.ranking!r}.")
         if self.local_window % self.block_size:
             raise ValueError(
                 f"local_window={self.local_window} must be a multiple of select_block_size={self.block_size} for "
@@ -96,11 +112,12 @@ class SparseState(NamedTuple):
             and the blocks after it.
         key_mask: ``(B, R)`` bool, True for real tokens.
         mass: ``(B, Hkv, ceil(R / block))`` float32: the attention each of those blocks received so far (what the
-            bounded pool ranks blocks by when they leave the window).
+            bounded pool ranks blocks by when they leave the window, with ``ranking="window"``).
         pool_keys, pool_values: ``(B, Hkv, N, block, D)``: with a budget, the key blocks that left the window and
             were kept (empty with ``budget=0``).
         pool_mask: ``(B, Hkv, N, block)`` bool: real keys that are not global tokens.
-        pool_score: ``(B, Hkv, N)`` float32: each pool block's mass when it left the window.
+        pool_score: ``(B, Hkv, N)`` float32: each pool block's rank: its mass when it left the window, or with
+            ``ranking="latest"`` the attention it received from the last queries of the calls so far.
         global_keys, global_values: ``(B, Hkv, S, D)``: the first ``S <= num_global_tokens`` keys and values.
         global_mask: ``(B, S)`` bool.
         start: the position of ``keys[:, :, 0]`` (a block boundary: the blocks before it are in the pool or dropped).
