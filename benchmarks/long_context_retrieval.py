@@ -17,9 +17,9 @@ cache argument, as a user would):
 - ``latest-N``: the same budget, the blocks that the prompt's last queries attend to most (``select_ranking=
   "latest"``, as SnapKV; decoding then reads only those).
 
-The bounded arms (``window``, ``bounded-N``, ``latest-N``) and the hybrid keep their state in the method's own cache, passed as
-``generate(..., cache=PerformerCache(model.config))`` (a plain key/value cache is refused for a bounded state and
-recomputes the hybrid's at every step); the others run ``generate()`` with no cache argument.
+The bounded arms (``window``, ``bounded-N``, ``latest-N``) and the hybrid keep their state in the method's own cache,
+passed as ``generate(..., cache=PerformerCache(model.config))`` (a plain key/value cache is refused for a bounded
+state and recomputes the hybrid's at every step); the others run ``generate()`` with no cache argument.
 
 Pass key: a five-digit key in BBC News articles (test split), behind one line that says a key is hidden, and the
 question at the end; keys at evenly spaced depths from 0 to 100% of the prompt, one trial per depth and length.
@@ -39,13 +39,13 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import harness
+import passkey
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LogitsProcessor, LogitsProcessorList
 
@@ -70,12 +70,6 @@ ARMS = {
     "latest-8": ("sparse", {"select_budget": 8, "select_ranking": "latest"}),
     "latest-16": ("sparse", {"select_budget": 16, "select_ranking": "latest"}),
 }
-HEADER = (
-    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you "
-    "about the important information there.\n"
-)
-QUESTION = "\nWhat is the pass key? The pass key is"
-ANSWER_TOKENS = 8
 
 
 def _arguments():
@@ -125,14 +119,6 @@ def _tensor_bytes(value, seen=None) -> int:
     return 0
 
 
-def _prompt(tokenizer, filler: list[int], length: int, depth: float, key: int) -> str:
-    needle = f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
-    fixed = sum(len(tokenizer(text)["input_ids"]) for text in (HEADER, needle, QUESTION))
-    body = length - fixed
-    cut = int(body * depth)
-    return HEADER + tokenizer.decode(filler[:cut]) + needle + tokenizer.decode(filler[cut:body]) + QUESTION
-
-
 def _convert(arm: str, source: Path, workdir: Path) -> Path:
     if ARMS[arm] is None:
         return source
@@ -151,19 +137,17 @@ def _cache_argument(model) -> dict:
     return {}
 
 
-def _trials(model, tokenizer, filler, length: int, trials: int, rng: random.Random) -> list[dict]:
+def _trials(model, tokenizer, filler, length: int, settings: list[tuple[float, int]]) -> list[dict]:
     rows = []
-    for trial in range(trials):
-        depth = trial / max(trials - 1, 1)
-        key = rng.randint(10000, 99999)
-        inputs = tokenizer(_prompt(tokenizer, filler, length, depth, key), return_tensors="pt")
+    for depth, key in settings:
+        inputs = tokenizer(passkey.prompt(tokenizer, filler, length, depth, key), return_tensors="pt")
         stamps = _Stamps()
         start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(
                 **inputs,
                 **_cache_argument(model),
-                max_new_tokens=ANSWER_TOKENS,
+                max_new_tokens=passkey.ANSWER_TOKENS,
                 do_sample=False,
                 logits_processor=LogitsProcessorList([stamps]),
                 return_dict_in_generate=True,
@@ -234,7 +218,8 @@ def measure(args) -> dict:
         args.decode_contexts, args.decode_rounds = [512], 3
     source = smollm2_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(source)
-    filler = tokenizer("\n\n".join(record["text"] for record in bbc_news()["test"]))["input_ids"]
+    filler = passkey.filler_tokens(tokenizer, bbc_news()["test"])
+    settings = passkey.trials(args.lengths, args.trials, args.seed)  # the same keys for every arm
     docs = tokenizer("\n\n".join(python_docs()), return_tensors="pt")["input_ids"][0]
     windows = [docs[i * args.ppl_length : (i + 1) * args.ppl_length] for i in range(args.ppl_windows)]
     results, models = {}, {}
@@ -243,8 +228,7 @@ def measure(args) -> dict:
             logger.info("arm %s", arm)
             folder = _convert(arm, source, Path(workdir))
             model = models[arm] = AutoModelForCausalLM.from_pretrained(folder).eval()
-            rng = random.Random(args.seed)  # the same keys for every arm
-            by_length = {length: _trials(model, tokenizer, filler, length, args.trials, rng) for length in args.lengths}
+            by_length = {length: _trials(model, tokenizer, filler, length, settings[length]) for length in args.lengths}
             settings = getattr(model.config, "performer_attention", None)
             if settings is not None:  # the method and the fields it reads
                 settings = {

@@ -150,9 +150,6 @@ def sparse_attention(
         walk = _BlockWalk(keys, values, key_mask, (global_keys, global_values, global_mask), state, spec)
         context = walk.run(q, first, end)
         pool, pushed, mass = walk.pool, walk.pushed, walk.mass
-        if spec.budget and spec.ranking == "latest":  # the call's last queries rank the pool, then it is pruned
-            pool.observe(q[:, :, -min(L, block) :])
-            pool.prune(spec.budget)
     if not return_state:
         return context
     drop = pushed * block - start
@@ -175,14 +172,17 @@ def sparse_attention(
 
 
 class _BlockWalk:
-    """The queries of a call one key block at a time: each block's window, global tokens and selected pool blocks;
-    the pool (``budget > 0``) takes the blocks that leave the window, ranked by the attention they received."""
+    """The queries of a call one key block at a time: each block's window, global tokens and selected pool blocks
+    (with ``budget=0``, or ranking ``"latest"`` within the call, the stored blocks before the window, read in
+    place); with ranking ``"window"`` the pool takes the blocks that leave the window, ranked by the attention they
+    received there."""
 
     def __init__(self, keys: Tensor, values: Tensor, key_mask: Tensor, globals_, state: SparseState, spec: SparseSpec):
         self.keys, self.values, self.key_mask = keys, values, key_mask  # (B, Hkv, R, D), (B, R): positions start...
         self.global_keys, self.global_values, self.global_mask = globals_
         self.spec, self.start = spec, state.start
         self.pool, self.pushed = _Pool(state), state.start // spec.block_size
+        self.first_block = self.pushed  # the block of the first stored key
         B, Hkv, R, _ = keys.shape
         self.mass = state.mass
         self.by_window = spec.budget > 0 and spec.ranking == "window"
@@ -194,10 +194,29 @@ class _BlockWalk:
         self.selectable = key_mask & (positions >= spec.num_global_tokens)  # (B, R)
 
     def run(self, q: Tensor, first: int, end: int) -> Tensor:
-        """The context (B, H, L, Dv) of the queries q (B, H, L, D) at positions first ... end - 1."""
+        """The context (B, H, L, Dv) of the queries q (B, H, L, D) at positions first ... end - 1. With
+        ``ranking="latest"``, the blocks that left the window join the pool at the end, ranked by the attention of
+        the call's last block of queries, and the pool is pruned to the budget."""
         block = self.spec.block_size
         contexts = [self._query_block(q, c, first, end) for c in range(first // block, (end - 1) // block + 1)]
+        if self.spec.budget and not self.by_window:
+            left = self.pushed - self.first_block
+            self._to_pool(0, left, q.new_zeros(*self.keys.shape[:2], left, dtype=torch.float32))
+            self.pool.observe(q[:, :, -min(q.shape[2], block) :])
+            self.pool.prune(self.spec.budget)
         return contexts[0] if len(contexts) == 1 else torch.cat(contexts, dim=2)
+
+    def _to_pool(self, lo: int, hi: int, score: Tensor) -> None:
+        """Add the stored key blocks lo ... hi - 1 (counted from the first stored one) to the pool, with ``score``
+        (B, Hkv, hi - lo)."""
+        B, Hkv = self.keys.shape[:2]
+        rows = slice(lo * self.spec.block_size, hi * self.spec.block_size)
+        self.pool.add(
+            self.keys[:, :, rows].unflatten(2, (-1, self.spec.block_size)),
+            self.values[:, :, rows].unflatten(2, (-1, self.spec.block_size)),
+            self.selectable[:, None, rows].expand(B, Hkv, -1).unflatten(2, (-1, self.spec.block_size)),
+            score,
+        )
 
     def _query_block(self, q: Tensor, c: int, first: int, end: int) -> Tensor:
         """The context (B, H, nq, Dv) of the call's queries in key block c."""
@@ -205,28 +224,18 @@ class _BlockWalk:
         keys, values, key_mask, selectable = self.keys, self.values, self.key_mask, self.selectable
         B, Hkv = keys.shape[:2]
         window_block = max(0, c - spec.window_blocks)
-        if spec.bounded and self.pushed < window_block:  # blocks [pushed, window_block) leave the window
-            if spec.budget:  # the pool takes them; with no selection, none is kept
-                lo, hi = self.pushed * block - start, window_block * block - start
-                score = (  # ranked now by the attention they received in the window, or at the end of the call
-                    self.mass[:, :, lo // block : hi // block]
-                    if self.by_window
-                    else keys.new_zeros(B, Hkv, (hi - lo) // block, dtype=torch.float32)
-                )
-                self.pool.add(
-                    keys[:, :, lo:hi].unflatten(2, (-1, block)),
-                    values[:, :, lo:hi].unflatten(2, (-1, block)),
-                    selectable[:, None, lo:hi].expand(B, Hkv, -1).unflatten(2, (-1, block)),
-                    score,
-                )
-                if self.by_window:
-                    self.pool.prune(spec.budget)
-            self.pushed = window_block
-        if spec.bounded:
+        if self.by_window and self.pushed < window_block:  # blocks [pushed, window_block) leave the window
+            lo, hi = self.pushed - self.first_block, window_block - self.first_block
+            self._to_pool(lo, hi, self.mass[:, :, lo:hi])
+            self.pool.prune(spec.budget)
+        if spec.bounded:  # without selection, nothing is kept once it leaves the window
+            self.pushed = max(self.pushed, window_block)
+        hi = window_block * block - start  # the stored keys before the window: this call's, when it keeps them
+        candidates = (keys[:, :, :hi], values[:, :, :hi], selectable[:, None, :hi].expand(B, Hkv, hi))
+        if self.by_window or (spec.bounded and not spec.budget):
             candidates = self.pool.flat()
-        else:  # every block before the window, where the keys are stored
-            hi = window_block * block - start
-            candidates = (keys[:, :, :hi], values[:, :, :hi], selectable[:, None, :hi].expand(B, Hkv, hi))
+        elif spec.bounded and self.pool.score.shape[2]:  # ranking "latest": the kept blocks, then this call's
+            candidates = tuple(torch.cat(parts, dim=2) for parts in zip(self.pool.flat(), candidates, strict=True))
         q_lo, q_hi = max(first, c * block), min(end, (c + 1) * block)
         queries = q[:, :, q_lo - first : q_hi - first].unflatten(1, (Hkv, -1))  # (B, Hkv, G, nq, D)
         window_lo, window_hi = window_block * block - start, q_hi - start
