@@ -88,6 +88,9 @@ def _arguments():
     arguments.add_argument("--seed", type=int, default=0)
     arguments.add_argument("--decode-contexts", nargs="+", type=int, default=[1024, 4096, 8184])
     arguments.add_argument("--decode-rounds", type=int, default=9)
+    arguments.add_argument(
+        "--decode-arms", nargs="*", default=[], choices=list(ARMS), help="arms timed for decoding only (no pass key)"
+    )
     return arguments
 
 
@@ -219,16 +222,19 @@ def measure(args) -> dict:
     source = smollm2_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(source)
     filler = passkey.filler_tokens(tokenizer, bbc_news()["test"])
-    settings = passkey.trials(args.lengths, args.trials, args.seed)  # the same keys for every arm
+    keys = passkey.trials(args.lengths, args.trials, args.seed)  # the same keys for every arm
     docs = tokenizer("\n\n".join(python_docs()), return_tensors="pt")["input_ids"][0]
     windows = [docs[i * args.ppl_length : (i + 1) * args.ppl_length] for i in range(args.ppl_windows)]
     results, models = {}, {}
     with tempfile.TemporaryDirectory() as workdir:
-        for arm in args.arms:
+        for arm in dict.fromkeys(args.arms + args.decode_arms):
             logger.info("arm %s", arm)
             folder = _convert(arm, source, Path(workdir))
             model = models[arm] = AutoModelForCausalLM.from_pretrained(folder).eval()
-            by_length = {length: _trials(model, tokenizer, filler, length, settings[length]) for length in args.lengths}
+            measured = arm in args.arms  # else decode timing only
+            by_length = {
+                length: _trials(model, tokenizer, filler, length, keys[length]) for length in args.lengths if measured
+            }
             settings = getattr(model.config, "performer_attention", None)
             if settings is not None:  # the method and the fields it reads
                 settings = {
@@ -238,7 +244,7 @@ def measure(args) -> dict:
                 "attn_implementation": model.config._attn_implementation,
                 "settings": settings,
                 "passkey": by_length,
-                "perplexity": _perplexity(model, windows),
+                "perplexity": _perplexity(model, windows) if measured else None,
             }
         logger.info("decode timing (the arms interleaved): keep the machine otherwise idle")
         for arm, times in _decode_times(models, args.decode_contexts, args.decode_rounds).items():
@@ -247,6 +253,7 @@ def measure(args) -> dict:
         "model": "SmolLM2-135M-Instruct",
         "lengths": args.lengths,
         "trials": args.trials,
+        "seed": args.seed,
         "ppl_length": args.ppl_length,
         "ppl_windows": args.ppl_windows,
         "arms": results,
@@ -310,7 +317,7 @@ def markdown(payload: dict) -> str:
 
 def plot(payload: dict):
     plt = harness.pyplot()
-    arms = payload["arms"]
+    arms = {arm: result for arm, result in payload["arms"].items() if result["passkey"]}  # not the decode-only arms
     figure, axes = plt.subplots(1, len(arms), figsize=(2.6 * len(arms), 2.8), squeeze=False)
     for ax, (arm, result) in zip(axes[0], arms.items(), strict=True):
         lengths = list(result["passkey"])
