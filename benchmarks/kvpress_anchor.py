@@ -88,7 +88,9 @@ def _run(model, tokenizer, filler, settings, press) -> list[dict]:
                     "seconds": time.perf_counter() - start,
                 }
             )
-            logger.info("  %5d tokens, depth %.2f: %s (%r)", length, depth, "found" if rows[-1]["found"] else "-", answer)
+            logger.info(
+                "  %5d tokens, depth %.2f: %s (%r)", length, depth, "found" if rows[-1]["found"] else "-", answer
+            )
     return rows
 
 
@@ -141,10 +143,14 @@ def main() -> None:
         for name in args.presses:
             rows = []
             for length in lengths:
-                logger.info("%s at the cache size of %s (%.1f%%), %d tokens", name, arm, 100 * fractions[length], length)
+                logger.info(
+                    "%s at the cache size of %s (%.1f%%), %d tokens", name, arm, 100 * fractions[length], length
+                )
                 press = _press(name, 1 - fractions[length])
                 rows += _run(model, tokenizer, filler, {length: settings[length]}, press)
-            runs.append({"press": name, "arm": arm, "fractions": {str(k): v for k, v in fractions.items()}, "rows": rows})
+            runs.append(
+                {"press": name, "arm": arm, "fractions": {str(k): v for k, v in fractions.items()}, "rows": rows}
+            )
     payload = {
         "transformers": transformers.__version__,
         "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",

@@ -6,7 +6,7 @@ source model, and save / load."""
 import pytest
 import torch
 import transformers
-from transformers import AutoModel, AutoModelForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
 
 import performer_hf
 from performer_hf import PerformerCache
@@ -185,14 +185,57 @@ def test_sparse_keeps_grouped_keys_and_a_budget_bounds_its_cache(arch, tmp_path)
     assert sizes[3, 256] == sizes[3, 1024] < sizes[0, 256] < sizes[0, 1024]
 
 
+# the methods whose decoding keeps a state of its own, which plain generate() adopts into its cache
+OWN_STATE = {
+    "favor": ("performer", {}, "FavorCacheLayer"),
+    "hybrid": ("performer_hybrid", {"local_window": 8}, "HybridCacheLayer"),
+    "sparse, window ranking": ("performer_sparse", {**SPARSE, "select_budget": 3}, "SparseCacheLayer"),
+    "sparse, latest ranking": (
+        "performer_sparse",
+        {**SPARSE, "select_budget": 3, "select_ranking": "latest"},
+        "SparseCacheLayer",
+    ),
+}
+
+
+@pytest.mark.parametrize("method", OWN_STATE)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "gpt2"])
+def test_plain_generate_decodes_from_the_methods_own_state(arch, method, tmp_path):
+    """generate() with no cache argument: after the prompt, each Performer layer of its key/value cache is replaced
+    by the method's own layer, so it decodes exactly as with PerformerCache (same logits), and the cache stops
+    growing with a bounded state."""
+    _, folder = _source(DECODERS[arch], tmp_path)
+    implementation, settings, layer_class = OWN_STATE[method]
+    model = _load(folder, implementation, **settings)
+    options = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    sizes = []
+    for length in (40, 120):
+        prompt = _ids(1, length)
+        plain = model.generate(prompt, **options)
+        given = model.generate(prompt, **options, **{CACHE_KEYWORD: PerformerCache(model.config)})
+        assert torch.equal(plain.sequences, given.sequences)
+        for ours, theirs in zip(plain.logits, given.logits, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        layers = plain[CACHE_KEYWORD].layers
+        layer_types = getattr(DECODERS[arch], "layer_types", None) or ["full_attention"] * len(layers)
+        kinds = {
+            type(layer).__name__ for layer, kind in zip(layers, layer_types, strict=True) if kind != "sliding_attention"
+        }
+        assert kinds == {layer_class}
+        sizes.append(_tensor_bytes([layer for layer in layers if type(layer).__name__ == layer_class]))
+    assert sizes[0] == sizes[1] > 0
+
+
 def test_sparse_refuses_encoders_and_a_bounded_state_in_a_key_value_cache(tmp_path):
     _, folder = _source(_bert_config(), tmp_path, encoder=True)
     with pytest.raises(ValueError, match="causal only"):
         _load(folder, "performer_sparse", encoder=True)(_ids(1, 8))
     _, folder = _source(DECODERS["llama"], tmp_path / "llama")
     model = _load(folder, "performer_sparse", **SPARSE, select_budget=3)
+    cache = DynamicCache(config=model.config)
+    model(_ids(1, 40), use_cache=True, **{CACHE_KEYWORD: cache})  # with gradients on: nothing is adopted
     with pytest.raises(ValueError, match="PerformerCache"):
-        model.generate(_ids(1, 40), max_new_tokens=2, do_sample=False)
+        model(_ids(1, 1, seed=2), use_cache=True, **{CACHE_KEYWORD: cache})
 
 
 @pytest.mark.parametrize("arch", list(DECODERS))

@@ -53,12 +53,14 @@ def test_registry_lists_the_required_models_with_complete_recipes():
         "performer-minilm-l6-rotten-tomatoes",
         "performer-gpt2-tiny",
         "smollm2-135m-performer-hybrid",
+        "smollm2-135m-performer-sparse",
     ]
+    methods = {"smollm2-135m-performer-hybrid": "hybrid", "smollm2-135m-performer-sparse": "sparse"}
     for name in names:
         for quick in (False, True):
             entry = get_entry(name, quick=quick)
             assert entry.description and entry.license and entry.limits
-            assert entry.convert["method"] == ("hybrid" if name.startswith("smollm2") else "favor")
+            assert entry.convert["method"] == methods.get(name, "favor")
     smollm2 = get_entry("smollm2-135m-performer-hybrid")
     assert smollm2.source == {"asset": "smollm2"} and smollm2.convert["transfer"]["steps"] > 0
     sentiment = get_entry("performer-minilm-l6-rotten-tomatoes")
@@ -312,6 +314,27 @@ def test_quick_sentiment_build_finetunes_the_model_and_its_softmax_reference(tmp
     assert card.data.datasets == ["cornell-movie-review-data/rotten_tomatoes"]
     assert _model_index_metrics(card) == pytest.approx({k: rows["this model"][k] for k in ("accuracy", "f1")}, abs=1e-4)
     assert f"| {entry.reference['label']} |" in card.text and "attention_kernel='exact'" in card.text
+
+
+def test_quick_sparse_smollm2_build_keeps_the_source_and_reads_beyond_the_window(tmp_path):
+    out = build("smollm2-135m-performer-sparse", tmp_path / "sparse", quick=True)
+    entry = get_entry("smollm2-135m-performer-sparse", quick=True)
+    results = json.loads((out / "zoo_results.json").read_text())
+    assert results["conversion"]["attn_implementation"] == "performer_sparse"
+    before, after = load_file(smollm2_checkpoint() / "model.safetensors"), load_file(out / "model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[name], after[name]) for name in before)
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    settings = model.config.performer_attention
+    assert settings["attention_method"] == "sparse" and settings["select_block_size"] == 16
+    assert entry.evaluate["block_size"] > (settings["local_window"] + 16 * (1 + settings["select_blocks"]))
+    rows = results["evaluation"]["rows"]  # selection is exercised: the perplexity differs from the source's
+    assert list(rows) == ["this model", "softmax source model"]
+    assert rows["this model"]["perplexity"] != rows["softmax source model"]["perplexity"]
+    card = _card(out)
+    assert "`performer_sparse`" in card.text and card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def test_quick_smollm2_build_linearizes_the_real_llm_with_attention_transfer(tmp_path):

@@ -26,9 +26,11 @@ What the adapter does around those methods:
 - padding: the registered mask function hands the attention the 2D ``(B, P + L)`` padding mask (or None);
 - decoding: with the method's own cache layer (a :class:`~performer_hf.integrations.cache.PerformerCache`, or the
   ``DynamicCache`` that ``generate`` builds when the config's ``layer_types`` name the layer), the layer's state
-  (the cache layer passes the new keys through, marked with itself); with a key/value cache (a plain
-  ``DynamicCache``), the method runs over every cached key again, as a full forward would (the sparse method
-  reads the cached keys as its state).
+  (the cache layer passes the new keys through, marked with itself). A sequence's first call without gradients
+  builds that layer too, and hands it to a plain key/value cache at the next call (``cache.py``), so plain
+  ``generate()`` decodes from the method's state. Otherwise, with a key/value cache, the method runs over every
+  cached key again, as a full forward would (the sparse method with every block kept reads the cached keys in
+  place).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..modeling.attention_methods import ATTENTION_METHODS
 from ..modeling.method_exact import softmax_attention
-from .attention_settings import IMPLEMENTATIONS, method_state
+from .attention_settings import IMPLEMENTATIONS, keeps_own_attention, method_state
+from .cache import adopt_on_next_call
 
 Tensor = torch.Tensor
 
@@ -53,12 +56,6 @@ Tensor = torch.Tensor
 # ``hook(state, q, k, v, key_mask, causal)`` on the prepared inputs, it returns the context (B, H, L, D) the
 # model continues with (the source's own attention, so every layer learns from the source's inputs).
 TRANSFER_HOOK: ContextVar[Callable | None] = ContextVar("performer_transfer_hook", default=None)
-
-
-def keeps_own_attention(config, layer_idx: int) -> bool:
-    """Whether the layer is a sliding-window layer of a model that mixes sliding and full layers."""
-    layer_types = getattr(config, "layer_types", None)
-    return bool(layer_types) and layer_types[layer_idx] == "sliding_attention"
 
 
 def _mixes_sliding_layers(config) -> bool:
@@ -123,6 +120,12 @@ def _performer_attention(implementation: str):
         if groups > 1 and not grouped_kv:  # grouped-query attention: each key/value head serves `groups` query heads
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (B, H, Lk, D)
         key_mask = _key_mask(attention_mask)
+        if layer_cache is None and transfer is None and _starts_own_state(state, query, key, causal):
+            # a sequence's first call, without gradients: the method's state is kept as well, and handed to the
+            # caller's key/value cache at the next call (so that plain generate() decodes from the state)
+            layer_cache = ATTENTION_METHODS[state.attention_method].cache_layer()
+            layer_cache.update(key, value)
+            adopt_on_next_call(module, layer_cache)
         if transfer is not None:
             context = transfer(state, query, key, value, key_mask, causal)
         elif state.attention_method == "exact":
@@ -135,6 +138,17 @@ def _performer_attention(implementation: str):
 
     attention.__name__ = attention.__qualname__ = f"{implementation}_attention"
     return attention
+
+
+def _starts_own_state(state, query: Tensor, key: Tensor, causal: bool) -> bool:
+    """Whether a call begins a decoder's sequence (no earlier keys), without gradients, with a method whose decoding
+    keeps a state of its own: FAVOR+, the hybrid, and the sparse method with a bound (with every block kept, it
+    reads a key/value cache in place)."""
+    method = ATTENTION_METHODS[state.attention_method]
+    if not causal or method.cache_layer is None or key.shape[2] != query.shape[2] or torch.is_grad_enabled():
+        return False
+    spec = getattr(state, "sparse_spec", None)
+    return spec is None or spec.bounded
 
 
 def _over_cached_keys(state, query: Tensor, key: Tensor, value: Tensor, key_mask, causal: bool) -> Tensor:

@@ -80,6 +80,12 @@ def resolved_settings(config, implementation: str, causal: bool) -> dict[str, An
     return settings
 
 
+def keeps_own_attention(config, layer_idx: int) -> bool:
+    """Whether the layer is a sliding-window layer of a model that mixes sliding and full layers."""
+    layer_types = getattr(config, "layer_types", None)
+    return bool(layer_types) and layer_types[layer_idx] == "sliding_attention"
+
+
 def head_shape(config) -> tuple[int, int]:
     """(query heads, head dim) of a transformers text config."""
     text_config = config.get_text_config()

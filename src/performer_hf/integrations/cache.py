@@ -1,12 +1,14 @@
 """The methods' own decoding state for transformers models that run Performer attention.
 
-``generate()`` builds a key/value ``DynamicCache`` by default. The sparse method (every block kept) reads it in
-place; the hybrid and FAVOR+ read it correctly but recompute their state over every key at each step, and a bounded
-sparse state refuses it. Pass a :class:`PerformerCache` instead, and each Performer layer keeps its method's state
-(``modeling/cache_performer.py``): constant-size for the hybrid and FAVOR+, bounded by ``select_budget`` for the
-sparse method::
+``generate()`` builds a key/value ``DynamicCache`` by default. The sparse method with every block kept reads it in
+place. For the methods whose decoding keeps a state of its own (FAVOR+ and the hybrid: constant-size; the sparse
+method with ``select_budget``: bounded), the first call of a sequence without gradients also builds that state in
+the method's cache layer (``modeling/cache_performer.py``), and :func:`adopt_on_next_call` puts the layer in the
+key/value cache's place at the next call, so that plain ``generate()`` decodes from the state. A
+:class:`PerformerCache` holds those layers from the start::
 
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="performer_hybrid")
+    model.generate(**inputs)  # the same tokens as:
     model.generate(**inputs, **{CACHE_KEYWORD: PerformerCache(model.config)})
 
 :data:`CACHE_KEYWORD` is the keyword that passes a cache to ``generate`` and to the model's forward in the
@@ -18,11 +20,11 @@ from __future__ import annotations
 
 import transformers
 from packaging.version import Version
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..modeling.attention_methods import ATTENTION_METHODS
-from .attention_interface import keeps_own_attention
-from .attention_settings import IMPLEMENTATIONS, head_shape, method_config
+from .attention_settings import IMPLEMENTATIONS, head_shape, keeps_own_attention, method_config
 
 CACHE_KEYWORD = "cache" if Version(transformers.__version__) >= Version("5.24.0") else "past_key_values"
 
@@ -52,6 +54,31 @@ class PerformerCache(Cache):
             else:
                 layers.append((ATTENTION_METHODS[method].cache_layer or DynamicLayer)())
         super().__init__(layers=layers)
+
+
+_PENDING_LAYER = "_performer_pending_cache_layer"  # module attributes: the layer handed over, the hook
+_ADOPTION_HOOK = "_performer_adoption_hook"
+
+
+def adopt_on_next_call(module: nn.Module, layer: CacheLayerMixin) -> None:
+    """Hand ``layer`` (the method's own cache layer, holding the state of the keys this call of attention ``module``
+    read) to the caller's cache: when the module's next call gets a cache whose layer for it is a plain key/value
+    layer holding the same tokens (what ``generate()`` builds by default), ``layer`` takes its place before the
+    call runs, so that decoding reads the method's state. Other caches (none, a ``PerformerCache``, a static
+    cache) are left as they are, and the layer is dropped."""
+    module.__dict__[_PENDING_LAYER] = layer
+    if _ADOPTION_HOOK not in module.__dict__:  # a pre-hook: the running call has passed its hooks already
+        module.__dict__[_ADOPTION_HOOK] = module.register_forward_pre_hook(_adopt_pending_layer, with_kwargs=True)
+
+
+def _adopt_pending_layer(module: nn.Module, args, kwargs) -> None:
+    layer = module.__dict__.pop(_PENDING_LAYER, None)
+    cache = kwargs.get(CACHE_KEYWORD)
+    if layer is None or not isinstance(cache, Cache) or module.layer_idx >= len(cache.layers):
+        return
+    current = cache.layers[module.layer_idx]
+    if type(current) is DynamicLayer and current.get_seq_length() == layer.get_seq_length():
+        cache.layers[module.layer_idx] = layer
 
 
 __all__ = ["CACHE_KEYWORD", "PerformerCache"]

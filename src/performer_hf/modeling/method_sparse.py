@@ -39,8 +39,10 @@ def sparse_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None
     if total > length and spec.bounded:  # a plain key/value cache: it has lost what a bounded pool ranks by
         raise ValueError(
             f"select_budget={spec.budget}, select_blocks={spec.select_blocks} (bounded decoding) needs the sparse "
-            "method's own cache; this call got a plain key/value cache. Pass cache=PerformerCache(model.config) to "
-            "generate (performer_hf.integrations), or set select_budget=0 and select_blocks > 0."
+            "method's own cache; this call got a plain key/value cache that already holds the earlier keys (filled "
+            "with gradients enabled, or by another model). Decode under torch.no_grad() (plain generate() then "
+            "keeps the method's cache layers), pass cache=PerformerCache(model.config) (performer_hf.integrations), "
+            "or set select_budget=0 and select_blocks > 0."
         )
     return sparse_attention(q, k, v, spec, key_mask), None  # a key/value cache's keys are read in place
 
