@@ -17,9 +17,9 @@ cache argument, as a user would):
 - ``latest-N``: the same budget, the blocks that the prompt's last queries attend to most (``select_ranking=
   "latest"``, as SnapKV; decoding then reads only those).
 
-The bounded arms (``window``, ``bounded-N``, ``latest-N``) and the hybrid keep their state in the method's own cache,
-passed as ``generate(..., cache=PerformerCache(model.config))`` (a plain key/value cache is refused for a bounded
-state and recomputes the hybrid's at every step); the others run ``generate()`` with no cache argument.
+Every arm runs ``generate()`` with no cache argument: the bounded arms (``window``, ``bounded-N``, ``latest-N``) and
+the hybrid decode from the method's own cache layer, which takes the place of the key/value layer after the prompt
+(the same logits as with ``PerformerCache`` passed, ``tests/integrations/test_attention_interface.py``).
 
 Pass key: a five-digit key in BBC News articles (test split), behind one line that says a key is hidden, and the
 question at the end; keys at evenly spaced depths from 0 to 100% of the prompt, one trial per depth and length.
@@ -50,7 +50,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import performer_hf
-from performer_hf import PerformerCache
 from performer_hf.data_assets import bbc_news, python_docs
 from performer_hf.integrations import CACHE_KEYWORD
 from performer_hf.model_assets import smollm2_checkpoint
@@ -129,17 +128,6 @@ def _convert(arm: str, source: Path, workdir: Path) -> Path:
     return performer_hf.convert(source, workdir / arm, method=method, fidelity=False, **overrides)
 
 
-def _cache_argument(model) -> dict:
-    """What the arm's generate() is given: nothing (its default cache), except the arms whose state needs the method's
-    own cache layer (a bounded pool, the window alone; the hybrid's constant-size state, which a key/value cache
-    recomputes)."""
-    settings = getattr(model.config, "performer_attention", None) or {}
-    bounded = settings.get("select_budget") or settings.get("select_blocks") == 0
-    if bounded or settings.get("attention_method") == "hybrid":
-        return {CACHE_KEYWORD: PerformerCache(model.config)}
-    return {}
-
-
 def _trials(model, tokenizer, filler, length: int, settings: list[tuple[float, int]]) -> list[dict]:
     rows = []
     for depth, key in settings:
@@ -149,7 +137,6 @@ def _trials(model, tokenizer, filler, length: int, settings: list[tuple[float, i
         with torch.no_grad():
             out = model.generate(
                 **inputs,
-                **_cache_argument(model),
                 max_new_tokens=passkey.ANSWER_TOKENS,
                 do_sample=False,
                 logits_processor=LogitsProcessorList([stamps]),
@@ -185,7 +172,7 @@ def _decode_times(models: dict, contexts: list[int], rounds: int) -> dict:
         ids = torch.randint(100, 20000, (1, context), generator=torch.Generator().manual_seed(context))
         caches = {}
         for arm, model in models.items():
-            cache = _cache_argument(model).get(CACHE_KEYWORD) or DynamicCache(config=model.config)
+            cache = DynamicCache(config=model.config)  # what generate() builds
             model(ids, use_cache=True, **{CACHE_KEYWORD: cache})
             caches[arm] = cache
         steps = {arm: [] for arm in models}
