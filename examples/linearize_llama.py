@@ -1,6 +1,6 @@
 """Give a Llama-family checkpoint (Llama, Mistral, Qwen2 / Qwen3, Gemma3) Performer attention, keep its class and
-weights, and generate beside the source: the sparse method (the default) with plain ``generate()``, the hybrid and
-FAVOR+ with their constant-size ``PerformerCache``.
+weights, and generate beside the source with plain ``generate()``: the sparse method (the default) reads its key/value
+cache in place; the hybrid and FAVOR+ decode from their constant-size state, which takes the cache's place.
 
     python examples/linearize_llama.py path/to/llama-folder out/llama-performer --prompt "The Python language is"
 
@@ -14,8 +14,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import performer_hf
-from performer_hf import PerformerCache
-from performer_hf.integrations import CACHE_KEYWORD
 
 logger = logging.getLogger("linearize_llama")
 
@@ -34,16 +32,13 @@ def main() -> None:
     # the conversion
     performer_hf.convert(args.source, args.output_dir, method=args.method, overwrite=args.overwrite)
     model = AutoModelForCausalLM.from_pretrained(args.output_dir)  # the source class, Performer attention
-    # the sparse method reads generate()'s own cache in place; the others keep a constant-size state
-    options = {} if args.method == "sparse" else {CACHE_KEYWORD: PerformerCache(model.config)}
 
     tokenizer = AutoTokenizer.from_pretrained(args.source)
     inputs = tokenizer(args.prompt, return_tensors="pt")
     source = AutoModelForCausalLM.from_pretrained(args.source)
-    arms = (("source", source, {}), (model.config._attn_implementation, model, options))
-    for name, candidate, options in arms:
+    for name, candidate in (("source", source), (model.config._attn_implementation, model)):
         with torch.no_grad():
-            generated = candidate.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, **options)
+            generated = candidate.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
         logger.info("%s: %r", name, tokenizer.decode(generated[0, inputs.input_ids.shape[1] :]))
 
 

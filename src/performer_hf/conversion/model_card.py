@@ -211,12 +211,9 @@ def build_in_place_card(
     rows = [f"| `{name}` | {_field_value(getattr(method, name))} |" for name in ATTENTION_FIELDS if name in read]
     fields = "\n".join(rows)
     if method.attention_method == "sparse" and not SparseSpec.from_config(method).bounded:
-        decoding = "# generate() reads its own key/value cache in place: model.generate(...)"
+        decoding = "model.generate(**inputs)  # reads generate()'s own key/value cache in place"
     else:
-        decoding = (
-            "# generate with the method's own decoding state: "
-            "model.generate(..., **{CACHE_KEYWORD: PerformerCache(model.config)})"
-        )
+        decoding = "model.generate(**inputs)  # decodes from the method's own state, kept in generate()'s cache"
     text = f"""# {base_model} with Performer attention
 
 `{base_model}` ({architecture}) with its softmax attention replaced by the `performer-hf` attention implementation
@@ -225,11 +222,10 @@ attention (`attn_implementation`, `performer_attention`).
 
 ```python
 import performer_hf  # registers the Performer attention implementations
-from performer_hf import PerformerCache
-from performer_hf.integrations import CACHE_KEYWORD
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model = AutoModelForCausalLM.from_pretrained("<this folder or repo>")
+inputs = AutoTokenizer.from_pretrained("<this folder or repo>")("The pass key is", return_tensors="pt")
 {decoding}
 ```
 
