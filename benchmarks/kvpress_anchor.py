@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 logger = logging.getLogger("benchmarks.kvpress_anchor")
 HERE = Path(__file__).resolve().parent
 DATA_ASSETS = HERE.parent / "src" / "performer_hf" / "data_assets.py"
-MATCHED_ARMS = ("latest-8", "latest-16")  # the study's arms whose cache sizes the presses are given
+PRESSES = ("none", "snapkv", "streaming_llm", "expected_attention")
 
 
 def _data_assets():
@@ -52,24 +52,20 @@ def _press(name: str, ratio: float):
     return presses[name](compression_ratio=ratio)
 
 
-def _fractions(study: dict) -> dict[str, dict[int, float]]:
-    """Cache bytes of each matched arm against the source's, by prompt length (from the study's JSON)."""
+def _fractions(study: dict, arm: str) -> dict[int, float]:
+    """Cache bytes of the study's ``arm`` against the source's, by prompt length (from the study's JSON)."""
     arms = study["arms"]
-    fractions = {}
-    for arm in MATCHED_ARMS:
-        if arm in arms:
-            fractions[arm] = {
-                int(length): max(row["cache_bytes"] for row in rows)
-                / max(row["cache_bytes"] for row in arms["source"]["passkey"][length])
-                for length, rows in arms[arm]["passkey"].items()
-            }
-    return fractions
+    return {
+        int(length): max(row["cache_bytes"] for row in rows)
+        / max(row["cache_bytes"] for row in arms["source"]["passkey"][length])
+        for length, rows in arms[arm]["passkey"].items()
+    }
 
 
 @torch.no_grad()
-def _run(model, tokenizer, filler, settings, press) -> list[dict]:
+def _run(model, tokenizer, filler, keys: dict, press) -> list[dict]:
     rows = []
-    for length, trials in settings.items():
+    for length, trials in keys.items():
         for depth, key in trials:
             inputs = tokenizer(passkey.prompt(tokenizer, filler, length, depth, key), return_tensors="pt")
             start = time.perf_counter()
@@ -118,7 +114,10 @@ def markdown(payload: dict) -> str:
 def main() -> None:
     arguments = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     arguments.add_argument("--study", type=Path, required=True, help="long_context_retrieval's JSON (sizes, keys)")
-    arguments.add_argument("--presses", nargs="+", default=["snapkv", "streaming_llm", "expected_attention"])
+    arguments.add_argument(
+        "--presses", nargs="+", default=list(PRESSES[1:]), choices=PRESSES, help="none: the full cache, as a check"
+    )
+    arguments.add_argument("--arms", nargs="+", default=["latest-16"], help="the study's arms whose sizes to match")
     arguments.add_argument("--out-dir", type=Path, default=HERE / "results")
     arguments.add_argument("--threads", type=int, default=2)
     args = arguments.parse_args()
@@ -130,7 +129,7 @@ def main() -> None:
 
     study = json.loads(args.study.read_text())
     lengths = [int(length) for length in study["lengths"]]
-    settings = passkey.trials(lengths, study["trials"], study.get("seed", 0))  # the study's keys
+    keys = passkey.trials(lengths, study["trials"], study.get("seed", 0))  # the study's keys
     assets = _data_assets()
     folder = assets.data_cache_dir() / "SmolLM2-135M-Instruct"
     if not (folder / "model.safetensors").is_file():
@@ -138,16 +137,18 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
     filler = passkey.filler_tokens(tokenizer, assets.bbc_news()["test"])
-    runs = [{"press": "none", "arm": None, "fractions": {}, "rows": _run(model, tokenizer, filler, settings, None)}]
-    for arm, fractions in _fractions(study).items():
-        for name in args.presses:
+    runs = []
+    if "none" in args.presses:
+        runs.append({"press": "none", "arm": None, "fractions": {}, "rows": _run(model, tokenizer, filler, keys, None)})
+    for arm in args.arms:
+        fractions = _fractions(study, arm)
+        for name in (press for press in args.presses if press != "none"):
             rows = []
             for length in lengths:
                 logger.info(
                     "%s at the cache size of %s (%.1f%%), %d tokens", name, arm, 100 * fractions[length], length
                 )
-                press = _press(name, 1 - fractions[length])
-                rows += _run(model, tokenizer, filler, {length: settings[length]}, press)
+                rows += _run(model, tokenizer, filler, {length: keys[length]}, _press(name, 1 - fractions[length]))
             runs.append(
                 {"press": name, "arm": arm, "fractions": {str(k): v for k, v in fractions.items()}, "rows": rows}
             )

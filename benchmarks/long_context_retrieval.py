@@ -30,7 +30,7 @@ the cache holds after the prompt and the answer. Perplexity: mean loss over ``--
 
 Writes long_context_retrieval.{json,md,png} to --out-dir.
 
-    python benchmarks/long_context_retrieval.py                                     # about an hour on 2 CPU cores
+    python benchmarks/long_context_retrieval.py                                     # about 80 minutes on 2 CPU cores
     python benchmarks/long_context_retrieval.py --lengths 4096 8192 --arms source sparse bounded-16
     python benchmarks/long_context_retrieval.py --quick --out-dir /tmp/retrieval    # smoke test: a minute or two
 """
