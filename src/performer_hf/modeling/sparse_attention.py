@@ -201,7 +201,8 @@ class _BlockWalk:
         contexts = [self._query_block(q, c, first, end) for c in range(first // block, (end - 1) // block + 1)]
         if self.spec.budget and not self.by_window:
             left = self.pushed - self.first_block
-            self._to_pool(0, left, q.new_zeros(*self.keys.shape[:2], left, dtype=torch.float32))
+            if left:
+                self._to_pool(0, left, q.new_zeros(*self.keys.shape[:2], left, dtype=torch.float32))
             self.pool.observe(q[:, :, -min(q.shape[2], block) :])
             self.pool.prune(self.spec.budget)
         return contexts[0] if len(contexts) == 1 else torch.cat(contexts, dim=2)
