@@ -335,6 +335,9 @@ def test_quick_sparse_smollm2_build_keeps_the_source_and_reads_beyond_the_window
     assert rows["this model"]["perplexity"] != rows["softmax source model"]["perplexity"]
     card = _card(out)
     assert "`performer_sparse`" in card.text and card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "Sparse attention (exact softmax on the keys below, and no others)" in card.text
+    for favor_only in ("FAVOR+ settings", "nb_features", "Redraw policy", "random features", "PerformerCache"):
+        assert favor_only not in card.text
 
 
 def test_quick_smollm2_build_linearizes_the_real_llm_with_attention_transfer(tmp_path):
@@ -368,4 +371,5 @@ def test_quick_smollm2_build_linearizes_the_real_llm_with_attention_transfer(tmp
     card = _card(out)
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert "`performer_hybrid`" in card.text and "Attention transfer at conversion" in card.text
-    assert "PerformerCache" in card.text and "trust_remote_code" not in card.text
+    assert "model.generate(**inputs, max_new_tokens=40)" in card.text and "trust_remote_code" not in card.text
+    assert "## FAVOR+ settings" in card.text and "Redraw policy" in card.text

@@ -13,9 +13,10 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from ..attention_card import kernel_description, method_lines, transfer_summary
+from ..attention_card import kernel_description, method_description, method_lines, transfer_summary
 from ..integrations.attention_settings import head_shape, method_config
 from ..modeling.configuration_performer import PerformerConfig
+from ..modeling.sparse_spec import SparseSpec
 from .data import DATA_SETS, HUB_DATASETS
 from .evaluation import THIS_MODEL
 from .registry import MODEL_ASSETS, ZooEntry
@@ -199,6 +200,19 @@ def attention_config(folder: Path) -> tuple[PerformerConfig, str | None]:
     return described, implementation
 
 
+METHOD_HEADINGS = {
+    "hybrid": "Hybrid attention (exact softmax on the keys below, the kernel above for all other keys):",
+    "sparse": "Sparse attention (exact softmax on the keys below, and no others):",
+}
+
+
+def _decoding(config: PerformerConfig) -> str:
+    """What plain ``generate()`` keeps for the method, as the card's usage comment."""
+    if config.attention_method == "sparse" and not SparseSpec.from_config(config).bounded:
+        return "the sparse method reads generate()'s own key/value cache in place"
+    return "the method's own decoding state takes the key/value cache's place after the prompt"
+
+
 def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard:
     """The README.md card of the zoo model ``entry`` built in ``folder`` with figures ``results``."""
     config, implementation = attention_config(folder)
@@ -231,6 +245,7 @@ def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard
             f"Positions {positions['pretrained']}-{positions['converted'] - 1} are tiled copies of the pretrained "
             f"{positions['pretrained']}-row position table and were never trained on."
         )
+    features = config.attention_method in ("favor", "hybrid")  # the methods with random features
     fidelity = results["conversion"].get("fidelity")
     if fidelity is not None:
         exact = ", ".join(f"{name} {value:.1e}" for name, value in fidelity["exact_max_abs_diff"].items())
@@ -241,9 +256,12 @@ def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard
         name=entry.name,
         description=entry.description,
         quick=results["quick"],
-        favor_settings=favor_settings(config),
+        favor_settings=favor_settings(config) if features else [],
         hybrid_lines=method_lines(config),
-        redraw_policy=redraw_policy(config, results["training"] is not None, results["conversion"]),
+        method_heading=METHOD_HEADINGS.get(config.attention_method, ""),
+        method_summary=method_description(config),
+        decoding=_decoding(config),
+        redraw_policy=redraw_policy(config, results["training"] is not None, results["conversion"]) if features else "",
         max_length=max_length,
         steps=_steps(entry, results),
         evaluations=[_table(evaluation)],
