@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import passkey
@@ -124,7 +125,6 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
-    import kvpress
     import transformers
 
     study = json.loads(args.study.read_text())
@@ -137,9 +137,11 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
     filler = passkey.filler_tokens(tokenizer, assets.bbc_news()["test"])
-    runs = []
+    versions = {"transformers": transformers.__version__, "kvpress": version("kvpress"), "torch": torch.__version__}
+    payload = {**versions, "lengths": lengths, "trials": study["trials"], "runs": []}
     if "none" in args.presses:
-        runs.append({"press": "none", "arm": None, "fractions": {}, "rows": _run(model, tokenizer, filler, keys, None)})
+        rows = _run(model, tokenizer, filler, keys, None)
+        _write(payload, {"press": "none", "arm": None, "fractions": {}, "rows": rows}, args.out_dir)
     for arm in args.arms:
         fractions = _fractions(study, arm)
         for name in (press for press in args.presses if press != "none"):
@@ -149,22 +151,18 @@ def main() -> None:
                     "%s at the cache size of %s (%.1f%%), %d tokens", name, arm, 100 * fractions[length], length
                 )
                 rows += _run(model, tokenizer, filler, {length: keys[length]}, _press(name, 1 - fractions[length]))
-            runs.append(
-                {"press": name, "arm": arm, "fractions": {str(k): v for k, v in fractions.items()}, "rows": rows}
-            )
-    payload = {
-        "transformers": transformers.__version__,
-        "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
-        "torch": torch.__version__,
-        "lengths": lengths,
-        "trials": study["trials"],
-        "runs": runs,
-    }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "kvpress_anchor.json").write_text(json.dumps(payload, indent=1))
-    text = markdown(payload)
-    (args.out_dir / "kvpress_anchor.md").write_text(text)
-    print(text)
+            run = {"press": name, "arm": arm, "fractions": {str(k): v for k, v in fractions.items()}, "rows": rows}
+            _write(payload, run, args.out_dir)
+    print(markdown(payload))
+
+
+def _write(payload: dict, run: dict, out_dir: Path) -> None:
+    """Add a finished run to the payload and write the JSON and Markdown (after every run: a long job keeps what it
+    measured)."""
+    payload["runs"].append(run)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "kvpress_anchor.json").write_text(json.dumps(payload, indent=1))
+    (out_dir / "kvpress_anchor.md").write_text(markdown(payload))
 
 
 if __name__ == "__main__":
