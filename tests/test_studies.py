@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-STUDIES = sorted(path.stem for path in BENCHMARKS.glob("*.py") if path.stem != "harness")
+NOT_STUDIES = {
+    "harness": "what the studies share",
+    "passkey": "the pass-key task of the retrieval studies",
+    "kvpress_anchor": "runs in an environment of its own (kvpress 0.5.5 needs transformers < 5.3): tested below",
+}
+STUDIES = sorted(path.stem for path in BENCHMARKS.glob("*.py") if path.stem not in NOT_STUDIES)
 
 
 def test_every_study_is_listed():
@@ -29,3 +34,51 @@ def test_the_study_runs_quick(study, tmp_path):
     if study != "profile_attention":  # a diagnostic that prints and writes nothing
         written = {path.suffix for path in tmp_path.iterdir()}
         assert {".json", ".md", ".png"} <= written, f"{study} wrote {sorted(written)}"
+
+
+def test_the_pass_key_prompts_have_their_length_and_the_same_keys_everywhere():
+    """passkey.py, shared by long_context_retrieval.py and kvpress_anchor.py: prompts of the asked length (to a few
+    tokens: text decoded and encoded again) with the key at its depth, the same keys for a seed."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import passkey
+    from transformers import AutoTokenizer
+
+    from performer_hf.data_assets import bbc_news
+    from performer_hf.model_assets import smollm2_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint())
+    filler = passkey.filler_tokens(tokenizer, bbc_news()["test"][:40])
+    trials = passkey.trials([512, 1024], 3, seed=0)
+    assert trials == passkey.trials([512, 1024], 3, seed=0) and [d for d, _ in trials[512]] == [0.0, 0.5, 1.0]
+    for length, settings in trials.items():
+        for depth, key in settings:
+            text = passkey.prompt(tokenizer, filler, length, depth, key)
+            assert abs(len(tokenizer(text)["input_ids"]) - length) <= 8
+            assert text.startswith(passkey.HEADER) and text.endswith(passkey.QUESTION)
+            where = text.index(f"The pass key is {key}") / len(text)
+            assert abs(where - depth) < 0.1
+
+
+def test_the_kvpress_anchor_matches_the_study_cache_sizes_and_reports_each_press():
+    sys.path.insert(0, str(BENCHMARKS))
+    import kvpress_anchor
+
+    rows = {"4096": [{"cache_bytes": 10}, {"cache_bytes": 12}], "8184": [{"cache_bytes": 20}]}
+    study = {
+        "arms": {
+            "source": {"passkey": {"4096": [{"cache_bytes": 48}], "8184": [{"cache_bytes": 100}]}},
+            "latest-16": {"passkey": rows},
+        }
+    }
+    assert kvpress_anchor._fractions(study, "latest-16") == {4096: 0.25, 8184: 0.2}
+    found = [{"length": 4096, "found": True}, {"length": 4096, "found": False}, {"length": 8184, "found": True}]
+    payload = {
+        "transformers": "5.2.0",
+        "kvpress": "0.5.5",
+        "lengths": [4096, 8184],
+        "runs": [{"press": "snapkv", "arm": "latest-16", "fractions": {"4096": 0.25, "8184": 0.2}, "rows": found}],
+    }
+    text = kvpress_anchor.markdown(payload)
+    assert (
+        "| snapkv | latest-16 | 4096 | 25.0% | 1/2 |" in text and "| snapkv | latest-16 | 8184 | 20.0% | 1/1 |" in text
+    )
