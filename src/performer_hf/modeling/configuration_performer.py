@@ -110,8 +110,9 @@ class PerformerConfig(PreTrainedConfig):
       only (StreamingLLM's shape).
     - `select_block_size`: keys per block.
     - `select_budget`: `0` keeps every key block that leaves the window (memory grows as a key/value cache does;
-      what each query reads does not); `n` keeps `n` blocks, so that decoding memory stops growing (its cache
-      layer is needed: `PerformerCache`, or `generate`'s default cache for the Performer family).
+      what each query reads does not); `n` keeps `n` blocks, so that decoding memory stops growing (in the
+      method's cache layer: plain `generate()` puts it in its cache after the prompt, `PerformerCache` holds it
+      from the start).
     - `select_ranking`: which `n` blocks: `"window"` the ones that received the most attention while they were in
       the window (causal: cached decoding computes what a full forward does); `"latest"` the ones the last queries
       of each call (the end of the prompt, then each decoding step) attend to most, as SnapKV: a prefill computes
