@@ -231,12 +231,13 @@ class _BlockWalk:
             self.pool.prune(spec.budget)
         if spec.bounded:  # without selection, nothing is kept once it leaves the window
             self.pushed = max(self.pushed, window_block)
-        hi = window_block * block - start  # the stored keys before the window: this call's, when it keeps them
-        candidates = (keys[:, :, :hi], values[:, :, :hi], selectable[:, None, :hi].expand(B, Hkv, hi))
-        if self.by_window or (spec.bounded and not spec.budget):
+        if self.by_window or (spec.bounded and not spec.budget):  # the pool alone (empty without selection)
             candidates = self.pool.flat()
-        elif spec.bounded and self.pool.score.shape[2]:  # ranking "latest": the kept blocks, then this call's
-            candidates = tuple(torch.cat(parts, dim=2) for parts in zip(self.pool.flat(), candidates, strict=True))
+        else:  # the stored keys before the window (every key, or ranking "latest": this call's), after the pool's
+            hi = window_block * block - start
+            candidates = (keys[:, :, :hi], values[:, :, :hi], selectable[:, None, :hi].expand(B, Hkv, hi))
+            if self.pool.score.shape[2]:
+                candidates = tuple(torch.cat(parts, dim=2) for parts in zip(self.pool.flat(), candidates, strict=True))
         q_lo, q_hi = max(first, c * block), min(end, (c + 1) * block)
         queries = q[:, :, q_lo - first : q_hi - first].unflatten(1, (Hkv, -1))  # (B, Hkv, G, nq, D)
         window_lo, window_hi = window_block * block - start, q_hi - start
