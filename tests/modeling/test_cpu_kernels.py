@@ -253,3 +253,49 @@ def test_sparse_decoding_step_kernel_matches_the_reference(head_dim, left_padded
             step = sparse_attention(q[:, :, -1:].float(), k.float(), v.float(), spec, mask if left_padded else None)
         torch.testing.assert_close(step.double(), expected, rtol=1e-5, atol=1e-5)
     assert len(calls) == len(KEEP_ALL)
+
+
+@pytest.mark.parametrize("name", ["latest ranking", "window and globals only", "latest, globals beyond a block"])
+def test_bounded_decoding_step_kernel_matches_the_block_walk(name, monkeypatch):
+    """Bounded decoding one float32 token at a time without gradients (the compiled step) against the float64 block
+    walk from the same prefill: the same outputs, and the pool keeps the same blocks with the same scores at every
+    step, across blocks that leave the window and left padding."""
+    from performer_hf.modeling.sparse_attention import sparse_attention
+    from performer_hf.modeling.sparse_spec import SparseSpec
+
+    spec = {
+        "latest ranking": SparseSpec(8, 2, 4, select_blocks=2, budget=3, ranking="latest"),
+        "window and globals only": SparseSpec(8, 2, 4, select_blocks=0),
+        "latest, globals beyond a block": SparseSpec(12, 6, 4, select_blocks=3, budget=4, ranking="latest"),
+    }[name]
+    kernels, calls = cpu_kernels.hybrid_kernels(), []
+
+    class Spy:
+        def sparse_decode_step(self, *args):
+            calls.append(args)
+            return kernels.sparse_decode_step(*args)
+
+    monkeypatch.setattr("performer_hf.modeling.sparse_attention.hybrid_kernels", Spy)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 6, 80, 64, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 80, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.arange(80)[None] >= torch.tensor([[0], [7]])
+    prompt = 41
+    _, walked = sparse_attention(
+        q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], spec, mask[:, :prompt], return_state=True
+    )
+    compiled = type(walked)(*(t.float() if torch.is_tensor(t) and t.is_floating_point() else t for t in walked))
+    for t in range(prompt, 80):
+        args = [x[:, :, t : t + 1] for x in (q, k, v)]
+        expected, walked = sparse_attention(*args, spec, mask[:, t : t + 1], walked, return_state=True)
+        with torch.no_grad():
+            out, compiled = sparse_attention(
+                *(x.float() for x in args), spec, mask[:, t : t + 1], compiled, return_state=True
+            )
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+        for ours, theirs in zip(compiled, walked, strict=True):
+            if torch.is_tensor(ours) and ours.is_floating_point():
+                torch.testing.assert_close(ours.double(), theirs.double(), rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.equal(ours, theirs) if torch.is_tensor(ours) else ours == theirs
+    assert len(calls) == 80 - prompt

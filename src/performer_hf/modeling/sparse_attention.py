@@ -143,9 +143,14 @@ def sparse_attention(
         global_keys = torch.cat([global_keys, keys[:, :, fresh]], dim=2)  # (B, Hkv, S, D)
         global_values = torch.cat([global_values, values[:, :, fresh]], dim=2)
         global_mask = torch.cat([global_mask, key_mask[:, fresh]], dim=1)
+    kernels = _decode_kernels(q, keys, values) if L == 1 else None
     if L == 1 and not spec.bounded:  # a decoding step with every key kept (start is 0): one pass over them
         context = _decode_step(q, keys, values, None if bool(key_mask.all()) else key_mask, spec)
         pool, pushed, mass = _Pool(state), start // block, state.mass
+    elif kernels is not None and not (spec.budget and spec.ranking == "window"):  # a bounded decoding step
+        globals_ = (global_keys, global_values, global_mask)
+        context, pool, pushed = _pooled_decode_step(q, keys, values, key_mask, globals_, state, spec, kernels)
+        mass = state.mass
     else:
         walk = _BlockWalk(keys, values, key_mask, (global_keys, global_values, global_mask), state, spec)
         context = walk.run(q, first, end)
@@ -273,10 +278,10 @@ def _decode_step(q: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | Non
     outside = min(spec.num_global_tokens, window_lo)  # global tokens read apart from the window
     kernels = _decode_kernels(q, keys, values)
     if kernels is not None:
-        geometry = [window_lo, outside, spec.num_global_tokens, block, spec.select_blocks]
-        mask = torch.empty(0, dtype=torch.bool) if key_mask is None else key_mask.contiguous()
-        grouped = q.reshape(B, Hkv, G, D)
-        context = kernels.sparse_decode_step(grouped, keys.contiguous(), values.contiguous(), mask, geometry)
+        keys, values = keys.contiguous(), values.contiguous()
+        runs = [_run(keys, values, key_mask, lo, hi) for lo, hi in ((0, outside), (0, window_lo), (window_lo, T))]
+        geometry = [block, spec.select_blocks, spec.num_global_tokens, 0]  # global tokens are not selectable
+        context, _ = kernels.sparse_decode_step(q.reshape(B, Hkv, G, D), [t for run in runs for t in run], geometry)
         return context.view(B, H, 1, Dv)
     logits = q.view(B, Hkv, G, D) @ keys.transpose(-1, -2) * D**-0.5  # (B, Hkv, G, T)
     if key_mask is not None:
@@ -297,6 +302,51 @@ def _decode_step(q: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | Non
     support_values = torch.cat([values[:, :, :outside], block_values.flatten(2, 3), values[:, :, window_lo:]], dim=2)
     context = probs.to(values.dtype) @ support_values  # (B, Hkv, G, Dv)
     return context.view(B, H, 1, Dv)
+
+
+def _run(keys: Tensor, values: Tensor, key_mask: Tensor | None, lo: int, hi: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows lo ... hi - 1 of keys and values (B, Hkv, T, D) and of key_mask (B, T) or None, as the compiled step
+    takes a run of keys: views, the mask (B, Hkv, hi - lo) or empty (every key visible)."""
+    B, Hkv = keys.shape[:2]
+    mask = torch.empty(0, dtype=torch.bool) if key_mask is None else key_mask[:, None, lo:hi].expand(B, Hkv, -1)
+    return keys[:, :, lo:hi], values[:, :, lo:hi], mask
+
+
+def _pooled_decode_step(q, keys, values, key_mask, globals_, state: SparseState, spec: SparseSpec, kernels):
+    """One query (B, H, 1, D) after a bounded state (without the ``"window"`` ranking), in the compiled kernel: what
+    :class:`_BlockWalk` computes for it. keys, values (B, Hkv, R, D) and key_mask (B, R) are the stored tokens and
+    the new one; globals_ the global tokens' keys, values and mask. A key block that leaves the window joins the
+    pool; with a budget, each pool block's score gains the attention the query gives it (softmax over the pool) and
+    the pool is pruned. Returns the context (B, H, 1, Dv), the pool and the first block still stored."""
+    B, H, _, D = q.shape
+    Hkv, block, start = keys.shape[1], spec.block_size, state.start
+    window_block = max(0, (start + keys.shape[2] - 1) // block - spec.window_blocks)
+    left = window_block * block - start  # stored rows that leave the window at this step (whole blocks)
+    pool = _Pool(state)
+    if spec.budget and left:
+        selectable = key_mask[:, :left] & (
+            torch.arange(start, start + left, device=keys.device) >= spec.num_global_tokens
+        )
+        as_blocks = [
+            t[:, :, :left].unflatten(2, (-1, block)) for t in (keys, values, selectable[:, None].expand(B, Hkv, -1))
+        ]
+        pool.add(*as_blocks, q.new_zeros(B, Hkv, left // block))
+    global_keys, global_values, global_mask = globals_
+    outside = min(global_keys.shape[2], window_block * block)  # global tokens in the window are read there
+    pool_keys, pool_values, pool_mask = pool.flat()
+    runs = [
+        *_run(global_keys, global_values, global_mask, 0, outside),
+        pool_keys,
+        pool_values,
+        pool_mask,
+        *_run(keys, values, key_mask, left, keys.shape[2]),
+    ]
+    geometry = [block, spec.select_blocks, 0, int(spec.budget > 0)]
+    context, observed = kernels.sparse_decode_step(q.reshape(B, Hkv, -1, D).contiguous(), runs, geometry)
+    if spec.budget:
+        pool.score = pool.score + observed
+        pool.prune(spec.budget)
+    return context.view(B, H, 1, -1), pool, window_block
 
 
 def _decode_kernels(*tensors: Tensor):

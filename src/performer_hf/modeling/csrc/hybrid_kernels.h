@@ -3,7 +3,7 @@
 // - hybrid_support.cpp: the support sums (the exact part and the far field's share on the support) and the module;
 // - hybrid_far_field.cpp: the polynomial far field's state and sums;
 // - hybrid_routing.cpp: the routing's top-k over key blocks.
-// - sparse_decode.cpp: sparse attention's decoding step (one query per head over a key/value cache).
+// - sparse_decode.cpp: sparse attention's decoding step (one query per head over a key/value cache or a pool).
 // Every function checks only what the Python side cannot get wrong cheaply; favor_hybrid validates inputs.
 #pragma once
 
@@ -106,9 +106,11 @@ torch::Tensor quadratic_far_apply(torch::Tensor u, torch::Tensor state);
 std::vector<torch::Tensor> quadratic_far_apply_backward(torch::Tensor u, torch::Tensor state, torch::Tensor d_sums);
 torch::Tensor top_blocks(torch::Tensor scores, int64_t R);
 torch::Tensor routed_candidates(const std::vector<torch::Tensor>& blocks, const std::vector<int64_t>& settings);
-// sparse attention's decoding step: q (B, Hkv, G, D), k (B, Hkv, T, D), v (B, Hkv, T, Dv), key_mask (B, T) or empty;
-// geometry: window_lo, outside, num_global, block, select_blocks
-torch::Tensor sparse_decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor key_mask,
-                                 const std::vector<int64_t>& geometry);
+// sparse attention's decoding step: q (B, Hkv, G, D); runs: keys (B, Hkv, rows, D), values (B, Hkv, rows, Dv) and
+// mask (B, Hkv, rows) or empty, of the global tokens, the candidate blocks and the window (rows contiguous);
+// geometry: block, select_blocks, skip (candidate rows never selected), observe (1: also return each candidate
+// block's attention under a softmax over the candidates). Returns the context (B, Hkv, G, Dv) and that (B, Hkv, N).
+std::vector<torch::Tensor> sparse_decode_step(torch::Tensor q, const std::vector<torch::Tensor>& runs,
+                                              const std::vector<int64_t>& geometry);
 
 }  // namespace performer_hf

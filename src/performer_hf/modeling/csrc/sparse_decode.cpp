@@ -1,8 +1,11 @@
 // Compiled CPU kernel of sparse attention's decoding step (see hybrid_kernels.h; the contract and the PyTorch
-// version are sparse_attention._decode_step): one query per head over every kept key in two passes. The first forms
-// the logits against every key, which is what attention over a key/value cache reads anyway; the second ranks the
-// key blocks before the window by their attention mass, then takes the softmax over the global tokens, the selected
-// blocks and the window, reading only their values.
+// versions are sparse_attention._decode_step and _pooled_decode_step): one query per head over three runs of keys,
+// in two passes. The runs are the global tokens read apart from the window, the candidate key blocks (a key/value
+// cache's blocks before the window, or a bounded pool) and the window. The first pass forms the logits against
+// every key, which is what attention over a key/value cache reads anyway; the second ranks the candidate blocks by
+// their attention mass, then takes the softmax over the global tokens, the selected blocks and the window, reading
+// only their values. Optionally it also returns the attention each candidate block receives under a softmax over
+// the candidates alone (what the bounded pool's "latest" ranking accumulates).
 #include "hybrid_kernels.h"
 
 namespace performer_hf {
@@ -32,114 +35,178 @@ inline void dots(const float* query, const float* keys, int64_t D, float* out) {
   }
 }
 
-// logits (G, T) of one key/value head's G queries (G, D) against the keys [t0, t1) of (T, D); hidden keys: -inf
-void head_logits(const float* queries, const float* keys, const bool* visible, int64_t G, int64_t D, int64_t T,
-                 int64_t t0, int64_t t1, float scale, float* logits) {
+// One run of keys and values (B, Hkv, rows, D / Dv), rows contiguous, any batch and head strides, with its
+// visibility mask (B, Hkv, rows) (rows contiguous; absent: every key visible).
+struct Run {
+  const float* keys;
+  const float* values;
+  const bool* mask;
+  int64_t rows, key_b, key_h, value_b, value_h, mask_b, mask_h;
+  int64_t always_visible;  // a row visible whatever the mask (the query's own key), or -1
+
+  Run(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& m, int64_t always_visible)
+      : keys(k.data_ptr<float>()),
+        values(v.data_ptr<float>()),
+        mask(m.numel() ? m.data_ptr<bool>() : nullptr),
+        rows(k.size(2)),
+        key_b(k.stride(0)),
+        key_h(k.stride(1)),
+        value_b(v.stride(0)),
+        value_h(v.stride(1)),
+        mask_b(m.numel() ? m.stride(0) : 0),
+        mask_h(m.numel() ? m.stride(1) : 0),
+        always_visible(always_visible) {
+    TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
+                "sparse_decode_step takes float32 keys and values");
+    TORCH_CHECK(!rows || (k.stride(3) == 1 && k.stride(2) == k.size(3) && v.stride(3) == 1 && v.stride(2) == v.size(3)),
+                "sparse_decode_step takes keys and values with contiguous rows");
+    TORCH_CHECK(!m.numel() || (m.scalar_type() == torch::kBool && m.size(2) == rows && m.stride(2) == 1),
+                "sparse_decode_step takes (B, Hkv, rows) bool masks with contiguous rows");
+  }
+  const float* key_row(int64_t b, int64_t h, int64_t t, int64_t D) const { return keys + b * key_b + h * key_h + t * D; }
+  const float* value_row(int64_t b, int64_t h, int64_t t, int64_t Dv) const {
+    return values + b * value_b + h * value_h + t * Dv;
+  }
+  bool visible(int64_t b, int64_t h, int64_t t) const {
+    return mask == nullptr || t == always_visible || mask[b * mask_b + h * mask_h + t];
+  }
+};
+
+// logits of one key/value head's G queries (G, D) against rows [t0, t1) of a run, written at columns
+// offset + t of rows of K; hidden keys: -inf
+void run_logits(const float* queries, const Run& run, int64_t b, int64_t h, int64_t G, int64_t D, int64_t K,
+                int64_t offset, int64_t t0, int64_t t1, float scale, float* logits) {
   constexpr float kHidden = -std::numeric_limits<float>::infinity();
   float out[kKeys];
   for (int64_t t = t0; t < t1; t += kKeys) {
     const int64_t n = std::min(kKeys, t1 - t);
+    const float* keys = run.key_row(b, h, t, D);
     for (int64_t g = 0; g < G; ++g) {
-      float* row = logits + g * T;
       if (n == kKeys) {
-        dots(queries + g * D, keys + t * D, D, out);
+        dots(queries + g * D, keys, D, out);
       } else {
         for (int64_t j = 0; j < n; ++j) {
           float sum = 0.0f;
-          for (int64_t e = 0; e < D; ++e) sum += queries[g * D + e] * keys[(t + j) * D + e];
+          for (int64_t e = 0; e < D; ++e) sum += queries[g * D + e] * keys[j * D + e];
           out[j] = sum;
         }
       }
-      for (int64_t j = 0; j < n; ++j) {
-        const bool hidden = visible != nullptr && !visible[t + j] && t + j != T - 1;  // every query sees itself
-        row[t + j] = hidden ? kHidden : out[j] * scale;
-      }
+      float* row = logits + g * K + offset;
+      for (int64_t j = 0; j < n; ++j) row[t + j] = run.visible(b, h, t + j) ? out[j] * scale : kHidden;
     }
   }
 }
 
-// The support's key ranges [start, stop) of one key/value head: the global tokens outside the window, the
-// selected blocks (without the global tokens they hold), the window.
-std::vector<std::pair<int64_t, int64_t>> support_ranges(const float* logits, int64_t G, int64_t T, int64_t window_lo,
-                                                        int64_t outside, int64_t num_global, int64_t block,
-                                                        int64_t select) {
-  std::vector<std::pair<int64_t, int64_t>> ranges;
-  if (outside > 0) ranges.emplace_back(0, outside);
-  const int64_t N = window_lo / block;
+// The candidate blocks a query group reads: every one when there are at most `select`, else the `select` of most
+// attention (their exponentials summed over their selectable keys, from `skip` on, and the G heads, under one
+// shift). cand: the (G, C) candidate logits, with row stride K.
+std::vector<int64_t> selected_blocks(const float* cand, int64_t G, int64_t K, int64_t C, int64_t block, int64_t skip,
+                                     int64_t select) {
+  const int64_t N = C / block;
   std::vector<int64_t> blocks(N);
   for (int64_t n = 0; n < N; ++n) blocks[n] = n;
-  if (N > select) {
-    // a block's score: its exponentials summed over its selectable keys and the G heads, under one shift
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t g = 0; g < G; ++g) {
-      const float* row = logits + g * T;
+  if (N <= select) return blocks;
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t g = 0; g < G; ++g) {
+    const float* row = cand + g * K;
 #pragma omp simd reduction(max : top)
-      for (int64_t t = 0; t < window_lo; ++t) top = std::max(top, row[t]);
-    }
-    std::vector<float> score(N, 0.0f);
-    for (int64_t g = 0; g < G && std::isfinite(top); ++g) {  // every key hidden: every score 0
-      const float* row = logits + g * T;
-      for (int64_t n = 0; n < N; ++n) {
-        float sum = 0.0f;
-        const int64_t stop = (n + 1) * block;
+    for (int64_t t = skip; t < C; ++t) top = std::max(top, row[t]);
+  }
+  std::vector<float> score(N, 0.0f);
+  for (int64_t g = 0; g < G && std::isfinite(top); ++g) {  // every key hidden: every score 0
+    const float* row = cand + g * K;
+    for (int64_t n = 0; n < N; ++n) {
+      float sum = 0.0f;
+      const int64_t stop = (n + 1) * block;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = std::max(n * block, num_global); t < stop; ++t) sum += exp_approx(row[t] - top);
-        score[n] += sum;
-      }
+      for (int64_t t = std::max(n * block, skip); t < stop; ++t) sum += exp_approx(row[t] - top);
+      score[n] += sum;
     }
-    std::nth_element(blocks.begin(), blocks.begin() + select, blocks.end(),
-                     [&](int64_t a, int64_t b) { return score[a] > score[b]; });
-    blocks.resize(select);
   }
-  for (int64_t n : blocks) {
-    const int64_t start = std::max(n * block, num_global);
-    if (start < (n + 1) * block) ranges.emplace_back(start, (n + 1) * block);
-  }
-  ranges.emplace_back(window_lo, T);
-  return ranges;
+  std::nth_element(blocks.begin(), blocks.begin() + select, blocks.end(),
+                   [&](int64_t a, int64_t b) { return score[a] > score[b]; });
+  blocks.resize(select);
+  return blocks;
 }
+
+// observed (N,) += the attention each candidate block receives from the G queries, under a softmax over the
+// candidate keys alone per query (a query with every candidate hidden adds nothing)
+void observe_blocks(const float* cand, int64_t G, int64_t K, int64_t C, int64_t block, float* observed) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* row = cand + g * K;
+    float peak = -std::numeric_limits<float>::infinity(), total = 0.0f;
+    for (int64_t t = 0; t < C; ++t) peak = std::max(peak, row[t]);
+    if (!std::isfinite(peak)) continue;
+    for (int64_t t = 0; t < C; ++t) total += exp_approx(row[t] - peak);
+    for (int64_t n = 0; n < C / block; ++n) {
+      float sum = 0.0f;
+      for (int64_t t = n * block; t < (n + 1) * block; ++t) sum += exp_approx(row[t] - peak);
+      observed[n] += sum / total;
+    }
+  }
+}
+
+struct Span {  // logits columns [start, stop) of a run's rows from `first` on
+  int64_t start, stop, first;
+  const Run* run;
+};
 
 }  // namespace
 
-torch::Tensor sparse_decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor key_mask,
-                                 const std::vector<int64_t>& geometry) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
-              "sparse_decode_step takes float32 tensors");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "sparse_decode_step takes contiguous tensors");
-  const int64_t window_lo = geometry[0], outside = geometry[1], num_global = geometry[2], block = geometry[3],
-                select = geometry[4];
-  const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3), T = k.size(2), Dv = v.size(3);
+std::vector<torch::Tensor> sparse_decode_step(torch::Tensor q, const std::vector<torch::Tensor>& runs,
+                                              const std::vector<int64_t>& geometry) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous(), "sparse_decode_step takes a contiguous float32 q");
+  TORCH_CHECK(runs.size() == 9, "sparse_decode_step takes (keys, values, mask) of the globals, candidates, window");
+  const int64_t block = geometry[0], select = geometry[1], skip = geometry[2];
+  const bool observe = geometry[3] != 0;
+  const Run globals(runs[0], runs[1], runs[2], -1), candidates(runs[3], runs[4], runs[5], -1),
+      window(runs[6], runs[7], runs[8], runs[6].size(2) - 1);  // every query sees itself
+  const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3), Dv = runs[7].size(3);
+  const int64_t S = globals.rows, C = candidates.rows, W = window.rows, K = S + C + W, N = C / block;
+  TORCH_CHECK(C % block == 0 && W > 0, "sparse_decode_step takes whole candidate blocks and a non-empty window");
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  auto logits = torch::empty({B, Hkv, G, T}, q.options());
+  auto logits = torch::empty({B, Hkv, G, K}, q.options());
   auto out = torch::empty({B, Hkv, G, Dv}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const bool* mp = key_mask.numel() ? key_mask.data_ptr<bool>() : nullptr;
-  float *lp = logits.data_ptr<float>(), *op = out.data_ptr<float>();
+  auto observed = torch::zeros({B, Hkv, observe ? N : 0}, q.options());
+  const float* qp = q.data_ptr<float>();
+  float *lp = logits.data_ptr<float>(), *op = out.data_ptr<float>(), *obs = observed.data_ptr<float>();
 
-  const int64_t chunks = (T + kKeyChunk - 1) / kKeyChunk;
-  at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t lo, int64_t hi) {
+  const Run* order[3] = {&globals, &candidates, &window};
+  const int64_t offsets[3] = {0, S, S + C};
+  int64_t chunks[3], per_head = 0;
+  for (int r = 0; r < 3; ++r) per_head += chunks[r] = (order[r]->rows + kKeyChunk - 1) / kKeyChunk;
+  at::parallel_for(0, B * Hkv * per_head, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
-      const int64_t bh = i / chunks, t0 = (i % chunks) * kKeyChunk;
-      head_logits(qp + bh * G * D, kp + bh * T * D, mp ? mp + (bh / Hkv) * T : nullptr, G, D, T, t0,
-                  std::min(T, t0 + kKeyChunk), scale, lp + bh * G * T);
+      const int64_t bh = i / per_head;
+      int64_t chunk = i % per_head, r = 0;
+      while (chunk >= chunks[r]) chunk -= chunks[r++];
+      const int64_t t0 = chunk * kKeyChunk, t1 = std::min(order[r]->rows, t0 + kKeyChunk);
+      run_logits(qp + bh * G * D, *order[r], bh / Hkv, bh % Hkv, G, D, K, offsets[r], t0, t1, scale,
+                 lp + bh * G * K);
     }
   });
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t bh = lo; bh < hi; ++bh) {
-      const float* row = lp + bh * G * T;
-      const auto ranges = support_ranges(row, G, T, window_lo, outside, num_global, block, select);
+      const int64_t b = bh / Hkv, h = bh % Hkv;
+      const float* row = lp + bh * G * K;
+      if (observe) observe_blocks(row + S, G, K, C, block, obs + bh * N);
+      std::vector<Span> spans;
+      if (S) spans.push_back({0, S, 0, &globals});
+      for (int64_t n : selected_blocks(row + S, G, K, C, block, skip, select)) {
+        const int64_t first = std::max(n * block, skip);
+        if (first < (n + 1) * block) spans.push_back({S + first, S + (n + 1) * block, first, &candidates});
+      }
+      spans.push_back({S + C, K, 0, &window});
       std::vector<float> peak(G, -std::numeric_limits<float>::infinity()), total(G, 0.0f), acc(G * Dv, 0.0f);
-      for (const auto& [start, stop] : ranges)
+      for (const Span& span : spans)
         for (int64_t g = 0; g < G; ++g)
-          for (int64_t t = start; t < stop; ++t) peak[g] = std::max(peak[g], row[g * T + t]);
-      std::vector<float> weight(G);
-      const float* values = vp + bh * T * Dv;
-      for (const auto& [start, stop] : ranges) {
-        for (int64_t t = start; t < stop; ++t) {
-          const float* value = values + t * Dv;
+          for (int64_t t = span.start; t < span.stop; ++t) peak[g] = std::max(peak[g], row[g * K + t]);
+      for (const Span& span : spans) {
+        for (int64_t t = span.start; t < span.stop; ++t) {
+          const float* value = span.run->value_row(b, h, span.first + t - span.start, Dv);
           for (int64_t g = 0; g < G; ++g) {
-            const float w = exp_approx(row[g * T + t] - peak[g]);
+            const float w = exp_approx(row[g * K + t] - peak[g]);
             total[g] += w;
             float* sums = acc.data() + g * Dv;
 #pragma omp simd
@@ -151,7 +218,7 @@ torch::Tensor sparse_decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor
         for (int64_t e = 0; e < Dv; ++e) op[(bh * G + g) * Dv + e] = acc[g * Dv + e] / total[g];
     }
   });
-  return out;
+  return {out, observed};
 }
 
 }  // namespace performer_hf
