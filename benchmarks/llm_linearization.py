@@ -50,7 +50,7 @@ import performer_hf
 from performer_hf import PerformerCache
 from performer_hf.conversion import TransferSettings
 from performer_hf.data_assets import bbc_news, python_docs, python_docstrings
-from performer_hf.integrations import CACHE_KEYWORD
+from performer_hf.integrations import CACHE_KEYWORD, held_bytes
 from performer_hf.model_assets import smollm2_checkpoint
 
 logger = logging.getLogger("benchmarks.llm_linearization")
@@ -192,19 +192,6 @@ def samples(model, tokenizer, prompts: dict[str, torch.Tensor], tokens: int) -> 
     return out
 
 
-def _tensor_bytes(value) -> int:
-    """Bytes of the tensors reachable from ``value`` (a cache) through attributes, lists, tuples and dicts."""
-    if torch.is_tensor(value):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(item) for item in value.values())
-    if isinstance(value, list | tuple):
-        return sum(_tensor_bytes(item) for item in value)
-    if hasattr(value, "__dict__") and not isinstance(value, type):
-        return sum(_tensor_bytes(item) for item in vars(value).values())
-    return 0
-
-
 @torch.no_grad()
 def prefill(model, context: torch.Tensor, chunk: int = 2048):
     """The cache after ``context`` (in chunks: no (L, L) matrix for the source) and the next token."""
@@ -251,7 +238,7 @@ def decode_timings(models: dict, context_ids: torch.Tensor, args) -> dict:
         name: {
             str(n): {
                 "step_ms": 1e3 * statistics.median(timings[name, n]),
-                "cache_bytes": _tensor_bytes(prefilled[name, n][0]),
+                "cache_bytes": held_bytes(prefilled[name, n][0]),
             }
             for n in args.decode_contexts
         }

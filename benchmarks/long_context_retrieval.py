@@ -51,7 +51,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Logi
 
 import performer_hf
 from performer_hf.data_assets import bbc_news, python_docs
-from performer_hf.integrations import CACHE_KEYWORD
+from performer_hf.integrations import CACHE_KEYWORD, held_bytes
 from performer_hf.model_assets import smollm2_checkpoint
 from performer_hf.modeling.attention_methods import ATTENTION_METHODS
 
@@ -104,23 +104,6 @@ class _Stamps(LogitsProcessor):
         return scores
 
 
-def _tensor_bytes(value, seen=None) -> int:
-    """Bytes of every distinct tensor reachable from ``value`` (attributes, lists, tuples, dicts)."""
-    seen = set() if seen is None else seen
-    if torch.is_tensor(value):
-        if value.data_ptr() in seen:
-            return 0
-        seen.add(value.data_ptr())
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(item, seen) for item in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(item, seen) for item in value)
-    if hasattr(value, "__dict__") and not isinstance(value, type):
-        return sum(_tensor_bytes(item, seen) for item in vars(value).values())
-    return 0
-
-
 def _convert(arm: str, source: Path, workdir: Path) -> Path:
     if ARMS[arm] is None:
         return source
@@ -152,7 +135,7 @@ def _trials(model, tokenizer, filler, length: int, settings: list[tuple[float, i
                 "answer": answer,
                 "prompt_tokens": int(inputs["input_ids"].shape[1]),
                 "prefill_s": stamps.times[0] - start,
-                "cache_bytes": _tensor_bytes(cache.layers) if cache is not None else None,
+                "cache_bytes": held_bytes(cache.layers) if cache is not None else None,
                 "cache_type": type(cache.layers[0]).__name__ if cache is not None else None,
             }
         )
@@ -185,7 +168,7 @@ def _decode_times(models: dict, contexts: list[int], rounds: int) -> dict:
         for arm in models:
             results[arm][context] = {
                 "decode_ms": statistics.median(steps[arm]),
-                "cache_bytes": _tensor_bytes(caches[arm].layers),
+                "cache_bytes": held_bytes(caches[arm].layers),
             }
         logger.info(
             "decode at %d tokens: %s", context, {a: round(r[context]["decode_ms"], 1) for a, r in results.items()}

@@ -10,7 +10,7 @@ from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
 
 import performer_hf
 from performer_hf import PerformerCache
-from performer_hf.integrations import CACHE_KEYWORD
+from performer_hf.integrations import CACHE_KEYWORD, held_bytes
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -137,19 +137,6 @@ def test_cached_generation_equals_a_full_forward(arch, implementation, tmp_path)
     assert torch.equal(default.sequences, generated.sequences)
 
 
-def _tensor_bytes(value) -> int:
-    """Bytes of every tensor reachable from ``value`` through attributes, lists, tuples and dicts."""
-    if torch.is_tensor(value):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(item) for item in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(item) for item in value)
-    if hasattr(value, "__dict__") and not isinstance(value, type):
-        return sum(_tensor_bytes(item) for item in vars(value).values())
-    return 0
-
-
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_cache_bytes_do_not_grow_with_the_context(arch, implementation, tmp_path):
@@ -162,7 +149,7 @@ def test_cache_bytes_do_not_grow_with_the_context(arch, implementation, tmp_path
             model(_ids(1, context), use_cache=True, **{CACHE_KEYWORD: cache})
             model(_ids(1, 1, seed=2), use_cache=True, **{CACHE_KEYWORD: cache})  # one decoding step
         assert cache.get_seq_length() == context + 1
-        sizes[context] = _tensor_bytes(cache.layers)
+        sizes[context] = held_bytes(cache.layers)
     assert sizes[256] == sizes[4096] > 0
 
 
@@ -181,7 +168,7 @@ def test_sparse_keeps_grouped_keys_and_a_budget_bounds_its_cache(arch, tmp_path)
                 model(_ids(1, 1, seed=2), use_cache=True, **{CACHE_KEYWORD: cache})
             state = cache.layers[0].get_state()
             assert cache.get_seq_length() == context + 1 and state.keys.shape[1] == {"llama": 2, "gpt2": 4}[arch]
-            sizes[budget, context] = _tensor_bytes(cache.layers)
+            sizes[budget, context] = held_bytes(cache.layers)
     assert sizes[3, 256] == sizes[3, 1024] < sizes[0, 256] < sizes[0, 1024]
 
 
@@ -222,7 +209,7 @@ def test_plain_generate_decodes_from_the_methods_own_state(arch, method, tmp_pat
             type(layer).__name__ for layer, kind in zip(layers, layer_types, strict=True) if kind != "sliding_attention"
         }
         assert kinds == {layer_class}
-        sizes.append(_tensor_bytes([layer for layer in layers if type(layer).__name__ == layer_class]))
+        sizes.append(held_bytes([layer for layer in layers if type(layer).__name__ == layer_class]))
     assert sizes[0] == sizes[1] > 0
 
 

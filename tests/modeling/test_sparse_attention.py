@@ -7,6 +7,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
 
 from performer_hf import PerformerConfig
+from performer_hf.modeling.cache_performer import held_bytes
 from performer_hf.modeling.sparse_attention import sparse_attention
 from performer_hf.modeling.sparse_spec import SparseSpec
 from tests.sparse_reference import reference_sparse
@@ -185,14 +186,14 @@ def test_a_budget_bounds_the_state_and_keeping_every_block_does_not():
         spec = SparseSpec(local_window=8, num_global_tokens=2, block_size=4, select_blocks=2, budget=budget)
         _, short = sparse_attention(q[:, :, :100], k[:, :, :100], v[:, :, :100], spec, return_state=True)
         _, long = sparse_attention(q, k, v, spec, return_state=True)
-        sizes[budget] = short.nbytes(), long.nbytes()
+        sizes[budget] = held_bytes(short), held_bytes(long)
     assert sizes[3][0] == sizes[3][1]
     assert sizes[0][1] > 1.8 * sizes[0][0]
     assert sizes[3][1] < sizes[0][1] / 5
     # no selection: nothing is kept beyond the window and the global tokens
     spec = SPECS["window and globals only"]
     states = [sparse_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], spec, return_state=True)[1] for n in (100, 200)]
-    assert states[0].nbytes() == states[1].nbytes() < sizes[3][1] and states[1].pool_keys.shape[2] == 0
+    assert held_bytes(states[0]) == held_bytes(states[1]) < sizes[3][1] and states[1].pool_keys.shape[2] == 0
 
 
 def test_gradients_match_the_reference():
@@ -242,3 +243,32 @@ def test_bidirectional_calls_are_refused():
     )
     with pytest.raises(ValueError, match="causal only"):
         PerformerModel(config)(torch.ones(1, 5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("spec", [LATEST, SPECS["window+globals+select"]], ids=["latest ranking", "every block"])
+def test_growing_in_place_decodes_the_same_and_never_writes_the_callers_tensors(spec):
+    """grow_in_place (what the cache layer asks for): the same outputs and states as concatenating, one token at a
+    time after a prefill; new keys go into the spare rows of the state's buffer (its storage is reused between
+    steps); the caller's tensors, whose slices the prefill's state starts from, are never written; and the state
+    never keeps the prompt's keys alive."""
+    q, k, v, mask = _inputs(length=150)
+    inputs = [t.clone() for t in (q, k, v, mask)]
+    prompt = 40
+    with torch.no_grad():
+        _, grown = sparse_attention(
+            q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], spec, mask[:, :prompt], return_state=True
+        )
+        copied, storages = grown, set()
+        callers = {x.untyped_storage().data_ptr() for x in (q, k, v, mask)}
+        assert not callers & {t.untyped_storage().data_ptr() for t in grown if torch.is_tensor(t)}
+        for t in range(prompt, 150):
+            args = [x[:, :, t : t + 1] for x in (q, k, v)]
+            out, grown = sparse_attention(*args, spec, mask[:, t : t + 1], grown, return_state=True, grow_in_place=True)
+            expected, copied = sparse_attention(*args, spec, mask[:, t : t + 1], copied, return_state=True)
+            torch.testing.assert_close(out, expected, rtol=0, atol=0)
+            for ours, theirs in zip(grown, copied, strict=True):
+                assert torch.equal(ours, theirs) if torch.is_tensor(ours) else ours == theirs
+            storages.add(grown.keys.untyped_storage().data_ptr())
+    assert 2 <= len(storages) <= 3  # 110 new rows: a new buffer only when the 64 spare rows are used up
+    for before, after in zip(inputs, (q, k, v, mask), strict=True):
+        assert torch.equal(before, after)

@@ -3,6 +3,7 @@
 their settings live (``attention_settings.py``), their decoding cache (``cache.py``) and attention transfer, which
 trains their small learnable parts to match the source's softmax attention (``attention_transfer.py``)."""
 
+from ..modeling.cache_performer import held_bytes
 from .attention_interface import register_attention_implementations
 from .attention_transfer import TransferReport, text_batches, transfer_attention
 from .cache import CACHE_KEYWORD, PerformerCache
@@ -13,5 +14,6 @@ __all__ = [
     "TransferReport",
     "register_attention_implementations",
     "text_batches",
+    "held_bytes",
     "transfer_attention",
 ]

@@ -25,6 +25,36 @@ from .favor_attention import FavorState
 from .hybrid_spec import HybridState
 from .sparse_spec import SparseState
 
+
+def held_bytes(value) -> int:
+    """Bytes of memory ``value`` (a cache, a cache layer, a state, or lists, tuples, dicts and attributes of them)
+    keeps alive: every distinct tensor storage reachable from it, counted once and whole (a view keeps all of its
+    storage)."""
+    storages: dict[int, int] = {}
+
+    def visit(item, seen: set[int]) -> None:
+        if torch.is_tensor(item):
+            storage = item.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif id(item) in seen or isinstance(item, type):
+            return
+        elif isinstance(item, dict):
+            seen.add(id(item))
+            for element in item.values():
+                visit(element, seen)
+        elif isinstance(item, (list, tuple)):
+            seen.add(id(item))
+            for element in item:
+                visit(element, seen)
+        elif hasattr(item, "__dict__"):
+            seen.add(id(item))
+            for element in vars(item).values():
+                visit(element, seen)
+
+    visit(value, set())
+    return sum(storages.values())
+
+
 _KV, _SHIFT = 0, 1  # recurrent-state slots of a FavorCacheLayer
 
 
@@ -131,7 +161,8 @@ class _TupleStateLayer(_BatchFirstState, CacheLayerMixin):
 
     def update_state(self, state):
         """Store the state a method returned with ``return_state=True`` (detached); returns it."""
-        self.state = type(state)(*(t.detach() if torch.is_tensor(t) else t for t in state))
+        # tensors without gradients are kept as they are: still views of the buffers they grow in (sparse attention)
+        self.state = type(state)(*(t.detach() if torch.is_tensor(t) and t.requires_grad else t for t in state))
         self.is_initialized = True
         return self.state
 
@@ -221,4 +252,4 @@ class SparseCacheLayer(_TupleStateLayer):
         self.state: SparseState | None = None
 
 
-__all__ = ["FavorCacheLayer", "HybridCacheLayer", "SparseCacheLayer"]
+__all__ = ["FavorCacheLayer", "HybridCacheLayer", "SparseCacheLayer", "held_bytes"]

@@ -31,7 +31,8 @@ def sparse_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None
     length, total = q.shape[2], k.shape[2]
     if layer_cache is not None:
         new_mask = None if key_mask is None else key_mask[:, -length:]
-        context, state = sparse_attention(q, k, v, spec, new_mask, layer_cache.get_state(), return_state=True)
+        state = layer_cache.get_state()  # the cache layer keeps only the next state: it may grow in place
+        context, state = sparse_attention(q, k, v, spec, new_mask, state, return_state=True, grow_in_place=True)
         layer_cache.update_state(state)
         return context, None
     if spec.covers(total):  # every query reads every earlier key: SDPA's exact causal attention

@@ -100,6 +100,7 @@ def sparse_attention(
     key_padding_mask: Tensor | None = None,
     state: SparseState | None = None,
     return_state: bool = False,
+    grow_in_place: bool = False,
 ):
     """Causal sparse attention of L new tokens after ``state`` (or from the start).
 
@@ -111,6 +112,9 @@ def sparse_attention(
         key_padding_mask: (B, Lk) bool over the keys given, True for real tokens; None: all real.
         state: what the earlier tokens left (:class:`.SparseState`), or None.
         return_state: also return the state after these tokens.
+        grow_in_place: the new tokens' keys and values may be written into spare rows of the storage of ``state``'s
+            (which then must not be used again: a cache layer, which keeps only the returned state), so that a
+            decoding step does not copy the stored keys. Without gradients only.
 
     Returns:
         The context (B, H, L, Dv), and the new state when ``return_state``.
@@ -131,9 +135,10 @@ def sparse_attention(
         state = SparseState.empty(k, v, block)
         keys, values, key_mask = k, v, new_mask
     else:
-        keys = torch.cat([state.keys, k.to(state.keys.dtype)], dim=2)  # (B, Hkv, R, D): positions start ... end - 1
-        values = torch.cat([state.values, v.to(state.values.dtype)], dim=2)
-        key_mask = torch.cat([state.key_mask, new_mask], dim=1)  # (B, R)
+        in_place = grow_in_place and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
+        keys = _append_rows(state.keys, k.to(state.keys.dtype), in_place)  # (B, Hkv, R, D): positions start...end-1
+        values = _append_rows(state.values, v.to(state.values.dtype), in_place)
+        key_mask = _append_rows(state.key_mask, new_mask, in_place)  # (B, R)
     first, start = state.length + past, state.start
     end = first + L
     known, last = state.global_keys.shape[2], min(spec.num_global_tokens, end)  # global tokens: [0, last)
@@ -159,10 +164,10 @@ def sparse_attention(
         return context
     drop = pushed * block - start
     new_state = SparseState(
-        keys[:, :, drop:],
-        values[:, :, drop:],
-        key_mask[:, drop:],
-        mass[:, :, drop // block :],
+        _kept(keys[:, :, drop:], grow_in_place),
+        _kept(values[:, :, drop:], grow_in_place),
+        _kept(key_mask[:, drop:], grow_in_place),
+        _kept(mass[:, :, drop // block :], False),
         pool.keys,
         pool.values,
         pool.mask,
@@ -174,6 +179,49 @@ def sparse_attention(
         length=end,
     )
     return context, new_state
+
+
+SPARE_ROWS = 64  # rows a buffer of stored keys leaves free after them (grow_in_place)
+
+
+def _append_rows(stored: Tensor, new: Tensor, in_place: bool) -> Tensor:
+    """stored rows followed by new ones: keys or values (B, Hkv, R, D) and (B, Hkv, n, D) along dim 2, masks (B, R)
+    and (B, n) along dim 1. With ``in_place``, written into the spare rows of the buffer stored is a view of, when it
+    is one of :func:`_rows_buffer`'s and they suffice; else copied into a new one. Without: concatenated."""
+    dim = 2 if stored.dim() == 4 else 1
+    rows, n = stored.shape[dim], new.shape[dim]
+    if not in_place:
+        return torch.cat([stored, new], dim=dim)
+    buffer = stored._base  # a buffer of ours when stored is its rows first ... first + rows - 1
+    if getattr(buffer, "_sparse_rows_buffer", False) and stored.stride() == buffer.stride():
+        first = (stored.data_ptr() - buffer.data_ptr()) // (stored.element_size() * stored.stride(dim))
+        if first + rows + n <= buffer.shape[dim] and stored.shape[:dim] == buffer.shape[:dim]:
+            grown = buffer.narrow(dim, first, rows + n)
+            grown.narrow(dim, rows, n).copy_(new)
+            return grown
+    return _rows_buffer(stored, new)
+
+
+def _rows_buffer(*parts: Tensor) -> Tensor:
+    """The rows of parts one after another (as in :func:`_append_rows`) in a buffer of their own, with
+    ``SPARE_ROWS`` free rows after them."""
+    dim = 2 if parts[0].dim() == 4 else 1
+    rows = sum(part.shape[dim] for part in parts)
+    shape = list(parts[0].shape)
+    shape[dim] = rows + SPARE_ROWS
+    buffer = parts[0].new_empty(shape)
+    buffer._sparse_rows_buffer = True
+    torch.cat(parts, dim=dim, out=buffer.narrow(dim, 0, rows))
+    return buffer.narrow(dim, 0, rows)
+
+
+def _kept(rows: Tensor, spare: bool) -> Tensor:
+    """A tensor as a state keeps it: as it is when it is a view of a buffer of ours or holds its storage alone;
+    else copied (into a buffer with spare rows when ``spare``), so that the state does not keep alive more than it
+    reads (the caller's keys, rows dropped from the front)."""
+    if getattr(rows._base, "_sparse_rows_buffer", False) or rows.untyped_storage().nbytes() == rows.nbytes:
+        return rows
+    return _rows_buffer(rows) if spare else rows.clone(memory_format=torch.contiguous_format)
 
 
 class _BlockWalk:
@@ -280,8 +328,9 @@ def _decode_step(q: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | Non
     if kernels is not None:
         keys, values = keys.contiguous(), values.contiguous()
         runs = [_run(keys, values, key_mask, lo, hi) for lo, hi in ((0, outside), (0, window_lo), (window_lo, T))]
-        geometry = [block, spec.select_blocks, spec.num_global_tokens, 0]  # global tokens are not selectable
-        context, _ = kernels.sparse_decode_step(q.reshape(B, Hkv, G, D), [t for run in runs for t in run], geometry)
+        geometry = [block, spec.select_blocks, spec.num_global_tokens]  # global tokens are not selectable
+        runs = [t for run in runs for t in run]
+        context = kernels.sparse_decode_step(q.reshape(B, Hkv, G, D), runs, geometry, torch.empty(0))  # no scores
         return context.view(B, H, 1, Dv)
     logits = q.view(B, Hkv, G, D) @ keys.transpose(-1, -2) * D**-0.5  # (B, Hkv, G, T)
     if key_mask is not None:
@@ -306,9 +355,8 @@ def _decode_step(q: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | Non
 
 def _run(keys: Tensor, values: Tensor, key_mask: Tensor | None, lo: int, hi: int) -> tuple[Tensor, Tensor, Tensor]:
     """Rows lo ... hi - 1 of keys and values (B, Hkv, T, D) and of key_mask (B, T) or None, as the compiled step
-    takes a run of keys: views, the mask (B, Hkv, hi - lo) or empty (every key visible)."""
-    B, Hkv = keys.shape[:2]
-    mask = torch.empty(0, dtype=torch.bool) if key_mask is None else key_mask[:, None, lo:hi].expand(B, Hkv, -1)
+    takes a run of keys: views, and the mask's or an empty one (every key visible)."""
+    mask = torch.empty(0, dtype=torch.bool) if key_mask is None else key_mask[:, lo:hi]
     return keys[:, :, lo:hi], values[:, :, lo:hi], mask
 
 
@@ -341,10 +389,11 @@ def _pooled_decode_step(q, keys, values, key_mask, globals_, state: SparseState,
         pool_mask,
         *_run(keys, values, key_mask, left, keys.shape[2]),
     ]
-    geometry = [block, spec.select_blocks, 0, int(spec.budget > 0)]
-    context, observed = kernels.sparse_decode_step(q.reshape(B, Hkv, -1, D).contiguous(), runs, geometry)
+    scores = pool.score.clone() if spec.budget else torch.empty(0)  # + each pool block's attention from the query
+    geometry = [block, spec.select_blocks, 0]
+    context = kernels.sparse_decode_step(q.reshape(B, Hkv, -1, D).contiguous(), runs, geometry, scores)
     if spec.budget:
-        pool.score = pool.score + observed
+        pool.score = scores
         pool.prune(spec.budget)
     return context.view(B, H, 1, -1), pool, window_block
 

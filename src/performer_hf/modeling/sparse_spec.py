@@ -159,7 +159,3 @@ class SparseState(NamedTuple):
             start=0,
             length=0,
         )
-
-    def nbytes(self) -> int:
-        """Bytes held by the state's tensors."""
-        return sum(t.numel() * t.element_size() for t in self if torch.is_tensor(t))

@@ -107,10 +107,11 @@ std::vector<torch::Tensor> quadratic_far_apply_backward(torch::Tensor u, torch::
 torch::Tensor top_blocks(torch::Tensor scores, int64_t R);
 torch::Tensor routed_candidates(const std::vector<torch::Tensor>& blocks, const std::vector<int64_t>& settings);
 // sparse attention's decoding step: q (B, Hkv, G, D); runs: keys (B, Hkv, rows, D), values (B, Hkv, rows, Dv) and
-// mask (B, Hkv, rows) or empty, of the global tokens, the candidate blocks and the window (rows contiguous);
-// geometry: block, select_blocks, skip (candidate rows never selected), observe (1: also return each candidate
-// block's attention under a softmax over the candidates). Returns the context (B, Hkv, G, Dv) and that (B, Hkv, N).
-std::vector<torch::Tensor> sparse_decode_step(torch::Tensor q, const std::vector<torch::Tensor>& runs,
-                                              const std::vector<int64_t>& geometry);
+// mask (B, Hkv, rows), (B, rows) or empty, of the global tokens, the candidate blocks and the window (rows
+// contiguous); geometry: block, select_blocks, skip (candidate rows never selected); scores: (B, Hkv, N) float32 to
+// which each candidate block's attention under a softmax over the candidates is added, or empty. Returns the
+// context (B, Hkv, G, Dv).
+torch::Tensor sparse_decode_step(torch::Tensor q, const std::vector<torch::Tensor>& runs,
+                                const std::vector<int64_t>& geometry, torch::Tensor scores);
 
 }  // namespace performer_hf

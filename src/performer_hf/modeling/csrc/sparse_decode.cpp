@@ -4,8 +4,8 @@
 // cache's blocks before the window, or a bounded pool) and the window. The first pass forms the logits against
 // every key, which is what attention over a key/value cache reads anyway; the second ranks the candidate blocks by
 // their attention mass, then takes the softmax over the global tokens, the selected blocks and the window, reading
-// only their values. Optionally it also returns the attention each candidate block receives under a softmax over
-// the candidates alone (what the bounded pool's "latest" ranking accumulates).
+// only their values. Optionally it also adds to each candidate block's score the attention the block receives under
+// a softmax over the candidates alone (what the bounded pool's "latest" ranking accumulates).
 #include "hybrid_kernels.h"
 
 namespace performer_hf {
@@ -36,7 +36,7 @@ inline void dots(const float* query, const float* keys, int64_t D, float* out) {
 }
 
 // One run of keys and values (B, Hkv, rows, D / Dv), rows contiguous, any batch and head strides, with its
-// visibility mask (B, Hkv, rows) (rows contiguous; absent: every key visible).
+// visibility mask (B, Hkv, rows) or (B, rows) for every head (rows contiguous; absent: every key visible).
 struct Run {
   const float* keys;
   const float* values;
@@ -54,14 +54,14 @@ struct Run {
         value_b(v.stride(0)),
         value_h(v.stride(1)),
         mask_b(m.numel() ? m.stride(0) : 0),
-        mask_h(m.numel() ? m.stride(1) : 0),
+        mask_h(m.numel() && m.dim() == 3 ? m.stride(1) : 0),
         always_visible(always_visible) {
     TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
                 "sparse_decode_step takes float32 keys and values");
     TORCH_CHECK(!rows || (k.stride(3) == 1 && k.stride(2) == k.size(3) && v.stride(3) == 1 && v.stride(2) == v.size(3)),
                 "sparse_decode_step takes keys and values with contiguous rows");
-    TORCH_CHECK(!m.numel() || (m.scalar_type() == torch::kBool && m.size(2) == rows && m.stride(2) == 1),
-                "sparse_decode_step takes (B, Hkv, rows) bool masks with contiguous rows");
+    TORCH_CHECK(!m.numel() || (m.scalar_type() == torch::kBool && m.size(-1) == rows && m.stride(-1) == 1),
+                "sparse_decode_step takes (B, Hkv, rows) or (B, rows) bool masks with contiguous rows");
   }
   const float* key_row(int64_t b, int64_t h, int64_t t, int64_t D) const { return keys + b * key_b + h * key_h + t * D; }
   const float* value_row(int64_t b, int64_t h, int64_t t, int64_t Dv) const {
@@ -132,15 +132,19 @@ std::vector<int64_t> selected_blocks(const float* cand, int64_t G, int64_t K, in
 // observed (N,) += the attention each candidate block receives from the G queries, under a softmax over the
 // candidate keys alone per query (a query with every candidate hidden adds nothing)
 void observe_blocks(const float* cand, int64_t G, int64_t K, int64_t C, int64_t block, float* observed) {
+  std::vector<float> weights(C);
   for (int64_t g = 0; g < G; ++g) {
     const float* row = cand + g * K;
     float peak = -std::numeric_limits<float>::infinity(), total = 0.0f;
+#pragma omp simd reduction(max : peak)
     for (int64_t t = 0; t < C; ++t) peak = std::max(peak, row[t]);
     if (!std::isfinite(peak)) continue;
-    for (int64_t t = 0; t < C; ++t) total += exp_approx(row[t] - peak);
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < C; ++t) total += weights[t] = exp_approx(row[t] - peak);
     for (int64_t n = 0; n < C / block; ++n) {
       float sum = 0.0f;
-      for (int64_t t = n * block; t < (n + 1) * block; ++t) sum += exp_approx(row[t] - peak);
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = n * block; t < (n + 1) * block; ++t) sum += weights[t];
       observed[n] += sum / total;
     }
   }
@@ -151,14 +155,15 @@ struct Span {  // logits columns [start, stop) of a run's rows from `first` on
   const Run* run;
 };
 
+
 }  // namespace
 
-std::vector<torch::Tensor> sparse_decode_step(torch::Tensor q, const std::vector<torch::Tensor>& runs,
-                                              const std::vector<int64_t>& geometry) {
+torch::Tensor sparse_decode_step(torch::Tensor q, const std::vector<torch::Tensor>& runs,
+                                const std::vector<int64_t>& geometry, torch::Tensor scores) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous(), "sparse_decode_step takes a contiguous float32 q");
   TORCH_CHECK(runs.size() == 9, "sparse_decode_step takes (keys, values, mask) of the globals, candidates, window");
   const int64_t block = geometry[0], select = geometry[1], skip = geometry[2];
-  const bool observe = geometry[3] != 0;
+  const bool observe = scores.numel() > 0;
   const Run globals(runs[0], runs[1], runs[2], -1), candidates(runs[3], runs[4], runs[5], -1),
       window(runs[6], runs[7], runs[8], runs[6].size(2) - 1);  // every query sees itself
   const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3), Dv = runs[7].size(3);
@@ -167,9 +172,11 @@ std::vector<torch::Tensor> sparse_decode_step(torch::Tensor q, const std::vector
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   auto logits = torch::empty({B, Hkv, G, K}, q.options());
   auto out = torch::empty({B, Hkv, G, Dv}, q.options());
-  auto observed = torch::zeros({B, Hkv, observe ? N : 0}, q.options());
+  TORCH_CHECK(!observe || (scores.scalar_type() == torch::kFloat && scores.is_contiguous() && scores.size(2) == N),
+              "sparse_decode_step takes (B, Hkv, N) contiguous float32 block scores");
   const float* qp = q.data_ptr<float>();
-  float *lp = logits.data_ptr<float>(), *op = out.data_ptr<float>(), *obs = observed.data_ptr<float>();
+  float *lp = logits.data_ptr<float>(), *op = out.data_ptr<float>();
+  float* obs = observe ? scores.data_ptr<float>() : nullptr;
 
   const Run* order[3] = {&globals, &candidates, &window};
   const int64_t offsets[3] = {0, S, S + C};
@@ -187,27 +194,41 @@ std::vector<torch::Tensor> sparse_decode_step(torch::Tensor q, const std::vector
   });
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<Span> spans;
+    std::vector<float> acc(G * Dv), total(G);
     for (int64_t bh = lo; bh < hi; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv;
-      const float* row = lp + bh * G * K;
-      if (observe) observe_blocks(row + S, G, K, C, block, obs + bh * N);
-      std::vector<Span> spans;
+      float* rows = lp + bh * G * K;
+      if (observe) observe_blocks(rows + S, G, K, C, block, obs + bh * N);
+      // the spans read: the global tokens, the selected candidate blocks, the window
+      spans.clear();
       if (S) spans.push_back({0, S, 0, &globals});
-      for (int64_t n : selected_blocks(row + S, G, K, C, block, skip, select)) {
+      for (int64_t n : selected_blocks(rows + S, G, K, C, block, skip, select)) {
         const int64_t first = std::max(n * block, skip);
         if (first < (n + 1) * block) spans.push_back({S + first, S + (n + 1) * block, first, &candidates});
       }
       spans.push_back({S + C, K, 0, &window});
-      std::vector<float> peak(G, -std::numeric_limits<float>::infinity()), total(G, 0.0f), acc(G * Dv, 0.0f);
-      for (const Span& span : spans)
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t t = span.start; t < span.stop; ++t) peak[g] = std::max(peak[g], row[g * K + t]);
+      // each query's exponentials over the spans, in place of its logits
+      for (int64_t g = 0; g < G; ++g) {
+        float* row = rows + g * K;
+        float peak = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+        for (const Span& span : spans) {
+#pragma omp simd reduction(max : peak)
+          for (int64_t t = span.start; t < span.stop; ++t) peak = std::max(peak, row[t]);
+        }
+        for (const Span& span : spans) {
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = span.start; t < span.stop; ++t) sum += row[t] = exp_approx(row[t] - peak);
+        }
+        total[g] = sum;
+      }
+      // the values they weigh, each value row read once for the G queries
+      std::fill(acc.begin(), acc.end(), 0.0f);
       for (const Span& span : spans) {
-        for (int64_t t = span.start; t < span.stop; ++t) {
-          const float* value = span.run->value_row(b, h, span.first + t - span.start, Dv);
+        const float* value = span.run->value_row(b, h, span.first, Dv);
+        for (int64_t t = span.start; t < span.stop; ++t, value += Dv) {
           for (int64_t g = 0; g < G; ++g) {
-            const float w = exp_approx(row[g * K + t] - peak[g]);
-            total[g] += w;
+            const float w = rows[g * K + t];
             float* sums = acc.data() + g * Dv;
 #pragma omp simd
             for (int64_t e = 0; e < Dv; ++e) sums[e] += w * value[e];
@@ -218,7 +239,7 @@ std::vector<torch::Tensor> sparse_decode_step(torch::Tensor q, const std::vector
         for (int64_t e = 0; e < Dv; ++e) op[(bh * G + g) * Dv + e] = acc[g * Dv + e] / total[g];
     }
   });
-  return {out, observed};
+  return out;
 }
 
 }  // namespace performer_hf
