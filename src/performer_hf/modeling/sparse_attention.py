@@ -131,7 +131,8 @@ def sparse_attention(
     new_mask = key_padding_mask
     if new_mask is None:
         new_mask = torch.ones(B, k.shape[2], dtype=torch.bool, device=k.device)
-    if state is None:  # the keys are stored as given: positions 0 ... P + L - 1
+    given = state is None
+    if given:  # the keys are stored as given: positions 0 ... P + L - 1
         state = SparseState.empty(k, v, block)
         keys, values, key_mask = k, v, new_mask
     else:
@@ -163,11 +164,14 @@ def sparse_attention(
     if not return_state:
         return context
     drop = pushed * block - start
+    if drop or given:  # views of the caller's keys or of more rows than kept: the state takes its own
+        keys, values = _kept(keys[:, :, drop:], grow_in_place), _kept(values[:, :, drop:], grow_in_place)
+        key_mask, mass = _kept(key_mask[:, drop:], grow_in_place), _kept(mass[:, :, drop // block :], False)
     new_state = SparseState(
-        _kept(keys[:, :, drop:], grow_in_place),
-        _kept(values[:, :, drop:], grow_in_place),
-        _kept(key_mask[:, drop:], grow_in_place),
-        _kept(mass[:, :, drop // block :], False),
+        keys,
+        values,
+        key_mask,
+        mass,
         pool.keys,
         pool.values,
         pool.mask,
@@ -356,8 +360,10 @@ def _decode_step(q: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | Non
 def _run(keys: Tensor, values: Tensor, key_mask: Tensor | None, lo: int, hi: int) -> tuple[Tensor, Tensor, Tensor]:
     """Rows lo ... hi - 1 of keys and values (B, Hkv, T, D) and of key_mask (B, T) or None, as the compiled step
     takes a run of keys: views, and the mask's or an empty one (every key visible)."""
-    mask = torch.empty(0, dtype=torch.bool) if key_mask is None else key_mask[:, lo:hi]
-    return keys[:, :, lo:hi], values[:, :, lo:hi], mask
+    mask = torch.empty(0, dtype=torch.bool) if key_mask is None else key_mask
+    if (lo, hi) == (0, keys.shape[2]):
+        return keys, values, mask
+    return keys[:, :, lo:hi], values[:, :, lo:hi], mask[:, lo:hi] if mask.numel() else mask
 
 
 def _pooled_decode_step(q, keys, values, key_mask, globals_, state: SparseState, spec: SparseSpec, kernels):

@@ -28,8 +28,9 @@ inline void dots(const float* query, const float* keys, int64_t D, float* out) {
       for (int64_t l = 0; l < kDotLanes; ++l) acc[j][l] += query[e0 + l] * key[l];
     }
   for (int64_t j = 0; j < kKeys; ++j) {
-    float sum = 0.0f;
-    for (int64_t l = 0; l < kDotLanes; ++l) sum += acc[j][l];
+    for (int64_t width = kDotLanes / 2; width > 0; width /= 2)  // the lanes summed pairwise: vector adds
+      for (int64_t l = 0; l < width; ++l) acc[j][l] += acc[j][l + width];
+    float sum = acc[j][0];
     for (int64_t e = body; e < D; ++e) sum += query[e] * keys[j * D + e];
     out[j] = sum;
   }
