@@ -10,8 +10,9 @@ cache argument, as a user would):
   method with ``select_blocks=0``);
 - ``hybrid``: the in-place conversion's hybrid (window 64, first token, FAVOR++ far field), the default before the
   sparse method;
-- ``sparse``: the sparse method's preset (window 512, 4 global tokens, 8 selected blocks of 64 per query, every
-  block kept);
+- ``sparse``: the sparse method's preset, the default (window 512, 4 global tokens, 8 selected blocks of 64 per query;
+  16 blocks kept beyond the window, the ones the prompt's last queries attend to most: ``latest-16``);
+- ``keep-all``: the same, every block kept (``select_budget=0``): cached decoding computes what a full forward does;
 - ``bounded-N``: the sparse method keeping N blocks once they leave the window (``select_budget``), the ones that
   received the most attention in the window (causal);
 - ``latest-N``: the same budget, the blocks that the prompt's last queries attend to most (``select_ranking=
@@ -61,11 +62,12 @@ METHOD_FIELDS = {name: method.fields for name, method in ATTENTION_METHODS.items
 # arm -> convert()'s method and overrides (None: the source itself)
 ARMS = {
     "source": None,
-    "window": ("sparse", {"select_blocks": 0}),
+    "window": ("sparse", {"select_blocks": 0, "select_budget": 0}),
     "hybrid": ("hybrid", {}),
-    "sparse": ("sparse", {}),
-    "bounded-8": ("sparse", {"select_budget": 8}),
-    "bounded-16": ("sparse", {"select_budget": 16}),
+    "sparse": ("sparse", {}),  # the default: 16 blocks kept, ranked by the prompt's last queries
+    "keep-all": ("sparse", {"select_budget": 0}),
+    "bounded-8": ("sparse", {"select_budget": 8, "select_ranking": "window"}),
+    "bounded-16": ("sparse", {"select_budget": 16, "select_ranking": "window"}),
     "latest-8": ("sparse", {"select_budget": 8, "select_ranking": "latest"}),
     "latest-16": ("sparse", {"select_budget": 16, "select_ranking": "latest"}),
 }

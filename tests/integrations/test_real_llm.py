@@ -42,8 +42,8 @@ def test_greedy_text_and_cached_decoding(smollm2):
     short = tokenizer("The Python programming language is", return_tensors="pt")
     expected = source.generate(**short, max_new_tokens=12, do_sample=False)
     assert torch.equal(model.generate(**short, max_new_tokens=12, do_sample=False), expected)
-    # 1,200 tokens: past the window and the selected blocks; plain generate() equals a full forward, and so does the
-    # bounded cache with a budget
+    # 1,200 tokens: past the window and the selected blocks, within the 16 blocks the default keeps; plain generate()
+    # equals a full forward, and so does a bounded cache that ranks its blocks causally when it drops some
     text = "\n\n".join(python_docs())
     prompt = tokenizer(text, return_tensors="pt").input_ids[:, 1000:2200]
     options = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -52,7 +52,11 @@ def test_greedy_text_and_cached_decoding(smollm2):
     for step, logits in enumerate(generated.logits):
         torch.testing.assert_close(logits[0], full[0, 1199 + step], atol=1e-4, rtol=1e-4)
     assert not torch.allclose(full[0, :1200], source(prompt).logits[0], atol=1e-3)  # not softmax attention
-    model.config.performer_attention = {**model.config.performer_attention, "select_budget": 8}
+    model.config.performer_attention = {
+        **model.config.performer_attention,
+        "select_budget": 8,
+        "select_ranking": "window",
+    }
     bounded = model.generate(prompt, **options, **{CACHE_KEYWORD: PerformerCache(model.config)})
     full = model(bounded.sequences).logits
     for step, logits in enumerate(bounded.logits):

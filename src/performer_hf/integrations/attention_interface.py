@@ -142,13 +142,11 @@ def _performer_attention(implementation: str):
 
 def _starts_own_state(state, query: Tensor, key: Tensor, causal: bool) -> bool:
     """Whether a call begins a decoder's sequence (no earlier keys), without gradients, with a method whose decoding
-    keeps a state of its own: FAVOR+, the hybrid, and the sparse method with a bound (with every block kept, it
-    reads a key/value cache in place)."""
+    keeps a state of its own: FAVOR+, the hybrid and the sparse method (bounded, or every block kept: its state
+    grows in place where a key/value cache copies itself at every step, and it holds every position where a
+    sliding-window key/value layer would drop them)."""
     method = ATTENTION_METHODS[state.attention_method]
-    if not causal or method.cache_layer is None or key.shape[2] != query.shape[2] or torch.is_grad_enabled():
-        return False
-    spec = getattr(state, "sparse_spec", None)
-    return spec is None or spec.bounded
+    return causal and method.cache_layer is not None and key.shape[2] == query.shape[2] and not torch.is_grad_enabled()
 
 
 def _over_cached_keys(state, query: Tensor, key: Tensor, value: Tensor, key_mask, causal: bool) -> Tensor:

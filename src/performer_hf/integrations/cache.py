@@ -62,10 +62,10 @@ _ADOPTION_HOOK = "_performer_adoption_hook"
 
 def adopt_on_next_call(module: nn.Module, layer: CacheLayerMixin) -> None:
     """Hand ``layer`` (the method's own cache layer, holding the state of the keys this call of attention ``module``
-    read) to the caller's cache: when the module's next call gets a cache whose layer for it is a plain key/value
-    layer holding the same tokens (what ``generate()`` builds by default), ``layer`` takes its place before the
-    call runs, so that decoding reads the method's state. Other caches (none, a ``PerformerCache``, a static
-    cache) are left as they are, and the layer is dropped."""
+    read) to the caller's cache: when the module's next call gets a cache whose layer for it is a plain (or
+    sliding-window) key/value layer holding the same tokens (what ``generate()`` builds by default), ``layer``
+    takes its place before the call runs, so that decoding reads the method's state. Other caches (none, a
+    ``PerformerCache``, a static cache) are left as they are, and the layer is dropped."""
     module.__dict__[_PENDING_LAYER] = layer
     if _ADOPTION_HOOK not in module.__dict__:  # a pre-hook: the running call has passed its hooks already
         module.__dict__[_ADOPTION_HOOK] = module.register_forward_pre_hook(_adopt_pending_layer, with_kwargs=True)
@@ -77,7 +77,10 @@ def _adopt_pending_layer(module: nn.Module, args, kwargs) -> None:
     if layer is None or not isinstance(cache, Cache) or module.layer_idx >= len(cache.layers):
         return
     current = cache.layers[module.layer_idx]
-    if type(current) is DynamicLayer and current.get_seq_length() == layer.get_seq_length():
+    # a sliding-window layer too (Mistral's config may name a window): the method, not the window, decides what the
+    # layer reads
+    plain = type(current) in (DynamicLayer, DynamicSlidingWindowLayer)
+    if plain and current.get_seq_length() == layer.get_seq_length():
         cache.layers[module.layer_idx] = layer
 
 

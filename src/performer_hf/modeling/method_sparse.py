@@ -54,11 +54,12 @@ def sparse_card_lines(config) -> list[str]:
         "window": "that received the most attention in the window",
         "latest": "that the last queries of each call (the end of the prompt) attend to most",
     }
-    kept = (
-        f"the {config.select_budget} blocks {rankings[config.select_ranking]} (bounded decoding memory)"
-        if config.select_budget
-        else "every block (decoding memory grows with the context; reads do not)"
-    )
+    if not config.select_blocks:
+        kept = "none (no selection: the window and the global tokens only)"
+    elif config.select_budget:
+        kept = f"the {config.select_budget} blocks {rankings[config.select_ranking]} (bounded decoding memory)"
+    else:
+        kept = "every block (decoding memory grows with the context; reads do not)"
     return [
         f"- exact local window: the query's block and {config.local_window} tokens before it",
         f"- global tokens (exact for every query): {config.num_global_tokens}",

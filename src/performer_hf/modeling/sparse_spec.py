@@ -21,7 +21,8 @@ class SparseSpec:
       by the log-sum-exp of its logits over each block's keys (and the query heads that share a key/value head).
 
     ``budget``: 0 keeps every key block that leaves the window, so that any can be selected again (memory grows with
-    the context, reads do not); with ``select_blocks=0`` nothing is kept beyond the window and the global tokens.
+    the context, reads do not); with ``select_blocks=0`` nothing is kept beyond the window and the global tokens,
+    whatever the budget (it is taken as 0).
     ``n > 0`` keeps ``n`` blocks, and decoding memory stops growing. Which ones, by ``ranking``:
 
     - ``"window"``: the blocks that received the most attention while they were in the window, pruned as blocks
@@ -58,6 +59,8 @@ class SparseSpec:
     }
 
     def __post_init__(self):
+        if self.select_blocks == 0:  # nothing is ever selected: no block is worth keeping
+            object.__setattr__(self, "budget", 0)
         for name, low in self._LOWEST.items():
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
