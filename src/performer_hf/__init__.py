@@ -8,7 +8,13 @@ and ``"performer_sparse"`` with transformers' ``AttentionInterface``, for any mo
 import transformers
 
 from .conversion import convert
-from .integrations import PerformerCache, register_attention_implementations, transfer_attention
+from .integrations import (
+    CACHE_KEYWORD,
+    PerformerCache,
+    held_bytes,
+    register_attention_implementations,
+    transfer_attention,
+)
 from .modeling import modeling_performer
 from .modeling.cache_performer import FavorCacheLayer
 from .modeling.configuration_performer import PerformerConfig
@@ -22,10 +28,12 @@ for _model, _auto in modeling_performer.AUTO_CLASSES.items():
 register_attention_implementations()
 
 __all__ = [
+    "CACHE_KEYWORD",
     "FavorCacheLayer",
     "PerformerCache",
     "PerformerConfig",
     *modeling_performer.__all__,
     "convert",
+    "held_bytes",
     "transfer_attention",
 ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .cpu_kernels import hybrid_kernels
+from .method_exact import softmax_attention
 from .sparse_spec import SparseSpec, SparseState
 
 Tensor = torch.Tensor
@@ -328,6 +329,8 @@ def _decode_step(q: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | Non
     G, block = H // Hkv, spec.block_size
     window_lo = max(0, (T - 1) // block - spec.window_blocks) * block  # the window: keys window_lo ... T - 1
     outside = min(spec.num_global_tokens, window_lo)  # global tokens read apart from the window
+    if window_lo // block <= spec.select_blocks:  # every earlier key is read: exact attention, SDPA's fused kernel
+        return softmax_attention(q, keys, values, key_mask, True)[0]
     kernels = _decode_kernels(q, keys, values)
     if kernels is not None:
         keys, values = keys.contiguous(), values.contiguous()
