@@ -961,3 +961,33 @@ def test_lora_on_a_performer_adapts_its_attention_projections(assets, tmp_path):
     train_language_model("mlm", lm_args(assets, tmp_path / "out", "--lora_r", "2", steps=2))
     adapter = load_file(tmp_path / "out" / "adapter_model.safetensors")
     assert {name.split(".")[-3] for name in adapter} == {"query", "key", "value", "output"}
+
+
+def test_a_cpu_launch_that_asked_for_several_processes_stops_with_the_command_to_type(tmp_path, monkeypatch):
+    """`accelerate launch --cpu --num_processes 2` runs one process with MASTER_ADDR set and no WORLD_SIZE: the run
+    stops before anything is written and names `--multi_gpu`; a plain `--cpu` launch (one process) trains."""
+    from argparse import Namespace
+
+    from performer_hf.training.trainer import create_accelerator
+
+    for name in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    args = Namespace(
+        output_dir=str(tmp_path / "out"),
+        gradient_accumulation_steps=1,
+        mixed_precision="no",
+        report_to="none",
+        with_tracking=False,
+        seed=0,
+    )
+    with pytest.raises(TrainingInputError, match="--multi_gpu --num_processes N"):
+        create_accelerator(args)
+    assert not (tmp_path / "out").exists()
+    monkeypatch.delenv("MASTER_ADDR")
+    try:
+        assert create_accelerator(args).num_processes == 1
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

@@ -24,7 +24,7 @@ import torch
 import transformers
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
-from accelerate.utils import get_int_from_env, set_seed
+from accelerate.utils import get_int_from_env, parse_flag_from_env, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -60,8 +60,15 @@ def create_accelerator(args: argparse.Namespace) -> Accelerator:
 
     The seedable sampler makes the shuffled order a function of (seed, epoch) on every process.
     """
-    os.makedirs(args.output_dir, exist_ok=True)
     launched = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
+    if launched == 1 and parse_flag_from_env("ACCELERATE_USE_CPU") and "MASTER_ADDR" in os.environ:
+        # what `accelerate launch --cpu --num_processes N` (N > 1) leaves: its simple launcher starts one process
+        raise TrainingInputError(
+            "accelerate launch --cpu --num_processes N starts a single process (Accelerate's simple launcher), so "
+            "this run would train alone. For N CPU processes type `accelerate launch --multi_gpu --num_processes N "
+            "...` (without GPUs the scripts train on the CPU); for one, drop --num_processes."
+        )
+    os.makedirs(args.output_dir, exist_ok=True)
     accelerator = Accelerator(
         # Several processes on a machine without GPUs (`accelerate launch --multi_gpu` / torchrun):
         # without cpu=True Accelerate would let each process train alone.
