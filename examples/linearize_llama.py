@@ -1,6 +1,7 @@
 """Give a Llama-family checkpoint (Llama, Mistral, Qwen2 / Qwen3, Gemma3) Performer attention, keep its class and
-weights, and generate beside the source with plain ``generate()``: the sparse method (the default) reads its key/value
-cache in place; the hybrid and FAVOR+ decode from their constant-size state, which takes the cache's place.
+weights, and generate beside the source with plain ``generate()``: each method decodes from its own state (the sparse
+default's window and 16 kept key blocks; the hybrid's and FAVOR+'s constant-size state), which takes the key/value
+cache's place after the prompt.
 
     python examples/linearize_llama.py path/to/llama-folder out/llama-performer --prompt "The Python language is"
 

@@ -12,7 +12,6 @@ from huggingface_hub import ModelCard, ModelCardData
 from ..attention_card import kernel_description, method_description, method_lines, transfer_summary, uses_projection
 from ..integrations.attention_settings import ATTENTION_FIELDS
 from ..modeling.attention_methods import ATTENTION_METHODS
-from ..modeling.sparse_spec import SparseSpec
 from .fidelity import FidelityReport
 
 logger = logging.getLogger(__name__)
@@ -210,10 +209,7 @@ def build_in_place_card(
     read = ("attention_method", *ATTENTION_METHODS[method.attention_method].fields)  # the fields its method reads
     rows = [f"| `{name}` | {_field_value(getattr(method, name))} |" for name in ATTENTION_FIELDS if name in read]
     fields = "\n".join(rows)
-    if method.attention_method == "sparse" and not SparseSpec.from_config(method).bounded:
-        decoding = "model.generate(**inputs)  # reads generate()'s own key/value cache in place"
-    else:
-        decoding = "model.generate(**inputs)  # decodes from the method's own state, kept in generate()'s cache"
+    decoding = "model.generate(**inputs)  # decodes from the method's own state, kept in generate()'s cache"
     text = f"""# {base_model} with Performer attention
 
 `{base_model}` ({architecture}) with its softmax attention replaced by the `performer-hf` attention implementation

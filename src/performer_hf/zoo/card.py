@@ -16,7 +16,6 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from ..attention_card import kernel_description, method_description, method_lines, transfer_summary
 from ..integrations.attention_settings import head_shape, method_config
 from ..modeling.configuration_performer import PerformerConfig
-from ..modeling.sparse_spec import SparseSpec
 from .data import DATA_SETS, HUB_DATASETS
 from .evaluation import THIS_MODEL
 from .registry import MODEL_ASSETS, ZooEntry
@@ -208,8 +207,6 @@ METHOD_HEADINGS = {
 
 def _decoding(config: PerformerConfig) -> str:
     """What plain ``generate()`` keeps for the method, as the card's usage comment."""
-    if config.attention_method == "sparse" and not SparseSpec.from_config(config).bounded:
-        return "the sparse method reads generate()'s own key/value cache in place"
     return "the method's own decoding state takes the key/value cache's place after the prompt"
 
 
