@@ -80,6 +80,10 @@ def test_exact_conversion_matches_the_source(architecture, tmp_path):
     ids = _ids(2, 40)
     with torch.no_grad():
         torch.testing.assert_close(converted(ids).logits, source(ids).logits, atol=1e-5, rtol=1e-5)
+    fidelity = json.loads((out / "conversion_report.json").read_text())["fidelity"]  # exact: nothing differs
+    assert fidelity["text"].endswith("random token ids (the source folder has no usable tokenizer)")
+    assert max(fidelity["attention_error_propagated"]) < 1e-5 and fidelity["top1_agreement"] == 1.0
+    assert abs(fidelity["kl_mean"]) < 1e-6 and fidelity["perplexity"] == pytest.approx(fidelity["source_perplexity"])
 
 
 def test_cli_converts_with_favor_settings(tmp_path, capsys):

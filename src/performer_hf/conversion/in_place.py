@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..data_assets import python_docstrings
+from ..data_assets import python_docs, python_docstrings
 from ..integrations.attention_settings import ATTENTION_FIELDS, CONFIG_ATTRIBUTE, head_shape, method_config
 from ..integrations.attention_transfer import text_batches, transfer_attention
 from .errors import ConversionError
@@ -136,6 +136,64 @@ def exact_parity(folder: Path, row: InPlace, implementation: str) -> float:
     return float((source(ids).logits - exact(ids).logits).abs().max())
 
 
+FIDELITY_TOKENS = 2048  # beyond the sparse preset's exact reach (1,088 tokens) and the hybrid's window
+
+
+def _fidelity_ids(folder: Path, config, length: int) -> tuple[torch.Tensor, str]:
+    """(1, L) token ids of Python's documentation (text no conversion step reads), tokenized with the folder's
+    tokenizer, and what they are; random ids where the folder has no tokenizer."""
+    from transformers import AutoTokenizer
+
+    length = min(length, getattr(config.get_text_config(), "max_position_embeddings", length))
+    if any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        ids = tokenizer("\n\n".join(python_docs()), return_tensors="pt").input_ids[:, :length]
+        if ids.shape[1] > 1:
+            return ids, f"{ids.shape[1]} tokens of Python's documentation (pydoc topics)"
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.get_text_config().vocab_size, (1, length), generator=generator)
+    return ids, f"{length} random token ids (the source folder has no usable tokenizer)"
+
+
+def _attention_modules(model) -> list:
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
+@torch.no_grad()
+def in_place_fidelity(folder: Path, row: InPlace, model) -> dict:
+    """How far the converted ``model`` is from the source on real text, past the exact reach of the presets: each
+    layer's attention output against the source's along the same forward pass (relative error, propagated: what
+    the earlier layers changed counts too), next-token top-1 agreement, the mean KL divergence of the converted
+    model's next-token distribution from the source's, and both perplexities."""
+    source = _load(folder, row, None, None, dtype=model.dtype)
+    ids, text = _fidelity_ids(folder, model.config, FIDELITY_TOKENS)
+    outputs = {"source": [], "converted": []}
+    hooks = [
+        module.register_forward_hook(lambda _m, _a, out, name=name: outputs[name].append(out[0].float()))
+        for name, which in (("source", source), ("converted", model))
+        for module in _attention_modules(which)
+    ]
+    try:
+        reference, candidate = (m(ids, labels=ids, use_cache=False) for m in (source, model))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    errors = [
+        float((ours - theirs).norm() / theirs.norm().clamp_min(1e-12))
+        for ours, theirs in zip(outputs["converted"], outputs["source"], strict=True)
+    ]
+    source_logp = reference.logits[0, :-1].float().log_softmax(-1)  # (L - 1, V): next-token distributions
+    converted_logp = candidate.logits[0, :-1].float().log_softmax(-1)
+    return {
+        "text": text,
+        "attention_error_propagated": errors,
+        "top1_agreement": float((source_logp.argmax(-1) == converted_logp.argmax(-1)).double().mean()),
+        "kl_mean": float((source_logp.exp() * (source_logp - converted_logp)).sum(-1).mean()),
+        "perplexity": float(candidate.loss.float().exp()),
+        "source_perplexity": float(reference.loss.float().exp()),
+    }
+
+
 def _transfer(model, folder: Path, transfer: TransferSettings) -> dict:
     """Run attention transfer on ``model`` (see :class:`TransferSettings`); returns its record for the report."""
     from transformers import AutoTokenizer
@@ -176,6 +234,7 @@ def convert_in_place(
     with torch.no_grad():
         model(_sample_ids(model.config, 8))  # resolves and records the settings in the config
     transferred = _transfer(model, folder, transfer) if transfer is not None else None
+    measured = in_place_fidelity(folder, row, model) if fidelity else None
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
     try:
@@ -192,6 +251,7 @@ def convert_in_place(
             "attn_implementation": implementation,
             "attention": getattr(model.config, CONFIG_ATTRIBUTE),
             "exact_parity_max_abs_diff": parity,
+            "fidelity": measured,
             "copied_files": sorted(copied),
             "attention_transfer": transferred,
         }
@@ -205,6 +265,7 @@ def convert_in_place(
             parity=parity,
             method=method_config(text_config, implementation, True, *head_shape(text_config)),
             transfer=transferred,
+            fidelity=measured,
         )
         card.save(staging / "README.md")
         publish(staging, output_dir)
@@ -218,4 +279,16 @@ def convert_in_place(
         implementation,
         "not measured" if parity is None else f"{parity:.1e}",
     )
+    if measured is not None:
+        logger.info(
+            "fidelity on %s: top-1 agreement %.4f, mean KL %.4f nats, perplexity %.3f (source %.3f), attention "
+            "error per layer %.3f-%.3f",
+            measured["text"],
+            measured["top1_agreement"],
+            measured["kl_mean"],
+            measured["perplexity"],
+            measured["source_perplexity"],
+            min(measured["attention_error_propagated"]),
+            max(measured["attention_error_propagated"]),
+        )
     return output_dir

@@ -186,6 +186,21 @@ def _field_value(value) -> str:
     )
 
 
+def _fidelity_paragraph(fidelity: dict | None) -> str:
+    """The in-place conversion's fidelity figures (``in_place.in_place_fidelity``) as a card paragraph."""
+    if fidelity is None:
+        return "Fidelity on real text: not measured (converted with `fidelity=False`)."
+    errors = fidelity["attention_error_propagated"]
+    return (
+        f"Fidelity on {fidelity['text']}, against the source: next-token top-1 agreement "
+        f"{fidelity['top1_agreement']:.4f}, mean KL divergence {fidelity['kl_mean']:.4f} nats, perplexity "
+        f"{fidelity['perplexity']:.3f} against {fidelity['source_perplexity']:.3f}. Each layer's attention output "
+        f"against the source's along the same forward pass (relative error, propagated): "
+        + ", ".join(f"{error:.3f}" for error in errors)
+        + " (first to last layer)."
+    )
+
+
 def build_in_place_card(
     *,
     base_model: str,
@@ -195,6 +210,7 @@ def build_in_place_card(
     method,
     parity: float | None,
     transfer: dict | None = None,
+    fidelity: dict | None = None,
 ) -> ModelCard:
     """The card of a model converted in place (``in_place.py``): the source class with Performer attention;
     ``method``: the ``PerformerConfig`` that carries its attention settings; ``transfer``: attention transfer's
@@ -228,6 +244,8 @@ inputs = AutoTokenizer.from_pretrained("<this folder or repo>")("The pass key is
 {_transfer_paragraph(transfer)}
 
 Exact-attention parity of the conversion (`attention_kernel="exact"` through the same adapter): {measured}.
+
+{_fidelity_paragraph(fidelity)}
 
 | attention field | value |
 | --- | --- |
