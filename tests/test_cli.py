@@ -284,3 +284,21 @@ def test_demo_method_reaches_the_conversion(tmp_path, monkeypatch):
     )
     config = json.loads((out / "config.json").read_text())
     assert config["attention_kernel"] == "softmax" and config["local_window"] == 0 and config["routed_blocks"] == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["convert", "in"], "the following arguments are required: output_dir"),
+        (["convert", "in", "out", "--nb-features", "x"], "argument --nb-features: invalid int value: 'x'"),
+        (["zoo", "frob"], "argument zoo_command: invalid choice: 'frob'"),
+        (["frob"], "argument command: invalid choice: 'frob'"),
+    ],
+)
+def test_bad_command_lines_end_with_one_line(argv, message, capsys):
+    """What argparse refuses: one line on stderr naming the problem and where the options are, status 2."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and message in lines[0] and lines[0].endswith("--help)")

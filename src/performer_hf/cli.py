@@ -69,9 +69,17 @@ def _field_value(text: str):
         return text
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """Bad command-line input ends with one line that names it and where the options are listed, not the usage
+    block (exit status 2, as argparse's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="performer-hf", description="Performers (FAVOR+) for Hugging Face models.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _OneLineErrors(prog="performer-hf", description="Performers (FAVOR+) for Hugging Face models.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineErrors)
 
     conv = commands.add_parser(
         "convert",
