@@ -225,16 +225,9 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
     assert len(warnings) == 1 and "no compiler here" in warnings[0].getMessage()
 
 
-@pytest.mark.parametrize("head_dim", [8, 64, 72])  # below, at and beyond the kernel's 16-lane dot products
-@pytest.mark.parametrize("left_padded", [False, True])
-def test_sparse_decoding_step_kernel_matches_the_reference(head_dim, left_padded, monkeypatch):
-    """One float32 query per head over a key/value cache, without gradients: the compiled step runs and matches
-    the float64 one-query-at-a-time reference, for every keep-all geometry of the sparse tests."""
-    from performer_hf.modeling.sparse_attention import sparse_attention
-
-    from ..sparse_reference import reference_sparse
-    from .test_sparse_attention import KEEP_ALL
-
+@pytest.fixture
+def decode_kernel_calls(monkeypatch) -> list:
+    """The arguments of every call of the compiled sparse decoding step that sparse_attention makes."""
     kernels, calls = cpu_kernels.hybrid_kernels(), []
 
     class Spy:
@@ -243,6 +236,19 @@ def test_sparse_decoding_step_kernel_matches_the_reference(head_dim, left_padded
             return kernels.sparse_decode_step(*args)
 
     monkeypatch.setattr("performer_hf.modeling.sparse_attention.hybrid_kernels", Spy)
+    return calls
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 72])  # below, at and beyond the kernel's 16-lane dot products
+@pytest.mark.parametrize("left_padded", [False, True])
+def test_sparse_decoding_step_kernel_matches_the_reference(head_dim, left_padded, decode_kernel_calls):
+    """One float32 query per head over a key/value cache, without gradients: the compiled step runs and matches
+    the float64 one-query-at-a-time reference, for every keep-all geometry of the sparse tests."""
+    from performer_hf.modeling.sparse_attention import sparse_attention
+
+    from ..sparse_reference import reference_sparse
+    from .test_sparse_attention import KEEP_ALL
+
     g = torch.Generator().manual_seed(head_dim)
     q = torch.randn(2, 6, 93, head_dim, generator=g, dtype=torch.float64) * 2
     k, v = (torch.randn(2, 2, 93, head_dim, generator=g, dtype=torch.float64) * 2 for _ in range(2))
@@ -252,14 +258,15 @@ def test_sparse_decoding_step_kernel_matches_the_reference(head_dim, left_padded
         with torch.no_grad():
             step = sparse_attention(q[:, :, -1:].float(), k.float(), v.float(), spec, mask if left_padded else None)
         torch.testing.assert_close(step.double(), expected, rtol=1e-5, atol=1e-5)
-    assert len(calls) == len(KEEP_ALL) - 1  # "select everything" reads every key: SDPA, not the kernel
+    assert len(decode_kernel_calls) == len(KEEP_ALL) - 1  # "select everything" reads every key: SDPA, not the kernel
 
 
 @pytest.mark.parametrize("name", ["latest ranking", "window and globals only", "latest, globals beyond a block"])
-def test_bounded_decoding_step_kernel_matches_the_block_walk(name, monkeypatch):
-    """Bounded decoding one float32 token at a time without gradients (the compiled step) against the float64 block
-    walk from the same prefill: the same outputs, and the pool keeps the same blocks with the same scores at every
-    step, across blocks that leave the window and left padding."""
+def test_bounded_decoding_step_kernel_matches_the_block_walk(name, decode_kernel_calls):
+    """Bounded decoding one float32 token at a time without gradients, as the cache layer runs it (the compiled
+    step, the stored keys grown in place) against the float64 block walk from the same prefill: the same outputs,
+    and the pool keeps the same blocks with the same scores at every step, across blocks that leave the window and
+    left padding."""
     from performer_hf.modeling.sparse_attention import sparse_attention
     from performer_hf.modeling.sparse_spec import SparseSpec
 
@@ -268,14 +275,6 @@ def test_bounded_decoding_step_kernel_matches_the_block_walk(name, monkeypatch):
         "window and globals only": SparseSpec(8, 2, 4, select_blocks=0),
         "latest, globals beyond a block": SparseSpec(12, 6, 4, select_blocks=3, budget=4, ranking="latest"),
     }[name]
-    kernels, calls = cpu_kernels.hybrid_kernels(), []
-
-    class Spy:
-        def sparse_decode_step(self, *args):
-            calls.append(args)
-            return kernels.sparse_decode_step(*args)
-
-    monkeypatch.setattr("performer_hf.modeling.sparse_attention.hybrid_kernels", Spy)
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 6, 80, 64, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, 2, 80, 64, generator=g, dtype=torch.float64) for _ in range(2))
@@ -290,7 +289,7 @@ def test_bounded_decoding_step_kernel_matches_the_block_walk(name, monkeypatch):
         expected, walked = sparse_attention(*args, spec, mask[:, t : t + 1], walked, return_state=True)
         with torch.no_grad():
             out, compiled = sparse_attention(
-                *(x.float() for x in args), spec, mask[:, t : t + 1], compiled, return_state=True
+                *(x.float() for x in args), spec, mask[:, t : t + 1], compiled, return_state=True, grow_in_place=True
             )
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
         for ours, theirs in zip(compiled, walked, strict=True):
@@ -298,4 +297,4 @@ def test_bounded_decoding_step_kernel_matches_the_block_walk(name, monkeypatch):
                 torch.testing.assert_close(ours.double(), theirs.double(), rtol=1e-5, atol=1e-6)
             else:
                 assert torch.equal(ours, theirs) if torch.is_tensor(ours) else ours == theirs
-    assert len(calls) == 80 - prompt
+    assert len(decode_kernel_calls) == 80 - prompt

@@ -38,10 +38,13 @@ class _Pool:
         self.keys, self.values = state.pool_keys, state.pool_values  # (B, Hkv, N, block, D)
         self.mask, self.score = state.pool_mask, state.pool_score  # (B, Hkv, N, block), (B, Hkv, N)
 
-    def add(self, keys: Tensor, values: Tensor, mask: Tensor, score: Tensor) -> None:
-        """Append n blocks: keys / values (B, Hkv, n, block, D), mask (B, Hkv, n, block), score (B, Hkv, n)."""
-        self.keys = torch.cat([self.keys, keys], dim=2)
-        self.values = torch.cat([self.values, values], dim=2)
+    def add(self, keys: Tensor, values: Tensor, selectable: Tensor, lo: int, hi: int, score: Tensor) -> None:
+        """Append the stored rows lo ... hi - 1 (whole blocks) of keys / values (B, Hkv, R, D) and selectable (B, R)
+        (:func:`_selectable`), with score (B, Hkv, (hi - lo) // block)."""
+        B, Hkv, _, block = self.mask.shape
+        self.keys = torch.cat([self.keys, keys[:, :, lo:hi].unflatten(2, (-1, block))], dim=2)
+        self.values = torch.cat([self.values, values[:, :, lo:hi].unflatten(2, (-1, block))], dim=2)
+        mask = selectable[:, None, lo:hi].expand(B, Hkv, -1).unflatten(2, (-1, block))
         self.mask = torch.cat([self.mask, mask], dim=2)
         self.score = torch.cat([self.score, score], dim=2)
 
@@ -71,6 +74,13 @@ class _Pool:
     def flat(self) -> tuple[Tensor, Tensor, Tensor]:
         """Keys, values (B, Hkv, N * block, D) and mask (B, Hkv, N * block)."""
         return self.keys.flatten(2, 3), self.values.flatten(2, 3), self.mask.flatten(2, 3)
+
+
+def _selectable(key_mask: Tensor, start: int, spec: SparseSpec) -> Tensor:
+    """Which stored keys (key_mask (B, R), positions start ... start + R - 1) a pool may select: real keys that are
+    not global tokens."""
+    positions = torch.arange(start, start + key_mask.shape[1], device=key_mask.device)
+    return key_mask & (positions >= spec.num_global_tokens)
 
 
 def _gather_blocks(blocks: Tensor, index: Tensor) -> Tensor:
@@ -150,11 +160,12 @@ def sparse_attention(
         global_keys = torch.cat([global_keys, keys[:, :, fresh]], dim=2)  # (B, Hkv, S, D)
         global_values = torch.cat([global_values, values[:, :, fresh]], dim=2)
         global_mask = torch.cat([global_mask, key_mask[:, fresh]], dim=1)
-    kernels = _decode_kernels(q, keys, values) if L == 1 else None
+    pooled_step = L == 1 and spec.bounded and not (spec.budget and spec.ranking == "window")
+    kernels = _decode_kernels(q, keys, values) if pooled_step else None
     if L == 1 and not spec.bounded:  # a decoding step with every key kept (start is 0): one pass over them
         context = _decode_step(q, keys, values, None if bool(key_mask.all()) else key_mask, spec)
         pool, pushed, mass = _Pool(state), start // block, state.mass
-    elif kernels is not None and not (spec.budget and spec.ranking == "window"):  # a bounded decoding step
+    elif kernels is not None:  # a bounded decoding step, compiled (without the "window" ranking)
         globals_ = (global_keys, global_values, global_mask)
         context, pool, pushed = _pooled_decode_step(q, keys, values, key_mask, globals_, state, spec, kernels)
         mass = state.mass
@@ -247,9 +258,7 @@ class _BlockWalk:
         if self.by_window:  # the attention each stored block receives, for the pool's ranking
             stored_blocks = -(-R // spec.block_size)
             self.mass = torch.cat([self.mass, self.mass.new_zeros(B, Hkv, stored_blocks - self.mass.shape[2])], dim=2)
-        # real keys that are not global tokens: what the pool may select
-        positions = torch.arange(self.start, self.start + R, device=keys.device)
-        self.selectable = key_mask & (positions >= spec.num_global_tokens)  # (B, R)
+        self.selectable = _selectable(key_mask, self.start, spec)  # (B, R)
 
     def run(self, q: Tensor, first: int, end: int) -> Tensor:
         """The context (B, H, L, Dv) of the queries q (B, H, L, D) at positions first ... end - 1. With
@@ -268,14 +277,8 @@ class _BlockWalk:
     def _to_pool(self, lo: int, hi: int, score: Tensor) -> None:
         """Add the stored key blocks lo ... hi - 1 (counted from the first stored one) to the pool, with ``score``
         (B, Hkv, hi - lo)."""
-        B, Hkv = self.keys.shape[:2]
-        rows = slice(lo * self.spec.block_size, hi * self.spec.block_size)
-        self.pool.add(
-            self.keys[:, :, rows].unflatten(2, (-1, self.spec.block_size)),
-            self.values[:, :, rows].unflatten(2, (-1, self.spec.block_size)),
-            self.selectable[:, None, rows].expand(B, Hkv, -1).unflatten(2, (-1, self.spec.block_size)),
-            score,
-        )
+        block = self.spec.block_size
+        self.pool.add(self.keys, self.values, self.selectable, lo * block, hi * block, score)
 
     def _query_block(self, q: Tensor, c: int, first: int, end: int) -> Tensor:
         """The context (B, H, nq, Dv) of the call's queries in key block c."""
@@ -329,7 +332,8 @@ def _decode_step(q: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | Non
     G, block = H // Hkv, spec.block_size
     window_lo = max(0, (T - 1) // block - spec.window_blocks) * block  # the window: keys window_lo ... T - 1
     outside = min(spec.num_global_tokens, window_lo)  # global tokens read apart from the window
-    if window_lo // block <= spec.select_blocks:  # every earlier key is read: exact attention, SDPA's fused kernel
+    n_blocks = window_lo // block  # the blocks before the window
+    if n_blocks <= spec.select_blocks:  # every earlier key is read: exact attention, SDPA's fused kernel
         return softmax_attention(q, keys, values, key_mask, True)[0]
     kernels = _decode_kernels(q, keys, values)
     if kernels is not None:
@@ -346,13 +350,12 @@ def _decode_step(q: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | Non
         logits = logits.masked_fill(hidden[:, None, None], NEG_INF)
     global_logits = logits[..., :outside].clone()
     logits[..., :outside] = NEG_INF  # global tokens are not selectable
-    n_blocks = window_lo // block
     blocks = logits[..., :window_lo].unflatten(-1, (n_blocks, block))  # (B, Hkv, G, N, block)
     block_values = values[:, :, :window_lo].unflatten(2, (n_blocks, block))  # (B, Hkv, N, block, Dv)
-    if n_blocks > spec.select_blocks:  # rank by the log-sum-exp over each block's keys and the group's heads
-        top = blocks.logsumexp(dim=(2, 4)).topk(spec.select_blocks, dim=-1).indices  # (B, Hkv, S)
-        blocks = blocks.gather(3, top[:, :, None, :, None].expand(B, Hkv, G, -1, block))  # (B, Hkv, G, S, block)
-        block_values = block_values.gather(2, top[..., None, None].expand(-1, -1, -1, block, Dv))
+    # the select_blocks of most attention: the log-sum-exp over each block's keys and the group's heads
+    top = blocks.logsumexp(dim=(2, 4)).topk(spec.select_blocks, dim=-1).indices  # (B, Hkv, S)
+    blocks = blocks.gather(3, top[:, :, None, :, None].expand(B, Hkv, G, -1, block))  # (B, Hkv, G, S, block)
+    block_values = block_values.gather(2, top[..., None, None].expand(-1, -1, -1, block, Dv))
     support = torch.cat([global_logits, blocks.flatten(-2), logits[..., window_lo:]], dim=-1)  # (B, Hkv, G, K)
     probs = support.softmax(dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
     support_values = torch.cat([values[:, :, :outside], block_values.flatten(2, 3), values[:, :, window_lo:]], dim=2)
@@ -381,13 +384,8 @@ def _pooled_decode_step(q, keys, values, key_mask, globals_, state: SparseState,
     left = window_block * block - start  # stored rows that leave the window at this step (whole blocks)
     pool = _Pool(state)
     if spec.budget and left:
-        selectable = key_mask[:, :left] & (
-            torch.arange(start, start + left, device=keys.device) >= spec.num_global_tokens
-        )
-        as_blocks = [
-            t[:, :, :left].unflatten(2, (-1, block)) for t in (keys, values, selectable[:, None].expand(B, Hkv, -1))
-        ]
-        pool.add(*as_blocks, q.new_zeros(B, Hkv, left // block))
+        selectable = _selectable(key_mask[:, :left], start, spec)
+        pool.add(keys, values, selectable, 0, left, q.new_zeros(B, Hkv, left // block))
     global_keys, global_values, global_mask = globals_
     outside = min(global_keys.shape[2], window_block * block)  # global tokens in the window are read there
     pool_keys, pool_values, pool_mask = pool.flat()

@@ -205,11 +205,6 @@ METHOD_HEADINGS = {
 }
 
 
-def _decoding(config: PerformerConfig) -> str:
-    """What plain ``generate()`` keeps for the method, as the card's usage comment."""
-    return "the method's own decoding state takes the key/value cache's place after the prompt"
-
-
 def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard:
     """The README.md card of the zoo model ``entry`` built in ``folder`` with figures ``results``."""
     config, implementation = attention_config(folder)
@@ -257,7 +252,6 @@ def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard
         hybrid_lines=method_lines(config),
         method_heading=METHOD_HEADINGS.get(config.attention_method, ""),
         method_summary=method_description(config),
-        decoding=_decoding(config),
         redraw_policy=redraw_policy(config, results["training"] is not None, results["conversion"]) if features else "",
         max_length=max_length,
         steps=_steps(entry, results),

@@ -156,7 +156,6 @@ struct Span {  // logits columns [start, stop) of a run's rows from `first` on
   const Run* run;
 };
 
-
 }  // namespace
 
 torch::Tensor sparse_decode_step(torch::Tensor q, const std::vector<torch::Tensor>& runs,
