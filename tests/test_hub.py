@@ -97,13 +97,14 @@ def fake_hub(monkeypatch):
     return hub
 
 
-def _assert_loadable_upload(files: dict[str, bytes]) -> None:
+def _assert_loadable_upload(
+    files: dict[str, bytes], entry_points=("modeling_performer.py", "configuration_performer.py")
+):
     """What trust_remote_code loading needs: weights, config with auto_map, every module it names and imports."""
     assert "model.safetensors" in files
     config = json.loads(files["config.json"])
-    assert config["model_type"] == "performer"
     needed = {reference.split(".")[0] + ".py" for reference in config["auto_map"].values()}
-    assert {"modeling_performer.py", "configuration_performer.py"} <= needed
+    assert set(entry_points) <= needed
     seen = set()
     while needed:
         name = needed.pop()
@@ -161,6 +162,41 @@ def test_push_uploads_the_sentence_transformers_pipeline_of_a_converted_folder(t
     assert {"modules.json", "config_sentence_transformers.json", "sentence_bert_config.json"} <= set(files)
     assert files["1_Pooling/config.json"] == (source / "1_Pooling" / "config.json").read_bytes()
     assert [name for name in files if "/" in name] == ["1_Pooling/config.json"]
+
+
+def test_push_uploads_a_folder_converted_in_place_with_its_code(tmp_path, fake_hub):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    import performer_hf
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    folder = performer_hf.convert(tmp_path / "llama", tmp_path / "converted", fidelity=False)
+    push_to_hub(folder, "org/llama-performer")
+    _assert_loadable_upload(fake_hub.commits[0]["files"], entry_points=("modeling_in_place.py",))
+
+    # what save_pretrained writes from the source's class (the folder loaded without trust_remote_code): the auto_map
+    # without the code, and, before the model has run, no attn_implementation (transformers does not save it)
+    reloaded = tmp_path / "reloaded"
+    fix = "load the model with trust_remote_code=True (or call performer_hf.ship_remote_code(model) on it)"
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    model.save_pretrained(reloaded)
+    with pytest.raises(
+        PushError, match=re.escape("but attn_implementation None, so it would load with") + ".*" + re.escape(fix)
+    ):
+        push_to_hub(reloaded, "org/llama-performer")
+    model(torch.tensor([[1, 2, 3]]))  # its first forward records the attention
+    model.save_pretrained(reloaded)
+    assert "auto_map" in json.loads((reloaded / "config.json").read_text())
+    with pytest.raises(
+        PushError, match=re.escape("lacks remote-code files ['modeling_in_place.py']") + ".*" + re.escape(fix)
+    ):
+        push_to_hub(reloaded, "org/llama-performer")
+    AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).save_pretrained(reloaded)
+    push_to_hub(reloaded, "org/llama-performer")
+    _assert_loadable_upload(fake_hub.commits[1]["files"], entry_points=("modeling_in_place.py",))
 
 
 @pytest.mark.parametrize(

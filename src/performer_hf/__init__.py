@@ -13,6 +13,7 @@ from .integrations import (
     PerformerCache,
     held_bytes,
     register_attention_implementations,
+    ship_remote_code,
     transfer_attention,
 )
 from .modeling import modeling_performer
@@ -35,5 +36,6 @@ __all__ = [
     *modeling_performer.__all__,
     "convert",
     "held_bytes",
+    "ship_remote_code",
     "transfer_attention",
 ]

@@ -1,4 +1,4 @@
-"""Publishing a Performer checkpoint folder on the Hugging Face Hub in one commit.
+"""Publishing a Performer checkpoint folder (or a model converted in place) on the Hugging Face Hub in one commit.
 
 ``model.push_to_hub(repo_id)`` (transformers) already uploads the weights, ``config.json`` (with the
 ``auto_map`` that ``register_for_auto_class`` writes) and the remote-code files; the tokenizer and
@@ -17,6 +17,7 @@ from huggingface_hub import CommitOperationAdd, HfApi
 
 from .conversion import ConversionError
 from .conversion.sentence_pipeline import sentence_pipeline_files
+from .modeling.attention_settings import CONFIG_ATTRIBUTE, IMPLEMENTATIONS
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,10 @@ class PushError(ValueError):
     """The folder is not a complete Performer checkpoint; the message names what is missing and the fix."""
 
 
+# how a folder converted in place gets its code and attention back
+_IN_PLACE_FIX = (
+    "load the model with trust_remote_code=True (or call performer_hf.ship_remote_code(model) on it) and save it again"
+)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
 # Top-level files a training run leaves that do not belong on the Hub.
@@ -48,9 +53,14 @@ def remote_code_files(folder: Path, config: dict) -> list[str]:
         found.add(name)
         pending += [f"{module}.py" for module in get_relative_imports(str(folder / name))]
     if missing:
+        fix = (
+            _IN_PLACE_FIX
+            if CONFIG_ATTRIBUTE in config
+            else "save the model again with save_pretrained, which copies them"
+        )
         raise PushError(
             f"{folder} lacks remote-code files {sorted(missing)} (named in config.json's auto_map or imported by "
-            "its modules); save the model again with save_pretrained, which copies them."
+            f"its modules); {fix}."
         )
     return sorted(found)
 
@@ -67,12 +77,22 @@ def checkpoint_files(folder: str | Path) -> list[str]:
     if not config_path.is_file():
         raise PushError(f"{folder} has no config.json; save the model with save_pretrained first.")
     config = json.loads(config_path.read_text())
-    if config.get("model_type") != "performer":
-        raise PushError(f"{config_path} has model_type {config.get('model_type')!r}, not 'performer'.")
-    if not config.get("auto_map"):
+    in_place = CONFIG_ATTRIBUTE in config  # a transformers class with Performer attention settings
+    if config.get("model_type") != "performer" and not in_place:
         raise PushError(
-            f"{config_path} has no auto_map, so the Hub copy would not load with trust_remote_code=True; save it "
-            "with performer_hf's save_pretrained (import performer_hf first)."
+            f"{config_path} has model_type {config.get('model_type')!r} and no {CONFIG_ATTRIBUTE}: neither a "
+            "Performer nor a model converted in place."
+        )
+    if in_place and config.get("attn_implementation") not in IMPLEMENTATIONS:
+        raise PushError(
+            f"{config_path} has Performer attention settings ({CONFIG_ATTRIBUTE}) but attn_implementation "
+            f"{config.get('attn_implementation')!r}, so it would load with that attention instead (transformers does "
+            f"not save the implementation a model was loaded with); {_IN_PLACE_FIX}."
+        )
+    if not config.get("auto_map"):
+        fix = _IN_PLACE_FIX if in_place else "save it with performer_hf's save_pretrained (import performer_hf first)"
+        raise PushError(
+            f"{config_path} has no auto_map, so the Hub copy would not load with trust_remote_code=True; {fix}."
         )
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
         raise PushError(f"{folder} has no weights ({' or '.join(WEIGHT_FILES)}); save the model with safetensors.")

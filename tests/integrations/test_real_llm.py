@@ -15,6 +15,8 @@ from performer_hf.data_assets import python_docs
 from performer_hf.integrations import CACHE_KEYWORD
 from performer_hf.model_assets import smollm2_checkpoint
 
+from ..remote_code import decode_with_performer_hf, decode_without_performer_hf
+
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
@@ -75,3 +77,27 @@ def test_greedy_text_and_cached_decoding(smollm2):
     full = model(bounded.sequences).logits
     for step, logits in enumerate(bounded.logits):
         torch.testing.assert_close(logits[0], full[0, 1199 + step], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_the_converted_folder_decodes_without_performer_hf_as_with_it(smollm2, tmp_path, monkeypatch):
+    """trust_remote_code=True in a process where performer_hf cannot be imported: 1,800 tokens of prompt, past the
+    1,600 after which the bounded default drops blocks, then plain generate(). The folder's copy runs the PyTorch
+    paths: equal to the package's to 1e-5 on those paths, and to 1e-4 where the package's compiled decoding step
+    sums in another order."""
+    _, out = smollm2
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("\n\n".join(python_docs()), return_tensors="pt").input_ids[:, 1000:2800]
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    compiled = decode_with_performer_hf(model, ids)
+    monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")
+    expected = decode_with_performer_hf(model, ids)
+    remote = decode_without_performer_hf(out, ids, tmp_path)
+    assert remote["class"].endswith("modeling_in_place.LlamaForCausalLM") and remote["leaked"] == []
+    torch.testing.assert_close(remote["step_logits"], expected["step_logits"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(remote["step_logits"], compiled["step_logits"], atol=1e-4, rtol=1e-4)
+    assert torch.equal(remote["sequences"], expected["sequences"]) and torch.equal(
+        remote["sequences"], compiled["sequences"]
+    )
+    assert remote["cache_layers"] == expected["cache_layers"] == ["SparseCacheLayer"] * 30
+    assert remote["cache_bytes"] == expected["cache_bytes"] == compiled["cache_bytes"]

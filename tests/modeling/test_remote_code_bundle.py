@@ -1,9 +1,12 @@
-"""The remote-code bundle (``src/performer_hf/modeling/``) is exactly what a saved checkpoint ships."""
+"""The remote-code bundle (``src/performer_hf/modeling/``) is what saved checkpoints ship: a Performer-family
+checkpoint the modules of its model classes, a model converted in place those of ``modeling_in_place.py``, and every
+module of the bundle serves one or the other."""
 
 import re
 from pathlib import Path
 
 import pytest
+from transformers.dynamic_module_utils import get_relative_import_files
 
 import performer_hf.modeling
 from performer_hf import PerformerForCausalLM, PerformerForMaskedLM
@@ -17,11 +20,23 @@ def _python_files(folder: Path) -> set[str]:
     return {path.name for path in folder.glob("*.py")} - {"__init__.py"}
 
 
+def _shipped_with(entry_point: str) -> set[str]:
+    """``entry_point`` and every module it imports, as transformers' remote-code loader follows them."""
+    return {entry_point} | {Path(path).name for path in get_relative_import_files(str(BUNDLE / entry_point))}
+
+
 @pytest.mark.parametrize("model_class", [PerformerForMaskedLM, PerformerForCausalLM])
 @pytest.mark.parametrize("method", METHODS)
-def test_a_saved_checkpoint_ships_exactly_the_bundle(method, model_class, tmp_path):
+def test_a_saved_checkpoint_ships_its_model_classes_modules(method, model_class, tmp_path):
     model_class(tiny_config(**METHODS[method])).save_pretrained(tmp_path)
-    assert _python_files(tmp_path) == _python_files(BUNDLE)
+    assert _python_files(tmp_path) == _shipped_with("modeling_performer.py")
+
+
+def test_every_module_of_the_bundle_is_shipped():
+    """The model classes' modules and the in-place conversions' (tested in
+    ``tests/integrations/test_remote_code_in_place.py``) are the whole bundle: nothing in it is dead."""
+    shipped = _shipped_with("modeling_performer.py") | _shipped_with("modeling_in_place.py")
+    assert shipped == _python_files(BUNDLE)
 
 
 def test_the_bundle_imports_only_its_own_files():

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from ..data_assets import python_docs, python_docstrings
-from ..integrations.attention_settings import ATTENTION_FIELDS, CONFIG_ATTRIBUTE, head_shape, method_config
 from ..integrations.attention_transfer import text_batches, transfer_attention
+from ..integrations.remote_code import ship_remote_code
+from ..modeling.attention_settings import ATTENTION_FIELDS, CONFIG_ATTRIBUTE, head_shape, method_config
 from .errors import ConversionError
 from .model_card import build_in_place_card, source_license
 from .output_folder import publish
@@ -238,7 +239,7 @@ def convert_in_place(
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
     try:
-        model.save_pretrained(staging)
+        ship_remote_code(model).save_pretrained(staging)  # with the code that loads it without performer_hf
         prefixes = ("tokenizer", "special_tokens", "chat_template", "generation_config")
         copied = [p.name for p in folder.iterdir() if p.is_file() and p.name.startswith(prefixes)]
         for name in copied:

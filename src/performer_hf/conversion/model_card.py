@@ -10,8 +10,8 @@ from pathlib import Path
 from huggingface_hub import ModelCard, ModelCardData
 
 from ..attention_card import kernel_description, method_description, method_lines, transfer_summary, uses_projection
-from ..integrations.attention_settings import ATTENTION_FIELDS
 from ..modeling.attention_methods import ATTENTION_METHODS
+from ..modeling.attention_settings import ATTENTION_FIELDS
 from .fidelity import FidelityReport
 
 logger = logging.getLogger(__name__)

@@ -36,11 +36,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..modeling.attention_interface import TRANSFER_HOOK
+from ..modeling.attention_settings import CONFIG_ATTRIBUTE, LEARNED_ATTRIBUTE, LEARNED_SUBMODULE, mark_current
 from ..modeling.far_fields import get_far_field
 from ..modeling.favor_hybrid import fixed_centres
 from ..modeling.method_exact import softmax_attention
-from .attention_interface import TRANSFER_HOOK
-from .attention_settings import CONFIG_ATTRIBUTE, LEARNED_ATTRIBUTE, LEARNED_SUBMODULE, mark_current
 
 logger = logging.getLogger(__name__)
 

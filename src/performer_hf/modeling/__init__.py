@@ -1,13 +1,18 @@
-"""The remote-code bundle: exactly the files a saved Performer checkpoint ships, so that
-``from_pretrained(folder, trust_remote_code=True)`` works where performer_hf is not installed
-(``tests/modeling/test_remote_code_bundle.py`` checks that a checkpoint carries every ``.py`` file here, and
-nothing else).
+"""The remote-code bundle: the files saved checkpoints ship, so that ``from_pretrained(folder,
+trust_remote_code=True)`` works where performer_hf is not installed. A Performer-family checkpoint ships
+``modeling_performer.py`` and the modules it imports; a model converted in place ships ``modeling_in_place.py`` and
+the modules it imports (``tests/modeling/test_remote_code_bundle.py`` checks that, between them, they ship every
+``.py`` file here).
 
 Flat on purpose: transformers' remote-code loader follows only ``from .x import y`` imports of sibling
 files, so these modules import only each other (and torch / transformers), never the rest of the package.
 
 - ``configuration_performer.py`` / ``modeling_performer.py``: the config and the model classes, built from
   ``layers_performer.py`` (embeddings, attention, layers, heads' parts);
+- ``modeling_in_place.py``: the classes of models converted in place (the source's, by name), and for them
+  ``attention_interface.py`` (the attention implementations ``"performer"``, ``"performer_hybrid"`` and
+  ``"performer_sparse"`` for any transformers model class), ``attention_settings.py`` (where their settings live)
+  and ``interface_cache.py`` (``PerformerCache``, and plain ``generate()``'s adoption of the methods' state);
 - ``attention_methods.py``: the attention-method registry (exact, FAVOR+, hybrid, sparse): each method's function
   (in ``method_exact.py``, ``method_favor.py``, ``method_hybrid.py``, ``method_sparse.py``), config fields, kernels,
   cache layer, card text and conversion presets;

@@ -19,11 +19,16 @@ and the first ``num_global_tokens`` ones, still constant in the context length.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, CacheLayerMixin, LinearAttentionLayer
 
 from .favor_attention import FavorState
 from .hybrid_spec import HybridState
 from .sparse_spec import SparseState
+
+# What the layer types below were registered as before this module defined them (see the end of the module).
+_REGISTERED_BEFORE = {
+    name: DYNAMIC_LAYER_TYPE_MAPPING.get(name) for name in ("favor_attention", "hybrid_attention", "sparse_attention")
+}
 
 
 def held_bytes(value) -> int:
@@ -251,5 +256,12 @@ class SparseCacheLayer(_TupleStateLayer):
         super().__init__()
         self.state: SparseState | None = None
 
+
+if not __name__.startswith("performer_hf."):
+    # a checkpoint's copy of this module (trust_remote_code), loaded beside performer_hf or another copy: the layers
+    # registered first stay, so that caches built from a config hold the classes the package checks for
+    for _name, _layer in _REGISTERED_BEFORE.items():
+        if _layer is not None:
+            DYNAMIC_LAYER_TYPE_MAPPING[_name] = _layer
 
 __all__ = ["FavorCacheLayer", "HybridCacheLayer", "SparseCacheLayer", "held_bytes"]

@@ -14,7 +14,10 @@ import os
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..integrations.remote_code import ship_remote_code
+from ..modeling.attention_settings import IMPLEMENTATIONS
 from ..modeling.configuration_performer import PerformerConfig
+from ..modeling.modeling_in_place import IN_PLACE_CLASSES
 from .arguments import TrainingInputError
 from .lora import apply_lora
 
@@ -138,6 +141,8 @@ def load_model(
         logger.info("Training a new Performer from scratch")
         model = auto_class.from_config(config)
 
+    if type(model).__name__ in IN_PLACE_CLASSES and model.config._attn_implementation in IMPLEMENTATIONS:
+        ship_remote_code(model)  # converted in place: the trained folder loads without performer_hf as well
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         logger.warning(
             "The tokenizer has %d tokens but the model only %d embeddings; resizing the embeddings.",

@@ -14,7 +14,7 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..attention_card import kernel_description, method_description, method_lines, transfer_summary
-from ..integrations.attention_settings import head_shape, method_config
+from ..modeling.attention_settings import head_shape, method_config
 from ..modeling.configuration_performer import PerformerConfig
 from .data import DATA_SETS, HUB_DATASETS
 from .evaluation import THIS_MODEL

@@ -23,7 +23,7 @@ from packaging.version import Version
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-from ..modeling.attention_methods import ATTENTION_METHODS
+from .attention_methods import ATTENTION_METHODS
 from .attention_settings import IMPLEMENTATIONS, head_shape, keeps_own_attention, method_config
 
 CACHE_KEYWORD = "cache" if Version(transformers.__version__) >= Version("5.24.0") else "past_key_values"

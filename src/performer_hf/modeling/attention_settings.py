@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..modeling.attention_methods import ATTENTION_FIELDS, ATTENTION_METHODS, infer_method
-from ..modeling.configuration_performer import PerformerConfig
-from ..modeling.layers_performer import AttentionMethodState
+from .attention_methods import ATTENTION_FIELDS, ATTENTION_METHODS, infer_method
+from .configuration_performer import PerformerConfig
+from .layers_performer import AttentionMethodState
 
 logger = logging.getLogger(__name__)
 

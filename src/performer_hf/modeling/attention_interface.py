@@ -24,10 +24,10 @@ What the adapter does around those methods:
 - ``scaling``: q is rescaled so that q.k times the method's ``head_dim ** -0.5`` is the model's q.k * scaling
   (Gemma3's ``query_pre_attn_scalar``, GPT-2's per-layer scaling);
 - padding: the registered mask function hands the attention the 2D ``(B, P + L)`` padding mask (or None);
-- decoding: with the method's own cache layer (a :class:`~performer_hf.integrations.cache.PerformerCache`, or the
+- decoding: with the method's own cache layer (a :class:`~performer_hf.PerformerCache`, or the
   ``DynamicCache`` that ``generate`` builds when the config's ``layer_types`` name the layer), the layer's state
   (the cache layer passes the new keys through, marked with itself). A sequence's first call without gradients
-  builds that layer too, and hands it to a plain key/value cache at the next call (``cache.py``), so plain
+  builds that layer too, and hands it to a plain key/value cache at the next call (``interface_cache.py``), so plain
   ``generate()`` decodes from the method's state. Otherwise, with a key/value cache, the method runs over every
   cached key again, as a full forward would (the sparse method with every block kept reads the cached keys in
   place).
@@ -44,10 +44,10 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..modeling.attention_methods import ATTENTION_METHODS
-from ..modeling.method_exact import softmax_attention
+from .attention_methods import ATTENTION_METHODS
 from .attention_settings import IMPLEMENTATIONS, keeps_own_attention, method_state
-from .cache import adopt_on_next_call
+from .interface_cache import adopt_on_next_call
+from .method_exact import softmax_attention
 
 Tensor = torch.Tensor
 
@@ -164,8 +164,10 @@ def _over_cached_keys(state, query: Tensor, key: Tensor, value: Tensor, key_mask
 ATTENTION_FUNCTIONS = {name: _performer_attention(name) for name in IMPLEMENTATIONS}
 
 
-def register_attention_implementations() -> None:
-    """Register the names of :data:`.IMPLEMENTATIONS` with transformers (done by ``import performer_hf``)."""
+def register_attention_implementations(replace: bool = True) -> None:
+    """Register the names of :data:`.IMPLEMENTATIONS` with transformers (done by ``import performer_hf``). With
+    ``replace=False`` (the remote code of a converted folder), names registered already are left as they are."""
     for name, function in ATTENTION_FUNCTIONS.items():
-        AttentionInterface.register(name, function)
-        AttentionMaskInterface.register(name, performer_mask)
+        if replace or name not in ALL_ATTENTION_FUNCTIONS:
+            AttentionInterface.register(name, function)
+            AttentionMaskInterface.register(name, performer_mask)

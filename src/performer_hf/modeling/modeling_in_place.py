@@ -1,0 +1,58 @@
+"""The remote code of a model converted in place (Llama, Mistral, Qwen2, Qwen3, Gemma3).
+
+A converted folder ships this module with its siblings and names its class here in ``config.json``'s ``auto_map``, so
+that ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` loads it where performer_hf is not
+installed. Where it is imported, the folder loads without the flag, as the source's own class.
+
+Each class is the source's transformers class under the same name, so that ``architectures`` stays the source's, and
+``save_pretrained`` of a loaded model ships this code again. Importing this module registers the Performer attention
+implementations and their masks with the installed transformers, except names registered already: after ``import
+performer_hf`` the package's own serve, with its compiled CPU kernels (a folder's copy carries no C++ source and runs
+the PyTorch paths, with the same outputs).
+"""
+
+import transformers
+
+from .attention_interface import register_attention_implementations
+from .attention_settings import IMPLEMENTATIONS, resolved_settings
+
+register_attention_implementations(replace=False)
+
+
+class _RecordsItsAttention:
+    """Records the config's Performer attention (``attn_implementation`` and every setting) on construction, as the
+    first forward otherwise does: transformers does not save the implementation a model was loaded with, so a
+    model saved before it runs would load with softmax attention."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        if config._attn_implementation in IMPLEMENTATIONS:
+            resolved_settings(config, config._attn_implementation, causal=True)
+
+
+class LlamaForCausalLM(_RecordsItsAttention, transformers.LlamaForCausalLM):
+    """``transformers.LlamaForCausalLM`` with the Performer attention its config names."""
+
+
+class MistralForCausalLM(_RecordsItsAttention, transformers.MistralForCausalLM):
+    """``transformers.MistralForCausalLM`` with the Performer attention its config names."""
+
+
+class Qwen2ForCausalLM(_RecordsItsAttention, transformers.Qwen2ForCausalLM):
+    """``transformers.Qwen2ForCausalLM`` with the Performer attention its config names."""
+
+
+class Qwen3ForCausalLM(_RecordsItsAttention, transformers.Qwen3ForCausalLM):
+    """``transformers.Qwen3ForCausalLM`` with the Performer attention its config names."""
+
+
+class Gemma3ForCausalLM(_RecordsItsAttention, transformers.Gemma3ForCausalLM):
+    """``transformers.Gemma3ForCausalLM`` with the Performer attention its config names."""
+
+
+IN_PLACE_CLASSES = {
+    model_class.__name__: model_class
+    for model_class in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM)
+}
+for _model_class in IN_PLACE_CLASSES.values():
+    _model_class.register_for_auto_class("AutoModelForCausalLM")  # save_pretrained ships this module
