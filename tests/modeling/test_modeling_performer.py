@@ -32,7 +32,7 @@ from performer_hf import (
 )
 from performer_hf.modeling.modeling_performer import CACHE_FIELD
 
-from ..tiny_models import HEADS, HIDDEN, LAYERS, VOCAB, random_ids, tiny_config, tiny_model
+from ..tiny_models import HEADS, HIDDEN, LAYERS, METHODS, VOCAB, random_centres, random_ids, tiny_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -112,7 +112,7 @@ def test_logits_to_keep_returns_the_last_positions():
     torch.testing.assert_close(model(input_ids=ids, logits_to_keep=1).logits, full[:, -1:])
 
 
-def test_output_attentions_exact_returns_weights_favor_raises():
+def test_output_attentions_exact_returns_weights():
     ids = random_ids(2, 7)
     model = tiny_model(attention_kernel="exact", layer_norm_position="pre")
     out = model(input_ids=ids, output_attentions=True)
@@ -120,8 +120,51 @@ def test_output_attentions_exact_returns_weights_favor_raises():
     torch.testing.assert_close(out.attentions[0].sum(-1), torch.ones(2, HEADS, 7))
     assert (out.attentions[1].triu(diagonal=1) == 0).all()  # causal
     torch.testing.assert_close(out.logits, model(input_ids=ids).logits)  # same result as the SDPA path
-    with pytest.raises(ValueError, match="output_attentions is not available"):
-        tiny_model(attention_kernel="softmax")(input_ids=ids, output_attentions=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("method", ["favor", "hybrid"])
+def test_output_attentions_of_linear_attention_is_the_matrix_it_implies(method, causal):
+    """Each layer's matrix reproduces the layer's output from its values (context = A v, captured from the attention
+    method), is row-stochastic and non-negative, masks the future (causal) and the padded keys, and leaves the model's
+    outputs as they are; the hybrid's settings keep the approximation in use (a window of 2 tokens, no exact
+    dispatch)."""
+    settings = {**METHODS[method], "exact_max_length": 0}
+    if method == "hybrid":
+        settings.update(local_window=2, num_global_tokens=1)
+    model = tiny_model(PerformerForCausalLM if causal else PerformerForMaskedLM, **settings, is_decoder=causal)
+    random_centres(model)
+    ids, mask = random_ids(2, 24), torch.ones(2, 24, dtype=torch.long)
+    mask[1, 18:] = 0
+    calls = []
+    attention = model.base_model.encoder.layer[0].attention
+    original = attention.attend
+    attention.attend = lambda module, q, k, v, *rest: calls.append(v) or original(module, q, k, v, *rest)
+    captured = {}
+    hook = attention.register_forward_hook(lambda _m, _a, out: captured.setdefault("context", out))
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=False)
+        plain = model(input_ids=ids, attention_mask=mask, use_cache=False)
+    hook.remove()
+    weights = out.attentions[0]  # (B, H, L, L)
+    assert weights.shape == (2, HEADS, 24, 24) and (weights >= -1e-6).all()
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, HEADS, 24))
+    assert weights[1, :, :, 18:].abs().max() == 0  # padded keys get no weight
+    if causal:
+        assert weights.triu(diagonal=1).abs().max() == 0
+    values = calls[0]  # the values the layer attended with (B, H, L, D)
+    context = (weights @ values).transpose(1, 2).reshape(2, 24, -1)  # (B, L, hidden), before the output projection
+    torch.testing.assert_close(attention.output(context), captured["context"][0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.logits, plain.logits)
+
+
+def test_output_attentions_of_linear_attention_names_its_limits():
+    model = tiny_model(attention_kernel="softmax", max_position_embeddings=1100)
+    with pytest.raises(ValueError, match="at most 1024 tokens.*this input has 1025"):
+        model(input_ids=random_ids(1, 1025), output_attentions=True, use_cache=False)
+    cache = model(input_ids=random_ids(1, 5), use_cache=True).cache
+    with pytest.raises(ValueError, match="decodes after 5 cached tokens"):
+        model(input_ids=random_ids(1, 1), cache=cache, output_attentions=True)
 
 
 def test_a_cache_passed_to_a_bidirectional_model_raises_and_use_cache_is_ignored():

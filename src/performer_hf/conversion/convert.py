@@ -244,7 +244,9 @@ def fidelity_report(
     """Measure ``model`` against the source checkpoint and against its own exact-kernel twin."""
     exact = exact_twin(model, target_class, pooler)
     source = _load_source_model(checkpoint)
-    batch = sample_batch(model.config, tokenizer)
+    # the shorter of the two models' reaches: extended positions (--max-position-embeddings) are the converted one's
+    source_reach = source.config.max_position_embeddings - model.config.position_offset
+    batch = sample_batch(model.config, tokenizer, max_length=min(256, source_reach))
     text = "Python documentation text" if tokenizer is not None else "random token ids (no tokenizer in the source)"
     report = measure_fidelity(source, model, exact, batch, text)
     report.attention = attention_settings(model.config)

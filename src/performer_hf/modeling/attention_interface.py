@@ -46,6 +46,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_methods import ATTENTION_METHODS
 from .attention_settings import IMPLEMENTATIONS, keeps_own_attention, method_state
+from .implied_attention import implied_attention
 from .interface_cache import adopt_on_next_call
 from .method_exact import softmax_attention
 
@@ -97,20 +98,16 @@ def _performer_attention(implementation: str):
         scaling: float | None = None,
         dropout: float = 0.0,
         **kwargs,
-    ) -> tuple[Tensor, None]:
-        """q (B, H, Lq, D), k and v (B, H_kv, Lk, D) with rotary positions applied -> ((B, Lq, H, D), None)."""
+    ) -> tuple[Tensor, Tensor | None]:
+        """q (B, H, Lq, D), k and v (B, H_kv, Lk, D) with rotary positions applied -> ((B, Lq, H, D), the attention
+        weights (B, H, Lq, Lk) with ``output_attentions``, else None)."""
         if keeps_own_attention(module.config, module.layer_idx):
-            return ALL_ATTENTION_FUNCTIONS["sdpa"](
-                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-            )
-        if kwargs.get("output_attentions"):
-            raise ValueError(
-                f"output_attentions is not available with attn_implementation={implementation!r}: linear attention "
-                "never forms the attention matrix. Load the model with attn_implementation='eager' to inspect it."
-            )
+            return _own_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
         causal = kwargs.get("is_causal", getattr(module, "is_causal", False))
         state = method_state(module, implementation, causal, query)
         layer_cache = getattr(key, "performer_cache_layer", None)
+        # tokens attended before this call: held in a key/value cache (the keys passed) or in the method's state
+        past = key.shape[2] - query.shape[2] + (0 if layer_cache is None else layer_cache.get_seq_length())
         head_dim = query.shape[-1]
         if scaling is not None and scaling != head_dim**-0.5:
             query = query * (scaling * head_dim**0.5)  # the methods scale q.k by head_dim ** -0.5
@@ -134,10 +131,32 @@ def _performer_attention(implementation: str):
             context, _ = state.attend(state, query, key, value, key_mask, causal, layer_cache)  # (B, H, Lq, D)
         else:  # a key/value cache: the method over every key, the past queries as placeholders
             context = _over_cached_keys(state, query, key, value, key_mask, causal)
-        return context.transpose(1, 2).contiguous(), None
+        weights = None
+        if kwargs.get("output_attentions"):  # the matrix the method implies (B, H, Lq, Lk): identity values
+            weights = implied_attention(
+                lambda values: state.attend(state, query, key, values, key_mask, causal)[0], value, past
+            )
+        return context.transpose(1, 2).contiguous(), weights
 
     attention.__name__ = attention.__qualname__ = f"{implementation}_attention"
     return attention
+
+
+def _own_attention(module, query, key, value, attention_mask, scaling, dropout, output_attentions=False, **kwargs):
+    """The attention of a sliding layer that keeps its own: SDPA, and with ``output_attentions`` its weights (SDPA
+    forms none: its output for identity values, (B, H, Lq, Lk))."""
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    context, _ = sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    weights = None
+    if output_attentions:
+        weights = implied_attention(
+            lambda values: sdpa(module, query, key, values, attention_mask, scaling=scaling, **kwargs)[0].transpose(
+                1, 2
+            ),
+            value,
+            key.shape[2] - query.shape[2],
+        )
+    return context, weights
 
 
 def _starts_own_state(state, query: Tensor, key: Tensor, causal: bool) -> bool:

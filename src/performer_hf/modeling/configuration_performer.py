@@ -235,24 +235,10 @@ class PerformerConfig(PreTrainedConfig):
 
     @property
     def has_attention_weights(self) -> bool:
-        """Whether the model can return attention weights (``output_attentions``): only exact attention
-        forms the (L x L) matrix; FAVOR+ and hybrid attention never do."""
+        """Whether attention forms its weights as it attends (exact attention). FAVOR+, the hybrid and the sparse
+        method never do; ``output_attentions`` gives the matrix they imply (``implied_attention.py``) for inputs of at
+        most 1,024 tokens."""
         return ATTENTION_METHODS[self.attention_method].has_attention_weights
-
-    def check_output_attentions(self, output_attentions: bool) -> None:
-        """Raise a ``ValueError`` that names the fix when attention weights are asked of linear attention."""
-        if output_attentions and not self.has_attention_weights:
-            raise ValueError(
-                f"output_attentions is not available for attention_kernel={self.attention_kernel!r}: linear "
-                "attention never forms the attention matrix (config.has_attention_weights is False). Use "
-                "attention_kernel='exact' to inspect attention weights."
-            )
-
-    def validate_output_attentions(self):
-        """Part of `@strict` validation: as transformers refuses ``output_attentions`` for attention
-        implementations that form no weights."""
-        super().validate_output_attentions()
-        self.check_output_attentions(self.output_attentions)
 
     @property
     def layer_types(self) -> list[str]:

@@ -15,6 +15,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from .attention_methods import ATTENTION_METHODS
 from .configuration_performer import PerformerConfig
 from .favor_projection import draw_projection
+from .implied_attention import implied_attention
 
 
 class PerformerEmbeddings(nn.Module):
@@ -187,7 +188,8 @@ class PerformerAttention(AttentionMethodState):
             cache: causal only; this layer's entry is read and updated in place: a
                 :class:`FavorCacheLayer` (constant-size state) for FAVOR+, a :class:`HybridCacheLayer`
                 for hybrid attention, keys/values for ``"exact"``.
-            output_attentions: ``"exact"`` only: also return the weights (B, H, L, P + L).
+            output_attentions: also return the weights (B, H, L, P + L): exact attention's, or the matrix linear
+                attention implies (:func:`.implied_attention`: inputs of at most 1,024 tokens, no cached ones).
 
         Returns:
             The output (B, L, hidden) and the attention weights or None.
@@ -196,7 +198,10 @@ class PerformerAttention(AttentionMethodState):
         k = self._split_heads(self.key(hidden_states))
         v = self._split_heads(self.value(hidden_states))
         layer_cache = None if cache is None else cache.layers[self.layer_idx]
+        past = 0 if layer_cache is None else layer_cache.get_seq_length()
         context, weights = self.attend(self, q, k, v, key_mask, causal, layer_cache, output_attentions)  # (B, H, L, D)
+        if output_attentions and weights is None:  # linear attention: the matrix it implies, (B, H, L, L)
+            weights = implied_attention(lambda values: self.attend(self, q, k, values, key_mask, causal)[0], v, past)
         batch, _, length, _ = context.shape
         context = context.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)  # (B, L, hidden)
         return self.output(context), weights

@@ -165,8 +165,8 @@ class PerformerModel(PerformerPreTrainedModel):
                 keeps a constant-size state per layer (see ``cache_performer.py``), ``"exact"`` keys and values.
             use_cache: causal only: return the cache (a new ``DynamicCache(config)`` when none is passed).
                 Defaults to ``config.use_cache`` for causal attention in eval mode.
-            output_attentions: only where ``config.has_attention_weights`` (exact attention); linear attention
-                never forms the attention matrix.
+            output_attentions: the attention weights of each layer: exact attention's, or the matrix linear
+                attention implies (its output for identity values: inputs of at most 1,024 tokens, no cached ones).
             causal: overrides ``config.is_decoder`` (the task heads set it).
             past_key_values: the name of ``cache`` before transformers 5.24 (deprecated there).
         """
@@ -174,7 +174,6 @@ class PerformerModel(PerformerPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
-        self.config.check_output_attentions(output_attentions)
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
