@@ -302,3 +302,45 @@ def test_bad_command_lines_end_with_one_line(argv, message, capsys):
     assert stopped.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and message in lines[0] and lines[0].endswith("--help)")
+
+
+def test_the_front_knows_the_package_s_options():
+    """performer_hf_cli parses without importing performer_hf: its copy of the options must be the package's (after a
+    change to the config fields or the presets: performer_hf.cli.write_options(), then ruff format)."""
+    import performer_hf_cli.options as front
+    from performer_hf.cli import _CONFIG_OPTIONS
+    from performer_hf.conversion import SUPPORTED_ARCHITECTURES
+    from performer_hf.conversion.convert import DEFAULT_IN_PLACE_METHOD, DEFAULT_METHOD, METHODS
+
+    assert front.CONFIG_OPTIONS == [(name, kind.__name__, text) for name, kind, text in _CONFIG_OPTIONS]
+    assert front.METHODS == tuple(sorted(METHODS)) and front.SUPPORTED_ARCHITECTURES == tuple(SUPPORTED_ARCHITECTURES)
+    assert (front.DEFAULT_METHOD, front.DEFAULT_IN_PLACE_METHOD) == (DEFAULT_METHOD, DEFAULT_IN_PLACE_METHOD)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message", "status"),
+    [
+        (["convert", "in", "out", "--nb-features", "x"], "argument --nb-features: invalid int value: 'x'", 2),
+        (["convert", "./no-such-folder", "out"], "source './no-such-folder' is neither an existing folder", 1),
+        (["convert", "in", "{full}"], "exists and is not empty; pass --overwrite to replace it", 1),
+        (["convert", "in", "out", "--set", "nb_features"], "--set expects FIELD=VALUE, got 'nb_features'", 1),
+        (["convert", "in", "out", "--transfer-text", "t.txt"], "without transfer steps: set --transfer-steps too", 1),
+        (["push", "{full}", "org/name"], "has no config.json; save the model with save_pretrained first", 1),
+        (["push", "no-such-folder", "org/name"], "no-such-folder is not a folder", 1),
+    ],
+)
+def test_command_line_mistakes_end_before_torch_is_imported(argv, message, status, tmp_path):
+    """The console script's front (performer_hf_cli) finds these without performer_hf, torch or transformers, whose
+    import takes seconds: one line, at once."""
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "file").write_text("x")
+    argv = [arg.format(full=tmp_path / "full") for arg in argv]
+    script = (
+        "import sys, performer_hf_cli\n"
+        f"status = performer_hf_cli.main({argv!r})\n"
+        "assert not {'torch', 'transformers', 'performer_hf'} & set(sys.modules), 'imported'\n"
+        "sys.exit(status)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    lines = done.stderr.splitlines()
+    assert done.returncode == status and len(lines) == 1 and message in lines[0], done.stderr

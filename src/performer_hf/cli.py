@@ -17,6 +17,8 @@ import logging
 import sys
 from pathlib import Path
 
+import performer_hf_cli
+
 from .conversion import SUPPORTED_ARCHITECTURES, ConversionError, TransferSettings, convert
 from .conversion.convert import DEFAULT_IN_PLACE_METHOD, DEFAULT_METHOD, METHODS
 from .conversion.source import resolve_source
@@ -61,108 +63,37 @@ def _config_options() -> list[tuple[str, type, str]]:
 _CONFIG_OPTIONS = _config_options()
 
 
+def options_text() -> str:
+    """The text of ``performer_hf_cli/options.py``: what the command line's front needs to know of the package."""
+    options = ",\n".join(f"    ({name!r}, {kind.__name__!r}, {text!r})" for name, kind, text in _CONFIG_OPTIONS)
+    return (
+        "# ruff: noqa: E501 (written by performer_hf.cli.write_options(): one line per option)\n"
+        '"""What the command line\'s front (``performer_hf_cli``) knows of performer_hf without importing it. Written\n'
+        'by ``performer_hf.cli.write_options()``; do not edit."""\n\n'
+        f"METHODS = {tuple(sorted(METHODS))!r}\n"
+        f"DEFAULT_METHOD = {DEFAULT_METHOD!r}\n"
+        f"DEFAULT_IN_PLACE_METHOD = {DEFAULT_IN_PLACE_METHOD!r}\n"
+        f"SUPPORTED_ARCHITECTURES = {tuple(SUPPORTED_ARCHITECTURES)!r}\n"
+        "# (PerformerConfig field, option type, help) of each field with an option of its own\n"
+        f"CONFIG_OPTIONS = [\n{options},\n]\n"
+    )
+
+
+def write_options() -> Path:
+    """Write ``performer_hf_cli/options.py`` again (after a change to the config fields or the presets)."""
+    import performer_hf_cli.options
+
+    path = Path(performer_hf_cli.options.__file__)
+    path.write_text(options_text())
+    return path
+
+
 def _field_value(text: str):
     """``--set`` values: JSON (numbers, true/false/null, lists) or else a plain string."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
-
-
-class _OneLineErrors(argparse.ArgumentParser):
-    """Bad command-line input ends with one line that names it and where the options are listed, not the usage
-    block (exit status 2, as argparse's)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = _OneLineErrors(prog="performer-hf", description="Performers (FAVOR+) for Hugging Face models.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineErrors)
-
-    conv = commands.add_parser(
-        "convert",
-        help="convert a BERT / RoBERTa / GPT-2 checkpoint into a Performer, or give a Llama / Mistral / Qwen2 / "
-        "Qwen3 / Gemma3 one Performer attention",
-        description=f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.",
-    )
-    conv.add_argument("source", help="checkpoint folder or Hub id")
-    conv.add_argument("output_dir", help="folder to write (must be empty or absent, unless --overwrite)")
-    for name, kind, text in _CONFIG_OPTIONS:
-        flags = ["--" + name.replace("_", "-")] + (["--far-field"] if name == "attention_kernel" else [])
-        if kind is bool:
-            conv.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
-        else:
-            conv.add_argument(*flags, dest=name, type=kind, default=None, help=text)
-    conv.add_argument(
-        "--method",
-        choices=sorted(METHODS),
-        default=None,
-        help=f"attention settings under the options: {' or '.join(sorted(METHODS))} (default {DEFAULT_METHOD}; "
-        f"{DEFAULT_IN_PLACE_METHOD} for the decoders converted in place)",
-    )
-    conv.add_argument(
-        "--calibrate", action="store_true", help="fix centres / FAVOR++ A per layer and head from sample text"
-    )
-    conv.add_argument(
-        "--transfer-steps",
-        type=int,
-        default=0,
-        help="Llama & co.: train the attention's feature maps for N steps to match the source's "
-        "attention on unlabelled text (default 0: none)",
-    )
-    conv.add_argument(
-        "--transfer-text",
-        metavar="FILE",
-        help="UTF-8 text for --transfer-steps (default: the Python standard library's docstrings)",
-    )
-    conv.add_argument("--transfer-length", type=int, default=1024, help="tokens per transfer step (default 1024)")
-    conv.add_argument(
-        "--set",
-        dest="fields",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="any other PerformerConfig field, e.g. --set hidden_dropout_prob=0.0",
-    )
-    conv.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder after success")
-    conv.add_argument("--base-model", help="Hub id named in the model card (default: the source's)")
-    conv.add_argument("--revision", help="Hub revision of the source")
-    conv.add_argument("--no-fidelity", dest="fidelity", action="store_false", help="skip the fidelity report")
-    conv.add_argument("-q", "--quiet", action="store_true", help="print only the output folder")
-
-    demo = commands.add_parser("demo", help="convert the real all-MiniLM-L6-v2 and compare it with the source at 8K")
-    demo.add_argument("--output-dir", help="keep the converted checkpoint here (default: a temporary folder)")
-    demo.add_argument("--overwrite", action="store_true", help="replace a non-empty --output-dir")
-    demo.add_argument("--length", type=int, default=8192, help="tokens for the speed / memory comparison")
-    demo.add_argument("--sentences", type=int, default=200, help="English sentences for the embedding comparison")
-    demo.add_argument("--repeats", type=int, default=3, help="timed forward passes per model")
-    demo.add_argument(
-        "--method",
-        choices=sorted(METHODS),
-        help=f"attention method of the conversion (default: {DEFAULT_METHOD}; {DEFAULT_IN_PLACE_METHOD} for the "
-        "decoders converted in place)",
-    )
-
-    zoo = commands.add_parser("zoo", help="list or build the models of the performer-hf zoo")
-    zoo_commands = zoo.add_subparsers(dest="zoo_command", required=True)
-    zoo_commands.add_parser("list", help="the zoo's models and what each recipe does")
-    zoo_build = zoo_commands.add_parser("build", help="run a model's recipe end to end: convert, finetune, evaluate")
-    zoo_build.add_argument("name", help="a model of `performer-hf zoo list`")
-    zoo_build.add_argument("output_dir", help="folder to write (must be empty or absent, unless --overwrite)")
-    zoo_build.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder after success")
-    zoo_build.add_argument("--quick", action="store_true", help="tiny budget: a smoke test in seconds")
-    zoo_build.add_argument("-q", "--quiet", action="store_true", help="print only the output folder and warnings")
-
-    push = commands.add_parser("push", help="upload a Performer checkpoint folder to the Hub in one commit")
-    push.add_argument("folder", help="a folder written by save_pretrained, convert, the training scripts or zoo build")
-    push.add_argument("repo_id", help="Hub repository, e.g. my-org/performer-minilm-l6")
-    push.add_argument("--private", action="store_true", default=None, help="create the repository as private")
-    push.add_argument("--revision", help="branch to commit to (default: main)")
-    push.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
-    push.add_argument("--message", default="Upload Performer checkpoint", help="commit message")
-    return parser
 
 
 def _zoo(args: argparse.Namespace) -> None:
@@ -220,8 +151,13 @@ def _setup_logging(quiet: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``performer-hf`` console script; returns the exit status."""
-    args = _parser().parse_args(argv)
+    """The ``performer-hf`` command line (the console script runs ``performer_hf_cli.main``, which parses and checks
+    it before importing this package); returns the exit status."""
+    return performer_hf_cli.main(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed command line (``performer_hf_cli.parser()``); returns the exit status."""
     _setup_logging(getattr(args, "quiet", False))
     try:
         if args.command == "convert":
