@@ -8,6 +8,7 @@ Two blocks are not run here, each for the reason :data:`NOT_RUN` gives."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -23,6 +24,7 @@ from performer_hf.cli import main as performer_hf_cli
 from performer_hf.data_assets import python_docs
 from performer_hf.model_assets import smollm2_checkpoint
 
+from .remote_code import BLOCK_PERFORMER_HF
 from .test_hub import fake_hub  # noqa: F401 (the fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +52,10 @@ STAND_INS = {
         "accelerate launch --multi_gpu --num_processes 8 training/run_mlm.py ...   # same script, many GPUs": "",
     },
     # fewer prompts and pages: the tiny model's scores say nothing
-    "--tasks niah_single_1": {"benchmarks/lm_eval_tasks": "{root}/benchmarks/lm_eval_tasks", "--limit 10": "--limit 1"},
+    "--tasks niah_single_1": {
+        "benchmarks/lm_eval_tasks": "{root}/benchmarks/lm_eval_tasks",
+        "--limit 10": "--limit 1 --output_path results",
+    },
     "from lm_eval import simple_evaluate": {
         '"benchmarks/lm_eval_tasks"': '"{root}/benchmarks/lm_eval_tasks"',
         "limit=4": "limit=1",
@@ -60,11 +65,10 @@ STAND_INS = {
     },
 }
 # blocks that run after another block, in the same folder (what they read, it wrote)
-AFTER = {
-    "python training/run_mlm.py": "performer-hf convert bert-base-uncased",
-    "--tasks niah_single_1": 'performer_hf.convert("path/to/llama"',
-    "from lm_eval import simple_evaluate": 'performer_hf.convert("path/to/llama"',
-}
+AFTER = {"python training/run_mlm.py": "performer-hf convert bert-base-uncased"}
+# the lm-eval recipe's two blocks, run by test_the_lm_eval_blocks_score_alike: the command in a process where
+# performer_hf cannot be imported, as the README says it may be
+LM_EVAL_COMMAND, LM_EVAL_PYTHON = "--tasks niah_single_1", "from lm_eval import simple_evaluate"
 
 
 def readme_blocks() -> list[tuple[str, str]]:
@@ -119,7 +123,7 @@ def _stand_ins(text: str, tiny: Path) -> str:
 
 def _run_bash(text: str) -> None:
     """One command per line (``\\`` continues it, ``#`` comments): ``performer-hf`` through its ``main``, ``python``
-    and ``lm_eval`` in a subprocess with this interpreter."""
+    in a subprocess with this interpreter, and ``lm_eval`` with it too, where performer_hf cannot be imported."""
     for line in text.replace("\\\n", " ").splitlines():
         argv = shlex.split(line, comments=True)
         if not argv:
@@ -128,7 +132,8 @@ def _run_bash(text: str) -> None:
             assert performer_hf_cli(argv[1:]) == 0, line
         elif argv[0] in ("python", "lm_eval"):
             if argv[0] == "lm_eval":
-                command = [sys.executable, "-m", "lm_eval", *argv[1:]]
+                lm_eval = BLOCK_PERFORMER_HF + "from lm_eval.__main__ import cli_evaluate\ncli_evaluate()\n"
+                command = [sys.executable, "-c", lm_eval, *argv[1:]]
             else:
                 command = [sys.executable, str(ROOT / argv[1]) if argv[1].endswith(".py") else argv[1], *argv[2:]]
             result = subprocess.run(command, capture_output=True, text=True, timeout=600)
@@ -137,13 +142,16 @@ def _run_bash(text: str) -> None:
             raise AssertionError(f"no way to run {line!r} here")
 
 
-def _run(language: str, text: str, tiny: Path) -> None:
+def _run(language: str, text: str, tiny: Path) -> dict:
+    """Run a block (its stand-ins in place); returns a Python block's globals."""
     text = _stand_ins(text, tiny)
+    namespace = {"__name__": "readme"}
     if language == "python":
-        exec(compile(text, str(README), "exec"), {"__name__": "readme"})
+        exec(compile(text, str(README), "exec"), namespace)
     else:
         assert language == "bash", language
         _run_bash(text)
+    return namespace
 
 
 BLOCKS = {key: key for key in STAND_INS} | {
@@ -151,11 +159,33 @@ BLOCKS = {key: key for key in STAND_INS} | {
 }
 
 
+def _blocks() -> dict[str, tuple[str, str]]:
+    return {_key(text, BLOCKS): (language, text) for language, text in readme_blocks()}
+
+
 @pytest.mark.usefixtures("fake_hub", "single_thread")
-@pytest.mark.parametrize("key", list(BLOCKS))
+@pytest.mark.parametrize("key", [key for key in BLOCKS if key not in (LM_EVAL_COMMAND, LM_EVAL_PYTHON)])
 def test_the_block_runs(key, tiny, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    blocks = {_key(text, BLOCKS): (language, text) for language, text in readme_blocks()}
+    blocks = _blocks()
     if key in AFTER:
         _run(*blocks[AFTER[key]], tiny)
     _run(*blocks[key], tiny)
+
+
+@pytest.mark.usefixtures("fake_hub", "single_thread")
+def test_the_lm_eval_blocks_score_alike(tiny, tmp_path, monkeypatch):
+    """The Llama block's converted folder, scored by the lm_eval command with trust_remote_code=True where
+    performer_hf cannot be imported (RULER's NIAH and the local perplexity task), and by simple_evaluate after
+    import performer_hf: the same perplexity (1e-5)."""
+    monkeypatch.chdir(tmp_path)
+    blocks = _blocks()
+    _run(*blocks['performer_hf.convert("path/to/llama"'], tiny)
+    _run(*blocks[LM_EVAL_COMMAND], tiny)
+    (written,) = (tmp_path / "results").rglob("results_*.json")
+    from_command = json.loads(written.read_text())["results"]
+    assert set(from_command) == {"niah_single_1", "python_docs_perplexity"}
+    from_python = _run(*blocks[LM_EVAL_PYTHON], tiny)["results"]["results"]["python_docs_perplexity"]
+    for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert 0 < from_python[metric] < float("inf")
+        assert from_command["python_docs_perplexity"][metric] == pytest.approx(from_python[metric], rel=1e-5)
