@@ -162,7 +162,7 @@ def test_output_attentions_of_linear_attention_names_its_limits():
     model = tiny_model(attention_kernel="softmax", max_position_embeddings=1100)
     with pytest.raises(ValueError, match="at most 1024 tokens.*this input has 1025"):
         model(input_ids=random_ids(1, 1025), output_attentions=True, use_cache=False)
-    cache = model(input_ids=random_ids(1, 5), use_cache=True).cache
+    cache = getattr(model(input_ids=random_ids(1, 5), use_cache=True), CACHE_FIELD)
     with pytest.raises(ValueError, match="decodes after 5 cached tokens"):
         model(input_ids=random_ids(1, 1), cache=cache, output_attentions=True)
 
