@@ -67,46 +67,48 @@ def load_without_performer_hf(tmp_path: Path, ids: torch.Tensor) -> dict:
     return json.loads(result.stdout.split("REPORT", 1)[1])
 
 
-# argv = folder, ids file (torch.save), report file; the report (torch.save): the model's class and module, greedy
-# generation's tokens and logits at each step (the first: the prompt's last position), and its cache: the layers'
-# classes and the bytes held
+# argv = ids file (torch.save), report file, folders...; the report (torch.save), one entry per folder: the model's
+# class and module, greedy generation's tokens and logits at each step (the first: the prompt's last position), and
+# its cache: the layers' classes and the bytes held. Each model is then saved to <report file>.saved/<index>.
 _DECODE_SCRIPT = BLOCK_PERFORMER_HF + textwrap.dedent(
     """
     import importlib
     import torch
     from transformers import AutoModelForCausalLM
 
-    folder, ids_file, report_file = sys.argv[1:4]
+    ids_file, report_file, *folders = sys.argv[1:]
     ids = torch.load(ids_file)
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-    bundle = type(model).__module__.rsplit(".", 1)[0]  # the folder's modules, as transformers imported them
-    held_bytes = importlib.import_module(bundle + ".cache_performer").held_bytes
-    generated = model.generate(
-        ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True
-    )
-    cache = getattr(generated, "cache", None) or generated.past_key_values
-    report = {
-        "class": type(model).__module__ + "." + type(model).__name__,
-        "sequences": generated.sequences,
-        "step_logits": torch.stack(generated.logits),
-        "cache_layers": [type(layer).__name__ for layer in cache.layers],
-        "cache_bytes": held_bytes(cache),
-        "leaked": sorted(name for name in sys.modules if name.startswith("performer_hf")),
-    }
-    model.save_pretrained(report_file + ".saved")  # a loaded folder saves its code again
-    torch.save(report, report_file)
+    reports = []
+    for index, folder in enumerate(folders):
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+        bundle = type(model).__module__.rsplit(".", 1)[0]  # the folder's modules, as transformers imported them
+        held_bytes = importlib.import_module(bundle + ".cache_performer").held_bytes
+        generated = model.generate(
+            ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+        cache = getattr(generated, "cache", None) or generated.past_key_values
+        reports.append({
+            "class": type(model).__module__ + "." + type(model).__name__,
+            "sequences": generated.sequences,
+            "step_logits": torch.stack(generated.logits),
+            "cache_layers": [type(layer).__name__ for layer in cache.layers],
+            "cache_bytes": held_bytes(cache),
+            "leaked": sorted(name for name in sys.modules if name.startswith("performer_hf")),
+        })
+        model.save_pretrained(f"{report_file}.saved/{index}")  # a loaded folder saves its code again
+    torch.save(reports, report_file)
     """
 )
 
 
-def decode_without_performer_hf(folder: Path, ids: torch.Tensor, work: Path) -> dict:
-    """Load the causal LM in ``folder`` with trust_remote_code, offline, in a process without performer_hf; run it on
-    ``ids``: greedily generate 4 tokens with plain ``generate()``, then save it to ``<work>/report.saved``. Returns
-    the report of ``_DECODE_SCRIPT``."""
+def decode_without_performer_hf(folders: list[Path], ids: torch.Tensor, work: Path) -> list[dict]:
+    """Load each causal LM of ``folders`` with trust_remote_code, offline, in one process without performer_hf; run
+    it on ``ids``: greedily generate 4 tokens with plain ``generate()``, then save it to ``<work>/report.saved/<i>``.
+    Returns the reports of ``_DECODE_SCRIPT``, in the order of ``folders``."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(work / "modules"), OMP_NUM_THREADS="1")
     torch.save(ids, work / "ids.pt")
-    argv = [sys.executable, "-c", _DECODE_SCRIPT, str(folder), str(work / "ids.pt"), str(work / "report")]
+    argv = [sys.executable, "-c", _DECODE_SCRIPT, str(work / "ids.pt"), str(work / "report"), *map(str, folders)]
     result = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return torch.load(work / "report")

@@ -92,7 +92,7 @@ def test_the_converted_folder_decodes_without_performer_hf_as_with_it(smollm2, t
     compiled = decode_with_performer_hf(model, ids)
     monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")
     expected = decode_with_performer_hf(model, ids)
-    remote = decode_without_performer_hf(out, ids, tmp_path)
+    (remote,) = decode_without_performer_hf([out], ids, tmp_path)
     assert remote["class"].endswith("modeling_in_place.LlamaForCausalLM") and remote["leaked"] == []
     torch.testing.assert_close(remote["step_logits"], expected["step_logits"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(remote["step_logits"], compiled["step_logits"], atol=1e-4, rtol=1e-4)

@@ -20,7 +20,7 @@ from .test_convert_in_place import CLASSES
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-# bounded to 4 blocks of 4 keys, so that a 48-token prompt drops blocks and the bundle's pool is what decodes
+# bounded to 4 blocks of 4 keys, so that an 80-token prompt drops blocks and the bundle's pool is what decodes
 BOUNDED = {**SPARSE, "select_budget": 4}
 
 
@@ -31,41 +31,44 @@ def _assert_same_decoding(remote: dict, local: dict):
     assert remote["leaked"] == []
 
 
-@pytest.mark.parametrize("architecture", list(CLASSES))
-def test_a_converted_folder_decodes_without_performer_hf_as_with_it(architecture, tmp_path):
-    arch, source_class = CLASSES[architecture]
-    torch.manual_seed(0)
-    source_class(DECODERS[arch]).save_pretrained(tmp_path / "source")
-    out = performer_hf.convert(tmp_path / "source", tmp_path / "out", fidelity=False, **BOUNDED)
-    config = json.loads((out / "config.json").read_text())
-    assert config["auto_map"] == {"AutoModelForCausalLM": f"modeling_in_place.{architecture}"}
-    assert config["architectures"] == [architecture]  # the source's class name, for every tool that reads it
+def test_converted_folders_decode_without_performer_hf_as_with_it(tmp_path):
+    """Every architecture converted in place (the bounded sparse default), and a Llama loaded with the hybrid and
+    saved through ship_remote_code before its first forward: loaded with trust_remote_code in one process without
+    performer_hf, each decodes an 80-token prompt (past the hybrid's window, and past the sparse pool's budget) as the
+    package does, and saves its code again."""
+    folders, expected, ids = [], [], _ids(1, 80)
+    for architecture, (arch, source_class) in CLASSES.items():
+        torch.manual_seed(0)
+        source_class(DECODERS[arch]).save_pretrained(tmp_path / architecture)
+        out = performer_hf.convert(tmp_path / architecture, tmp_path / f"{architecture}-out", fidelity=False, **BOUNDED)
+        config = json.loads((out / "config.json").read_text())
+        assert config["auto_map"] == {"AutoModelForCausalLM": f"modeling_in_place.{architecture}"}
+        assert config["architectures"] == [architecture]  # the source's class name, for every tool that reads it
+        local = AutoModelForCausalLM.from_pretrained(out).eval()
+        assert type(local) is source_class  # the package imported: the source's own class, as before
+        folders.append(out)
+        expected.append(decode_with_performer_hf(local, ids))
+        assert "SparseCacheLayer" in expected[-1]["cache_layers"]
 
-    ids = _ids(1, 48)
-    local = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(local) is source_class  # the package imported: the source's own class, as before
-    expected = decode_with_performer_hf(local, ids)
-    assert "SparseCacheLayer" in expected["cache_layers"]
-    remote = decode_without_performer_hf(out, ids, tmp_path)
-    assert remote["class"].startswith("transformers_modules.") and remote["class"].endswith(f".{architecture}")
-    _assert_same_decoding(remote, expected)
-    saved = tmp_path / "report.saved"  # the folder the remote-code model saved: its code again
-    assert (saved / "modeling_in_place.py").read_text() == (out / "modeling_in_place.py").read_text()
-    assert json.loads((saved / "config.json").read_text())["auto_map"] == config["auto_map"]
-
-
-def test_a_model_loaded_with_a_performer_attention_ships_its_code_when_asked(tmp_path):
-    """Saved before its first forward: the settings and the code are in the folder all the same."""
-    _, folder = _source(DECODERS["llama"], tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="performer_hybrid").eval()
-    assert performer_hf.ship_remote_code(model) is model
-    model.save_pretrained(tmp_path / "shipped")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "LlamaForCausalLM", attn_implementation="performer_hybrid")
+    assert performer_hf.ship_remote_code(model.eval()) is model
+    model.save_pretrained(tmp_path / "shipped")  # before its first forward: the settings are in the folder all the same
     config = json.loads((tmp_path / "shipped" / "config.json").read_text())
     assert config["attn_implementation"] == "performer_hybrid" and config["performer_attention"]["local_window"] == 64
-    ids = _ids(1, 80)  # past the window: the far field is in use
-    remote = decode_without_performer_hf(tmp_path / "shipped", ids, tmp_path)
-    _assert_same_decoding(remote, decode_with_performer_hf(model, ids))
-    assert remote["cache_layers"] == ["HybridCacheLayer", "HybridCacheLayer"]
+    folders.append(tmp_path / "shipped")
+    expected.append(decode_with_performer_hf(model, ids))
+    assert expected[-1]["cache_layers"] == ["HybridCacheLayer", "HybridCacheLayer"]
+
+    remote_reports = decode_without_performer_hf(folders, ids, tmp_path)
+    for index, (folder, remote, local) in enumerate(zip(folders, remote_reports, expected, strict=True)):
+        name = json.loads((folder / "config.json").read_text())["architectures"][0]
+        assert remote["class"].startswith("transformers_modules.") and remote["class"].endswith(f".{name}")
+        _assert_same_decoding(remote, local)
+        saved = tmp_path / "report.saved" / str(index)  # the folder the remote-code model saved: its code again
+        assert (saved / "modeling_in_place.py").read_text() == (folder / "modeling_in_place.py").read_text()
+        assert json.loads((saved / "config.json").read_text())["auto_map"] == {
+            "AutoModelForCausalLM": f"modeling_in_place.{name}"
+        }
 
 
 def test_with_the_package_imported_its_attention_serves_the_remote_class(tmp_path):
