@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -308,13 +309,16 @@ def test_the_front_knows_the_package_s_options():
     """performer_hf_cli parses without importing performer_hf: its copy of the options must be the package's (after a
     change to the config fields or the presets: performer_hf.cli.write_options(), then ruff format)."""
     import performer_hf_cli.options as front
+    from performer_hf import PerformerConfig
     from performer_hf.cli import _CONFIG_OPTIONS
     from performer_hf.conversion import SUPPORTED_ARCHITECTURES
-    from performer_hf.conversion.convert import DEFAULT_IN_PLACE_METHOD, DEFAULT_METHOD, METHODS
+    from performer_hf.conversion.convert import DEFAULT_IN_PLACE_METHOD, DEFAULT_METHOD, FIXED_BY_SOURCE, METHODS
 
     assert front.CONFIG_OPTIONS == [(name, kind.__name__, text) for name, kind, text in _CONFIG_OPTIONS]
     assert front.METHODS == tuple(sorted(METHODS)) and front.SUPPORTED_ARCHITECTURES == tuple(SUPPORTED_ARCHITECTURES)
     assert (front.DEFAULT_METHOD, front.DEFAULT_IN_PLACE_METHOD) == (DEFAULT_METHOD, DEFAULT_IN_PLACE_METHOD)
+    assert set(front.CONFIG_FIELDS) == {field.name for field in dataclasses.fields(PerformerConfig)}
+    assert set(front.FIXED_BY_SOURCE) == FIXED_BY_SOURCE
 
 
 @pytest.mark.parametrize(
@@ -324,6 +328,8 @@ def test_the_front_knows_the_package_s_options():
         (["convert", "./no-such-folder", "out"], "source './no-such-folder' is neither an existing folder", 1),
         (["convert", "in", "{full}"], "exists and is not empty; pass --overwrite to replace it", 1),
         (["convert", "in", "out", "--set", "nb_features"], "--set expects FIELD=VALUE, got 'nb_features'", 1),
+        (["convert", "in", "out", "--set", "nb_feature=3"], "unknown PerformerConfig field(s) ['nb_feature']", 1),
+        (["convert", "in", "out", "--set", "hidden_size=64"], "['hidden_size'] are fixed by the source weights", 1),
         (["convert", "in", "out", "--transfer-text", "t.txt"], "without transfer steps: set --transfer-steps too", 1),
         (["push", "{full}", "org/name"], "has no config.json; save the model with save_pretrained first", 1),
         (["push", "no-such-folder", "org/name"], "no-such-folder is not a folder", 1),

@@ -20,7 +20,7 @@ from pathlib import Path
 import performer_hf_cli
 
 from .conversion import SUPPORTED_ARCHITECTURES, ConversionError, TransferSettings, convert
-from .conversion.convert import DEFAULT_IN_PLACE_METHOD, DEFAULT_METHOD, METHODS
+from .conversion.convert import DEFAULT_IN_PLACE_METHOD, DEFAULT_METHOD, FIXED_BY_SOURCE, METHODS
 from .conversion.source import resolve_source
 from .hub import PushError
 from .modeling.attention_methods import ATTENTION_FIELDS
@@ -74,6 +74,9 @@ def options_text() -> str:
         f"DEFAULT_METHOD = {DEFAULT_METHOD!r}\n"
         f"DEFAULT_IN_PLACE_METHOD = {DEFAULT_IN_PLACE_METHOD!r}\n"
         f"SUPPORTED_ARCHITECTURES = {tuple(SUPPORTED_ARCHITECTURES)!r}\n"
+        "# PerformerConfig's fields (what --set takes), and those the source weights fix\n"
+        f"CONFIG_FIELDS = {tuple(sorted(f.name for f in dataclasses.fields(PerformerConfig)))!r}\n"
+        f"FIXED_BY_SOURCE = {tuple(sorted(FIXED_BY_SOURCE))!r}\n"
         "# (PerformerConfig field, option type, help) of each field with an option of its own\n"
         f"CONFIG_OPTIONS = [\n{options},\n]\n"
     )

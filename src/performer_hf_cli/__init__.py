@@ -13,7 +13,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from .options import CONFIG_OPTIONS, DEFAULT_IN_PLACE_METHOD, DEFAULT_METHOD, METHODS, SUPPORTED_ARCHITECTURES
+from .options import (
+    CONFIG_FIELDS,
+    CONFIG_OPTIONS,
+    DEFAULT_IN_PLACE_METHOD,
+    DEFAULT_METHOD,
+    FIXED_BY_SOURCE,
+    METHODS,
+    SUPPORTED_ARCHITECTURES,
+)
 
 _KINDS = {"bool": bool, "int": int, "float": float, "str": str}
 
@@ -130,6 +138,13 @@ def precheck(args: argparse.Namespace) -> str | None:
         bad_sets = [item for item in args.fields if "=" not in item]
         if bad_sets:
             return f"--set expects FIELD=VALUE, got {bad_sets[0]!r}."
+        names = {item.partition("=")[0].strip() for item in args.fields}
+        unknown, fixed = sorted(names - set(CONFIG_FIELDS)), sorted(names & set(FIXED_BY_SOURCE))
+        if unknown:
+            settable = sorted(set(CONFIG_FIELDS) - set(FIXED_BY_SOURCE))
+            return f"unknown PerformerConfig field(s) {unknown}; choose from {settable}."
+        if fixed:
+            return f"{fixed} are fixed by the source weights and cannot be overridden."
         source = Path(args.source).expanduser()
         looks_like_a_path = args.source.startswith((".", "/", "~")) or args.source.count("/") > 1
         if looks_like_a_path and not source.exists():
