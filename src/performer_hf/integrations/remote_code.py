@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from transformers import PreTrainedModel
 
-from ..modeling.attention_settings import IMPLEMENTATIONS, resolved_settings
-from ..modeling.modeling_in_place import IN_PLACE_CLASSES
+from ..modeling.attention_settings import IMPLEMENTATIONS
+from ..modeling.modeling_in_place import IN_PLACE_CLASSES, record_attention
 
 
 def ship_remote_code(model: PreTrainedModel) -> PreTrainedModel:
@@ -42,6 +42,6 @@ def ship_remote_code(model: PreTrainedModel) -> PreTrainedModel:
             f"this {type(model).__name__} runs attn_implementation={implementation!r}, not a Performer attention; "
             f"load it with attn_implementation in {sorted(IMPLEMENTATIONS)} (or convert it with performer_hf.convert)."
         )
-    resolved_settings(model.config.get_text_config(), implementation, causal=True)
+    record_attention(model.config)
     model.__class__ = shipped
     return model

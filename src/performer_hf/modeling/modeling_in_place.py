@@ -19,15 +19,20 @@ from .attention_settings import IMPLEMENTATIONS, resolved_settings
 register_attention_implementations(replace=False)
 
 
+def record_attention(config) -> None:
+    """Write the config's Performer attention (``attn_implementation`` and every setting) into it, as the first forward
+    otherwise does: transformers does not save the implementation a model was loaded with, so a model saved before it
+    runs would load with softmax attention. Nothing for another implementation."""
+    if config._attn_implementation in IMPLEMENTATIONS:
+        resolved_settings(config, config._attn_implementation, causal=True)
+
+
 class _RecordsItsAttention:
-    """Records the config's Performer attention (``attn_implementation`` and every setting) on construction, as the
-    first forward otherwise does: transformers does not save the implementation a model was loaded with, so a
-    model saved before it runs would load with softmax attention."""
+    """Records the config's Performer attention on construction (:func:`record_attention`)."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        if config._attn_implementation in IMPLEMENTATIONS:
-            resolved_settings(config, config._attn_implementation, causal=True)
+        record_attention(config)
 
 
 class LlamaForCausalLM(_RecordsItsAttention, transformers.LlamaForCausalLM):
