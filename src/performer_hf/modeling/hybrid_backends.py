@@ -6,6 +6,8 @@ far field's complement and their merge), behind one signature, and :func:`choose
   are tested against.
 - :class:`CompiledCpuBackend`: the C++ kernels of :mod:`.hybrid_compiled` (forward and backward) for bidirectional
   attention with a polynomial far field on the CPU.
+- :class:`.FlexBackend`: FlexAttention (:mod:`.hybrid_flex`, compiled Triton kernels) on CUDA devices, for
+  bidirectional attention with a polynomial far field and for causal calls from the first token.
 
 A backend that cannot serve a setting says why once in the log, and the PyTorch backend serves it.
 """
@@ -21,6 +23,7 @@ from .far_field_polynomial import quadratic_apply, quadratic_state
 from .hybrid_compiled import compiled_polynomial, fused_sums
 from .hybrid_exact import CandidateSet, exact_logits, exact_sums, merge
 from .hybrid_far_field import FarQueries
+from .hybrid_flex import TILE, FlexBackend, flex_available, flex_enabled
 from .hybrid_keys import HybridCall
 from .hybrid_selection import Selection
 from .slabs import recomputed
@@ -67,20 +70,43 @@ PYTORCH = TorchBackend()
 _EXPLAINED: set[str] = set()
 
 
-def _served_by_pytorch(reason: str) -> TorchBackend:
+def _served_by_pytorch(reason: str, instead_of: str = "the compiled CPU kernels") -> TorchBackend:
     if reason not in _EXPLAINED:
         _EXPLAINED.add(reason)
-        logger.info("Hybrid attention runs in PyTorch, not in the compiled CPU kernels: %s.", reason)
+        logger.info("Hybrid attention runs in PyTorch, not in %s: %s.", instead_of, reason)
     return PYTORCH
 
 
-def choose_backend(call: HybridCall, causal: bool) -> TorchBackend | CompiledCpuBackend:
-    """The backend for a call: by its device, dtype and direction, and the settings (the far field, the value
-    width, the length). The compiled CPU kernels when they serve the call, else PyTorch."""
-    x, far = call.x, call.ctx.far
-    if x.device.type != "cpu" or not kernels_enabled():
+def _cuda_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBackend | FlexBackend:
+    """FlexAttention where it serves the call (``PERFORMER_HF_FLEX=0`` turns it off), else PyTorch."""
+    spec, flex = call.spec, "FlexAttention"
+    if not flex_enabled():
         return PYTORCH
+    if not flex_available():
+        return _served_by_pytorch("it needs torch >= 2.9 with Triton", flex)
+    if continues:
+        return _served_by_pytorch("it serves causal calls from the first token, not ones after a cached state", flex)
+    if not causal and call.ctx.far.quadratic is None:
+        return _served_by_pytorch(f"it serves the polynomial far fields, not far_field={call.ctx.far.name!r}", flex)
+    if call.k.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return _served_by_pytorch(f"it serves float32, bfloat16 and float16 models, not {call.k.dtype}", flex)
+    if TILE % spec.query_block_size or TILE % spec.route_block_size:
+        return _served_by_pytorch(f"its query and key blocks must divide {TILE}", flex)
+    return FlexBackend((call.ctx.a, call.ctx.c), call.k.dtype)
+
+
+def choose_backend(
+    call: HybridCall, causal: bool, continues: bool = False
+) -> TorchBackend | CompiledCpuBackend | FlexBackend:
+    """The backend for a call: by its device, dtype and direction, whether it ``continues`` from a cached state, and
+    the settings (the far field, the value width, the length). On a CPU the compiled kernels, on CUDA
+    FlexAttention, when they serve the call; else PyTorch."""
+    x, far = call.x, call.ctx.far
     if torch.compiler.is_compiling():  # torch.export / torch.compile trace the PyTorch path; kernels are opaque
+        return PYTORCH
+    if x.device.type == "cuda":
+        return _cuda_backend(call, causal, continues)
+    if x.device.type != "cpu" or not kernels_enabled():
         return PYTORCH
     if causal:
         return _served_by_pytorch("the compiled kernels are bidirectional only")

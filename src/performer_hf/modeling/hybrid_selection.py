@@ -130,11 +130,11 @@ class Selection:
             for *keys, support_s, count in zip(*fields, blocking.by_slab(support), blocking.sizes, strict=True)
         ]
 
-    def _routed(self) -> list[CandidateSet]:
-        """Each query block's routed key blocks, minus its window and the global tokens."""
+    @functools.cached_property
+    def routes(self) -> tuple[Tensor, Tensor]:
+        """Each of the N query blocks' routed key blocks (:func:`.route`, slab by slab): the chosen blocks
+        (B, H, N, t) and whether each choice is real (B, H, N, t). Bidirectional, with ``routed_blocks`` only."""
         spec, blocking, keys = self.spec, self.blocking, self.keys
-        if not spec.routed_blocks:
-            return []
         B, N, block_q, block_k = self.x.shape[0], blocking.N, spec.query_block_size, spec.route_block_size
         blocks = key_blocks(pad_keys(keys, 0, -keys.y.shape[2] % block_k), block_k, spec.route_group_size)
         q_mask = F.pad(keys.mask, (0, blocking.pad), value=False).view(B, N, block_q).split(blocking.sizes, dim=1)
@@ -142,8 +142,15 @@ class Selection:
             route(xq, q_mask_s, blocks, first, block_k, self.left, self.right, spec.routed_blocks)
             for xq, q_mask_s, first in zip(blocking.blocked(self.x), q_mask, blocking.starts, strict=True)
         ]
-        chosen = torch.cat([chosen_s for chosen_s, _ in routes], dim=2)  # (B, H, N, t)
-        chosen_real = torch.cat([real for _, real in routes], dim=2)
+        return torch.cat([chosen for chosen, _ in routes], dim=2), torch.cat([real for _, real in routes], dim=2)
+
+    def _routed(self) -> list[CandidateSet]:
+        """Each query block's routed key blocks, minus its window and the global tokens."""
+        spec, blocking = self.spec, self.blocking
+        if not spec.routed_blocks:
+            return []
+        N, block_k = blocking.N, spec.route_block_size
+        chosen, chosen_real = self.routes  # (B, H, N, t)
         fields = [blocking.by_slab(gather_blocks(t, chosen, block_k)) for t in self.padded_keys.fields(self.with_feats)]
         key_pos = (chosen.unsqueeze(-1) * block_k + torch.arange(block_k, device=self.x.device)).flatten(-2)
         real = self.padded_keys.mask.gather(1, key_pos.flatten(1)).view(key_pos.shape)  # (B, H, N, R): real keys

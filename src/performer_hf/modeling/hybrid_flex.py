@@ -1,0 +1,217 @@
+"""Hybrid attention through PyTorch's FlexAttention: the backend for CUDA devices.
+
+The PyTorch backend gathers each query block's candidate keys and merges the parts slab by slab: thousands of small
+kernel launches per call on a GPU. Here the exact part is one fused, block-sparse attention call:
+
+- the support (window, global keys, routed key blocks, real keys only) becomes a ``BlockMask``: the
+  ``TILE`` x ``TILE`` tiles that hold any of it (``BlockMask.from_kv_blocks``), and inside them a ``mask_mod``
+  that keeps exactly the support (the routed blocks as a bitmap of 32-bit words per query block);
+- :func:`flex_attend` returns softmax's output over the support and its log-sum-exp, in the model's dtype
+  (bfloat16 models: bfloat16, as flash attention);
+- bidirectionally, the polynomial far field over all keys is the PyTorch backend's (dense matrix products, one key
+  shift per batch and head); its share on the support, which must be left out, is a second call over the same mask
+  with the kernel as the score (``score_mod`` = ``log(1 + t + c2 t^2)`` of the centred logit ``t``) and the far
+  field's weighted values ``exp(klog - shift) [v, 1]``: that call's output times ``exp(lse)`` is exactly the
+  kernel's sums on the support;
+- causally (a call from the first token), the far field is the lagged scan of :mod:`.hybrid_causal`, which holds no
+  key of the support: nothing is left out, and the exact part is a sliding window plus the global keys;
+- both parts merge under one shift, as the other backends do (:func:`.merge`).
+
+Gradients flow through both calls' outputs and log-sum-exps (FlexAttention's backward runs on CUDA; on a CPU it
+computes forward only, which is how the tests check it against the PyTorch backend, and its backward is checked
+with :func:`dense_attend`, the same contract in plain PyTorch).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .far_field_polynomial import quadratic_apply, quadratic_state
+from .hybrid_exact import PartialSums, merge
+from .hybrid_far_field import FarQueries
+from .hybrid_selection import Selection
+
+Tensor = torch.Tensor
+
+TILE = 128  # FlexAttention's sparse block: queries and keys per tile of the block mask
+VALUE_ALIGNMENT = 16  # value widths are padded to a multiple of this on CUDA (the kernels' smallest head width)
+_TINY = 1e-30  # the log kernel's floor: poly2's kernel (1 + t / 2)^2 reaches 0
+
+
+def flex_enabled() -> bool:
+    """Whether the FlexAttention backend may be used (``PERFORMER_HF_FLEX`` is not ``0``)."""
+    return os.environ.get("PERFORMER_HF_FLEX", "1") != "0"
+
+
+def flex_available() -> bool:
+    """Whether this torch has FlexAttention with its log-sum-exp (``AuxRequest``, torch >= 2.9) and Triton to
+    compile it for CUDA."""
+    try:
+        import triton  # noqa: F401
+        from torch.nn.attention.flex_attention import AuxRequest  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) -> tuple[Tensor, Tensor]:
+    """FlexAttention with scale 1: ``softmax(score_mod(q . k))`` over ``block_mask``'s support applied to v.
+    q, k (B, H, L, d), v (B, H, L, dv) -> output (B, H, L, dv) and log-sum-exp (B, H, L), float32.
+    Compiled on CUDA; eager (forward only, unfused) elsewhere."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    attend = _compiled_flex() if q.device.type == "cuda" else flex_attention
+    out, aux = attend(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=1.0, return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
+def dense_attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) -> tuple[Tensor, Tensor]:
+    """:func:`flex_attend`'s contract in plain PyTorch, with an (L x L) score matrix: the reference for tests (and
+    differentiable on any device). Reads the block mask's ``mask_mod`` on every pair, not its tiles."""
+    B, H, L, _ = q.shape
+    scores = (q @ k.transpose(-2, -1)).float()  # (B, H, L, L)
+    b, h, i, j = (torch.arange(n, device=q.device) for n in (B, H, L, L))
+    keep = block_mask.mask_mod(b[:, None, None, None], h[None, :, None, None], i[:, None], j[None, :])
+    if score_mod is not None:
+        scores = score_mod(scores, None, None, None, None)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, L)
+    weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    return (weights @ v.float()).to(v.dtype), lse
+
+
+def support_mask(selection: Selection):
+    """The exact support of every query of a call from the first token as a ``BlockMask``: the tiles that hold any of
+    it, and a ``mask_mod`` that keeps exactly the support (a query's window, the global keys (causally, those up to
+    the query) and its routed key blocks; real keys only)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    x, spec = selection.x, selection.spec
+    B, H, L = x.shape[:3]
+    device = x.device
+    left, right, nb_global, causal = selection.left, selection.right, selection.nb_global, selection.causal
+    block_q, block_k = spec.query_block_size, spec.route_block_size
+    padded = -(-L // TILE) * TILE  # TILE is a multiple of block_q and block_k (see choose_backend)
+    tiles = padded // TILE
+    key_mask = F.pad(selection.keys.mask, (0, padded - L), value=False)  # (B, padded): positions past L are not keys
+    routed_words, routed_tiles = _routed(selection, B, H, padded, tiles)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        near = (q_idx - kv_idx <= left) & (kv_idx - q_idx <= right)
+        is_global = (kv_idx < nb_global) & (kv_idx <= q_idx) if causal else kv_idx < nb_global
+        supported = near | is_global
+        if routed_words is not None:
+            block = kv_idx // block_k
+            word = routed_words[b, h, q_idx // block_q, block // 32]
+            supported = supported | (((word >> (block % 32)) & 1) == 1)
+        return supported & key_mask[b, kv_idx]
+
+    start = torch.arange(tiles, device=device) * TILE  # (tiles,): each tile's first position
+    touched = start[None, :] < nb_global  # (query tiles, key tiles)
+    if right >= 0:  # the window's band
+        touched = touched | (start[None, :] + TILE - 1 >= start[:, None] - left) & (
+            start[None, :] <= start[:, None] + TILE - 1 + right
+        )
+    if routed_tiles is not None:
+        touched = touched | routed_tiles  # (B, H, query tiles, key tiles)
+    touched = touched & key_mask.view(B, 1, 1, tiles, TILE).any(-1)  # tiles without a real key hold nothing
+    touched = touched.expand(B, H, tiles, tiles)
+    counts = touched.sum(-1, dtype=torch.int32)  # (B, H, query tiles)
+    order = torch.argsort(touched.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(L, L))
+
+
+def _routed(selection: Selection, B: int, H: int, padded: int, tiles: int) -> tuple[Tensor | None, Tensor | None]:
+    """The routed key blocks of every query block as bits (B, H, query blocks, words of 32 key blocks), int32, and
+    the tiles they touch (B, H, query tiles, key tiles); (None, None) without routing."""
+    spec = selection.spec
+    if not spec.routed_blocks:
+        return None, None
+    block_q, block_k = spec.query_block_size, spec.route_block_size
+    chosen, real = selection.routes  # (B, H, N, t): N query blocks (the selection's, padded to its period)
+    chosen = F.pad(chosen, (0, 0, 0, padded // block_q - chosen.shape[2]))
+    real = F.pad(real, (0, 0, 0, padded // block_q - real.shape[2]), value=False)
+    words = torch.zeros(B, H, chosen.shape[2], -(-padded // block_k // 32), dtype=torch.int64, device=chosen.device)
+    bits = torch.where(real, torch.ones_like(chosen) << (chosen % 32), 0)  # distinct blocks: their sum is their union
+    words = words.scatter_add_(-1, chosen // 32, bits).to(torch.int32)  # bit 31 wraps to the sign bit, as meant
+    per_tile = torch.zeros(B, H, chosen.shape[2], tiles, dtype=torch.int32, device=chosen.device)
+    per_tile = per_tile.scatter_add_(-1, chosen * block_k // TILE, real.to(torch.int32))  # (B, H, N, key tiles)
+    routed_tiles = per_tile.view(B, H, tiles, TILE // block_q, tiles).sum(3) > 0  # (B, H, query tiles, key tiles)
+    return words, routed_tiles
+
+
+def _padded_values(values: Tensor) -> Tensor:
+    """Values (B, H, L, X) padded with zero columns to a width the CUDA kernels take."""
+    if values.device.type != "cuda":
+        return values
+    return F.pad(values, (0, -values.shape[-1] % VALUE_ALIGNMENT))
+
+
+class FlexBackend:
+    """Hybrid attention's support sums in FlexAttention: the exact part and (bidirectionally, with a polynomial far
+    field) the far field's share on the support, in calls over one block mask (see the module docstring).
+
+    Args:
+        centres: the call's query and key centres ``(a, c)``, each (.., 1, d).
+        dtype: the dtype the attention calls run in (the model's: the rest computes in float32).
+        attend: the attention call, :func:`flex_attend` (or :func:`dense_attend` in tests).
+    """
+
+    polynomial = (quadratic_state, quadratic_apply)  # the far field over all keys: dense matrix products
+
+    def __init__(self, centres: tuple[Tensor, Tensor], dtype: torch.dtype, attend: Callable = flex_attend):
+        self.centres, self.dtype, self.attend = centres, dtype, attend
+
+    def support_sums(self, selection: Selection, far: FarQueries, quadratic: float | None) -> Tensor:
+        """Numerator|denominator (B, H, L, dv + 1) of hybrid attention, relative to a per-query shift."""
+        keys, dtype = selection.keys, self.dtype
+        mask = support_mask(selection)
+        dv = keys.values1.shape[-1] - 1
+        exact, lse = self.attend(
+            selection.x.to(dtype), keys.y.to(dtype), _padded_values(keys.values1[..., :dv].to(dtype)), mask
+        )
+        exact = PartialSums(_ones_column(exact[..., :dv], lse), lse.detach()[..., None])
+        if far.excludes_support:
+            return merge(exact, far.complement([], [], quadratic))
+        return merge(exact, self._complement(selection, far, quadratic, mask))
+
+    def _complement(self, selection: Selection, far: FarQueries, quadratic: float, mask) -> PartialSums:
+        """The polynomial far field over the keys outside each query's support: its sums over all keys minus a
+        FlexAttention call with the kernel as the score over the support."""
+        keys, dtype = selection.keys, self.dtype
+        dv = keys.values1.shape[-1] - 1
+        a, c = self.centres
+        shift = far.key_shift[:, :, :1, :]  # (B, H, 1, 1): the far field's one key shift
+        weighted = keys.values1 * torch.exp(keys.klog - shift)  # (B, H, L, dv + 1); padded keys -> 0
+
+        def log_kernel(score, b, h, q_idx, kv_idx):
+            return torch.log(torch.clamp(1 + score + quadratic * score * score, min=_TINY))
+
+        on_support, support_lse = self.attend(
+            (selection.x - a).to(dtype), (keys.y - c).to(dtype), _padded_values(weighted.to(dtype)), mask, log_kernel
+        )
+        on_support = on_support[..., : dv + 1].float() * torch.exp(support_lse)[..., None]
+        on_support = on_support.nan_to_num(0.0)  # a query without support: nothing to leave out
+        values = far.far_sum[..., :dv] - on_support[..., :dv]
+        mass = (far.far_sum[..., dv:] - on_support[..., dv:]).clamp_min(0.0)  # not negative through rounding
+        return PartialSums(torch.cat([values, mass], dim=-1), far.scale + far.key_shift)
+
+
+def _ones_column(out: Tensor, lse: Tensor) -> Tensor:
+    """Softmax's output over the support (B, H, L, dv) and its log-sum-exp (B, H, L) -> its sums [out, 1]
+    relative to exp(lse) (gradients flow through lse), float32; zero for a query without support."""
+    out = out.float().nan_to_num(0.0)
+    scale = torch.exp(lse - lse.detach()).nan_to_num(0.0)[..., None]  # 1, differentiable in lse
+    return torch.cat([out, torch.ones_like(out[..., :1])], dim=-1) * scale

@@ -1,0 +1,245 @@
+"""The FlexAttention backend of hybrid attention (CUDA's) on the CPU: FlexAttention's eager forward against the dense
+O(L^2) reference and the PyTorch backend; gradients through :func:`dense_attend` (FlexAttention's contract in
+PyTorch, as FlexAttention has no backward on a CPU); which calls the backend serves on CUDA. The last tests run on a
+CUDA device only: the compiled kernels, forward and backward, against the float32 CPU reference."""
+
+import warnings
+
+import pytest
+import torch
+
+from performer_hf.favor import draw_projection, hybrid_attention
+from performer_hf.modeling import favor_hybrid, hybrid_backends, hybrid_flex
+from performer_hf.modeling.hybrid_flex import FlexBackend, dense_attend, flex_attend
+
+from ..hybrid_reference import random_qkv, reference, right_padding
+
+# supports the backend serves (its query and key blocks divide the 128-position tile)
+CONFIGS = [
+    dict(local_window=5),
+    dict(local_window=4, num_global_tokens=2),
+    dict(num_global_tokens=3),
+    dict(local_window=7, num_global_tokens=1, routed_blocks=2, route_block_size=4, query_block_size=8),
+    dict(local_window=1, routed_blocks=20, route_block_size=4, query_block_size=4),  # more blocks than qualify
+    dict(
+        local_window=7, num_global_tokens=1, routed_blocks=2, route_block_size=4, route_group_size=4, query_block_size=8
+    ),
+]
+# the converter's bidirectional default (attention_methods.py), at a length where it approximates
+DEFAULT = dict(
+    far_field="poly2",
+    center=True,
+    local_window=17,
+    num_global_tokens=1,
+    routed_blocks=24,
+    route_block_size=8,
+    route_group_size=16,
+    query_block_size=16,
+)
+
+
+@pytest.fixture(autouse=True)
+def quiet_eager_flex():
+    """FlexAttention warns at each eager (unfused) call, which is how it runs on a CPU."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention.*")
+        yield
+
+
+def _flex(monkeypatch, attend=flex_attend):
+    """Make every hybrid call use the FlexAttention backend, whatever its device."""
+    monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")
+    monkeypatch.setattr(
+        favor_hybrid,
+        "choose_backend",
+        lambda call, causal, continues=False: FlexBackend((call.ctx.a, call.ctx.c), call.k.dtype, attend),
+    )
+
+
+def _close_to_float64(out, ref, mask):
+    """The backend runs in float32 (FlexAttention's log-sum-exp is float32 whatever its inputs): against the float64
+    reference, float32's tolerance."""
+    torch.testing.assert_close(_masked(out.double(), mask), _masked(ref, mask), rtol=1e-4, atol=1e-5)
+
+
+def _masked(out, mask):
+    return out if mask is None else out * mask[:, None, :, None]  # padded queries' outputs are unspecified
+
+
+def _causal_kwargs(far_field):
+    kwargs = dict(far_field=far_field, causal=True, query_center=torch.zeros(2, 8), key_center=torch.zeros(2, 8))
+    if far_field == "softmax_opt":
+        kwargs["far_field_parameter"] = -0.05
+    return kwargs
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("far_field", ["poly2", "taylor2"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_bidirectional_matches_the_dense_reference(monkeypatch, config, far_field, padded):
+    q, k, v = random_qkv()
+    mask = right_padding(2, 45) if padded else None
+    _flex(monkeypatch)
+    with torch.no_grad():
+        out = hybrid_attention(
+            *(t.float() for t in (q, k, v)), far_field=far_field, center=True, key_padding_mask=mask, **config
+        )
+    ref = reference(q, k, v, far_field=far_field, center=True, mask=mask, **config)
+    _close_to_float64(out, ref, mask)
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if "routed_blocks" not in c], ids=str)
+@pytest.mark.parametrize("far_field", ["softmax_opt", "poly2"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_causal_from_the_first_token_matches_the_dense_reference(monkeypatch, config, far_field, padded):
+    q, k, v = random_qkv()
+    W = draw_projection(24, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    mask = right_padding(2, 45) if padded else None
+    kwargs = {**_causal_kwargs(far_field), **config}
+    _flex(monkeypatch)
+    with torch.no_grad():
+        out = hybrid_attention(
+            *(t.float() for t in (q, k, v)), W.float(), key_padding_mask=mask, chunk_size=8, **kwargs
+        )
+    ref = reference(q, k, v, W, mask=mask, **kwargs)
+    _close_to_float64(out, ref, mask)
+
+
+# routing by blocks of 128 queries (one tile), one block of 64 keys each: most of a tile row holds no support
+COARSE = dict(DEFAULT, routed_blocks=1, route_block_size=64, route_group_size=0, query_block_size=128)
+
+
+@pytest.mark.parametrize("settings", [DEFAULT, COARSE], ids=["default", "coarse"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_1k_tokens_match_the_pytorch_backend(monkeypatch, settings, padded):
+    """1,024 tokens: 8 x 8 tiles. With coarse routing the support leaves tiles empty, so the block mask's tiles,
+    not only its mask_mod, decide what FlexAttention reads; the default's routed blocks of 8 keys for blocks of 16
+    queries reach into every tile here."""
+    q, k, v = (t.float() for t in random_qkv(batch=2, heads=2, length=1024, head_dim=32, seed=3))
+    mask = right_padding(2, 1024, real=(1024, 700)) if padded else None
+    monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")
+    ref = hybrid_attention(q, k, v, key_padding_mask=mask, **settings)
+
+    masks = []
+    support_mask = hybrid_flex.support_mask
+    record = lambda selection: masks.append(support_mask(selection)) or masks[-1]  # noqa: E731
+    monkeypatch.setattr(hybrid_flex, "support_mask", record)
+    _flex(monkeypatch)
+    with torch.no_grad():
+        out = hybrid_attention(q, k, v, key_padding_mask=mask, **settings)
+    torch.testing.assert_close(_masked(out, mask), _masked(ref, mask), rtol=1e-5, atol=1e-6)
+    tiles = masks[0].kv_num_blocks  # (B, H, 8): key tiles read per query tile
+    assert tiles.shape[-1] == 8 and int(tiles.min()) >= 1
+    if settings is COARSE:  # at most the window's 3 tiles, the global token's and the routed block's
+        assert int(tiles.max()) <= 5
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_match_the_pytorch_backend(monkeypatch, causal):
+    """FlexAttention's own backward runs on CUDA only; here its contract in PyTorch (dense_attend) carries the
+    gradient through the backend's merge, log-sum-exps and far-field complement."""
+    q, k, v = (t.float() for t in random_qkv(batch=2, heads=2, length=200, head_dim=16, seed=5))
+    mask = right_padding(2, 200, real=(200, 150))
+    if causal:
+        settings = dict(_causal_kwargs("softmax_opt"), local_window=9, num_global_tokens=1)
+        settings.update(query_center=torch.zeros(2, 16), key_center=torch.zeros(2, 16))
+        projection = draw_projection(32, 16, generator=torch.Generator().manual_seed(2))
+    else:
+        settings = dict(DEFAULT, routed_blocks=4, route_group_size=4)
+        projection = None
+    grad = torch.randn(2, 2, 200, 16, generator=torch.Generator().manual_seed(6)) * mask[:, None, :, None]
+
+    def gradients():
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        (hybrid_attention(*inputs, projection, key_padding_mask=mask, **settings) * grad).sum().backward()
+        return [t.grad for t in inputs]
+
+    monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")
+    expected = gradients()
+    _flex(monkeypatch, dense_attend)
+    for got, want in zip(gradients(), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_runs_the_attention_in_bfloat16_within_its_tolerance(monkeypatch):
+    """A bfloat16 model: the attention calls get bfloat16 tensors (as flash attention does), the far field and the
+    merge stay in float32. Against float32, the output's error is that of rounding the inputs to bfloat16 (the PyTorch
+    backend's, which computes in float32 from the same inputs; 1.5% here), plus at most 0.2%."""
+    q, k, v = (t.float() for t in random_qkv(batch=1, heads=2, length=512, head_dim=32, seed=7))
+    monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")
+    ref = hybrid_attention(q, k, v, **DEFAULT)
+    inputs = [t.bfloat16() for t in (q, k, v)]
+    error = lambda out: float((out.float() - ref).norm() / ref.norm())  # noqa: E731
+    rounding = error(hybrid_attention(*inputs, **DEFAULT))
+    dtypes = []
+
+    def recording(q, k, v, block_mask, score_mod=None):
+        dtypes.append((q.dtype, k.dtype, v.dtype))
+        return dense_attend(q, k, v, block_mask, score_mod)
+
+    _flex(monkeypatch, recording)
+    out = hybrid_attention(*inputs, **DEFAULT)
+    assert out.dtype == torch.bfloat16 and set(dtypes) == {(torch.bfloat16,) * 3}
+    assert error(out) < rounding + 2e-3, (error(out), rounding)
+
+
+def _call(far_field="poly2", causal=False, dtype=torch.float32, **settings):
+    """A prepared call (:class:`.HybridCall`) of tiny inputs, to ask which backend serves it."""
+    q, k, v = (t.to(dtype) for t in random_qkv(batch=1, heads=2, length=40, head_dim=8))
+    spec = favor_hybrid.HybridSpec(far_field=far_field, local_window=5, **settings)
+    kwargs = dict.fromkeys(("scaling", "key_padding_mask", "far_field_parameter", "far_field_gain"))
+    if causal:
+        kwargs.update(query_center=torch.zeros(2, 8), key_center=torch.zeros(2, 8), far_field_parameter=-0.05)
+    else:
+        kwargs.update(query_center=None, key_center=None)
+    W = draw_projection(16, 8, generator=torch.Generator().manual_seed(0))
+    return favor_hybrid._prepare(q, k, v, W, spec, causal, kwargs)
+
+
+def test_which_calls_flex_attention_serves_on_cuda(monkeypatch):
+    monkeypatch.setattr(hybrid_backends, "flex_available", lambda: True)
+    serves = lambda call, causal=False, continues=False: isinstance(  # noqa: E731
+        hybrid_backends._cuda_backend(call, causal, continues), FlexBackend
+    )
+    assert serves(_call("poly2")) and serves(_call("taylor2", dtype=torch.bfloat16))
+    assert serves(_call("softmax_opt", causal=True), causal=True)
+    assert not serves(_call("softmax_opt", causal=True), causal=True, continues=True)  # after a cached state
+    assert not serves(_call("softmax_opt"))  # bidirectional random features: their complement needs features
+    assert not serves(_call("poly2", dtype=torch.float64))
+    assert not serves(_call("poly2", routed_blocks=2, route_block_size=3, query_block_size=6))  # blocks vs tiles
+    monkeypatch.setenv("PERFORMER_HF_FLEX", "0")
+    assert not serves(_call("poly2"))
+    monkeypatch.setattr(hybrid_backends, "flex_available", lambda: False)
+    monkeypatch.delenv("PERFORMER_HF_FLEX")
+    assert not serves(_call("poly2"))
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention runs on CUDA devices")
+
+
+@cuda
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_compiled_kernels_match_the_cpu_in_float32_and_bfloat16(causal):
+    """On a GPU: forward and backward of the compiled backend at 4K tokens against the float32 CPU path."""
+    assert hybrid_flex.flex_available(), "a CUDA device without Triton / FlexAttention's log-sum-exp"
+    q, k, v = (t.float() for t in random_qkv(batch=2, heads=4, length=4096, head_dim=32, seed=11))
+    if causal:
+        settings = dict(_causal_kwargs("softmax_opt"), local_window=64, num_global_tokens=1)
+        settings.update(query_center=torch.zeros(4, 32), key_center=torch.zeros(4, 32))
+        projection = draw_projection(64, 32, generator=torch.Generator().manual_seed(2))
+    else:
+        settings, projection = DEFAULT, None
+    grad = torch.randn(2, 4, 4096, 32, generator=torch.Generator().manual_seed(12))
+
+    def run(device, dtype):
+        inputs = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+        W = None if projection is None else projection.to(device)
+        out = hybrid_attention(*inputs, W, **settings)
+        (out.float() * grad.to(device)).sum().backward()
+        return [t.detach().float().cpu() for t in (out, *(i.grad for i in inputs))]
+
+    reference_cpu = run("cpu", torch.float32)
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        for got, want in zip(run("cuda", dtype), reference_cpu, strict=True):
+            assert torch.isfinite(got).all()
+            assert (got - want).norm() / want.norm() < tolerance, dtype
