@@ -219,8 +219,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAt
 
 @cuda
 @pytest.mark.parametrize("causal", [False, True])
-def test_cuda_compiled_kernels_match_the_cpu_in_float32_and_bfloat16(causal):
+def test_cuda_compiled_kernels_match_the_cpu_in_float32_and_bfloat16(monkeypatch, causal):
     """On a GPU: forward and backward of the compiled backend at 4K tokens against the float32 CPU path."""
+    monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")  # the reference: the PyTorch backend (no C++ build there)
     assert hybrid_flex.flex_available(), "a CUDA device without Triton / FlexAttention's log-sum-exp"
     q, k, v = (t.float() for t in random_qkv(batch=2, heads=4, length=4096, head_dim=32, seed=11))
     if causal:
@@ -239,7 +240,11 @@ def test_cuda_compiled_kernels_match_the_cpu_in_float32_and_bfloat16(causal):
         return [t.detach().float().cpu() for t in (out, *(i.grad for i in inputs))]
 
     reference_cpu = run("cpu", torch.float32)
+    masks = []
+    support_mask = hybrid_flex.support_mask
+    monkeypatch.setattr(hybrid_flex, "support_mask", lambda selection: masks.append(1) or support_mask(selection))
     for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         for got, want in zip(run("cuda", dtype), reference_cpu, strict=True):
             assert torch.isfinite(got).all()
             assert (got - want).norm() / want.norm() < tolerance, dtype
+    assert len(masks) == 2  # the FlexAttention backend served both

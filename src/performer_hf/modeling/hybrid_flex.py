@@ -39,7 +39,6 @@ from .hybrid_selection import Selection
 Tensor = torch.Tensor
 
 TILE = 128  # FlexAttention's sparse block: queries and keys per tile of the block mask
-VALUE_ALIGNMENT = 16  # value widths are padded to a multiple of this on CUDA (the kernels' smallest head width)
 _TINY = 1e-30  # the log kernel's floor: poly2's kernel (1 + t / 2)^2 reaches 0
 
 
@@ -63,7 +62,8 @@ def flex_available() -> bool:
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    # compiled once for a shape, then (on a second shape) for dynamic ones: no recompile per length and batch
+    return torch.compile(flex_attention)
 
 
 def flex_attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) -> tuple[Tensor, Tensor]:
@@ -153,10 +153,10 @@ def _routed(selection: Selection, B: int, H: int, padded: int, tiles: int) -> tu
 
 
 def _padded_values(values: Tensor) -> Tensor:
-    """Values (B, H, L, X) padded with zero columns to a width the CUDA kernels take."""
+    """Values (B, H, L, X) padded with zero columns to a width the CUDA kernels take: a power of two, at least 16."""
     if values.device.type != "cuda":
         return values
-    return F.pad(values, (0, -values.shape[-1] % VALUE_ALIGNMENT))
+    return F.pad(values, (0, max(16, 1 << (values.shape[-1] - 1).bit_length()) - values.shape[-1]))
 
 
 class FlexBackend:

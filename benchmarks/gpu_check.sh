@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 30's GPU check in one command, on a CUDA machine (about 8 minutes on an H100): first correctness, then speed.
+#
+#   1. tests/modeling/test_hybrid_flex.py, whose CUDA tests run the compiled FlexAttention backend forward and
+#      backward in float32 and bfloat16 against the float32 CPU path (the CPU tests run too);
+#   2. benchmarks/model_speed.py --check: every arm's logits on the GPU in bfloat16 against float32 on the CPU, then
+#      the whole models' training step and inference against the source held to flash attention, 512 to 128K
+#      tokens (16,384 tokens per batch; an arm that runs out of memory or past the time cap stops there).
+#
+# Results go to $OUT (the device tool's folder) or benchmarks/results. The device image has its own torch and Triton
+# but an older transformers and no network: carry transformers' wheel, fetched here first:
+#
+#   echo /.whl/ >> .git/info/exclude && python3 -m pip download --no-deps -d .whl "transformers==5.24.0"
+#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=600)
+#
+# PERFORMER_HF_FLEX=0 runs the same on the PyTorch backend (the figures before FlexAttention).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-benchmarks/results}"
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site"
+fi
+# the CPU only gives float32 references here: its PyTorch path, no C++ build
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PERFORMER_HF_CPU_KERNELS=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu_check.log"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+  | tee -a "$out/gpu_check.log"
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/modeling/test_hybrid_flex.py 2>&1 | tee -a "$out/gpu_check.log"
+timeout 390 python3 benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check \
+  --models encoder decoder --arms sdpa flash hybrid favor --lengths 512 2048 8192 32768 65536 131072 \
+  --reps 3 --time-cap 5 --out-dir "$out" 2>&1 | tee -a "$out/gpu_check.log"
