@@ -146,9 +146,10 @@ def _routed(selection: Selection, B: int, H: int, padded: int, tiles: int) -> tu
     words = torch.zeros(B, H, chosen.shape[2], -(-padded // block_k // 32), dtype=torch.int64, device=chosen.device)
     bits = torch.where(real, torch.ones_like(chosen) << (chosen % 32), 0)  # distinct blocks: their sum is their union
     words = words.scatter_add_(-1, chosen // 32, bits).to(torch.int32)  # bit 31 wraps to the sign bit, as meant
-    per_tile = torch.zeros(B, H, chosen.shape[2], tiles, dtype=torch.int32, device=chosen.device)
-    per_tile = per_tile.scatter_add_(-1, chosen * block_k // TILE, real.to(torch.int32))  # (B, H, N, key tiles)
-    routed_tiles = per_tile.view(B, H, tiles, TILE // block_q, tiles).sum(3) > 0  # (B, H, query tiles, key tiles)
+    per_tile = torch.zeros(B, H, chosen.shape[2], tiles + 1, dtype=torch.bool, device=chosen.device)
+    key_tile = torch.where(real, chosen * block_k // TILE, tiles)  # a choice that is not real: the spare column
+    per_tile = per_tile.scatter_(-1, key_tile, True)[..., :tiles]  # (B, H, N, key tiles)
+    routed_tiles = per_tile.view(B, H, tiles, TILE // block_q, tiles).any(3)  # (B, H, query tiles, key tiles)
     return words, routed_tiles
 
 
