@@ -164,8 +164,12 @@ def plot(result: dict):
     for name, record in result["arms"].items():
         tiles.plot(result["tile_lengths"], [record["tiles"][str(n)] for n in result["tile_lengths"]], "o-", label=name)
         quality.plot(result["lengths"], [record["cosine"][str(n)] for n in result["lengths"]], "o-", label=name)
-    tiles.set(xscale="log", xlabel="tokens", ylabel="fraction of tiles read", title="FlexAttention tiles")
-    quality.set(xscale="log", xlabel="tokens", ylabel="cosine to the source", title="embedding quality")
+    for axes, lengths in ((tiles, result["tile_lengths"]), (quality, result["lengths"])):
+        axes.set_xscale("log")
+        axes.set_xticks(lengths, [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
+        axes.minorticks_off()
+    tiles.set(xlabel="tokens", ylabel="fraction of tiles read", title="FlexAttention tiles")
+    quality.set(xlabel="tokens", ylabel="cosine to the source", title="embedding quality")
     tiles.legend(fontsize=8)
     figure.tight_layout()
     return figure
