@@ -8,11 +8,13 @@ import warnings
 import pytest
 import torch
 
+from performer_hf import CACHE_KEYWORD, PerformerForCausalLM, PerformerForMaskedLM
 from performer_hf.favor import draw_projection, hybrid_attention
 from performer_hf.modeling import favor_hybrid, hybrid_backends, hybrid_flex
 from performer_hf.modeling.hybrid_flex import FlexBackend, dense_attend, flex_attend
 
 from ..hybrid_reference import random_qkv, reference, right_padding
+from ..tiny_models import random_centres, random_ids, tiny_model
 
 # supports the backend serves (its query and key blocks divide the 128-position tile)
 CONFIGS = [
@@ -250,3 +252,51 @@ def test_cuda_compiled_kernels_match_the_cpu_in_float32_and_bfloat16(monkeypatch
             assert torch.isfinite(got).all()
             assert (got - want).norm() / want.norm() < tolerance, dtype
     assert len(masks) == 2  # the FlexAttention backend served both
+
+
+MODELS = {
+    "encoder": (
+        PerformerForMaskedLM,
+        dict(DEFAULT, far_field="poly2", routed_blocks=4, route_group_size=4),
+    ),
+    "decoder": (
+        PerformerForCausalLM,
+        dict(far_field="softmax_opt", center=True, local_window=8, num_global_tokens=1, far_field_parameter=-0.05),
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_models_on_the_flex_backend_match_their_default_path(monkeypatch, kind):
+    """Whole tiny models past their exact dispatch, with padding: the FlexAttention backend (eager, forward) gives the
+    logits of the default path; the decoder's prefill state, built beside it, then decodes the same next token."""
+    model_class, settings = MODELS[kind]
+    names = {"far_field": "attention_kernel", "center": "center_features"}
+    fields = {names.get(key, key): value for key, value in settings.items()}
+    model = random_centres(
+        tiny_model(model_class, attention_method="hybrid", max_position_embeddings=320, exact_max_length=16, **fields)
+    )
+    ids = random_ids(batch=2, length=300, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0 if kind == "decoder" else 1  # left padding for the decoder (batched generation) ...
+    mask[1, 260:] = 1 if kind == "decoder" else 0  # ... right padding for the encoder
+
+    def logits():
+        with torch.no_grad():
+            if kind == "encoder":
+                return model(input_ids=ids, attention_mask=mask).logits, None
+            prefill = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            step = model(
+                input_ids=prefill.logits[:, -1:].argmax(-1),
+                attention_mask=torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1),
+                **{CACHE_KEYWORD: prefill.past_key_values},
+            )
+            return prefill.logits, step.logits
+
+    monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")
+    expected = logits()
+    _flex(monkeypatch)
+    for got, want in zip(logits(), expected, strict=True):
+        if want is not None:
+            real = mask.bool()[..., None] if got.shape[1] == mask.shape[1] else torch.tensor(True)
+            torch.testing.assert_close(torch.where(real, got, 0.0), torch.where(real, want, 0.0), rtol=1e-4, atol=1e-5)
