@@ -11,7 +11,9 @@ import torch
 from performer_hf import CACHE_KEYWORD, PerformerForCausalLM, PerformerForMaskedLM
 from performer_hf.favor import draw_projection, hybrid_attention
 from performer_hf.modeling import favor_hybrid, hybrid_backends, hybrid_flex
+from performer_hf.modeling.attention_methods import ATTENTION_METHODS
 from performer_hf.modeling.hybrid_flex import FlexBackend, dense_attend, flex_attend
+from performer_hf.modeling.hybrid_spec import HybridSpec
 
 from ..hybrid_reference import random_qkv, reference, right_padding
 from ..tiny_models import random_centres, random_ids, tiny_model
@@ -27,17 +29,12 @@ CONFIGS = [
         local_window=7, num_global_tokens=1, routed_blocks=2, route_block_size=4, route_group_size=4, query_block_size=8
     ),
 ]
-# the converter's bidirectional default (attention_methods.py), at a length where it approximates
-DEFAULT = dict(
-    far_field="poly2",
-    center=True,
-    local_window=17,
-    num_global_tokens=1,
-    routed_blocks=24,
-    route_block_size=8,
-    route_group_size=16,
-    query_block_size=16,
-)
+# the converter's bidirectional default (its preset, as hybrid_attention's settings), at a length where it approximates
+DEFAULT = {
+    setting: ATTENTION_METHODS["hybrid"].presets["bidirectional"][field]
+    for setting, field in HybridSpec.config_fields().items()
+    if field in ATTENTION_METHODS["hybrid"].presets["bidirectional"]
+}
 
 
 @pytest.fixture(autouse=True)
@@ -190,7 +187,7 @@ def test_bfloat16_runs_the_attention_in_bfloat16_within_its_tolerance(monkeypatc
 def _call(far_field="poly2", causal=False, dtype=torch.float32, **settings):
     """A prepared call (:class:`.HybridCall`) of tiny inputs, to ask which backend serves it."""
     q, k, v = (t.to(dtype) for t in random_qkv(batch=1, heads=2, length=40, head_dim=8))
-    spec = favor_hybrid.HybridSpec(far_field=far_field, local_window=5, **settings)
+    spec = HybridSpec(far_field=far_field, local_window=5, **settings)
     kwargs = dict.fromkeys(("scaling", "key_padding_mask", "far_field_parameter", "far_field_gain"))
     if causal:
         kwargs.update(query_center=torch.zeros(2, 8), key_center=torch.zeros(2, 8), far_field_parameter=-0.05)
@@ -257,7 +254,7 @@ def test_cuda_compiled_kernels_match_the_cpu_in_float32_and_bfloat16(monkeypatch
 MODELS = {
     "encoder": (
         PerformerForMaskedLM,
-        dict(DEFAULT, far_field="poly2", routed_blocks=4, route_group_size=4),
+        dict(DEFAULT, routed_blocks=4, route_group_size=4),
     ),
     "decoder": (
         PerformerForCausalLM,
