@@ -6,7 +6,13 @@ Prints, per arm, the operators with the most self device time (CPU time on a CPU
 and the number of kernel launches per call: the figures that say whether a path is bound by launches,
 by memory traffic or by arithmetic. Nothing is written; this is a diagnostic, not a study.
 
+``--part model`` profiles the whole training step of ``model_speed.py`` instead (``--batch-tokens`` tokens per batch;
+the source arms ``sdpa`` and ``flash`` too), and counts the host's waits for the device (synchronisations and
+device-to-host copies), which stall a GPU's queue where a step that should be device-bound is not.
+
     python benchmarks/profile_attention.py --device cuda --dtype bfloat16 --length 16384
+    python benchmarks/profile_attention.py --part model --models decoder --arms sdpa hybrid --length 512 \
+        --device cuda --dtype bfloat16 --batch-tokens 16384
     python benchmarks/profile_attention.py --quick      # smoke test: 256 tokens, one call, encoder and decoder
 """
 
@@ -27,7 +33,9 @@ def main(argv=None) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--models", nargs="+", choices=model_speed.MODELS, default=list(model_speed.MODELS))
-    parser.add_argument("--arms", nargs="+", choices=("hybrid", "favor"), default=["hybrid", "favor"])
+    parser.add_argument("--part", choices=("attention", "model"), default="attention")
+    parser.add_argument("--arms", nargs="+", choices=("sdpa", "flash", "hybrid", "favor"), default=["hybrid", "favor"])
+    parser.add_argument("--batch-tokens", type=int, default=0, help="--part model: tokens per batch; 0: batch 1")
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=15, help="operators shown per arm")
@@ -38,8 +46,11 @@ def main(argv=None) -> None:
         args.length, args.reps = 256, 1
         args.models = [kind for kind in args.models if kind != "llama"]
     logging.basicConfig(level=logging.WARNING)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    sort_by = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    if args.part == "model":
+        profile_steps(args)
+        return
+    args.arms = [arm for arm in args.arms if arm not in model_speed.SOURCE_ARMS]
+    activities, sort_by = _activities(args.device)
     for kind in args.models:
         with tempfile.TemporaryDirectory() as workdir:
             models = model_speed.build_models(kind, 64, args.arms, Path(workdir))
@@ -68,6 +79,45 @@ def main(argv=None) -> None:
                 f"{launches / args.reps:.0f} kernel launches per call ==="
             )
             print(events.table(sort_by=sort_by, row_limit=args.rows, max_name_column_width=60))
+
+
+def _activities(device: str):
+    """The profiler's activities and the table's sort key on ``device``."""
+    if device == "cuda":
+        return [ProfilerActivity.CPU, ProfilerActivity.CUDA], "self_cuda_time_total"
+    return [ProfilerActivity.CPU], "self_cpu_time_total"
+
+
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+
+
+def profile_steps(args) -> None:
+    """``--part model``: ``--reps`` training steps of every arm's whole model after a warm-up."""
+    activities, sort_by = _activities(args.device)
+    for kind in args.models:
+        with tempfile.TemporaryDirectory() as workdir:
+            models = model_speed.build_models(kind, args.length, args.arms, Path(workdir))
+        batch = max(1, args.batch_tokens // args.length) if args.batch_tokens else 1
+        for arm, model in models.items():
+            model.to(args.device, getattr(torch, args.dtype))
+            inputs = model_speed.make_batch(kind, model.config.vocab_size, batch, args.length, args.device)
+            step = model_speed.model_step(arm, model, "train", inputs, args.device)
+            step.work()  # warm-up
+            with profile(activities=activities) as prof:
+                for _ in range(args.reps):
+                    step.work()
+                model_speed.synchronize(args.device)
+            events = prof.key_averages()
+            launches = sum(
+                e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
+            )
+            waits = {e.key: e.count // args.reps for e in events if e.key in HOST_WAITS}
+            print(
+                f"\n=== {kind} {arm}: L={args.length} x {batch}, training step, {args.reps} steps, "
+                f"{launches / args.reps:.0f} kernel launches and host waits {waits} per step ==="
+            )
+            print(events.table(sort_by=sort_by, row_limit=args.rows, max_name_column_width=60))
+            model.cpu()
 
 
 if __name__ == "__main__":
