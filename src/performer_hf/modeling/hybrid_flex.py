@@ -68,12 +68,22 @@ def _compiled_flex():
 
 def flex_attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) -> tuple[Tensor, Tensor]:
     """FlexAttention with scale 1: ``softmax(score_mod(q . k))`` over ``block_mask``'s support applied to v.
-    q, k (B, H, L, d), v (B, H, L, dv) -> output (B, H, L, dv) and log-sum-exp (B, H, L), float32.
-    Compiled on CUDA; eager (forward only, unfused) elsewhere."""
+    q (B, H, L, d), k (B, Hkv, L, d), v (B, Hkv, L, dv), the query heads a multiple of ``Hkv`` (grouped-query heads
+    read in place) -> output (B, H, L, dv) and log-sum-exp (B, H, L), float32. Compiled on CUDA; eager (forward
+    only, unfused) elsewhere."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     attend = _compiled_flex() if q.device.type == "cuda" else flex_attention
-    out, aux = attend(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=1.0, return_aux=AuxRequest(lse=True))
+    out, aux = attend(
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=1.0,
+        enable_gqa=q.shape[1] != k.shape[1],
+        return_aux=AuxRequest(lse=True),
+    )
     return out, aux.lse
 
 
@@ -81,6 +91,7 @@ def dense_attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) ->
     """:func:`flex_attend`'s contract in plain PyTorch, with an (L x L) score matrix: the reference for tests (and
     differentiable on any device). Reads the block mask's ``mask_mod`` on every pair, not its tiles."""
     B, H, L, _ = q.shape
+    k, v = (t.repeat_interleave(H // t.shape[1], dim=1) for t in (k, v))  # grouped-query heads: one per query head
     scores = (q @ k.transpose(-2, -1)).float()  # (B, H, L, L)
     b, h, i, j = (torch.arange(n, device=q.device) for n in (B, H, L, L))
     keep = block_mask.mask_mod(b[:, None, None, None], h[None, :, None, None], i[:, None], j[None, :])

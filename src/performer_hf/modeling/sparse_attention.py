@@ -23,6 +23,7 @@ import torch
 
 from .cpu_kernels import hybrid_kernels
 from .method_exact import softmax_attention
+from .sparse_flex import flex_prefill, flex_prefill_serves
 from .sparse_spec import SparseSpec, SparseState
 
 Tensor = torch.Tensor
@@ -171,7 +172,8 @@ def sparse_attention(
         mass = state.mass
     else:
         walk = _BlockWalk(keys, values, key_mask, (global_keys, global_values, global_mask), state, spec)
-        context = walk.run(q, first, end)
+        fused = given and not past and L > 1 and flex_prefill_serves(q, spec)  # from the first token, on CUDA
+        context = walk.run(q, first, end, fused)
         pool, pushed, mass = walk.pool, walk.pushed, walk.mass
     if not return_state:
         return context
@@ -260,12 +262,18 @@ class _BlockWalk:
             self.mass = torch.cat([self.mass, self.mass.new_zeros(B, Hkv, stored_blocks - self.mass.shape[2])], dim=2)
         self.selectable = _selectable(key_mask, self.start, spec)  # (B, R)
 
-    def run(self, q: Tensor, first: int, end: int) -> Tensor:
-        """The context (B, H, L, Dv) of the queries q (B, H, L, D) at positions first ... end - 1. With
-        ``ranking="latest"``, the blocks that left the window join the pool at the end, ranked by the attention of
-        the call's last block of queries, and the pool is pruned to the budget."""
+    def run(self, q: Tensor, first: int, end: int, fused: bool = False) -> Tensor:
+        """The context (B, H, L, Dv) of the queries q (B, H, L, D) at positions first ... end - 1: block by block, or
+        ``fused`` (a call from the first token: :func:`.flex_prefill`). With ``ranking="latest"``, the blocks that
+        left the window join the pool at the end, ranked by the attention of the call's last block of queries, and
+        the pool is pruned to the budget."""
         block = self.spec.block_size
-        contexts = [self._query_block(q, c, first, end) for c in range(first // block, (end - 1) // block + 1)]
+        if fused:
+            contexts = [flex_prefill(q, self.keys, self.values, self.key_mask, self.spec)]
+            if self.spec.bounded:  # what the block walk leaves: the blocks before the last window are pushed out
+                self.pushed = max(self.pushed, (end - 1) // block - self.spec.window_blocks)
+        else:
+            contexts = [self._query_block(q, c, first, end) for c in range(first // block, (end - 1) // block + 1)]
         if self.spec.budget and not self.by_window:
             left = self.pushed - self.first_block
             if left:
