@@ -21,7 +21,8 @@ Arms (``--arms``):
               converted models have no attention dropout either; at long lengths the ``sdpa`` arm's unfused
               path runs out of memory on a CPU)
     flash     the source with SDPA held to its flash backend (CUDA only; an arm it cannot run says why)
-    hybrid    the default conversion (``method="hybrid"``)
+    hybrid    the default conversion of the encoder and decoder (``method="hybrid"``)
+    sparse    the sparse method (``method="sparse"``), the default of models converted in place (llama); causal only
     favor     plain FAVOR+ (``method="favor"``)
     exact     the default conversion with ``exact_max_length`` above every L: what its exact dispatch
               computes (SDPA, no attention dropout; causal: every position in the exact prefix)
@@ -77,7 +78,7 @@ import torch
 logger = logging.getLogger("benchmarks.model_speed")
 
 MODELS = ("encoder", "decoder", "llama")
-ARMS = ("sdpa", "sdpa_fused", "flash", "hybrid", "favor", "exact", "approximation", "bound")
+ARMS = ("sdpa", "sdpa_fused", "flash", "hybrid", "favor", "sparse", "exact", "approximation", "bound")
 SOURCE_ARMS = ("sdpa", "sdpa_fused", "flash")
 FAMILY_ARMS = ("exact", "approximation", "bound")  # the Performer family's exact dispatch: not for in-place models
 MODES = ("train", "inference")
@@ -166,6 +167,9 @@ def build_models(kind: str, positions: int, arms: list[str], workdir: Path, base
     for arm in arms:
         if kind == "llama" and arm in FAMILY_ARMS:
             logger.info("the %r arm is for the Performer family: not run on the llama model", arm)
+            continue
+        if kind == "encoder" and arm == "sparse":
+            logger.info("the sparse method is causal only: not run on the encoder")
             continue
         if arm in SOURCE_ARMS:
             models[arm] = source_model(kind, positions, attention_dropout=0.0 if arm == "sdpa_fused" else 0.1)
