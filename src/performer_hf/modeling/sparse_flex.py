@@ -105,7 +105,7 @@ def _selection(scaled: Tensor, keys: Tensor, selectable: Tensor, window_start: T
                 torch.arange(end, device=scaled.device) < window_start[lo:hi, None]
             )  # (B, 1, 1, n, K)
             logits = logits.masked_fill(~candidate, float("-inf")).unflatten(-1, (blocks, block))
-            score = torch.logsumexp(logits.permute(0, 1, 3, 4, 2, 5).flatten(-2), dim=-1)  # (B, Hkv, n, blocks)
+            score = torch.logsumexp(logits, dim=(2, 5))  # (B, Hkv, n, blocks): over the group's heads and the keys
             top = score.topk(min(spec.select_blocks, blocks), dim=-1)
             real = torch.isfinite(top.values)  # (B, Hkv, n, t): a block with a selectable key before the window
             chosen = top.indices
