@@ -91,6 +91,26 @@ def test_the_block_mask_reads_a_part_of_the_tiles(monkeypatch):
     assert int(tiles.min()) >= 1 and float(tiles.float().mean()) < 16 * 0.75
 
 
+def test_keeping_every_candidate_block_as_on_a_gpu_gives_the_same_context_and_decoding(monkeypatch):
+    """On a GPU the walk keeps every candidate block (their weights zero where no query chose them) rather than read
+    the chosen blocks' count on the host, once per layer and token: the context and the next decoding step agree."""
+    spec = SPECS["budget, latest"]
+    q, k, v, mask = _inputs(length=400, seed=6)
+    step = [t[:, :, -1:] * 0.5 for t in (q, k, v)]
+
+    def prefill_and_step():
+        with torch.no_grad():
+            context, state = sparse_attention.sparse_attention(q, k, v, spec, mask, return_state=True)
+            decoded = sparse_attention.sparse_attention(*step, spec, None, state, return_state=False)
+        return context, decoded
+
+    monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")  # the walk's PyTorch decoding step, not the compiled one
+    expected = prefill_and_step()
+    monkeypatch.setattr(sparse_attention, "_chosen_blocks", lambda blocks, chosen, values: (blocks, chosen, values))
+    for got, want in zip(prefill_and_step(), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_which_calls_it_serves(monkeypatch):
     monkeypatch.setattr(sparse_flex, "flex_available", lambda: True)
     on = lambda device="cuda", dtype=torch.bfloat16: types.SimpleNamespace(  # noqa: E731

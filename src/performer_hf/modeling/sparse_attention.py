@@ -91,8 +91,12 @@ def _gather_blocks(blocks: Tensor, index: Tensor) -> Tensor:
 
 def _chosen_blocks(blocks: Tensor, chosen: Tensor, values: Tensor):
     """Only the blocks some query chose: logits (B, Hkv, G, nq, N, block), chosen (B, Hkv, nq, N) and values
-    (B, Hkv, N * block, Dv) -> the same at the U <= N blocks of their union."""
+    (B, Hkv, N * block, Dv) -> the same at the U <= N blocks of their union. On a CPU only: U is read on the host,
+    which on a GPU would wait for the device at every call (once per layer and token while decoding); there every
+    block stays, its weights zero where no query chose it."""
     B, Hkv, G, nq, N, block = blocks.shape
+    if blocks.device.type != "cpu":
+        return blocks, chosen, values
     union = chosen.any(dim=2)  # (B, Hkv, N)
     count = int(union.sum(dim=-1).max())
     if count == N:
