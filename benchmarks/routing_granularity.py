@@ -11,6 +11,7 @@ many, and what they keep.
 Arms (every one the default conversion, ``exact_max_length=0``, with these fields changed):
 
     default              window 17, 1 global token, 24 blocks of 8 keys per 16 queries (groups of 16 blocks)
+    default, routed per 64 / 128 queries   the same blocks chosen for blocks of 64 / 128 queries (a tile: 2 / 1)
     window only          the default without routing
     tile window          a window of 257 (128 each side: the three tiles a window of 17 touches already), no routing
     tile routing 4 x 64  the tile window, and 4 blocks of 64 keys routed to each block of 128 queries
@@ -48,6 +49,8 @@ TILE_WINDOW = dict(local_window=257, routed_blocks=0)
 TILE_ROUTING = dict(local_window=257, query_block_size=128, route_group_size=0)
 ARMS = {
     "default": {},
+    "default, routed per 64 queries": dict(query_block_size=64),
+    "default, routed per 128 queries": dict(query_block_size=128),
     "window only": dict(routed_blocks=0),
     "tile window": TILE_WINDOW,
     "tile routing 4 x 64": dict(TILE_ROUTING, routed_blocks=4, route_block_size=64),

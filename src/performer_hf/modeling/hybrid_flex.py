@@ -107,8 +107,6 @@ def support_mask(selection: Selection):
     """The exact support of every query of a call from the first token as a ``BlockMask``: the tiles that hold any of
     it, and a ``mask_mod`` that keeps exactly the support (a query's window, the global keys (causally, those up to
     the query) and its routed key blocks; real keys only)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     x, spec = selection.x, selection.spec
     B, H, L = x.shape[:3]
     device = x.device
@@ -138,10 +136,17 @@ def support_mask(selection: Selection):
     if routed_tiles is not None:
         touched = touched | routed_tiles  # (B, H, query tiles, key tiles)
     touched = touched & key_mask.view(B, 1, 1, tiles, TILE).any(-1)  # tiles without a real key hold nothing
-    touched = touched.expand(B, H, tiles, tiles)
+    return tile_mask(touched.expand(B, H, tiles, tiles), mask_mod, L)
+
+
+def tile_mask(touched: Tensor, mask_mod, length: int):
+    """The ``BlockMask`` that reads, for each batch, head and query tile, the key tiles ``touched`` marks ((B, H,
+    query tiles, key tiles) bool), with ``mask_mod`` inside them, over ``length`` queries and keys."""
+    from torch.nn.attention.flex_attention import BlockMask
+
     counts = touched.sum(-1, dtype=torch.int32)  # (B, H, query tiles)
     order = torch.argsort(touched.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(L, L))
+    return BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(length, length))
 
 
 def _routed(selection: Selection, B: int, H: int, padded: int, tiles: int) -> tuple[Tensor | None, Tensor | None]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .hybrid_flex import TILE, flex_attend, flex_available, flex_enabled
+from .hybrid_flex import TILE, flex_attend, flex_available, flex_enabled, tile_mask
 from .slabs import slab_sizes
 from .sparse_spec import SparseSpec
 
@@ -67,18 +67,13 @@ def flex_prefill(q: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor, spec
         chosen = before & selectable_p[b, kv_idx] & (((word >> (blocks % 32)) & 1) == 1)
         return window | is_global | chosen
 
-    from torch.nn.attention.flex_attention import BlockMask
-
     start = torch.arange(tiles, device=q.device) * TILE  # (tiles,)
     first_key = window_start_p[start]  # (query tiles,): the first window key of each query tile's first query
     touched = (start[None, :] + TILE - 1 >= first_key[:, None]) & (start[None, :] <= start[:, None])  # the window
     touched = (touched | (start[None, :] < nb_global)) | selected_tiles  # (B, Hkv, query tiles, key tiles)
     has_keys = key_mask_p.view(B, 1, 1, tiles, TILE).any(-1)
     touched = touched & has_keys | torch.eye(tiles, dtype=torch.bool, device=q.device)  # a query always sees itself
-    touched = touched.repeat_interleave(group, dim=1)  # (B, H, query tiles, key tiles)
-    counts = touched.sum(-1, dtype=torch.int32)
-    order = torch.argsort(touched.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    mask = BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(L, L))
+    mask = tile_mask(touched.repeat_interleave(group, dim=1), mask_mod, L)  # tiles per query head
     context, _ = flex_attend(scaled, keys.to(q.dtype), values.to(q.dtype), mask)
     return context
 
