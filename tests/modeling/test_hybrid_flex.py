@@ -1,5 +1,5 @@
 """The FlexAttention backend of hybrid attention (CUDA's) on the CPU: FlexAttention's eager forward against the dense
-O(L^2) reference and the PyTorch backend; gradients through :func:`dense_attend` (FlexAttention's contract in
+O(L^2) reference and the PyTorch backend; gradients through ``dense_attend`` (FlexAttention's contract in
 PyTorch, as FlexAttention has no backward on a CPU); which calls the backend serves on CUDA. The last tests run on a
 CUDA device only: the compiled kernels, forward and backward, against the float32 CPU reference."""
 
@@ -12,9 +12,10 @@ from performer_hf import CACHE_KEYWORD, PerformerForCausalLM, PerformerForMasked
 from performer_hf.favor import draw_projection, hybrid_attention
 from performer_hf.modeling import favor_hybrid, hybrid_backends, hybrid_flex
 from performer_hf.modeling.attention_methods import ATTENTION_METHODS
-from performer_hf.modeling.hybrid_flex import FlexBackend, dense_attend, flex_attend
+from performer_hf.modeling.hybrid_flex import FlexBackend, flex_attend
 from performer_hf.modeling.hybrid_spec import HybridSpec
 
+from ..flex_reference import dense_attend
 from ..hybrid_reference import random_qkv, reference, right_padding
 from ..tiny_models import random_centres, random_ids, tiny_model
 

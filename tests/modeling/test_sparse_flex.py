@@ -1,6 +1,6 @@
 """Causal sparse attention's FlexAttention prefill (CUDA's) on the CPU: FlexAttention's eager forward against the
-block walk, context and state; gradients through :func:`.dense_attend` (FlexAttention's contract in PyTorch); which
-calls it serves. The last test runs on a CUDA device only: the compiled kernels, forward and backward."""
+block walk, context and state; gradients through FlexAttention's contract in PyTorch (``tests/flex_reference.py``);
+which calls it serves. The last test runs on a CUDA device only: the compiled kernels, forward and backward."""
 
 import types
 import warnings
@@ -8,8 +8,10 @@ import warnings
 import pytest
 import torch
 
-from performer_hf.modeling import hybrid_flex, sparse_attention, sparse_flex
+from performer_hf.modeling import sparse_attention, sparse_flex
 from performer_hf.modeling.sparse_spec import SparseSpec
+
+from ..flex_reference import dense_attend
 
 SPECS = {
     "budget, latest": SparseSpec(
@@ -68,7 +70,7 @@ def test_gradients_match_the_block_walk(monkeypatch):
 
     expected = gradients()
     monkeypatch.setattr(sparse_attention, "flex_prefill_serves", lambda q, spec: True)
-    monkeypatch.setattr(sparse_flex, "flex_attend", hybrid_flex.dense_attend)
+    monkeypatch.setattr(sparse_flex, "flex_attend", dense_attend)
     for got, want in zip(gradients(), expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
@@ -145,10 +147,13 @@ def test_cuda_compiled_prefill_matches_the_cpu_walk(monkeypatch):
         return [t.detach().float().cpu() for t in (out, *(i.grad for i in inputs))]
 
     reference = run("cpu", torch.float32)
-    assert sparse_flex.flex_prefill_serves(q.cuda(), spec)
+    served = []
+    prefill = sparse_attention.flex_prefill
+    monkeypatch.setattr(sparse_attention, "flex_prefill", lambda *args: served.append(1) or prefill(*args))
     for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         for got, want in zip(run("cuda", dtype), reference, strict=True):
             if got.shape == q.shape:  # the context and the queries' gradient: real queries only
                 got, want = _real(got, mask), _real(want, mask)
             assert torch.isfinite(got).all()
             assert (got - want).norm() / want.norm() < tolerance, dtype
+    assert len(served) == 2  # the FlexAttention prefill served both

@@ -82,3 +82,6 @@ def _quadratic_slab_sums(u: Tensor, quadratic: Tensor) -> Tensor:
     d = u.shape[-1]
     per_dim = (u @ quadratic).unflatten(-1, (d, -1))  # (B, H, s, d, dv + 1): sum_a u_a quadratic[a]
     return (u.unsqueeze(-2) @ per_dim).squeeze(-2)  # sum_b u_b per_dim[b]
+
+
+POLYNOMIAL = (quadratic_state, quadratic_apply)  # the polynomial far field's (state, apply), in PyTorch

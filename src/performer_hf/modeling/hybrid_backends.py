@@ -19,7 +19,7 @@ import logging
 import torch
 
 from .cpu_kernels import hybrid_kernels, kernels_enabled
-from .far_field_polynomial import quadratic_apply, quadratic_state
+from .far_field_polynomial import POLYNOMIAL
 from .hybrid_compiled import compiled_polynomial, fused_sums
 from .hybrid_exact import CandidateSet, exact_logits, exact_sums, merge
 from .hybrid_far_field import FarQueries
@@ -43,7 +43,7 @@ def _slab_sums(xq: Tensor, far: FarQueries, sets: list[CandidateSet], quadratic:
 class TorchBackend:
     """Hybrid attention in PyTorch: any device, dtype and setting."""
 
-    polynomial = (quadratic_state, quadratic_apply)  # the polynomial far field's (state, apply)
+    polynomial = POLYNOMIAL  # the polynomial far field's (state, apply)
 
     def support_sums(self, selection: Selection, far: FarQueries, quadratic: float | None) -> Tensor:
         """Numerator|denominator (B, H, L, dv + 1) of hybrid attention, relative to a per-query shift."""

@@ -19,7 +19,7 @@ kernel launches per call on a GPU. Here the exact part is one fused, block-spars
 
 Gradients flow through both calls' outputs and log-sum-exps (FlexAttention's backward runs on CUDA; on a CPU it
 computes forward only, which is how the tests check it against the PyTorch backend, and its backward is checked
-with :func:`dense_attend`, the same contract in plain PyTorch).
+through the same contract in plain PyTorch, ``tests/flex_reference.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .far_field_polynomial import quadratic_apply, quadratic_state
+from .far_field_polynomial import POLYNOMIAL
 from .hybrid_exact import PartialSums, merge
 from .hybrid_far_field import FarQueries
 from .hybrid_selection import Selection
@@ -47,6 +47,7 @@ def flex_enabled() -> bool:
     return os.environ.get("PERFORMER_HF_FLEX", "1") != "0"
 
 
+@functools.cache
 def flex_available() -> bool:
     """Whether this torch has FlexAttention with its log-sum-exp (``AuxRequest``, torch >= 2.9) and Triton to
     compile it for CUDA."""
@@ -87,22 +88,6 @@ def flex_attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) -> 
     return out, aux.lse
 
 
-def dense_attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) -> tuple[Tensor, Tensor]:
-    """:func:`flex_attend`'s contract in plain PyTorch, with an (L x L) score matrix: the reference for tests (and
-    differentiable on any device). Reads the block mask's ``mask_mod`` on every pair, not its tiles."""
-    B, H, L, _ = q.shape
-    k, v = (t.repeat_interleave(H // t.shape[1], dim=1) for t in (k, v))  # grouped-query heads: one per query head
-    scores = (q @ k.transpose(-2, -1)).float()  # (B, H, L, L)
-    b, h, i, j = (torch.arange(n, device=q.device) for n in (B, H, L, L))
-    keep = block_mask.mask_mod(b[:, None, None, None], h[None, :, None, None], i[:, None], j[None, :])
-    if score_mod is not None:
-        scores = score_mod(scores, None, None, None, None)
-    scores = scores.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # (B, H, L)
-    weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-    return (weights @ v.float()).to(v.dtype), lse
-
-
 def support_mask(selection: Selection):
     """The exact support of every query of a call from the first token as a ``BlockMask``: the tiles that hold any of
     it, and a ``mask_mod`` that keeps exactly the support (a query's window, the global keys (causally, those up to
@@ -123,8 +108,7 @@ def support_mask(selection: Selection):
         supported = near | is_global
         if routed_words is not None:
             block = kv_idx // block_k
-            word = routed_words[b, h, q_idx // block_q, block // 32]
-            supported = supported | (((word >> (block % 32)) & 1) == 1)
+            supported = supported | has_bit(routed_words, (b, h, q_idx // block_q), block)
         return supported & key_mask[b, kv_idx]
 
     start = torch.arange(tiles, device=device) * TILE  # (tiles,): each tile's first position
@@ -159,14 +143,26 @@ def _routed(selection: Selection, B: int, H: int, padded: int, tiles: int) -> tu
     chosen, real = selection.routes  # (B, H, N, t): N query blocks (the selection's, padded to its period)
     chosen = F.pad(chosen, (0, 0, 0, padded // block_q - chosen.shape[2]))
     real = F.pad(real, (0, 0, 0, padded // block_q - real.shape[2]), value=False)
-    words = torch.zeros(B, H, chosen.shape[2], -(-padded // block_k // 32), dtype=torch.int64, device=chosen.device)
-    bits = torch.where(real, torch.ones_like(chosen) << (chosen % 32), 0)  # distinct blocks: their sum is their union
-    words = words.scatter_add_(-1, chosen // 32, bits).to(torch.int32)  # bit 31 wraps to the sign bit, as meant
+    words = block_bits(chosen, real, -(-padded // block_k))
     per_tile = torch.zeros(B, H, chosen.shape[2], tiles + 1, dtype=torch.bool, device=chosen.device)
     key_tile = torch.where(real, chosen * block_k // TILE, tiles)  # a choice that is not real: the spare column
     per_tile = per_tile.scatter_(-1, key_tile, True)[..., :tiles]  # (B, H, N, key tiles)
     routed_tiles = per_tile.view(B, H, tiles, TILE // block_q, tiles).any(3)  # (B, H, query tiles, key tiles)
     return words, routed_tiles
+
+
+def block_bits(chosen: Tensor, real: Tensor, nb_blocks: int) -> Tensor:
+    """Chosen blocks (..., t) of ``nb_blocks``, where ``real``, as bits: (..., words of 32 blocks) int32 (the last bit
+    of a word is its sign bit). The chosen blocks of a row are distinct, so the sum of their bits is their union."""
+    words = chosen.new_zeros(*chosen.shape[:-1], -(-nb_blocks // 32))
+    bits = torch.where(real, torch.ones_like(chosen) << (chosen % 32), 0)
+    return words.scatter_add_(-1, chosen // 32, bits).to(torch.int32)  # int64 sums; bit 31 wraps to the sign bit
+
+
+def has_bit(words: Tensor, rows: tuple, block):
+    """Whether ``block``'s bit is set in the row ``rows`` (indices of every dimension but the last) of
+    :func:`block_bits`' words: one indexing, as a ``mask_mod`` reads it."""
+    return ((words[(*rows, block // 32)] >> (block % 32)) & 1) == 1
 
 
 def _padded_values(values: Tensor) -> Tensor:
@@ -183,10 +179,10 @@ class FlexBackend:
     Args:
         centres: the call's query and key centres ``(a, c)``, each (.., 1, d).
         dtype: the dtype the attention calls run in (the model's: the rest computes in float32).
-        attend: the attention call, :func:`flex_attend` (or :func:`dense_attend` in tests).
+        attend: the attention call: :func:`flex_attend`, or in tests its contract in plain PyTorch.
     """
 
-    polynomial = (quadratic_state, quadratic_apply)  # the far field over all keys: dense matrix products
+    polynomial = POLYNOMIAL  # the far field over all keys: dense matrix products
 
     def __init__(self, centres: tuple[Tensor, Tensor], dtype: torch.dtype, attend: Callable = flex_attend):
         self.centres, self.dtype, self.attend = centres, dtype, attend

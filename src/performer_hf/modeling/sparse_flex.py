@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .hybrid_flex import TILE, flex_attend, flex_available, flex_enabled, tile_mask
+from .hybrid_flex import TILE, block_bits, flex_attend, flex_available, flex_enabled, has_bit, tile_mask
 from .slabs import slab_sizes
 from .sparse_spec import SparseSpec
 
@@ -62,9 +62,7 @@ def flex_prefill(q: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor, spec
         window = (kv_idx >= start) & (kv_idx <= q_idx) & (key_mask_p[b, kv_idx] | (kv_idx == q_idx))
         before = kv_idx < start
         is_global = before & (kv_idx < nb_global) & key_mask_p[b, kv_idx]
-        blocks = kv_idx // block
-        word = words[b, h // group, q_idx, blocks // 32]
-        chosen = before & selectable_p[b, kv_idx] & (((word >> (blocks % 32)) & 1) == 1)
+        chosen = before & selectable_p[b, kv_idx] & has_bit(words, (b, h // group, q_idx), kv_idx // block)
         return window | is_global | chosen
 
     start = torch.arange(tiles, device=q.device) * TILE  # (tiles,)
@@ -84,10 +82,10 @@ def _selection(scaled: Tensor, keys: Tensor, selectable: Tensor, window_start: T
     B, H, L, D = scaled.shape
     Hkv, block = keys.shape[1], spec.block_size
     group, nb_blocks, tiles = H // Hkv, -(-padded // block), padded // TILE
-    words = torch.zeros(B, Hkv, padded, -(-nb_blocks // 32), dtype=torch.int64, device=scaled.device)
+    words = torch.zeros(B, Hkv, padded, -(-nb_blocks // 32), dtype=torch.int32, device=scaled.device)
     reached = torch.zeros(B, Hkv, tiles * tiles + 1, dtype=torch.bool, device=scaled.device)
     if not spec.select_blocks:
-        return words.to(torch.int32), reached[..., :-1].view(B, Hkv, tiles, tiles)
+        return words, reached[..., :-1].view(B, Hkv, tiles, tiles)
     grouped = scaled.unflatten(1, (Hkv, group))  # (B, Hkv, G, L, D)
     lo = 0
     for rows in slab_sizes(L, B * H * L, "blocks", scaled.device):
@@ -104,10 +102,9 @@ def _selection(scaled: Tensor, keys: Tensor, selectable: Tensor, window_start: T
             top = score.topk(min(spec.select_blocks, blocks), dim=-1)
             real = torch.isfinite(top.values)  # (B, Hkv, n, t): a block with a selectable key before the window
             chosen = top.indices
-            bits = torch.where(real, torch.ones_like(chosen) << (chosen % 32), 0)
-            words[:, :, lo:hi].scatter_add_(-1, chosen // 32, bits)
+            words[:, :, lo:hi] = block_bits(chosen, real, nb_blocks)
             query_tile = (torch.arange(lo, hi, device=scaled.device) // TILE)[:, None]  # (n, 1)
             flat = torch.where(real, query_tile * tiles + chosen * block // TILE, tiles * tiles)  # spare: not real
             reached.scatter_(-1, flat.flatten(2), True)
         lo = hi
-    return words.to(torch.int32), reached[..., :-1].view(B, Hkv, tiles, tiles)
+    return words, reached[..., :-1].view(B, Hkv, tiles, tiles)
