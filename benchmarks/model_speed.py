@@ -323,8 +323,12 @@ def measure_models(args, workdir: Path) -> list[dict]:
         models = build_models(kind, max(args.lengths), args.arms, workdir, args.baseline)
         for model in models.values():
             model.to(device=args.device, dtype=dtype)
+        start = time.monotonic()
         stopped: dict[tuple[str, str], str] = {}
         for length in args.lengths:
+            if args.budget and time.monotonic() - start > args.budget:
+                # the results so far are written, where a time limit around the run would lose them all
+                stopped.update({(a, m): f"past the run's {args.budget:g} s budget" for a in args.arms for m in MODES})
             batch = max(1, args.batch_tokens // length) if args.batch_tokens else 1
             inputs = make_batch(kind, models[args.arms[0]].config.vocab_size, batch, length, args.device)
             for mode in MODES:
@@ -593,6 +597,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch-tokens", type=int, default=0, help="tokens per batch (batch = this // L); 0: batch 1")
     parser.add_argument("--reps", type=int, default=3, help="timed runs per configuration (median reported)")
     parser.add_argument("--time-cap", type=float, default=60.0, help="skip longer lengths past this median (s)")
+    parser.add_argument(
+        "--budget", type=float, default=0.0, help="per model: start no new length past this many seconds (0: no limit)"
+    )
     parser.add_argument("--check", action="store_true", help="first compare outputs with float32 on the CPU")
     parser.add_argument("--baseline", help="another checkout's src/performer_hf/modeling: its arms baseline:<arm>")
     args, _ = parser.parse_known_args(argv)
