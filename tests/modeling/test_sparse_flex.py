@@ -141,7 +141,7 @@ def test_cuda_compiled_prefill_matches_the_cpu_walk(monkeypatch):
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)) * mask[:, None, :, None]
 
     def run(device, dtype):
-        inputs = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+        inputs = [t.detach().to(device, dtype).requires_grad_() for t in (q, k, v)]  # leaves on every device
         out = sparse_attention.sparse_attention(*inputs, spec, mask.to(device))
         (out.float() * grad.to(device)).sum().backward()
         return [t.detach().float().cpu() for t in (out, *(i.grad for i in inputs))]

@@ -25,6 +25,7 @@ through the same contract in plain PyTorch, ``tests/flex_reference.py``).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable
 
@@ -37,6 +38,7 @@ from .hybrid_far_field import FarQueries
 from .hybrid_selection import Selection
 
 Tensor = torch.Tensor
+logger = logging.getLogger(__name__)
 
 TILE = 128  # FlexAttention's sparse block: queries and keys per tile of the block mask
 _TINY = 1e-30  # the log kernel's floor: poly2's kernel (1 + t / 2)^2 reaches 0
@@ -67,6 +69,15 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
+# Every kind of call (exact or polynomial score, mask, gradient mode) compiles its own graphs of the one function
+# flex_attention: more than dynamo's default limit of 8 in a process that runs an encoder and a decoder. Past its
+# limit dynamo would silently run flex_attention eagerly, which builds the whole (L, L) score matrix (96 GiB at 32K
+# tokens): a higher limit, and an error instead of that.
+_COMPILE_SETTINGS = {"recompile_limit": 64, "fail_on_recompile_limit_hit": True}
+# tiles for a retry when the default ones need more shared memory than the GPU has
+_SMALL_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2}
+
+
 def flex_attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) -> tuple[Tensor, Tensor]:
     """FlexAttention with scale 1: ``softmax(score_mod(q . k))`` over ``block_mask``'s support applied to v.
     q (B, H, L, d), k (B, Hkv, L, d), v (B, Hkv, L, dv), the query heads a multiple of ``Hkv`` (grouped-query heads
@@ -74,18 +85,33 @@ def flex_attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) -> 
     only, unfused) elsewhere."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-    attend = _compiled_flex() if q.device.type == "cuda" else flex_attention
-    out, aux = attend(
-        q,
-        k,
-        v,
-        score_mod=score_mod,
-        block_mask=block_mask,
-        scale=1.0,
-        enable_gqa=q.shape[1] != k.shape[1],
-        return_aux=AuxRequest(lse=True),
-    )
-    return out, aux.lse
+    def attend(function, kernel_options=None):
+        out, aux = function(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=1.0,
+            enable_gqa=q.shape[1] != k.shape[1],
+            return_aux=AuxRequest(lse=True),
+            kernel_options=kernel_options,
+        )
+        return out, aux.lse
+
+    if q.device.type != "cuda":
+        return attend(flex_attention)
+    if torch.compiler.is_compiling():  # inside the caller's compiled model: traced with it
+        return attend(flex_attention)
+    known = torch._dynamo.config.get_config_copy()
+    with torch._dynamo.config.patch({key: value for key, value in _COMPILE_SETTINGS.items() if key in known}):
+        try:
+            return attend(_compiled_flex())
+        except Exception as error:  # Triton's "out of resource" (shared memory) comes as inductor's own error types
+            if "out of resource" not in str(error):
+                raise
+            logger.warning("FlexAttention's default tiles need more shared memory than this GPU has: %s", _SMALL_TILES)
+            return attend(_compiled_flex(), _SMALL_TILES)
 
 
 def support_mask(selection: Selection):
