@@ -11,7 +11,7 @@ import torch
 from performer_hf.modeling import sparse_attention, sparse_flex
 from performer_hf.modeling.sparse_spec import SparseSpec
 
-from ..flex_reference import dense_attend
+from ..flex_reference import bfloat16_tolerances, dense_attend, sdpa_bfloat16_errors
 
 SPECS = {
     "budget, latest": SparseSpec(
@@ -140,20 +140,21 @@ def test_cuda_compiled_prefill_matches_the_cpu_walk(monkeypatch):
     q, k, v, mask = _inputs(length=4096, heads=9, kv_heads=3, dim=64, seed=4)
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)) * mask[:, None, :, None]
 
-    def run(device, dtype):
-        inputs = [t.detach().to(device, dtype).requires_grad_() for t in (q, k, v)]  # leaves on every device
+    def run(device, dtype, inputs=(q, k, v)):
+        inputs = [t.detach().to(device, dtype).requires_grad_() for t in inputs]  # leaves on every device
         out = sparse_attention.sparse_attention(*inputs, spec, mask.to(device))
         (out.float() * grad.to(device)).sum().backward()
-        return [t.detach().float().cpu() for t in (out, *(i.grad for i in inputs))]
+        outputs = [t.detach().float().cpu() for t in (out, *(i.grad for i in inputs))]
+        return [_real(t, mask) if t.shape == q.shape else t for t in outputs]  # the context and dq: real queries only
 
     reference = run("cpu", torch.float32)
+    rounded = run("cpu", torch.float32, [t.bfloat16().float() for t in (q, k, v)])
+    bfloat16 = bfloat16_tolerances(rounded, reference, sdpa_bfloat16_errors(q, k, v, grad, True))
     served = []
     prefill = sparse_attention.flex_prefill
     monkeypatch.setattr(sparse_attention, "flex_prefill", lambda *args: served.append(1) or prefill(*args))
-    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
-        for got, want in zip(run("cuda", dtype), reference, strict=True):
-            if got.shape == q.shape:  # the context and the queries' gradient: real queries only
-                got, want = _real(got, mask), _real(want, mask)
+    for dtype, tolerances in ((torch.float32, [1e-4] * 4), (torch.bfloat16, bfloat16)):
+        for got, want, tolerance in zip(run("cuda", dtype), reference, tolerances, strict=True):
             assert torch.isfinite(got).all()
             assert (got - want).norm() / want.norm() < tolerance, dtype
     assert len(served) == 2  # the FlexAttention prefill served both

@@ -74,8 +74,10 @@ def _compiled_flex():
 # limit dynamo would silently run flex_attention eagerly, which builds the whole (L, L) score matrix (96 GiB at 32K
 # tokens): a higher limit, and an error instead of that.
 _COMPILE_SETTINGS = {"recompile_limit": 64, "fail_on_recompile_limit_hit": True}
-# tiles for a retry when the default ones need more shared memory than the GPU has
+# tiles for the calls whose default ones need more shared memory than the GPU has; the kinds of call that did,
+# remembered: a compilation that fails is not cached, so each such call would otherwise compile and fail again
 _SMALL_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2}
+_NEEDS_SMALL_TILES: set[tuple] = set()
 
 
 def flex_attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) -> tuple[Tensor, Tensor]:
@@ -99,19 +101,27 @@ def flex_attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) -> 
         )
         return out, aux.lse
 
-    if q.device.type != "cuda":
+    if q.device.type != "cuda" or torch.compiler.is_compiling():  # eager, or traced in the caller's compiled model
         return attend(flex_attention)
-    if torch.compiler.is_compiling():  # inside the caller's compiled model: traced with it
-        return attend(flex_attention)
+    kind = (q.dtype, q.shape[-1], v.shape[-1], q.shape[1] // k.shape[1], score_mod is None, torch.is_grad_enabled())
     known = torch._dynamo.config.get_config_copy()
     with torch._dynamo.config.patch({key: value for key, value in _COMPILE_SETTINGS.items() if key in known}):
-        try:
-            return attend(_compiled_flex())
-        except Exception as error:  # Triton's "out of resource" (shared memory) comes as inductor's own error types
-            if "out of resource" not in str(error):
-                raise
-            logger.warning("FlexAttention's default tiles need more shared memory than this GPU has: %s", _SMALL_TILES)
-            return attend(_compiled_flex(), _SMALL_TILES)
+        return compiled_call(kind, attend)
+
+
+def compiled_call(kind: tuple, attend: Callable):
+    """``attend(compiled flex_attention, kernel_options)`` with the default tiles, or with small ones for a ``kind``
+    of call whose default tiles needed more shared memory than the GPU has (then remembered)."""
+    if kind in _NEEDS_SMALL_TILES:
+        return attend(_compiled_flex(), _SMALL_TILES)
+    try:
+        return attend(_compiled_flex())
+    except Exception as error:  # Triton's "out of resource" (shared memory) comes as inductor's own error types
+        if "out of resource" not in str(error):
+            raise
+        _NEEDS_SMALL_TILES.add(kind)
+        logger.warning("FlexAttention's default tiles need more shared memory than this GPU has: %s", _SMALL_TILES)
+        return attend(_compiled_flex(), _SMALL_TILES)
 
 
 def support_mask(selection: Selection):

@@ -300,7 +300,9 @@ class PerformerMaskedLMHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = self.layer_norm(self.act(self.dense(hidden_states)))
-        return self.decoder(hidden_states) + self.bias  # (B, L, vocab)
+        # the bias added in place: one (B, L, vocab) tensor, as the source's fused decoder bias (a second one of that
+        # size would be a whole logits' worth of memory at the head's peak)
+        return self.decoder(hidden_states).add_(self.bias)  # (B, L, vocab)
 
     @torch.no_grad()
     def resize_bias(self, vocab_size: int) -> None:
