@@ -36,6 +36,7 @@ from .layers_performer import (
     PerformerMaskedLMHead,
     PerformerPooler,
 )
+from .token_loss import token_cross_entropy
 
 logger = logging.get_logger(__name__)
 
@@ -229,19 +230,6 @@ class PerformerModel(PerformerPreTrainedModel):
         return output if return_dict else output.to_tuple()
 
 
-def _token_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
-    """Cross entropy of (..., C) logits against (...) labels, -100 ignored.
-
-    The mean over scored tokens; with ``num_items_in_batch`` (passed by the HF ``Trainer``) the sum
-    divided by it, which keeps gradient accumulation exact.
-    """
-    labels = labels.to(logits.device).reshape(-1)
-    logits = logits.reshape(-1, logits.shape[-1]).float()
-    if num_items_in_batch is None:
-        return F.cross_entropy(logits, labels)
-    return F.cross_entropy(logits, labels, reduction="sum") / num_items_in_batch
-
-
 class _BidirectionalHead(PerformerPreTrainedModel):
     """A task head on the bidirectional encoder: a subclass gives its logits (``_logits(outputs)``), its loss
     (``_loss(logits, labels, num_items_in_batch)``) and its output class; ``labels`` are the head's targets."""
@@ -312,7 +300,7 @@ class PerformerForMaskedLM(_BidirectionalHead):
         return self.lm_head(outputs.last_hidden_state)  # (B, L, vocab)
 
     def _loss(self, logits, labels, num_items_in_batch):
-        return _token_loss(logits, labels, num_items_in_batch)  # labels (B, L), -100 where unscored
+        return token_cross_entropy(logits, labels, num_items_in_batch)  # labels (B, L), -100 where unscored
 
 
 class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
@@ -391,9 +379,9 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
             if logits.shape[1] != targets.shape[1]:
                 raise ValueError(f"labels need logits for every position; got logits_to_keep={logits_to_keep}.")
             if shift_labels is not None:
-                loss = _token_loss(logits, shift_labels, num_items_in_batch)
+                loss = token_cross_entropy(logits, shift_labels, num_items_in_batch)
             else:
-                loss = _token_loss(logits[:, :-1], labels[:, 1:], num_items_in_batch)
+                loss = token_cross_entropy(logits[:, :-1], labels[:, 1:], num_items_in_batch)
         output = CausalLMOutputWithCrossAttentions(
             loss=loss,
             logits=logits,
@@ -458,7 +446,7 @@ class PerformerForTokenClassification(_PerformerClassifier):
     pooled, output_class = False, TokenClassifierOutput
 
     def _loss(self, logits, labels, num_items_in_batch):
-        return _token_loss(logits, labels, num_items_in_batch)
+        return token_cross_entropy(logits, labels, num_items_in_batch)
 
 
 class PerformerForQuestionAnswering(_BidirectionalHead):

@@ -17,9 +17,10 @@ from torch.utils.checkpoint import checkpoint
 #   blocks    hybrid attention's query blocks (B, H, n, block_q, C, X) and routing scores
 #   far       the polynomial far field's (B, H, rows, d (dv + 1)) temporaries
 #   features  FAVOR+'s (B, H, S, m) feature buffers (8 MiB in float32 on a CPU)
+#   loss      the token loss's (rows, vocabulary) float32 softmax (4 MiB on a CPU)
 SLAB_ELEMENTS = {
-    "cpu": {"blocks": 1 << 24, "far": 1 << 20, "features": 1 << 21},
-    "accelerator": {"blocks": 1 << 28, "far": 1 << 27, "features": 1 << 27},
+    "cpu": {"blocks": 1 << 24, "far": 1 << 20, "features": 1 << 21, "loss": 1 << 20},
+    "accelerator": {"blocks": 1 << 28, "far": 1 << 27, "features": 1 << 27, "loss": 1 << 26},
 }
 # Chunks per slab of causal FAVOR+: its chunk scan costs (G + 1)^2 m' d per (batch, head) and slab.
 MAX_SLAB_CHUNKS = {"cpu": 16, "accelerator": 64}

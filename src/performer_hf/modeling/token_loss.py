@@ -1,0 +1,67 @@
+"""Token cross entropy in float32 (at least) without a float32 copy of the logits.
+
+``F.cross_entropy(logits.float(), labels)`` keeps a float32 copy of the (tokens, vocabulary) logits and its
+float32 log-softmax for backward: at 16K tokens and BERT's 30,522 words, 4 GB beside the bfloat16 logits, most of a
+training step's peak. Here each chunk of rows gets its float32 log-softmax, of which only the labels' entries are kept,
+and backward recomputes each chunk's softmax from the logits: beyond the logits and their gradient (in their dtype),
+one chunk.
+On a CPU, in cache-sized chunks, it is also faster: 1.9x / 3.8x ``F.cross_entropy(logits.float())`` forward and
+backward at 4,096 tokens x 30,522 words in float32 / bfloat16 (2 threads).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .slabs import slabs
+
+Tensor = torch.Tensor
+
+IGNORE_INDEX = -100  # labels of tokens that are not scored (transformers' convention)
+
+
+def _chunks(logits: Tensor) -> list[slice]:
+    """Rows of logits (N, C) per chunk: cache-sized on a CPU (faster than one pass over all), large on a GPU."""
+    return slabs(logits.shape[0], logits.shape[1], "loss", logits.device)
+
+
+class _CrossEntropySum(torch.autograd.Function):
+    """The summed cross entropy of the scored rows of logits (N, C) against labels (N,)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor) -> Tensor:
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        scored = labels != IGNORE_INDEX  # (N,)
+        target = torch.where(scored, labels, 0)[:, None]  # (N, 1)
+        picked = [  # (n,) per chunk: the labels' log-probabilities
+            torch.log_softmax(logits[rows], dim=-1, dtype=dtype).gather(1, target[rows]).squeeze(1)
+            for rows in _chunks(logits)
+        ]
+        ctx.save_for_backward(logits, target, scored)
+        ctx.dtype = dtype
+        return -torch.where(scored, torch.cat(picked), 0.0).sum()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_sum: Tensor) -> tuple[Tensor, None]:
+        logits, target, scored = ctx.saved_tensors
+        weight = (scored * grad_sum).to(ctx.dtype)[:, None]  # (N, 1)
+        grad = torch.empty_like(logits)
+        for rows in _chunks(logits):
+            probs = torch.softmax(logits[rows], dim=-1, dtype=ctx.dtype)  # (n, C)
+            probs.scatter_add_(1, target[rows], torch.full_like(weight[rows], -1.0))  # minus the one-hot label
+            grad[rows] = probs.mul_(weight[rows])
+        return grad, None
+
+
+def token_cross_entropy(logits: Tensor, labels: Tensor, num_items_in_batch=None) -> Tensor:
+    """Cross entropy of (..., C) logits against (...) labels in float32 (float64 logits: float64), labels
+    ``-100`` not scored: the mean over scored tokens (NaN when there are none, as ``F.cross_entropy``); with
+    ``num_items_in_batch`` (passed by the HF ``Trainer``) the sum divided by it, which keeps gradient accumulation
+    exact. Equal to ``F.cross_entropy(logits.float(), labels)``; the memory it needs beyond the logits and their
+    gradient is one chunk of rows."""
+    labels = labels.to(logits.device).reshape(-1)
+    total = _CrossEntropySum.apply(logits.reshape(-1, logits.shape[-1]), labels)
+    if num_items_in_batch is None:
+        return total / (labels != IGNORE_INDEX).sum()
+    return total / num_items_in_batch
