@@ -36,7 +36,7 @@ from .layers_performer import (
     PerformerMaskedLMHead,
     PerformerPooler,
 )
-from .token_loss import token_cross_entropy
+from .token_loss import IGNORE_INDEX, token_cross_entropy
 
 logger = logging.get_logger(__name__)
 
@@ -378,10 +378,9 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
             targets = shift_labels if shift_labels is not None else labels
             if logits.shape[1] != targets.shape[1]:
                 raise ValueError(f"labels need logits for every position; got logits_to_keep={logits_to_keep}.")
-            if shift_labels is not None:
-                loss = token_cross_entropy(logits, shift_labels, num_items_in_batch)
-            else:
-                loss = token_cross_entropy(logits[:, :-1], labels[:, 1:], num_items_in_batch)
+            if shift_labels is None:  # the labels move, not the logits: a slice of them would be copied whole
+                shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+            loss = token_cross_entropy(logits, shift_labels, num_items_in_batch)
         output = CausalLMOutputWithCrossAttentions(
             loss=loss,
             logits=logits,
