@@ -424,29 +424,56 @@ CHECK_LENGTH = 6144
 
 
 def measure_agreement(args, workdir: Path, length: int = CHECK_LENGTH) -> list[dict]:
-    """Each arm's logits on ``--device`` in ``--dtype`` against the same model in float32 on the CPU."""
+    """Each arm's logits on ``--device`` in ``--dtype`` against the same model in float32 on the CPU, and its
+    attention modules' outputs (the largest error over them): with random weights the logits' error is mostly the
+    embeddings' and the head's rounding, the same for every arm, while the attention's says what its path costs."""
     rows = []
     for kind in args.models:
         models = build_models(kind, length, [a for a in args.arms if a != "flash"], workdir)
         inputs = make_batch(kind, models[next(iter(models))].config.vocab_size, 2, length, "cpu")
         for arm, model in models.items():
             model.eval()
-            with torch.no_grad():
+            with torch.no_grad(), _attention_outputs(model) as reference_attention:
                 reference = model(input_ids=inputs["input_ids"]).logits.double()
-                model.to(args.device, getattr(torch, args.dtype))
+            model.to(args.device, getattr(torch, args.dtype))
+            with torch.no_grad(), _attention_outputs(model) as attention:
                 logits = model(input_ids=inputs["input_ids"].to(args.device)).logits.double().cpu()
-            error = ((logits - reference).norm() / reference.norm()).item()
+            error = _relative_error(logits, reference)
+            pairs = zip(attention, reference_attention, strict=True)
+            attention_error = max((_relative_error(got, want) for got, want in pairs), default=None)
             rows.append(
                 {
                     "model": kind,
                     "arm": arm,
                     "length": length,
                     "relative_error": error,
+                    "attention_error": attention_error,
                     "finite": bool(torch.isfinite(logits).all()),
                 }
             )
-            logger.info("agreement %-8s %-6s relative error %.2e", kind, arm, error)
+            logger.info("agreement %-8s %-6s relative error %.2e, attention %.2e", kind, arm, error, attention_error)
     return rows
+
+
+def _relative_error(got, want) -> float:
+    return ((got - want).norm() / want.norm()).item()
+
+
+@contextlib.contextmanager
+def _attention_outputs(model):
+    """The outputs of the model's attention modules (classes named ``...Attention``) during the block, in float64
+    on the CPU, in call order."""
+    outputs = []
+
+    def keep(module, args, output):
+        outputs.append((output[0] if isinstance(output, tuple) else output).detach().double().cpu())
+
+    handles = [m.register_forward_hook(keep) for m in model.modules() if type(m).__name__.endswith("Attention")]
+    try:
+        yield outputs
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def measure(args) -> dict:
@@ -546,14 +573,16 @@ def markdown(payload: dict) -> str:
         lines += ["## Skipped", ""] + [f"- {k} {a} {m}: {why}" for k, a, m, why in skipped] + [""]
     if payload.get("agreement"):
         lines += [
-            f"## Agreement with float32 on the CPU (logits, relative L2 error, L = "
+            f"## Agreement with float32 on the CPU (relative L2 errors, L = "
             f"{payload['agreement'][0]['length']}, batch 2)",
             "",
-            "| model | arm | error | finite |",
-            "|---|---|---|---|",
+            "| model | arm | logits | attention outputs (largest) | finite |",
+            "|---|---|---|---|---|",
         ]
         lines += [
-            f"| {r['model']} | {r['arm']} | {r['relative_error']:.2e} | {r['finite']} |" for r in payload["agreement"]
+            f"| {r['model']} | {r['arm']} | {r['relative_error']:.2e} | "
+            f"{'-' if r.get('attention_error') is None else format(r['attention_error'], '.2e')} | {r['finite']} |"
+            for r in payload["agreement"]
         ]
         lines.append("")
     return "\n".join(lines)
