@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .hybrid_exact import CandidateSet
 from .hybrid_keys import Keys, cat_keys, pad_keys, slice_keys
-from .hybrid_routing import gather_blocks, key_blocks, route
+from .hybrid_routing import gather_blocks, key_blocks, route, route_width
 from .hybrid_spec import HybridSpec, in_window
 from .slabs import slab_sizes
 
@@ -133,14 +133,20 @@ class Selection:
     @functools.cached_property
     def routes(self) -> tuple[Tensor, Tensor]:
         """Each of the N query blocks' routed key blocks (:func:`.route`, slab by slab): the chosen blocks
-        (B, H, N, t) and whether each choice is real (B, H, N, t). Bidirectional, with ``routed_blocks`` only."""
+        (B, H, N, t) and whether each choice is real (B, H, N, t). Bidirectional, with ``routed_blocks`` only.
+
+        The slabs are sized by routing's own temporaries (:func:`.route_width`), not by the exact part's candidate
+        sets: on a GPU, one slab at 8K tokens where those gave six, each a round of kernel launches."""
         spec, blocking, keys = self.spec, self.blocking, self.keys
-        B, N, block_q, block_k = self.x.shape[0], blocking.N, spec.query_block_size, spec.route_block_size
+        (B, H), N, block_q, block_k = self.x.shape[:2], blocking.N, spec.query_block_size, spec.route_block_size
         blocks = key_blocks(pad_keys(keys, 0, -keys.y.shape[2] % block_k), block_k, spec.route_group_size)
-        q_mask = F.pad(keys.mask, (0, blocking.pad), value=False).view(B, N, block_q).split(blocking.sizes, dim=1)
+        sizes = slab_sizes(N, B * H * route_width(blocks, spec.routed_blocks), "blocks", self.x.device)
+        xq = F.pad(self.x, (0, 0, 0, blocking.pad)).view(B, H, N, block_q, -1).split(sizes, dim=2)
+        q_mask = F.pad(keys.mask, (0, blocking.pad), value=False).view(B, N, block_q).split(sizes, dim=1)
+        starts = itertools.accumulate(sizes[:-1], initial=0)  # each slab's first query block
         routes = [
-            route(xq, q_mask_s, blocks, first, block_k, self.left, self.right, spec.routed_blocks)
-            for xq, q_mask_s, first in zip(blocking.blocked(self.x), q_mask, blocking.starts, strict=True)
+            route(xq_s, q_mask_s, blocks, first, block_k, self.left, self.right, spec.routed_blocks)
+            for xq_s, q_mask_s, first in zip(xq, q_mask, starts, strict=True)
         ]
         return torch.cat([chosen for chosen, _ in routes], dim=2), torch.cat([real for _, real in routes], dim=2)
 
