@@ -5,13 +5,13 @@
 #   1. tests/modeling/test_hybrid_flex.py and test_sparse_flex.py, whose CUDA tests run the compiled FlexAttention
 #      paths forward and backward in float32 and bfloat16 against the float32 CPU path (the CPU tests run too; the
 #      first compilations take most of its time, and inductor's cache on disk serves the later parts);
-#   2. benchmarks/model_speed.py --check: every arm's logits on the GPU in bfloat16 against float32 on the CPU, then
+#   2. profiles of the encoder's hybrid training step and attention call at 8K tokens (profile_attention.py);
+#   3. benchmarks/model_speed.py --check: every arm's logits on the GPU in bfloat16 against float32 on the CPU, then
 #      the whole models' training step and inference against the source held to flash attention, 512 to 128K
 #      tokens (16,384 tokens per batch; an arm that runs out of memory or past the time cap stops there, and a model
 #      starts no new length past its budget, so that its results are written inside the time limit): the
 #      encoder and decoder of the Performer family (results in family/), the Llama converted in place (in_place/, to
-#      32K tokens);
-#   3. profiles of the encoder's hybrid training step and attention call at 8K tokens (profile_attention.py).
+#      32K tokens).
 #
 # Results go to $OUT (the device tool's folder) or benchmarks/results. The device image has its own torch and Triton
 # but an older transformers and no network: carry transformers' wheel, fetched here first:
@@ -37,17 +37,17 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 tests=0
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/modeling/test_hybrid_flex.py tests/modeling/test_sparse_flex.py \
   2>&1 | tee -a "$out/gpu_check.log" || tests=$?
-# the encoder and GPT-2 decoder (their default: hybrid), then the Llama converted in place (its default: sparse)
-mkdir -p "$out/family" "$out/in_place"
-timeout 190 python3 benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check \
-  --models encoder decoder --arms sdpa flash hybrid favor --lengths 512 2048 8192 32768 131072 \
-  --reps 3 --time-cap 5 --budget 70 --out-dir "$out/family" 2>&1 | tee -a "$out/gpu_check.log" || true
 # where the encoder's hybrid step goes at 8K tokens (0.39 s against flash's 0.045 s on an H200, FlexAttention
 # compiled): the device's top operators against the host's time, launches and waits, whole step and attention call
 timeout 60 python3 benchmarks/profile_attention.py --part model --models encoder --arms flash hybrid --length 8192 \
   --device cuda --dtype bfloat16 --batch-tokens 16384 --reps 2 --rows 15 2>&1 | tee -a "$out/gpu_check.log" || true
 timeout 40 python3 benchmarks/profile_attention.py --models encoder --arms hybrid --length 8192 \
   --device cuda --dtype bfloat16 --reps 2 --rows 15 2>&1 | tee -a "$out/gpu_check.log" || true
+# the encoder and GPT-2 decoder (their default: hybrid), then the Llama converted in place (its default: sparse)
+mkdir -p "$out/family" "$out/in_place"
+timeout 190 python3 benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check \
+  --models encoder decoder --arms sdpa flash hybrid favor --lengths 512 2048 8192 32768 131072 \
+  --reps 3 --time-cap 5 --budget 70 --out-dir "$out/family" 2>&1 | tee -a "$out/gpu_check.log" || true
 timeout 75 python3 benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check \
   --models llama --arms sdpa flash sparse --lengths 2048 8192 32768 \
   --reps 3 --time-cap 5 --budget 35 --out-dir "$out/in_place" 2>&1 | tee -a "$out/gpu_check.log" || true
