@@ -48,7 +48,8 @@ an earlier arm left resident can hide part of a later one's). An arm whose media
 ``--time-cap`` seconds, or that runs out of memory, is skipped at longer lengths, and says so.
 
 ``--check`` first compares every arm's outputs at 6,144 tokens (past the conversions' exact dispatch) with the same
-model in float32 on the CPU (relative L2 error of the logits): the CUDA path and the reduced precision, measured.
+model in float32 on the CPU (relative L2 errors of the logits and of the attention modules' outputs, the largest
+over the layers): the CUDA path and the reduced precision, measured.
 
 ``--baseline DIR`` times a change against another checkout in the same process: for every Performer arm of the
 encoder and decoder, an arm ``baseline:<arm>`` runs the same converted folder (the same weights) with the modeling
@@ -440,7 +441,7 @@ def measure_agreement(args, workdir: Path, length: int = CHECK_LENGTH) -> list[d
                 logits = model(input_ids=inputs["input_ids"].to(args.device)).logits.double().cpu()
             error = _relative_error(logits, reference)
             pairs = zip(attention, reference_attention, strict=True)
-            attention_error = max((_relative_error(got, want) for got, want in pairs), default=None)
+            attention_error = max(_relative_error(got, want) for got, want in pairs)
             rows.append(
                 {
                     "model": kind,

@@ -104,16 +104,8 @@ def flex_attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) -> 
     if q.device.type != "cuda" or torch.compiler.is_compiling():  # eager, or traced in the caller's compiled model
         return attend(flex_attention)
     kind = (q.dtype, q.shape[-1], v.shape[-1], q.shape[1] // k.shape[1], score_mod is None, torch.is_grad_enabled())
-    with torch._dynamo.config.patch(_compile_settings()):
+    with torch._dynamo.config.patch(_COMPILE_SETTINGS):  # both settings exist in every torch with AuxRequest (2.9)
         return compiled_call(kind, attend)
-
-
-@functools.cache
-def _compile_settings() -> dict:
-    """The settings of :data:`_COMPILE_SETTINGS` this torch has (reading its configuration takes milliseconds:
-    once)."""
-    known = torch._dynamo.config.get_config_copy()
-    return {key: value for key, value in _COMPILE_SETTINGS.items() if key in known}
 
 
 def compiled_call(kind: tuple, attend: Callable):

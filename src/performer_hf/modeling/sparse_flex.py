@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .hybrid_flex import TILE, block_bits, flex_attend, flex_available, flex_enabled, has_bit, tile_mask
-from .slabs import slab_sizes
+from .slabs import slabs
 from .sparse_spec import SparseSpec
 
 Tensor = torch.Tensor
@@ -87,9 +87,8 @@ def _selection(scaled: Tensor, keys: Tensor, selectable: Tensor, window_start: T
     if not spec.select_blocks:
         return words, reached[..., :-1].view(B, Hkv, tiles, tiles)
     grouped = scaled.unflatten(1, (Hkv, group))  # (B, Hkv, G, L, D)
-    lo = 0
-    for rows in slab_sizes(L, B * H * L, "blocks", scaled.device):
-        hi = lo + rows
+    for rows in slabs(L, B * H * L, "blocks", scaled.device):
+        lo, hi = rows.start, rows.stop
         end = max(0, (hi - 1) // block - spec.window_blocks) * block  # keys before the slab's last window
         blocks = end // block
         if blocks:
@@ -106,5 +105,4 @@ def _selection(scaled: Tensor, keys: Tensor, selectable: Tensor, window_start: T
             query_tile = (torch.arange(lo, hi, device=scaled.device) // TILE)[:, None]  # (n, 1)
             flat = torch.where(real, query_tile * tiles + chosen * block // TILE, tiles * tiles)  # spare: not real
             reached.scatter_(-1, flat.flatten(2), True)
-        lo = hi
     return words, reached[..., :-1].view(B, Hkv, tiles, tiles)
