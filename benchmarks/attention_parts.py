@@ -1,0 +1,231 @@
+"""Where the hybrid's and FAVOR+'s attention time goes on a GPU, part by part, against flash attention.
+
+One attention call of the encoder's shape ((1, 12, L, 32), bfloat16, random queries, keys and values), timed
+forward + backward (training) and forward alone (inference), median of ``--reps`` after a warm-up, per arm:
+
+    flash                 SDPA's flash kernel, dense: the reference every ratio divides
+    favor                 plain FAVOR+ (``favor_attention``, the model's default projection width 256)
+    favor, compiled       the same function under ``torch.compile`` (what fusing its elementwise work gains)
+    hybrid                the converter's bidirectional hybrid preset (``exact_max_length`` off); its profile
+                          splits the device time into FlexAttention's kernels, matrix products and the rest
+    flex: hybrid mask     FlexAttention alone over the hybrid's own block mask (captured from the call above)
+    flex: same tiles, no mask_mod / as full tiles   the same tiles with a trivial ``mask_mod``, and as full tiles
+                          (no ``mask_mod`` at all): what the mask's per-score lookups cost, and the tiles' floor
+    flex: dense           FlexAttention with no block mask (its efficiency against flash at this head size)
+    hybrid, tile routing  window 257, 1 global, 4 blocks of 128 keys per 128 queries: a support cut to the tiles
+    hybrid, compiled      the hybrid under ``torch.compile`` (its far field and merge fused around FlexAttention)
+
+Random inputs route to random blocks, so the hybrid's mask is at least as dense as on text (routing_granularity.py
+measures the real MiniLM's). A diagnostic for issue 30's design choices, not a study: it prints one row per
+(length, arm) as it goes and writes ``attention_parts.json`` to ``--out-dir`` at the end.
+
+    python benchmarks/attention_parts.py --device cuda --lengths 8192 32768 --out-dir benchmarks/results
+    python benchmarks/attention_parts.py --quick    # smoke test on the CPU: inference at 512 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+
+from performer_hf.favor import HybridSpec, draw_projection, favor_attention, hybrid_attention
+from performer_hf.modeling import hybrid_flex
+from performer_hf.modeling.attention_methods import ATTENTION_METHODS
+
+logger = logging.getLogger("benchmarks.attention_parts")
+
+HEADS, HEAD_DIM, FEATURES = 12, 32, 256
+
+
+def hybrid_preset(**changes) -> HybridSpec:
+    """The converter's bidirectional hybrid preset as a spec (its exact dispatch aside), with ``changes``."""
+    preset = ATTENTION_METHODS["hybrid"].presets["bidirectional"]
+    names = {field: name for name, field in HybridSpec.config_fields().items()}
+    settings = {names[field]: value for field, value in preset.items() if field in names}
+    return HybridSpec(**{**settings, **changes})
+
+
+TILE_ROUTING = dict(local_window=257, query_block_size=128, route_group_size=0, routed_blocks=4, route_block_size=128)
+
+
+class MaskCapture:
+    """Keeps the last ``BlockMask`` that ``hybrid_flex.support_mask`` built (patched while active)."""
+
+    def __enter__(self):
+        self.original, self.mask = hybrid_flex.support_mask, None
+
+        def capture(selection):
+            self.mask = self.original(selection)
+            return self.mask
+
+        hybrid_flex.support_mask = capture
+        return self
+
+    def __exit__(self, *exc):
+        hybrid_flex.support_mask = self.original
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(call, inputs, train: bool, reps: int, device: str) -> float:
+    """Median seconds of ``call(*inputs)`` (forward + backward when ``train``), after one warm-up call."""
+
+    def once():
+        if train:
+            out = call(*inputs)
+            out.backward(torch.ones_like(out))
+        else:
+            with torch.no_grad():
+                call(*inputs)
+
+    once()
+    times = []
+    for _ in range(reps):
+        _synchronize(device)
+        start = time.perf_counter()
+        once()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def device_split(call, inputs) -> dict[str, float]:
+    """One forward + backward under the profiler: device milliseconds in FlexAttention's kernels, in matrix
+    products and in everything else, and the kernel launches."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = call(*inputs)
+        out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+    split = {"flex_ms": 0.0, "matmul_ms": 0.0, "other_ms": 0.0, "launches": 0}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        part = "flex_ms" if "flex" in name else "matmul_ms" if any(w in name for w in ("gemm", "gemv")) else "other_ms"
+        split[part] += event.device_time_total / 1e3
+        split["launches"] += 1
+    return split
+
+
+def arms(device: str, length: int, inputs, projection):
+    """(name, call, split) for every arm; flex-only arms need the hybrid's captured mask."""
+    spec = hybrid_preset()
+    capture = MaskCapture()
+
+    def flash(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION if device == "cuda" else SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    def favor(q, k, v):
+        return favor_attention(q, k, v, projection)
+
+    def hybrid(q, k, v):
+        with capture:
+            return hybrid_attention(q, k, v, spec=spec, projection=projection)
+
+    def hybrid_uncaptured(q, k, v):
+        return hybrid_attention(q, k, v, spec=spec, projection=projection)
+
+    def tile_routing(q, k, v):
+        return hybrid_attention(q, k, v, spec=hybrid_preset(**TILE_ROUTING), projection=projection)
+
+    yield "flash", flash, False
+    yield "favor", favor, False
+    yield "hybrid", hybrid, device == "cuda"
+    if device == "cuda" and capture.mask is not None:
+        yield from flex_arms(capture.mask)
+    yield "hybrid, tile routing", tile_routing, device == "cuda"
+    yield "favor, compiled", torch.compile(favor), False
+    yield "hybrid, compiled", torch.compile(hybrid_uncaptured), False
+
+
+def flex_arms(mask):
+    """FlexAttention alone over the hybrid's mask, its tiles without the per-score mask, and dense."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    def everything(b, h, q_idx, kv_idx):
+        return q_idx >= 0
+
+    tiles = (mask.kv_num_blocks, mask.kv_indices)
+    seq = mask.seq_lengths
+    plain = BlockMask.from_kv_blocks(*tiles, BLOCK_SIZE=hybrid_flex.TILE, mask_mod=everything, seq_lengths=seq)
+    none = torch.zeros_like(mask.kv_num_blocks)
+    full = BlockMask.from_kv_blocks(
+        none, mask.kv_indices, *tiles, BLOCK_SIZE=hybrid_flex.TILE, mask_mod=everything, seq_lengths=seq
+    )
+    for name, block_mask in (
+        ("flex: hybrid mask", mask),
+        ("flex: same tiles, no mask_mod", plain),
+        ("flex: same tiles, full", full),
+        ("flex: dense", None),
+    ):
+
+        def call(q, k, v, block_mask=block_mask):
+            return hybrid_flex.flex_attend(q * HEAD_DIM**-0.5, k, v, block_mask)[0]
+
+        yield name, call, False
+
+
+def measure(args) -> list[dict]:
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    rows = []
+    for length in args.lengths:
+        generator = torch.Generator().manual_seed(0)
+        shape = (1, HEADS, length, HEAD_DIM)
+        tensors = [torch.randn(shape, generator=generator).to(args.device, dtype) for _ in range(3)]
+        projection = draw_projection(FEATURES, HEAD_DIM, generator=generator).to(args.device)
+        flash_times = {}
+        for name, call, split in arms(args.device, length, tensors, projection):
+            row = {"length": length, "arm": name}
+            try:
+                for mode in args.modes:
+                    inputs = [t.detach().requires_grad_(mode == "train") for t in tensors]
+                    row[mode] = timed(call, inputs, mode == "train", args.reps, args.device)
+                    if name == "flash":
+                        flash_times[mode] = row[mode]
+                    row[f"{mode}_vs_flash"] = flash_times[mode] / row[mode]
+                if split:
+                    row.update(device_split(call, [t.detach().requires_grad_() for t in tensors]))
+            except Exception as error:  # an arm that fails (memory, compilation) is reported, the rest go on
+                row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--lengths", nargs="+", type=int, default=[8192, 32768])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="smoke test: 512 tokens, inference, 1 rep")
+    parser.add_argument("--out-dir", default=None, help="where attention_parts.json goes (default: not written)")
+    args = parser.parse_args(argv)
+    args.modes = ("train", "inference") if args.device == "cuda" else ("inference",)
+    if args.quick:
+        args.lengths, args.reps = [512], 1
+    logging.basicConfig(level=logging.WARNING)
+    rows = measure(args)
+    if args.out_dir:
+        out = Path(args.out_dir) / "attention_parts.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        out.write_text(json.dumps({"device": device, "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
