@@ -16,7 +16,7 @@ Arms (every one the default conversion, ``exact_max_length=0``, with these field
     tile window          a window of 257 (128 each side: the three tiles a window of 17 touches already), no routing
     tile routing 4 x 64  the tile window, and 4 blocks of 64 keys routed to each block of 128 queries
     tile routing 8 x 64  ... 8 blocks of 64 keys
-    tile routing 2 x 128 ... 2 blocks of 128 keys
+    tile routing 2 x 128 ... 2 blocks of 128 keys (4 x 128, 8 x 128, 16 x 64: more of them)
 
 Figures:
 
@@ -56,6 +56,9 @@ ARMS = {
     "tile routing 4 x 64": dict(TILE_ROUTING, routed_blocks=4, route_block_size=64),
     "tile routing 8 x 64": dict(TILE_ROUTING, routed_blocks=8, route_block_size=64),
     "tile routing 2 x 128": dict(TILE_ROUTING, routed_blocks=2, route_block_size=128),
+    "tile routing 4 x 128": dict(TILE_ROUTING, routed_blocks=4, route_block_size=128),
+    "tile routing 8 x 128": dict(TILE_ROUTING, routed_blocks=8, route_block_size=128),
+    "tile routing 16 x 64": dict(TILE_ROUTING, routed_blocks=16, route_block_size=64),
 }
 
 
@@ -113,7 +116,8 @@ def measure(args) -> dict:
     del source
     arms = {}
     with tempfile.TemporaryDirectory() as workdir:
-        for name, settings in ARMS.items():
+        for name in args.arms:
+            settings = ARMS[name]
             folder = performer_hf.convert(
                 source_folder,
                 Path(workdir) / "model",
@@ -184,6 +188,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--tile-lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--docs", type=int, default=4, help="documents per length of the quality figures")
     parser.add_argument("--tile-docs", type=int, default=2, help="documents per length of the tile figures")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="the arms measured")
     return harness.main("routing_granularity", parser, measure, markdown, plot, argv=argv)
 
 
