@@ -3,10 +3,10 @@
 # within its time limit), so that a session's 15 minutes of device time hold a second, shorter run.
 #
 #   1. tests/modeling/test_hybrid_flex.py and test_sparse_flex.py, whose CUDA tests run the compiled FlexAttention
-#      paths forward and backward in float32 and bfloat16 against the float32 CPU path (the CPU tests run too; the
-#      first compilations take most of its time, and inductor's cache on disk serves the later parts);
-#   2. profiles of the encoder's hybrid training step and attention call at 8K tokens (profile_attention.py);
-#   3. benchmarks/model_speed.py --check: every arm's logits on the GPU in bfloat16 against float32 on the CPU, then
+#      paths forward and backward in float32 and bfloat16 against the float32 CPU path, and test_device_compile.py,
+#      whose CUDA tests run the encoders' attention calls compiled against eager (the CPU tests run too; the first
+#      compilations take most of its time, and inductor's cache on disk serves the later parts);
+#   2. benchmarks/model_speed.py --check: every arm's logits on the GPU in bfloat16 against float32 on the CPU, then
 #      the whole models' training step and inference against the source held to flash attention, 512 to 128K
 #      tokens (16,384 tokens per batch; an arm that runs out of memory or past the time cap stops there, and a model
 #      starts no new length past its budget, so that its results are written inside the time limit): the
@@ -35,14 +35,8 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
   | tee -a "$out/gpu_check.log"
 # device time is scarce: the speed runs even when a test fails, and the script's status says so at the end
 tests=0
-timeout 90 python3 -m pytest -q -p no:cacheprovider tests/modeling/test_hybrid_flex.py tests/modeling/test_sparse_flex.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/modeling/test_hybrid_flex.py tests/modeling/test_sparse_flex.py tests/modeling/test_device_compile.py \
   2>&1 | tee -a "$out/gpu_check.log" || tests=$?
-# where the encoder's hybrid step goes at 8K tokens (0.39 s against flash's 0.045 s on an H200, FlexAttention
-# compiled): the device's top operators against the host's time, launches and waits, whole step and attention call
-timeout 60 python3 benchmarks/profile_attention.py --part model --models encoder --arms flash hybrid --length 8192 \
-  --device cuda --dtype bfloat16 --batch-tokens 16384 --reps 2 --rows 15 2>&1 | tee -a "$out/gpu_check.log" || true
-timeout 40 python3 benchmarks/profile_attention.py --models encoder --arms hybrid --length 8192 \
-  --device cuda --dtype bfloat16 --reps 2 --rows 15 2>&1 | tee -a "$out/gpu_check.log" || true
 # the encoder and GPT-2 decoder (their default: hybrid), then the Llama converted in place (its default: sparse)
 mkdir -p "$out/family" "$out/in_place"
 timeout 190 python3 benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check \

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .device_compile import COMPILE_SETTINGS
 from .far_field_polynomial import POLYNOMIAL
 from .hybrid_exact import PartialSums, merge
 from .hybrid_far_field import FarQueries
@@ -69,11 +70,6 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
-# Every kind of call (exact or polynomial score, mask, gradient mode) compiles its own graphs of the one function
-# flex_attention: more than dynamo's default limit of 8 in a process that runs an encoder and a decoder. Past its
-# limit dynamo would silently run flex_attention eagerly, which builds the whole (L, L) score matrix (96 GiB at 32K
-# tokens): a higher limit, and an error instead of that.
-_COMPILE_SETTINGS = {"recompile_limit": 64, "fail_on_recompile_limit_hit": True}
 # tiles for the calls whose default ones need more shared memory than the GPU has; the kinds of call that did,
 # remembered: a compilation that fails is not cached, so each such call would otherwise compile and fail again
 _SMALL_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2}
@@ -104,7 +100,7 @@ def flex_attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) -> 
     if q.device.type != "cuda" or torch.compiler.is_compiling():  # eager, or traced in the caller's compiled model
         return attend(flex_attention)
     kind = (q.dtype, q.shape[-1], v.shape[-1], q.shape[1] // k.shape[1], score_mod is None, torch.is_grad_enabled())
-    with torch._dynamo.config.patch(_COMPILE_SETTINGS):  # both settings exist in every torch with AuxRequest (2.9)
+    with torch._dynamo.config.patch(COMPILE_SETTINGS):  # both settings exist in every torch with AuxRequest (2.9)
         return compiled_call(kind, attend)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .device_compile import call_compiled
 from .favor_attention import favor_attention
 from .method_exact import exact_is_enough, softmax_attention
 
@@ -26,6 +27,8 @@ def favor_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None,
     # The kernel computes in float32 whatever the input dtype; autocast must not lower its
     # exponentials and prefix sums to bf16/fp16.
     with torch.autocast(q.device.type, enabled=False):
+        if layer_cache is None and not causal:  # compiled on CUDA (device_compile)
+            return call_compiled(favor_attention, q.device, q, k, v, module.projection, **kwargs), None
         if layer_cache is None:
             return favor_attention(q, k, v, module.projection, **kwargs), None
         context, state = favor_attention(

@@ -1,0 +1,123 @@
+"""Attention calls compiled on CUDA (``device_compile``), checked on the CPU: the same calls captured by dynamo and run
+through AOTAutograd's graphs (``aot_eager``, no code generation) give the eager outputs and gradients at two lengths
+(the second recompiles with dynamic shapes), for FAVOR+ and for the hybrid on the backend it takes on CUDA
+(FlexAttention's, its attention calls in plain PyTorch); cached and causal calls, the CPU by default and
+``PERFORMER_HF_COMPILE=0`` stay eager."""
+
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from performer_hf import CACHE_KEYWORD, PerformerForCausalLM, PerformerForMaskedLM
+from performer_hf.modeling import device_compile, favor_hybrid
+from performer_hf.modeling.hybrid_flex import FlexBackend
+
+from ..flex_reference import dense_attend
+from ..tiny_models import random_centres, random_ids, tiny_model
+
+ENCODERS = {
+    "favor": dict(attention_method="favor"),
+    "hybrid": dict(
+        attention_method="hybrid",
+        attention_kernel="poly2",
+        center_features=True,
+        local_window=5,
+        num_global_tokens=1,
+        routed_blocks=2,
+        route_block_size=4,
+        query_block_size=8,
+        exact_max_length=0,
+    ),
+}
+
+
+@pytest.fixture
+def counter(monkeypatch):
+    """Compile for the CPU with a counting ``aot_eager`` backend; dynamo's caches cleared around the test."""
+    torch._dynamo.reset()
+    backend = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(device_compile, "COMPILED_DEVICES", ("cpu",))
+    monkeypatch.setattr(device_compile, "BACKEND", backend)
+    monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention.*")  # FlexAttention's eager calls warn
+        yield backend
+    torch._dynamo.reset()
+
+
+def _flex_backend(monkeypatch):
+    """The hybrid's CUDA backend on every device, its FlexAttention calls in plain PyTorch (``dense_attend``: a
+    CPU has no FlexAttention backward)."""
+    monkeypatch.setattr(
+        favor_hybrid,
+        "choose_backend",
+        lambda call, causal, continues=False: FlexBackend((call.ctx.a, call.ctx.c), call.k.dtype, dense_attend),
+    )
+
+
+def _step(model, length: int, device: str = "cpu"):
+    """Logits and the gradients of every parameter for a right-padded batch of ``length`` tokens."""
+    ids = random_ids(batch=2, length=length, seed=length).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, length - 7 :] = 0
+    model.zero_grad()
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    (logits * torch.linspace(-1, 1, logits.shape[-1], device=device)).sum().backward()
+    return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("method", ENCODERS)
+def test_compiled_encoder_calls_match_eager_forward_and_backward(monkeypatch, counter, method):
+    """A tiny encoder's logits and gradients, its attention compiled against eager, at 40 then 72 tokens."""
+    if method == "hybrid":
+        _flex_backend(monkeypatch)
+    model = random_centres(tiny_model(PerformerForMaskedLM, max_position_embeddings=80, **ENCODERS[method]))
+    for length in (40, 72):
+        monkeypatch.setenv("PERFORMER_HF_COMPILE", "0")
+        want_logits, want_grads = _step(model, length)
+        monkeypatch.setenv("PERFORMER_HF_COMPILE", "1")
+        got_logits, got_grads = _step(model, length)
+        torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+        assert got_grads.keys() == want_grads.keys()
+        for name, grad in want_grads.items():
+            torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert counter.frame_count >= 2  # compiled for the first length, and again (dynamic) for the second
+
+
+def test_causal_and_cached_calls_and_the_cpu_by_default_stay_eager(monkeypatch, counter):
+    """A FAVOR+ decoder (causal, then a cached step) compiles nothing; neither does an encoder on the CPU by
+    default, nor with ``PERFORMER_HF_COMPILE=0``."""
+    decoder = tiny_model(PerformerForCausalLM, attention_method="favor")
+    with torch.no_grad():
+        out = decoder(input_ids=random_ids(length=12), use_cache=True)
+        decoder(input_ids=out.logits[:, -1:].argmax(-1), **{CACHE_KEYWORD: out.past_key_values})
+    assert counter.frame_count == 0
+    encoder = tiny_model(PerformerForMaskedLM, max_position_embeddings=80, attention_method="favor")
+    monkeypatch.setenv("PERFORMER_HF_COMPILE", "0")
+    with torch.no_grad():
+        encoder(input_ids=random_ids(length=40))
+    assert counter.frame_count == 0
+    monkeypatch.setenv("PERFORMER_HF_COMPILE", "1")
+    monkeypatch.setattr(device_compile, "COMPILED_DEVICES", ("cuda",))
+    with torch.no_grad():
+        encoder(input_ids=random_ids(length=40))
+    assert counter.frame_count == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: inductor's kernels for it")
+@pytest.mark.parametrize("method", ENCODERS)
+def test_cuda_compiled_encoder_calls_match_eager(monkeypatch, method):
+    """On CUDA, as shipped (inductor, FlexAttention for the hybrid), float32: logits and gradients against the same
+    model with ``PERFORMER_HF_COMPILE=0``, at two lengths."""
+    torch._dynamo.reset()
+    model = random_centres(tiny_model(PerformerForMaskedLM, max_position_embeddings=80, **ENCODERS[method])).cuda()
+    for length in (40, 72):
+        monkeypatch.setenv("PERFORMER_HF_COMPILE", "0")
+        want_logits, want_grads = _step(model, length, "cuda")
+        monkeypatch.setenv("PERFORMER_HF_COMPILE", "1")
+        got_logits, got_grads = _step(model, length, "cuda")
+        torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+        for name, grad in want_grads.items():
+            torch.testing.assert_close(got_grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)
