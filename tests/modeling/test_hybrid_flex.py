@@ -109,14 +109,24 @@ def test_causal_from_the_first_token_matches_the_dense_reference(monkeypatch, co
 
 # routing by blocks of 128 queries (one tile), one block of 64 keys each: most of a tile row holds no support
 COARSE = dict(DEFAULT, routed_blocks=1, route_block_size=64, route_group_size=0, query_block_size=128)
+# a support that tiles hold whole: a window of 257 fills each diagonal tile, a routed block of 128 keys its tile, two
+# routed blocks of 64 keys a tile when both fall in it
+TILED = dict(DEFAULT, local_window=257, routed_blocks=2, route_block_size=128, route_group_size=0, query_block_size=128)
+HALF_TILED = dict(TILED, routed_blocks=4, route_block_size=64)
+SUPPORTS = {"default": DEFAULT, "coarse": COARSE, "tiled": TILED, "half tiled": HALF_TILED}
 
 
-@pytest.mark.parametrize("settings", [DEFAULT, COARSE], ids=["default", "coarse"])
+@pytest.mark.parametrize("name", SUPPORTS)
 @pytest.mark.parametrize("padded", [False, True])
-def test_1k_tokens_match_the_pytorch_backend(monkeypatch, settings, padded):
+def test_1k_tokens_match_the_pytorch_backend(monkeypatch, name, padded):
     """1,024 tokens: 8 x 8 tiles. With coarse routing the support leaves tiles empty, so the block mask's tiles,
     not only its mask_mod, decide what FlexAttention reads; the default's routed blocks of 8 keys for blocks of 16
-    queries reach into every tile here."""
+    queries reach into every tile here. Tiles the support fills are read whole (no mask_mod): every pair of each is
+    in the support, as the mask_mod says pair by pair (with the default too: the padded queries of a row all route to
+    the same first blocks, which fill a tile)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    settings = SUPPORTS[name]
     q, k, v = (t.float() for t in random_qkv(batch=2, heads=2, length=1024, head_dim=32, seed=3))
     mask = right_padding(2, 1024, real=(1024, 700)) if padded else None
     monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")
@@ -130,10 +140,18 @@ def test_1k_tokens_match_the_pytorch_backend(monkeypatch, settings, padded):
     with torch.no_grad():
         out = hybrid_attention(q, k, v, key_padding_mask=mask, **settings)
     torch.testing.assert_close(_masked(out, mask), _masked(ref, mask), rtol=1e-5, atol=1e-6)
-    tiles = masks[0].kv_num_blocks  # (B, H, 8): key tiles read per query tile
+    block_mask = masks[0]
+    full = block_mask.full_kv_num_blocks  # (B, H, 8): key tiles read whole per query tile
+    tiles = block_mask.kv_num_blocks + full  # key tiles read per query tile
     assert tiles.shape[-1] == 8 and int(tiles.min()) >= 1
     if settings is COARSE:  # at most the window's 3 tiles, the global token's and the routed block's
         assert int(tiles.max()) <= 5
+    if settings in (TILED, HALF_TILED):
+        assert int(full.min()) >= 1  # the diagonal tile at least
+    pairs = create_mask(block_mask.mask_mod, 2, 2, 1024, 1024, device="cpu").view(2, 2, 8, 128, 8, 128)
+    for b, h, i in torch.cartesian_prod(*(torch.arange(n) for n in (2, 2, 8))).tolist():
+        for j in block_mask.full_kv_indices[b, h, i, : full[b, h, i]].tolist():
+            assert bool(pairs[b, h, i, :, j].all()), (name, b, h, i, j)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -131,7 +131,7 @@ def support_mask(selection: Selection):
     padded = -(-L // TILE) * TILE  # TILE is a multiple of block_q and block_k (see choose_backend)
     tiles = padded // TILE
     key_mask = F.pad(selection.keys.mask, (0, padded - L), value=False)  # (B, padded): positions past L are not keys
-    routed_words, routed_tiles = _routed(selection, B, H, padded, tiles)
+    routed_words, routed_tiles, full_routed = _routed(selection, B, H, padded, tiles)
 
     def mask_mod(b, h, q_idx, kv_idx):
         near = (q_idx - kv_idx <= left) & (kv_idx - q_idx <= right)
@@ -143,43 +143,59 @@ def support_mask(selection: Selection):
         return supported & key_mask[b, kv_idx]
 
     start = torch.arange(tiles, device=device) * TILE  # (tiles,): each tile's first position
-    touched = start[None, :] < nb_global  # (query tiles, key tiles)
-    if right >= 0:  # the window's band
-        touched = touched | (start[None, :] + TILE - 1 >= start[:, None] - left) & (
-            start[None, :] <= start[:, None] + TILE - 1 + right
-        )
+    q_last, k_first, k_last = start[:, None] + TILE - 1, start[None, :], start[None, :] + TILE - 1
+    touched = k_first < nb_global  # (query tiles, key tiles)
+    full = (k_last < nb_global) & (k_last <= start[:, None] if causal else True)  # every key global to every query
+    if right >= 0:  # the window's band, and the tiles it covers whole
+        touched = touched | (k_last >= start[:, None] - left) & (k_first <= q_last + right)
+        full = full | (q_last - k_first <= left) & (k_last - start[:, None] <= right)
     if routed_tiles is not None:
         touched = touched | routed_tiles  # (B, H, query tiles, key tiles)
-    touched = touched & key_mask.view(B, 1, 1, tiles, TILE).any(-1)  # tiles without a real key hold nothing
-    return tile_mask(touched.expand(B, H, tiles, tiles), mask_mod, L)
+        full = full | full_routed
+    real_keys = key_mask.view(B, 1, 1, tiles, TILE)
+    touched = touched & real_keys.any(-1)  # tiles without a real key hold nothing
+    full = full & real_keys.all(-1)  # mask_mod runs only on the other tiles: the per-score lookups cost most
+    return tile_mask(touched.expand(B, H, tiles, tiles), mask_mod, L, full.expand(B, H, tiles, tiles))
 
 
-def tile_mask(touched: Tensor, mask_mod, length: int):
+def tile_mask(touched: Tensor, mask_mod, length: int, full: Tensor | None = None):
     """The ``BlockMask`` that reads, for each batch, head and query tile, the key tiles ``touched`` marks ((B, H,
-    query tiles, key tiles) bool), with ``mask_mod`` inside them, over ``length`` queries and keys."""
+    query tiles, key tiles) bool), over ``length`` queries and keys: with ``mask_mod`` inside them, except in the tiles
+    ``full`` marks (same shape; a subset of ``touched``), where ``mask_mod`` would keep every pair: read whole."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    counts = touched.sum(-1, dtype=torch.int32)  # (B, H, query tiles)
-    order = torch.argsort(touched.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(length, length))
+    def blocks(marked: Tensor) -> tuple[Tensor, Tensor]:
+        counts = marked.sum(-1, dtype=torch.int32)  # (B, H, query tiles)
+        order = torch.argsort(marked.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return counts, order
+
+    if full is None:
+        return BlockMask.from_kv_blocks(
+            *blocks(touched), BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(length, length)
+        )
+    return BlockMask.from_kv_blocks(
+        *blocks(touched & ~full), *blocks(full), BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(length, length)
+    )
 
 
-def _routed(selection: Selection, B: int, H: int, padded: int, tiles: int) -> tuple[Tensor | None, Tensor | None]:
-    """The routed key blocks of every query block as bits (B, H, query blocks, words of 32 key blocks), int32, and
-    the tiles they touch (B, H, query tiles, key tiles); (None, None) without routing."""
+def _routed(selection: Selection, B: int, H: int, padded: int, tiles: int) -> tuple[Tensor | None, ...]:
+    """The routed key blocks of every query block as bits (B, H, query blocks, words of 32 key blocks), int32, the
+    tiles they touch and the tiles they fill (every query of the tile routed to every key block of it), each (B, H,
+    query tiles, key tiles) bool; (None, None, None) without routing."""
     spec = selection.spec
     if not spec.routed_blocks:
-        return None, None
+        return None, None, None
     block_q, block_k = spec.query_block_size, spec.route_block_size
     chosen, real = selection.routes  # (B, H, N, t): N query blocks (the selection's, padded to its period)
     chosen = F.pad(chosen, (0, 0, 0, padded // block_q - chosen.shape[2]))
     real = F.pad(real, (0, 0, 0, padded // block_q - real.shape[2]), value=False)
     words = block_bits(chosen, real, -(-padded // block_k))
-    per_tile = torch.zeros(B, H, chosen.shape[2], tiles + 1, dtype=torch.bool, device=chosen.device)
+    per_tile = torch.zeros(B, H, chosen.shape[2], tiles + 1, dtype=torch.int32, device=chosen.device)
     key_tile = torch.where(real, chosen * block_k // TILE, tiles)  # a choice that is not real: the spare column
-    per_tile = per_tile.scatter_(-1, key_tile, True)[..., :tiles]  # (B, H, N, key tiles)
-    routed_tiles = per_tile.view(B, H, tiles, TILE // block_q, tiles).any(3)  # (B, H, query tiles, key tiles)
-    return words, routed_tiles
+    per_tile = per_tile.scatter_add_(-1, key_tile, torch.ones_like(key_tile, dtype=torch.int32))[..., :tiles]
+    per_tile = per_tile.view(B, H, tiles, TILE // block_q, tiles)  # blocks routed per (query block, key tile)
+    # the chosen blocks of a query block are distinct: TILE // block_k of them in one key tile fill it
+    return words, (per_tile > 0).any(3), (per_tile == TILE // block_k).all(3)
 
 
 def block_bits(chosen: Tensor, real: Tensor, nb_blocks: int) -> Tensor:
