@@ -37,10 +37,11 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 tests=0
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/modeling/test_hybrid_flex.py tests/modeling/test_sparse_flex.py tests/modeling/test_device_compile.py \
   2>&1 | tee -a "$out/gpu_check.log" || tests=$?
-# the encoder and GPT-2 decoder (their default: hybrid), then the Llama converted in place (its default: sparse)
+# the encoder and GPT-2 decoder (their default: hybrid; the encoder's tiled support too), then the Llama converted in
+# place (its default: sparse)
 mkdir -p "$out/family" "$out/in_place"
 timeout 190 python3 benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check \
-  --models encoder decoder --arms sdpa flash hybrid favor --lengths 512 2048 8192 32768 131072 \
+  --models encoder decoder --arms flash hybrid tiled favor --lengths 512 2048 8192 32768 131072 \
   --reps 3 --time-cap 5 --budget 70 --out-dir "$out/family" 2>&1 | tee -a "$out/gpu_check.log" || true
 timeout 75 python3 benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check \
   --models llama --arms sdpa flash sparse --lengths 2048 8192 32768 \
