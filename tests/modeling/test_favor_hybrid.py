@@ -377,3 +377,28 @@ def test_a_far_field_is_its_features_and_one_registry_entry(monkeypatch):
     )
     logits = PerformerForCausalLM(config).eval()(torch.arange(20)[None] % 50).logits
     assert logits.shape == (1, 20, 50) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("far_field", sorted(FAR_FIELDS))
+def test_a_causal_query_that_sees_no_key_gets_zero_output_and_gradients(far_field):
+    """Left padding: the queries before a row's first real key see nothing. With a loss on every output (theirs too),
+    they get zero outputs, and the gradients are finite and those of the same row without its padded start (the
+    division by an empty denominator once sent them 1 / tiny: NaN through the far field)."""
+    q, k, v = (t.requires_grad_() for t in random_qkv(batch=2, heads=2, length=40, head_dim=8, seed=5))
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, :9] = False
+    kwargs = _kwargs(far_field, True, dict(local_window=4))  # global tokens go by position: the cut row's would differ
+    kwargs.update(
+        query_center=torch.zeros(2, 8, dtype=torch.float64), key_center=torch.zeros(2, 8, dtype=torch.float64)
+    )
+    probe = torch.linspace(-1, 1, 40 * 8, dtype=torch.float64).view(40, 8)
+    out = hybrid_attention(q, k, v, _projection(), key_padding_mask=mask, **kwargs)
+    grads = torch.autograd.grad((out * probe).sum(), (q, k, v))
+    assert (out[1, :, :9] == 0).all()
+    assert all(bool(g.isfinite().all()) for g in grads)
+    assert all(bool((g[1, :, :9] == 0).all()) for g in grads)
+    cut = [t[1:, :, 9:].detach().requires_grad_() for t in (q, k, v)]
+    alone = hybrid_attention(*cut, _projection(), **kwargs)
+    alone_grads = torch.autograd.grad((alone * probe[9:]).sum(), cut)
+    for grad, want in zip(grads, alone_grads, strict=True):
+        torch.testing.assert_close(grad[1:, :, 9:], want, rtol=1e-6, atol=1e-8)

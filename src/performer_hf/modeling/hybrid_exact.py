@@ -66,8 +66,10 @@ def merge(*parts: PartialSums) -> Tensor:
 
 
 def divide(sums: Tensor) -> Tensor:
-    """(..., dv + 1) numerator | denominator -> (..., dv); 0 where nothing was visible."""
-    return sums[..., :-1] / sums[..., -1:].clamp_min(torch.finfo(sums.dtype).tiny)
+    """(..., dv + 1) numerator | denominator -> (..., dv); 0 where nothing was visible, with zero gradients there (a
+    clamped denominator would send them the gradient times ``1 / tiny``: NaN through the far field's features)."""
+    numerator, denominator = sums[..., :-1], sums[..., -1:]
+    return numerator / torch.where(denominator > 0, denominator, torch.ones_like(denominator))
 
 
 def global_rows(x: Tensor, keys: Keys, out: Tensor, num_global_tokens: int) -> Tensor:
