@@ -1,8 +1,8 @@
 """Attention calls compiled on CUDA (``device_compile``), checked on the CPU: the same calls captured by dynamo and run
 through AOTAutograd's graphs (``aot_eager``, no code generation) give the eager outputs and gradients at two lengths
-(the second recompiles with dynamic shapes), for FAVOR+ and for the hybrid on the backend it takes on CUDA
-(FlexAttention's, its attention calls in plain PyTorch); cached and causal calls, the CPU by default and
-``PERFORMER_HF_COMPILE=0`` stay eager."""
+(the second recompiles with dynamic shapes), for FAVOR+ (bidirectional and causal) and for the bidirectional hybrid on
+the backend it takes on CUDA (FlexAttention's, its attention calls in plain PyTorch); cached calls, the causal hybrid,
+the CPU by default and ``PERFORMER_HF_COMPILE=0`` stay eager."""
 
 import warnings
 
@@ -17,19 +17,22 @@ from performer_hf.modeling.hybrid_flex import FlexBackend
 from ..flex_reference import dense_attend
 from ..tiny_models import random_centres, random_ids, tiny_model
 
-ENCODERS = {
-    "favor": dict(attention_method="favor"),
-    "hybrid": dict(
-        attention_method="hybrid",
-        attention_kernel="poly2",
-        center_features=True,
-        local_window=5,
-        num_global_tokens=1,
-        routed_blocks=2,
-        route_block_size=4,
-        query_block_size=8,
-        exact_max_length=0,
-    ),
+HYBRID = dict(
+    attention_method="hybrid",
+    attention_kernel="poly2",
+    center_features=True,
+    local_window=5,
+    num_global_tokens=1,
+    routed_blocks=2,
+    route_block_size=4,
+    query_block_size=8,
+    exact_max_length=0,
+)
+# the calls compiled on CUDA: bidirectional FAVOR+ and hybrid, causal FAVOR+ (the causal hybrid stays eager)
+MODELS = {
+    "encoder, favor": (PerformerForMaskedLM, dict(attention_method="favor")),
+    "decoder, favor": (PerformerForCausalLM, dict(attention_method="favor")),
+    "encoder, hybrid": (PerformerForMaskedLM, HYBRID),
 }
 
 
@@ -63,17 +66,19 @@ def _step(model, length: int, device: str = "cpu"):
     mask = torch.ones_like(ids)
     mask[1, length - 7 :] = 0
     model.zero_grad()
-    logits = model(input_ids=ids, attention_mask=mask).logits
+    extra = {"use_cache": False} if isinstance(model, PerformerForCausalLM) else {}  # as training does (eval: a cache)
+    logits = model(input_ids=ids, attention_mask=mask, **extra).logits
     (logits * torch.linspace(-1, 1, logits.shape[-1], device=device)).sum().backward()
     return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("method", ENCODERS)
-def test_compiled_encoder_calls_match_eager_forward_and_backward(monkeypatch, counter, method):
-    """A tiny encoder's logits and gradients, its attention compiled against eager, at 40 then 72 tokens."""
-    if method == "hybrid":
+@pytest.mark.parametrize("name", MODELS)
+def test_compiled_calls_match_eager_forward_and_backward(monkeypatch, counter, name):
+    """A tiny model's logits and gradients, its attention compiled against eager, at 40 then 72 tokens."""
+    if "hybrid" in name:
         _flex_backend(monkeypatch)
-    model = random_centres(tiny_model(PerformerForMaskedLM, max_position_embeddings=80, **ENCODERS[method]))
+    model_class, settings = MODELS[name]
+    model = random_centres(tiny_model(model_class, max_position_embeddings=80, **settings))
     for length in (40, 72):
         monkeypatch.setenv("PERFORMER_HF_COMPILE", "0")
         want_logits, want_grads = _step(model, length)
@@ -86,9 +91,12 @@ def test_compiled_encoder_calls_match_eager_forward_and_backward(monkeypatch, co
     assert counter.frame_count >= 2  # compiled for the first length, and again (dynamic) for the second
 
 
-def test_causal_and_cached_calls_and_the_cpu_by_default_stay_eager(monkeypatch, counter):
-    """A FAVOR+ decoder (causal, then a cached step) compiles nothing; neither does an encoder on the CPU by
-    default, nor with ``PERFORMER_HF_COMPILE=0``."""
+def test_cached_calls_and_the_cpu_by_default_stay_eager(monkeypatch, counter):
+    """A FAVOR+ decoder's prefill with a cache and its next step compile nothing, nor does the causal hybrid; neither
+    does an encoder on the CPU by default, nor with ``PERFORMER_HF_COMPILE=0``."""
+    hybrid_decoder = random_centres(tiny_model(PerformerForCausalLM, attention_method="hybrid", exact_max_length=0))
+    with torch.no_grad():
+        hybrid_decoder(input_ids=random_ids(length=12))
     decoder = tiny_model(PerformerForCausalLM, attention_method="favor")
     with torch.no_grad():
         out = decoder(input_ids=random_ids(length=12), use_cache=True)
@@ -107,12 +115,13 @@ def test_causal_and_cached_calls_and_the_cpu_by_default_stay_eager(monkeypatch, 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: inductor's kernels for it")
-@pytest.mark.parametrize("method", ENCODERS)
-def test_cuda_compiled_encoder_calls_match_eager(monkeypatch, method):
+@pytest.mark.parametrize("name", MODELS)
+def test_cuda_compiled_calls_match_eager(monkeypatch, name):
     """On CUDA, as shipped (inductor, FlexAttention for the hybrid), float32: logits and gradients against the same
     model with ``PERFORMER_HF_COMPILE=0``, at two lengths."""
     torch._dynamo.reset()
-    model = random_centres(tiny_model(PerformerForMaskedLM, max_position_embeddings=80, **ENCODERS[method])).cuda()
+    model_class, settings = MODELS[name]
+    model = random_centres(tiny_model(model_class, max_position_embeddings=80, **settings)).cuda()
     for length in (40, 72):
         monkeypatch.setenv("PERFORMER_HF_COMPILE", "0")
         want_logits, want_grads = _step(model, length, "cuda")

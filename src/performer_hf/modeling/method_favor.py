@@ -27,10 +27,8 @@ def favor_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None,
     # The kernel computes in float32 whatever the input dtype; autocast must not lower its
     # exponentials and prefix sums to bf16/fp16.
     with torch.autocast(q.device.type, enabled=False):
-        if layer_cache is None and not causal:  # compiled on CUDA (device_compile)
+        if layer_cache is None:  # compiled on CUDA (device_compile)
             return call_compiled(favor_attention, q.device, q, k, v, module.projection, **kwargs), None
-        if layer_cache is None:
-            return favor_attention(q, k, v, module.projection, **kwargs), None
         context, state = favor_attention(
             q, k, v, module.projection, initial_state=layer_cache.get_state(), return_state=True, **kwargs
         )
