@@ -63,8 +63,8 @@ class MaskCapture:
     def __enter__(self):
         self.original, self.mask = hybrid_flex.support_mask, None
 
-        def capture(selection):
-            self.mask = self.original(selection)
+        def capture(selection, *args):
+            self.mask = self.original(selection, *args)
             return self.mask
 
         hybrid_flex.support_mask = capture

@@ -56,7 +56,9 @@ def _flex_backend(monkeypatch):
     monkeypatch.setattr(
         favor_hybrid,
         "choose_backend",
-        lambda call, causal, continues=False: FlexBackend((call.ctx.a, call.ctx.c), call.k.dtype, dense_attend),
+        lambda call, causal, continues=False: FlexBackend(
+            (call.ctx.a, call.ctx.c), call.k.dtype, dense_attend, key_padding=call.key_padding
+        ),
     )
 
 

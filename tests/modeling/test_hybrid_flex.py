@@ -52,7 +52,9 @@ def _flex(monkeypatch, attend=flex_attend):
     monkeypatch.setattr(
         favor_hybrid,
         "choose_backend",
-        lambda call, causal, continues=False: FlexBackend((call.ctx.a, call.ctx.c), call.k.dtype, attend),
+        lambda call, causal, continues=False: FlexBackend(
+            (call.ctx.a, call.ctx.c), call.k.dtype, attend, key_padding=call.key_padding
+        ),
     )
 
 
@@ -134,7 +136,7 @@ def test_1k_tokens_match_the_pytorch_backend(monkeypatch, name, padded):
 
     masks = []
     support_mask = hybrid_flex.support_mask
-    record = lambda selection: masks.append(support_mask(selection)) or masks[-1]  # noqa: E731
+    record = lambda selection, *args: masks.append(support_mask(selection, *args)) or masks[-1]  # noqa: E731
     monkeypatch.setattr(hybrid_flex, "support_mask", record)
     _flex(monkeypatch)
     with torch.no_grad():
@@ -264,7 +266,9 @@ def test_cuda_compiled_kernels_match_the_cpu_in_float32_and_bfloat16(monkeypatch
     bfloat16 = bfloat16_tolerances(rounded_cpu, reference_cpu, sdpa_bfloat16_errors(q, k, v, grad, causal))
     masks = []
     support_mask = hybrid_flex.support_mask
-    monkeypatch.setattr(hybrid_flex, "support_mask", lambda selection: masks.append(1) or support_mask(selection))
+    monkeypatch.setattr(
+        hybrid_flex, "support_mask", lambda selection, *args: masks.append(1) or support_mask(selection, *args)
+    )
     for dtype, tolerances in ((torch.float32, [1e-4] * 4), (torch.bfloat16, bfloat16)):
         for got, want, tolerance in zip(run("cuda", dtype), reference_cpu, tolerances, strict=True):
             assert torch.isfinite(got).all()

@@ -145,7 +145,7 @@ def _prepare(q, k, v, projection, spec: HybridSpec, causal: bool, options: dict)
     # random-feature far fields subtract their kernel on the support.
     keys = key_side(k, v, mask, ctx, with_features=not causal and far.quadratic is None)
     log_gain = _log_gain(options["far_field_gain"], x)  # (.., H or 1, 1, 1)
-    return HybridCall(k, v, mask, x, x @ c.transpose(-2, -1), keys, ctx, log_gain, spec)
+    return HybridCall(k, v, mask, x, x @ c.transpose(-2, -1), keys, ctx, log_gain, spec, padding is not None)
 
 
 def _bidirectional(call: HybridCall) -> Tensor:

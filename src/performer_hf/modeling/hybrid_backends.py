@@ -92,7 +92,7 @@ def _cuda_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBacke
         return _served_by_pytorch(f"it serves float32, bfloat16 and float16 models, not {call.k.dtype}", flex)
     if TILE % spec.query_block_size or TILE % spec.route_block_size:
         return _served_by_pytorch(f"its query and key blocks must divide {TILE}", flex)
-    return FlexBackend((call.ctx.a, call.ctx.c), call.k.dtype)
+    return FlexBackend((call.ctx.a, call.ctx.c), call.k.dtype, key_padding=call.key_padding)
 
 
 def choose_backend(

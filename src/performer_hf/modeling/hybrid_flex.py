@@ -119,10 +119,11 @@ def compiled_call(kind: tuple, attend: Callable):
         return attend(_compiled_flex(), _SMALL_TILES)
 
 
-def support_mask(selection: Selection):
+def support_mask(selection: Selection, key_padding: bool = True):
     """The exact support of every query of a call from the first token as a ``BlockMask``: the tiles that hold any of
     it, and a ``mask_mod`` that keeps exactly the support (a query's window, the global keys (causally, those up to
-    the query) and its routed key blocks; real keys only)."""
+    the query) and its routed key blocks; real keys only: without ``key_padding`` every key is, and the mask_mod
+    looks none up)."""
     x, spec = selection.x, selection.spec
     B, H, L = x.shape[:3]
     device = x.device
@@ -140,7 +141,7 @@ def support_mask(selection: Selection):
         if routed_words is not None:
             block = kv_idx // block_k
             supported = supported | has_bit(routed_words, (b, h, q_idx // block_q), block)
-        return supported & key_mask[b, kv_idx]
+        return supported & key_mask[b, kv_idx] if key_padding else supported  # (FlexAttention bounds kv_idx by L)
 
     start = torch.arange(tiles, device=device) * TILE  # (tiles,): each tile's first position
     q_last, k_first, k_last = start[:, None] + TILE - 1, start[None, :], start[None, :] + TILE - 1
@@ -227,17 +228,24 @@ class FlexBackend:
         centres: the call's query and key centres ``(a, c)``, each (.., 1, d).
         dtype: the dtype the attention calls run in (the model's: the rest computes in float32).
         attend: the attention call: :func:`flex_attend`, or in tests its contract in plain PyTorch.
+        key_padding: whether the call has a key padding mask (without one, the block mask looks no key up).
     """
 
     polynomial = POLYNOMIAL  # the far field over all keys: dense matrix products
 
-    def __init__(self, centres: tuple[Tensor, Tensor], dtype: torch.dtype, attend: Callable = flex_attend):
-        self.centres, self.dtype, self.attend = centres, dtype, attend
+    def __init__(
+        self,
+        centres: tuple[Tensor, Tensor],
+        dtype: torch.dtype,
+        attend: Callable = flex_attend,
+        key_padding: bool = True,
+    ):
+        self.centres, self.dtype, self.attend, self.key_padding = centres, dtype, attend, key_padding
 
     def support_sums(self, selection: Selection, far: FarQueries, quadratic: float | None) -> Tensor:
         """Numerator|denominator (B, H, L, dv + 1) of hybrid attention, relative to a per-query shift."""
         keys, dtype = selection.keys, self.dtype
-        mask = support_mask(selection)
+        mask = support_mask(selection, self.key_padding)
         dv = keys.values1.shape[-1] - 1
         exact, lse = self.attend(
             selection.x.to(dtype), keys.y.to(dtype), _padded_values(keys.values1[..., :dv].to(dtype)), mask

@@ -113,3 +113,4 @@ class HybridCall(NamedTuple):
     ctx: FarContext
     log_gain: Tensor | float  # the far field's log gain, (1 or B, 1 or H, 1, 1), or 0
     spec: HybridSpec
+    key_padding: bool  # whether a key padding mask was given (else every key is real)
