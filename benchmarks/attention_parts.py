@@ -16,22 +16,21 @@ forward + backward (training) and forward alone (inference), median of ``--reps`
     hybrid, compiled      the hybrid under ``torch.compile`` (its far field and merge fused around FlexAttention)
 
 Random inputs route to random blocks, so the hybrid's mask is at least as dense as on text (routing_granularity.py
-measures the real MiniLM's). A diagnostic for issue 30's design choices, not a study: it prints one row per
-(length, arm) as it goes and writes ``attention_parts.json`` to ``--out-dir`` at the end.
+measures the real MiniLM's). Each row is logged as it is measured (a run cut short keeps what it printed). On a CPU
+(forward only, float32) the compiled arms are left out: attention calls are compiled on CUDA only.
 
-    python benchmarks/attention_parts.py --device cuda --lengths 8192 32768 --out-dir benchmarks/results
+    python benchmarks/attention_parts.py --device cuda --lengths 8192 32768 --out-dir benchmarks/results/...
     python benchmarks/attention_parts.py --quick    # smoke test on the CPU: inference at 512 tokens
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import statistics
 import time
-from pathlib import Path
 
+import harness
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -147,8 +146,9 @@ def arms(device: str, length: int, inputs, projection):
     if device == "cuda" and capture.mask is not None:
         yield from flex_arms(capture.mask)
     yield "hybrid, tile routing", tile_routing, device == "cuda"
-    yield "favor, compiled", torch.compile(favor), False
-    yield "hybrid, compiled", torch.compile(hybrid_uncaptured), False
+    if device == "cuda":
+        yield "favor, compiled", torch.compile(favor), False
+        yield "hybrid, compiled", torch.compile(hybrid_uncaptured), False
 
 
 def flex_arms(mask):
@@ -178,7 +178,10 @@ def flex_arms(mask):
         yield name, call, False
 
 
-def measure(args) -> list[dict]:
+def measure(args) -> dict:
+    if args.quick:
+        args.lengths, args.reps = [512], 1
+    modes = ("train", "inference") if args.device == "cuda" else ("inference",)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     rows = []
     for length in args.lengths:
@@ -190,7 +193,7 @@ def measure(args) -> list[dict]:
         for name, call, split in arms(args.device, length, tensors, projection):
             row = {"length": length, "arm": name}
             try:
-                for mode in args.modes:
+                for mode in modes:
                     inputs = [t.detach().requires_grad_(mode == "train") for t in tensors]
                     row[mode] = timed(call, inputs, mode == "train", args.reps, args.device)
                     if name == "flash":
@@ -201,30 +204,65 @@ def measure(args) -> list[dict]:
             except Exception as error:  # an arm that fails (memory, compilation) is reported, the rest go on
                 row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            logger.info("%s", json.dumps(row))
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    return rows
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    return {"device": device, "torch": torch.__version__, "dtype": str(dtype), "modes": list(modes), "rows": rows}
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def markdown(result: dict) -> str:
+    modes = result.get("modes", ["train", "inference"])
+    names = {"train": "forward + backward", "inference": "forward"}
+    lines = [
+        f"# One attention call's parts on {result['device']} (torch {result['torch']})",
+        "",
+        f"One call of the encoder's shape (1 x {HEADS} heads x L x {HEAD_DIM}), {result.get('dtype', 'bfloat16')}, "
+        "random inputs; median milliseconds; ratio = flash's time / the arm's (above 1: faster than flash). The "
+        "hybrid rows' device time, forward + backward: FlexAttention's kernels, matrix products, the rest (kernel "
+        "launches).",
+        "",
+        "| L | arm | " + " | ".join(f"{names[m]} ms | vs flash" for m in modes) + " | flex / matmul / other ms |",
+        "|---|---|" + "---|---|" * len(modes) + "---|",
+    ]
+    for row in result["rows"]:
+        if "error" in row:
+            lines.append(f"| {row['length']} | {row['arm']} | {row['error'][:80]} |" + " |" * (2 * len(modes)))
+            continue
+        cells = [f"{row[m] * 1e3:.2f} | {row[f'{m}_vs_flash']:.2f}x" for m in modes]
+        split = (
+            f"{row['flex_ms']:.1f} / {row['matmul_ms']:.1f} / {row['other_ms']:.1f} ({row['launches']})"
+            if "flex_ms" in row
+            else ""
+        )
+        lines.append(f"| {row['length']} | {row['arm']} | " + " | ".join(cells) + f" | {split} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict):
+    plt = harness.pyplot()
+    from matplotlib.ticker import NullFormatter
+
+    mode = result.get("modes", ["train"])[0]
+    lengths = sorted({row["length"] for row in result["rows"]})
+    figure, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4), squeeze=False)
+    for axis, length in zip(axes[0], lengths, strict=True):
+        rows = [r for r in result["rows"] if r["length"] == length and "error" not in r]
+        axis.barh([r["arm"] for r in rows], [r[f"{mode}_vs_flash"] for r in rows])
+        axis.axvline(1.0, color="black", linewidth=0.8)
+        axis.set_xscale("log")
+        axis.xaxis.set_minor_formatter(NullFormatter())
+        axis.set_title(f"L = {length}: flash / arm ({mode})")
+        axis.invert_yaxis()
+    return figure
+
+
+def main(argv=None) -> dict:
+    parser = harness.parser(__doc__, quick="512 tokens, one run per arm")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--lengths", nargs="+", type=int, default=[8192, 32768])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="smoke test: 512 tokens, inference, 1 rep")
-    parser.add_argument("--out-dir", default=None, help="where attention_parts.json goes (default: not written)")
-    args = parser.parse_args(argv)
-    args.modes = ("train", "inference") if args.device == "cuda" else ("inference",)
-    if args.quick:
-        args.lengths, args.reps = [512], 1
-    logging.basicConfig(level=logging.WARNING)
-    rows = measure(args)
-    if args.out_dir:
-        out = Path(args.out_dir) / "attention_parts.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-        out.write_text(json.dumps({"device": device, "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
+    return harness.main("attention_parts", parser, measure, markdown, plot, argv=argv)
 
 
 if __name__ == "__main__":
