@@ -2,7 +2,7 @@
 through AOTAutograd's graphs (``aot_eager``, no code generation) give the eager outputs and gradients at two lengths
 (the second recompiles with dynamic shapes), for FAVOR+ (bidirectional and causal) and for the bidirectional hybrid on
 the backend it takes on CUDA (FlexAttention's, its attention calls in plain PyTorch); cached calls, the causal hybrid,
-the CPU by default and ``PERFORMER_HF_COMPILE=0`` stay eager."""
+the CPU by default and ``PERFORMER_HF_COMPILE=0`` stay eager. The token loss's chunks too."""
 
 import warnings
 
@@ -132,3 +132,50 @@ def test_cuda_compiled_calls_match_eager(monkeypatch, name):
         torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
         for name, grad in want_grads.items():
             torch.testing.assert_close(got_grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_compiled_token_loss_matches_eager(monkeypatch, counter):
+    """The token loss's chunks compiled (forward: the labels' log-probabilities; backward: softmax minus the label):
+    the loss and the gradient of bfloat16 logits against eager, several chunks, unscored rows among them."""
+    from performer_hf.modeling import token_loss
+
+    monkeypatch.setattr(token_loss, "_chunks", lambda logits: [slice(0, 20), slice(20, 50), slice(50, 64)])
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 37, generator=generator).bfloat16().requires_grad_()
+    labels = torch.randint(0, 37, (64,), generator=generator)
+    labels[::5] = token_loss.IGNORE_INDEX
+
+    def loss_and_grad():
+        logits.grad = None
+        loss = token_loss.token_cross_entropy(logits, labels)
+        loss.backward()
+        return loss.detach(), logits.grad.clone()
+
+    monkeypatch.setenv("PERFORMER_HF_COMPILE", "0")
+    want = loss_and_grad()
+    monkeypatch.setenv("PERFORMER_HF_COMPILE", "1")
+    got = loss_and_grad()
+    assert counter.frame_count >= 2  # the forward and the backward chunk (then the last chunk's shape)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: inductor's kernels for it")
+def test_cuda_compiled_token_loss_matches_eager(monkeypatch):
+    """On CUDA (inductor): the token loss of bfloat16 logits, 3,000 tokens of BERT's vocabulary, against eager."""
+    from performer_hf.modeling import token_loss
+
+    torch._dynamo.reset()
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3000, 30522, generator=generator).bfloat16().cuda().requires_grad_()
+    labels = torch.randint(0, 30522, (3000,), generator=generator).cuda()
+    labels[::5] = token_loss.IGNORE_INDEX
+    results = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("PERFORMER_HF_COMPILE", flag)
+        logits.grad = None
+        loss = token_loss.token_cross_entropy(logits, labels)
+        loss.backward()
+        results.append((loss.detach(), logits.grad.clone()))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-2, atol=1e-6)
