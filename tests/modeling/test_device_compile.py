@@ -116,6 +116,16 @@ def test_cached_calls_and_the_cpu_by_default_stay_eager(monkeypatch, counter):
     assert counter.frame_count == 0
 
 
+def test_a_torch_without_the_compile_settings_runs_eagerly(monkeypatch, counter):
+    """torch < 2.7 lacks ``recompile_limit`` and ``fail_on_recompile_limit_hit``: nothing is compiled there (patching
+    a setting torch lacks would raise)."""
+    monkeypatch.setattr(device_compile, "_has_settings", lambda: False)
+    encoder = tiny_model(PerformerForMaskedLM, max_position_embeddings=80, attention_method="favor")
+    with torch.no_grad():
+        logits = encoder(input_ids=random_ids(length=40)).logits
+    assert counter.frame_count == 0 and bool(logits.isfinite().all())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: inductor's kernels for it")
 @pytest.mark.parametrize("name", MODELS)
 def test_cuda_compiled_calls_match_eager(monkeypatch, name):

@@ -12,7 +12,8 @@ Measured on an H200 (bfloat16, one bidirectional call of 12 heads x 32K tokens x
   a higher limit, and an error instead of that fallback.
 - :func:`call_compiled`: a function's call compiled where the inputs live on a device in
   :data:`COMPILED_DEVICES` (once for a first shape, again for a second, then with dynamic shapes); eager
-  elsewhere, inside a caller's own compiled region, and with ``PERFORMER_HF_COMPILE=0``.
+  elsewhere, inside a caller's own compiled region, with ``PERFORMER_HF_COMPILE=0``, and on a torch without those
+  settings.
 """
 
 from __future__ import annotations
@@ -29,8 +30,14 @@ BACKEND = "inductor"  # the tests compile on the CPU with "aot_eager": the same 
 
 
 def compile_enabled() -> bool:
-    """Whether attention calls may be compiled (``PERFORMER_HF_COMPILE`` is not ``0``)."""
-    return os.environ.get("PERFORMER_HF_COMPILE", "1") != "0"
+    """Whether calls may be compiled: ``PERFORMER_HF_COMPILE`` is not ``0``, and this torch has both
+    :data:`COMPILE_SETTINGS` (torch >= 2.7; older ones run eagerly, as without a GPU)."""
+    return os.environ.get("PERFORMER_HF_COMPILE", "1") != "0" and _has_settings()
+
+
+@functools.cache
+def _has_settings() -> bool:
+    return all(hasattr(torch._dynamo.config, name) for name in COMPILE_SETTINGS)
 
 
 @functools.cache
