@@ -50,7 +50,8 @@ before the clock is read. Peak memory: on CUDA, ``torch.cuda.max_memory_allocate
 an earlier arm left resident can hide part of a later one's). An arm whose median passes
 ``--time-cap`` seconds, or that runs out of memory, is skipped at longer lengths, and says so.
 
-``--check`` first compares every arm's outputs at 6,144 tokens (past the conversions' exact dispatch) with the same
+Every timed configuration's output (the logits, or the training loss) is checked once, in its warm-up run, for NaN and
+inf. ``--check`` first compares every arm's outputs at 6,144 tokens (past the conversions' exact dispatch) with the same
 model in float32 on the CPU (relative L2 errors of the logits and of the attention modules' outputs, the largest
 over the layers): the CUDA path and the reduced precision, measured.
 
@@ -234,10 +235,11 @@ def make_batch(kind: str, vocab: int, batch: int, length: int, device: str) -> d
 
 
 class Step:
-    """One arm's unit of work on ``device``, timed: ``work()`` runs it once."""
+    """One arm's unit of work on ``device``, timed: ``work()`` runs it once (and may set ``finite``: whether its
+    output was, checked once)."""
 
     def __init__(self, work, device: str):
-        self.work, self.device = work, device
+        self.work, self.device, self.finite = work, device, None
 
     def timed(self) -> tuple[float, float]:
         """Seconds of one run and its peak memory in MB: on CUDA the peak allocated memory, on a CPU the extra
@@ -263,13 +265,17 @@ def model_step(arm: str, model, mode: str, inputs: dict, device: str) -> Step:
         with backend(arm, device):
             if mode == "inference":
                 with torch.no_grad():
-                    model(input_ids=inputs["input_ids"])
-                return
-            model(**inputs).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+                    output = model(input_ids=inputs["input_ids"]).logits
+            else:
+                output = model(**inputs).loss
+                output.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        if step.finite is None:  # once, in the warm-up run (a check waits for the device)
+            step.finite = bool(torch.isfinite(output).all())
 
-    return Step(work, device)
+    step = Step(work, device)
+    return step
 
 
 def attention_step(arm: str, call, qkv: list, mode: str, device: str) -> Step:
@@ -322,6 +328,7 @@ def time_arms(steps: dict[str, Step], reps: int) -> dict[str, dict]:
                 records[arm]["peak_mb"] = max(records[arm]["peak_mb"] or 0.0, peak)
     for arm in live:
         records[arm]["median_s"] = statistics.median(records[arm]["times_s"])
+        records[arm]["finite"] = steps[arm].finite
     return records
 
 
@@ -364,7 +371,9 @@ def measure_models(args, workdir: Path) -> list[dict]:
                         stopped[(arm, mode)] = f"skipped at a shorter length ({rec['skipped'][:60]})"
                     elif rec["median_s"] > args.time_cap:
                         stopped[(arm, mode)] = f"a shorter length took over {args.time_cap:g} s"
-                    shown = rec.get("skipped") or f"{rec['median_s']:.4f} s, peak {rec.get('peak_mb') or 0:.0f} MB"
+                    shown = rec.get("skipped") or f"{rec['median_s']:.4f} s, peak {rec.get('peak_mb') or 0:.0f} MB" + (
+                        ", NOT FINITE (NaN or inf in the output)" if rec.get("finite") is False else ""
+                    )
                     logger.info("%-8s %-6s %-9s L=%-6d B=%-3d %s", kind, arm, mode, length, batch, shown)
         del models
     return results
@@ -577,6 +586,14 @@ def markdown(payload: dict) -> str:
                     ]
                     lines.append(f"| {length} | " + " | ".join("-" if p is None else f"{p:.0f}" for p in peaks) + " |")
                 lines.append("")
+    checked = [r for r in results if r.get("finite") is not None]
+    if checked:
+        bad = [f"{r['model']} {r['arm']} {r['mode']} L={r['length']}" for r in checked if not r["finite"]]
+        lines += [
+            f"Outputs (logits, or the training loss) checked for NaN and inf once per timed configuration: "
+            f"{len(checked)} checked, " + (f"**not finite: {', '.join(bad)}**" if bad else "all finite") + ".",
+            "",
+        ]
     skipped = sorted({(r["model"], r["arm"], r["mode"], r["skipped"]) for r in results if "skipped" in r})
     if skipped:
         lines += ["## Skipped", ""] + [f"- {k} {a} {m}: {why}" for k, a, m, why in skipped] + [""]
