@@ -13,11 +13,14 @@ forward + backward (training) and forward alone (inference), median of ``--reps`
                           (no ``mask_mod`` at all): what the mask's per-score lookups cost, and the tiles' floor
     flex: dense           FlexAttention with no block mask (its efficiency against flash at this head size)
     hybrid, tile routing  window 257, 1 global, 4 blocks of 128 keys per 128 queries: a support cut to the tiles
+                          (the first H200 run, before full tiles)
+    hybrid, tiled         model_speed.py's tiled support (window 257, 16 blocks of 64 keys per 128 queries), whose
+                          filled tiles FlexAttention reads whole; eager and compiled
     hybrid, compiled      the hybrid under ``torch.compile`` (its far field and merge fused around FlexAttention)
 
 Random inputs route to random blocks, so the hybrid's mask is at least as dense as on text (routing_granularity.py
 measures the real MiniLM's). Each row is logged as it is measured (a run cut short keeps what it printed). On a CPU
-(forward only, float32) the compiled arms are left out: attention calls are compiled on CUDA only.
+(forward only, float32) only flash, FAVOR+ and the hybrid run: the rest are questions about the GPU.
 
     python benchmarks/attention_parts.py --device cuda --lengths 8192 32768 --out-dir benchmarks/results/...
     python benchmarks/attention_parts.py --quick    # smoke test on the CPU: inference at 512 tokens
@@ -54,6 +57,7 @@ def hybrid_preset(**changes) -> HybridSpec:
 
 
 TILE_ROUTING = dict(local_window=257, query_block_size=128, route_group_size=0, routed_blocks=4, route_block_size=128)
+TILED = dict(local_window=257, query_block_size=128, route_group_size=0, routed_blocks=16, route_block_size=64)
 
 
 class MaskCapture:
@@ -140,15 +144,21 @@ def arms(device: str, length: int, inputs, projection):
     def tile_routing(q, k, v):
         return hybrid_attention(q, k, v, spec=hybrid_preset(**TILE_ROUTING), projection=projection)
 
+    def tiled(q, k, v):
+        return hybrid_attention(q, k, v, spec=hybrid_preset(**TILED), projection=projection)
+
     yield "flash", flash, False
     yield "favor", favor, False
     yield "hybrid", hybrid, device == "cuda"
     if device == "cuda" and capture.mask is not None:
         yield from flex_arms(capture.mask)
-    yield "hybrid, tile routing", tile_routing, device == "cuda"
-    if device == "cuda":
-        yield "favor, compiled", torch.compile(favor), False
-        yield "hybrid, compiled", torch.compile(hybrid_uncaptured), False
+    if device != "cuda":  # the CPU smoke run: the arms above (each other support compiles its CPU kernel anew)
+        return
+    yield "hybrid, tile routing", tile_routing, True
+    yield "hybrid, tiled", tiled, True
+    yield "favor, compiled", torch.compile(favor), False
+    yield "hybrid, compiled", torch.compile(hybrid_uncaptured), False
+    yield "hybrid, tiled, compiled", torch.compile(tiled), False
 
 
 def flex_arms(mask):
