@@ -7,6 +7,17 @@ from performer_hf import PerformerConfig, PerformerForCausalLM
 VOCAB, HIDDEN, LAYERS, HEADS, FEATURES = 99, 32, 2, 4, 16
 # the three attention methods: exact (key/value cache), FAVOR+ (recurrent state) and hybrid (window + global
 # tokens + polynomial far field around fixed centres)
+# the hybrid with every part of its support, bidirectional: window 5, the first token global, 2 routed blocks of 4
+# keys per block of 4 queries
+HYBRID_BIDIRECTIONAL = dict(
+    attention_kernel="poly2",
+    center_features=True,
+    local_window=5,
+    num_global_tokens=1,
+    routed_blocks=2,
+    route_block_size=4,
+    query_block_size=4,
+)
 METHODS = {
     "exact": {"attention_kernel": "exact"},
     "favor": {"attention_kernel": "softmax"},

@@ -15,19 +15,9 @@ from performer_hf.modeling import device_compile, favor_hybrid
 from performer_hf.modeling.hybrid_flex import FlexBackend
 
 from ..flex_reference import dense_attend
-from ..tiny_models import random_centres, random_ids, tiny_model
+from ..tiny_models import HYBRID_BIDIRECTIONAL, random_centres, random_ids, tiny_model
 
-HYBRID = dict(
-    attention_method="hybrid",
-    attention_kernel="poly2",
-    center_features=True,
-    local_window=5,
-    num_global_tokens=1,
-    routed_blocks=2,
-    route_block_size=4,
-    query_block_size=8,
-    exact_max_length=0,
-)
+HYBRID = dict(HYBRID_BIDIRECTIONAL, attention_method="hybrid", exact_max_length=0)
 # the calls compiled on CUDA: bidirectional FAVOR+ and hybrid, causal FAVOR+ (the causal hybrid stays eager)
 MODELS = {
     "encoder, favor": (PerformerForMaskedLM, dict(attention_method="favor")),

@@ -23,21 +23,20 @@ from performer_hf.modeling.modeling_performer import CACHE_FIELD
 from ..conversion_sources import CASES, save_source
 from ..hybrid_reference import reference
 from ..remote_code import load_without_performer_hf
-from ..tiny_models import HEADS, HIDDEN, LAYERS, random_centres, random_ids, tiny_config, tiny_model
+from ..tiny_models import (
+    HEADS,
+    HIDDEN,
+    HYBRID_BIDIRECTIONAL,
+    LAYERS,
+    random_centres,
+    random_ids,
+    tiny_config,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 HEAD_DIM = HIDDEN // HEADS
-# bidirectional: window 5, the first token global, 2 routed blocks of 4 keys per block of 4 queries
-BIDIRECTIONAL = dict(
-    attention_kernel="poly2",
-    center_features=True,
-    local_window=5,
-    num_global_tokens=1,
-    routed_blocks=2,
-    route_block_size=4,
-    query_block_size=4,
-)
 CAUSAL = dict(attention_kernel="poly2", center_features=True, local_window=4, num_global_tokens=1)
 PER_LAYER_A = [[-0.05 * (h + 1) for h in range(HEADS)] for _ in range(LAYERS)]
 
@@ -90,7 +89,11 @@ def test_hybrid_fields_round_trip_through_json(tmp_path):
         ({"attention_kernel": "poly2"}, True, "hybrid_attention"),  # polynomial kernels exist only in the hybrid
         ({"local_window": 3}, True, "hybrid_attention"),
         ({"center_features": True, "attention_kernel": "softmax_hyperbolic"}, True, "hybrid_attention"),
-        ({**BIDIRECTIONAL, "attention_kernel": "exact"}, False, "full_attention"),  # exact ignores the hybrid fields
+        (
+            {**HYBRID_BIDIRECTIONAL, "attention_kernel": "exact"},
+            False,
+            "full_attention",
+        ),  # exact ignores the hybrid fields
     ],
 )
 def test_which_attention_a_config_selects(overrides, hybrid, layer_type):
@@ -103,7 +106,7 @@ def test_which_attention_a_config_selects(overrides, hybrid, layer_type):
 
 
 def test_a_config_saved_without_its_method_loads_with_the_method_its_fields_select(tmp_path):
-    config = tiny_config(**BIDIRECTIONAL)
+    config = tiny_config(**HYBRID_BIDIRECTIONAL)
     saved = {key: value for key, value in config.to_dict().items() if key != "attention_method"}
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert PerformerConfig.from_pretrained(tmp_path).attention_method == "hybrid"
@@ -169,12 +172,12 @@ def _merge_heads(module, context):
 @pytest.mark.parametrize(
     "overrides",
     [
-        BIDIRECTIONAL,
-        {**BIDIRECTIONAL, "attention_kernel": "softmax", "nb_features": 24},
-        {**BIDIRECTIONAL, "attention_kernel": "softmax_opt", "center_features": False},  # A from each sequence
-        {**BIDIRECTIONAL, "attention_kernel": "softmax_opt", "far_field_parameter": PER_LAYER_A},
-        {**BIDIRECTIONAL, "route_group_size": 2, "routed_blocks": 1},  # 6 key blocks in 3 groups of 2, 1 kept
-        {**BIDIRECTIONAL, "far_field_gain": [[0.5] * HEADS, [0.2, 3.0] + [1.0] * (HEADS - 2)]},
+        HYBRID_BIDIRECTIONAL,
+        {**HYBRID_BIDIRECTIONAL, "attention_kernel": "softmax", "nb_features": 24},
+        {**HYBRID_BIDIRECTIONAL, "attention_kernel": "softmax_opt", "center_features": False},  # A from each sequence
+        {**HYBRID_BIDIRECTIONAL, "attention_kernel": "softmax_opt", "far_field_parameter": PER_LAYER_A},
+        {**HYBRID_BIDIRECTIONAL, "route_group_size": 2, "routed_blocks": 1},  # 6 key blocks in 3 groups of 2, 1 kept
+        {**HYBRID_BIDIRECTIONAL, "far_field_gain": [[0.5] * HEADS, [0.2, 3.0] + [1.0] * (HEADS - 2)]},
     ],
     ids=[
         "poly2-centred",
@@ -237,7 +240,9 @@ def test_causal_attention_module_with_fixed_centres_equals_the_dense_reference()
     torch.testing.assert_close(got[real], _merge_heads(module, expected)[real], rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("model_class, overrides", [(PerformerModel, BIDIRECTIONAL), (PerformerForCausalLM, CAUSAL)])
+@pytest.mark.parametrize(
+    "model_class, overrides", [(PerformerModel, HYBRID_BIDIRECTIONAL), (PerformerForCausalLM, CAUSAL)]
+)
 @torch.no_grad()
 def test_a_window_covering_the_sequence_is_exact_attention(model_class, overrides):
     length = 13
@@ -255,7 +260,7 @@ def test_a_window_covering_the_sequence_is_exact_attention(model_class, override
 
 @torch.no_grad()
 def test_right_padding_does_not_change_the_real_tokens():
-    model = hybrid_model(PerformerForMaskedLM, **BIDIRECTIONAL)
+    model = hybrid_model(PerformerForMaskedLM, **HYBRID_BIDIRECTIONAL)
     ids = random_ids(2, 29, seed=3)
     mask = torch.ones_like(ids)
     mask[1, 17:] = 0
@@ -281,7 +286,7 @@ def test_causal_outputs_do_not_depend_on_later_tokens(overrides):
 
 
 @pytest.mark.parametrize(
-    "model_class, overrides", [(PerformerForMaskedLM, BIDIRECTIONAL), (PerformerForCausalLM, CAUSAL)]
+    "model_class, overrides", [(PerformerForMaskedLM, HYBRID_BIDIRECTIONAL), (PerformerForCausalLM, CAUSAL)]
 )
 def test_hybrid_models_train(model_class, overrides):
     model = hybrid_model(model_class, **overrides).train()
@@ -350,7 +355,7 @@ def test_beam_search_reorders_the_hybrid_cache():
 
 def _save_hybrid_pair(tmp_path):
     causal = hybrid_model(PerformerForCausalLM, layer_norm_position="pre", type_vocab_size=0, **CAUSAL)
-    mlm = hybrid_model(PerformerForMaskedLM, **{**BIDIRECTIONAL, "attention_kernel": "softmax_opt"})
+    mlm = hybrid_model(PerformerForMaskedLM, **{**HYBRID_BIDIRECTIONAL, "attention_kernel": "softmax_opt"})
     causal.save_pretrained(tmp_path / "causal")
     mlm.save_pretrained(tmp_path / "mlm")
     return causal, mlm

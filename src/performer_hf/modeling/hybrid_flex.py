@@ -170,12 +170,9 @@ def tile_mask(touched: Tensor, mask_mod, length: int, full: Tensor | None = None
         order = torch.argsort(marked.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
         return counts, order
 
-    if full is None:
-        return BlockMask.from_kv_blocks(
-            *blocks(touched), BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(length, length)
-        )
+    partial, whole = (touched, ()) if full is None else (touched & ~full, blocks(full))
     return BlockMask.from_kv_blocks(
-        *blocks(touched & ~full), *blocks(full), BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(length, length)
+        *blocks(partial), *whole, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(length, length)
     )
 
 
