@@ -16,7 +16,9 @@ forward + backward (training) and forward alone (inference), median of ``--reps`
                           (the first H200 run, before full tiles)
     hybrid, tiled         model_speed.py's tiled support (window 257, 16 blocks of 64 keys per 128 queries), whose
                           filled tiles FlexAttention reads whole; eager and compiled
-    hybrid, compiled      the hybrid under ``torch.compile`` (its far field and merge fused around FlexAttention)
+    hybrid, compiled      the hybrid under ``torch.compile``, as the model runs it on CUDA: traced, the default's
+                          fine routing takes the PyTorch backend (each query block's candidates gathered), the tiled
+                          support FlexAttention's (``hybrid_backends._traced_backend``)
 
 Random inputs route to random blocks, so the hybrid's mask is at least as dense as on text (routing_granularity.py
 measures the real MiniLM's). Each row is logged as it is measured (a run cut short keeps what it printed). On a CPU

@@ -1,9 +1,11 @@
 """Attention calls compiled on CUDA (``device_compile``), checked on the CPU: the same calls captured by dynamo and run
-through AOTAutograd's graphs (``aot_eager``, no code generation) give the eager outputs and gradients at two lengths
-(the second recompiles with dynamic shapes), for FAVOR+ (bidirectional and causal) and for the bidirectional hybrid on
-the backend it takes on CUDA (FlexAttention's, its attention calls in plain PyTorch); cached calls, the causal hybrid,
-the CPU by default and ``PERFORMER_HF_COMPILE=0`` stay eager. The token loss's chunks too."""
+through AOTAutograd's graphs (``aot_eager``, no code generation) give the eager outputs and gradients at two lengths,
+for FAVOR+ and the hybrid, bidirectional and causal, each on the backend it takes on CUDA (the routed hybrid:
+PyTorch's; a window and global keys: FlexAttention's, its attention calls in plain PyTorch). Lengths share a graph per
+bucket, their padding invisible. Cached calls, the CPU by default and ``PERFORMER_HF_COMPILE=0`` stay eager. The token
+loss's chunks too."""
 
+import types
 import warnings
 
 import pytest
@@ -11,18 +13,21 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from performer_hf import CACHE_KEYWORD, PerformerForCausalLM, PerformerForMaskedLM
-from performer_hf.modeling import device_compile, favor_hybrid
-from performer_hf.modeling.hybrid_flex import FlexBackend
+from performer_hf.modeling import device_compile, favor_hybrid, hybrid_backends
+from performer_hf.modeling.hybrid_flex import TILE, FlexBackend
 
 from ..flex_reference import dense_attend
 from ..tiny_models import HYBRID_BIDIRECTIONAL, random_centres, random_ids, tiny_model
 
 HYBRID = dict(HYBRID_BIDIRECTIONAL, attention_method="hybrid", exact_max_length=0)
-# the calls compiled on CUDA: bidirectional FAVOR+ and hybrid, causal FAVOR+ (the causal hybrid stays eager)
+WINDOWED = dict(HYBRID, routed_blocks=0)  # a window and a global key: FlexAttention's mask compares positions only
+# the calls compiled on CUDA, and whether the hybrid's backend there is FlexAttention's (else PyTorch's)
 MODELS = {
-    "encoder, favor": (PerformerForMaskedLM, dict(attention_method="favor")),
-    "decoder, favor": (PerformerForCausalLM, dict(attention_method="favor")),
-    "encoder, hybrid": (PerformerForMaskedLM, HYBRID),
+    "encoder, favor": (PerformerForMaskedLM, dict(attention_method="favor"), False),
+    "decoder, favor": (PerformerForCausalLM, dict(attention_method="favor"), False),
+    "encoder, hybrid": (PerformerForMaskedLM, HYBRID, False),
+    "encoder, hybrid, no routing": (PerformerForMaskedLM, WINDOWED, True),
+    "decoder, hybrid": (PerformerForCausalLM, dict(attention_method="hybrid", exact_max_length=0), True),
 }
 
 
@@ -41,7 +46,7 @@ def counter(monkeypatch):
 
 
 def _flex_backend(monkeypatch):
-    """The hybrid's CUDA backend on every device, its FlexAttention calls in plain PyTorch (``dense_attend``: a
+    """The hybrid's FlexAttention backend on every device, its attention calls in plain PyTorch (``dense_attend``: a
     CPU has no FlexAttention backward)."""
     monkeypatch.setattr(
         favor_hybrid,
@@ -52,47 +57,100 @@ def _flex_backend(monkeypatch):
     )
 
 
-def _step(model, length: int, device: str = "cpu"):
-    """Logits and the gradients of every parameter for a right-padded batch of ``length`` tokens."""
+def _model(monkeypatch, name: str, device: str = "cpu"):
+    model_class, settings, flex = MODELS[name]
+    if flex and device == "cpu":
+        _flex_backend(monkeypatch)
+    return random_centres(tiny_model(model_class, max_position_embeddings=80, **settings)).to(device)
+
+
+def _step(model, length: int, device: str = "cpu", padded: bool = True):
+    """Logits and the gradients of every parameter for a batch of ``length`` tokens, right-padded or not."""
     ids = random_ids(batch=2, length=length, seed=length).to(device)
     mask = torch.ones_like(ids)
     mask[1, length - 7 :] = 0
     model.zero_grad()
     extra = {"use_cache": False} if isinstance(model, PerformerForCausalLM) else {}  # as training does (eval: a cache)
-    logits = model(input_ids=ids, attention_mask=mask, **extra).logits
+    logits = model(input_ids=ids, attention_mask=mask if padded else None, **extra).logits
     (logits * torch.linspace(-1, 1, logits.shape[-1], device=device)).sum().backward()
     return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+def _assert_matches_eager(monkeypatch, model, length: int, device: str = "cpu", padded: bool = True, tol=1e-5):
+    monkeypatch.setenv("PERFORMER_HF_COMPILE", "0")
+    want_logits, want_grads = _step(model, length, device, padded)
+    monkeypatch.setenv("PERFORMER_HF_COMPILE", "1")
+    got_logits, got_grads = _step(model, length, device, padded)
+    torch.testing.assert_close(got_logits, want_logits, rtol=tol, atol=tol)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=10 * tol, atol=tol, msg=name)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_compiled_calls_match_eager_forward_and_backward(monkeypatch, counter, name):
-    """A tiny model's logits and gradients, its attention compiled against eager, at 40 then 72 tokens."""
-    if "hybrid" in name:
-        _flex_backend(monkeypatch)
-    model_class, settings = MODELS[name]
-    model = random_centres(tiny_model(model_class, max_position_embeddings=80, **settings))
+    """A tiny model's logits and gradients, its attention compiled against eager, at 40 then 72 tokens (bucket
+    lengths: no padding)."""
+    model = _model(monkeypatch, name)
     for length in (40, 72):
-        monkeypatch.setenv("PERFORMER_HF_COMPILE", "0")
-        want_logits, want_grads = _step(model, length)
-        monkeypatch.setenv("PERFORMER_HF_COMPILE", "1")
-        got_logits, got_grads = _step(model, length)
-        torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
-        assert got_grads.keys() == want_grads.keys()
-        for name, grad in want_grads.items():
-            torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
-    assert counter.frame_count >= 2  # compiled for the first length, and again (dynamic) for the second
+        _assert_matches_eager(monkeypatch, model, length)
+    assert counter.frame_count >= 2  # a graph for each length
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_lengths_of_one_bucket_share_a_graph_and_see_no_padding(monkeypatch, counter, name):
+    """37, 38 and 39 tokens run in the graph of 40 (padded at the end, the padding masked out): with and without a
+    padding mask of their own, logits and gradients equal eager's; one graph per kind of call, not per length."""
+    model = _model(monkeypatch, name)
+    _assert_matches_eager(monkeypatch, model, 37)
+    graphs = counter.frame_count
+    assert graphs >= 1
+    for length in (38, 39):
+        _assert_matches_eager(monkeypatch, model, length)
+    _assert_matches_eager(monkeypatch, model, 39, padded=False)
+    assert counter.frame_count == graphs  # the bucket's graph served every length, with or without a mask
+
+
+def test_bucket_lengths():
+    """At most 12.5% longer, powers of two and multiples of their eighth unchanged, eight per octave."""
+    lengths = range(1, 5000)
+    buckets = [device_compile.bucket_length(n) for n in lengths]
+    assert all(n <= b <= n * 1.125 for n, b in zip(lengths, buckets, strict=True))
+    assert all(device_compile.bucket_length(1 << p) == 1 << p for p in range(20))
+    assert device_compile.bucket_length(8193) == 9216 and device_compile.bucket_length(9216) == 9216
+    assert len({b for n, b in zip(lengths, buckets, strict=True) if 2048 < n <= 4096}) == 8
+
+
+def test_traced_hybrid_takes_flex_only_where_its_mask_looks_little_up(monkeypatch):
+    """Traced on CUDA: FlexAttention without routed blocks (its mask_mod compares positions) or with blocks routed
+    per tile of queries, PyTorch with finer routing (the default's: FlexAttention's lookups measured slower than
+    the compiled gathers); PyTorch on other devices."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(hybrid_backends, "_cuda_backend", lambda call, causal, continues: "flex")
+
+    def backend(device: str, routed_blocks: int, query_block_size: int = 16):
+        call = types.SimpleNamespace(
+            x=types.SimpleNamespace(device=torch.device(device)),
+            spec=types.SimpleNamespace(routed_blocks=routed_blocks, query_block_size=query_block_size),
+            ctx=types.SimpleNamespace(far=None),
+        )
+        return hybrid_backends.choose_backend(call, causal=False)
+
+    assert backend("cuda", 0) == "flex"
+    assert backend("cuda", 16, query_block_size=TILE) == "flex"
+    assert backend("cuda", 24) is hybrid_backends.PYTORCH
+    assert backend("cuda", 4, query_block_size=TILE // 2) is hybrid_backends.PYTORCH
+    assert backend("cpu", 0) is hybrid_backends.PYTORCH
 
 
 def test_cached_calls_and_the_cpu_by_default_stay_eager(monkeypatch, counter):
-    """A FAVOR+ decoder's prefill with a cache and its next step compile nothing, nor does the causal hybrid; neither
-    does an encoder on the CPU by default, nor with ``PERFORMER_HF_COMPILE=0``."""
-    hybrid_decoder = random_centres(tiny_model(PerformerForCausalLM, attention_method="hybrid", exact_max_length=0))
-    with torch.no_grad():
-        hybrid_decoder(input_ids=random_ids(length=12))
-    decoder = tiny_model(PerformerForCausalLM, attention_method="favor")
-    with torch.no_grad():
-        out = decoder(input_ids=random_ids(length=12), use_cache=True)
-        decoder(input_ids=out.logits[:, -1:].argmax(-1), **{CACHE_KEYWORD: out.past_key_values})
+    """A FAVOR+ or hybrid decoder's prefill with a cache and its next step compile nothing; neither does an encoder
+    on the CPU by default, nor with ``PERFORMER_HF_COMPILE=0``."""
+    for settings in (dict(attention_method="favor"), dict(attention_method="hybrid", exact_max_length=0)):
+        decoder = random_centres(tiny_model(PerformerForCausalLM, **settings))
+        with torch.no_grad():
+            out = decoder(input_ids=random_ids(length=12), use_cache=True)
+            decoder(input_ids=out.logits[:, -1:].argmax(-1), **{CACHE_KEYWORD: out.past_key_values})
     assert counter.frame_count == 0
     encoder = tiny_model(PerformerForMaskedLM, max_position_embeddings=80, attention_method="favor")
     monkeypatch.setenv("PERFORMER_HF_COMPILE", "0")
@@ -109,29 +167,26 @@ def test_cached_calls_and_the_cpu_by_default_stay_eager(monkeypatch, counter):
 def test_a_torch_without_the_compile_settings_runs_eagerly(monkeypatch, counter):
     """torch < 2.7 lacks ``recompile_limit`` and ``fail_on_recompile_limit_hit``: nothing is compiled there (patching
     a setting torch lacks would raise)."""
-    monkeypatch.setattr(device_compile, "_has_settings", lambda: False)
-    encoder = tiny_model(PerformerForMaskedLM, max_position_embeddings=80, attention_method="favor")
-    with torch.no_grad():
-        logits = encoder(input_ids=random_ids(length=40)).logits
-    assert counter.frame_count == 0 and bool(logits.isfinite().all())
+    monkeypatch.setattr(device_compile, "compile_settings", lambda: {})  # the limits such a torch has
+    device_compile._has_settings.cache_clear()
+    try:
+        encoder = tiny_model(PerformerForMaskedLM, max_position_embeddings=80, attention_method="favor")
+        with torch.no_grad():
+            logits = encoder(input_ids=random_ids(length=37)).logits
+    finally:
+        device_compile._has_settings.cache_clear()
+    assert counter.frame_count == 0 and logits.shape[1] == 37 and bool(logits.isfinite().all())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: inductor's kernels for it")
 @pytest.mark.parametrize("name", MODELS)
 def test_cuda_compiled_calls_match_eager(monkeypatch, name):
-    """On CUDA, as shipped (inductor, FlexAttention for the hybrid), float32: logits and gradients against the same
-    model with ``PERFORMER_HF_COMPILE=0``, at two lengths."""
+    """On CUDA, as shipped (inductor; the hybrid on its backend there), float32: logits and gradients against the same
+    model with ``PERFORMER_HF_COMPILE=0``, for a padded batch of 69 tokens in the bucket of 72 (one graph per model:
+    inductor's compilations are the slow part of the GPU check)."""
     torch._dynamo.reset()
-    model_class, settings = MODELS[name]
-    model = random_centres(tiny_model(model_class, max_position_embeddings=80, **settings)).cuda()
-    for length in (40, 72):
-        monkeypatch.setenv("PERFORMER_HF_COMPILE", "0")
-        want_logits, want_grads = _step(model, length, "cuda")
-        monkeypatch.setenv("PERFORMER_HF_COMPILE", "1")
-        got_logits, got_grads = _step(model, length, "cuda")
-        torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
-        for name, grad in want_grads.items():
-            torch.testing.assert_close(got_grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)
+    model = _model(monkeypatch, name, "cuda")
+    _assert_matches_eager(monkeypatch, model, 69, "cuda", tol=1e-4)
 
 
 def test_compiled_token_loss_matches_eager(monkeypatch, counter):

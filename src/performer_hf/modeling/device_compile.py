@@ -4,16 +4,22 @@ per call.
 
 Measured on an H200 (bfloat16, one bidirectional call of 12 heads x 32K tokens x 32 dims, forward + backward,
 ``benchmarks/results/attention_parts_h200``): FAVOR+ 10.96 -> 6.13 ms (flash attention: 26.8 ms), the hybrid
-218.5 -> 39.2 ms. The CPU keeps its own kernels (``cpu_kernels``, ``hybrid_compiled``) and eager PyTorch.
+218.5 -> 39.2 ms. Every call without a cache is compiled: FAVOR+ and the hybrid, bidirectional and causal (each a
+graph without breaks); cached calls (decoding) stay eager. The CPU keeps its own kernels (``cpu_kernels``,
+``hybrid_compiled``) and eager PyTorch.
 
-- :data:`COMPILE_SETTINGS`: every kind of call (method, mask, score, gradient mode) compiles its own graphs, more
-  than dynamo's default limit of 8 in a process that runs an encoder and a decoder; past its limit dynamo would
-  silently run the function eagerly (for FlexAttention: the whole (L, L) score matrix, 96 GiB at 32K tokens). So
-  a higher limit, and an error instead of that fallback.
+- :func:`compile_settings`: every kind of call (method, mask, score, gradient mode, length bucket) compiles its own
+  graphs, more than dynamo's default limit of 8 per function (and 256 in all); past its limit dynamo would silently
+  run the function eagerly (for FlexAttention: the whole (L, L) score matrix, 96 GiB at 32K tokens). So higher
+  limits, and an error instead of that fallback.
 - :func:`call_compiled`: a function's call compiled where the inputs live on a device in
   :data:`COMPILED_DEVICES` (once for a first shape, again for a second, then with dynamic shapes); eager
   elsewhere, inside a caller's own compiled region, with ``PERFORMER_HF_COMPILE=0``, and on a torch without those
   settings.
+- :func:`call_compiled_attention`: an attention call compiled at a bucketed length (:func:`bucket_length`), its
+  padding masked out. The attention functions cut long inputs into slabs whose count and sizes depend on the length,
+  so their graphs hold for one length only: without buckets, a training run on varied lengths compiled a graph for
+  every length it met, then failed at the limit.
 """
 
 from __future__ import annotations
@@ -23,32 +29,73 @@ import os
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
-COMPILE_SETTINGS = {"recompile_limit": 64, "fail_on_recompile_limit_hit": True}
+# graphs per function: up to 8 length buckets per octave (bucket_length), with and without a mask, for training and
+# inference; and in all. The first two exist in torch >= 2.7, which compile_enabled() requires.
+COMPILE_LIMITS = {"recompile_limit": 256, "fail_on_recompile_limit_hit": True, "accumulated_recompile_limit": 2048}
+_REQUIRED = ("recompile_limit", "fail_on_recompile_limit_hit")
 COMPILED_DEVICES = ("cuda",)
 BACKEND = "inductor"  # the tests compile on the CPU with "aot_eager": the same graphs, without code generation
 
 
 def compile_enabled() -> bool:
-    """Whether calls may be compiled: ``PERFORMER_HF_COMPILE`` is not ``0``, and this torch has both
-    :data:`COMPILE_SETTINGS` (torch >= 2.7; older ones run eagerly, as without a GPU)."""
+    """Whether calls may be compiled: ``PERFORMER_HF_COMPILE`` is not ``0``, and this torch has the recompile limit
+    and its error (torch >= 2.7; older ones run eagerly, as without a GPU)."""
     return os.environ.get("PERFORMER_HF_COMPILE", "1") != "0" and _has_settings()
 
 
 @functools.cache
-def _has_settings() -> bool:
-    return all(hasattr(torch._dynamo.config, name) for name in COMPILE_SETTINGS)
+def compile_settings() -> dict:
+    """The dynamo settings every compiled call runs under (:data:`COMPILE_LIMITS`, those this torch has)."""
+    return {name: value for name, value in COMPILE_LIMITS.items() if hasattr(torch._dynamo.config, name)}
 
 
 @functools.cache
-def _compiled(function: Callable, backend: str) -> Callable:
-    return torch.compile(function, backend=backend)
+def _has_settings() -> bool:
+    return all(name in compile_settings() for name in _REQUIRED)
+
+
+@functools.cache
+def _compiled(function: Callable, backend, dynamic: bool | None) -> Callable:
+    return torch.compile(function, backend=backend, dynamic=dynamic)
+
+
+def _compiles(device: torch.device) -> bool:
+    return device.type in COMPILED_DEVICES and compile_enabled() and not torch.compiler.is_compiling()
 
 
 def call_compiled(function: Callable, device: torch.device, *args, **kwargs):
     """``function(*args, **kwargs)``, through ``torch.compile`` when ``device`` is one of :data:`COMPILED_DEVICES`
-    (under :data:`COMPILE_SETTINGS`); directly elsewhere, when already compiling, or when compiling is off."""
-    if device.type not in COMPILED_DEVICES or not compile_enabled() or torch.compiler.is_compiling():
+    (under :func:`compile_settings`); directly elsewhere, when already compiling, or when compiling is off."""
+    if not _compiles(device):
         return function(*args, **kwargs)
-    with torch._dynamo.config.patch(COMPILE_SETTINGS):
-        return _compiled(function, BACKEND)(*args, **kwargs)
+    with torch._dynamo.config.patch(compile_settings()):
+        return _compiled(function, BACKEND, None)(*args, **kwargs)
+
+
+def bucket_length(length: int) -> int:
+    """The length a compiled attention call runs at: ``length`` rounded up to a multiple of an eighth of the power of
+    two at or below it (at most 12.5% more; powers of two unchanged), so that the lengths of one octave share at
+    most 8 graphs."""
+    granule = 1 << max(0, length.bit_length() - 4)
+    return -(-length // granule) * granule
+
+
+def call_compiled_attention(function: Callable, q, k, v, *args, key_padding_mask=None, **kwargs):
+    """``function(q, k, v, *args, key_padding_mask=key_padding_mask, **kwargs)`` for self-attention inputs
+    (B, H, L, .) and a key mask (B, L) (True or 1: a real token) or None, compiled as :func:`call_compiled` does, at
+    :func:`bucket_length`: the inputs padded at the end with keys the mask leaves out (queries and keys see no
+    padding, causally or not), the padded queries' outputs dropped. One static graph per bucket."""
+    length = q.shape[2]
+    if not _compiles(q.device):
+        return function(q, k, v, *args, key_padding_mask=key_padding_mask, **kwargs)
+    extra = bucket_length(length) - length
+    if extra and k.shape[2] == length:
+        if key_padding_mask is None:
+            key_padding_mask = torch.ones(q.shape[0], length, dtype=torch.bool, device=q.device)
+        key_padding_mask = F.pad(key_padding_mask.bool(), (0, extra), value=False)  # (B, L + extra)
+        q, k, v = (F.pad(t, (0, 0, 0, extra)) for t in (q, k, v))  # (B, H, L + extra, .)
+    with torch._dynamo.config.patch(compile_settings()):
+        out = _compiled(function, BACKEND, False)(q, k, v, *args, key_padding_mask=key_padding_mask, **kwargs)
+    return out[:, :, :length]

@@ -34,7 +34,8 @@ Tensor = torch.Tensor
 def optimal_parameter(rho: Tensor | float) -> Tensor:
     """The variance-minimising ``A*`` for the statistic ``rho = mean |x + y|^2 / d`` (any shape)."""
     rho = rho if torch.is_tensor(rho) else torch.tensor(float(rho), dtype=torch.float64)
-    if bool((rho < 0).any()):
+    # checked eagerly; a compiled model's rho is its own statistic (a mean of squares): the check would break the graph
+    if not torch.compiler.is_compiling() and bool((rho < 0).any()):
         raise ValueError("rho = mean |x + y|^2 / d is a mean of squared norms and cannot be negative.")
     return (1 - 2 * rho - torch.sqrt((2 * rho + 1) ** 2 + 8 * rho)) / 16
 
@@ -78,7 +79,9 @@ def optimal_exp_form(projection: Tensor, a: Tensor | float) -> tuple[Tensor, Ten
     """
     m, d = projection.shape
     a = torch.as_tensor(a, dtype=projection.dtype, device=projection.device)
-    if bool((a >= 0.125).any()):
+    # checked eagerly; a compiled model's A is its validated config's or the closed form's (<= 0), and the check
+    # would break the graph
+    if not torch.compiler.is_compiling() and bool((a >= 0.125).any()):
         raise ValueError(f"The FAVOR++ parameter A must be below 1/8 (finite variance); got max {float(a.max())}.")
     a = a.reshape(*a.shape, 1, 1)  # (.., 1, 1)
     directions = torch.sqrt(1 - 4 * a) * projection  # (.., m, d)

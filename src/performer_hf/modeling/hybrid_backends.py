@@ -95,15 +95,29 @@ def _cuda_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBacke
     return FlexBackend((call.ctx.a, call.ctx.c), call.k.dtype, key_padding=call.key_padding)
 
 
+def _traced_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBackend | FlexBackend:
+    """The backend traced into a compiled graph: PyTorch (the CPU kernels are opaque to tracing), or on CUDA
+    FlexAttention where its ``mask_mod`` looks little up: supports without routed blocks (a window and global keys:
+    it compares positions) or routed per tile of queries (``query_block_size`` = ``TILE``: the blocks a query tile
+    routes fill key tiles, which it reads whole). Finer routing, the default's, looks up a bit per score, which costs
+    more than the PyTorch backend's gathers of each query block's few candidates: on an H200 at 32K tokens,
+    FlexAttention over the default's mask took 81 ms forward and backward, the whole call compiled through PyTorch
+    39 ms (``benchmarks/results/attention_parts_h200``)."""
+    spec = call.spec
+    if call.x.device.type == "cuda" and (not spec.routed_blocks or spec.query_block_size == TILE):
+        return _cuda_backend(call, causal, continues)
+    return PYTORCH
+
+
 def choose_backend(
     call: HybridCall, causal: bool, continues: bool = False
 ) -> TorchBackend | CompiledCpuBackend | FlexBackend:
     """The backend for a call: by its device, dtype and direction, whether it ``continues`` from a cached state, and
     the settings (the far field, the value width, the length). On a CPU the compiled kernels, on CUDA
-    FlexAttention, when they serve the call; else PyTorch."""
+    FlexAttention, when they serve the call; else PyTorch. Traced (compiled), see :func:`_traced_backend`."""
     x, far = call.x, call.ctx.far
-    if torch.compiler.is_compiling():  # torch.export / torch.compile trace the PyTorch path; kernels are opaque
-        return PYTORCH
+    if torch.compiler.is_compiling():  # traced into the caller's graph (device_compile, torch.export)
+        return _traced_backend(call, causal, continues)
     if x.device.type == "cuda":
         return _cuda_backend(call, causal, continues)
     if x.device.type != "cpu" or not kernels_enabled():

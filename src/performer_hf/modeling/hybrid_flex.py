@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .device_compile import COMPILE_SETTINGS
+from .device_compile import compile_settings
 from .far_field_polynomial import POLYNOMIAL
 from .hybrid_exact import PartialSums, merge
 from .hybrid_far_field import FarQueries
@@ -100,7 +100,7 @@ def flex_attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) -> 
     if q.device.type != "cuda" or torch.compiler.is_compiling():  # eager, or traced in the caller's compiled model
         return attend(flex_attention)
     kind = (q.dtype, q.shape[-1], v.shape[-1], q.shape[1] // k.shape[1], score_mod is None, torch.is_grad_enabled())
-    with torch._dynamo.config.patch(COMPILE_SETTINGS):  # both settings exist in every torch with AuxRequest (2.9)
+    with torch._dynamo.config.patch(compile_settings()):  # the limits exist in every torch with AuxRequest (2.9)
         return compiled_call(kind, attend)
 
 

@@ -9,7 +9,6 @@ slabs, so that backward gathers each gradient once instead of writing a full-siz
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from typing import NamedTuple
@@ -89,11 +88,17 @@ class Selection:
         per_block = x.shape[0] * x.shape[1] * block_q * max(self.nb_candidates, 1) * widest
         period = math.lcm(block_q, block_k) if spec.routed_blocks else block_q
         self.blocking = QueryBlocking(x, period, block_q, per_block)
+        # built on first use (candidate sets and FlexAttention's mask need different parts); not cached_property,
+        # whose lock (Python < 3.12) torch.compile cannot trace: each use would break the compiled graph
+        self._padded_keys: Keys | None = None
+        self._routes: tuple[Tensor, Tensor] | None = None
 
-    @functools.cached_property
+    @property
     def padded_keys(self) -> Keys:
         """The call's keys padded to the blocks' length (built when candidate sets are, not by the compiled path)."""
-        return pad_keys(self.keys, 0, self.blocking.pad)
+        if self._padded_keys is None:
+            self._padded_keys = pad_keys(self.keys, 0, self.blocking.pad)
+        return self._padded_keys
 
     def candidate_sets(self) -> list[list[CandidateSet]]:
         """Per slab of query blocks, its candidate sets (window, routed blocks, global keys; those that apply)."""
@@ -130,13 +135,18 @@ class Selection:
             for *keys, support_s, count in zip(*fields, blocking.by_slab(support), blocking.sizes, strict=True)
         ]
 
-    @functools.cached_property
+    @property
     def routes(self) -> tuple[Tensor, Tensor]:
         """Each of the N query blocks' routed key blocks (:func:`.route`, slab by slab): the chosen blocks
         (B, H, N, t) and whether each choice is real (B, H, N, t). Bidirectional, with ``routed_blocks`` only.
 
         The slabs are sized by routing's own temporaries (:func:`.route_width`), not by the exact part's candidate
         sets: on a GPU, one slab at 8K tokens where those gave six, each a round of kernel launches."""
+        if self._routes is None:
+            self._routes = self._route()
+        return self._routes
+
+    def _route(self) -> tuple[Tensor, Tensor]:
         spec, blocking, keys = self.spec, self.blocking, self.keys
         (B, H), N, block_q, block_k = self.x.shape[:2], blocking.N, spec.query_block_size, spec.route_block_size
         blocks = key_blocks(pad_keys(keys, 0, -keys.y.shape[2] % block_k), block_k, spec.route_group_size)

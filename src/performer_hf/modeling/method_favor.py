@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .device_compile import call_compiled
+from .device_compile import call_compiled_attention
 from .favor_attention import favor_attention
 from .method_exact import exact_is_enough, softmax_attention
 
@@ -28,7 +28,7 @@ def favor_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None,
     # exponentials and prefix sums to bf16/fp16.
     with torch.autocast(q.device.type, enabled=False):
         if layer_cache is None:  # compiled on CUDA (device_compile)
-            return call_compiled(favor_attention, q.device, q, k, v, module.projection, **kwargs), None
+            return call_compiled_attention(favor_attention, q, k, v, module.projection, **kwargs), None
         context, state = favor_attention(
             q, k, v, module.projection, initial_state=layer_cache.get_state(), return_state=True, **kwargs
         )

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .device_compile import call_compiled
+from .device_compile import call_compiled_attention
 from .far_fields import get_far_field
 from .favor_hybrid import hybrid_attention
 from .hybrid_spec import HybridSpec
@@ -60,10 +60,8 @@ def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None) -> T
         kwargs["far_field_gain"] = module.far_field_gain
     projection = module.projection if spec.uses_projection else None
     with torch.autocast(q.device.type, enabled=False):  # float32 inside, as for FAVOR+
-        if layer_cache is None and not causal:  # compiled on CUDA (device_compile)
-            return call_compiled(hybrid_attention, q.device, q, k, v, projection, spec, **kwargs)
-        if layer_cache is None:
-            return hybrid_attention(q, k, v, projection, spec, **kwargs)
+        if layer_cache is None:  # compiled on CUDA (device_compile)
+            return call_compiled_attention(hybrid_attention, q, k, v, projection, spec, **kwargs)
         context, state = hybrid_attention(
             q, k, v, projection, spec, initial_state=layer_cache.get_state(), return_state=True, **kwargs
         )
