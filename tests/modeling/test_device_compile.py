@@ -111,6 +111,18 @@ def test_lengths_of_one_bucket_share_a_graph_and_see_no_padding(monkeypatch, cou
     assert counter.frame_count == graphs  # the bucket's graph served every length, with or without a mask
 
 
+def test_layers_with_their_own_far_field_settings_share_one_graph(monkeypatch, counter):
+    """A decoder as conversion leaves it (FAVOR++'s A calibrated per layer and head) with gains per layer and head: its
+    two layers run one graph without breaks (as numbers, each layer's values were constants of a graph of its own,
+    and the gain's check broke it), matching eager."""
+    settings = dict(attention_kernel="softmax_opt", far_field_parameter=[[-0.01] * 4, [-0.03] * 4])
+    settings["far_field_gain"] = [[1.0, 1.1, 1.2, 1.3], [0.9] * 4]
+    model = random_centres(tiny_model(PerformerForCausalLM, attention_method="hybrid", exact_max_length=0, **settings))
+    _flex_backend(monkeypatch)
+    _assert_matches_eager(monkeypatch, model, 40)
+    assert counter.frame_count == 1
+
+
 def test_bucket_lengths():
     """At most 12.5% longer, powers of two and multiples of their eighth unchanged, eight per octave."""
     lengths = range(1, 5000)

@@ -87,7 +87,9 @@ def _log_gain(gain: Tensor | float | list[float] | None, like: Tensor) -> Tensor
     if gain is None:
         return 0.0
     gain = torch.as_tensor(gain, device=like.device).to(like.dtype)
-    if bool((gain <= 0).any()):
+    # checked eagerly; a compiled model's gains are its validated config's or learned as logs: the check would break
+    # the graph
+    if not torch.compiler.is_compiling() and bool((gain <= 0).any()):
         raise ValueError(f"far_field_gain must be positive (a factor on the far-field kernel); got {gain.tolist()}.")
     while gain.dim() < 2:
         gain = gain.unsqueeze(0)

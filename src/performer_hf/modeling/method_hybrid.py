@@ -54,10 +54,9 @@ def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None) -> T
     kwargs = {"causal": causal, "key_padding_mask": new_key_mask}
     if causal and spec.center:  # fixed centres: causal outputs must not depend on later tokens
         kwargs.update(query_center=module.query_center, key_center=module.key_center)
-    if module.far_field_parameter is not None:
-        kwargs["far_field_parameter"] = module.far_field_parameter
-    if module.far_field_gain is not None:
-        kwargs["far_field_gain"] = module.far_field_gain
+    for name in ("far_field_parameter", "far_field_gain"):
+        if getattr(module, name) is not None:
+            kwargs[name] = _setting_tensor(module, name, q.device)
     projection = module.projection if spec.uses_projection else None
     with torch.autocast(q.device.type, enabled=False):  # float32 inside, as for FAVOR+
         if layer_cache is None:  # compiled on CUDA (device_compile)
@@ -67,6 +66,20 @@ def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None) -> T
         )
     layer_cache.update_state(state)
     return context
+
+
+def _setting_tensor(module: nn.Module, name: str, device: torch.device) -> Tensor:
+    """The module's per-layer setting ``name`` (a float, one per head, or a tensor) as a float32 tensor on ``device``,
+    made once per value and device. As numbers, each layer's values would be constants of a compiled graph: a graph
+    per layer."""
+    value = getattr(module, name)
+    if torch.is_tensor(value) or torch.compiler.is_compiling():  # learned (attention transfer); in a traced model
+        return value
+    key = (name, device, tuple(value) if isinstance(value, list) else value)
+    made = module.__dict__.setdefault("_setting_tensors", {})
+    if key not in made:
+        made[key] = torch.tensor(value, dtype=torch.float32, device=device)
+    return made[key]
 
 
 def _causal_exact_prefix(module: nn.Module, q, k, v, key_mask, layer_cache) -> tuple[Tensor, None]:
