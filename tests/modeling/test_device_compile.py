@@ -123,6 +123,32 @@ def test_layers_with_their_own_far_field_settings_share_one_graph(monkeypatch, c
     assert counter.frame_count == 1
 
 
+def test_a_traced_hybrid_cuts_its_queries_into_fewer_slabs(monkeypatch, counter):
+    """Each slab is a copy of the traced graph: traced, the slab budget counts a slab's logits and its candidates'
+    fields, not their product as eagerly. With a budget that cuts 72 tokens into 3 slabs eagerly, the compiled graph
+    is the one-slab graph (as many operations as under the default budget), and its logits and gradients are
+    eager's."""
+    from performer_hf.modeling import hybrid_selection, slabs
+
+    model = _model(monkeypatch, "encoder, hybrid")
+    _assert_matches_eager(monkeypatch, model, 72)
+    one_slab_ops = counter.op_count
+    eager_slabs = []
+
+    def recorded(length, per_row, use, device):
+        sizes = slabs.slab_sizes(length, per_row, use, device)
+        if not torch.compiler.is_compiling():
+            eager_slabs.append(len(sizes))
+        return sizes
+
+    monkeypatch.setattr(hybrid_selection, "slab_sizes", recorded)
+    monkeypatch.setitem(slabs.SLAB_ELEMENTS["cpu"], "blocks", 1 << 15)
+    small_budget = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(device_compile, "BACKEND", small_budget)
+    _assert_matches_eager(monkeypatch, model, 72)
+    assert max(eager_slabs) == 3 and small_budget.op_count == one_slab_ops
+
+
 def test_bucket_lengths():
     """At most 12.5% longer, powers of two and multiples of their eighth unchanged, eight per octave."""
     lengths = range(1, 5000)

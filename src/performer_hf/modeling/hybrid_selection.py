@@ -85,7 +85,12 @@ class Selection:
         self.nb_candidates = self.width + self.nb_global + spec.routed_blocks * block_k
         d = x.shape[-1]
         widest = max(d, keys.values1.shape[-1], keys.feats.shape[-1] if with_feats else 1)
-        per_block = x.shape[0] * x.shape[1] * block_q * max(self.nb_candidates, 1) * widest
+        # A slab's largest temporaries are its logits (block_q x C per block) and its candidates' fields (C x widest):
+        # eagerly, budgeted as if their product were (what the CPU's budgets were tuned with). Traced (compiled), by
+        # the larger of the two: each slab is a copy of the graph, whose compilation time grows with it (at 32K
+        # tokens on a GPU, the product made 11 slabs)
+        per_candidate = max(block_q, widest) if torch.compiler.is_compiling() else block_q * widest
+        per_block = x.shape[0] * x.shape[1] * max(self.nb_candidates, 1) * per_candidate
         period = math.lcm(block_q, block_k) if spec.routed_blocks else block_q
         self.blocking = QueryBlocking(x, period, block_q, per_block)
         # built on first use (candidate sets and FlexAttention's mask need different parts); not cached_property,
