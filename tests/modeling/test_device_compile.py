@@ -149,6 +149,33 @@ def test_a_traced_hybrid_cuts_its_queries_into_fewer_slabs(monkeypatch, counter)
     assert max(eager_slabs) == 3 and small_budget.op_count == one_slab_ops
 
 
+@pytest.mark.parametrize("name", [name for name, (_, _, flex) in MODELS.items() if flex])
+def test_flex_attention_itself_traces_into_the_graph(monkeypatch, counter, name):
+    """The FlexAttention backend with torch's own ``flex_attention`` (not its plain-PyTorch contract): traced whole
+    into the compiled graph, block mask and ``mask_mod`` built inside it, the logits of a padded batch in its bucket
+    equal eager's (forward only: a CPU runs FlexAttention's forward alone)."""
+    monkeypatch.setattr(
+        favor_hybrid,
+        "choose_backend",
+        lambda call, causal, continues=False: FlexBackend(
+            (call.ctx.a, call.ctx.c), call.k.dtype, key_padding=call.key_padding
+        ),
+    )
+    model_class, settings, _ = MODELS[name]
+    model = random_centres(tiny_model(model_class, max_position_embeddings=80, **settings))
+    ids = random_ids(batch=2, length=69, seed=0)
+    mask = torch.ones_like(ids)
+    mask[1, -7:] = 0
+    extra = {"use_cache": False} if model_class is PerformerForCausalLM else {}
+    logits = {}
+    with torch.no_grad():
+        for flag in ("0", "1"):
+            monkeypatch.setenv("PERFORMER_HF_COMPILE", flag)
+            logits[flag] = model(input_ids=ids, attention_mask=mask, **extra).logits
+    assert counter.frame_count == 1
+    torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-5, atol=1e-5)
+
+
 def test_bucket_lengths():
     """At most 12.5% longer, powers of two and multiples of their eighth unchanged, eight per octave."""
     lengths = range(1, 5000)
