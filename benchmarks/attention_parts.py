@@ -19,6 +19,12 @@ forward + backward (training) and forward alone (inference), median of ``--reps`
     hybrid, compiled      the hybrid under ``torch.compile``, as the model runs it on CUDA: traced, the default's
                           fine routing takes the PyTorch backend (each query block's candidates gathered), the tiled
                           support FlexAttention's (``hybrid_backends._traced_backend``)
+    compiled: far field   the default's polynomial far field alone (its state over all keys, applied to every
+                          query), compiled: its share of the compiled hybrid
+    compiled: routing     the default's routing alone (each query block's key blocks), compiled; it has no
+                          backward, so its training time is its forward's
+
+``--arms`` runs the named arms only (flash always: every ratio divides its time), e.g. the compiled ones at 32K.
 
 Random inputs route to random blocks, so the hybrid's mask is at least as dense as on text (routing_granularity.py
 measures the real MiniLM's). Each row is logged as it is measured (a run cut short keeps what it printed). On a CPU
@@ -30,6 +36,7 @@ measures the real MiniLM's). Each row is logged as it is measured (a run cut sho
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import statistics
@@ -44,6 +51,9 @@ from torch.profiler import ProfilerActivity, profile
 from performer_hf.favor import HybridSpec, draw_projection, favor_attention, hybrid_attention
 from performer_hf.modeling import hybrid_flex
 from performer_hf.modeling.attention_methods import ATTENTION_METHODS
+from performer_hf.modeling.far_field_polynomial import quadratic_apply, quadratic_state
+from performer_hf.modeling.favor_hybrid import _prepare
+from performer_hf.modeling.hybrid_selection import ExtraKeys, Selection
 
 logger = logging.getLogger("benchmarks.attention_parts")
 
@@ -161,6 +171,26 @@ def arms(device: str, length: int, inputs, projection):
     yield "favor, compiled", torch.compile(favor), False
     yield "hybrid, compiled", torch.compile(hybrid_uncaptured), False
     yield "hybrid, tiled, compiled", torch.compile(tiled), False
+    yield "compiled: far field", torch.compile(far_field_part), False
+    yield "compiled: routing", torch.compile(functools.partial(routing_part, spec=spec)), False
+
+
+def far_field_part(q, k, v):
+    """The polynomial far field of ``poly2`` (``1 + t + t^2 / 2``) over all keys, in float32 as the hybrid runs it:
+    its state from the keys and values, applied to every query. -> (B, H, L, dv + 1)"""
+    values1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1).float()
+    return quadratic_apply(q.float() * HEAD_DIM**-0.5, quadratic_state(k.float() * HEAD_DIM**-0.5, values1, 0.5))
+
+
+def routing_part(q, k, v, spec: HybridSpec):
+    """Each query block's routed key blocks (what the hybrid computes before its exact part) as a number that a
+    training step can call backward on (routing has no gradient)."""
+    options = dict.fromkeys(
+        ("scaling", "key_padding_mask", "query_center", "key_center", "far_field_parameter", "far_field_gain")
+    )
+    call = _prepare(q, k, v, None, spec, False, options)
+    chosen, _ = Selection(call.x, call.keys, ExtraKeys(None, None), spec, False, 0, with_feats=False).routes
+    return chosen.float().mean() + 0 * q.float().mean()
 
 
 def flex_arms(mask):
@@ -203,6 +233,8 @@ def measure(args) -> dict:
         projection = draw_projection(FEATURES, HEAD_DIM, generator=generator).to(args.device)
         flash_times = {}
         for name, call, split in arms(args.device, length, tensors, projection):
+            if args.arms and name not in args.arms and name != "flash":
+                continue
             row = {"length": length, "arm": name}
             try:
                 for mode in modes:
@@ -274,6 +306,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--lengths", nargs="+", type=int, default=[8192, 32768])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--arms", nargs="+", help="only these arms (and flash), by their names in the table")
     return harness.main("attention_parts", parser, measure, markdown, plot, argv=argv)
 
 
