@@ -176,6 +176,33 @@ def test_flex_attention_itself_traces_into_the_graph(monkeypatch, counter, name)
     torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-5, atol=1e-5)
 
 
+def test_a_graph_beyond_the_gpus_shared_memory_runs_eagerly_from_then_on(monkeypatch, counter, caplog):
+    """Triton's "out of resource" while compiling an attention call (seen for FlexAttention's default tiles on an
+    H200): that kind of call runs eagerly from then on, with a warning, where it would fail (and, not cached, be
+    compiled again at every call); other errors are raised."""
+    attempts = []
+
+    def out_of_resource(graph, example_inputs):
+        attempts.append(1)
+        raise RuntimeError("No valid triton configs. OutOfMemoryError: out of resource: triton_tem_fused_flex_0")
+
+    monkeypatch.setattr(device_compile, "BACKEND", out_of_resource)
+    monkeypatch.setattr(device_compile, "_EAGER_KINDS", set())
+    model = _model(monkeypatch, "encoder, favor")
+    with caplog.at_level("WARNING", logger=device_compile.__name__):
+        _assert_matches_eager(monkeypatch, model, 37)
+        _assert_matches_eager(monkeypatch, model, 70)
+    assert len(attempts) == 1 and "runs eagerly" in caplog.text
+
+    def broken(graph, example_inputs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(device_compile, "BACKEND", broken)
+    monkeypatch.setattr(device_compile, "_EAGER_KINDS", set())
+    with pytest.raises(Exception, match="a bug"):
+        _step(model, 37)
+
+
 def test_bucket_lengths():
     """At most 12.5% longer, powers of two and multiples of their eighth unchanged, eight per octave."""
     lengths = range(1, 5000)

@@ -25,6 +25,7 @@ graph without breaks); cached calls (decoding) stay eager. The CPU keeps its own
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable
 
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 # inference; and in all. The first two exist in torch >= 2.7, which compile_enabled() requires.
 COMPILE_LIMITS = {"recompile_limit": 256, "fail_on_recompile_limit_hit": True, "accumulated_recompile_limit": 2048}
 _REQUIRED = ("recompile_limit", "fail_on_recompile_limit_hit")
+logger = logging.getLogger(__name__)
 COMPILED_DEVICES = ("cuda",)
 BACKEND = "inductor"  # the tests compile on the CPU with "aot_eager": the same graphs, without code generation
 
@@ -74,6 +76,11 @@ def call_compiled(function: Callable, device: torch.device, *args, **kwargs):
         return _compiled(function, BACKEND, None)(*args, **kwargs)
 
 
+# the kinds of attention call (function, dtype, head dims) whose compiled graph needed more shared memory than the GPU
+# has: eager from then on
+_EAGER_KINDS: set[tuple] = set()
+
+
 def bucket_length(length: int) -> int:
     """The length a compiled attention call runs at: ``length`` rounded up to a multiple of an eighth of the power of
     two at or below it (at most 12.5% more; powers of two unchanged), so that the lengths of one octave share at
@@ -86,16 +93,31 @@ def call_compiled_attention(function: Callable, q, k, v, *args, key_padding_mask
     """``function(q, k, v, *args, key_padding_mask=key_padding_mask, **kwargs)`` for self-attention inputs
     (B, H, L, .) and a key mask (B, L) (True or 1: a real token) or None, compiled as :func:`call_compiled` does, at
     :func:`bucket_length`: the inputs padded at the end with keys the mask leaves out (queries and keys see no
-    padding, causally or not), the padded queries' outputs dropped. One static graph per bucket."""
-    length = q.shape[2]
-    if not _compiles(q.device):
+    padding, causally or not), the padded queries' outputs dropped. One static graph per bucket. A kind of call whose
+    graph needs more GPU shared memory than there is runs eagerly from then on, with a warning."""
+    length, kind = q.shape[2], (function, q.dtype, q.shape[-1], v.shape[-1])
+    if not _compiles(q.device) or kind in _EAGER_KINDS:
         return function(q, k, v, *args, key_padding_mask=key_padding_mask, **kwargs)
+    padded, mask = (q, k, v), key_padding_mask
     extra = bucket_length(length) - length
     if extra and k.shape[2] == length:
-        if key_padding_mask is None:
-            key_padding_mask = torch.ones(q.shape[0], length, dtype=torch.bool, device=q.device)
-        key_padding_mask = F.pad(key_padding_mask.bool(), (0, extra), value=False)  # (B, L + extra)
-        q, k, v = (F.pad(t, (0, 0, 0, extra)) for t in (q, k, v))  # (B, H, L + extra, .)
-    with torch._dynamo.config.patch(compile_settings()):
-        out = _compiled(function, BACKEND, False)(q, k, v, *args, key_padding_mask=key_padding_mask, **kwargs)
-    return out[:, :, :length]
+        if mask is None:
+            mask = torch.ones(q.shape[0], length, dtype=torch.bool, device=q.device)
+        mask = F.pad(mask.bool(), (0, extra), value=False)  # (B, L + extra)
+        padded = tuple(F.pad(t, (0, 0, 0, extra)) for t in (q, k, v))  # (B, H, L + extra, .)
+    try:
+        with torch._dynamo.config.patch(compile_settings()):
+            return _compiled(function, BACKEND, False)(*padded, *args, key_padding_mask=mask, **kwargs)[:, :, :length]
+    except Exception as error:  # Triton's "out of resource" (shared memory) comes as inductor's own error types
+        if "out of resource" not in str(error):
+            raise
+    _EAGER_KINDS.add(kind)  # a failed compilation is not cached: it would be tried again at every call
+    logger.warning(
+        "%s compiled needs more GPU shared memory than this GPU has (%s, head dims %d / %d): it runs eagerly, its "
+        "FlexAttention calls compiled on their own (with smaller tiles where needed).",
+        function.__name__,
+        q.dtype,
+        q.shape[-1],
+        v.shape[-1],
+    )
+    return function(q, k, v, *args, key_padding_mask=key_padding_mask, **kwargs)
