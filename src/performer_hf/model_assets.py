@@ -51,7 +51,12 @@ def smollm2_checkpoint(cache_dir: str | Path | None = None) -> Path:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        staging.rename(folder)
+        try:
+            staging.rename(folder)
+        except OSError:
+            if not (folder / "model.safetensors").is_file():
+                raise
+            shutil.rmtree(staging)  # another process wrote the folder meanwhile
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
