@@ -236,13 +236,13 @@ def test_traced_hybrid_takes_flex_only_where_its_mask_looks_little_up(monkeypatc
 
 
 def test_cached_calls_and_the_cpu_by_default_stay_eager(monkeypatch, counter):
-    """A FAVOR+ or hybrid decoder's prefill with a cache and its next step compile nothing; neither does an encoder
-    on the CPU by default, nor with ``PERFORMER_HF_COMPILE=0``."""
-    for settings in (dict(attention_method="favor"), dict(attention_method="hybrid", exact_max_length=0)):
-        decoder = random_centres(tiny_model(PerformerForCausalLM, **settings))
-        with torch.no_grad():
-            out = decoder(input_ids=random_ids(length=12), use_cache=True)
-            decoder(input_ids=out.logits[:, -1:].argmax(-1), **{CACHE_KEYWORD: out.past_key_values})
+    """A FAVOR+ decoder's prefill with a cache and its next step compile nothing (nor does a hybrid decoder's
+    decoding step: its prefill is compiled, below); neither does an encoder on the CPU by default, nor with
+    ``PERFORMER_HF_COMPILE=0``."""
+    decoder = tiny_model(PerformerForCausalLM, attention_method="favor")
+    with torch.no_grad():
+        out = decoder(input_ids=random_ids(length=12), use_cache=True)
+        decoder(input_ids=out.logits[:, -1:].argmax(-1), **{CACHE_KEYWORD: out.past_key_values})
     assert counter.frame_count == 0
     encoder = tiny_model(PerformerForMaskedLM, max_position_embeddings=80, attention_method="favor")
     monkeypatch.setenv("PERFORMER_HF_COMPILE", "0")
@@ -254,6 +254,40 @@ def test_cached_calls_and_the_cpu_by_default_stay_eager(monkeypatch, counter):
     with torch.no_grad():
         encoder(input_ids=random_ids(length=40))
     assert counter.frame_count == 0
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(exact_max_length=0), dict(exact_max_length=16), dict(exact_max_length=0, attention_kernel="poly2")],
+    ids=["hybrid", "exact prefix then hybrid", "polynomial far field"],
+)
+def test_a_hybrid_prefill_is_compiled_and_decodes_as_eager(monkeypatch, counter, settings):
+    """A hybrid decoder's prefill with a cache: its output from the compiled call (bucketed: 37 tokens run as 40), its
+    state computed alone (:func:`.hybrid_prefill_state`); greedy generation of a left-padded batch gives eager's
+    tokens and step logits; the decoding steps compile nothing."""
+    _flex_backend(monkeypatch)
+    model = random_centres(
+        tiny_model(PerformerForCausalLM, max_position_embeddings=80, attention_method="hybrid", **settings)
+    )
+    ids = random_ids(batch=2, length=37, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    generated = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("PERFORMER_HF_COMPILE", flag)
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=5,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        generated[flag] = out.sequences, torch.stack(out.logits)
+    assert counter.frame_count == 1  # the prefill's graph (its layers share it); no step's
+    assert torch.equal(generated["1"][0], generated["0"][0])
+    torch.testing.assert_close(generated["1"][1], generated["0"][1], rtol=1e-5, atol=1e-5)
 
 
 def test_a_torch_without_the_compile_settings_runs_eagerly(monkeypatch, counter):

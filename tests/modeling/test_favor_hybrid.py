@@ -110,6 +110,38 @@ def test_decoding_with_state_equals_one_causal_pass(far_field, splits, window):
 
 
 @pytest.mark.parametrize("far_field", sorted(FAR_FIELDS))
+@pytest.mark.parametrize("window,length", [(4, 20), (9, 6), (0, 11), (1, 11)])
+def test_the_prefill_state_alone_is_the_stateful_calls(far_field, window, length):
+    """hybrid_prefill_state (a compiled prefill's state) against the state hybrid_attention returns with its output,
+    field by field, left-padded; and decoding from it gives the same next output."""
+    from performer_hf.modeling.favor_hybrid import hybrid_prefill_state
+
+    q, k, v = random_qkv(length=length + 1, scale=2.0)
+    W = _projection()
+    mask = torch.ones(q.shape[0], length, dtype=torch.bool)
+    mask[-1, :3] = False
+    kwargs = _kwargs(far_field, True, dict(local_window=window, num_global_tokens=2))
+    spec = HybridSpec(
+        **{name: value for name, value in kwargs.items() if name not in ("causal", "far_field_parameter")}
+    )
+    extra = {name: kwargs[name] for name in ("causal", "far_field_parameter") if name in kwargs}
+    prefix = [t[:, :, :length] for t in (q, k, v)]
+    _, want = hybrid_attention(*prefix, W, spec, key_padding_mask=mask, return_state=True, **extra)
+    got = hybrid_prefill_state(*prefix, W, spec, key_padding_mask=mask, **extra)
+    assert got.length == want.length == length
+    for name, value in want._asdict().items():
+        if torch.is_tensor(value):
+            torch.testing.assert_close(getattr(got, name), value, rtol=1e-10, atol=1e-12, msg=name)
+    step = [t[:, :, length:] for t in (q, k, v)]
+    torch.testing.assert_close(
+        hybrid_attention(*step, W, spec, initial_state=got, **extra),
+        hybrid_attention(*step, W, spec, initial_state=want, **extra),
+        rtol=1e-10,
+        atol=1e-12,
+    )
+
+
+@pytest.mark.parametrize("far_field", sorted(FAR_FIELDS))
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_match_reference(far_field, causal):
     # causal exponential far fields: the fused scan (favor_attention.causal_exp_sums), with per-head FAVOR++

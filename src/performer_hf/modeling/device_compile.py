@@ -63,14 +63,15 @@ def _compiled(function: Callable, backend, dynamic: bool | None) -> Callable:
     return torch.compile(function, backend=backend, dynamic=dynamic)
 
 
-def _compiles(device: torch.device) -> bool:
+def compiles(device: torch.device) -> bool:
+    """Whether calls on ``device`` run compiled here (see :func:`call_compiled`)."""
     return device.type in COMPILED_DEVICES and compile_enabled() and not torch.compiler.is_compiling()
 
 
 def call_compiled(function: Callable, device: torch.device, *args, **kwargs):
     """``function(*args, **kwargs)``, through ``torch.compile`` when ``device`` is one of :data:`COMPILED_DEVICES`
     (under :func:`compile_settings`); directly elsewhere, when already compiling, or when compiling is off."""
-    if not _compiles(device):
+    if not compiles(device):
         return function(*args, **kwargs)
     with torch._dynamo.config.patch(compile_settings()):
         return _compiled(function, BACKEND, None)(*args, **kwargs)
@@ -96,7 +97,7 @@ def call_compiled_attention(function: Callable, q, k, v, *args, key_padding_mask
     padding, causally or not), the padded queries' outputs dropped. One static graph per bucket. A kind of call whose
     graph needs more GPU shared memory than there is runs eagerly from then on, with a warning."""
     length, kind = q.shape[2], (function, q.dtype, q.shape[-1], v.shape[-1])
-    if not _compiles(q.device) or kind in _EAGER_KINDS:
+    if not compiles(q.device) or kind in _EAGER_KINDS:
         return function(q, k, v, *args, key_padding_mask=key_padding_mask, **kwargs)
     padded, mask = (q, k, v), key_padding_mask
     extra = bucket_length(length) - length

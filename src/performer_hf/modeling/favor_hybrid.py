@@ -43,13 +43,14 @@ import dataclasses
 
 import torch
 
+from .causal_scan import EMPTY_SHIFT
 from .far_fields import FarField, get_far_field
 from .favor_attention import check_attention_inputs
 from .favor_optimal import optimal_parameter, pair_statistic
 from .hybrid_backends import choose_backend
-from .hybrid_causal import decoding_step, extra_keys, lagged_far_field, next_state
+from .hybrid_causal import LeavingKeys, decoding_step, extra_keys, lagged_far_field, next_state
 from .hybrid_exact import divide, global_rows
-from .hybrid_far_field import BidirectionalFar
+from .hybrid_far_field import BidirectionalFar, add_keys
 from .hybrid_keys import FarContext, HybridCall, key_side, slice_keys
 from .hybrid_selection import ExtraKeys, Selection
 from .hybrid_spec import HybridSpec, HybridState
@@ -262,3 +263,43 @@ def hybrid_attention(
     if not return_state:
         return out
     return out, next_state(initial_state, far_state, call)
+
+
+def hybrid_prefill_state(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor | None,
+    spec: HybridSpec,
+    *,
+    causal: bool = True,
+    key_padding_mask: Tensor | None = None,
+    scaling: float | None = None,
+    query_center: Tensor | None = None,
+    key_center: Tensor | None = None,
+    far_field_parameter: Tensor | float | None = None,
+    far_field_gain: Tensor | float | list[float] | None = None,
+) -> HybridState:
+    """The decoding state after a causal call from the first token, without its output: what
+    ``hybrid_attention(..., causal=True, return_state=True)`` returns beside it. The far field holds the keys that
+    left the window (their features' sums, one matrix product), the buffer the window's last keys, and the global
+    tokens. A prefill's output can then come from a call without state (compiled, at a bucketed length, where a
+    state would hold the padding). Arguments as :func:`hybrid_attention`'s."""
+    if not causal:
+        raise ValueError("hybrid_prefill_state is the state of causal attention: call it with causal=True.")
+    options = {
+        "scaling": scaling,
+        "key_padding_mask": key_padding_mask,
+        "query_center": query_center,
+        "key_center": key_center,
+        "far_field_parameter": far_field_parameter,
+        "far_field_gain": far_field_gain,
+    }
+    spec.check_direction(True, query_center is not None and key_center is not None, True)
+    call = _prepare(q, k, v, projection, spec, True, options)
+    leaving = LeavingKeys(None, call)
+    keys = leaving.keys(0, leaving.count, True)  # (B, H, n, .): every key that left the window, with features
+    B, H = q.shape[:2]
+    empty = keys.values1.new_zeros(B, H, keys.feats.shape[-1], keys.values1.shape[-1])  # (B, H, D, dv + 1)
+    far = add_keys(empty, keys.values1.new_full((B, H), EMPTY_SHIFT), keys)
+    return next_state(None, far, call)

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .device_compile import call_compiled_attention
+from .device_compile import call_compiled_attention, compiles
 from .far_fields import get_far_field
-from .favor_hybrid import hybrid_attention
+from .favor_hybrid import hybrid_attention, hybrid_prefill_state
 from .hybrid_spec import HybridSpec
 from .method_exact import exact_is_enough, softmax_attention
 
@@ -61,9 +61,13 @@ def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None) -> T
     with torch.autocast(q.device.type, enabled=False):  # float32 inside, as for FAVOR+
         if layer_cache is None:  # compiled on CUDA (device_compile)
             return call_compiled_attention(hybrid_attention, q, k, v, projection, spec, **kwargs)
-        context, state = hybrid_attention(
-            q, k, v, projection, spec, initial_state=layer_cache.get_state(), return_state=True, **kwargs
-        )
+        if layer_cache.get_state() is None and compiles(q.device):  # a prefill: its output compiled, its state alone
+            context = call_compiled_attention(hybrid_attention, q, k, v, projection, spec, **kwargs)
+            state = hybrid_prefill_state(q, k, v, projection, spec, **kwargs)
+        else:
+            context, state = hybrid_attention(
+                q, k, v, projection, spec, initial_state=layer_cache.get_state(), return_state=True, **kwargs
+            )
     layer_cache.update_state(state)
     return context
 
