@@ -72,17 +72,17 @@ def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None) -> T
     return context
 
 
-def _setting_tensor(module: nn.Module, name: str, device: torch.device) -> Tensor:
-    """The module's per-layer setting ``name`` (a float, one per head, or a tensor) as a float32 tensor on ``device``,
-    made once per value and device. As numbers, each layer's values would be constants of a compiled graph: a graph
-    per layer."""
+def _setting_tensor(module: nn.Module, name: str, device: torch.device) -> Tensor | float | list:
+    """The module's per-layer setting ``name`` (a float, one per head, or a tensor) where calls run compiled: as a
+    float64 tensor on ``device``, made once per value and device (as numbers, each layer's values would be constants
+    of a compiled graph: a graph per layer). Elsewhere as it is."""
     value = getattr(module, name)
-    if torch.is_tensor(value) or torch.compiler.is_compiling():  # learned (attention transfer); in a traced model
+    if torch.is_tensor(value) or not compiles(device):  # learned (attention transfer); eager
         return value
     key = (name, device, tuple(value) if isinstance(value, list) else value)
     made = module.__dict__.setdefault("_setting_tensors", {})
     if key not in made:
-        made[key] = torch.tensor(value, dtype=torch.float32, device=device)
+        made[key] = torch.tensor(value, dtype=torch.float64, device=device)
     return made[key]
 
 
