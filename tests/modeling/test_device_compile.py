@@ -2,7 +2,8 @@
 through AOTAutograd's graphs (``aot_eager``, no code generation) give the eager outputs and gradients at two lengths,
 for FAVOR+ and the hybrid, bidirectional and causal, each on the backend it takes on CUDA (the routed hybrid:
 PyTorch's; a window and global keys: FlexAttention's, its attention calls in plain PyTorch). Lengths share a graph per
-bucket, their padding invisible. Cached calls, the CPU by default and ``PERFORMER_HF_COMPILE=0`` stay eager. The token
+bucket, their padding invisible; layers share one graph. A hybrid decoder's prefill compiles and decodes as eager;
+decoding steps, FAVOR+'s cached prefill, the CPU by default and ``PERFORMER_HF_COMPILE=0`` stay eager. The token
 loss's chunks too."""
 
 import types
