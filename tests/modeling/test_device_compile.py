@@ -2,9 +2,8 @@
 through AOTAutograd's graphs (``aot_eager``, no code generation) give the eager outputs and gradients at two lengths,
 for FAVOR+ and the hybrid, bidirectional and causal, each on the backend it takes on CUDA (the routed hybrid:
 PyTorch's; a window and global keys: FlexAttention's, its attention calls in plain PyTorch). Lengths share a graph per
-bucket, their padding invisible; layers share one graph. A hybrid decoder's prefill compiles and decodes as eager;
-decoding steps, FAVOR+'s cached prefill, the CPU by default and ``PERFORMER_HF_COMPILE=0`` stay eager. The token
-loss's chunks too."""
+bucket, their padding invisible; layers share one graph. A decoder's prefill compiles and decodes as eager;
+decoding steps, the CPU by default and ``PERFORMER_HF_COMPILE=0`` stay eager. The token loss's chunks too."""
 
 import types
 import warnings
@@ -13,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from performer_hf import CACHE_KEYWORD, PerformerForCausalLM, PerformerForMaskedLM
+from performer_hf import PerformerForCausalLM, PerformerForMaskedLM
 from performer_hf.modeling import device_compile, favor_hybrid, hybrid_backends
 from performer_hf.modeling.hybrid_flex import TILE, FlexBackend
 
@@ -236,15 +235,9 @@ def test_traced_hybrid_takes_flex_only_where_its_mask_looks_little_up(monkeypatc
     assert backend("cpu", 0) is hybrid_backends.PYTORCH
 
 
-def test_cached_calls_and_the_cpu_by_default_stay_eager(monkeypatch, counter):
-    """A FAVOR+ decoder's prefill with a cache and its next step compile nothing (nor does a hybrid decoder's
-    decoding step: its prefill is compiled, below); neither does an encoder on the CPU by default, nor with
-    ``PERFORMER_HF_COMPILE=0``."""
-    decoder = tiny_model(PerformerForCausalLM, attention_method="favor")
-    with torch.no_grad():
-        out = decoder(input_ids=random_ids(length=12), use_cache=True)
-        decoder(input_ids=out.logits[:, -1:].argmax(-1), **{CACHE_KEYWORD: out.past_key_values})
-    assert counter.frame_count == 0
+def test_the_cpu_by_default_and_compile_off_stay_eager(monkeypatch, counter):
+    """An encoder on the CPU by default (compiled devices: CUDA) and with ``PERFORMER_HF_COMPILE=0`` compiles
+    nothing. (Decoding steps compile nothing either: below.)"""
     encoder = tiny_model(PerformerForMaskedLM, max_position_embeddings=80, attention_method="favor")
     monkeypatch.setenv("PERFORMER_HF_COMPILE", "0")
     with torch.no_grad():
@@ -259,17 +252,20 @@ def test_cached_calls_and_the_cpu_by_default_stay_eager(monkeypatch, counter):
 
 @pytest.mark.parametrize(
     "settings",
-    [dict(exact_max_length=0), dict(exact_max_length=16), dict(exact_max_length=0, attention_kernel="poly2")],
-    ids=["hybrid", "exact prefix then hybrid", "polynomial far field"],
+    [
+        dict(attention_method="hybrid", exact_max_length=0),
+        dict(attention_method="hybrid", exact_max_length=16),
+        dict(attention_method="hybrid", exact_max_length=0, attention_kernel="poly2"),
+        dict(attention_method="favor"),
+    ],
+    ids=["hybrid", "exact prefix then hybrid", "hybrid, polynomial far field", "favor"],
 )
-def test_a_hybrid_prefill_is_compiled_and_decodes_as_eager(monkeypatch, counter, settings):
-    """A hybrid decoder's prefill with a cache: its output from the compiled call (bucketed: 37 tokens run as 40), its
-    state computed alone (:func:`.hybrid_prefill_state`); greedy generation of a left-padded batch gives eager's
-    tokens and step logits; the decoding steps compile nothing."""
+def test_a_prefill_is_compiled_and_decodes_as_eager(monkeypatch, counter, settings):
+    """A decoder's prefill with a cache: its output from the compiled call (bucketed: 37 tokens run as 40), its state
+    computed alone (``hybrid_prefill_state``, ``favor_prefill_state``); greedy generation of a left-padded batch gives
+    eager's tokens and step logits; the decoding steps compile nothing."""
     _flex_backend(monkeypatch)
-    model = random_centres(
-        tiny_model(PerformerForCausalLM, max_position_embeddings=80, attention_method="hybrid", **settings)
-    )
+    model = random_centres(tiny_model(PerformerForCausalLM, max_position_embeddings=80, **settings))
     ids = random_ids(batch=2, length=37, seed=3)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0

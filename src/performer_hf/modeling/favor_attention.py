@@ -104,6 +104,12 @@ def _features(
     return (features + stabilizer if stabilizer else features), shift
 
 
+def _last_shift(log_features: Tensor) -> Tensor:
+    """The running max after the last position (one max over every key, ``EMPTY_SHIFT`` if none):
+    (B, H, L, m) -> (B, H, 1, 1)."""
+    return log_features.amax(dim=(-2, -1), keepdim=True).nan_to_num(neginf=EMPTY_SHIFT).clamp_min(EMPTY_SHIFT)
+
+
 def _divide_or_zero(out1: Tensor) -> Tensor:
     """(…, d + 1) numerator|denominator -> (…, d).
 
@@ -269,3 +275,36 @@ def favor_attention(
             out1, state = _bidirectional(q, k, v1, projection, kernel, mask), None
         out = _divide_or_zero(out1).to(out_dtype)
     return (out, state) if return_state else out
+
+
+def favor_prefill_state(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor,
+    *,
+    causal: bool = True,
+    kernel: str = "softmax",
+    key_padding_mask: Tensor | None = None,
+    scaling: float | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> FavorState:
+    """The state after a causal call from the first token, without its output: what
+    ``favor_attention(..., causal=True, return_state=True)`` returns beside it, every key's features times
+    ``[v, 1]`` relative to the largest key log-feature (one matrix product). A prefill's output can then come from a
+    call without state (compiled, at a bucketed length, where a state would hold the padding). Arguments as
+    :func:`favor_attention`'s (``chunk_size`` changes nothing here)."""
+    _check_inputs(q, k, v, projection, causal, key_padding_mask, None, True)
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = (q.shape[-1] ** -0.5 if scaling is None else scaling) ** 0.5
+    k, v = k.to(compute_dtype) * scale, v.to(compute_dtype)
+    mask = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
+    if mask is not None:
+        v = v.masked_fill(~mask[:, None, :, None], 0.0)
+    v1 = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)  # (B, H, L, dv + 1)
+    keep = None if mask is None else mask[:, None, :, None]
+    with torch.autocast(q.device.type, enabled=False):
+        kf, shift = _features(k, projection.to(compute_dtype), kernel, keep=keep, shift_of=_last_shift)
+        kv = kf.transpose(-2, -1) @ v1  # (B, H, m', dv + 1)
+    B, H = k.shape[:2]
+    return FavorState(kv=kv, shift=k.new_full((B, H), EMPTY_SHIFT) if shift is None else shift[..., 0, 0])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .device_compile import call_compiled_attention
-from .favor_attention import favor_attention
+from .device_compile import call_compiled_attention, compiles
+from .favor_attention import favor_attention, favor_prefill_state
 from .method_exact import exact_is_enough, softmax_attention
 
 
@@ -29,8 +29,12 @@ def favor_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None,
     with torch.autocast(q.device.type, enabled=False):
         if layer_cache is None:  # compiled on CUDA (device_compile)
             return call_compiled_attention(favor_attention, q, k, v, module.projection, **kwargs), None
-        context, state = favor_attention(
-            q, k, v, module.projection, initial_state=layer_cache.get_state(), return_state=True, **kwargs
-        )
+        if causal and layer_cache.get_state() is None and compiles(q.device):  # a prefill: output compiled, state alone
+            context = call_compiled_attention(favor_attention, q, k, v, module.projection, **kwargs)
+            state = favor_prefill_state(q, k, v, module.projection, **kwargs)
+        else:
+            context, state = favor_attention(
+                q, k, v, module.projection, initial_state=layer_cache.get_state(), return_state=True, **kwargs
+            )
     layer_cache.update_state(state, num_new_tokens=length)
     return context, None
