@@ -218,6 +218,20 @@ def _check_inputs(q, k, v, projection, causal, key_padding_mask, state, return_s
         raise ValueError("initial_state / return_state only apply to causal attention (causal=True).")
 
 
+def _prepared(q, k, v, projection, scaling: float | None, key_padding_mask: Tensor | None):
+    """The inputs in the compute dtype (float64 stays float64, the rest computes in float32): q and k scaled by the
+    root of the logit scale, the values with a ones column (padded ones zeroed), the projection, the mask as bool.
+    -> q, k (B, H, L, d), v1 (B, H, Lk, dv + 1), projection (m, d), mask (B, Lk) or None"""
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = (q.shape[-1] ** -0.5 if scaling is None else scaling) ** 0.5
+    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    mask = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
+    if mask is not None:
+        v = v.masked_fill(~mask[:, None, :, None], 0.0)  # padded values may hold anything
+    v1 = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)  # (B, H, Lk, dv + 1)
+    return q * scale, k * scale, v1, projection.to(compute_dtype), mask
+
+
 def favor_attention(
     q: Tensor,
     k: Tensor,
@@ -255,16 +269,7 @@ def favor_attention(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}.")
     out_dtype = q.dtype
-    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scale = (q.shape[-1] ** -0.5 if scaling is None else scaling) ** 0.5
-    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
-    q, k = q * scale, k * scale
-    projection = projection.to(compute_dtype)
-    mask = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
-
-    if mask is not None:
-        v = v.masked_fill(~mask[:, None, :, None], 0.0)  # padded values may hold anything
-    v1 = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)  # (B, H, Lk, dv + 1)
+    q, k, v1, projection, mask = _prepared(q, k, v, projection, scaling, key_padding_mask)
 
     # The kernels compute in compute_dtype on purpose; autocast must not lower their matmuls
     # (the autograd functions' saved tensors would disagree in dtype with their backward).
@@ -295,16 +300,10 @@ def favor_prefill_state(
     call without state (compiled, at a bucketed length, where a state would hold the padding). Arguments as
     :func:`favor_attention`'s (``chunk_size`` changes nothing here)."""
     _check_inputs(q, k, v, projection, causal, key_padding_mask, None, True)
-    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scale = (q.shape[-1] ** -0.5 if scaling is None else scaling) ** 0.5
-    k, v = k.to(compute_dtype) * scale, v.to(compute_dtype)
-    mask = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
-    if mask is not None:
-        v = v.masked_fill(~mask[:, None, :, None], 0.0)
-    v1 = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)  # (B, H, L, dv + 1)
+    _, k, v1, projection, mask = _prepared(q, k, v, projection, scaling, key_padding_mask)
     keep = None if mask is None else mask[:, None, :, None]
     with torch.autocast(q.device.type, enabled=False):
-        kf, shift = _features(k, projection.to(compute_dtype), kernel, keep=keep, shift_of=_last_shift)
+        kf, shift = _features(k, projection, kernel, keep=keep, shift_of=_last_shift)
         kv = kf.transpose(-2, -1) @ v1  # (B, H, m', dv + 1)
     B, H = k.shape[:2]
     return FavorState(kv=kv, shift=k.new_full((B, H), EMPTY_SHIFT) if shift is None else shift[..., 0, 0])
