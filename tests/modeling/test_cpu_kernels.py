@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import performer_hf.modeling.cpu_kernels as cpu_kernels
+from performer_hf.modeling import far_field_polynomial
 from performer_hf.modeling.favor_hybrid import hybrid_attention
 from performer_hf.modeling.hybrid_keys import Keys, pad_keys
 from performer_hf.modeling.hybrid_routing import group_bounds, key_blocks, query_blocks, route
@@ -159,6 +160,16 @@ def test_kernel_gradients_match_pytorch_in_float32(value_dim, monkeypatch):
         grads.append(torch.autograd.grad((out * keep * probe).sum(), inputs))
     for fused, plain in zip(*grads, strict=True):
         torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_the_far_state_is_the_state_accelerators_build_from_features(monkeypatch):
+    # one layout for the polynomial state: the kernels' (B, H, F, dv + 1) sums are PyTorch's from explicit features
+    monkeypatch.setattr(far_field_polynomial, "from_features", lambda device: True)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(2, 3, 50, 8, generator=g, dtype=torch.float64)
+    wv1 = torch.randn(2, 3, 50, 5, generator=g, dtype=torch.float64)
+    compiled = cpu_kernels.hybrid_kernels().quadratic_far_state(w, wv1, 0.25)
+    torch.testing.assert_close(compiled, far_field_polynomial.quadratic_state(w, wv1, 0.25), rtol=1e-12, atol=1e-12)
 
 
 def test_top_blocks_matches_topk():

@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from performer_hf import PerformerForCausalLM, PerformerForMaskedLM
-from performer_hf.modeling import device_compile, favor_hybrid, hybrid_backends
+from performer_hf.modeling import device_compile, far_field_polynomial, favor_hybrid, hybrid_backends
 from performer_hf.modeling.hybrid_flex import TILE, FlexBackend
 
 from ..flex_reference import dense_attend
@@ -109,6 +109,15 @@ def test_lengths_of_one_bucket_share_a_graph_and_see_no_padding(monkeypatch, cou
         _assert_matches_eager(monkeypatch, model, length)
     _assert_matches_eager(monkeypatch, model, 39, padded=False)
     assert counter.frame_count == graphs  # the bucket's graph served every length, with or without a mask
+
+
+def test_the_far_field_built_from_features_compiles_as_on_cuda(monkeypatch, counter):
+    """On CUDA the polynomial far field's state is built from explicit features (``from_features``, its pair products
+    a custom autograd function): compiled, it gives eager's logits and gradients, every layer in one graph."""
+    monkeypatch.setattr(far_field_polynomial, "from_features", lambda device: True)
+    model = _model(monkeypatch, "encoder, hybrid")
+    _assert_matches_eager(monkeypatch, model, 40)
+    assert counter.frame_count == 1
 
 
 def test_layers_with_their_own_far_field_settings_share_one_graph(monkeypatch, counter):

@@ -3,9 +3,11 @@
 import pytest
 import torch
 
+import performer_hf.modeling.slabs as slabs_module
 from performer_hf.favor import FAR_FIELDS, HybridSpec, draw_projection, exact_attention, hybrid_attention
+from performer_hf.modeling import far_field_polynomial
 
-from ..hybrid_reference import CONFIGS, random_qkv, reference, right_padding
+from ..hybrid_reference import CONFIGS, QUADRATIC, random_qkv, reference, right_padding
 
 
 @pytest.fixture(autouse=True)
@@ -164,6 +166,52 @@ def test_gradients_match_reference(far_field, causal):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize("far_field", sorted(QUADRATIC))
+@pytest.mark.parametrize("config", CONFIGS, ids=range(len(CONFIGS)))
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_polynomial_state_from_features_matches_the_reference(far_field, config, padded, monkeypatch):
+    # On accelerators the bidirectional polynomial state is built from explicit features, not outer products
+    # (far_field_polynomial.from_features): the outputs and gradients are the dense reference's all the same.
+    monkeypatch.setattr(far_field_polynomial, "from_features", lambda device: True)
+    q, k, v = (t.requires_grad_() for t in random_qkv())
+    mask = right_padding(2, 45) if padded else None
+    kwargs = dict(far_field=far_field, center=True, **config)
+    out, ref = hybrid_attention(q, k, v, key_padding_mask=mask, **kwargs), reference(q, k, v, mask=mask, **kwargs)
+    if mask is not None:  # padded queries' outputs are unspecified
+        out, ref = out * mask[:, None, :, None], ref * mask[:, None, :, None]
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    probe = torch.randn_like(ref)
+    grads = torch.autograd.grad((out * probe).sum(), (q, k, v))
+    for a, b in zip(grads, torch.autograd.grad((ref * probe).sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("slab_elements", [1, 1 << 27])
+def test_both_polynomial_states_give_the_same_sums_and_gradients(slab_elements, monkeypatch):
+    # outer products (a CPU) against features (accelerators), in one slab per row and in one slab for everything
+    monkeypatch.setitem(slabs_module.SLAB_ELEMENTS["cpu"], "far", slab_elements)
+    g = torch.Generator().manual_seed(0)
+    w, u = (torch.randn(2, 3, 50, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    wv1 = torch.randn(2, 3, 50, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    probe = torch.randn(2, 3, 50, 5, generator=g, dtype=torch.float64)
+    results = []
+    for features in (False, True):
+        monkeypatch.setattr(far_field_polynomial, "from_features", lambda device, f=features: f)
+        sums = far_field_polynomial.quadratic_apply(u, far_field_polynomial.quadratic_state(w, wv1, 0.25))
+        results.append((sums, *torch.autograd.grad((sums * probe).sum(), (w, wv1, u))))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+def test_pair_products_and_their_gradients():
+    # forward: u_a u_b for a <= b in triu order; backward (a gather, not autograd's scatter) and its own backward
+    u = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    first, second = torch.triu_indices(6, 6)
+    assert torch.equal(far_field_polynomial.pair_products(u), u[..., first] * u[..., second])
+    assert torch.autograd.gradcheck(far_field_polynomial.pair_products, (u,))
+    assert torch.autograd.gradgradcheck(far_field_polynomial.pair_products, (u,))
+
+
 def test_float32_large_norms_stay_finite_and_close():
     q, k, v = random_qkv(length=300, head_dim=16, scale=4.0)  # logits in the hundreds
     W = _projection(64, 16)
@@ -233,8 +281,6 @@ def test_argument_errors():
 def test_results_do_not_depend_on_the_slab_size(far_field, causal, monkeypatch):
     # Key statistics, the polynomial far-field state and the query blocks run slab by slab: one row or block
     # per slab must give the same outputs and gradients as one slab for everything.
-    import performer_hf.modeling.slabs as slabs_module
-
     q, k, v = random_qkv()
     mask = right_padding(2, 45)
     config = CONFIGS[3] if not causal else CONFIGS[1]

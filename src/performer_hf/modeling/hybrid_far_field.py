@@ -65,9 +65,9 @@ class FarQueries(NamedTuple):
 class BidirectionalFar:
     """The far-field state over all keys (one key shift per batch and head) and its sums for every query.
 
-    Polynomial kernels build the state without materialising features, through ``polynomial`` (a pair
-    ``(state(w, wv1, c2), apply(u, state))``: the PyTorch functions of :mod:`.far_field_polynomial` or the compiled
-    ones); random-feature kernels through their features.
+    Polynomial kernels build the state through ``polynomial`` (a pair ``(state(w, wv1, c2), apply(u, state))``: the
+    PyTorch functions of :mod:`.far_field_polynomial`, whose form depends on the device, or the compiled CPU ones);
+    random-feature kernels through their features.
     """
 
     def __init__(self, call, polynomial):

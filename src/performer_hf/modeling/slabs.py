@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 # Elements of one slab's largest temporary, by device type ("cpu", or any accelerator) and use:
 #   blocks    hybrid attention's query blocks (B, H, n, block_q, C, X) and routing scores
-#   far       the polynomial far field's (B, H, rows, d (dv + 1)) temporaries
+#   far       the polynomial far field's (B, H, rows, X) temporaries (outer products on a CPU, features elsewhere)
 #   features  FAVOR+'s (B, H, S, m) feature buffers (8 MiB in float32 on a CPU)
 #   loss      the token loss's (rows, vocabulary) float32 softmax (4 MiB on a CPU)
 SLAB_ELEMENTS = {
