@@ -1,0 +1,191 @@
+"""The memory traffic of the attention calls that CUDA runs compiled, counted on a CPU.
+
+On a GPU the compiled attention calls (``device_compile``) are bound by memory traffic and kernel launches, not
+arithmetic: on an H200 the whole compiled hybrid call took 39 ms forward and backward at 32K tokens
+(``results/attention_parts_h200``). Without a GPU, inductor's own account of the graph it generates says where that
+traffic goes: each attention call of the encoder's shape (1 x 12 heads x L x 32, bfloat16) is compiled here by
+inductor for the CPU, as CUDA traces it (the accelerators' slab budgets, and the forms their code takes), and run
+forward and backward; inductor counts the bytes every generated kernel and matrix product reads and writes
+(``num_bytes_accessed``, its ``inductor_metrics`` log) and the kernels it generates.
+
+Arms:
+
+    favor                  plain FAVOR+ (256 features)
+    hybrid                 the default bidirectional hybrid (``hybrid_attention``, the converter's preset)
+    far field              its polynomial far field alone (``poly2``): the state over all keys, applied to every query
+    far field, CPU form    the same, built as on a CPU (outer products, ``far_field_polynomial.from_features``)
+    routing                its routing alone (each query block's key blocks)
+
+Caveats: inductor's CPU code generation fuses as its GPU one mostly does, not always (a concatenation of many slices,
+for one, stays many kernels on the CPU); and the count leaves out what a kernel re-reads from cache. Bytes are a
+proxy for a GPU's time, for comparing forms of one computation, not a timing.
+
+    python benchmarks/compiled_traffic.py                     # 4K and 8K tokens, about 3 minutes
+    python benchmarks/compiled_traffic.py --quick             # smoke test: the far field at 256 tokens
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import harness
+import torch
+
+from performer_hf.favor import HybridSpec, draw_projection, favor_attention, hybrid_attention
+from performer_hf.modeling import far_field_polynomial, slabs
+from performer_hf.modeling.attention_methods import ATTENTION_METHODS
+from performer_hf.modeling.favor_hybrid import _prepare
+from performer_hf.modeling.hybrid_selection import ExtraKeys, Selection
+
+logger = logging.getLogger("benchmarks.compiled_traffic")
+
+HEADS, HEAD_DIM, FEATURES = 12, 32, 256
+ARMS = ("favor", "hybrid", "far field", "far field, CPU form", "routing")
+
+
+def hybrid_preset() -> HybridSpec:
+    """The converter's bidirectional hybrid preset as a spec (its exact dispatch aside)."""
+    preset = ATTENTION_METHODS["hybrid"].presets["bidirectional"]
+    names = {field: name for name, field in HybridSpec.config_fields().items()}
+    return HybridSpec(**{names[field]: value for field, value in preset.items() if field in names})
+
+
+def far_field(q, k, v):
+    """``poly2``'s far field over all keys, in float32 as the hybrid runs it. -> (B, H, L, dv + 1)"""
+    values1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1).float()
+    scale = HEAD_DIM**-0.5
+    state = far_field_polynomial.quadratic_state(k.float() * scale, values1, 0.25)
+    return far_field_polynomial.quadratic_apply(q.float() * scale, state)
+
+
+def routing(q, k, v, spec: HybridSpec):
+    """Each query block's routed key blocks, as a number backward can run through (routing has no gradient)."""
+    options = dict.fromkeys(
+        ("scaling", "key_padding_mask", "query_center", "key_center", "far_field_parameter", "far_field_gain")
+    )
+    call = _prepare(q, k, v, None, spec, False, options)
+    chosen, _ = Selection(call.x, call.keys, ExtraKeys(None, None), spec, False, 0, with_feats=False).routes
+    return chosen.float().mean() + 0 * q.float().mean()
+
+
+def calls(projection):
+    spec = hybrid_preset()
+    return {
+        "favor": lambda q, k, v: favor_attention(q, k, v, projection),
+        "hybrid": lambda q, k, v: hybrid_attention(q, k, v, spec=spec),
+        "far field": far_field,
+        "far field, CPU form": far_field,
+        "routing": lambda q, k, v: routing(q, k, v, spec),
+    }
+
+
+@contextlib.contextmanager
+def as_on_cuda(arm: str):
+    """The accelerators' slab budgets and far-field form (the CPU form for its arm), for tracing on a CPU."""
+    kind, form = slabs._kind, far_field_polynomial.from_features
+    slabs._kind = lambda device: "accelerator"
+    far_field_polynomial.from_features = lambda device: arm != "far field, CPU form"
+    try:
+        yield
+    finally:
+        slabs._kind, far_field_polynomial.from_features = kind, form
+
+
+def traffic(call, length: int, arm: str) -> dict:
+    """Compile ``call`` with inductor (static shapes), run it forward and backward once on (1, 12, length, 32)
+    bfloat16 inputs: inductor's bytes read and written and its kernels, every graph (forward, backward) together."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import metrics
+
+    generator = torch.Generator().manual_seed(length)
+    inputs = [
+        torch.randn(1, HEADS, length, HEAD_DIM, generator=generator, dtype=torch.bfloat16).requires_grad_()
+        for _ in range(3)
+    ]
+    torch._dynamo.reset()
+    metrics.reset()
+    start = time.perf_counter()
+    with as_on_cuda(arm), inductor_config.patch(fx_graph_cache=False):
+        out = torch.compile(call, dynamic=False)(*inputs)
+        out.backward(torch.ones_like(out))
+    return {
+        "gigabytes": metrics.num_bytes_accessed / 1e9,
+        "kernels": metrics.generated_kernel_count,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def _count_bytes():
+    """Have inductor count each graph's bytes (it does while its ``inductor_metrics`` log is on), without printing
+    that log."""
+    from torch._inductor import compile_fx
+
+    torch._logging.set_logs(inductor_metrics=True)
+    compile_fx.inductor_metrics_log.propagate = False
+
+
+def measure(args) -> dict:
+    if args.quick:
+        args.lengths, args.arms = [256], ["far field"]
+    _count_bytes()
+    projection = draw_projection(FEATURES, HEAD_DIM, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    arm_calls = calls(projection)
+    rows = []
+    for length in args.lengths:
+        for arm in args.arms:
+            row = {"length": length, "arm": arm, **traffic(arm_calls[arm], length, arm)}
+            logger.info("%s at %d: %.3f GB, %d kernels", arm, length, row["gigabytes"], row["kernels"])
+            rows.append(row)
+    return {"torch": torch.__version__, "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    lengths = sorted({row["length"] for row in result["rows"]})
+    arms = list(dict.fromkeys(row["arm"] for row in result["rows"]))
+    by = {(row["arm"], row["length"]): row for row in result["rows"]}
+    lines = [
+        f"# Memory traffic of the compiled attention calls (inductor's count on a CPU, torch {result['torch']})",
+        "",
+        f"One call of the encoder's shape (1 x {HEADS} heads x L x {HEAD_DIM}, bfloat16), forward and backward, "
+        "compiled as CUDA traces it: gigabytes its generated kernels and matrix products read and write, and its "
+        "kernels. A proxy for a GPU's time, not a timing (see the study's docstring).",
+        "",
+        "| arm | " + " | ".join(f"GB at {n} | kernels at {n}" for n in lengths) + " |",
+        "|---|" + "---|---|" * len(lengths),
+    ]
+    for arm in arms:
+        cells = [
+            f"{by[arm, n]['gigabytes']:.2f} | {by[arm, n]['kernels']}" if (arm, n) in by else "- | -" for n in lengths
+        ]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict):
+    plt = harness.pyplot()
+    lengths = sorted({row["length"] for row in result["rows"]})
+    arms = list(dict.fromkeys(row["arm"] for row in result["rows"]))
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for arm in arms:
+        rows = sorted((r for r in result["rows"] if r["arm"] == arm), key=lambda r: r["length"])
+        axis.plot([r["length"] for r in rows], [r["gigabytes"] for r in rows], marker="o", label=arm)
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(lengths, [str(n) for n in lengths])
+    axis.set_xlabel("tokens")
+    axis.set_ylabel("GB read and written (forward + backward)")
+    axis.set_title("Compiled attention calls: inductor's byte count")
+    axis.legend()
+    return figure
+
+
+def main(argv=None) -> dict:
+    parser = harness.parser(__doc__, quick="the far field at 256 tokens")
+    parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192])
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    return harness.main("compiled_traffic", parser, measure, markdown, plot, argv=argv)
+
+
+if __name__ == "__main__":
+    main()
