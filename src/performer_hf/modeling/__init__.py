@@ -24,8 +24,8 @@ files, so these modules import only each other (and torch / transformers), never
   state), ``hybrid_keys.py`` (key sets, the far field's feature context), ``hybrid_selection.py`` and
   ``hybrid_routing.py`` (each query block's exact support), ``hybrid_exact.py`` (the exact part and the merge),
   ``hybrid_far_field.py`` (the far field), ``hybrid_causal.py`` (causal lagging and decoding), ``far_fields.py`` (the
-  far-field kernel registry) with ``far_field_polynomial.py``, ``hybrid_backends.py`` (PyTorch or compiled, one
-  choice), ``slabs.py`` (slab sizing);
+  far-field kernel registry) with ``far_field_polynomial.py`` (and ``far_field_triton.py``, its Triton kernels for
+  CUDA), ``hybrid_backends.py`` (PyTorch or compiled, one choice), ``slabs.py`` (slab sizing);
 - sparse attention (causal): ``sparse_spec.py`` (settings and decoding state), ``sparse_attention.py`` (window,
   first tokens and the key blocks each query selects, exact softmax);
 - ``cache_performer.py``: the methods' decoding caches; ``cpu_kernels.py`` + ``csrc/``: the compiled CPU kernels

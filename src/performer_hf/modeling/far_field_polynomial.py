@@ -11,13 +11,18 @@ the compiled CPU kernels of :mod:`.hybrid_compiled` on a CPU), in one of two way
 - on accelerators, from the features (:func:`pair_products`), ``F = 1 + d + d (d + 1) / 2`` wide, as the CPU kernels
   hold them: about half the width, and under ``torch.compile`` 2.2x fewer bytes read and written for the state and
   the sums, forward and backward (inductor's count, 12 heads x 4K tokens x 32 dims: 1.46 against 3.25 GB), which
-  is what a GPU's time follows.
+  is what a GPU's time follows;
+- on CUDA with Triton, for the head dims its tiles take, in the kernels of :mod:`.far_field_triton`, which keep the
+  features in registers (:func:`.far_field_triton.serves`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .far_field_triton import quadratic_apply as triton_apply
+from .far_field_triton import quadratic_state as triton_state
+from .far_field_triton import serves as triton_serves
 from .slabs import recomputed, slab_sizes
 
 Tensor = torch.Tensor
@@ -117,9 +122,12 @@ def quadratic_state(w: Tensor, wv1: Tensor, c2: float) -> tuple[Tensor, Tensor] 
     On a CPU, without materialising features: ``linear`` (B, H, 1 + d, dv + 1) ``= [1, w]^T wv1`` and ``quadratic``
     (B, H, d, d (dv + 1)) ``= c2 sum_j w_j (w_j (x) wv1_j)``: row ``a``, column ``(b, e)`` holds
     ``c2 sum_j w_ja w_jb wv1_je``. On accelerators (:func:`from_features`): (B, H, F, dv + 1)
-    ``= sum_j key_features(w_j) wv1_j^T``, the compiled CPU kernels' state.
+    ``= sum_j key_features(w_j) wv1_j^T``, the compiled CPU kernels' state. Where the Triton kernels serve:
+    (B, H, 1 + d + d^2, dv + 1) (:func:`.far_field_triton.quadratic_state`).
     """
     B, H, S, d = w.shape
+    if triton_serves(w, wv1.shape[-1]):
+        return triton_state(w, wv1, c2)
     if from_features(w.device):
         sizes = slab_sizes(S, B * H * _feature_width(d), "far", w.device)
         state = 0
@@ -150,6 +158,8 @@ def quadratic_apply(u: Tensor, state: tuple[Tensor, Tensor] | Tensor) -> Tensor:
     """u: (B, H, n, d) centred queries -> (B, H, n, dv + 1) kernel sums ``sum_j (1 + t + c2 t^2) wv1_j``, from the
     :func:`quadratic_state` of the keys (built on the same device)."""
     B, H, n, d = u.shape
+    if not isinstance(state, tuple) and state.shape[-2] == 1 + d + d * d:  # the Triton kernels' state
+        return triton_apply(u, state)
     if from_features(u.device):
         sizes = slab_sizes(n, B * H * _feature_width(d), "far", u.device)
         return torch.cat([recomputed(_feature_slab_sums, u_s, state) for u_s in u.split(sizes, dim=2)], dim=2)

@@ -1,0 +1,220 @@
+"""The bidirectional polynomial far field of hybrid attention in Triton kernels, for CUDA devices.
+
+In PyTorch the far field's features (``1 + d + d (d + 1) / 2`` per row) go to memory between its matrix products: on
+a GPU its time follows those bytes (``benchmarks/compiled_traffic.py``: 1.51 GB forward and backward for 12 heads x 4K
+tokens, 8x at 32K). Here they live in registers, as in the CPU kernels (:mod:`.hybrid_compiled`), and each call reads
+its inputs and writes its outputs once. The kernel ``1 + t + c t^2`` of ``t = x . y`` splits into a state over the
+keys and its sums for each query, three kernels between them, forward and backward:
+
+- ``state(X, V, c)``, (B, H, 1 + d + d^2, E): rows ``[sum_j v_j, X^T V]``, then for each ``a`` the (d, E) block
+  ``c sum_j x_ja x_j (x) v_j`` (the full symmetric square: regular tiles);
+- ``apply(X, S, c)``, (B, H, N, E): ``s_0 + x_i S_lin + c sum_ab x_ia x_ib S_ab`` for each row;
+- ``grad_x(X, G, S, c)``, (B, H, N, d): the gradient of ``sum_i g_i . apply(X, S, c)_i`` with respect to X.
+
+The state of keys w with weighted values wv1 is ``state(w, wv1, c2)``, its sums for queries u ``apply(u, S, 1)``.
+Backward: ``d wv1 = apply(w, dS, c2)``, ``d w = grad_x(w, wv1, dS, c2)``; ``d u = grad_x(u, g, S, 1)``,
+``d S = state(u, g, 1)``. Their matrix products take float32 as PyTorch's do (IEEE by default, TF32 where
+``torch.set_float32_matmul_precision`` allows it): about 310 GFLOP forward and backward for 12 heads x 32K tokens x 32
+dims (the full square of d and the values padded to 64 columns: 4x what the features need, traded for regular tiles).
+Tested on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``); :func:`serves` says where they run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+BLOCK_ROWS = 64  # rows (keys or queries) per tile
+
+
+try:  # Triton comes with torch's CUDA builds; on a CPU without it, nothing here runs (see serves)
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+def serves(x: Tensor, values_width: int) -> bool:
+    """Whether the kernels take rows ``x`` (B, H, N, d) with values ``values_width`` wide: on CUDA with Triton,
+    float32 rows (the far field's dtype), d a power of two from 16 to 64, at most 128 value columns."""
+    d = x.shape[-1]
+    return (
+        x.device.type == "cuda"
+        and triton is not None
+        and x.dtype == torch.float32
+        and 16 <= d <= 64
+        and d & (d - 1) == 0
+        and values_width <= 128
+    )
+
+
+def _padded_width(width: int) -> int:
+    return max(16, 1 << (width - 1).bit_length())
+
+
+if triton is not None:  # defined at import: dynamo traces calls of module-level kernels into compiled graphs
+
+    @triton.jit
+    def _state_kernel(
+        X, V, S, N, E, c, D: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr
+    ):
+        # program (bh, r): r = 0 the linear rows [sum v, X^T V], r = 1 + a the quadratic block a
+        bh, r = tl.program_id(0).to(tl.int64), tl.program_id(1)  # int64 offsets: B H N d passes 2^31
+        dims, cols, rows = tl.arange(0, D), tl.arange(0, EP), tl.arange(0, BLOCK)
+        x_base, v_base = X + bh * N * D, V + bh * N * E
+        s_base = S + bh * (1 + D + D * D) * E
+        acc = tl.zeros((D, EP), dtype=tl.float32)
+        ones = tl.zeros((EP,), dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            row = start + rows
+            live = row < N
+            x = tl.load(x_base + row[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)  # (BLOCK, D)
+            v = tl.load(v_base + row[:, None] * E + cols[None, :], mask=live[:, None] & (cols[None, :] < E), other=0.0)
+            if r == 0:
+                ones += tl.sum(v, axis=0)
+                acc += tl.dot(tl.trans(x), v, input_precision=PRECISION)
+            else:
+                x_a = tl.load(x_base + row * D + (r - 1), mask=live, other=0.0)  # (BLOCK,)
+                acc += tl.dot(tl.trans(x * x_a[:, None]), v, input_precision=PRECISION)
+        keep = cols[None, :] < E
+        if r == 0:
+            tl.store(s_base + cols, ones, mask=cols < E)
+            tl.store(s_base + (1 + dims[:, None]) * E + cols[None, :], acc, mask=keep)
+        else:
+            first = 1 + D + (r - 1) * D
+            tl.store(s_base + (first + dims[:, None]) * E + cols[None, :], acc * c, mask=keep)
+
+    @triton.jit
+    def _apply_kernel(
+        X, S, OUT, N, E, c, D: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr
+    ):
+        bh, tile = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        dims, cols = tl.arange(0, D), tl.arange(0, EP)
+        row = tile * BLOCK + tl.arange(0, BLOCK)
+        live, keep = row < N, cols < E
+        x_base, s_base = X + bh * N * D, S + bh * (1 + D + D * D) * E
+        x = tl.load(x_base + row[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)  # (BLOCK, D)
+        s0 = tl.load(s_base + cols, mask=keep, other=0.0)  # (EP,)
+        s_lin = tl.load(s_base + (1 + dims[:, None]) * E + cols[None, :], mask=keep[None, :], other=0.0)  # (D, EP)
+        acc = tl.dot(x, s_lin, input_precision=PRECISION) + s0[None, :]
+        quad = tl.zeros((BLOCK, EP), dtype=tl.float32)
+        for a in range(D):
+            s_a = tl.load(s_base + (1 + D + a * D + dims[:, None]) * E + cols[None, :], mask=keep[None, :], other=0.0)
+            x_a = tl.load(x_base + row * D + a, mask=live, other=0.0)
+            quad += x_a[:, None] * tl.dot(x, s_a, input_precision=PRECISION)
+        acc += quad * c
+        tl.store(OUT + bh * N * E + row[:, None] * E + cols[None, :], acc, mask=live[:, None] & keep[None, :])
+
+    @triton.jit
+    def _grad_x_kernel(
+        X, G, S, OUT, N, E, c, D: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr
+    ):
+        # d/dx_ic of g_i . (x_i S_lin + c sum_ab x_ia x_ib S_ab) = g_i . S_lin[c] + c sum_b x_ib g_i . (S_cb + S_bc)
+        bh, tile = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        dims, cols = tl.arange(0, D), tl.arange(0, EP)
+        row = tile * BLOCK + tl.arange(0, BLOCK)
+        live, keep = row < N, cols < E
+        x_base, s_base = X + bh * N * D, S + bh * (1 + D + D * D) * E
+        x = tl.load(x_base + row[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)  # (BLOCK, D)
+        g = tl.load(G + bh * N * E + row[:, None] * E + cols[None, :], mask=live[:, None] & keep[None, :], other=0.0)
+        s_lin = tl.load(s_base + (1 + dims[:, None]) * E + cols[None, :], mask=keep[None, :], other=0.0)  # (D, EP)
+        acc = tl.dot(g, tl.trans(s_lin), input_precision=PRECISION)  # (BLOCK, D)
+        quad = tl.zeros((BLOCK, D), dtype=tl.float32)
+        for a in range(D):
+            s_a = tl.load(s_base + (1 + D + a * D + dims[:, None]) * E + cols[None, :], mask=keep[None, :], other=0.0)
+            m = tl.dot(g, tl.trans(s_a), input_precision=PRECISION)  # (BLOCK, D): g_i . S_ab for every b
+            x_a = tl.load(x_base + row * D + a, mask=live, other=0.0)
+            quad += x_a[:, None] * m  # column b gains x_ia g_i . S_ab (the S_bc term, as a runs over b)
+            quad += tl.where(dims[None, :] == a, tl.sum(x * m, axis=1)[:, None], 0.0)  # column a: sum_b x_ib g_i . S_ab
+        acc += quad * c
+        tl.store(OUT + bh * N * D + row[:, None] * D + dims[None, :], acc, mask=live[:, None])
+
+
+def _launch_shape(x: Tensor, width: int) -> dict:
+    """The kernels' compile-time settings: tile widths, and their matrix products' precision as PyTorch's own float32
+    products take it (``torch.set_float32_matmul_precision``: IEEE float32 by default, TF32 at "high" or "medium")."""
+    precision = "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return {"D": x.shape[-1], "EP": _padded_width(width), "BLOCK": BLOCK_ROWS, "PRECISION": precision}
+
+
+def _state(x: Tensor, v: Tensor, c: float) -> Tensor:
+    """(B, H, N, d), (B, H, N, E) -> (B, H, 1 + d + d^2, E)."""
+    x, v = x.contiguous(), v.contiguous()  # the kernels read rows in place (compiled callers may pass other strides)
+    B, H, N, d = x.shape
+    E = v.shape[-1]
+    out = torch.empty(B, H, 1 + d + d * d, E, dtype=torch.float32, device=x.device)
+    _state_kernel[(B * H, 1 + d)](x, v, out, N, E, c, **_launch_shape(x, E))
+    return out
+
+
+def _apply(x: Tensor, s: Tensor, c: float) -> Tensor:
+    """(B, H, N, d), (B, H, 1 + d + d^2, E) -> (B, H, N, E)."""
+    x, s = x.contiguous(), s.contiguous()
+    B, H, N, d = x.shape
+    E = s.shape[-1]
+    out = torch.empty(B, H, N, E, dtype=torch.float32, device=x.device)
+    _apply_kernel[(B * H, -(-N // BLOCK_ROWS))](x, s, out, N, E, c, **_launch_shape(x, E))
+    return out
+
+
+def _grad_x(x: Tensor, g: Tensor, s: Tensor, c: float) -> Tensor:
+    """(B, H, N, d), (B, H, N, E), (B, H, 1 + d + d^2, E) -> (B, H, N, d)."""
+    x, g, s = x.contiguous(), g.contiguous(), s.contiguous()
+    B, H, N, d = x.shape
+    E = s.shape[-1]
+    out = torch.empty_like(x)
+    _grad_x_kernel[(B * H, -(-N // BLOCK_ROWS))](x, g, s, out, N, E, c, **_launch_shape(x, E))
+    return out
+
+
+# The kernels as custom operators (opaque to torch.compile, which calls them between its own fused kernels), with
+# their shapes for tracing and the gradients of the state and the sums (module docstring). A second copy of this
+# module (remote code beside the installed package) finds them registered and uses them.
+_OPS = {"polynomial_far_state": _state, "polynomial_far_apply": _apply, "polynomial_far_grad_x": _grad_x}
+_SHAPES = {
+    "polynomial_far_state": lambda x, v, c: (*x.shape[:2], 1 + x.shape[-1] + x.shape[-1] ** 2, v.shape[-1]),
+    "polynomial_far_apply": lambda x, s, c: (*x.shape[:3], s.shape[-1]),
+    "polynomial_far_grad_x": lambda x, g, s, c: x.shape,
+}
+
+
+def _state_backward(ctx, d_state: Tensor):
+    x, v = ctx.saved_tensors
+    ops = torch.ops.performer_hf
+    return ops.polynomial_far_grad_x(x, v, d_state, ctx.c), ops.polynomial_far_apply(x, d_state, ctx.c), None
+
+
+def _apply_backward(ctx, d_sums: Tensor):
+    x, s = ctx.saved_tensors
+    ops = torch.ops.performer_hf
+    return ops.polynomial_far_grad_x(x, d_sums, s, ctx.c), ops.polynomial_far_state(x, d_sums, ctx.c), None
+
+
+def _save_inputs(ctx, inputs, output):
+    *tensors, ctx.c = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _register() -> None:
+    if hasattr(torch.ops.performer_hf, "polynomial_far_state"):
+        return  # registered by another copy of this module
+    for name, function in _OPS.items():
+        op = torch.library.custom_op(f"performer_hf::{name}", mutates_args=())(function)
+        op.register_fake(lambda *args, shape=_SHAPES[name]: args[0].new_empty(shape(*args), dtype=torch.float32))
+    torch.library.register_autograd("performer_hf::polynomial_far_state", _state_backward, setup_context=_save_inputs)
+    torch.library.register_autograd("performer_hf::polynomial_far_apply", _apply_backward, setup_context=_save_inputs)
+
+
+if triton is not None:
+    _register()
+
+
+def quadratic_state(w: Tensor, wv1: Tensor, c2: float) -> Tensor:
+    """The far field's state of keys w (B, H, S, d) and weighted values wv1 (B, H, S, E), float32: (B, H,
+    1 + d + d^2, E) (see the module docstring)."""
+    return torch.ops.performer_hf.polynomial_far_state(w, wv1, float(c2))
+
+
+def quadratic_apply(u: Tensor, state: Tensor) -> Tensor:
+    """The kernel sums (B, H, L, E) of queries u (B, H, L, d) from :func:`quadratic_state`."""
+    return torch.ops.performer_hf.polynomial_far_apply(u, state, 1.0)

@@ -1,0 +1,126 @@
+"""The Triton kernels of the polynomial far field (``far_field_triton``) against the PyTorch forms and the dense
+reference: on a CPU through Triton's interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` where there is
+no CUDA device), on CUDA compiled. Float32 kernels against float64 PyTorch."""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from performer_hf.favor import hybrid_attention
+from performer_hf.modeling import far_field_polynomial, far_field_triton
+
+from ..hybrid_reference import random_qkv, reference, right_padding
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rows(d: int, width: int, length: int = 70, seed: int = 0):
+    """Keys w, queries u (1, 2, length, d) and weighted values wv1 (1, 2, length, width), float32 on DEVICE."""
+    g = torch.Generator().manual_seed(seed)
+    w, u = (torch.randn(1, 2, length, d, generator=g) * 0.5 for _ in range(2))
+    wv1 = torch.randn(1, 2, length, width, generator=g)
+    return [t.to(DEVICE).requires_grad_() for t in (w, wv1, u)]
+
+
+def _sums_and_gradients(state_fn, apply_fn, w, wv1, u, c2, probe):
+    sums = apply_fn(u, state_fn(w, wv1, c2))
+    return (sums, *torch.autograd.grad((sums * probe).sum(), (w, wv1, u)))
+
+
+def _assert_relatively_close(got, want, tol):
+    for a, b in zip(got, want, strict=True):
+        error = (a.double() - b).abs().max() / b.abs().max()
+        assert error < tol, f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("d,width", [(16, 9), (32, 33), (64, 16)])
+@pytest.mark.parametrize("c2", [0.25, 0.5])
+def test_the_kernels_give_the_sums_and_gradients_of_pytorch(d, width, c2):
+    """State and sums forward, and the gradients of keys, values and queries, against the outer products in float64
+    (70 rows: a partial second tile)."""
+    w, wv1, u = _rows(d, width)
+    probe = torch.randn(1, 2, 70, width, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    got = _sums_and_gradients(far_field_triton.quadratic_state, far_field_triton.quadratic_apply, w, wv1, u, c2, probe)
+    exact = [t.detach().cpu().double().requires_grad_() for t in (w, wv1, u)]
+    want = _sums_and_gradients(
+        far_field_polynomial.quadratic_state, far_field_polynomial.quadratic_apply, *exact, c2, probe.cpu().double()
+    )
+    _assert_relatively_close([t.cpu() for t in got], want, 1e-5)
+
+
+def test_the_far_field_takes_the_kernels_where_they_serve(monkeypatch):
+    """``quadratic_state`` hands rows the kernels serve to them (their state: 1 + d + d^2 rows), and
+    ``quadratic_apply`` recognises that state."""
+    calls = []
+    monkeypatch.setattr(far_field_polynomial, "triton_serves", lambda x, width: calls.append(width) or True)
+    w, wv1, u = _rows(16, 9)
+    state = far_field_polynomial.quadratic_state(w, wv1, 0.25)
+    assert calls == [9] and state.shape == (1, 2, 1 + 16 + 16 * 16, 9)
+    sums = far_field_polynomial.quadratic_apply(u, state)
+    torch.testing.assert_close(sums, far_field_triton.quadratic_apply(u, state), rtol=0, atol=0)
+
+
+def test_only_cuda_float32_rows_of_tile_dims_are_served():
+    x = torch.zeros(1, 1, 4, 32)
+    assert not far_field_triton.serves(x, 33)  # a CPU: the PyTorch forms
+    if torch.cuda.is_available():
+        assert far_field_triton.serves(x.cuda(), 33)
+        assert not far_field_triton.serves(x.cuda().double(), 33)  # float64: PyTorch
+        assert not far_field_triton.serves(torch.zeros(1, 1, 4, 24, device="cuda"), 33)  # not a power of two
+        assert not far_field_triton.serves(x.cuda(), 129)  # wider values than a tile
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_hybrid_attention_through_the_kernels_matches_the_dense_reference(padded, monkeypatch):
+    """The bidirectional hybrid with its far field in the kernels (as on CUDA, float32) against the dense reference in
+    float64: outputs and gradients."""
+    monkeypatch.setattr(far_field_polynomial, "triton_serves", lambda x, width: x.dtype == torch.float32)
+    q, k, v = random_qkv(head_dim=16)
+    mask = right_padding(2, 45) if padded else None
+    config = dict(far_field="poly2", center=True, local_window=7, num_global_tokens=1, routed_blocks=2)
+    config.update(route_block_size=4, query_block_size=8)
+    fast_inputs = [t.float().to(DEVICE).requires_grad_() for t in (q, k, v)]
+    fast_mask = None if mask is None else mask.to(DEVICE)
+    fast = hybrid_attention(*fast_inputs, key_padding_mask=fast_mask, **config)
+    ref_inputs = [t.requires_grad_() for t in (q, k, v)]
+    ref = reference(*ref_inputs, mask=mask, **config)
+    keep = torch.ones(2, 45, dtype=torch.bool) if mask is None else mask  # padded queries' outputs are unspecified
+    fast, ref = fast.cpu() * keep[:, None, :, None], ref * keep[:, None, :, None]
+    probe = torch.randn_like(ref)
+    got = (fast, *torch.autograd.grad((fast * probe).sum(), fast_inputs))
+    want = (ref, *torch.autograd.grad((ref * probe).sum(), ref_inputs))
+    _assert_relatively_close([t.cpu() for t in got], want, 1e-5)
+
+
+def test_compiled_the_kernels_are_operators_of_the_graph():
+    """Under ``torch.compile`` the kernels are custom operators, opaque to tracing: one graph without breaks, with
+    eager's sums and gradients."""
+    w, wv1, u = _rows(16, 9)
+
+    def far_sums(w, wv1, u):
+        return far_field_triton.quadratic_apply(u, far_field_triton.quadratic_state(w, wv1, 0.25))
+
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(far_sums, backend=counter, fullgraph=True)(w, wv1, u)
+        got = (compiled, *torch.autograd.grad(compiled.sum(), (w, wv1, u)))
+    finally:
+        torch._dynamo.reset()
+    eager = far_sums(w, wv1, u)
+    want = (eager, *torch.autograd.grad(eager.sum(), (w, wv1, u)))
+    assert counter.frame_count == 1
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_products_take_float32_as_pytorch_does():
+    """IEEE float32 by default; TF32 where ``torch.set_float32_matmul_precision`` lets PyTorch's products use it."""
+    x = torch.zeros(1, 1, 4, 32)
+    previous = torch.get_float32_matmul_precision()
+    try:
+        assert far_field_triton._launch_shape(x, 33)["PRECISION"] == "ieee"
+        torch.set_float32_matmul_precision("high")
+        assert far_field_triton._launch_shape(x, 33) == {"D": 32, "EP": 64, "BLOCK": 64, "PRECISION": "tf32"}
+    finally:
+        torch.set_float32_matmul_precision(previous)
