@@ -6,7 +6,8 @@
 #   1. tests/modeling/test_hybrid_flex.py and test_sparse_flex.py, whose CUDA tests run the compiled FlexAttention
 #      paths forward and backward in float32 and bfloat16 against the float32 CPU path, and test_device_compile.py,
 #      whose CUDA tests run every compiled attention call (FAVOR+ and the hybrid, encoder and decoder) against eager
-#      (the CPU tests run too; inductor's compilations take most of its time);
+#      (the CPU tests run too; inductor's compilations take most of its time), and test_far_field_triton.py, the far
+#      field's Triton kernels compiled for the GPU against float64 PyTorch, eager, compiled and in the hybrid;
 #   2. benchmarks/model_speed.py --check: every arm's logits on the GPU in bfloat16 against float32 on the CPU, then
 #      the whole models' training step and inference against the source held to flash attention, 512 to 32K
 #      tokens (16,384 tokens per batch; an arm that runs out of memory or past the time cap stops there, and a model
@@ -37,14 +38,15 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
   | tee -a "$out/gpu_check.log"
 # device time is scarce: the speed runs even when a test fails, and the script's status says so at the end
 tests=0
-timeout 210 python3 -m pytest -q -p no:cacheprovider tests/modeling/test_hybrid_flex.py tests/modeling/test_sparse_flex.py tests/modeling/test_device_compile.py \
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/modeling/test_hybrid_flex.py tests/modeling/test_sparse_flex.py \
+  tests/modeling/test_device_compile.py tests/modeling/test_far_field_triton.py \
   2>&1 | tee -a "$out/gpu_check.log" || tests=$?
 # the encoder and GPT-2 decoder (their default: hybrid; the encoder's tiled support too), then the Llama converted in
 # place (its default: sparse)
 mkdir -p "$out/family" "$out/decoder" "$out/in_place"
-timeout 170 python3 benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check \
+timeout 150 python3 benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check \
   --models encoder --arms flash hybrid tiled favor --lengths 32768 8192 2048 512 \
-  --reps 3 --time-cap 5 --budget 120 --out-dir "$out/family" 2>&1 | tee -a "$out/gpu_check.log" || true
+  --reps 3 --time-cap 5 --budget 105 --out-dir "$out/family" 2>&1 | tee -a "$out/gpu_check.log" || true
 timeout 110 python3 benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check \
   --models decoder --arms flash hybrid favor --lengths 32768 8192 2048 512 \
   --reps 3 --time-cap 5 --budget 70 --out-dir "$out/decoder" 2>&1 | tee -a "$out/gpu_check.log" || true
@@ -53,5 +55,5 @@ timeout 110 python3 benchmarks/model_speed.py --device cuda --dtype bfloat16 --b
 timeout 60 python3 benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 \
   --models llama --arms sdpa flash sparse --lengths 2048 8192 32768 \
   --reps 3 --time-cap 5 --budget 25 --out-dir "$out/in_place" 2>&1 | tee -a "$out/gpu_check.log" || true
-if [ "$tests" != 0 ]; then echo "the FlexAttention tests FAILED (status $tests): see above" | tee -a "$out/gpu_check.log"; fi
+if [ "$tests" != 0 ]; then echo "the GPU tests FAILED (status $tests): see above" | tee -a "$out/gpu_check.log"; fi
 exit "$tests"
