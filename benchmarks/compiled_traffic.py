@@ -11,16 +11,24 @@ forward and backward; inductor counts the bytes every generated kernel and matri
 Arms:
 
     favor                  plain FAVOR+ (256 features)
-    hybrid                 the default bidirectional hybrid (``hybrid_attention``, the converter's preset)
-    far field              its polynomial far field alone (``poly2``): the state over all keys, applied to every query
-    far field, CPU form    the same, built as on a CPU (outer products, ``far_field_polynomial.from_features``)
+    hybrid                 the default bidirectional hybrid (``hybrid_attention``, the converter's preset), its far
+                           field in the Triton kernels (``far_field_triton``) as on CUDA
+    hybrid, PyTorch far field  the same with the far field in PyTorch (explicit features)
+    far field              its polynomial far field alone (``poly2``): the state over all keys, applied to every
+                           query, in the Triton kernels (opaque operators: their inputs and outputs count)
+    far field, PyTorch     the same in PyTorch, explicit features (``far_field_polynomial.from_features``)
+    far field, CPU form    the same in PyTorch as on a CPU (outer products)
     routing                its routing alone (each query block's key blocks)
+
+Without CUDA the Triton kernels run in Triton's interpreter (set here): most of the study's time, which is about
+15 minutes at 4K tokens on two CPU cores. The count grows linearly with the length (at 4K and 8K: twice as many bytes
+for every arm, the same kernels).
 
 Caveats: inductor's CPU code generation fuses as its GPU one mostly does, not always (a concatenation of many slices,
 for one, stays many kernels on the CPU); and the count leaves out what a kernel re-reads from cache. Bytes are a
 proxy for a GPU's time, for comparing forms of one computation, not a timing.
 
-    python benchmarks/compiled_traffic.py                     # 4K and 8K tokens, about 3 minutes
+    python benchmarks/compiled_traffic.py                     # 4K tokens, about 15 minutes
     python benchmarks/compiled_traffic.py --quick             # smoke test: the far field at 256 tokens
 """
 
@@ -28,21 +36,35 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 
-import harness
 import torch
 
-from performer_hf.favor import HybridSpec, draw_projection, favor_attention, hybrid_attention
-from performer_hf.modeling import far_field_polynomial, slabs
-from performer_hf.modeling.attention_methods import ATTENTION_METHODS
-from performer_hf.modeling.favor_hybrid import _prepare
-from performer_hf.modeling.hybrid_selection import ExtraKeys, Selection
+if not torch.cuda.is_available():  # the Triton kernels in Triton's interpreter: read when they are defined, at import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import harness  # noqa: E402
+
+from performer_hf.favor import HybridSpec, draw_projection, favor_attention, hybrid_attention  # noqa: E402
+from performer_hf.modeling import far_field_polynomial, slabs  # noqa: E402
+from performer_hf.modeling.attention_methods import ATTENTION_METHODS  # noqa: E402
+from performer_hf.modeling.favor_hybrid import _prepare  # noqa: E402
+from performer_hf.modeling.hybrid_selection import ExtraKeys, Selection  # noqa: E402
 
 logger = logging.getLogger("benchmarks.compiled_traffic")
 
 HEADS, HEAD_DIM, FEATURES = 12, 32, 256
-ARMS = ("favor", "hybrid", "far field", "far field, CPU form", "routing")
+ARMS = (
+    "favor",
+    "hybrid",
+    "hybrid, PyTorch far field",
+    "far field",
+    "far field, PyTorch",
+    "far field, CPU form",
+    "routing",
+)
+TRITON_ARMS = ("hybrid", "far field")  # the arms whose far field runs in the Triton kernels
 
 
 def hybrid_preset() -> HybridSpec:
@@ -75,7 +97,9 @@ def calls(projection):
     return {
         "favor": lambda q, k, v: favor_attention(q, k, v, projection),
         "hybrid": lambda q, k, v: hybrid_attention(q, k, v, spec=spec),
+        "hybrid, PyTorch far field": lambda q, k, v: hybrid_attention(q, k, v, spec=spec),
         "far field": far_field,
+        "far field, PyTorch": far_field,
         "far field, CPU form": far_field,
         "routing": lambda q, k, v: routing(q, k, v, spec),
     }
@@ -83,14 +107,16 @@ def calls(projection):
 
 @contextlib.contextmanager
 def as_on_cuda(arm: str):
-    """The accelerators' slab budgets and far-field form (the CPU form for its arm), for tracing on a CPU."""
-    kind, form = slabs._kind, far_field_polynomial.from_features
+    """The accelerators' slab budgets and far-field form (the Triton kernels for float32 rows, or PyTorch's features,
+    or the CPU's outer products, by arm), for tracing on a CPU."""
+    kind, form, triton = slabs._kind, far_field_polynomial.from_features, far_field_polynomial.triton_serves
     slabs._kind = lambda device: "accelerator"
     far_field_polynomial.from_features = lambda device: arm != "far field, CPU form"
+    far_field_polynomial.triton_serves = lambda x, width: arm in TRITON_ARMS and x.dtype == torch.float32
     try:
         yield
     finally:
-        slabs._kind, far_field_polynomial.from_features = kind, form
+        slabs._kind, far_field_polynomial.from_features, far_field_polynomial.triton_serves = kind, form, triton
 
 
 def traffic(call, length: int, arm: str) -> dict:
@@ -182,7 +208,7 @@ def plot(result: dict):
 
 def main(argv=None) -> dict:
     parser = harness.parser(__doc__, quick="the far field at 256 tokens")
-    parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[4096])
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     return harness.main("compiled_traffic", parser, measure, markdown, plot, argv=argv)
 

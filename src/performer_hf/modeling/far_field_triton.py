@@ -52,7 +52,7 @@ def _padded_width(width: int) -> int:
     return max(16, 1 << (width - 1).bit_length())
 
 
-if triton is not None:  # defined at import: dynamo traces calls of module-level kernels into compiled graphs
+if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET (its interpreter: the tests on a CPU)
 
     @triton.jit
     def _state_kernel(
