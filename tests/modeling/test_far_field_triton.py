@@ -60,7 +60,11 @@ def test_the_far_field_takes_the_kernels_where_they_serve(monkeypatch):
     torch.testing.assert_close(sums, far_field_triton.quadratic_apply(u, state), rtol=0, atol=0)
 
 
-def test_only_cuda_float32_rows_of_tile_dims_are_served():
+def test_only_cuda_float32_rows_of_tile_dims_are_served(monkeypatch):
+    assert far_field_triton.enabled()  # Triton is part of the test install
+    monkeypatch.setenv("PERFORMER_HF_TRITON", "0")
+    assert not far_field_triton.enabled()
+    monkeypatch.delenv("PERFORMER_HF_TRITON")
     x = torch.zeros(1, 1, 4, 32)
     assert not far_field_triton.serves(x, 33)  # a CPU: the PyTorch forms
     if torch.cuda.is_available():

@@ -21,6 +21,8 @@ Tested on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``); :func:`
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 Tensor = torch.Tensor
@@ -34,13 +36,20 @@ except ImportError:
     triton = None
 
 
+def enabled() -> bool:
+    """Whether the kernels may run: Triton is there, and ``PERFORMER_HF_TRITON`` is not ``0`` (which turns them off:
+    the PyTorch features instead)."""
+    return triton is not None and os.environ.get("PERFORMER_HF_TRITON", "1") != "0"
+
+
 def serves(x: Tensor, values_width: int) -> bool:
-    """Whether the kernels take rows ``x`` (B, H, N, d) with values ``values_width`` wide: on CUDA with Triton,
-    float32 rows (the far field's dtype), d a power of two from 16 to 64, at most 128 value columns."""
+    """Whether the kernels take rows ``x`` (B, H, N, d) with values ``values_width`` wide: on CUDA where they are
+    :func:`enabled`, float32 rows (the far field's dtype), d a power of two from 16 to 64, at most 128 value
+    columns."""
     d = x.shape[-1]
     return (
         x.device.type == "cuda"
-        and triton is not None
+        and enabled()
         and x.dtype == torch.float32
         and 16 <= d <= 64
         and d & (d - 1) == 0
