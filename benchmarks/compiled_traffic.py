@@ -14,8 +14,9 @@ Arms:
     hybrid                 the default bidirectional hybrid (``hybrid_attention``, the converter's preset), its far
                            field in the Triton kernels (``far_field_triton``) as on CUDA
     hybrid, PyTorch far field  the same with the far field in PyTorch (explicit features)
-    far field              its polynomial far field alone (``poly2``): the state over all keys, applied to every
-                           query, in the Triton kernels (opaque operators: their inputs and outputs count)
+    far field              its polynomial far field alone (``attention_parts.far_field_part``): the state over all
+                           keys, applied to every query, in the Triton kernels (opaque operators: their inputs and
+                           outputs count)
     far field, PyTorch     the same in PyTorch, explicit features (``far_field_polynomial.from_features``)
     far field, CPU form    the same in PyTorch as on a CPU (outer products)
     routing                its routing alone (each query block's key blocks)
@@ -45,16 +46,13 @@ if not torch.cuda.is_available():  # the Triton kernels in Triton's interpreter:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import harness  # noqa: E402
+from attention_parts import FEATURES, HEAD_DIM, HEADS, far_field_part, hybrid_preset, routing_part  # noqa: E402
 
-from performer_hf.favor import HybridSpec, draw_projection, favor_attention, hybrid_attention  # noqa: E402
+from performer_hf.favor import draw_projection, favor_attention, hybrid_attention  # noqa: E402
 from performer_hf.modeling import far_field_polynomial, slabs  # noqa: E402
-from performer_hf.modeling.attention_methods import ATTENTION_METHODS  # noqa: E402
-from performer_hf.modeling.favor_hybrid import _prepare  # noqa: E402
-from performer_hf.modeling.hybrid_selection import ExtraKeys, Selection  # noqa: E402
 
 logger = logging.getLogger("benchmarks.compiled_traffic")
 
-HEADS, HEAD_DIM, FEATURES = 12, 32, 256
 ARMS = (
     "favor",
     "hybrid",
@@ -67,41 +65,16 @@ ARMS = (
 TRITON_ARMS = ("hybrid", "far field")  # the arms whose far field runs in the Triton kernels
 
 
-def hybrid_preset() -> HybridSpec:
-    """The converter's bidirectional hybrid preset as a spec (its exact dispatch aside)."""
-    preset = ATTENTION_METHODS["hybrid"].presets["bidirectional"]
-    names = {field: name for name, field in HybridSpec.config_fields().items()}
-    return HybridSpec(**{names[field]: value for field, value in preset.items() if field in names})
-
-
-def far_field(q, k, v):
-    """``poly2``'s far field over all keys, in float32 as the hybrid runs it. -> (B, H, L, dv + 1)"""
-    values1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1).float()
-    scale = HEAD_DIM**-0.5
-    state = far_field_polynomial.quadratic_state(k.float() * scale, values1, 0.25)
-    return far_field_polynomial.quadratic_apply(q.float() * scale, state)
-
-
-def routing(q, k, v, spec: HybridSpec):
-    """Each query block's routed key blocks, as a number backward can run through (routing has no gradient)."""
-    options = dict.fromkeys(
-        ("scaling", "key_padding_mask", "query_center", "key_center", "far_field_parameter", "far_field_gain")
-    )
-    call = _prepare(q, k, v, None, spec, False, options)
-    chosen, _ = Selection(call.x, call.keys, ExtraKeys(None, None), spec, False, 0, with_feats=False).routes
-    return chosen.float().mean() + 0 * q.float().mean()
-
-
 def calls(projection):
     spec = hybrid_preset()
     return {
         "favor": lambda q, k, v: favor_attention(q, k, v, projection),
         "hybrid": lambda q, k, v: hybrid_attention(q, k, v, spec=spec),
         "hybrid, PyTorch far field": lambda q, k, v: hybrid_attention(q, k, v, spec=spec),
-        "far field": far_field,
-        "far field, PyTorch": far_field,
-        "far field, CPU form": far_field,
-        "routing": lambda q, k, v: routing(q, k, v, spec),
+        "far field": far_field_part,
+        "far field, PyTorch": far_field_part,
+        "far field, CPU form": far_field_part,
+        "routing": lambda q, k, v: routing_part(q, k, v, spec),
     }
 
 
