@@ -127,7 +127,7 @@ def _count_bytes():
 
 def measure(args) -> dict:
     if args.quick:
-        args.lengths, args.arms = [256], ["far field"]
+        args.lengths, args.arms = [256], ["far field, PyTorch"]  # (the Triton kernels: their tests)
     _count_bytes()
     projection = draw_projection(FEATURES, HEAD_DIM, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     arm_calls = calls(projection)
@@ -180,7 +180,7 @@ def plot(result: dict):
 
 
 def main(argv=None) -> dict:
-    parser = harness.parser(__doc__, quick="the far field at 256 tokens")
+    parser = harness.parser(__doc__, quick="the far field in PyTorch at 256 tokens")
     parser.add_argument("--lengths", nargs="+", type=int, default=[4096])
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     return harness.main("compiled_traffic", parser, measure, markdown, plot, argv=argv)
