@@ -176,10 +176,10 @@ def arms(device: str, length: int, inputs, projection):
 
 
 def far_field_part(q, k, v):
-    """The polynomial far field of ``poly2`` (``1 + t + t^2 / 2``) over all keys, in float32 as the hybrid runs it:
-    its state from the keys and values, applied to every query. -> (B, H, L, dv + 1)"""
+    """The polynomial far field of ``poly2`` (``1 + t + t^2 / 4``, the default's) over all keys, in float32 as the
+    hybrid runs it: its state from the keys and values, applied to every query. -> (B, H, L, dv + 1)"""
     values1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1).float()
-    return quadratic_apply(q.float() * HEAD_DIM**-0.5, quadratic_state(k.float() * HEAD_DIM**-0.5, values1, 0.5))
+    return quadratic_apply(q.float() * HEAD_DIM**-0.5, quadratic_state(k.float() * HEAD_DIM**-0.5, values1, 0.25))
 
 
 def routing_part(q, k, v, spec: HybridSpec):

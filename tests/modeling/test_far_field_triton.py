@@ -77,8 +77,16 @@ def test_only_cuda_float32_rows_of_tile_dims_are_served(monkeypatch):
 @pytest.mark.parametrize("padded", [False, True])
 def test_hybrid_attention_through_the_kernels_matches_the_dense_reference(padded, monkeypatch):
     """The bidirectional hybrid with its far field in the kernels (as on CUDA, float32) against the dense reference in
-    float64: outputs and gradients."""
+    float64: outputs and gradients. (On a CPU the hybrid's own C++ kernels would take the call: off here.)"""
+    monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")
+    states = []
+
+    def counted_state(w, wv1, c2):
+        states.append(w.shape)
+        return far_field_triton.quadratic_state(w, wv1, c2)
+
     monkeypatch.setattr(far_field_polynomial, "triton_serves", lambda x, width: x.dtype == torch.float32)
+    monkeypatch.setattr(far_field_polynomial, "triton_state", counted_state)
     q, k, v = random_qkv(head_dim=16)
     mask = right_padding(2, 45) if padded else None
     config = dict(far_field="poly2", center=True, local_window=7, num_global_tokens=1, routed_blocks=2)
@@ -94,6 +102,7 @@ def test_hybrid_attention_through_the_kernels_matches_the_dense_reference(padded
     got = (fast, *torch.autograd.grad((fast * probe).sum(), fast_inputs))
     want = (ref, *torch.autograd.grad((ref * probe).sum(), ref_inputs))
     _assert_relatively_close([t.cpu() for t in got], want, 1e-5)
+    assert states == [(2, 2, 45, 16)]  # the far field went through the kernels
 
 
 def test_compiled_the_kernels_are_operators_of_the_graph():

@@ -10,7 +10,7 @@ the compiled CPU kernels of :mod:`.hybrid_compiled` on a CPU), in one of two way
   cache-friendly (eager PyTorch there: 3.2x faster forward and backward than explicit features, 4K tokens);
 - on accelerators, from the features (:func:`pair_products`), ``F = 1 + d + d (d + 1) / 2`` wide, as the CPU kernels
   hold them: about half the width, and under ``torch.compile`` 2.2x fewer bytes read and written for the state and
-  the sums, forward and backward (inductor's count, 12 heads x 4K tokens x 32 dims: 1.46 against 3.25 GB), which
+  the sums, forward and backward (inductor's count, 12 heads x 4K tokens x 32 dims: 1.51 against 3.25 GB), which
   is what a GPU's time follows;
 - on CUDA with Triton, for the head dims its tiles take, in the kernels of :mod:`.far_field_triton`, which keep the
   features in registers (:func:`.far_field_triton.serves`).
