@@ -225,9 +225,11 @@ def test_bucket_lengths():
 def test_traced_hybrid_takes_flex_only_where_its_mask_looks_little_up(monkeypatch):
     """Traced on CUDA: FlexAttention without routed blocks (its mask_mod compares positions) or with blocks routed
     per tile of queries, PyTorch with finer routing (the default's: FlexAttention's lookups measured slower than
-    the compiled gathers); PyTorch on other devices."""
+    the compiled gathers), unless the Triton support sums take it; PyTorch on other devices."""
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    monkeypatch.setattr(hybrid_backends, "_cuda_backend", lambda call, causal, continues: "flex")
+    flex = FlexBackend((None, None), torch.float32)
+    chosen = {"cuda": flex}
+    monkeypatch.setattr(hybrid_backends, "_cuda_backend", lambda call, causal, continues: chosen["cuda"])
 
     def backend(device: str, routed_blocks: int, query_block_size: int = 16):
         call = types.SimpleNamespace(
@@ -237,11 +239,13 @@ def test_traced_hybrid_takes_flex_only_where_its_mask_looks_little_up(monkeypatc
         )
         return hybrid_backends.choose_backend(call, causal=False)
 
-    assert backend("cuda", 0) == "flex"
-    assert backend("cuda", 16, query_block_size=TILE) == "flex"
+    assert backend("cuda", 0) is flex
+    assert backend("cuda", 16, query_block_size=TILE) is flex
     assert backend("cuda", 24) is hybrid_backends.PYTORCH
     assert backend("cuda", 4, query_block_size=TILE // 2) is hybrid_backends.PYTORCH
     assert backend("cpu", 0) is hybrid_backends.PYTORCH
+    chosen["cuda"] = hybrid_backends.TRITON  # custom operators: traced as they are
+    assert backend("cuda", 24) is hybrid_backends.TRITON
 
 
 def test_the_cpu_by_default_and_compile_off_stay_eager(monkeypatch, counter):

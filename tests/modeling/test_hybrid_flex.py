@@ -244,6 +244,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAt
 def test_cuda_compiled_kernels_match_the_cpu_in_float32_and_bfloat16(monkeypatch, causal):
     """On a GPU: forward and backward of the compiled backend at 4K tokens against the float32 CPU path."""
     monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")  # the reference: the PyTorch backend (no C++ build there)
+    monkeypatch.setenv("PERFORMER_HF_TRITON", "0")  # bidirectional calls: FlexAttention, not the Triton support sums
     assert hybrid_flex.flex_available(), "a CUDA device without Triton / FlexAttention's log-sum-exp"
     q, k, v = (t.float() for t in random_qkv(batch=2, heads=4, length=4096, head_dim=32, seed=11))
     if causal:

@@ -57,8 +57,15 @@ def serves(x: Tensor, values_width: int) -> bool:
     )
 
 
-def _padded_width(width: int) -> int:
+def padded_width(width: int) -> int:
+    """A tile's width for ``width`` columns: a power of two, at least 16 (the matrix products' smallest tile)."""
     return max(16, 1 << (width - 1).bit_length())
+
+
+def float32_precision() -> str:
+    """How the kernels' matrix products take float32, as PyTorch's own products do
+    (``torch.set_float32_matmul_precision``): ``"ieee"`` by default, ``"tf32"`` at "high" or "medium"."""
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET (its interpreter: the tests on a CPU)
@@ -140,10 +147,8 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
 
 
 def _launch_shape(x: Tensor, width: int) -> dict:
-    """The kernels' compile-time settings: tile widths, and their matrix products' precision as PyTorch's own float32
-    products take it (``torch.set_float32_matmul_precision``: IEEE float32 by default, TF32 at "high" or "medium")."""
-    precision = "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    return {"D": x.shape[-1], "EP": _padded_width(width), "BLOCK": BLOCK_ROWS, "PRECISION": precision}
+    """The kernels' compile-time settings: tile widths and their matrix products' precision."""
+    return {"D": x.shape[-1], "EP": padded_width(width), "BLOCK": BLOCK_ROWS, "PRECISION": float32_precision()}
 
 
 def _state(x: Tensor, v: Tensor, c: float) -> Tensor:

@@ -6,8 +6,10 @@ far field's complement and their merge), behind one signature, and :func:`choose
   are tested against.
 - :class:`CompiledCpuBackend`: the C++ kernels of :mod:`.hybrid_compiled` (forward and backward) for bidirectional
   attention with a polynomial far field on the CPU.
-- :class:`.FlexBackend`: FlexAttention (:mod:`.hybrid_flex`, compiled Triton kernels) on CUDA devices, for
-  bidirectional attention with a polynomial far field and for causal calls from the first token.
+- :class:`TritonBackend`: the Triton kernels of :mod:`.hybrid_triton` (forward and backward, the CPU kernels'
+  contract) for bidirectional attention with a polynomial far field on CUDA devices, eager or compiled;
+- :class:`.FlexBackend`: FlexAttention (:mod:`.hybrid_flex`, compiled Triton kernels) on CUDA devices, for causal
+  calls from the first token and the bidirectional calls the Triton kernels do not take.
 
 A backend that cannot serve a setting says why once in the log, and the PyTorch backend serves it.
 """
@@ -18,9 +20,10 @@ import logging
 
 import torch
 
+from . import hybrid_triton
 from .cpu_kernels import hybrid_kernels, kernels_enabled
 from .far_field_polynomial import POLYNOMIAL
-from .hybrid_compiled import compiled_polynomial, fused_sums
+from .hybrid_compiled import compiled_polynomial, fused_sums, support_inputs
 from .hybrid_exact import CandidateSet, exact_logits, exact_sums, merge
 from .hybrid_far_field import FarQueries
 from .hybrid_flex import TILE, FlexBackend, flex_available, flex_enabled
@@ -66,7 +69,28 @@ class CompiledCpuBackend:
         return fused_sums(self.kernels, selection, far, quadratic)
 
 
+class TritonBackend:
+    """Bidirectional hybrid attention with a polynomial far field in the Triton kernels (CUDA)."""
+
+    polynomial = POLYNOMIAL  # on CUDA, in the far field's own Triton kernels where they serve
+
+    def support_sums(self, selection: Selection, far: FarQueries, quadratic: float) -> Tensor:
+        tensors, geometry = support_inputs(selection, far)
+        return hybrid_triton.support_sums(*tensors, _routes(selection), geometry, quadratic)
+
+
+def _routes(selection: Selection) -> Tensor:
+    """(B, H, N, t) the routed key blocks of each of the N = ceil(L / query_block_size) query blocks, -1 for none."""
+    B, H, L = selection.x.shape[:3]
+    N = -(-L // selection.spec.query_block_size)
+    if not selection.spec.routed_blocks:
+        return torch.empty(B, H, N, 0, dtype=torch.int32, device=selection.x.device)
+    chosen, real = selection.routes  # (B, H, blocks padded to the routing period, t)
+    return torch.where(real, chosen, -1)[:, :, :N]
+
+
 PYTORCH = TorchBackend()
+TRITON = TritonBackend()
 _EXPLAINED: set[str] = set()
 
 
@@ -77,9 +101,14 @@ def _served_by_pytorch(reason: str, instead_of: str = "the compiled CPU kernels"
     return PYTORCH
 
 
-def _cuda_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBackend | FlexBackend:
-    """FlexAttention where it serves the call (``PERFORMER_HF_FLEX=0`` turns it off), else PyTorch."""
+def _cuda_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBackend | TritonBackend | FlexBackend:
+    """Bidirectional calls with a polynomial far field: the Triton kernels where they serve the call
+    (``PERFORMER_HF_TRITON=0`` turns them off). Else FlexAttention where it serves the call (``PERFORMER_HF_FLEX=0``
+    turns it off), else PyTorch."""
     spec, flex = call.spec, "FlexAttention"
+    if not causal and call.ctx.far.quadratic is not None and not continues:
+        if hybrid_triton.serves(call.x, call.keys.values1.shape[-1], spec.query_block_size):
+            return TRITON
     if not flex_enabled():
         return PYTORCH
     if not flex_available():
@@ -95,26 +124,28 @@ def _cuda_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBacke
     return FlexBackend((call.ctx.a, call.ctx.c), call.k.dtype, key_padding=call.key_padding)
 
 
-def _traced_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBackend | FlexBackend:
-    """The backend traced into a compiled graph: PyTorch (the CPU kernels are opaque to tracing), or on CUDA
-    FlexAttention where its ``mask_mod`` looks little up: supports without routed blocks (a window and global keys:
-    it compares positions) or routed per tile of queries (``query_block_size`` = ``TILE``: the blocks a query tile
-    routes fill key tiles, which it reads whole). Finer routing, the default's, looks up a bit per score, which costs
-    more than the PyTorch backend's gathers of each query block's few candidates: on an H200 at 32K tokens,
-    FlexAttention over the default's mask took 81 ms forward and backward, the whole call compiled through PyTorch
-    39 ms (``benchmarks/results/attention_parts_h200``)."""
-    spec = call.spec
-    if call.x.device.type == "cuda" and (not spec.routed_blocks or spec.query_block_size == TILE):
-        return _cuda_backend(call, causal, continues)
-    return PYTORCH
+def _traced_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBackend | TritonBackend | FlexBackend:
+    """The backend traced into a compiled graph: PyTorch (the CPU kernels are opaque to tracing), or on CUDA the
+    Triton kernels (custom operators: one graph), or FlexAttention where its ``mask_mod`` looks little up: supports
+    without routed blocks (a window and global keys: it compares positions) or routed per tile of queries
+    (``query_block_size`` = ``TILE``: the blocks a query tile routes fill key tiles, which it reads whole). Finer
+    routing, the default's, looks up a bit per score, which costs more than the PyTorch backend's gathers of each
+    query block's few candidates: on an H200 at 32K tokens, FlexAttention over the default's mask took 81 ms forward
+    and backward, the whole call compiled through PyTorch 39 ms (``benchmarks/results/attention_parts_h200``)."""
+    if call.x.device.type != "cuda":
+        return PYTORCH
+    backend = _cuda_backend(call, causal, continues)
+    if isinstance(backend, FlexBackend) and call.spec.routed_blocks and call.spec.query_block_size != TILE:
+        return PYTORCH
+    return backend
 
 
 def choose_backend(
     call: HybridCall, causal: bool, continues: bool = False
-) -> TorchBackend | CompiledCpuBackend | FlexBackend:
+) -> TorchBackend | CompiledCpuBackend | TritonBackend | FlexBackend:
     """The backend for a call: by its device, dtype and direction, whether it ``continues`` from a cached state, and
-    the settings (the far field, the value width, the length). On a CPU the compiled kernels, on CUDA
-    FlexAttention, when they serve the call; else PyTorch. Traced (compiled), see :func:`_traced_backend`."""
+    the settings (the far field, the value width, the length). On a CPU the compiled kernels, on CUDA the Triton
+    kernels or FlexAttention, when they serve the call; else PyTorch. Traced (compiled), see :func:`_traced_backend`."""
     x, far = call.x, call.ctx.far
     if torch.compiler.is_compiling():  # traced into the caller's graph (device_compile, torch.export)
         return _traced_backend(call, causal, continues)

@@ -58,26 +58,24 @@ def _routes(kernels, selection) -> Tensor:
     return torch.cat(routes, dim=2)
 
 
-def fused_sums(kernels, selection, far: FarQueries, quadratic: float) -> Tensor:
-    """What the PyTorch backend's support sums compute for bidirectional attention with a polynomial far field,
-    in one compiled pass over the query blocks: (B, H, L, dv + 1). ``selection``: a :class:`.Selection`."""
+def support_inputs(selection, far: FarQueries) -> tuple[list[Tensor], list[int]]:
+    """The fused support sums' inputs (the CPU kernels' and :mod:`.hybrid_triton`'s), routes aside: x, rq, q_scale,
+    far_sum, key_shift, y, values1, klog, mask (see :class:`_SupportSums`), and the geometry ``[left, right,
+    nb_global, block_q, block_k]``. ``selection``: a :class:`.Selection`."""
     x, keys, spec = selection.x, selection.keys, selection.spec
     B, H, L, _ = x.shape
     geometry = [selection.left, selection.right, selection.nb_global, spec.query_block_size, spec.route_block_size]
-    rows = [t.expand(B, H, L, 1).reshape(B, H, L) for t in (far.rq, far.scale, keys.klog)]  # (B, H, L) each
-    tensors = [
-        x,
-        rows[0],
-        rows[1],
-        far.far_sum,
-        far.key_shift[:, :, 0, 0],
-        keys.y,
-        keys.values1,
-        rows[2],
-        keys.mask,
-        _routes(kernels, selection),
-    ]
-    return _SupportSums.apply(kernels, (geometry, quadratic), *(t.contiguous() for t in tensors))
+    rq, q_scale, klog = (t.expand(B, H, L, 1).reshape(B, H, L) for t in (far.rq, far.scale, keys.klog))
+    tensors = [x, rq, q_scale, far.far_sum, far.key_shift[:, :, 0, 0], keys.y, keys.values1, klog, keys.mask]
+    return [t.contiguous() for t in tensors], geometry
+
+
+def fused_sums(kernels, selection, far: FarQueries, quadratic: float) -> Tensor:
+    """What the PyTorch backend's support sums compute for bidirectional attention with a polynomial far field,
+    in one compiled pass over the query blocks: (B, H, L, dv + 1). ``selection``: a :class:`.Selection`."""
+    tensors, geometry = support_inputs(selection, far)
+    routes = _routes(kernels, selection).contiguous()
+    return _SupportSums.apply(kernels, (geometry, quadratic), *tensors, routes)
 
 
 class _SupportSums(torch.autograd.Function):

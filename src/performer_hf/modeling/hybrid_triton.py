@@ -1,0 +1,310 @@
+"""Bidirectional hybrid attention's support sums in Triton kernels, for CUDA devices.
+
+The PyTorch backend gathers each query block's candidate keys into (blocks x candidates x fields) tensors and writes
+its (queries x candidates) logits, weights and their gradients to memory: under ``torch.compile`` 4.3 of the hybrid's
+4.45 GB read and written forward and backward at 12 heads x 4K tokens (``benchmarks/compiled_traffic.py``), which is
+what a GPU's time follows. FlexAttention reads only the support, but the default's routed blocks (8 keys, chosen per
+16 queries) cost it a bitmap lookup per score (81 ms on an H200 at 32K, where flash attention takes 27 ms).
+
+Here, as in the CPU kernels of :mod:`.hybrid_compiled` (the same contract, tensor for tensor), one program takes a
+block of queries and walks its candidates (the window span, the global keys, the routed key blocks) in chunks whose
+keys it loads by position: nothing of size (queries x candidates) goes to memory, and no score looks anything up
+(which candidates a query keeps follows from positions and the candidate's kind). Each chunk gives the exact
+logits, the softmax's sums (online, relative to a running shift) and the polynomial far field's values on the
+support, which the far field over all keys already counted: their difference is what the query's sums need.
+
+- forward: per query, the sums ``[numerator, mass]`` relative to its shift ``m = max(far-field scale, largest exact
+  logit)``, with ``m`` and the kernel's mass on the support kept for backward;
+- backward: each query block recomputes its chunks and writes its queries' gradients; its candidates' gradients
+  (keys, values, key log-weights) are added atomically, a key being a candidate of several blocks.
+
+Matrix products take float32 as PyTorch's do (:func:`.far_field_triton.float32_precision`). Tested on the CPU
+through Triton's interpreter against the CPU kernels and the dense reference; :func:`serves` says where they run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .far_field_triton import enabled, float32_precision, padded_width, triton
+
+Tensor = torch.Tensor
+CHUNK = 64  # candidate keys per step of a query block's walk
+
+if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET (its interpreter: the tests on a CPU)
+    import triton.language as tl
+
+    @triton.jit
+    def _candidates(
+        step, n, bh, b, ROUTES, MASK, L, N, R, width, nb_global, q_start, left, BLOCK_K: tl.constexpr, CH: tl.constexpr
+    ):
+        # The chunk of candidate slots from `step`: the window span (width keys from q_start - left), the global keys,
+        # then each routed block's BLOCK_K keys. -> positions (CH,), whether each is a real candidate, whether it is
+        # a window slot (a window slot counts for the queries whose window holds it, the others for the rest).
+        slot = step + tl.arange(0, CH)
+        routed_slot = slot - width - nb_global
+        is_window, is_global = slot < width, (slot >= width) & (routed_slot < 0)
+        is_routed = (routed_slot >= 0) & (routed_slot < R * BLOCK_K)
+        block = tl.load(ROUTES + (bh * N + n) * R + routed_slot // BLOCK_K, mask=is_routed, other=-1)
+        pos = tl.where(is_window, q_start - left + slot, tl.where(is_global, slot - width, 0))
+        pos = tl.where(is_routed, block * BLOCK_K + routed_slot % BLOCK_K, pos)
+        valid = (is_window | is_global | (is_routed & (block >= 0))) & (pos >= 0) & (pos < L)
+        valid = valid & ~(is_routed & (pos < nb_global))  # a global key in a routed block is counted once
+        real = tl.load(MASK + b * L + pos, mask=valid, other=0) != 0
+        return pos, valid & real, is_window
+
+    @triton.jit
+    def _chunk(
+        x, rows, rq, pos, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
+        D: tl.constexpr, EP: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # One chunk's keys (CH, D), values (CH, EP) and key log-weights, the logits (BQ, CH), which pairs are in the
+        # support, t = (x_i - a) . (y_j - c) there and the far field's values there, pair = (1 + t + c2 t^2) kexp_j.
+        dims, cols = tl.arange(0, D), tl.arange(0, EP)
+        key_rows = bh * L + pos
+        y = tl.load(Y + key_rows[:, None] * D + dims[None, :], mask=candidate[:, None], other=0.0)
+        in_values = candidate[:, None] & (cols < D1)[None, :]
+        v = tl.load(V1 + key_rows[:, None] * D1 + cols[None, :], mask=in_values, other=0.0)
+        klog = tl.load(KLOG + key_rows, mask=candidate, other=0.0)
+        kexp = tl.where(candidate, tl.exp(klog - key_shift), 0.0)
+        logits = tl.dot(x, tl.trans(y), input_precision=PRECISION)  # (BQ, CH)
+        gap = rows[:, None] - pos[None, :]
+        inside = (gap >= -right) & (gap <= left)
+        active = candidate[None, :] & (inside == is_window[None, :])
+        t = tl.where(active, logits - rq[:, None] - klog[None, :], 0.0)
+        pair = tl.where(active, (1.0 + t + c2 * t * t) * kexp[None, :], 0.0)
+        return y, v, logits, active, t, pair, kexp
+
+    @triton.jit
+    def _forward_kernel(
+        X, RQ, QSCALE, FAR, KSHIFT, Y, V1, KLOG, MASK, ROUTES, OUT, SHIFT, KMASS,
+        H, L, N, R, D1, block_q, width, nb_global, left, right, c2,
+        D: tl.constexpr, EP: tl.constexpr, BQ: tl.constexpr, BLOCK_K: tl.constexpr, CH: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        bh, n = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # int64 offsets: B H L d passes 2^31
+        b = bh // H
+        q_start = n * block_q
+        dims, cols = tl.arange(0, D), tl.arange(0, EP)
+        rows = q_start + tl.arange(0, BQ)
+        live = (tl.arange(0, BQ) < block_q) & (rows < L)
+        x = tl.load(X + (bh * L + rows)[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)  # (BQ, D)
+        rq = tl.load(RQ + bh * L + rows, mask=live, other=0.0)
+        key_shift = tl.load(KSHIFT + bh)
+        far_scale = tl.load(QSCALE + bh * L + rows, mask=live, other=0.0) + key_shift
+        shift = far_scale  # the running shift: the far field's scale, then the largest exact logit above it
+        exact = tl.zeros((BQ, EP), dtype=tl.float32)  # softmax's sums [numerator, mass], relative to shift
+        kernel = tl.zeros((BQ, EP), dtype=tl.float32)  # the far field's sums on the support, relative to its scale
+        for step in range(0, width + nb_global + R * BLOCK_K, CH):
+            pos, candidate, is_window = _candidates(
+                step, n, bh, b, ROUTES, MASK, L, N, R, width, nb_global, q_start, left, BLOCK_K, CH
+            )
+            y, v, logits, active, t, pair, kexp = _chunk(
+                x, rows, rq, pos, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
+                D, EP, PRECISION,
+            )  # fmt: skip
+            active = active & live[:, None]
+            new_shift = tl.maximum(shift, tl.max(tl.where(active, logits, float("-inf")), axis=1))
+            weights = tl.where(active, tl.exp(tl.minimum(logits - new_shift[:, None], 0.0)), 0.0)
+            exact = exact * tl.exp(shift - new_shift)[:, None] + tl.dot(weights, v, input_precision=PRECISION)
+            kernel += tl.dot(pair, v, input_precision=PRECISION)
+            shift = new_shift
+        far_weight = tl.exp(far_scale - shift)  # (BQ,)
+        out_rows = (bh * L + rows)[:, None] * D1 + cols[None, :]
+        keep = live[:, None] & (cols < D1)[None, :]
+        far = tl.load(FAR + out_rows, mask=keep, other=0.0)
+        is_mass = (cols == D1 - 1)[None, :]
+        kernel_mass = tl.sum(tl.where(is_mass, kernel, 0.0), axis=1)  # the last value column is the ones column
+        far = tl.where(is_mass, tl.maximum(far, kernel_mass[:, None]), far)  # the far mass cannot be negative
+        tl.store(OUT + out_rows, exact + far_weight[:, None] * (far - kernel), mask=keep)
+        tl.store(SHIFT + bh * L + rows, shift, mask=live)
+        tl.store(KMASS + bh * L + rows, kernel_mass, mask=live)
+
+    @triton.jit
+    def _backward_kernel(
+        GRAD, X, RQ, QSCALE, FAR, KSHIFT, Y, V1, KLOG, MASK, ROUTES, SHIFT, KMASS,
+        DX, DRQ, DQSCALE, DFAR, DY, DV1, DKLOG,
+        H, L, N, R, D1, block_q, width, nb_global, left, right, c2,
+        D: tl.constexpr, EP: tl.constexpr, BQ: tl.constexpr, BLOCK_K: tl.constexpr, CH: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # What autograd gives for the sums with the per-query shift held constant (it cancels in the division).
+        bh, n = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        b = bh // H
+        q_start = n * block_q
+        dims, cols = tl.arange(0, D), tl.arange(0, EP)
+        rows = q_start + tl.arange(0, BQ)
+        live = (tl.arange(0, BQ) < block_q) & (rows < L)
+        x = tl.load(X + (bh * L + rows)[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
+        rq = tl.load(RQ + bh * L + rows, mask=live, other=0.0)
+        key_shift = tl.load(KSHIFT + bh)
+        far_scale = tl.load(QSCALE + bh * L + rows, mask=live, other=0.0) + key_shift
+        shift = tl.load(SHIFT + bh * L + rows, mask=live, other=0.0)
+        kernel_mass = tl.load(KMASS + bh * L + rows, mask=live, other=0.0)
+        far_weight = tl.where(live, tl.exp(far_scale - shift), 0.0)
+        out_rows = (bh * L + rows)[:, None] * D1 + cols[None, :]
+        keep = live[:, None] & (cols < D1)[None, :]
+        grad = tl.load(GRAD + out_rows, mask=keep, other=0.0)  # (BQ, EP)
+        far = tl.load(FAR + out_rows, mask=keep, other=0.0)
+        is_mass = (cols == D1 - 1)[None, :]
+        far_mass = tl.sum(tl.where(is_mass, far, 0.0), axis=1)
+        grad_mass = tl.sum(tl.where(is_mass, grad, 0.0), axis=1)
+        # out = sums + far_weight [far values, max(far mass, kernel mass)]; torch.maximum's gradient: all to the
+        # larger, half each on a tie
+        to_far = tl.where(far_mass > kernel_mass, 1.0, tl.where(far_mass == kernel_mass, 0.5, 0.0))
+        d_far = far_weight[:, None] * grad * tl.where(is_mass, to_far[:, None], 1.0)
+        tl.store(DFAR + out_rows, d_far, mask=keep)
+        d_mass = far_weight * grad_mass * (1.0 - to_far)  # (BQ,): the kernel mass's gradient
+        d_far_weight = tl.sum(tl.where(is_mass, tl.maximum(far, kernel_mass[:, None]), far) * grad, axis=1)
+        d_x = tl.zeros((BQ, D), dtype=tl.float32)
+        d_rq = tl.zeros((BQ,), dtype=tl.float32)
+        for step in range(0, width + nb_global + R * BLOCK_K, CH):
+            pos, candidate, is_window = _candidates(
+                step, n, bh, b, ROUTES, MASK, L, N, R, width, nb_global, q_start, left, BLOCK_K, CH
+            )
+            y, v, logits, active, t, pair, kexp = _chunk(
+                x, rows, rq, pos, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
+                D, EP, PRECISION,
+            )  # fmt: skip
+            active = active & live[:, None]
+            pair = tl.where(active, pair, 0.0)
+            exact = tl.where(active, tl.exp(tl.minimum(logits - shift[:, None], 0.0)), 0.0)
+            weights = exact - far_weight[:, None] * pair  # (BQ, CH): what the sums applied to the values
+            d_weights = tl.dot(grad, tl.trans(v), input_precision=PRECISION)  # (BQ, CH)
+            d_far_weight -= tl.sum(d_weights * pair, axis=1)
+            d_pair = d_mass[:, None] - far_weight[:, None] * d_weights
+            d_t = tl.where(active, d_pair * kexp[None, :] * (1.0 + 2.0 * c2 * t), 0.0)
+            d_logits = d_weights * exact + d_t  # t = logit - rq - klog
+            d_rq -= tl.sum(d_t, axis=1)
+            d_x += tl.dot(d_logits, y, input_precision=PRECISION)
+            # this block's share of its candidates' gradients (pair is proportional to exp(klog))
+            key_rows = bh * L + pos
+            d_klog = tl.sum(d_pair * pair - d_t, axis=0)
+            d_y = tl.dot(tl.trans(d_logits), x, input_precision=PRECISION)  # (CH, D)
+            d_v = tl.dot(tl.trans(weights), grad, input_precision=PRECISION)  # (CH, EP)
+            tl.atomic_add(DKLOG + key_rows, d_klog, mask=candidate)
+            tl.atomic_add(DY + key_rows[:, None] * D + dims[None, :], d_y, mask=candidate[:, None])
+            d_v_mask = candidate[:, None] & (cols < D1)[None, :]
+            tl.atomic_add(DV1 + key_rows[:, None] * D1 + cols[None, :], d_v, mask=d_v_mask)
+        tl.store(DX + (bh * L + rows)[:, None] * D + dims[None, :], d_x, mask=live[:, None])
+        tl.store(DRQ + bh * L + rows, d_rq, mask=live)
+        tl.store(DQSCALE + bh * L + rows, d_far_weight * far_weight, mask=live)  # far_weight = exp(q_scale + ...)
+
+
+def serves(x: Tensor, values_width: int, query_block: int) -> bool:
+    """Whether the kernels take queries ``x`` (B, H, L, d) with values ``values_width`` wide in query blocks of
+    ``query_block``: on CUDA where Triton is :func:`.far_field_triton.enabled`, float32 (the hybrid's dtype), d a power
+    of two from 16 to 128, at most 128 value columns and 64 queries per block."""
+    d = x.shape[-1]
+    return (
+        x.device.type == "cuda"
+        and enabled()
+        and x.dtype == torch.float32
+        and 16 <= d <= 128
+        and d & (d - 1) == 0
+        and values_width <= 128
+        and query_block <= 64
+    )
+
+
+def _settings(x: Tensor, width: int, block_q: int, block_k: int) -> dict:
+    """The kernels' compile-time settings: tile sizes (query rows padded to at least 16, the matrix products' smallest
+    tile) and their matrix products' precision."""
+    tiles = dict(D=x.shape[-1], EP=padded_width(width), BQ=padded_width(block_q), BLOCK_K=block_k, CH=CHUNK)
+    return {**tiles, "PRECISION": float32_precision()}
+
+
+def _forward(
+    x: Tensor, rq: Tensor, q_scale: Tensor, far_sum: Tensor, key_shift: Tensor, y: Tensor, values1: Tensor,
+    klog: Tensor, mask: Tensor, routes: Tensor, geometry: list[int], quadratic: float,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The sums (B, H, L, D1), each query's shift and the kernel's mass on its support (B, H, L). Inputs as
+    :class:`.hybrid_compiled._SupportSums` takes them (rows contiguous, y untransposed), routes int32."""
+    left, right, nb_global, block_q, block_k = geometry
+    B, H, L, _ = x.shape
+    N, R, D1 = routes.shape[2], routes.shape[3], values1.shape[-1]
+    out = torch.empty_like(far_sum)
+    shift, kernel_mass = (x.new_empty(B, H, L) for _ in range(2))
+    width = block_q + left + right if right >= 0 else 0
+    _forward_kernel[(B * H, N)](
+        x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, out, shift, kernel_mass,
+        H, L, N, R, D1, block_q, width, nb_global, left, right, quadratic, **_settings(x, D1, block_q, block_k),
+    )  # fmt: skip
+    return out, shift, kernel_mass
+
+
+def _backward(
+    grad: Tensor, x: Tensor, rq: Tensor, q_scale: Tensor, far_sum: Tensor, key_shift: Tensor, y: Tensor,
+    values1: Tensor, klog: Tensor, mask: Tensor, routes: Tensor, shift: Tensor, kernel_mass: Tensor,
+    geometry: list[int], quadratic: float,
+) -> list[Tensor]:  # fmt: skip
+    """The gradients of x, rq, q_scale, far_sum, y, values1 and klog."""
+    left, right, nb_global, block_q, block_k = geometry
+    B, H, L, _ = x.shape
+    N, R, D1 = routes.shape[2], routes.shape[3], values1.shape[-1]
+    d_x, d_rq, d_q_scale, d_far = (torch.empty_like(t) for t in (x, rq, q_scale, far_sum))
+    d_y, d_values1, d_klog = (torch.zeros_like(t) for t in (y, values1, klog))  # added into atomically
+    width = block_q + left + right if right >= 0 else 0
+    _backward_kernel[(B * H, N)](
+        grad.contiguous(), x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, shift, kernel_mass,
+        d_x, d_rq, d_q_scale, d_far, d_y, d_values1, d_klog,
+        H, L, N, R, D1, block_q, width, nb_global, left, right, quadratic, **_settings(x, D1, block_q, block_k),
+    )  # fmt: skip
+    return [d_x, d_rq, d_q_scale, d_far, d_y, d_values1, d_klog]
+
+
+_INPUTS = "Tensor x, Tensor rq, Tensor q_scale, Tensor far_sum, Tensor key_shift, Tensor y, Tensor values1, "
+_INPUTS += "Tensor klog, Tensor mask, Tensor routes"
+
+
+def _register() -> None:
+    """The kernels as custom operators (opaque to ``torch.compile``, which calls them between its own kernels), with
+    their shapes for tracing and the sums' gradients. A second copy of this module (remote code beside the installed
+    package) finds them registered and uses them."""
+    if hasattr(torch.ops.performer_hf, "hybrid_support_sums"):
+        return
+    library = torch.library
+    forward = library.custom_op("performer_hf::hybrid_support_sums", mutates_args=())(_forward)
+    backward = library.custom_op("performer_hf::hybrid_support_sums_backward", mutates_args=())(_backward)
+
+    @forward.register_fake
+    def _(x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, geometry, quadratic):
+        return torch.empty_like(far_sum), x.new_empty(x.shape[:3]), x.new_empty(x.shape[:3])
+
+    @backward.register_fake
+    def _(grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, *rest):
+        return [torch.empty_like(t) for t in (x, rq, q_scale, far_sum, y, values1, klog)]
+
+    def setup_context(ctx, inputs, output):
+        *tensors, ctx.geometry, ctx.quadratic = inputs
+        ctx.save_for_backward(*tensors, *output[1:])
+
+    def gradients(ctx, grad, _d_shift, _d_kernel_mass):
+        x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, shift, kernel_mass = ctx.saved_tensors
+        d_x, d_rq, d_q_scale, d_far, d_y, d_values1, d_klog = torch.ops.performer_hf.hybrid_support_sums_backward(
+            grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, shift, kernel_mass,
+            ctx.geometry, ctx.quadratic,
+        )  # fmt: skip
+        return d_x, d_rq, d_q_scale, d_far, None, d_y, d_values1, d_klog, None, None, None, None
+
+    library.register_autograd("performer_hf::hybrid_support_sums", gradients, setup_context=setup_context)
+
+
+if triton is not None:
+    _register()
+
+
+def support_sums(
+    x: Tensor, rq: Tensor, q_scale: Tensor, far_sum: Tensor, key_shift: Tensor, y: Tensor, values1: Tensor,
+    klog: Tensor, mask: Tensor, routes: Tensor, geometry: list[int], quadratic: float,
+) -> Tensor:  # fmt: skip
+    """Bidirectional hybrid attention's merged sums (B, H, L, D1) relative to a per-query shift, as the CPU kernels'
+    ``hybrid_support_sums``: x, y (B, H, L, d); rq, q_scale, klog (B, H, L); far_sum, values1 (B, H, L, D1);
+    key_shift (B, H); mask (B, L) bool; routes (B, H, N, R) the routed key blocks of each query block (-1: none);
+    geometry ``[left, right, nb_global, block_q, block_k]``; quadratic the polynomial's ``c2``. Float32."""
+    tensors = [t.contiguous() for t in (x, rq, q_scale, far_sum, key_shift, y, values1, klog)]
+    routes = routes.to(torch.int32).contiguous()
+    out, _, _ = torch.ops.performer_hf.hybrid_support_sums(
+        *tensors, mask.contiguous(), routes, [int(g) for g in geometry], float(quadratic)
+    )
+    return out

@@ -1,0 +1,196 @@
+"""The Triton kernels of bidirectional hybrid attention's support sums (``hybrid_triton``) against the CPU kernels
+(the same contract, in float64) and the dense reference: on a CPU through Triton's interpreter (``tests/conftest.py``
+sets ``TRITON_INTERPRET=1`` where there is no CUDA device), on CUDA compiled."""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import performer_hf.modeling.favor_hybrid as favor_hybrid
+from performer_hf.modeling import cpu_kernels, hybrid_backends, hybrid_triton
+from performer_hf.modeling.attention_methods import ATTENTION_METHODS
+from performer_hf.modeling.favor_hybrid import hybrid_attention
+from performer_hf.modeling.hybrid_spec import HybridSpec
+
+from ..flex_reference import bfloat16_tolerances, sdpa_bfloat16_errors
+from ..hybrid_reference import CONFIGS, random_qkv, reference, right_padding
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NAMES = ("x", "rq", "q_scale", "far_sum", "y", "values1", "klog")  # the inputs with gradients
+
+
+def _inputs(geometry, d=16, dv=8, length=45, routed=2, far_mass=20.0, seed=0):
+    """The support sums' inputs for ``geometry`` ([left, right, nb_global, block_q, block_k]): float32 tensors in
+    NAMES' order plus key_shift, the key mask (the second row padded from 40) and random distinct routes (-1 for a
+    few), on DEVICE. ``far_mass`` scales the far field's mass over all keys (below the support's: clamped)."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, L = 2, 2, length
+    block_q, block_k = geometry[3], geometry[4]
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[1, 40:] = False
+    x, y = (torch.randn(B, H, L, d, generator=g) * 0.5 for _ in range(2))
+    rq = torch.randn(B, H, L, generator=g) * 0.1
+    q_scale = rq + 0.3
+    far_sum = torch.rand(B, H, L, dv + 1, generator=g) * far_mass
+    values1 = torch.cat([torch.randn(B, H, L, dv, generator=g), torch.ones(B, H, L, 1)], -1) * mask[:, None, :, None]
+    klog = torch.randn(B, H, L, generator=g) * 0.1
+    key_shift = torch.randn(B, H, generator=g) * 0.1
+    N, key_blocks = -(-L // block_q), -(-L // block_k)
+    routes = torch.stack([torch.randperm(key_blocks, generator=g)[:routed] for _ in range(B * H * N)])
+    routes = routes.view(B, H, N, routed)
+    routes[0, 0, ::3, :1] = -1  # blocks without a first choice
+    tensors = [t.to(DEVICE) for t in (x, rq, q_scale, far_sum, y, values1, klog)]
+    return tensors, key_shift.to(DEVICE), mask.to(DEVICE), routes.to(DEVICE)
+
+
+def _cpu_kernels(tensors, key_shift, mask, routes, geometry, quadratic, probe):
+    """The CPU kernels' sums and gradients in float64 (``probe``: the output gradient)."""
+    kernels = cpu_kernels.hybrid_kernels()
+    x, rq, q_scale, far_sum, y, values1, klog = (t.detach().cpu().double() for t in tensors)
+    inputs = [x, rq, q_scale, far_sum, key_shift.cpu().double(), y.transpose(-2, -1).contiguous(), values1, klog]
+    inputs += [mask.cpu(), routes.cpu().long()]
+    sums = kernels.hybrid_support_sums(inputs, geometry, quadratic)
+    return [sums, *kernels.hybrid_support_sums_backward(probe.cpu().double(), inputs, geometry, quadratic)]
+
+
+def _triton(tensors, key_shift, mask, routes, geometry, quadratic, probe):
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    x, rq, q_scale, far_sum, y, values1, klog = leaves
+    sums = hybrid_triton.support_sums(
+        x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, geometry, quadratic
+    )
+    return [sums, *torch.autograd.grad((sums * probe).sum(), leaves)]
+
+
+def _assert_relatively_close(got, want, names, tol):
+    for name, a, b in zip(names, got, want, strict=True):
+        error = (a.detach().cpu().double() - b).abs().max() / b.abs().max()
+        assert error < tol, f"{name}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize(
+    "geometry,d,dv,routed,length",
+    [
+        ([8, 8, 1, 16, 8], 32, 32, 3, 45),  # the converter's preset (window 17, a global token, blocks of 8 per 16)
+        ([8, 8, 1, 16, 8], 16, 8, 12, 120),  # 129 candidates per block: three steps, the softmax's shift rising
+        ([3, 3, 2, 8, 4], 16, 8, 2, 45),  # query blocks padded to the smallest tile
+        ([2, 2, 0, 5, 3], 16, 9, 3, 45),  # blocks that do not divide the length or each other; no global key
+        ([0, -1, 3, 8, 4], 16, 8, 0, 45),  # global keys only: no window, no routing
+    ],
+)
+@pytest.mark.parametrize("far_mass", [20.0, 0.0])  # the far mass above the support's, or clamped to it
+def test_the_kernels_give_the_cpu_kernels_sums_and_gradients(geometry, d, dv, routed, length, far_mass):
+    """Sums and the gradients of every input against the CPU kernels in float64: padded keys, routes of -1, routed
+    blocks that overlap the window or hold a global key."""
+    tensors, key_shift, mask, routes = _inputs(geometry, d, dv, length, routed, far_mass)
+    probe = torch.randn(2, 2, length, dv + 1, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    want = _cpu_kernels(tensors, key_shift, mask, routes, geometry, 0.25, probe)
+    got = _triton(tensors, key_shift, mask, routes, geometry, 0.25, probe)
+    _assert_relatively_close(got, want, ("sums", *NAMES), 1e-5)
+
+
+@pytest.mark.parametrize("config", CONFIGS[3:], ids=range(3, len(CONFIGS)))
+def test_hybrid_attention_through_the_kernels_matches_the_dense_reference(config, monkeypatch):
+    """Bidirectional hybrid attention with its support sums in the kernels (as on CUDA, float32), padded keys, against
+    the dense reference in float64: outputs and the gradients of queries, keys and values."""
+    monkeypatch.setattr(favor_hybrid, "choose_backend", lambda call, causal: hybrid_backends.TRITON)
+    q, k, v = random_qkv(head_dim=16)
+    mask = right_padding(2, 45)
+    fast_inputs = [t.float().to(DEVICE).requires_grad_() for t in (q, k, v)]
+    fast = hybrid_attention(*fast_inputs, key_padding_mask=mask.to(DEVICE), far_field="poly2", center=True, **config)
+    ref_inputs = [t.requires_grad_() for t in (q, k, v)]
+    ref = reference(*ref_inputs, mask=mask, far_field="poly2", center=True, **config)
+    fast, ref = fast.cpu() * mask[:, None, :, None], ref * mask[:, None, :, None]  # padded queries: unspecified
+    probe = torch.randn_like(ref)
+    got = (fast, *torch.autograd.grad((fast * probe).sum(), fast_inputs))
+    want = (ref, *torch.autograd.grad((ref * probe).sum(), ref_inputs))
+    _assert_relatively_close(got, want, ("out", "q", "k", "v"), 1e-5)
+
+
+def test_compiled_the_kernels_are_operators_of_the_graph():
+    """Under ``torch.compile`` the kernels are custom operators, opaque to tracing: one graph without breaks, with
+    eager's sums and gradients."""
+    geometry = [3, 3, 1, 8, 4]
+    tensors, key_shift, mask, routes = _inputs(geometry)
+
+    def sums(*tensors):
+        x, rq, q_scale, far_sum, y, values1, klog = tensors
+        return hybrid_triton.support_sums(
+            x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, geometry, 0.5
+        )
+
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(sums, backend=counter, fullgraph=True)(*leaves)
+        got = (compiled, *torch.autograd.grad(compiled.sum(), leaves))
+    finally:
+        torch._dynamo.reset()
+    eager = sums(*leaves)
+    want = (eager, *torch.autograd.grad(eager.sum(), leaves))
+    assert counter.frame_count == 1
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_cuda_calls_take_the_kernels_where_they_serve(monkeypatch):
+    """On CUDA (eager or traced) a bidirectional call with a polynomial far field goes to the kernels where they serve
+    it; causal calls do not, nor calls they do not serve (another far field, PERFORMER_HF_TRITON=0, see below)."""
+    calls = []
+    monkeypatch.setattr(
+        favor_hybrid, "choose_backend", lambda call, causal: calls.append(call) or hybrid_backends.PYTORCH
+    )
+    q, k, v = random_qkv(head_dim=16)
+    hybrid_attention(q.float(), k.float(), v.float(), far_field="poly2", center=True, **CONFIGS[3])
+    projection = torch.randn(16, 16)
+    hybrid_attention(q.float(), k.float(), v.float(), projection, far_field="softmax", center=True, **CONFIGS[3])
+    polynomial, random_features = calls
+    monkeypatch.setattr(hybrid_triton, "serves", lambda x, width, block: True)  # as on CUDA
+    assert hybrid_backends._cuda_backend(polynomial, causal=False, continues=False) is hybrid_backends.TRITON
+    assert hybrid_backends._cuda_backend(polynomial, causal=True, continues=False) is not hybrid_backends.TRITON
+    assert hybrid_backends._cuda_backend(random_features, causal=False, continues=False) is not hybrid_backends.TRITON
+    monkeypatch.setattr(hybrid_triton, "serves", lambda x, width, block: False)
+    assert hybrid_backends._cuda_backend(polynomial, causal=False, continues=False) is not hybrid_backends.TRITON
+
+
+def test_only_cuda_float32_queries_of_tile_dims_are_served(monkeypatch):
+    x = torch.zeros(1, 1, 4, 32)
+    assert not hybrid_triton.serves(x, 33, 16)  # a CPU: the CPU kernels or PyTorch
+    if torch.cuda.is_available():
+        x = x.cuda()
+        assert hybrid_triton.serves(x, 33, 16)
+        assert not hybrid_triton.serves(x.double(), 33, 16)
+        assert not hybrid_triton.serves(x[..., :24], 33, 16)  # not a power of two
+        assert not hybrid_triton.serves(x, 129, 16)  # wider values than a tile
+        assert not hybrid_triton.serves(x, 33, 128)  # query blocks of more than 64
+        monkeypatch.setenv("PERFORMER_HF_TRITON", "0")
+        assert not hybrid_triton.serves(x, 33, 16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels run on CUDA devices")
+def test_cuda_kernels_match_the_cpu_in_float32_and_bfloat16(monkeypatch):
+    """On a GPU: forward and backward of the converter's bidirectional preset at 4K tokens through the kernels against
+    the float32 CPU path."""
+    preset = ATTENTION_METHODS["hybrid"].presets["bidirectional"]
+    settings = {name: preset[field] for name, field in HybridSpec.config_fields().items() if field in preset}
+    q, k, v = (t.float() for t in random_qkv(batch=2, heads=4, length=4096, head_dim=32, seed=11))
+    grad = torch.randn(2, 4, 4096, 32, generator=torch.Generator().manual_seed(12))
+    calls = []
+    support_sums = hybrid_triton.support_sums
+    monkeypatch.setattr(hybrid_triton, "support_sums", lambda *args: calls.append(1) or support_sums(*args))
+
+    def run(device, dtype, inputs=(q, k, v)):
+        inputs = [t.detach().to(device, dtype).requires_grad_() for t in inputs]
+        out = hybrid_attention(*inputs, **settings)
+        (out.float() * grad.to(device)).sum().backward()
+        return [t.detach().float().cpu() for t in (out, *(i.grad for i in inputs))]
+
+    reference_cpu = run("cpu", torch.float32)
+    rounded_cpu = run("cpu", torch.float32, [t.bfloat16().float() for t in (q, k, v)])
+    bfloat16 = bfloat16_tolerances(rounded_cpu, reference_cpu, sdpa_bfloat16_errors(q, k, v, grad, False))
+    for dtype, tolerances in ((torch.float32, [1e-4] * 4), (torch.bfloat16, bfloat16)):
+        for got, want, tolerance in zip(run("cuda", dtype), reference_cpu, tolerances, strict=True):
+            assert torch.isfinite(got).all()
+            assert (got - want).norm() / want.norm() < tolerance, dtype
+    assert len(calls) == 2  # the kernels served both
