@@ -244,8 +244,8 @@ def test_traced_hybrid_takes_flex_only_where_its_mask_looks_little_up(monkeypatc
     assert backend("cuda", 24) is hybrid_backends.PYTORCH
     assert backend("cuda", 4, query_block_size=TILE // 2) is hybrid_backends.PYTORCH
     assert backend("cpu", 0) is hybrid_backends.PYTORCH
-    chosen["cuda"] = hybrid_backends.TRITON  # custom operators: traced as they are
-    assert backend("cuda", 24) is hybrid_backends.TRITON
+    chosen["cuda"] = triton = hybrid_backends.TritonBackend("pytorch")  # custom operators: traced as they are
+    assert backend("cuda", 24) is triton
 
 
 def test_the_cpu_by_default_and_compile_off_stay_eager(monkeypatch, counter):

@@ -81,9 +81,9 @@ def test_hybrid_attention_through_the_kernels_matches_the_dense_reference(padded
     monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")
     states = []
 
-    def counted_state(w, wv1, c2):
+    def counted_state(w, wv1, c2, precision):
         states.append(w.shape)
-        return far_field_triton.quadratic_state(w, wv1, c2)
+        return far_field_triton.quadratic_state(w, wv1, c2, precision)
 
     monkeypatch.setattr(far_field_polynomial, "triton_serves", lambda x, width: x.dtype == torch.float32)
     monkeypatch.setattr(far_field_polynomial, "triton_state", counted_state)
@@ -128,12 +128,18 @@ def test_compiled_the_kernels_are_operators_of_the_graph():
 
 
 def test_the_products_take_float32_as_pytorch_does():
-    """IEEE float32 by default; TF32 where ``torch.set_float32_matmul_precision`` lets PyTorch's products use it."""
+    """IEEE float32 by default; TF32 where ``torch.set_float32_matmul_precision`` lets PyTorch's products use it (read
+    when the kernels run), and for attention whose inputs came in bfloat16 or float16."""
     x = torch.zeros(1, 1, 4, 32)
+    assert far_field_triton.float32_precision() == "pytorch"
+    assert (
+        far_field_triton.float32_precision(torch.bfloat16) == far_field_triton.float32_precision(torch.half) == "tf32"
+    )
     previous = torch.get_float32_matmul_precision()
     try:
-        assert far_field_triton._launch_shape(x, 33)["PRECISION"] == "ieee"
+        assert far_field_triton._launch_shape(x, 33, "pytorch")["PRECISION"] == "ieee"
         torch.set_float32_matmul_precision("high")
-        assert far_field_triton._launch_shape(x, 33) == {"D": 32, "EP": 64, "BLOCK": 64, "PRECISION": "tf32"}
+        assert far_field_triton._launch_shape(x, 33, "pytorch") == {"D": 32, "EP": 64, "BLOCK": 64, "PRECISION": "tf32"}
     finally:
         torch.set_float32_matmul_precision(previous)
+    assert far_field_triton._launch_shape(x, 33, "tf32")["PRECISION"] == "tf32"

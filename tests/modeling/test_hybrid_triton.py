@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import performer_hf.modeling.favor_hybrid as favor_hybrid
-from performer_hf.modeling import cpu_kernels, hybrid_backends, hybrid_triton
+from performer_hf.modeling import cpu_kernels, far_field_polynomial, far_field_triton, hybrid_backends, hybrid_triton
 from performer_hf.modeling.attention_methods import ATTENTION_METHODS
 from performer_hf.modeling.favor_hybrid import hybrid_attention
 from performer_hf.modeling.hybrid_spec import HybridSpec
@@ -93,7 +93,8 @@ def test_the_kernels_give_the_cpu_kernels_sums_and_gradients(geometry, d, dv, ro
 def test_hybrid_attention_through_the_kernels_matches_the_dense_reference(config, monkeypatch):
     """Bidirectional hybrid attention with its support sums in the kernels (as on CUDA, float32), padded keys, against
     the dense reference in float64: outputs and the gradients of queries, keys and values."""
-    monkeypatch.setattr(favor_hybrid, "choose_backend", lambda call, causal: hybrid_backends.TRITON)
+    triton = hybrid_backends.TritonBackend("pytorch")
+    monkeypatch.setattr(favor_hybrid, "choose_backend", lambda call, causal: triton)
     q, k, v = random_qkv(head_dim=16)
     mask = right_padding(2, 45)
     fast_inputs = [t.float().to(DEVICE).requires_grad_() for t in (q, k, v)]
@@ -134,6 +135,30 @@ def test_compiled_the_kernels_are_operators_of_the_graph():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_compiled_hybrid_attention_through_the_kernels_is_one_graph(monkeypatch):
+    """The whole bidirectional call through the backend (routing, the far field, the support sums) traces into one
+    graph, with eager's output and gradients (as ``device_compile`` traces it on CUDA)."""
+    triton = hybrid_backends.TritonBackend("pytorch")
+    monkeypatch.setattr(favor_hybrid, "choose_backend", lambda call, causal: triton)
+    q, k, v = (t.float().requires_grad_() for t in random_qkv(head_dim=16))
+
+    def attend(q, k, v):
+        return hybrid_attention(q, k, v, far_field="poly2", center=True, **CONFIGS[3])
+
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(attend, backend=counter, fullgraph=True)(q, k, v)
+        got = (compiled, *torch.autograd.grad(compiled.sum(), (q, k, v)))
+    finally:
+        torch._dynamo.reset()
+    eager = attend(q, k, v)
+    want = (eager, *torch.autograd.grad(eager.sum(), (q, k, v)))
+    assert counter.frame_count == 1
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_cuda_calls_take_the_kernels_where_they_serve(monkeypatch):
     """On CUDA (eager or traced) a bidirectional call with a polynomial far field goes to the kernels where they serve
     it; causal calls do not, nor calls they do not serve (another far field, PERFORMER_HF_TRITON=0, see below)."""
@@ -147,11 +172,36 @@ def test_cuda_calls_take_the_kernels_where_they_serve(monkeypatch):
     hybrid_attention(q.float(), k.float(), v.float(), projection, far_field="softmax", center=True, **CONFIGS[3])
     polynomial, random_features = calls
     monkeypatch.setattr(hybrid_triton, "serves", lambda x, width, block: True)  # as on CUDA
-    assert hybrid_backends._cuda_backend(polynomial, causal=False, continues=False) is hybrid_backends.TRITON
-    assert hybrid_backends._cuda_backend(polynomial, causal=True, continues=False) is not hybrid_backends.TRITON
-    assert hybrid_backends._cuda_backend(random_features, causal=False, continues=False) is not hybrid_backends.TRITON
+    takes = lambda call, causal=False: isinstance(  # noqa: E731
+        hybrid_backends._cuda_backend(call, causal, continues=False), hybrid_backends.TritonBackend
+    )
+    assert takes(polynomial) and not takes(polynomial, causal=True) and not takes(random_features)
+    assert hybrid_backends._cuda_backend(polynomial, False, False).precision == "pytorch"  # float32 inputs
+    bfloat16 = polynomial._replace(k=polynomial.k.bfloat16())  # the model's keys (the rest computes in float32)
+    assert hybrid_backends._cuda_backend(bfloat16, False, False).precision == "tf32"
     monkeypatch.setattr(hybrid_triton, "serves", lambda x, width, block: False)
-    assert hybrid_backends._cuda_backend(polynomial, causal=False, continues=False) is not hybrid_backends.TRITON
+    assert not takes(polynomial)
+
+
+def test_the_backend_runs_both_kernels_in_its_precision(monkeypatch):
+    """A backend's precision reaches the support sums and the far field's kernels (the hybrid with a float32 model,
+    as on CUDA; the products in TF32 for bfloat16 and float16 models, :func:`float32_precision`)."""
+    precisions = []
+    for name in ("state", "apply"):  # the far field's kernels, called with the precision last
+        original = getattr(far_field_triton, f"quadratic_{name}")
+        spy = lambda *args, original=original: precisions.append(args[-1]) or original(*args)  # noqa: E731
+        monkeypatch.setattr(far_field_polynomial, f"triton_{name}", spy)
+    support_sums = hybrid_triton.support_sums
+    monkeypatch.setattr(hybrid_triton, "support_sums", lambda *args: precisions.append(args[-1]) or support_sums(*args))
+    monkeypatch.setattr(far_field_polynomial, "triton_serves", lambda x, width: True)
+    triton = hybrid_backends.TritonBackend("pytorch")
+    monkeypatch.setattr(favor_hybrid, "choose_backend", lambda call, causal: triton)
+    q, k, v = (t.float() for t in random_qkv(head_dim=16))
+    hybrid_attention(q, k, v, far_field="poly2", center=True, **CONFIGS[3])
+    assert precisions == ["pytorch"] * 3
+    assert (
+        far_field_triton.float32_precision(torch.bfloat16) == far_field_triton.float32_precision(torch.half) == "tf32"
+    )
 
 
 def test_only_cuda_float32_queries_of_tile_dims_are_served(monkeypatch):

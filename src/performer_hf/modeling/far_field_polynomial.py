@@ -114,7 +114,7 @@ def _feature_slab_state(w: Tensor, wv1: Tensor, c2: float) -> Tensor:
     return _key_features(w, c2).transpose(-2, -1) @ wv1
 
 
-def quadratic_state(w: Tensor, wv1: Tensor, c2: float) -> tuple[Tensor, Tensor] | Tensor:
+def quadratic_state(w: Tensor, wv1: Tensor, c2: float, precision: str = "pytorch") -> tuple[Tensor, Tensor] | Tensor:
     """State of the kernel ``1 + t + c2 t^2`` over all keys, for :func:`quadratic_apply` on the same device.
 
     w: (B, H, S, d) centred keys; wv1: (B, H, S, dv + 1) their weighted values ``exp(klog - s) [v, 1]``.
@@ -123,11 +123,11 @@ def quadratic_state(w: Tensor, wv1: Tensor, c2: float) -> tuple[Tensor, Tensor] 
     (B, H, d, d (dv + 1)) ``= c2 sum_j w_j (w_j (x) wv1_j)``: row ``a``, column ``(b, e)`` holds
     ``c2 sum_j w_ja w_jb wv1_je``. On accelerators (:func:`from_features`): (B, H, F, dv + 1)
     ``= sum_j key_features(w_j) wv1_j^T``, the compiled CPU kernels' state. Where the Triton kernels serve:
-    (B, H, 1 + d + d^2, dv + 1) (:func:`.far_field_triton.quadratic_state`).
+    (B, H, 1 + d + d^2, dv + 1) (:func:`.far_field_triton.quadratic_state`, its products in ``precision``).
     """
     B, H, S, d = w.shape
     if triton_serves(w, wv1.shape[-1]):
-        return triton_state(w, wv1, c2)
+        return triton_state(w, wv1, c2, precision)
     if from_features(w.device):
         sizes = slab_sizes(S, B * H * _feature_width(d), "far", w.device)
         state = 0
@@ -154,12 +154,12 @@ def _feature_slab_sums(u: Tensor, state: Tensor) -> Tensor:
     return _query_features(u) @ state
 
 
-def quadratic_apply(u: Tensor, state: tuple[Tensor, Tensor] | Tensor) -> Tensor:
+def quadratic_apply(u: Tensor, state: tuple[Tensor, Tensor] | Tensor, precision: str = "pytorch") -> Tensor:
     """u: (B, H, n, d) centred queries -> (B, H, n, dv + 1) kernel sums ``sum_j (1 + t + c2 t^2) wv1_j``, from the
-    :func:`quadratic_state` of the keys (built on the same device)."""
+    :func:`quadratic_state` of the keys (built on the same device; ``precision``: the Triton kernels')."""
     B, H, n, d = u.shape
     if not isinstance(state, tuple) and state.shape[-2] == 1 + d + d * d:  # the Triton kernels' state
-        return triton_apply(u, state)
+        return triton_apply(u, state, precision)
     if from_features(u.device):
         sizes = slab_sizes(n, B * H * _feature_width(d), "far", u.device)
         return torch.cat([recomputed(_feature_slab_sums, u_s, state) for u_s in u.split(sizes, dim=2)], dim=2)

@@ -13,9 +13,10 @@ keys and its sums for each query, three kernels between them, forward and backwa
 
 The state of keys w with weighted values wv1 is ``state(w, wv1, c2)``, its sums for queries u ``apply(u, S, 1)``.
 Backward: ``d wv1 = apply(w, dS, c2)``, ``d w = grad_x(w, wv1, dS, c2)``; ``d u = grad_x(u, g, S, 1)``,
-``d S = state(u, g, 1)``. Their matrix products take float32 as PyTorch's do (IEEE by default, TF32 where
-``torch.set_float32_matmul_precision`` allows it): about 310 GFLOP forward and backward for 12 heads x 32K tokens x 32
-dims (the full square of d and the values padded to 64 columns: 4x what the features need, traded for regular tiles).
+``d S = state(u, g, 1)``. Their matrix products take float32 as :func:`float32_precision` says (by default as
+PyTorch's do, TF32 for bfloat16 and float16 attention): about 310 GFLOP forward and backward for 12 heads x 32K tokens
+x 32 dims (the full square of d and the values padded to 64 columns: 4x what the features need, traded for regular
+tiles).
 Tested on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``); :func:`serves` says where they run.
 """
 
@@ -62,10 +63,20 @@ def padded_width(width: int) -> int:
     return max(16, 1 << (width - 1).bit_length())
 
 
-def float32_precision() -> str:
-    """How the kernels' matrix products take float32, as PyTorch's own products do
-    (``torch.set_float32_matmul_precision``): ``"ieee"`` by default, ``"tf32"`` at "high" or "medium"."""
-    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+def float32_precision(inputs_dtype: torch.dtype = torch.float32) -> str:
+    """How the kernels' matrix products take float32 for attention whose inputs came in ``inputs_dtype``: ``"tf32"``
+    for bfloat16 and float16, whose own rounding (2^-8, 2^-11) is above TF32's of the operands (2^-11), at a fraction
+    of IEEE float32's time; else ``"pytorch"``, as PyTorch's own products when the kernels run
+    (``torch.set_float32_matmul_precision``: IEEE float32 by default, TF32 at "high" or "medium"; read then, not
+    where a compiled graph is traced)."""
+    return "tf32" if inputs_dtype in (torch.bfloat16, torch.float16) else "pytorch"
+
+
+def input_precision(precision: str) -> str:
+    """Triton's ``input_precision`` for a :func:`float32_precision`."""
+    if precision == "pytorch":
+        return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return precision
 
 
 if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET (its interpreter: the tests on a CPU)
@@ -146,38 +157,38 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         tl.store(OUT + bh * N * D + row[:, None] * D + dims[None, :], acc, mask=live[:, None])
 
 
-def _launch_shape(x: Tensor, width: int) -> dict:
+def _launch_shape(x: Tensor, width: int, precision: str) -> dict:
     """The kernels' compile-time settings: tile widths and their matrix products' precision."""
-    return {"D": x.shape[-1], "EP": padded_width(width), "BLOCK": BLOCK_ROWS, "PRECISION": float32_precision()}
+    return {"D": x.shape[-1], "EP": padded_width(width), "BLOCK": BLOCK_ROWS, "PRECISION": input_precision(precision)}
 
 
-def _state(x: Tensor, v: Tensor, c: float) -> Tensor:
+def _state(x: Tensor, v: Tensor, c: float, precision: str) -> Tensor:
     """(B, H, N, d), (B, H, N, E) -> (B, H, 1 + d + d^2, E)."""
     x, v = x.contiguous(), v.contiguous()  # the kernels read rows in place (compiled callers may pass other strides)
     B, H, N, d = x.shape
     E = v.shape[-1]
     out = torch.empty(B, H, 1 + d + d * d, E, dtype=torch.float32, device=x.device)
-    _state_kernel[(B * H, 1 + d)](x, v, out, N, E, c, **_launch_shape(x, E))
+    _state_kernel[(B * H, 1 + d)](x, v, out, N, E, c, **_launch_shape(x, E, precision))
     return out
 
 
-def _apply(x: Tensor, s: Tensor, c: float) -> Tensor:
+def _apply(x: Tensor, s: Tensor, c: float, precision: str) -> Tensor:
     """(B, H, N, d), (B, H, 1 + d + d^2, E) -> (B, H, N, E)."""
     x, s = x.contiguous(), s.contiguous()
     B, H, N, d = x.shape
     E = s.shape[-1]
     out = torch.empty(B, H, N, E, dtype=torch.float32, device=x.device)
-    _apply_kernel[(B * H, -(-N // BLOCK_ROWS))](x, s, out, N, E, c, **_launch_shape(x, E))
+    _apply_kernel[(B * H, -(-N // BLOCK_ROWS))](x, s, out, N, E, c, **_launch_shape(x, E, precision))
     return out
 
 
-def _grad_x(x: Tensor, g: Tensor, s: Tensor, c: float) -> Tensor:
+def _grad_x(x: Tensor, g: Tensor, s: Tensor, c: float, precision: str) -> Tensor:
     """(B, H, N, d), (B, H, N, E), (B, H, 1 + d + d^2, E) -> (B, H, N, d)."""
     x, g, s = x.contiguous(), g.contiguous(), s.contiguous()
     B, H, N, d = x.shape
     E = s.shape[-1]
     out = torch.empty_like(x)
-    _grad_x_kernel[(B * H, -(-N // BLOCK_ROWS))](x, g, s, out, N, E, c, **_launch_shape(x, E))
+    _grad_x_kernel[(B * H, -(-N // BLOCK_ROWS))](x, g, s, out, N, E, c, **_launch_shape(x, E, precision))
     return out
 
 
@@ -186,26 +197,28 @@ def _grad_x(x: Tensor, g: Tensor, s: Tensor, c: float) -> Tensor:
 # module (remote code beside the installed package) finds them registered and uses them.
 _OPS = {"polynomial_far_state": _state, "polynomial_far_apply": _apply, "polynomial_far_grad_x": _grad_x}
 _SHAPES = {
-    "polynomial_far_state": lambda x, v, c: (*x.shape[:2], 1 + x.shape[-1] + x.shape[-1] ** 2, v.shape[-1]),
-    "polynomial_far_apply": lambda x, s, c: (*x.shape[:3], s.shape[-1]),
-    "polynomial_far_grad_x": lambda x, g, s, c: x.shape,
+    "polynomial_far_state": lambda x, v, c, precision: (*x.shape[:2], 1 + x.shape[-1] + x.shape[-1] ** 2, v.shape[-1]),
+    "polynomial_far_apply": lambda x, s, c, precision: (*x.shape[:3], s.shape[-1]),
+    "polynomial_far_grad_x": lambda x, g, s, c, precision: x.shape,
 }
 
 
 def _state_backward(ctx, d_state: Tensor):
     x, v = ctx.saved_tensors
-    ops = torch.ops.performer_hf
-    return ops.polynomial_far_grad_x(x, v, d_state, ctx.c), ops.polynomial_far_apply(x, d_state, ctx.c), None
+    ops, c, precision = torch.ops.performer_hf, ctx.c, ctx.precision
+    d_x = ops.polynomial_far_grad_x(x, v, d_state, c, precision)
+    return d_x, ops.polynomial_far_apply(x, d_state, c, precision), None, None
 
 
 def _apply_backward(ctx, d_sums: Tensor):
     x, s = ctx.saved_tensors
-    ops = torch.ops.performer_hf
-    return ops.polynomial_far_grad_x(x, d_sums, s, ctx.c), ops.polynomial_far_state(x, d_sums, ctx.c), None
+    ops, c, precision = torch.ops.performer_hf, ctx.c, ctx.precision
+    d_x = ops.polynomial_far_grad_x(x, d_sums, s, c, precision)
+    return d_x, ops.polynomial_far_state(x, d_sums, c, precision), None, None
 
 
 def _save_inputs(ctx, inputs, output):
-    *tensors, ctx.c = inputs
+    *tensors, ctx.c, ctx.precision = inputs
     ctx.save_for_backward(*tensors)
 
 
@@ -223,12 +236,12 @@ if triton is not None:
     _register()
 
 
-def quadratic_state(w: Tensor, wv1: Tensor, c2: float) -> Tensor:
+def quadratic_state(w: Tensor, wv1: Tensor, c2: float, precision: str = "pytorch") -> Tensor:
     """The far field's state of keys w (B, H, S, d) and weighted values wv1 (B, H, S, E), float32: (B, H,
-    1 + d + d^2, E) (see the module docstring)."""
-    return torch.ops.performer_hf.polynomial_far_state(w, wv1, float(c2))
+    1 + d + d^2, E) (see the module docstring). ``precision``: the products' (:func:`float32_precision`)."""
+    return torch.ops.performer_hf.polynomial_far_state(w, wv1, float(c2), precision)
 
 
-def quadratic_apply(u: Tensor, state: Tensor) -> Tensor:
+def quadratic_apply(u: Tensor, state: Tensor, precision: str = "pytorch") -> Tensor:
     """The kernel sums (B, H, L, E) of queries u (B, H, L, d) from :func:`quadratic_state`."""
-    return torch.ops.performer_hf.polynomial_far_apply(u, state, 1.0)
+    return torch.ops.performer_hf.polynomial_far_apply(u, state, 1.0, precision)

@@ -16,6 +16,7 @@ A backend that cannot serve a setting says why once in the log, and the PyTorch 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from . import hybrid_triton
 from .cpu_kernels import hybrid_kernels, kernels_enabled
 from .far_field_polynomial import POLYNOMIAL
+from .far_field_triton import float32_precision
 from .hybrid_compiled import compiled_polynomial, fused_sums, support_inputs
 from .hybrid_exact import CandidateSet, exact_logits, exact_sums, merge
 from .hybrid_far_field import FarQueries
@@ -70,13 +72,17 @@ class CompiledCpuBackend:
 
 
 class TritonBackend:
-    """Bidirectional hybrid attention with a polynomial far field in the Triton kernels (CUDA)."""
+    """Bidirectional hybrid attention with a polynomial far field in the Triton kernels (CUDA), their matrix products
+    in ``precision`` (:func:`.far_field_triton.float32_precision`), the far field's too where its kernels serve."""
 
-    polynomial = POLYNOMIAL  # on CUDA, in the far field's own Triton kernels where they serve
+    def __init__(self, precision: str):
+        self.precision = precision
+        state, apply = POLYNOMIAL
+        self.polynomial = (functools.partial(state, precision=precision), functools.partial(apply, precision=precision))
 
     def support_sums(self, selection: Selection, far: FarQueries, quadratic: float) -> Tensor:
         tensors, geometry = support_inputs(selection, far)
-        return hybrid_triton.support_sums(*tensors, _routes(selection), geometry, quadratic)
+        return hybrid_triton.support_sums(*tensors, _routes(selection), geometry, quadratic, self.precision)
 
 
 def _routes(selection: Selection) -> Tensor:
@@ -90,7 +96,6 @@ def _routes(selection: Selection) -> Tensor:
 
 
 PYTORCH = TorchBackend()
-TRITON = TritonBackend()
 _EXPLAINED: set[str] = set()
 
 
@@ -108,7 +113,7 @@ def _cuda_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBacke
     spec, flex = call.spec, "FlexAttention"
     if not causal and call.ctx.far.quadratic is not None and not continues:
         if hybrid_triton.serves(call.x, call.keys.values1.shape[-1], spec.query_block_size):
-            return TRITON
+            return TritonBackend(float32_precision(call.k.dtype))
     if not flex_enabled():
         return PYTORCH
     if not flex_available():

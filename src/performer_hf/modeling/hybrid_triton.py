@@ -18,7 +18,8 @@ support, which the far field over all keys already counted: their difference is 
 - backward: each query block recomputes its chunks and writes its queries' gradients; its candidates' gradients
   (keys, values, key log-weights) are added atomically, a key being a candidate of several blocks.
 
-Matrix products take float32 as PyTorch's do (:func:`.far_field_triton.float32_precision`). Tested on the CPU
+Matrix products take float32 as :func:`.far_field_triton.float32_precision` says (by default as PyTorch's do, TF32
+for bfloat16 and float16 attention). Tested on the CPU
 through Triton's interpreter against the CPU kernels and the dense reference; :func:`serves` says where they run.
 """
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .far_field_triton import enabled, float32_precision, padded_width, triton
+from .far_field_triton import enabled, input_precision, padded_width, triton
 
 Tensor = torch.Tensor
 CHUNK = 64  # candidate keys per step of a query block's walk
@@ -207,16 +208,16 @@ def serves(x: Tensor, values_width: int, query_block: int) -> bool:
     )
 
 
-def _settings(x: Tensor, width: int, block_q: int, block_k: int) -> dict:
+def _settings(x: Tensor, width: int, block_q: int, block_k: int, precision: str) -> dict:
     """The kernels' compile-time settings: tile sizes (query rows padded to at least 16, the matrix products' smallest
     tile) and their matrix products' precision."""
     tiles = dict(D=x.shape[-1], EP=padded_width(width), BQ=padded_width(block_q), BLOCK_K=block_k, CH=CHUNK)
-    return {**tiles, "PRECISION": float32_precision()}
+    return {**tiles, "PRECISION": input_precision(precision)}
 
 
 def _forward(
     x: Tensor, rq: Tensor, q_scale: Tensor, far_sum: Tensor, key_shift: Tensor, y: Tensor, values1: Tensor,
-    klog: Tensor, mask: Tensor, routes: Tensor, geometry: list[int], quadratic: float,
+    klog: Tensor, mask: Tensor, routes: Tensor, geometry: list[int], quadratic: float, precision: str,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The sums (B, H, L, D1), each query's shift and the kernel's mass on its support (B, H, L). Inputs as
     :class:`.hybrid_compiled._SupportSums` takes them (rows contiguous, y untransposed), routes int32."""
@@ -228,7 +229,8 @@ def _forward(
     width = block_q + left + right if right >= 0 else 0
     _forward_kernel[(B * H, N)](
         x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, out, shift, kernel_mass,
-        H, L, N, R, D1, block_q, width, nb_global, left, right, quadratic, **_settings(x, D1, block_q, block_k),
+        H, L, N, R, D1, block_q, width, nb_global, left, right, quadratic,
+        **_settings(x, D1, block_q, block_k, precision),
     )  # fmt: skip
     return out, shift, kernel_mass
 
@@ -236,7 +238,7 @@ def _forward(
 def _backward(
     grad: Tensor, x: Tensor, rq: Tensor, q_scale: Tensor, far_sum: Tensor, key_shift: Tensor, y: Tensor,
     values1: Tensor, klog: Tensor, mask: Tensor, routes: Tensor, shift: Tensor, kernel_mass: Tensor,
-    geometry: list[int], quadratic: float,
+    geometry: list[int], quadratic: float, precision: str,
 ) -> list[Tensor]:  # fmt: skip
     """The gradients of x, rq, q_scale, far_sum, y, values1 and klog."""
     left, right, nb_global, block_q, block_k = geometry
@@ -248,7 +250,8 @@ def _backward(
     _backward_kernel[(B * H, N)](
         grad.contiguous(), x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, shift, kernel_mass,
         d_x, d_rq, d_q_scale, d_far, d_y, d_values1, d_klog,
-        H, L, N, R, D1, block_q, width, nb_global, left, right, quadratic, **_settings(x, D1, block_q, block_k),
+        H, L, N, R, D1, block_q, width, nb_global, left, right, quadratic,
+        **_settings(x, D1, block_q, block_k, precision),
     )  # fmt: skip
     return [d_x, d_rq, d_q_scale, d_far, d_y, d_values1, d_klog]
 
@@ -268,7 +271,7 @@ def _register() -> None:
     backward = library.custom_op("performer_hf::hybrid_support_sums_backward", mutates_args=())(_backward)
 
     @forward.register_fake
-    def _(x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, geometry, quadratic):
+    def _(x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, geometry, quadratic, precision):
         return torch.empty_like(far_sum), x.new_empty(x.shape[:3]), x.new_empty(x.shape[:3])
 
     @backward.register_fake
@@ -276,16 +279,16 @@ def _register() -> None:
         return [torch.empty_like(t) for t in (x, rq, q_scale, far_sum, y, values1, klog)]
 
     def setup_context(ctx, inputs, output):
-        *tensors, ctx.geometry, ctx.quadratic = inputs
+        *tensors, ctx.geometry, ctx.quadratic, ctx.precision = inputs
         ctx.save_for_backward(*tensors, *output[1:])
 
     def gradients(ctx, grad, _d_shift, _d_kernel_mass):
         x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, shift, kernel_mass = ctx.saved_tensors
         d_x, d_rq, d_q_scale, d_far, d_y, d_values1, d_klog = torch.ops.performer_hf.hybrid_support_sums_backward(
             grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, shift, kernel_mass,
-            ctx.geometry, ctx.quadratic,
+            ctx.geometry, ctx.quadratic, ctx.precision,
         )  # fmt: skip
-        return d_x, d_rq, d_q_scale, d_far, None, d_y, d_values1, d_klog, None, None, None, None
+        return d_x, d_rq, d_q_scale, d_far, None, d_y, d_values1, d_klog, None, None, None, None, None
 
     library.register_autograd("performer_hf::hybrid_support_sums", gradients, setup_context=setup_context)
 
@@ -296,15 +299,16 @@ if triton is not None:
 
 def support_sums(
     x: Tensor, rq: Tensor, q_scale: Tensor, far_sum: Tensor, key_shift: Tensor, y: Tensor, values1: Tensor,
-    klog: Tensor, mask: Tensor, routes: Tensor, geometry: list[int], quadratic: float,
+    klog: Tensor, mask: Tensor, routes: Tensor, geometry: list[int], quadratic: float, precision: str = "pytorch",
 ) -> Tensor:  # fmt: skip
     """Bidirectional hybrid attention's merged sums (B, H, L, D1) relative to a per-query shift, as the CPU kernels'
     ``hybrid_support_sums``: x, y (B, H, L, d); rq, q_scale, klog (B, H, L); far_sum, values1 (B, H, L, D1);
     key_shift (B, H); mask (B, L) bool; routes (B, H, N, R) the routed key blocks of each query block (-1: none);
-    geometry ``[left, right, nb_global, block_q, block_k]``; quadratic the polynomial's ``c2``. Float32."""
+    geometry ``[left, right, nb_global, block_q, block_k]``; quadratic the polynomial's ``c2``. Float32, the matrix
+    products in ``precision`` (:func:`.far_field_triton.float32_precision`)."""
     tensors = [t.contiguous() for t in (x, rq, q_scale, far_sum, key_shift, y, values1, klog)]
     routes = routes.to(torch.int32).contiguous()
     out, _, _ = torch.ops.performer_hf.hybrid_support_sums(
-        *tensors, mask.contiguous(), routes, [int(g) for g in geometry], float(quadratic)
+        *tensors, mask.contiguous(), routes, [int(g) for g in geometry], float(quadratic), precision
     )
     return out
