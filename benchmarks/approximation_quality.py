@@ -140,10 +140,11 @@ def _hybrid(far_field: str, center: bool) -> Method:
 
 def _default_conversion() -> Method:
     """The hybrid exactly as ``performer-hf convert`` sets it up for an encoder by default (issue 5's floors),
-    run on every input: the preset's ``exact_max_length`` (exact attention for short inputs) is left out, so
-    that the figures measure the approximation that longer inputs get."""
+    run on every input: the preset's ``exact_max_length`` (exact attention for short inputs, on accelerators too) is
+    left out, so that the figures measure the approximation that longer inputs get."""
     preset = dict(CONVERSION_METHODS[DEFAULT_METHOD]["bidirectional"])
     preset.pop("exact_max_length", None)
+    preset.pop("accelerator_exact_max_length", None)
     far_field, center = preset.pop("attention_kernel"), preset.pop("center_features", False)
     return Method(
         "default conversion", "hybrid", {**preset, "far_field": far_field, "center": center}, _coupling(far_field)

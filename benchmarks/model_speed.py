@@ -27,10 +27,10 @@ Arms (``--arms``):
               quality on the real MiniLM); encoder only
     sparse    the sparse method (``method="sparse"``), the default of models converted in place (llama); causal only
     favor     plain FAVOR+ (``method="favor"``)
-    exact     the default conversion with ``exact_max_length`` above every L: what its exact dispatch
-              computes (SDPA, no attention dropout; causal: every position in the exact prefix)
-    approximation  the default conversion with exact dispatch off (``exact_max_length=0``): the hybrid's
-              own approximation at every length; against ``exact`` it gives the crossover length
+    exact     the default conversion with ``exact_max_length`` (on accelerators too) above every L: what its exact
+              dispatch computes (SDPA, no attention dropout; causal: every position in the exact prefix)
+    approximation  the default conversion with exact dispatch off (``exact_max_length=0``, on accelerators too): the
+              hybrid's own approximation at every length; against ``exact`` it gives the crossover length
     bound     the same model with attention that costs nothing (each layer's attention returns its values):
               the speed-up over the source that no attention method can exceed on this model
 
@@ -184,8 +184,8 @@ def build_models(kind: str, positions: int, arms: list[str], workdir: Path, base
             models[arm] = source_model(kind, positions, attention_dropout=0.0 if arm == "sdpa_fused" else 0.1)
             continue
         settings = {
-            "exact": {"method": "hybrid", "exact_max_length": 1 << 30},
-            "approximation": {"method": "hybrid", "exact_max_length": 0},
+            "exact": {"method": "hybrid", "exact_max_length": 1 << 30, "accelerator_exact_max_length": 1 << 30},
+            "approximation": {"method": "hybrid", "exact_max_length": 0, "accelerator_exact_max_length": 0},
             "bound": {"method": "favor"},
             "tiled": {"method": "hybrid", **TILED},
         }

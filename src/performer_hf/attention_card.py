@@ -44,6 +44,9 @@ def method_description(config: PerformerConfig) -> str:
             else f"inputs of at most {config.exact_max_length} tokens keep exact softmax attention"
         )
         description += f" ({exact}: faster there, and the quality the approximation aims for)"
+    accelerator = config.accelerator_exact_max_length
+    if accelerator is not None and accelerator != config.exact_max_length and config.attention_method != "exact":
+        description += f"; on GPUs and other accelerators, inputs of at most {accelerator} tokens keep exact attention"
     return description
 
 

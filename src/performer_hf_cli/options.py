@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 # PerformerConfig's fields (what --set takes), and those the source weights fix
 CONFIG_FIELDS = (
+    "accelerator_exact_max_length",
     "architectures",
     "attention_kernel",
     "attention_method",
@@ -111,6 +112,11 @@ CONFIG_OPTIONS = [
         "exact_max_length",
         "int",
         "bidirectional: inputs of at most this many tokens keep exact attention; causal: the first this many positions attend exactly; 0: never (default 0; hybrid 2048; causal 4096)",
+    ),
+    (
+        "accelerator_exact_max_length",
+        "int",
+        "bidirectional, on accelerators: exact_max_length there (None: the same as on a CPU) (hybrid 8192; causal None)",
     ),
     (
         "local_window",

@@ -7,7 +7,9 @@ from huggingface_hub.errors import StrictDataclassClassValidationError
 from transformers import DynamicCache
 
 from performer_hf import PerformerConfig, PerformerForMaskedLM, PerformerModel
+from performer_hf.conversion.fidelity import approximation_only
 from performer_hf.favor import HybridSpec, exact_attention, hybrid_attention
+from performer_hf.modeling.method_exact import exact_is_enough, exact_max_length
 from performer_hf.modeling.modeling_performer import CACHE_FIELD
 from tests.tiny_models import METHODS, random_centres, random_ids, tiny_config, tiny_model
 
@@ -87,6 +89,33 @@ def test_a_causal_favor_model_refuses_exact_max_length():
         tiny_config(is_decoder=True, exact_max_length=512, **METHODS["favor"])
     with pytest.raises(invalid, match="exact_max_length must be >= 0"):
         tiny_config(exact_max_length=-1)
+
+
+@pytest.mark.parametrize("method", sorted(APPROXIMATIONS))
+def test_accelerators_keep_exact_attention_to_their_own_crossover(method):
+    """``accelerator_exact_max_length`` sets the crossover on every device but the CPU (None: exact_max_length);
+    the fidelity report's approximation_only turns both off."""
+    model = tiny_model(PerformerModel, exact_max_length=8, accelerator_exact_max_length=32, **APPROXIMATIONS[method])
+    attention = model.encoder.layer[0].attention
+    on = {device: torch.empty(1, 4, 24, 8, device=device) for device in ("cpu", "meta")}  # meta: as an accelerator
+    assert exact_max_length(attention, torch.device("cpu")) == 8
+    assert exact_max_length(attention, torch.device("cuda")) == 32
+    assert not exact_is_enough(attention, on["cpu"], False, None)
+    assert exact_is_enough(attention, on["meta"], False, None)
+    assert not exact_is_enough(attention, on["meta"], True, None)  # bidirectional only
+    with approximation_only(model):
+        assert not exact_is_enough(attention, on["meta"], False, None)
+    assert exact_is_enough(attention, on["meta"], False, None)
+    attention.accelerator_exact_max_length = None
+    assert exact_max_length(attention, torch.device("cuda")) == 8
+
+
+def test_the_accelerator_crossover_is_bidirectional_and_not_negative():
+    invalid = (ValueError, StrictDataclassClassValidationError)
+    with pytest.raises(invalid, match="accelerator_exact_max_length must be >= 0"):
+        tiny_config(is_decoder=False, accelerator_exact_max_length=-1, **BIDIRECTIONAL_HYBRID)
+    with pytest.raises(invalid, match="accelerator_exact_max_length=4096 with is_decoder=True"):
+        tiny_config(is_decoder=True, accelerator_exact_max_length=4096, **METHODS["hybrid"])
 
 
 def test_a_causal_hybrid_attends_exactly_at_its_first_exact_max_length_positions():

@@ -171,7 +171,7 @@ def test_cuda_calls_take_the_kernels_where_they_serve(monkeypatch):
     projection = torch.randn(16, 16)
     hybrid_attention(q.float(), k.float(), v.float(), projection, far_field="softmax", center=True, **CONFIGS[3])
     polynomial, random_features = calls
-    monkeypatch.setattr(hybrid_triton, "serves", lambda x, width, block: True)  # as on CUDA
+    monkeypatch.setattr(hybrid_backends, "triton_serves", lambda x, width, block: True)  # as on CUDA
     takes = lambda call, causal=False: isinstance(  # noqa: E731
         hybrid_backends._cuda_backend(call, causal, continues=False), hybrid_backends.TritonBackend
     )
@@ -179,7 +179,7 @@ def test_cuda_calls_take_the_kernels_where_they_serve(monkeypatch):
     assert hybrid_backends._cuda_backend(polynomial, False, False).precision == "pytorch"  # float32 inputs
     bfloat16 = polynomial._replace(k=polynomial.k.bfloat16())  # the model's keys (the rest computes in float32)
     assert hybrid_backends._cuda_backend(bfloat16, False, False).precision == "tf32"
-    monkeypatch.setattr(hybrid_triton, "serves", lambda x, width, block: False)
+    monkeypatch.setattr(hybrid_backends, "triton_serves", lambda x, width, block: False)
     assert not takes(polynomial)
 
 
@@ -192,7 +192,9 @@ def test_the_backend_runs_both_kernels_in_its_precision(monkeypatch):
         spy = lambda *args, original=original: precisions.append(args[-1]) or original(*args)  # noqa: E731
         monkeypatch.setattr(far_field_polynomial, f"triton_{name}", spy)
     support_sums = hybrid_triton.support_sums
-    monkeypatch.setattr(hybrid_triton, "support_sums", lambda *args: precisions.append(args[-1]) or support_sums(*args))
+    monkeypatch.setattr(
+        hybrid_backends, "triton_support_sums", lambda *args: precisions.append(args[-1]) or support_sums(*args)
+    )
     monkeypatch.setattr(far_field_polynomial, "triton_serves", lambda x, width: True)
     triton = hybrid_backends.TritonBackend("pytorch")
     monkeypatch.setattr(favor_hybrid, "choose_backend", lambda call, causal: triton)
@@ -228,7 +230,7 @@ def test_cuda_kernels_match_the_cpu_in_float32_and_bfloat16(monkeypatch):
     grad = torch.randn(2, 4, 4096, 32, generator=torch.Generator().manual_seed(12))
     calls = []
     support_sums = hybrid_triton.support_sums
-    monkeypatch.setattr(hybrid_triton, "support_sums", lambda *args: calls.append(1) or support_sums(*args))
+    monkeypatch.setattr(hybrid_backends, "triton_support_sums", lambda *args: calls.append(1) or support_sums(*args))
 
     def run(device, dtype, inputs=(q, k, v)):
         inputs = [t.detach().to(device, dtype).requires_grad_() for t in inputs]

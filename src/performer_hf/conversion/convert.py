@@ -265,6 +265,8 @@ def attention_settings(config: PerformerConfig) -> dict[str, Any]:
                 names += ["route_block_size", "query_block_size", "route_group_size"]
         if config.exact_max_length:
             names.append("exact_max_length")
+        if config.accelerator_exact_max_length is not None:
+            names.append("accelerator_exact_max_length")
     return {name: getattr(config, name) for name in names}
 
 

@@ -190,16 +190,18 @@ def _attention_modules(model: nn.Module) -> list[PerformerAttention]:
 @contextmanager
 def approximation_only(model: nn.Module):
     """Within the block, ``model`` runs its approximation on every input: the exact dispatch of short inputs
-    (``exact_max_length``) is off, so that a report on short sample text measures what longer inputs get."""
+    (``exact_max_length``, on accelerators too) is off, so that a report on short sample text measures what longer
+    inputs get."""
     modules = _attention_modules(model)
-    saved = [module.exact_max_length for module in modules]
+    names = ("exact_max_length", "accelerator_exact_max_length")
+    saved = [[getattr(module, name) for name in names] for module in modules]
     for module in modules:
-        module.exact_max_length = 0
+        module.exact_max_length, module.accelerator_exact_max_length = 0, None
     try:
         yield model
     finally:
-        for module, value in zip(modules, saved, strict=True):
-            module.exact_max_length = value
+        for module, values in zip(modules, saved, strict=True):
+            module.exact_max_length, module.accelerator_exact_max_length = values
 
 
 @torch.no_grad()

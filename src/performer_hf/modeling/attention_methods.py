@@ -92,6 +92,7 @@ FAVOR_FIELDS = (
     "feature_redraw_interval",
     "causal_chunk_size",
     "exact_max_length",
+    "accelerator_exact_max_length",
 )
 # FAVOR+'s fields (a random-feature far field reads them all), the HybridSpec's, the per-layer tensors' settings
 HYBRID_FIELDS = (
@@ -113,7 +114,10 @@ SPARSE_FIELDS = tuple(SparseSpec.config_fields().values())
 # exact attention (exact_max_length): measured on the MiniLM-shaped encoder (2 CPU threads, fp32, the hybrid
 # with its compiled backward; benchmarks/results/model_speed_crossover.md), exact attention trains 1.14x
 # faster than the hybrid at 2K tokens and infers 1.08x faster, while at 4K the hybrid is the faster (1.17x
-# training, 1.25x inference; 1.28x training at 8K). Causal models attend exactly at their first 4,096
+# training, 1.25x inference; 1.28x training at 8K). On GPUs flash attention stays ahead longer: on an H200 (bf16,
+# whole model, 16K tokens per batch; benchmarks/results/flex_h200) it trained the encoder faster than every
+# approximation at 8K (1.21x plain FAVOR+, 8.8x the hybrid then), so bidirectional inputs of at most 8,192 tokens keep
+# exact attention there (accelerator_exact_max_length). Causal models attend exactly at their first 4,096
 # positions (the rule is by position, so that cached decoding equals a full forward; the cache holds those
 # keys until the sequence passes them): on the GPT-2-shaped decoder with the fused causal scan, exact
 # attention trains 1.14x / 1.11x faster than the hybrid at 2K / 4K and infers 1.32x / 1.14x faster; at 8K
@@ -175,6 +179,7 @@ ATTENTION_METHODS: dict[str, AttentionMethod] = {
                 "route_group_size": 16,
                 "query_block_size": 16,
                 "exact_max_length": 2048,
+                "accelerator_exact_max_length": 8192,
             },
             "causal": {
                 "attention_kernel": "softmax_opt",

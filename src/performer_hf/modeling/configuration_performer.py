@@ -66,6 +66,9 @@ class PerformerConfig(PreTrainedConfig):
       exactly, at any input length, so that cached decoding equals a full forward; the cache keeps their
       keys and values until the sequence passes them, then the hybrid's constant-size state. (Where the
       hybrid's window covers every key, it is exact attention anyway.)
+    - `accelerator_exact_max_length`: the same bidirectional crossover on accelerators (CUDA and the other non-CPU
+      devices), where fused exact kernels (flash attention) stay faster than the approximations to longer inputs
+      than on a CPU. `None`: `exact_max_length` there too. Bidirectional models only.
 
     Hybrid attention (`attention_method="hybrid"`, `performer_hf.favor.hybrid_attention`): exact softmax on a
     sparse support per query plus the `attention_kernel` as a linear-time far field for every other key,
@@ -174,6 +177,10 @@ class PerformerConfig(PreTrainedConfig):
             "help": "bidirectional: inputs of at most this many tokens keep exact attention; causal: the "
             "first this many positions attend exactly; 0: never"
         },
+    )
+    accelerator_exact_max_length: int | None = field(
+        default=None,
+        metadata={"help": "bidirectional, on accelerators: exact_max_length there (None: the same as on a CPU)"},
     )
     local_window: int = field(
         default=0, metadata={"help": "hybrid, sparse: keys around (sparse: before) each query computed exactly"}
@@ -298,6 +305,16 @@ class PerformerConfig(PreTrainedConfig):
             raise ValueError("type_vocab_size and position_offset must be >= 0.")
         if self.exact_max_length < 0:
             raise ValueError(f"exact_max_length must be >= 0 tokens (0: never exact), got {self.exact_max_length}.")
+        if self.accelerator_exact_max_length is not None and self.accelerator_exact_max_length < 0:
+            raise ValueError(
+                f"accelerator_exact_max_length must be >= 0 tokens or None, got {self.accelerator_exact_max_length}."
+            )
+        if self.is_decoder and self.accelerator_exact_max_length is not None:
+            raise ValueError(
+                f"accelerator_exact_max_length={self.accelerator_exact_max_length} with is_decoder=True: causal "
+                "models attend exactly at their first exact_max_length positions on every device (so that cached "
+                "decoding equals a full forward). Set accelerator_exact_max_length=None."
+            )
         if self.is_decoder and self.exact_max_length and self.attention_method == "favor":
             raise ValueError(
                 f"exact_max_length={self.exact_max_length} with is_decoder=True needs the hybrid method (its cache "

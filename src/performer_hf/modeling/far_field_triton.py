@@ -34,7 +34,7 @@ try:  # Triton comes with torch's CUDA builds; on a CPU without it, nothing here
     import triton
     import triton.language as tl
 except ImportError:
-    triton = None
+    triton = tl = None
 
 
 def enabled() -> bool:

@@ -21,7 +21,6 @@ import logging
 
 import torch
 
-from . import hybrid_triton
 from .cpu_kernels import hybrid_kernels, kernels_enabled
 from .far_field_polynomial import POLYNOMIAL
 from .far_field_triton import float32_precision
@@ -31,6 +30,8 @@ from .hybrid_far_field import FarQueries
 from .hybrid_flex import TILE, FlexBackend, flex_available, flex_enabled
 from .hybrid_keys import HybridCall
 from .hybrid_selection import Selection
+from .hybrid_triton import serves as triton_serves
+from .hybrid_triton import support_sums as triton_support_sums
 from .slabs import recomputed
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class TritonBackend:
 
     def support_sums(self, selection: Selection, far: FarQueries, quadratic: float) -> Tensor:
         tensors, geometry = support_inputs(selection, far)
-        return hybrid_triton.support_sums(*tensors, _routes(selection), geometry, quadratic, self.precision)
+        return triton_support_sums(*tensors, _routes(selection), geometry, quadratic, self.precision)
 
 
 def _routes(selection: Selection) -> Tensor:
@@ -112,7 +113,7 @@ def _cuda_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBacke
     turns it off), else PyTorch."""
     spec, flex = call.spec, "FlexAttention"
     if not causal and call.ctx.far.quadratic is not None and not continues:
-        if hybrid_triton.serves(call.x, call.keys.values1.shape[-1], spec.query_block_size):
+        if triton_serves(call.x, call.keys.values1.shape[-1], spec.query_block_size):
             return TritonBackend(float32_precision(call.k.dtype))
     if not flex_enabled():
         return PYTORCH

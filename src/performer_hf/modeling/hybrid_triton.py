@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import torch
 
-from .far_field_triton import enabled, input_precision, padded_width, triton
+# Triton and its language come from the far field's module, which imports them where they are (remote code's import
+# check requires every module a file imports outside a try block)
+from .far_field_triton import enabled, input_precision, padded_width, tl, triton
 
 Tensor = torch.Tensor
 CHUNK = 64  # candidate keys per step of a query block's walk
 
 if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET (its interpreter: the tests on a CPU)
-    import triton.language as tl
 
     @triton.jit
     def _candidates(

@@ -108,6 +108,7 @@ class AttentionMethodState(nn.Module):
                 setattr(self, name, value)
         self.dropout_prob = config.attention_probs_dropout_prob
         self.exact_max_length = config.exact_max_length
+        self.accelerator_exact_max_length = config.accelerator_exact_max_length
         self.nb_features = config.nb_features
         # drawn here and again in `_init_weights` (models are also built on `meta`): the same seeded draw
         self.register_buffer("projection", self._draw(config.projection_seed + layer_idx), persistent=True)

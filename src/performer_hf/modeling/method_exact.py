@@ -46,14 +46,22 @@ def softmax_attention(q, k, v, key_mask, causal, dropout=0.0, output_attentions=
     return F.dropout(weights, p=dropout, training=dropout > 0) @ v, weights
 
 
-def exact_is_enough(module: nn.Module, length: int, causal: bool, layer_cache) -> bool:
-    """Whether a FAVOR+ or hybrid call computes exact softmax attention instead (SDPA, no attention dropout,
-    as for the approximations): bidirectional inputs of at most ``module.exact_max_length`` tokens (below
-    the crossover, where exact attention is also the faster), or inputs the hybrid's exact support covers
-    entirely (its output is then exact attention). Cached decoding keeps the method's own state."""
+def exact_max_length(module: nn.Module, device: torch.device) -> int:
+    """The longest bidirectional input that keeps exact attention on ``device``: the module's
+    ``accelerator_exact_max_length`` on accelerators where it has one, else its ``exact_max_length``."""
+    accelerator = getattr(module, "accelerator_exact_max_length", None)
+    return accelerator if device.type != "cpu" and accelerator is not None else module.exact_max_length
+
+
+def exact_is_enough(module: nn.Module, q: torch.Tensor, causal: bool, layer_cache) -> bool:
+    """Whether a FAVOR+ or hybrid call of queries q (B, H, L, d) computes exact softmax attention instead (SDPA, no
+    attention dropout, as for the approximations): bidirectional inputs of at most :func:`exact_max_length` tokens
+    on q's device (below the crossover, where exact attention is also the faster), or inputs the hybrid's exact
+    support covers entirely (its output is then exact attention). Cached decoding keeps the method's own state."""
     if layer_cache is not None:
         return False
-    if not causal and length <= module.exact_max_length:
+    length = q.shape[2]
+    if not causal and length <= exact_max_length(module, q.device):
         return True
     spec = getattr(module, "hybrid_spec", None)
     return spec is not None and spec.covers(length, causal)

@@ -15,7 +15,7 @@ def favor_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None,
     """FAVOR+ (:func:`.favor_attention`) with ``module.projection``; with ``layer_cache``, its
     constant-size :class:`FavorCacheLayer` state holds every earlier token."""
     length = q.shape[2]
-    if exact_is_enough(module, length, causal, layer_cache):
+    if exact_is_enough(module, q, causal, layer_cache):
         return softmax_attention(q, k, v, key_mask, causal)
     new_key_mask = None if key_mask is None else key_mask[:, -length:]  # (B, L): past keys live in the state
     kwargs = {

@@ -42,7 +42,7 @@ def hybrid_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None
         )
     if causal and module.exact_max_length:
         return _causal_exact_prefix(module, q, k, v, key_mask, layer_cache)
-    if exact_is_enough(module, q.shape[2], causal, layer_cache):
+    if exact_is_enough(module, q, causal, layer_cache):
         return softmax_attention(q, k, v, key_mask, causal)
     return _hybrid(module, q, k, v, key_mask, causal, layer_cache), None
 
