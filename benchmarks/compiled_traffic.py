@@ -11,8 +11,12 @@ forward and backward; inductor counts the bytes every generated kernel and matri
 Arms:
 
     favor                  plain FAVOR+ (256 features)
-    hybrid                 the default bidirectional hybrid (``hybrid_attention``, the converter's preset), its far
-                           field in the Triton kernels (``far_field_triton``) as on CUDA
+    hybrid, Triton         the default bidirectional hybrid (``hybrid_attention``, the converter's preset) as CUDA
+                           runs it: its support sums (the exact part and the far field's share there) and its far
+                           field in Triton kernels (``hybrid_triton``, ``far_field_triton``; opaque operators: their
+                           inputs and outputs count, not what they re-read)
+    hybrid                 the same with its support sums in PyTorch (the candidates gathered), its far field in the
+                           Triton kernels
     hybrid, PyTorch far field  the same with the far field in PyTorch (explicit features)
     far field              its polynomial far field alone (``attention_parts.far_field_part``): the state over all
                            keys, applied to every query, in the Triton kernels (opaque operators: their inputs and
@@ -49,12 +53,14 @@ import harness  # noqa: E402
 from attention_parts import FEATURES, HEAD_DIM, HEADS, far_field_part, hybrid_preset, routing_part  # noqa: E402
 
 from performer_hf.favor import draw_projection, favor_attention, hybrid_attention  # noqa: E402
-from performer_hf.modeling import far_field_polynomial, slabs  # noqa: E402
+from performer_hf.modeling import far_field_polynomial, hybrid_backends, slabs  # noqa: E402
+from performer_hf.modeling.far_field_triton import float32_precision  # noqa: E402
 
 logger = logging.getLogger("benchmarks.compiled_traffic")
 
 ARMS = (
     "favor",
+    "hybrid, Triton",
     "hybrid",
     "hybrid, PyTorch far field",
     "far field",
@@ -62,13 +68,14 @@ ARMS = (
     "far field, CPU form",
     "routing",
 )
-TRITON_ARMS = ("hybrid", "far field")  # the arms whose far field runs in the Triton kernels
+TRITON_ARMS = ("hybrid, Triton", "hybrid", "far field")  # the arms whose far field runs in the Triton kernels
 
 
 def calls(projection):
     spec = hybrid_preset()
     return {
         "favor": lambda q, k, v: favor_attention(q, k, v, projection),
+        "hybrid, Triton": lambda q, k, v: hybrid_attention(q, k, v, spec=spec),
         "hybrid": lambda q, k, v: hybrid_attention(q, k, v, spec=spec),
         "hybrid, PyTorch far field": lambda q, k, v: hybrid_attention(q, k, v, spec=spec),
         "far field": far_field_part,
@@ -80,16 +87,21 @@ def calls(projection):
 
 @contextlib.contextmanager
 def as_on_cuda(arm: str):
-    """The accelerators' slab budgets and far-field form (the Triton kernels for float32 rows, or PyTorch's features,
-    or the CPU's outer products, by arm), for tracing on a CPU."""
+    """The accelerators' slab budgets, far-field form (the Triton kernels for float32 rows, or PyTorch's features, or
+    the CPU's outer products, by arm) and, for ``hybrid, Triton``, the Triton support sums, for tracing on a CPU."""
     kind, form, triton = slabs._kind, far_field_polynomial.from_features, far_field_polynomial.triton_serves
+    traced = hybrid_backends._traced_backend
     slabs._kind = lambda device: "accelerator"
     far_field_polynomial.from_features = lambda device: arm != "far field, CPU form"
     far_field_polynomial.triton_serves = lambda x, width: arm in TRITON_ARMS and x.dtype == torch.float32
+    if arm == "hybrid, Triton":
+        precision = float32_precision(torch.bfloat16)
+        hybrid_backends._traced_backend = lambda call, causal, continues: hybrid_backends.TritonBackend(precision)
     try:
         yield
     finally:
         slabs._kind, far_field_polynomial.from_features, far_field_polynomial.triton_serves = kind, form, triton
+        hybrid_backends._traced_backend = traced
 
 
 def traffic(call, length: int, arm: str) -> dict:

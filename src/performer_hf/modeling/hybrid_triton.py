@@ -84,7 +84,9 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         D: tl.constexpr, EP: tl.constexpr, BQ: tl.constexpr, BLOCK_K: tl.constexpr, CH: tl.constexpr,
         PRECISION: tl.constexpr,
     ):  # fmt: skip
-        bh, n = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # int64 offsets: B H L d passes 2^31
+        # program (n, bh): query block n of batch and head bh (neighbouring blocks, which share window keys, run
+        # together; the first grid axis takes more than 65,535 blocks). int64 offsets: B H L d passes 2^31
+        n, bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         b = bh // H
         q_start = n * block_q
         dims, cols = tl.arange(0, D), tl.arange(0, EP)
@@ -131,7 +133,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         PRECISION: tl.constexpr,
     ):  # fmt: skip
         # What autograd gives for the sums with the per-query shift held constant (it cancels in the division).
-        bh, n = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        n, bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         b = bh // H
         q_start = n * block_q
         dims, cols = tl.arange(0, D), tl.arange(0, EP)
@@ -228,7 +230,7 @@ def _forward(
     out = torch.empty_like(far_sum)
     shift, kernel_mass = (x.new_empty(B, H, L) for _ in range(2))
     width = block_q + left + right if right >= 0 else 0
-    _forward_kernel[(B * H, N)](
+    _forward_kernel[(N, B * H)](
         x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, out, shift, kernel_mass,
         H, L, N, R, D1, block_q, width, nb_global, left, right, quadratic,
         **_settings(x, D1, block_q, block_k, precision),
@@ -248,7 +250,7 @@ def _backward(
     d_x, d_rq, d_q_scale, d_far = (torch.empty_like(t) for t in (x, rq, q_scale, far_sum))
     d_y, d_values1, d_klog = (torch.zeros_like(t) for t in (y, values1, klog))  # added into atomically
     width = block_q + left + right if right >= 0 else 0
-    _backward_kernel[(B * H, N)](
+    _backward_kernel[(N, B * H)](
         grad.contiguous(), x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, shift, kernel_mass,
         d_x, d_rq, d_q_scale, d_far, d_y, d_values1, d_klog,
         H, L, N, R, D1, block_q, width, nb_global, left, right, quadratic,
