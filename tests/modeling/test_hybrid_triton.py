@@ -4,6 +4,7 @@ sets ``TRITON_INTERPRET=1`` where there is no CUDA device), on CUDA compiled."""
 
 import pytest
 import torch
+import triton
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import performer_hf.modeling.favor_hybrid as favor_hybrid
@@ -87,6 +88,35 @@ def test_the_kernels_give_the_cpu_kernels_sums_and_gradients(geometry, d, dv, ro
     want = _cpu_kernels(tensors, key_shift, mask, routes, geometry, 0.25, probe)
     got = _triton(tensors, key_shift, mask, routes, geometry, 0.25, probe)
     _assert_relatively_close(got, want, ("sums", *NAMES), 1e-5)
+
+
+def test_launches_whose_tiles_exceed_shared_memory_take_smaller_chunks_and_remember(monkeypatch):
+    """A launch the GPU refuses for its shared memory runs again in chunks of 32, then 16 candidates; later launches
+    of that kind start from the chunk that fitted. The smaller chunks give the same sums (in the interpreter)."""
+    launched = []
+
+    class Kernel:  # refuses chunks above 16, as a GPU with little shared memory would for wide tiles
+        def __getitem__(self, grid):
+            def run(*args, CH, **settings):
+                launched.append(CH)
+                if CH > 16:
+                    raise triton.runtime.OutOfResources(CH * 4096, 65536, "shared memory")
+
+            return run
+
+    kernel = Kernel()
+    monkeypatch.setattr(hybrid_triton, "_FITTING_CHUNK", {})
+    hybrid_triton._launch(kernel, (1, 1), (), {"D": 32})
+    hybrid_triton._launch(kernel, (1, 1), (), {"D": 32})
+    assert launched == [64, 32, 16, 16]
+    geometry = [8, 8, 1, 16, 8]
+    tensors, key_shift, mask, routes = _inputs(geometry, 16, 8, 120, 12)
+    probe = torch.randn(2, 2, 120, 9, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    want = _triton(tensors, key_shift, mask, routes, geometry, 0.25, probe)
+    monkeypatch.setattr(hybrid_triton, "CHUNK", 16)  # nine chunks of 16 for 129 candidates
+    monkeypatch.setattr(hybrid_triton, "_FITTING_CHUNK", {})
+    got = _triton(tensors, key_shift, mask, routes, geometry, 0.25, probe)
+    _assert_relatively_close(got, [t.detach().cpu().double() for t in want], ("sums", *NAMES), 1e-5)
 
 
 @pytest.mark.parametrize("config", CONFIGS[3:], ids=range(3, len(CONFIGS)))

@@ -32,7 +32,9 @@ import torch
 from .far_field_triton import enabled, input_precision, padded_width, tl, triton
 
 Tensor = torch.Tensor
-CHUNK = 64  # candidate keys per step of a query block's walk
+CHUNK = 64  # candidate keys per step of a query block's walk (fewer where the tiles exceed the GPU's shared memory)
+_SMALLER_CHUNKS = (32, 16)
+_FITTING_CHUNK: dict[tuple, int] = {}  # the chunk each kind of launch fits in, once one did not
 
 if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET (its interpreter: the tests on a CPU)
 
@@ -214,8 +216,25 @@ def serves(x: Tensor, values_width: int, query_block: int) -> bool:
 def _settings(x: Tensor, width: int, block_q: int, block_k: int, precision: str) -> dict:
     """The kernels' compile-time settings: tile sizes (query rows padded to at least 16, the matrix products' smallest
     tile) and their matrix products' precision."""
-    tiles = dict(D=x.shape[-1], EP=padded_width(width), BQ=padded_width(block_q), BLOCK_K=block_k, CH=CHUNK)
+    tiles = dict(D=x.shape[-1], EP=padded_width(width), BQ=padded_width(block_q), BLOCK_K=block_k)
     return {**tiles, "PRECISION": input_precision(precision)}
+
+
+def _launch(kernel, grid: tuple, args: tuple, settings: dict) -> None:
+    """``kernel[grid](*args, **settings)`` in chunks of :data:`CHUNK` candidates, or of fewer where that needs more
+    shared memory than the GPU has (wide heads and values, large query blocks: up to 257 KB on Hopper, which has 227;
+    less on other GPUs), remembered for that kind of launch."""
+    key = (kernel, *sorted(settings.items()))
+    chunks = (CHUNK, *_SMALLER_CHUNKS)
+    for chunk in chunks[chunks.index(_FITTING_CHUNK.get(key, CHUNK)) :]:
+        try:
+            kernel[grid](*args, **settings, CH=chunk)
+        except triton.runtime.OutOfResources:
+            if chunk == chunks[-1]:
+                raise
+            continue
+        _FITTING_CHUNK[key] = chunk
+        return
 
 
 def _forward(
@@ -230,11 +249,11 @@ def _forward(
     out = torch.empty_like(far_sum)
     shift, kernel_mass = (x.new_empty(B, H, L) for _ in range(2))
     width = block_q + left + right if right >= 0 else 0
-    _forward_kernel[(N, B * H)](
+    args = (
         x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, out, shift, kernel_mass,
         H, L, N, R, D1, block_q, width, nb_global, left, right, quadratic,
-        **_settings(x, D1, block_q, block_k, precision),
     )  # fmt: skip
+    _launch(_forward_kernel, (N, B * H), args, _settings(x, D1, block_q, block_k, precision))
     return out, shift, kernel_mass
 
 
@@ -250,17 +269,13 @@ def _backward(
     d_x, d_rq, d_q_scale, d_far = (torch.empty_like(t) for t in (x, rq, q_scale, far_sum))
     d_y, d_values1, d_klog = (torch.zeros_like(t) for t in (y, values1, klog))  # added into atomically
     width = block_q + left + right if right >= 0 else 0
-    _backward_kernel[(N, B * H)](
+    args = (
         grad.contiguous(), x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, shift, kernel_mass,
         d_x, d_rq, d_q_scale, d_far, d_y, d_values1, d_klog,
         H, L, N, R, D1, block_q, width, nb_global, left, right, quadratic,
-        **_settings(x, D1, block_q, block_k, precision),
     )  # fmt: skip
+    _launch(_backward_kernel, (N, B * H), args, _settings(x, D1, block_q, block_k, precision))
     return [d_x, d_rq, d_q_scale, d_far, d_y, d_values1, d_klog]
-
-
-_INPUTS = "Tensor x, Tensor rq, Tensor q_scale, Tensor far_sum, Tensor key_shift, Tensor y, Tensor values1, "
-_INPUTS += "Tensor klog, Tensor mask, Tensor routes"
 
 
 def _register() -> None:

@@ -1,0 +1,84 @@
+"""Compiles the Triton kernels of performer-hf for a GPU ahead of time, without one: what Triton's compiler checks
+(shapes, types, layouts, shared memory) and its interpreter, which the other tests run them in, does not. Run as a
+script in a process without ``TRITON_INTERPRET`` (in the interpreter a kernel is not compiled):
+
+    python -m tests.triton_aot            # each kernel once, at the defaults' tiles (what the tests run)
+    python -m tests.triton_aot --widest   # also the widest tiles the kernels take, in both precisions
+
+The defaults' tiles: head dim 32, 33 value columns (64 in a tile), query blocks of 16; the support sums' products
+in TF32 (bfloat16 models), the far field's in IEEE float32 (float32 models). The widest: head dims of 128 (support
+sums) and 64 (far field), 128 value columns, query blocks of 64. Each compilation takes about 7 s on two CPU cores.
+"""
+
+import os
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from performer_hf.modeling import far_field_triton, hybrid_triton
+
+TARGET = GPUTarget("cuda", 90, 32)  # Hopper (H100, H200): the GPUs the issue's floors are measured on
+SUPPORT_INTS = ("H", "L", "N", "R", "D1", "block_q", "width", "nb_global", "left", "right")
+
+
+def _rows(names: str) -> dict:
+    return dict.fromkeys(names.split(), "*fp32")
+
+
+SUPPORT_FORWARD = {
+    **_rows("X RQ QSCALE FAR KSHIFT Y V1 KLOG"),
+    "MASK": "*i1",
+    "ROUTES": "*i32",
+    **_rows("OUT SHIFT KMASS"),
+}
+SUPPORT_BACKWARD = {
+    **_rows("GRAD X RQ QSCALE FAR KSHIFT Y V1 KLOG"),
+    "MASK": "*i1",
+    "ROUTES": "*i32",
+    **_rows("SHIFT KMASS DX DRQ DQSCALE DFAR DY DV1 DKLOG"),
+}
+
+
+def compile_kernel(kernel, tensors: dict, ints, floats, constants: dict) -> int:
+    """Compile ``kernel`` for :data:`TARGET` with pointer arguments ``tensors`` (name: type), 32-bit integers
+    ``ints``, float32 scalars ``floats`` and ``constants`` (its constexprs); -> its shared memory in bytes."""
+    signature = {**tensors, **dict.fromkeys(ints, "i32"), **dict.fromkeys(floats, "fp32")}
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    return triton.compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constants), target=TARGET
+    ).metadata.shared
+
+
+def configurations(widest: bool):
+    """(name, kernel, tensors, ints, floats, constants) for every kernel: at the defaults' tiles, and with ``widest``
+    at the widest too."""
+    support = [(32, 64, 16, "tf32")] + ([(128, 128, 64, "ieee"), (128, 128, 64, "tf32")] if widest else [])
+    for d, width, rows, precision in support:  # D, EP, BQ, precision
+        constants = dict(D=d, EP=width, BQ=rows, BLOCK_K=8, CH=hybrid_triton.CHUNK, PRECISION=precision)
+        for name, kernel, tensors in (
+            ("support sums forward", hybrid_triton._forward_kernel, SUPPORT_FORWARD),
+            ("support sums backward", hybrid_triton._backward_kernel, SUPPORT_BACKWARD),
+        ):
+            yield name, kernel, tensors, SUPPORT_INTS, ("c2",), constants
+    far = [(32, 64, "ieee")] + ([(64, 128, "ieee"), (64, 128, "tf32")] if widest else [])
+    for d, width, precision in far:
+        constants = dict(D=d, EP=width, BLOCK=far_field_triton.BLOCK_ROWS, PRECISION=precision)
+        for name, kernel, tensors in (
+            ("far field state", far_field_triton._state_kernel, _rows("X V S")),
+            ("far field sums", far_field_triton._apply_kernel, _rows("X S OUT")),
+            ("far field gradient", far_field_triton._grad_x_kernel, _rows("X G S OUT")),
+        ):
+            yield name, kernel, tensors, ("N", "E"), ("c",), constants
+
+
+def main(widest: bool) -> None:
+    assert not os.environ.get("TRITON_INTERPRET"), "the interpreter compiles nothing: run without TRITON_INTERPRET"
+    for name, kernel, tensors, ints, floats, constants in configurations(widest):
+        shared = compile_kernel(kernel, tensors, ints, floats, constants)
+        print(f"{name} {constants}: {shared} bytes of shared memory", flush=True)
+
+
+if __name__ == "__main__":
+    main(widest="--widest" in sys.argv[1:])
