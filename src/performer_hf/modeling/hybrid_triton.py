@@ -80,24 +80,32 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         return y, v, logits, active, t, pair, kexp
 
     @triton.jit
+    def _query_block(X, RQ, QSCALE, KSHIFT, H, L, block_q, D: tl.constexpr, BQ: tl.constexpr):
+        # The program's query block: program (n, bh) takes block n of batch and head bh (neighbouring blocks, which
+        # share window keys, run together; the first grid axis takes more than 65,535 blocks). Its rows (BQ,), which
+        # are real queries, their scaled queries (BQ, D), centering log-weights and far-field scales (plus the key
+        # shift). int64 offsets: B H L d passes 2^31.
+        n, bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        q_start = n * block_q
+        rows = q_start + tl.arange(0, BQ)
+        live = (tl.arange(0, BQ) < block_q) & (rows < L)
+        x = tl.load(X + (bh * L + rows)[:, None] * D + tl.arange(0, D)[None, :], mask=live[:, None], other=0.0)
+        rq = tl.load(RQ + bh * L + rows, mask=live, other=0.0)
+        key_shift = tl.load(KSHIFT + bh)
+        far_scale = tl.load(QSCALE + bh * L + rows, mask=live, other=0.0) + key_shift
+        return n, bh, bh // H, q_start, rows, live, x, rq, key_shift, far_scale
+
+    @triton.jit
     def _forward_kernel(
         X, RQ, QSCALE, FAR, KSHIFT, Y, V1, KLOG, MASK, ROUTES, OUT, SHIFT, KMASS,
         H, L, N, R, D1, block_q, width, nb_global, left, right, c2,
         D: tl.constexpr, EP: tl.constexpr, BQ: tl.constexpr, BLOCK_K: tl.constexpr, CH: tl.constexpr,
         PRECISION: tl.constexpr,
     ):  # fmt: skip
-        # program (n, bh): query block n of batch and head bh (neighbouring blocks, which share window keys, run
-        # together; the first grid axis takes more than 65,535 blocks). int64 offsets: B H L d passes 2^31
-        n, bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-        b = bh // H
-        q_start = n * block_q
-        dims, cols = tl.arange(0, D), tl.arange(0, EP)
-        rows = q_start + tl.arange(0, BQ)
-        live = (tl.arange(0, BQ) < block_q) & (rows < L)
-        x = tl.load(X + (bh * L + rows)[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)  # (BQ, D)
-        rq = tl.load(RQ + bh * L + rows, mask=live, other=0.0)
-        key_shift = tl.load(KSHIFT + bh)
-        far_scale = tl.load(QSCALE + bh * L + rows, mask=live, other=0.0) + key_shift
+        n, bh, b, q_start, rows, live, x, rq, key_shift, far_scale = _query_block(
+            X, RQ, QSCALE, KSHIFT, H, L, block_q, D, BQ
+        )
+        cols = tl.arange(0, EP)
         shift = far_scale  # the running shift: the far field's scale, then the largest exact logit above it
         exact = tl.zeros((BQ, EP), dtype=tl.float32)  # softmax's sums [numerator, mass], relative to shift
         kernel = tl.zeros((BQ, EP), dtype=tl.float32)  # the far field's sums on the support, relative to its scale
@@ -135,16 +143,10 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         PRECISION: tl.constexpr,
     ):  # fmt: skip
         # What autograd gives for the sums with the per-query shift held constant (it cancels in the division).
-        n, bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-        b = bh // H
-        q_start = n * block_q
+        n, bh, b, q_start, rows, live, x, rq, key_shift, far_scale = _query_block(
+            X, RQ, QSCALE, KSHIFT, H, L, block_q, D, BQ
+        )
         dims, cols = tl.arange(0, D), tl.arange(0, EP)
-        rows = q_start + tl.arange(0, BQ)
-        live = (tl.arange(0, BQ) < block_q) & (rows < L)
-        x = tl.load(X + (bh * L + rows)[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
-        rq = tl.load(RQ + bh * L + rows, mask=live, other=0.0)
-        key_shift = tl.load(KSHIFT + bh)
-        far_scale = tl.load(QSCALE + bh * L + rows, mask=live, other=0.0) + key_shift
         shift = tl.load(SHIFT + bh * L + rows, mask=live, other=0.0)
         kernel_mass = tl.load(KMASS + bh * L + rows, mask=live, other=0.0)
         far_weight = tl.where(live, tl.exp(far_scale - shift), 0.0)
