@@ -46,7 +46,11 @@ def method_description(config: PerformerConfig) -> str:
         description += f" ({exact}: faster there, and the quality the approximation aims for)"
     accelerator = config.accelerator_exact_max_length
     if accelerator is not None and accelerator != config.exact_max_length and config.attention_method != "exact":
-        description += f"; on GPUs and other accelerators, inputs of at most {accelerator} tokens keep exact attention"
+        description += (
+            f"; on GPUs and other accelerators, inputs of at most {accelerator} tokens keep exact attention"
+            if accelerator
+            else "; on GPUs and other accelerators, no input keeps exact attention"
+        )
     return description
 
 

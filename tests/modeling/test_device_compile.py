@@ -228,8 +228,9 @@ def test_traced_hybrid_takes_flex_only_where_its_mask_looks_little_up(monkeypatc
     the compiled gathers), unless the Triton support sums take it; PyTorch on other devices."""
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     flex = FlexBackend((None, None), torch.float32)
-    chosen = {"cuda": flex}
+    chosen = {"cuda": flex, "triton": None}
     monkeypatch.setattr(hybrid_backends, "_cuda_backend", lambda call, causal, continues: chosen["cuda"])
+    monkeypatch.setattr(hybrid_backends, "_triton_backend", lambda call, causal: chosen["triton"])
 
     def backend(device: str, routed_blocks: int, query_block_size: int = 16):
         call = types.SimpleNamespace(
@@ -244,7 +245,7 @@ def test_traced_hybrid_takes_flex_only_where_its_mask_looks_little_up(monkeypatc
     assert backend("cuda", 24) is hybrid_backends.PYTORCH
     assert backend("cuda", 4, query_block_size=TILE // 2) is hybrid_backends.PYTORCH
     assert backend("cpu", 0) is hybrid_backends.PYTORCH
-    chosen["cuda"] = triton = hybrid_backends.TritonBackend("pytorch")  # custom operators: traced as they are
+    chosen["triton"] = triton = hybrid_backends.TritonBackend("pytorch")  # custom operators: traced as they are
     assert backend("cuda", 24) is triton
 
 

@@ -1,14 +1,19 @@
 """Exact dispatch: short bidirectional inputs (``exact_max_length``) and inputs the hybrid's exact support covers
 entirely get exact softmax attention, equal to the exact-attention twin of the same weights."""
 
+import types
+
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from transformers import DynamicCache
 
 from performer_hf import PerformerConfig, PerformerForMaskedLM, PerformerModel
+from performer_hf.attention_card import method_description
 from performer_hf.conversion.fidelity import approximation_only
 from performer_hf.favor import HybridSpec, exact_attention, hybrid_attention
+from performer_hf.modeling.attention_methods import ATTENTION_METHODS, preset_under
+from performer_hf.modeling.attention_settings import resolved_settings
 from performer_hf.modeling.method_exact import exact_is_enough, exact_max_length
 from performer_hf.modeling.modeling_performer import CACHE_FIELD
 from tests.tiny_models import METHODS, random_centres, random_ids, tiny_config, tiny_model
@@ -116,6 +121,28 @@ def test_the_accelerator_crossover_is_bidirectional_and_not_negative():
         tiny_config(is_decoder=False, accelerator_exact_max_length=-1, **BIDIRECTIONAL_HYBRID)
     with pytest.raises(invalid, match="accelerator_exact_max_length=4096 with is_decoder=True"):
         tiny_config(is_decoder=True, accelerator_exact_max_length=4096, **METHODS["hybrid"])
+
+
+def test_a_given_exact_max_length_holds_on_accelerators_too():
+    """A conversion's or a model's own ``exact_max_length`` without an accelerator crossover holds on accelerators
+    too (``0``: never exact, anywhere; settings saved before the field keep their behaviour); the preset's applies
+    otherwise. The card says what accelerators get."""
+    preset = ATTENTION_METHODS["hybrid"].presets["bidirectional"]
+    assert preset["accelerator_exact_max_length"] == 8192
+    assert "accelerator_exact_max_length" not in preset_under(preset, {"exact_max_length": 0})
+    assert preset_under(preset, {"local_window": 9}) == preset
+    kept = {"exact_max_length": 0, "accelerator_exact_max_length": 4096}
+    assert preset_under(preset, kept) == preset
+    saved = types.SimpleNamespace(performer_attention={"exact_max_length": 512})
+    assert resolved_settings(saved, "performer_hybrid", causal=False)["accelerator_exact_max_length"] is None
+    fresh = types.SimpleNamespace(performer_attention=None)
+    assert resolved_settings(fresh, "performer_hybrid", causal=False)["accelerator_exact_max_length"] == 8192
+    config = tiny_config(exact_max_length=8, accelerator_exact_max_length=0, **BIDIRECTIONAL_HYBRID)
+    assert "on GPUs and other accelerators, no input keeps exact attention" in method_description(config)
+    config.accelerator_exact_max_length = 64
+    assert "on GPUs and other accelerators, inputs of at most 64 tokens keep exact attention" in method_description(
+        config
+    )
 
 
 def test_a_causal_hybrid_attends_exactly_at_its_first_exact_max_length_positions():

@@ -16,7 +16,7 @@ from huggingface_hub.errors import StrictDataclassError
 
 from ..attention_card import uses_projection
 from ..modeling import modeling_performer
-from ..modeling.attention_methods import ATTENTION_METHODS
+from ..modeling.attention_methods import ATTENTION_METHODS, preset_under
 from ..modeling.configuration_performer import PerformerConfig
 from ..modeling.far_fields import FAR_FIELDS
 from .calibration import calibrate as calibrate_model
@@ -138,7 +138,7 @@ def performer_config(
     direction = "causal" if causal else "bidirectional"
     if direction not in METHODS[method]:
         raise ConversionError(f"the {method} method is causal only; convert this encoder with --method hybrid.")
-    preset = METHODS[method][direction]
+    preset = preset_under(METHODS[method][direction], overrides)
     if overrides.get("attention_kernel") == "exact":  # exact attention ignores the method
         preset = {}
     merged = {**fields, **preset, "attention_method": method, **overrides}

@@ -138,6 +138,18 @@ SPARSE_CAUSAL_PRESET = {
     "select_budget": 16,
     "select_ranking": "latest",
 }
+
+
+def preset_under(preset: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """A method's ``preset`` under the fields ``given`` explicitly (a conversion's overrides, a model's saved
+    settings): an ``exact_max_length`` given without an ``accelerator_exact_max_length`` holds on accelerators too
+    (``0``: never exact, anywhere), so the preset's own accelerator crossover is left out; settings saved before that
+    field existed keep their behaviour."""
+    if "exact_max_length" in given and "accelerator_exact_max_length" not in given:
+        return {name: value for name, value in preset.items() if name != "accelerator_exact_max_length"}
+    return preset
+
+
 ATTENTION_METHODS: dict[str, AttentionMethod] = {
     "exact": AttentionMethod(
         exact_attention,

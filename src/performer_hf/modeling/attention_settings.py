@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention_methods import ATTENTION_FIELDS, ATTENTION_METHODS, infer_method
+from .attention_methods import ATTENTION_FIELDS, ATTENTION_METHODS, infer_method, preset_under
 from .configuration_performer import PerformerConfig
 from .layers_performer import AttentionMethodState
 
@@ -66,7 +66,7 @@ def resolved_settings(config, implementation: str, causal: bool) -> dict[str, An
             f"attn_implementation={implementation!r} is causal only; this {type(config).__name__} attends "
             "bidirectionally. Use attn_implementation='performer_hybrid' for encoders."
         )
-    preset = IMPLEMENTATIONS[implementation][direction]
+    preset = preset_under(IMPLEMENTATIONS[implementation][direction], given)
     # every field explicit, so that a later release's defaults cannot change a saved model; settings saved before
     # attention_method existed keep the method their fields selected
     settings = {**_DEFAULTS, **preset, **given}

@@ -162,7 +162,7 @@ def _launch_shape(x: Tensor, width: int, precision: str) -> dict:
     return {"D": x.shape[-1], "EP": padded_width(width), "BLOCK": BLOCK_ROWS, "PRECISION": input_precision(precision)}
 
 
-def _state(x: Tensor, v: Tensor, c: float, precision: str) -> Tensor:
+def _state(x: Tensor, v: Tensor, c: float, precision: str = "pytorch") -> Tensor:
     """(B, H, N, d), (B, H, N, E) -> (B, H, 1 + d + d^2, E)."""
     x, v = x.contiguous(), v.contiguous()  # the kernels read rows in place (compiled callers may pass other strides)
     B, H, N, d = x.shape
@@ -172,7 +172,7 @@ def _state(x: Tensor, v: Tensor, c: float, precision: str) -> Tensor:
     return out
 
 
-def _apply(x: Tensor, s: Tensor, c: float, precision: str) -> Tensor:
+def _apply(x: Tensor, s: Tensor, c: float, precision: str = "pytorch") -> Tensor:
     """(B, H, N, d), (B, H, 1 + d + d^2, E) -> (B, H, N, E)."""
     x, s = x.contiguous(), s.contiguous()
     B, H, N, d = x.shape
@@ -182,7 +182,7 @@ def _apply(x: Tensor, s: Tensor, c: float, precision: str) -> Tensor:
     return out
 
 
-def _grad_x(x: Tensor, g: Tensor, s: Tensor, c: float, precision: str) -> Tensor:
+def _grad_x(x: Tensor, g: Tensor, s: Tensor, c: float, precision: str = "pytorch") -> Tensor:
     """(B, H, N, d), (B, H, N, E), (B, H, 1 + d + d^2, E) -> (B, H, N, d)."""
     x, g, s = x.contiguous(), g.contiguous(), s.contiguous()
     B, H, N, d = x.shape
@@ -194,12 +194,17 @@ def _grad_x(x: Tensor, g: Tensor, s: Tensor, c: float, precision: str) -> Tensor
 
 # The kernels as custom operators (opaque to torch.compile, which calls them between its own fused kernels), with
 # their shapes for tracing and the gradients of the state and the sums (module docstring). A second copy of this
-# module (remote code beside the installed package) finds them registered and uses them.
+# module (remote code beside the installed package) finds them registered and uses them; an older copy calls them
+# without the precision, which then defaults to PyTorch's.
 _OPS = {"polynomial_far_state": _state, "polynomial_far_apply": _apply, "polynomial_far_grad_x": _grad_x}
 _SHAPES = {
-    "polynomial_far_state": lambda x, v, c, precision: (*x.shape[:2], 1 + x.shape[-1] + x.shape[-1] ** 2, v.shape[-1]),
-    "polynomial_far_apply": lambda x, s, c, precision: (*x.shape[:3], s.shape[-1]),
-    "polynomial_far_grad_x": lambda x, g, s, c, precision: x.shape,
+    "polynomial_far_state": lambda x, v, c, precision="pytorch": (
+        *x.shape[:2],
+        1 + x.shape[-1] + x.shape[-1] ** 2,
+        v.shape[-1],
+    ),
+    "polynomial_far_apply": lambda x, s, c, precision="pytorch": (*x.shape[:3], s.shape[-1]),
+    "polynomial_far_grad_x": lambda x, g, s, c, precision="pytorch": x.shape,
 }
 
 

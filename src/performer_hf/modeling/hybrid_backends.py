@@ -107,14 +107,23 @@ def _served_by_pytorch(reason: str, instead_of: str = "the compiled CPU kernels"
     return PYTORCH
 
 
+def _triton_backend(call: HybridCall, causal: bool) -> TritonBackend | None:
+    """The Triton kernels for a bidirectional call with a polynomial far field that they serve, else None."""
+    if causal or call.ctx.far.quadratic is None:
+        return None
+    if not triton_serves(call.x, call.keys.values1.shape[-1], call.spec.query_block_size):
+        return None
+    return TritonBackend(float32_precision(call.k.dtype))
+
+
 def _cuda_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBackend | TritonBackend | FlexBackend:
     """Bidirectional calls with a polynomial far field: the Triton kernels where they serve the call
     (``PERFORMER_HF_TRITON=0`` turns them off). Else FlexAttention where it serves the call (``PERFORMER_HF_FLEX=0``
     turns it off), else PyTorch."""
     spec, flex = call.spec, "FlexAttention"
-    if not causal and call.ctx.far.quadratic is not None and not continues:
-        if triton_serves(call.x, call.keys.values1.shape[-1], spec.query_block_size):
-            return TritonBackend(float32_precision(call.k.dtype))
+    triton = _triton_backend(call, causal)
+    if triton is not None:
+        return triton
     if not flex_enabled():
         return PYTORCH
     if not flex_available():
@@ -140,10 +149,12 @@ def _traced_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBac
     and backward, the whole call compiled through PyTorch 39 ms (``benchmarks/results/attention_parts_h200``)."""
     if call.x.device.type != "cuda":
         return PYTORCH
-    backend = _cuda_backend(call, causal, continues)
-    if isinstance(backend, FlexBackend) and call.spec.routed_blocks and call.spec.query_block_size != TILE:
-        return PYTORCH
-    return backend
+    triton = _triton_backend(call, causal)
+    if triton is not None:
+        return triton
+    if call.spec.routed_blocks and call.spec.query_block_size != TILE:
+        return PYTORCH  # (before _cuda_backend, which may log why: a graph break)
+    return _cuda_backend(call, causal, continues)
 
 
 def choose_backend(

@@ -202,10 +202,12 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
 def serves(x: Tensor, values_width: int, query_block: int) -> bool:
     """Whether the kernels take queries ``x`` (B, H, L, d) with values ``values_width`` wide in query blocks of
     ``query_block``: on CUDA where Triton is :func:`.far_field_triton.enabled`, float32 (the hybrid's dtype), d a power
-    of two from 16 to 128, at most 128 value columns and 64 queries per block."""
+    of two from 16 to 128, at most 128 value columns and 64 queries per block, at most 65,535 (batch, head) pairs
+    (the launch grid's second axis)."""
     d = x.shape[-1]
     return (
         x.device.type == "cuda"
+        and x.shape[0] * x.shape[1] <= 65535
         and enabled()
         and x.dtype == torch.float32
         and 16 <= d <= 128
