@@ -4,11 +4,11 @@ no CUDA device), on CUDA compiled. Float32 kernels against float64 PyTorch."""
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
 
 from performer_hf.favor import hybrid_attention
 from performer_hf.modeling import far_field_polynomial, far_field_triton
 
+from ..compiled_check import assert_one_graph_as_eager
 from ..hybrid_reference import random_qkv, reference, right_padding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -113,18 +113,7 @@ def test_compiled_the_kernels_are_operators_of_the_graph():
     def far_sums(w, wv1, u):
         return far_field_triton.quadratic_apply(u, far_field_triton.quadratic_state(w, wv1, 0.25))
 
-    counter = CompileCounterWithBackend("aot_eager")
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(far_sums, backend=counter, fullgraph=True)(w, wv1, u)
-        got = (compiled, *torch.autograd.grad(compiled.sum(), (w, wv1, u)))
-    finally:
-        torch._dynamo.reset()
-    eager = far_sums(w, wv1, u)
-    want = (eager, *torch.autograd.grad(eager.sum(), (w, wv1, u)))
-    assert counter.frame_count == 1
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert_one_graph_as_eager(far_sums, (w, wv1, u))
 
 
 def test_the_products_take_float32_as_pytorch_does():

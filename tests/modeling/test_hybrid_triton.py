@@ -5,7 +5,6 @@ sets ``TRITON_INTERPRET=1`` where there is no CUDA device), on CUDA compiled."""
 import pytest
 import torch
 import triton
-from torch._dynamo.testing import CompileCounterWithBackend
 
 import performer_hf.modeling.favor_hybrid as favor_hybrid
 from performer_hf.modeling import cpu_kernels, far_field_polynomial, far_field_triton, hybrid_backends, hybrid_triton
@@ -13,6 +12,7 @@ from performer_hf.modeling.attention_methods import ATTENTION_METHODS
 from performer_hf.modeling.favor_hybrid import hybrid_attention
 from performer_hf.modeling.hybrid_spec import HybridSpec
 
+from ..compiled_check import assert_one_graph_as_eager
 from ..flex_reference import bfloat16_tolerances, sdpa_bfloat16_errors
 from ..hybrid_reference import CONFIGS, random_qkv, reference, right_padding
 
@@ -150,19 +150,7 @@ def test_compiled_the_kernels_are_operators_of_the_graph():
             x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, geometry, 0.5
         )
 
-    leaves = [t.clone().requires_grad_() for t in tensors]
-    counter = CompileCounterWithBackend("aot_eager")
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(sums, backend=counter, fullgraph=True)(*leaves)
-        got = (compiled, *torch.autograd.grad(compiled.sum(), leaves))
-    finally:
-        torch._dynamo.reset()
-    eager = sums(*leaves)
-    want = (eager, *torch.autograd.grad(eager.sum(), leaves))
-    assert counter.frame_count == 1
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert_one_graph_as_eager(sums, [t.clone().requires_grad_() for t in tensors])
 
 
 def test_compiled_hybrid_attention_through_the_kernels_is_one_graph(monkeypatch):
@@ -175,18 +163,7 @@ def test_compiled_hybrid_attention_through_the_kernels_is_one_graph(monkeypatch)
     def attend(q, k, v):
         return hybrid_attention(q, k, v, far_field="poly2", center=True, **CONFIGS[3])
 
-    counter = CompileCounterWithBackend("aot_eager")
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(attend, backend=counter, fullgraph=True)(q, k, v)
-        got = (compiled, *torch.autograd.grad(compiled.sum(), (q, k, v)))
-    finally:
-        torch._dynamo.reset()
-    eager = attend(q, k, v)
-    want = (eager, *torch.autograd.grad(eager.sum(), (q, k, v)))
-    assert counter.frame_count == 1
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_one_graph_as_eager(attend, (q, k, v), rtol=1e-5, atol=1e-6)
 
 
 def test_cuda_calls_take_the_kernels_where_they_serve(monkeypatch):
@@ -226,11 +203,11 @@ def test_the_backend_runs_both_kernels_in_its_precision(monkeypatch):
         hybrid_backends, "triton_support_sums", lambda *args: precisions.append(args[-1]) or support_sums(*args)
     )
     monkeypatch.setattr(far_field_polynomial, "triton_serves", lambda x, width: True)
-    triton = hybrid_backends.TritonBackend("pytorch")
+    triton = hybrid_backends.TritonBackend("tf32")  # not the default: it must be passed along
     monkeypatch.setattr(favor_hybrid, "choose_backend", lambda call, causal: triton)
     q, k, v = (t.float() for t in random_qkv(head_dim=16))
     hybrid_attention(q, k, v, far_field="poly2", center=True, **CONFIGS[3])
-    assert precisions == ["pytorch"] * 3
+    assert precisions == ["tf32"] * 3
     assert (
         far_field_triton.float32_precision(torch.bfloat16) == far_field_triton.float32_precision(torch.half) == "tf32"
     )

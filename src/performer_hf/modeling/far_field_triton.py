@@ -112,21 +112,32 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             tl.store(s_base + (first + dims[:, None]) * E + cols[None, :], acc * c, mask=keep)
 
     @triton.jit
+    def _row_tile(X, S, N, E, D: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr):
+        # program (bh, tile): the tile's rows (BLOCK,), which exist, the value columns (EP,), which exist, the rows of
+        # X (BLOCK, D), their pointers and those of the head's state
+        bh, tile = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        row, cols = tile * BLOCK + tl.arange(0, BLOCK), tl.arange(0, EP)
+        live, keep = row < N, cols < E
+        x_base, s_base = X + bh * N * D, S + bh * (1 + D + D * D) * E
+        x = tl.load(x_base + row[:, None] * D + tl.arange(0, D)[None, :], mask=live[:, None], other=0.0)
+        return bh, row, cols, live, keep, x, x_base, s_base
+
+    @triton.jit
+    def _state_rows(s_base, first, keep, E, D: tl.constexpr, EP: tl.constexpr):
+        # the D state rows from `first` (D, EP): the linear block (first = 1) or a quadratic one (1 + D + a D)
+        dims, cols = tl.arange(0, D), tl.arange(0, EP)
+        return tl.load(s_base + (first + dims[:, None]) * E + cols[None, :], mask=keep[None, :], other=0.0)
+
+    @triton.jit
     def _apply_kernel(
         X, S, OUT, N, E, c, D: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr
     ):
-        bh, tile = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-        dims, cols = tl.arange(0, D), tl.arange(0, EP)
-        row = tile * BLOCK + tl.arange(0, BLOCK)
-        live, keep = row < N, cols < E
-        x_base, s_base = X + bh * N * D, S + bh * (1 + D + D * D) * E
-        x = tl.load(x_base + row[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)  # (BLOCK, D)
+        bh, row, cols, live, keep, x, x_base, s_base = _row_tile(X, S, N, E, D, EP, BLOCK)  # x: (BLOCK, D)
         s0 = tl.load(s_base + cols, mask=keep, other=0.0)  # (EP,)
-        s_lin = tl.load(s_base + (1 + dims[:, None]) * E + cols[None, :], mask=keep[None, :], other=0.0)  # (D, EP)
-        acc = tl.dot(x, s_lin, input_precision=PRECISION) + s0[None, :]
+        acc = tl.dot(x, _state_rows(s_base, 1, keep, E, D, EP), input_precision=PRECISION) + s0[None, :]
         quad = tl.zeros((BLOCK, EP), dtype=tl.float32)
         for a in range(D):
-            s_a = tl.load(s_base + (1 + D + a * D + dims[:, None]) * E + cols[None, :], mask=keep[None, :], other=0.0)
+            s_a = _state_rows(s_base, 1 + D + a * D, keep, E, D, EP)  # (D, EP)
             x_a = tl.load(x_base + row * D + a, mask=live, other=0.0)
             quad += x_a[:, None] * tl.dot(x, s_a, input_precision=PRECISION)
         acc += quad * c
@@ -137,18 +148,13 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         X, G, S, OUT, N, E, c, D: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr
     ):
         # d/dx_ic of g_i . (x_i S_lin + c sum_ab x_ia x_ib S_ab) = g_i . S_lin[c] + c sum_b x_ib g_i . (S_cb + S_bc)
-        bh, tile = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-        dims, cols = tl.arange(0, D), tl.arange(0, EP)
-        row = tile * BLOCK + tl.arange(0, BLOCK)
-        live, keep = row < N, cols < E
-        x_base, s_base = X + bh * N * D, S + bh * (1 + D + D * D) * E
-        x = tl.load(x_base + row[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)  # (BLOCK, D)
+        bh, row, cols, live, keep, x, x_base, s_base = _row_tile(X, S, N, E, D, EP, BLOCK)  # x: (BLOCK, D)
+        dims = tl.arange(0, D)
         g = tl.load(G + bh * N * E + row[:, None] * E + cols[None, :], mask=live[:, None] & keep[None, :], other=0.0)
-        s_lin = tl.load(s_base + (1 + dims[:, None]) * E + cols[None, :], mask=keep[None, :], other=0.0)  # (D, EP)
-        acc = tl.dot(g, tl.trans(s_lin), input_precision=PRECISION)  # (BLOCK, D)
+        acc = tl.dot(g, tl.trans(_state_rows(s_base, 1, keep, E, D, EP)), input_precision=PRECISION)  # (BLOCK, D)
         quad = tl.zeros((BLOCK, D), dtype=tl.float32)
         for a in range(D):
-            s_a = tl.load(s_base + (1 + D + a * D + dims[:, None]) * E + cols[None, :], mask=keep[None, :], other=0.0)
+            s_a = _state_rows(s_base, 1 + D + a * D, keep, E, D, EP)  # (D, EP)
             m = tl.dot(g, tl.trans(s_a), input_precision=PRECISION)  # (BLOCK, D): g_i . S_ab for every b
             x_a = tl.load(x_base + row * D + a, mask=live, other=0.0)
             quad += x_a[:, None] * m  # column b gains x_ia g_i . S_ab (the S_bc term, as a runs over b)

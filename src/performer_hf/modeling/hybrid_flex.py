@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from .device_compile import compile_settings
 from .far_field_polynomial import POLYNOMIAL
+from .far_field_triton import padded_width
 from .hybrid_exact import PartialSums, merge
 from .hybrid_far_field import FarQueries
 from .hybrid_selection import Selection
@@ -214,7 +215,7 @@ def _padded_values(values: Tensor) -> Tensor:
     """Values (B, H, L, X) padded with zero columns to a width the CUDA kernels take: a power of two, at least 16."""
     if values.device.type != "cuda":
         return values
-    return F.pad(values, (0, max(16, 1 << (values.shape[-1] - 1).bit_length()) - values.shape[-1]))
+    return F.pad(values, (0, padded_width(values.shape[-1]) - values.shape[-1]))
 
 
 class FlexBackend:
