@@ -7,7 +7,8 @@ script in a process without ``TRITON_INTERPRET`` (in the interpreter a kernel is
 
 The defaults' tiles: head dim 32, 33 value columns (64 in a tile), query blocks of 16; the support sums' products
 in TF32 (bfloat16 models), the far field's in IEEE float32 (float32 models). The widest: head dims of 128 (support
-sums) and 64 (far field), 128 value columns, query blocks of 64. Each compilation takes about 7 s on two CPU cores.
+sums) and 64 (far field), 128 value columns, query blocks of 64. The causal scan's (``favor_exp_triton``): see
+:func:`scan_configurations`. Each compilation takes about 7 s on two CPU cores.
 """
 
 import os
@@ -17,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from performer_hf.modeling import far_field_triton, hybrid_triton
+from performer_hf.modeling import far_field_triton, favor_exp_triton, hybrid_triton
 
 TARGET = GPUTarget("cuda", 90, 32)  # Hopper (H100, H200): the GPUs the issue's floors are measured on
 SUPPORT_INTS = ("H", "L", "N", "R", "D1", "block_q", "width", "nb_global", "left", "right")
@@ -41,14 +42,14 @@ SUPPORT_BACKWARD = {
 }
 
 
-def compile_kernel(kernel, tensors: dict, ints, floats, constants: dict) -> int:
+def compile_kernel(kernel, tensors: dict, ints, floats, constants: dict, options: dict | None = None) -> int:
     """Compile ``kernel`` for :data:`TARGET` with pointer arguments ``tensors`` (name: type), 32-bit integers
-    ``ints``, float32 scalars ``floats`` and ``constants`` (its constexprs); -> its shared memory in bytes."""
+    ``ints``, float32 scalars ``floats``, ``constants`` (its constexprs) and launch ``options`` (``num_stages``);
+    -> its shared memory in bytes."""
     signature = {**tensors, **dict.fromkeys(ints, "i32"), **dict.fromkeys(floats, "fp32")}
     signature.update(dict.fromkeys(constants, "constexpr"))
-    return triton.compile(
-        ASTSource(fn=kernel, signature=signature, constexprs=constants), target=TARGET
-    ).metadata.shared
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    return triton.compile(source, target=TARGET, options=options or {}).metadata.shared
 
 
 def configurations(widest: bool):
@@ -73,11 +74,46 @@ def configurations(widest: bool):
             yield name, kernel, tensors, ("N", "E"), ("c",), constants
 
 
+SCAN_INTS = ("H", "L", "M", "E", "dir_b", "dir_h", "bias_b", "bias_h")
+SCAN_INPUTS = "Q K V1 QOFF KOFF SHIFTS DIR"
+
+
+def _scan_kernels(bias: bool) -> list:
+    """(name, kernel, tensors, ints, floats) of the causal scan's kernels, the bias a pointer or None."""
+    rows = _rows(SCAN_INPUTS)
+    with_bias = {**rows, "BIAS": "*fp32"} if bias else {**rows, "BIAS": "constexpr"}
+    forward = {**with_bias, **_rows("KV0 SHIFT0 OUT KV")}
+    queries = {"GRAD": "*fp32", **with_bias, **_rows("KV0 SHIFT0 DQ DQOFF")}
+    keys = {**_rows("GRAD GKV"), **with_bias, **_rows("SHIFT0 DK DKOFF DV1 DKV0")}
+    return [
+        ("causal scan forward", favor_exp_triton._forward_kernel, forward, SCAN_INTS, ("stabilizer",)),
+        ("causal scan query gradients", favor_exp_triton._query_grad_kernel, queries, SCAN_INTS, ()),
+        ("causal scan key gradients", favor_exp_triton._key_grad_kernel, keys, SCAN_INTS, ("stabilizer",)),
+    ]
+
+
+def scan_configurations(widest: bool):
+    """The causal scan's kernels, as :func:`configurations` yields them, at its first tiles (chunk and pipeline
+    stages): FAVOR++ (with a bias) at the decoder's head dim 32 and 33 value columns; with ``widest`` also plain
+    FAVOR+ (no bias) at head dim 64 and 65 value columns in IEEE float32, and head dim 128 with 128 value columns."""
+    tiles = [(32, 64, "tf32", True)] + ([(64, 128, "ieee", False), (128, 128, "tf32", True)] if widest else [])
+    first = favor_exp_triton.TILES[0]
+    for d, width, precision, bias in tiles:
+        constants = dict(D=d, BM=favor_exp_triton.FEATURES_PER_PROGRAM, PRECISION=precision, C=first["C"])
+        constants.update({} if bias else {"BIAS": None})
+        for name, kernel, tensors, ints, floats in _scan_kernels(bias):
+            yield name, kernel, tensors, ints, floats, {**constants, "EP": width}, {"num_stages": first["num_stages"]}
+        row_max = {**_rows("X DIR"), "BIAS": "*fp32" if bias else "constexpr", "OUT": "*fp32"}
+        ints = [name for name in SCAN_INTS if name != "E"]
+        yield "causal scan row max", favor_exp_triton._row_max_kernel, row_max, ints, (), {**constants, "C": 64}, {}
+
+
 def main(widest: bool) -> None:
     assert not os.environ.get("TRITON_INTERPRET"), "the interpreter compiles nothing: run without TRITON_INTERPRET"
-    for name, kernel, tensors, ints, floats, constants in configurations(widest):
-        shared = compile_kernel(kernel, tensors, ints, floats, constants)
-        print(f"{name} {constants}: {shared} bytes of shared memory", flush=True)
+    kernels = [(*configuration, {}) for configuration in configurations(widest)] + list(scan_configurations(widest))
+    for name, kernel, tensors, ints, floats, constants, options in kernels:
+        shared = compile_kernel(kernel, tensors, ints, floats, constants, options)
+        print(f"{name} {constants} {options}: {shared} bytes of shared memory", flush=True)
 
 
 if __name__ == "__main__":

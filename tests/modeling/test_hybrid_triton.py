@@ -105,7 +105,7 @@ def test_launches_whose_tiles_exceed_shared_memory_take_smaller_chunks_and_remem
             return run
 
     kernel = Kernel()
-    monkeypatch.setattr(hybrid_triton, "_FITTING_CHUNK", {})
+    monkeypatch.setattr(far_field_triton, "_FITTING", {})
     hybrid_triton._launch(kernel, (1, 1), (), {"D": 32})
     hybrid_triton._launch(kernel, (1, 1), (), {"D": 32})
     assert launched == [64, 32, 16, 16]
@@ -114,7 +114,7 @@ def test_launches_whose_tiles_exceed_shared_memory_take_smaller_chunks_and_remem
     probe = torch.randn(2, 2, 120, 9, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     want = _triton(tensors, key_shift, mask, routes, geometry, 0.25, probe)
     monkeypatch.setattr(hybrid_triton, "CHUNK", 16)  # nine chunks of 16 for 129 candidates
-    monkeypatch.setattr(hybrid_triton, "_FITTING_CHUNK", {})
+    monkeypatch.setattr(far_field_triton, "_FITTING", {})
     got = _triton(tensors, key_shift, mask, routes, geometry, 0.25, probe)
     _assert_relatively_close(got, [t.detach().cpu().double() for t in want], ("sums", *NAMES), 1e-5)
 

@@ -18,7 +18,8 @@ files, so these modules import only each other (and torch / transformers), never
   cache layer, card text and conversion presets;
 - FAVOR+: ``favor_projection.py`` (random projections), ``favor_features.py`` (the feature-map registry),
   ``favor_attention.py`` (bidirectional and causal FAVOR+), ``favor_exp.py`` (its slabbed autograd functions for
-  exponential features), ``favor_optimal.py`` (FAVOR++);
+  exponential features; ``favor_exp_triton.py``, the causal scan's Triton kernels for CUDA), ``favor_optimal.py``
+  (FAVOR++);
 - ``causal_scan.py``: the one chunked causal scan (FAVOR+ and the hybrid's far field);
 - hybrid attention, ``favor_hybrid.py`` (the entry point) and its parts: ``hybrid_spec.py`` (settings and decoding
   state), ``hybrid_keys.py`` (key sets, the far field's feature context), ``hybrid_selection.py`` and

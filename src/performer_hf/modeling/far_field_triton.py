@@ -63,6 +63,26 @@ def padded_width(width: int) -> int:
     return max(16, 1 << (width - 1).bit_length())
 
 
+_FITTING: dict[tuple, int] = {}  # per kind of launch that did not fit at first: the index of the tiles that did
+
+
+def launch_fitting(kernel, grid: tuple, args: tuple, settings: dict, tiles: tuple[dict, ...]) -> None:
+    """``kernel[grid](*args, **settings, **tile)`` with the first of ``tiles`` (compile-time settings, largest first)
+    whose shared memory the GPU has, remembered for that kind of launch: a launch refused for its shared memory
+    (``triton.runtime.OutOfResources``) runs again with the next."""
+    key = (kernel, *sorted(settings.items()))
+    for index in range(_FITTING.get(key, 0), len(tiles)):
+        try:
+            kernel[grid](*args, **settings, **tiles[index])
+        except triton.runtime.OutOfResources:
+            if index == len(tiles) - 1:
+                raise
+            continue
+        if index:
+            _FITTING[key] = index
+        return
+
+
 def float32_precision(inputs_dtype: torch.dtype = torch.float32) -> str:
     """How the kernels' matrix products take float32 for attention whose inputs came in ``inputs_dtype``: ``"tf32"``
     for bfloat16 and float16, whose own rounding (2^-8, 2^-11) is above TF32's of the operands (2^-11), at a fraction

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from .causal_scan import EMPTY_SHIFT, causal_scan
+from .far_field_triton import float32_precision
 from .favor_exp import (
     DEFAULT_CHUNK_SIZE,
     ExpFeatures,
@@ -154,14 +155,15 @@ def _causal(
     mask: Tensor | None,
     chunk_size: int,
     state: FavorState | None,
+    precision: str,
 ) -> tuple[Tensor, FavorState]:
-    """Chunked causal linear attention.
+    """Chunked causal linear attention (``precision``: the Triton kernels' float32 products, where they run).
 
     q, k: (B, H, L, d), v1: (B, H, L, dv + 1) -> ((B, H, L, dv + 1), FavorState)
     """
     features = _exp_features(get_feature_map(kernel), projection)
     if features is not None:
-        scan = causal_exp_sums(q, ScanKeys(k, v1, mask=mask), features, chunk_size, state)
+        scan = causal_exp_sums(q, ScanKeys(k, v1, mask=mask), features, chunk_size, state, precision)
         return scan.sums, FavorState(scan.kv, scan.shift)
     L = q.shape[2]
     C = min(chunk_size, L)
@@ -275,7 +277,8 @@ def favor_attention(
     # (the autograd functions' saved tensors would disagree in dtype with their backward).
     with torch.autocast(q.device.type, enabled=False):
         if causal:
-            out1, state = _causal(q, k, v1, projection, kernel, mask, chunk_size, initial_state)
+            precision = float32_precision(out_dtype)
+            out1, state = _causal(q, k, v1, projection, kernel, mask, chunk_size, initial_state, precision)
         else:
             out1, state = _bidirectional(q, k, v1, projection, kernel, mask), None
         out = _divide_or_zero(out1).to(out_dtype)

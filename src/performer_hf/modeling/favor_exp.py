@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .causal_scan import EMPTY_SHIFT
+from .favor_exp_triton import causal_exp_sums as triton_causal_exp_sums
+from .favor_exp_triton import serves as triton_serves
 from .slabs import max_slab_chunks, slab_elements
 
 Tensor = torch.Tensor
@@ -394,16 +396,28 @@ class ScanKeys(NamedTuple):
 
 
 def causal_exp_sums(
-    q: Tensor, keys: ScanKeys, features: ExpFeatures, chunk_size: int = DEFAULT_CHUNK_SIZE, state=None
+    q: Tensor,
+    keys: ScanKeys,
+    features: ExpFeatures,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    state=None,
+    precision: str = "pytorch",
 ) -> ScanResult:
-    """Causal sums ``sum_{j <= i} phi(q_i) . phi(k_j) [v_j, 1]`` of exponential features (:class:`_CausalExp`).
+    """Causal sums ``sum_{j <= i} phi(q_i) . phi(k_j) [v_j, 1]`` of exponential features (:class:`_CausalExp`; on
+    CUDA the Triton kernels of :mod:`.favor_exp_triton` where they serve the call).
 
     Args:
         q: (B, H, L, d) queries; keys: their :class:`ScanKeys`.
         features: the :class:`ExpFeatures`.
-        chunk_size: positions per chunk of the scan.
+        chunk_size: positions per chunk of the scan (in PyTorch; the Triton kernels take their own).
         state: (kv (B, H, m', dv + 1), shift (B, H)) before position 0 (a ``FavorState``), or None.
+        precision: how the Triton kernels' matrix products take float32
+            (:func:`.far_field_triton.float32_precision` of the attention's input dtype).
     """
+    if triton_serves(q, keys.v1.shape[-1], features.directions, features.bias):
+        directions, bias, stabilizer = features
+        args = (keys.row, keys.mask, state, precision)
+        return ScanResult(*triton_causal_exp_sums(q, keys.k, keys.v1, directions, bias, stabilizer, *args))
     B, H, L, _ = q.shape
     C = min(chunk_size, L)
     (q, k, v1, key_row), mask = pad_to_chunks([q, keys.k, keys.v1, keys.row], keys.mask, L, C)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .far_field_triton import float32_precision
 from .favor_exp import ExpFeatures, ScanKeys, causal_exp_sums
 from .hybrid_exact import CandidateSet, exact_logits, exact_sums, merge
 from .hybrid_far_field import FarQueries, add_keys, causal_far_sums
@@ -107,7 +108,8 @@ def lagged_far_field(call: HybridCall, state: HybridState | None, with_state: bo
     if fused:
         directions, bias = ctx.far.exp_form(ctx.projection, ctx.parameter)
         keys = ScanKeys(rows.y - ctx.c, rows.values1, rows.klog, rows.mask)
-        scan = causal_exp_sums(u, keys, ExpFeatures(directions, bias), spec.chunk_size)
+        precision = float32_precision(call.k.dtype)
+        scan = causal_exp_sums(u, keys, ExpFeatures(directions, bias), spec.chunk_size, precision=precision)
         # The queries' centering factor exp(rq) stays out of the scan: in the far field's scale, and (a factor of
         # value 1) in its gradient.
         rq_const = call.rq.detach()

@@ -29,12 +29,11 @@ import torch
 
 # Triton and its language come from the far field's module, which imports them where they are (remote code's import
 # check requires every module a file imports outside a try block)
-from .far_field_triton import enabled, input_precision, padded_width, tl, triton
+from .far_field_triton import enabled, input_precision, launch_fitting, padded_width, tl, triton
 
 Tensor = torch.Tensor
 CHUNK = 64  # candidate keys per step of a query block's walk (fewer where the tiles exceed the GPU's shared memory)
 _SMALLER_CHUNKS = (32, 16)
-_FITTING_CHUNK: dict[tuple, int] = {}  # the chunk each kind of launch fits in, once one did not
 
 if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET (its interpreter: the tests on a CPU)
 
@@ -228,17 +227,7 @@ def _launch(kernel, grid: tuple, args: tuple, settings: dict) -> None:
     """``kernel[grid](*args, **settings)`` in chunks of :data:`CHUNK` candidates, or of fewer where that needs more
     shared memory than the GPU has (wide heads and values, large query blocks: up to 257 KB on Hopper, which has 227;
     less on other GPUs), remembered for that kind of launch."""
-    key = (kernel, *sorted(settings.items()))
-    chunks = (CHUNK, *_SMALLER_CHUNKS)
-    for chunk in chunks[chunks.index(_FITTING_CHUNK.get(key, CHUNK)) :]:
-        try:
-            kernel[grid](*args, **settings, CH=chunk)
-        except triton.runtime.OutOfResources:
-            if chunk == chunks[-1]:
-                raise
-            continue
-        _FITTING_CHUNK[key] = chunk
-        return
+    launch_fitting(kernel, grid, args, settings, tuple({"CH": chunk} for chunk in (CHUNK, *_SMALLER_CHUNKS)))
 
 
 def _forward(

@@ -1,0 +1,398 @@
+"""Causal FAVOR+ sums of exponential features in Triton kernels, for CUDA devices: plain causal FAVOR+ and the
+causal hybrid's far field (FAVOR++), what :func:`.favor_exp.causal_exp_sums` computes, with its contract.
+
+Compiled on a GPU, the PyTorch scan writes each slab's (positions x features) feature buffers, their chunk products
+and the chunk start states to memory, forward and backward: ``benchmarks/compiled_traffic.py`` counts 2.56 GB for
+one causal FAVOR+ call of 12 heads x 4K tokens x 32 dims (256 features), where the inputs and outputs are about 25 MB.
+Here the features live in registers: each program walks the chunks of one (batch, head) in order, holding a block of
+the features' state, ``(features / FEATURES_PER_PROGRAM)`` programs per head, and adds its share of each chunk's
+sums to the output atomically. Nothing of size (positions x features) goes to memory.
+
+The features are ``phi(x)_r = exp(x . D_r + bias_r + offset(x))``: the offsets come from PyTorch (per row: the
+queries' ``-max_r (x . D_r + bias_r)``, the keys' ``row - |x|^2 / 2 - log sqrt(m) - s_j`` with ``s_j`` the running
+max of the keys' log-features), so that every feature and every factor ``exp(s_j - s_i)`` is at most 1, as in the
+PyTorch scan. Their gradient reaches the offsets' differentiable parts (``|x|^2``, ``row``) through PyTorch; the
+kernels give the rest:
+
+- ``_row_max_kernel``: ``max_r (x . D_r + bias_r)`` for every row (the shifts' input);
+- ``_forward_kernel``: the sums ``sum_{j <= i} phi(q_i) . phi(k_j) exp(s_j - s_i) [v_j, 1]`` (plus the state
+  before position 0) and the state after the last position;
+- ``_query_grad_kernel`` (chunks in order, recomputing the state each chunk starts from) and ``_key_grad_kernel``
+  (in reverse, carrying the state's gradient): the gradients of queries, keys, values, offsets and the state before
+  position 0.
+
+Matrix products take float32 as :func:`.far_field_triton.float32_precision` says. The directions and bias are
+constants here (the projection is a buffer; a learned FAVOR++ parameter keeps the PyTorch scan: :func:`serves`).
+Tested on the CPU through Triton's interpreter against the PyTorch scan in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Triton and its language come from the far field's module, which imports them where they are (remote code's import
+# check requires every module a file imports outside a try block)
+from .causal_scan import EMPTY_SHIFT
+from .far_field_triton import enabled, input_precision, launch_fitting, padded_width, tl, triton
+
+Tensor = torch.Tensor
+FEATURES_PER_PROGRAM = 64  # features of the state one program holds
+CHUNK = 32  # positions per step of a program's walk
+# the tiles of the scan's kernels, the first that fits the GPU's shared memory (launch_fitting): compiled for Hopper
+# at chunks of 32, two stages of loads in flight, the key gradients take 87 KB at head dim 32 x 33 value columns,
+# 226 KB at 128 x 128 (of 227); chunks of 64 took 165 KB at 32 x 33
+TILES = ({"C": CHUNK, "num_stages": 2}, {"C": CHUNK, "num_stages": 1}, {"C": 16, "num_stages": 1})
+
+if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET (its interpreter: the tests on a CPU)
+
+    @triton.jit
+    def _directions(DIR, BIAS, b, h, f0, M, dir_b, dir_h, bias_b, bias_h, D: tl.constexpr, BM: tl.constexpr):
+        # The program's block of features: which exist (BM,), their directions (BM, D) and biases (BM,) (0 without)
+        feats = f0 + tl.arange(0, BM)
+        exists = feats < M
+        base = DIR + b * dir_b + h * dir_h
+        dirs = tl.load(base + feats[:, None] * D + tl.arange(0, D)[None, :], mask=exists[:, None], other=0.0)
+        bias = tl.zeros((BM,), dtype=tl.float32)
+        if BIAS is not None:
+            bias = tl.load(BIAS + b * bias_b + h * bias_h + feats, mask=exists, other=0.0)
+        return feats, exists, dirs, bias
+
+    @triton.jit
+    def _row_max_kernel(
+        X, DIR, BIAS, OUT, H, L, M, dir_b, dir_h, bias_b, bias_h,
+        D: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # program (bh, tile): max_r (x . D_r + bias_r) for the tile's C rows
+        bh, tile = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # int64 offsets: B H L d passes 2^31
+        b, h = bh // H, bh % H
+        rows = tile * C + tl.arange(0, C)
+        live = rows < L
+        x = tl.load(X + (bh * L + rows)[:, None] * D + tl.arange(0, D)[None, :], mask=live[:, None], other=0.0)
+        best = tl.full((C,), float("-inf"), dtype=tl.float32)
+        for f0 in range(0, M, BM):
+            feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, f0, M, dir_b, dir_h, bias_b, bias_h, D, BM)
+            logits = tl.dot(x, tl.trans(dirs), input_precision=PRECISION) + bias[None, :]
+            best = tl.maximum(best, tl.max(tl.where(exists[None, :], logits, float("-inf")), axis=1))
+        tl.store(OUT + bh * L + rows, best, mask=live)
+
+    @triton.jit
+    def _chunk(
+        start, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E,
+        D: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # One chunk's rows (C,), which exist, queries and keys (C, D), values (C, EP), key shifts s (C,) (past the
+        # last position: the chunk's end shift), the chunk's end shift, its query and key features (C, BM) (the
+        # stabilizer aside) and the causal factors exp(s_j - s_i) (C, C) [i, j], 0 above the diagonal.
+        rows = start + tl.arange(0, C)
+        live = rows < L
+        dims, cols = tl.arange(0, D), tl.arange(0, EP)
+        row_ptr = (bh * L + rows)[:, None]
+        xq = tl.load(Q + row_ptr * D + dims[None, :], mask=live[:, None], other=0.0)
+        xk = tl.load(K + row_ptr * D + dims[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(V1 + row_ptr * E + cols[None, :], mask=live[:, None] & (cols < E)[None, :], other=0.0)
+        s = tl.load(SHIFTS + bh * L + rows, mask=live, other=float("-inf"))
+        end = tl.max(s, axis=0)  # the shifts never decrease: the last position's
+        s = tl.where(live, s, end)
+        q_off = tl.load(QOFF + bh * L + rows, mask=live, other=0.0)
+        k_off = tl.load(KOFF + bh * L + rows, mask=live, other=float("-inf"))  # past L: no key
+        q_logits = tl.dot(xq, tl.trans(dirs), input_precision=PRECISION) + bias[None, :] + q_off[:, None]
+        k_logits = tl.dot(xk, tl.trans(dirs), input_precision=PRECISION) + bias[None, :] + k_off[:, None]
+        phi_q = tl.where(exists[None, :] & live[:, None], tl.exp(q_logits), 0.0)
+        phi_k = tl.where(exists[None, :], tl.exp(k_logits), 0.0)
+        causal = rows[:, None] >= rows[None, :]
+        decay = tl.where(causal, tl.exp(tl.minimum(s[None, :] - s[:, None], 0.0)), 0.0)
+        return rows, live, xq, xk, v, s, end, phi_q, phi_k, decay
+
+    @triton.jit
+    def _state_block(KV, bh, feats, exists, M, E, EP: tl.constexpr):
+        # pointers and mask of the program's rows of a (B, H, M, E) state
+        cols = tl.arange(0, EP)
+        return KV + (bh * M + feats)[:, None] * E + cols[None, :], exists[:, None] & (cols < E)[None, :]
+
+    @triton.jit
+    def _forward_kernel(
+        Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, KV0, SHIFT0, OUT, KV,
+        H, L, M, E, dir_b, dir_h, bias_b, bias_h, stabilizer,
+        D: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # program (bh, feature block): its share of every query's sums, and its rows of the state after the call
+        bh, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        b, h = bh // H, bh % H
+        feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, block * BM, M, dir_b, dir_h, bias_b, bias_h, D, BM)
+        cols = tl.arange(0, EP)
+        state_ptr, state_mask = _state_block(KV0, bh, feats, exists, M, E, EP)
+        state = tl.load(state_ptr, mask=state_mask, other=0.0)  # (BM, EP) relative to exp(prev)
+        prev = tl.load(SHIFT0 + bh)
+        for start in range(0, L, C):
+            rows, live, xq, xk, v, s, end, phi_q, phi_k, decay = _chunk(
+                start, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, C, PRECISION
+            )
+            phi_q = tl.where(exists[None, :], phi_q + stabilizer, 0.0)
+            scores = tl.dot(phi_q, tl.trans(phi_k), input_precision=PRECISION) * decay  # (C, C)
+            out = tl.dot(scores, v, input_precision=PRECISION)
+            out += tl.dot(phi_q, state, input_precision=PRECISION) * tl.exp(prev - s)[:, None]
+            keep = live[:, None] & (cols < E)[None, :]
+            tl.atomic_add(OUT + (bh * L + rows)[:, None] * E + cols[None, :], out, mask=keep)
+            to_end = tl.exp(s - end)[:, None]
+            state = state * tl.exp(prev - end) + tl.dot(tl.trans(phi_k), v * to_end, input_precision=PRECISION)
+            prev = end
+        out_ptr, _ = _state_block(KV, bh, feats, exists, M, E, EP)
+        tl.store(out_ptr, state, mask=state_mask)
+
+    @triton.jit
+    def _query_grad_kernel(
+        GRAD, Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, KV0, SHIFT0, DQ, DQOFF,
+        H, L, M, E, dir_b, dir_h, bias_b, bias_h,
+        D: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # program (bh, feature block): its share of the queries' gradients, from the state each chunk starts from
+        # (recomputed, in order). d phi_q = (g v^T * decay) phi_k + exp(prev - s) g S^T; d log phi_q = d phi_q phi_q
+        bh, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        b, h = bh // H, bh % H
+        feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, block * BM, M, dir_b, dir_h, bias_b, bias_h, D, BM)
+        dims, cols = tl.arange(0, D), tl.arange(0, EP)
+        state_ptr, state_mask = _state_block(KV0, bh, feats, exists, M, E, EP)
+        state = tl.load(state_ptr, mask=state_mask, other=0.0)
+        prev = tl.load(SHIFT0 + bh)
+        for start in range(0, L, C):
+            rows, live, xq, xk, v, s, end, phi_q, phi_k, decay = _chunk(
+                start, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, C, PRECISION
+            )
+            row_ptr = (bh * L + rows)[:, None]
+            g = tl.load(GRAD + row_ptr * E + cols[None, :], mask=live[:, None] & (cols < E)[None, :], other=0.0)
+            d_scores = tl.dot(g, tl.trans(v), input_precision=PRECISION) * decay  # (C, C)
+            d_phi = tl.dot(d_scores, phi_k, input_precision=PRECISION)
+            d_phi += tl.dot(g, tl.trans(state), input_precision=PRECISION) * tl.exp(prev - s)[:, None]
+            d_log = d_phi * phi_q  # (C, BM)
+            tl.atomic_add(
+                DQ + row_ptr * D + dims[None, :], tl.dot(d_log, dirs, input_precision=PRECISION), mask=live[:, None]
+            )
+            tl.atomic_add(DQOFF + bh * L + rows, tl.sum(d_log, axis=1), mask=live)
+            to_end = tl.exp(s - end)[:, None]
+            state = state * tl.exp(prev - end) + tl.dot(tl.trans(phi_k), v * to_end, input_precision=PRECISION)
+            prev = end
+
+    @triton.jit
+    def _key_grad_kernel(
+        GRAD, GKV, Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, SHIFT0, DK, DKOFF, DV1, DKV0,
+        H, L, M, E, dir_b, dir_h, bias_b, bias_h, stabilizer,
+        D: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # program (bh, feature block): its share of the keys' and values' gradients, walking the chunks in reverse
+        # with the gradient of the state each chunk ends with (relative to its end shift)
+        bh, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        b, h = bh // H, bh % H
+        feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, block * BM, M, dir_b, dir_h, bias_b, bias_h, D, BM)
+        dims, cols = tl.arange(0, D), tl.arange(0, EP)
+        state_ptr, state_mask = _state_block(GKV, bh, feats, exists, M, E, EP)
+        d_state = tl.load(state_ptr, mask=state_mask, other=0.0)  # (BM, EP)
+        last = (tl.cdiv(L, C) - 1) * C
+        for back in range(0, L, C):
+            start = last - back
+            rows, live, xq, xk, v, s, end, phi_q, phi_k, decay = _chunk(
+                start, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, C, PRECISION
+            )
+            # the shift the chunk's start state is relative to: the previous chunk's end, or the state's before the call
+            prev = tl.where(start > 0, tl.load(SHIFTS + bh * L + tl.maximum(start - 1, 0)), tl.load(SHIFT0 + bh))
+            phi_q = tl.where(exists[None, :], phi_q + stabilizer, 0.0)
+            row_ptr = (bh * L + rows)[:, None]
+            keep = live[:, None] & (cols < E)[None, :]
+            g = tl.load(GRAD + row_ptr * E + cols[None, :], mask=keep, other=0.0)
+            to_end = tl.exp(s - end)[:, None]  # (C, 1)
+            d_scores = tl.dot(g, tl.trans(v), input_precision=PRECISION) * decay  # (C, C) [i, j]
+            scores = tl.dot(phi_q, tl.trans(phi_k), input_precision=PRECISION) * decay
+            d_phi = tl.dot(tl.trans(d_scores), phi_q, input_precision=PRECISION)
+            d_phi += tl.dot(v, tl.trans(d_state), input_precision=PRECISION) * to_end
+            d_v = tl.dot(tl.trans(scores), g, input_precision=PRECISION)
+            d_v += tl.dot(phi_k, d_state, input_precision=PRECISION) * to_end
+            d_log = d_phi * phi_k
+            tl.atomic_add(
+                DK + row_ptr * D + dims[None, :], tl.dot(d_log, dirs, input_precision=PRECISION), mask=live[:, None]
+            )
+            tl.atomic_add(DKOFF + bh * L + rows, tl.sum(d_log, axis=1), mask=live)
+            tl.atomic_add(DV1 + row_ptr * E + cols[None, :], d_v, mask=keep)
+            # the state's gradient before the chunk: carried back, plus how the chunk's queries read that state
+            reads = phi_q * tl.exp(prev - s)[:, None]
+            d_state = d_state * tl.exp(prev - end) + tl.dot(tl.trans(reads), g, input_precision=PRECISION)
+        out_ptr, _ = _state_block(DKV0, bh, feats, exists, M, E, EP)
+        tl.store(out_ptr, d_state, mask=state_mask)
+
+
+def serves(q: Tensor, values_width: int, directions: Tensor, bias: Tensor | None) -> bool:
+    """Whether the kernels take queries ``q`` (B, H, L, d) with values ``values_width`` wide and these features: on
+    CUDA where Triton is :func:`.far_field_triton.enabled`, float32 (the scan's dtype), d a power of two from 16 to
+    128, at most 128 value columns, and directions and bias that need no gradient (a learned FAVOR++ parameter keeps
+    the PyTorch scan)."""
+    d = q.shape[-1]
+    learned = torch.is_grad_enabled() and (directions.requires_grad or (bias is not None and bias.requires_grad))
+    return (
+        q.device.type == "cuda"
+        and enabled()
+        and q.dtype == torch.float32
+        and 16 <= d <= 128
+        and d & (d - 1) == 0
+        and values_width <= 128
+        and not learned
+    )
+
+
+def _features_args(q: Tensor, directions: Tensor, bias: Tensor | None) -> tuple:
+    """Directions and bias broadcast to (B, H, m, d) and (B, H, 1, m), with their (batch, head) strides (0 where
+    shared): (directions, bias or None, dir_b, dir_h, bias_b, bias_h)."""
+    B, H = q.shape[:2]
+    m, d = directions.shape[-2:]
+    dirs = directions.contiguous().broadcast_to(B, H, m, d)
+    if bias is None:
+        return dirs, None, dirs.stride(0), dirs.stride(1), 0, 0
+    bias = bias.contiguous().broadcast_to(B, H, 1, m)
+    return dirs, bias, dirs.stride(0), dirs.stride(1), bias.stride(0), bias.stride(1)
+
+
+def _settings(q: Tensor, width: int, precision: str) -> dict:
+    """The kernels' compile-time settings but the tiles (:data:`TILES`): widths and their products' precision."""
+    return dict(D=q.shape[-1], EP=padded_width(width), BM=FEATURES_PER_PROGRAM, PRECISION=input_precision(precision))
+
+
+def _row_max(x: Tensor, directions: Tensor, bias: Tensor | None, precision: str) -> Tensor:
+    """``max_r (x . D_r + bias_r)`` (B, H, L) of rows x (B, H, L, d)."""
+    x = x.contiguous()
+    B, H, L, _ = x.shape
+    dirs, bias, *strides = _features_args(x, directions, bias)
+    out = x.new_empty(B, H, L)
+    settings = dict(D=x.shape[-1], C=64, BM=FEATURES_PER_PROGRAM, PRECISION=input_precision(precision))
+    _row_max_kernel[(B * H, triton.cdiv(L, 64))](x, dirs, bias, out, H, L, dirs.shape[-2], *strides, **settings)
+    return out
+
+
+def _forward(
+    q: Tensor, k: Tensor, v1: Tensor, q_off: Tensor, k_off: Tensor, shifts: Tensor, directions: Tensor,
+    bias: Tensor | None, kv0: Tensor, shift0: Tensor, stabilizer: float, precision: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The sums (B, H, L, E) and the state after the call (B, H, m, E)."""
+    B, H, L, _ = q.shape
+    E, M = v1.shape[-1], directions.shape[-2]
+    dirs, bias, *strides = _features_args(q, directions, bias)
+    out = q.new_zeros(B, H, L, E)  # added into atomically, a share per block of features
+    kv = torch.empty_like(kv0)
+    grid = (B * H, triton.cdiv(M, FEATURES_PER_PROGRAM))
+    args = (q, k, v1, q_off, k_off, shifts, dirs, bias, kv0, shift0, out, kv, H, L, M, E, *strides, stabilizer)
+    launch_fitting(_forward_kernel, grid, args, _settings(q, E, precision), TILES)
+    return out, kv
+
+
+def _backward(
+    grad: Tensor, grad_kv: Tensor, q: Tensor, k: Tensor, v1: Tensor, q_off: Tensor, k_off: Tensor, shifts: Tensor,
+    directions: Tensor, bias: Tensor | None, kv0: Tensor, shift0: Tensor, stabilizer: float, precision: str,
+) -> list[Tensor]:  # fmt: skip
+    """The gradients of q, k, v1, q_off, k_off and kv0."""
+    B, H, L, _ = q.shape
+    E, M = v1.shape[-1], directions.shape[-2]
+    dirs, bias, *strides = _features_args(q, directions, bias)
+    d_q, d_k, d_v1, d_q_off, d_k_off = (torch.zeros_like(t) for t in (q, k, v1, q_off, k_off))  # added into
+    d_kv0 = torch.empty_like(kv0)
+    grid, settings = (B * H, triton.cdiv(M, FEATURES_PER_PROGRAM)), _settings(q, E, precision)
+    inputs = (q, k, v1, q_off, k_off, shifts, dirs, bias)
+    args = (grad, *inputs, kv0, shift0, d_q, d_q_off, H, L, M, E, *strides)
+    launch_fitting(_query_grad_kernel, grid, args, settings, TILES)
+    args = (grad, grad_kv, *inputs, shift0, d_k, d_k_off, d_v1, d_kv0, H, L, M, E, *strides, stabilizer)
+    launch_fitting(_key_grad_kernel, grid, args, settings, TILES)
+    return [d_q, d_k, d_v1, d_q_off, d_k_off, d_kv0]
+
+
+def _register() -> None:
+    """The kernels as custom operators (opaque to ``torch.compile``, which calls them between its own kernels), with
+    their shapes for tracing and the scan's gradients. A second copy of this module (remote code beside the installed
+    package) finds them registered and uses them."""
+    if hasattr(torch.ops.performer_hf, "causal_exp_scan"):
+        return
+    library = torch.library
+    row_max = library.custom_op("performer_hf::exp_row_max", mutates_args=())(_row_max)
+    forward = library.custom_op("performer_hf::causal_exp_scan", mutates_args=())(_forward)
+    backward = library.custom_op("performer_hf::causal_exp_scan_backward", mutates_args=())(_backward)
+
+    @row_max.register_fake
+    def _(x, directions, bias, precision):
+        return x.new_empty(x.shape[:3])
+
+    @forward.register_fake
+    def _(q, k, v1, q_off, k_off, shifts, directions, bias, kv0, shift0, stabilizer, precision):
+        return q.new_empty(*q.shape[:3], v1.shape[-1]), torch.empty_like(kv0)
+
+    @backward.register_fake
+    def _(grad, grad_kv, q, k, v1, q_off, k_off, shifts, directions, bias, kv0, *rest):
+        return [torch.empty_like(t) for t in (q, k, v1, q_off, k_off, kv0)]
+
+    def setup_context(ctx, inputs, output):
+        *tensors, ctx.stabilizer, ctx.precision = inputs
+        ctx.has_bias = tensors[7] is not None
+        ctx.save_for_backward(*(t for t in tensors if t is not None))
+
+    def gradients(ctx, grad, grad_kv):
+        saved = list(ctx.saved_tensors)
+        if not ctx.has_bias:
+            saved.insert(7, None)
+        q, k, v1, q_off, k_off, shifts, directions, bias, kv0, shift0 = saved
+        grad_kv = torch.zeros_like(kv0) if grad_kv is None else grad_kv.contiguous()
+        d_q, d_k, d_v1, d_q_off, d_k_off, d_kv0 = torch.ops.performer_hf.causal_exp_scan_backward(
+            grad.contiguous(), grad_kv, q, k, v1, q_off, k_off, shifts, directions, bias, kv0, shift0,
+            ctx.stabilizer, ctx.precision,
+        )  # fmt: skip
+        return d_q, d_k, d_v1, d_q_off, d_k_off, None, None, None, d_kv0, None, None, None
+
+    library.register_autograd("performer_hf::causal_exp_scan", gradients, setup_context=setup_context)
+
+
+if triton is not None:
+    _register()
+
+
+def causal_exp_sums(
+    q: Tensor,
+    k: Tensor,
+    v1: Tensor,
+    directions: Tensor,
+    bias: Tensor | None,
+    stabilizer: float,
+    key_row: Tensor | None,
+    mask: Tensor | None,
+    state: tuple[Tensor, Tensor] | None,
+    precision: str = "pytorch",
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """What :func:`.favor_exp.causal_exp_sums` computes, in the kernels: q, k (B, H, L, d), v1 (B, H, L, E), the
+    :class:`.favor_exp.ExpFeatures` (directions, bias, stabilizer), key_row (B, H, L, 1) or None, mask (B, L) bool
+    or None, state (kv (B, H, m, E), shift (B, H)) or None. -> (sums (B, H, L, E) relative to exp(q_shifts +
+    shifts), q_shifts, shifts (B, H, L), the state after the call: kv (B, H, m, E), shift (B, H)), float32; the
+    shifts are constants for autograd."""
+    B, H, L, _ = q.shape
+    m = directions.shape[-2]
+    log_root_m = 0.5 * math.log(m)
+    directions = directions.detach()
+    bias = None if bias is None else bias.detach()
+    q, k, v1 = (t.contiguous() for t in (q, k, v1))
+    ops = torch.ops.performer_hf
+    with torch.no_grad():
+        q_top = ops.exp_row_max(q.detach(), directions, bias, precision)  # (B, H, L)
+        k_top = ops.exp_row_max(k.detach(), directions, bias, precision)
+    q_base = -0.5 * q.pow(2).sum(-1) - log_root_m  # (B, H, L): the features' per-row terms, differentiable
+    k_base = -0.5 * k.pow(2).sum(-1) - log_root_m
+    if key_row is not None:
+        k_base = k_base + key_row.squeeze(-1)
+    q_shifts = (q_top + q_base).detach()  # log max_r phi_r(q_i)
+    k_max = (k_top + k_base).detach()  # log max_r phi_r(k_j)
+    if mask is not None:
+        k_max = k_max.masked_fill(~mask[:, None, :], EMPTY_SHIFT)
+    if state is None:
+        kv0, shift0 = q.new_zeros(B, H, m, v1.shape[-1]), q.new_full((B, H), EMPTY_SHIFT)
+    else:
+        kv0, shift0 = state[0].to(q.dtype).contiguous(), state[1].to(q.dtype).contiguous()
+    shifts = torch.cummax(torch.maximum(k_max, shift0.detach()[..., None]), dim=-1).values  # s_j: running max
+    k_off = k_base - shifts
+    if mask is not None:
+        k_off = k_off.masked_fill(~mask[:, None, :], float("-inf"))  # no features
+    out1, kv = ops.causal_exp_scan(
+        q, k, v1, q_base - q_shifts, k_off, shifts, directions, bias, kv0, shift0.detach(), float(stabilizer), precision
+    )
+    shift = shifts[..., -1] if L else shift0.detach()
+    return out1, q_shifts, shifts, kv, shift

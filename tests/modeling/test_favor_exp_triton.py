@@ -1,0 +1,235 @@
+"""The causal scan's Triton kernels (``favor_exp_triton``) against the PyTorch scan (``favor_exp._CausalExp``) and
+the dense references: on a CPU through Triton's interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` where
+there is no CUDA device), on CUDA compiled. Float32 kernels against float64 PyTorch."""
+
+import pytest
+import torch
+
+from performer_hf.favor import draw_projection, favor_attention, hybrid_attention
+from performer_hf.modeling import favor_exp, favor_exp_triton
+from performer_hf.modeling.attention_methods import ATTENTION_METHODS
+from performer_hf.modeling.favor_exp import ExpFeatures, ScanKeys
+from performer_hf.modeling.hybrid_spec import HybridSpec
+
+from ..compiled_check import assert_one_graph_as_eager
+from ..flex_reference import bfloat16_tolerances, sdpa_bfloat16_errors
+from ..hybrid_reference import random_qkv, reference, right_padding
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _scan_inputs(length, d, m, width, per_head, bias, row, mask, state, seed=0):
+    """Queries, keys, values, features (directions, bias), key rows, mask and state of a (2, 3)-headed scan, float64
+    on the CPU; the values' last column is ones, as the callers' are."""
+    g = torch.Generator().manual_seed(seed)
+    B, H = 2, 3
+    q, k = (torch.randn(B, H, length, d, generator=g, dtype=torch.float64) * 0.5 for _ in range(2))
+    v1 = torch.cat([torch.randn(B, H, length, width - 1, generator=g), torch.ones(B, H, length, 1)], -1).double()
+    directions = torch.randn(*((H,) if per_head else ()), m, d, generator=g, dtype=torch.float64) * 0.7
+    bias = torch.randn(H, 1, m, generator=g, dtype=torch.float64) * 0.3 if bias else None
+    row = torch.randn(B, H, length, 1, generator=g, dtype=torch.float64) if row else None
+    mask = torch.rand(B, length, generator=g) > 0.2 if mask else None
+    if state:
+        state = (torch.rand(B, H, m, width, generator=g, dtype=torch.float64), torch.randn(B, H, generator=g).double())
+    return q, k, v1, (directions, bias), row, mask, state or None
+
+
+def _absolute(scan, reference_shifts):
+    """A scan's sums and state relative to fixed shifts (its own shifts differ by rounding), for comparing scans."""
+    sums, q_shifts, shifts, kv, shift = scan
+    query_shift, state_shift = reference_shifts
+    return sums * torch.exp(q_shifts + shifts - query_shift)[..., None], kv * torch.exp(shift - state_shift)[
+        ..., None, None
+    ]
+
+
+def _sums_and_gradients(scan_fn, leaves, probes, reference_shifts):
+    sums, kv = _absolute(scan_fn(*leaves), reference_shifts)
+    loss = (sums * probes[0]).sum() + (kv * probes[1]).sum()
+    return (sums, kv, *torch.autograd.grad(loss, [t for t in leaves if t is not None and t.requires_grad]))
+
+
+CASES = {
+    "FAVOR++ (per-head directions, bias, key rows, padding, a state)": dict(
+        length=100, d=16, m=80, width=9, per_head=True, bias=True, row=True, mask=True, state=True
+    ),
+    "plain FAVOR+ (shared directions)": dict(
+        length=70, d=16, m=64, width=17, per_head=False, bias=False, row=False, mask=False, state=False
+    ),
+    "decoder heads (32 dims, 33 value columns)": dict(
+        length=64, d=32, m=64, width=33, per_head=True, bias=True, row=True, mask=False, state=False
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("stabilizer", [0.0, 1e-3])
+def test_the_kernels_give_the_scans_sums_state_and_gradients(case, stabilizer):
+    """Sums, state after the call and the gradients of queries, keys, values, key rows and the state before, against
+    the PyTorch scan in float64 (lengths past one chunk and not a multiple of it, features past one program's block
+    and not a multiple of it)."""
+    q, k, v1, (directions, bias), row, mask, state = _scan_inputs(**CASES[case])
+    g = torch.Generator().manual_seed(1)
+    probes = (
+        torch.randn(*v1.shape, generator=g).double(),
+        torch.randn(2, 3, directions.shape[-2], v1.shape[-1]).double(),
+    )
+
+    def pytorch(q, k, v1, row, kv0):
+        keys, features = ScanKeys(k, v1, row, mask), ExpFeatures(directions, bias, stabilizer)
+        return favor_exp.causal_exp_sums(q, keys, features, 32, None if state is None else (kv0, state[1]))
+
+    def kernels(q, k, v1, row, kv0):
+        f32 = (directions.float(), None if bias is None else bias.float())
+        scan_state = None if state is None else (kv0, state[1].float())
+        return favor_exp_triton.causal_exp_sums(q, k, v1, *f32, stabilizer, row, mask, scan_state)
+
+    exact = [None if t is None else t.clone().requires_grad_() for t in (q, k, v1, row, state and state[0])]
+    with torch.no_grad():
+        scan = pytorch(*exact)
+    shifts = (scan.q_shifts + scan.shifts, scan.shift)
+    want = _sums_and_gradients(pytorch, exact, probes, shifts)
+    leaves = [None if t is None else t.detach().float().to(DEVICE).requires_grad_() for t in exact]
+    on_device = (shifts[0].float().to(DEVICE), shifts[1].float().to(DEVICE))
+    got = _sums_and_gradients(kernels, leaves, [p.float().to(DEVICE) for p in probes], on_device)
+    for a, b in zip(got, want, strict=True):
+        error = (a.cpu().double() - b).abs().max() / b.abs().max()
+        assert error < 1e-5, f"relative error {error:.2e}"
+
+
+@pytest.fixture
+def kernels_serve(monkeypatch):
+    """The scan takes the kernels (as on CUDA) wherever it is called; counts the calls."""
+    calls = []
+    monkeypatch.setattr(favor_exp, "triton_serves", lambda *args: calls.append(1) or True)
+    return calls
+
+
+def _float_leaves(*tensors):
+    return [t.detach().float().to(DEVICE).requires_grad_() for t in tensors]
+
+
+def _outputs_and_gradients(function, leaves, probe):
+    out = function(*leaves)
+    return (out, *torch.autograd.grad((out * probe).sum(), leaves))
+
+
+def _assert_relatively_close(got, want, tol=1e-5):
+    for a, b in zip(got, want, strict=True):
+        error = (a.detach().cpu().double() - b).abs().max() / b.abs().max()
+        assert error < tol, f"relative error {error:.2e}"
+
+
+def test_causal_favor_through_the_kernels_matches_pytorch(kernels_serve):
+    """Causal FAVOR+ (a padded batch) with its scan in the kernels against the PyTorch scan in float64: outputs and
+    the gradients of queries, keys and values; and a call continued from another's state equals one call."""
+    q, k, v = random_qkv(length=75, head_dim=16)
+    W = draw_projection(96, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    mask = right_padding(2, 75, real=(75, 60))
+    probe = torch.randn(2, 2, 75, 16, generator=torch.Generator().manual_seed(3)).double()
+
+    def favor(q, k, v):
+        projection = W.to(q.dtype).to(q.device)
+        return favor_attention(q, k, v, projection, causal=True, key_padding_mask=mask.to(q.device))
+
+    got = _outputs_and_gradients(favor, _float_leaves(q, k, v), probe.float().to(DEVICE))
+    assert len(kernels_serve) == 1
+    kernels_serve.clear()
+    want = _outputs_and_gradients(favor, [t.clone().requires_grad_() for t in (q, k, v)], probe)
+    kernels_serve.clear()  # (the float64 call asked too)
+    _assert_relatively_close(got, want)
+
+    q32, k32, v32 = (t.float().to(DEVICE) for t in (q, k, v))
+    W32 = W.float().to(DEVICE)
+    first, state = favor_attention(q32[:, :, :40], k32[:, :, :40], v32[:, :, :40], W32, causal=True, return_state=True)
+    rest = favor_attention(q32[:, :, 40:], k32[:, :, 40:], v32[:, :, 40:], W32, causal=True, initial_state=state)
+    whole = favor_attention(q32, k32, v32, W32, causal=True)
+    torch.testing.assert_close(torch.cat([first, rest], dim=2), whole, rtol=1e-5, atol=1e-6)
+    assert len(kernels_serve) == 3
+
+
+DECODER = dict(far_field="softmax_opt", local_window=6, num_global_tokens=1, far_field_parameter=-0.05, causal=True)
+
+
+def test_the_causal_hybrid_through_the_kernels_matches_the_dense_reference(kernels_serve):
+    """The causal hybrid with a FAVOR++ far field (the decoder preset's form: a window, a global token, fixed centres),
+    its lagged far field in the kernels, a padded batch: outputs against the dense reference in float64, gradients
+    against the PyTorch scan's in float64."""
+    q, k, v = random_qkv(length=70, head_dim=16)
+    W = draw_projection(64, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    mask = right_padding(2, 70, real=(70, 52))
+    centres = [torch.randn(2, 16, generator=torch.Generator().manual_seed(seed)).double() * 0.3 for seed in (4, 5)]
+    probe = torch.randn(2, 2, 70, 16, generator=torch.Generator().manual_seed(3)).double() * mask[:, None, :, None]
+
+    def hybrid(q, k, v):
+        to = dict(dtype=q.dtype, device=q.device)
+        query_center, key_center = (c.to(**to) for c in centres)
+        kwargs = dict(key_padding_mask=mask.to(q.device), query_center=query_center, key_center=key_center)
+        return hybrid_attention(q, k, v, W.to(**to), **DECODER, **kwargs) * mask.to(q.device)[:, None, :, None]
+
+    got = _outputs_and_gradients(hybrid, _float_leaves(q, k, v), probe.float().to(DEVICE))
+    assert len(kernels_serve) == 1
+    want = _outputs_and_gradients(hybrid, [t.clone().requires_grad_() for t in (q, k, v)], probe)
+    dense = reference(q, k, v, W, mask=mask, query_center=centres[0], key_center=centres[1], **DECODER)
+    _assert_relatively_close(got[:1], [dense * mask[:, None, :, None]])
+    _assert_relatively_close(got[1:], want[1:])
+
+
+def test_the_scan_compiles_into_one_graph_as_eager(kernels_serve):
+    """Causal FAVOR+ through the kernels' operators compiled (aot_eager) equals eager, in one graph."""
+    q, k, v = _float_leaves(*random_qkv(length=40, head_dim=16))
+    W = draw_projection(64, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    assert_one_graph_as_eager(lambda q, k, v: favor_attention(q, k, v, W, causal=True), [q, k, v], rtol=1e-5, atol=1e-6)
+    assert kernels_serve
+
+
+def test_only_cuda_float32_queries_of_tile_dims_and_fixed_features_are_served(monkeypatch):
+    directions = torch.randn(64, 32)
+    x = torch.randn(1, 2, 8, 32)
+    if torch.cuda.is_available():
+        x, directions = x.cuda(), directions.cuda()
+        assert favor_exp_triton.serves(x, 33, directions, None)
+        assert not favor_exp_triton.serves(x.double(), 33, directions.double(), None)  # float32 only
+        assert not favor_exp_triton.serves(x[..., :24], 33, directions[:, :24], None)  # a power of two
+        assert not favor_exp_triton.serves(x, 129, directions, None)  # at most 128 value columns
+        assert not favor_exp_triton.serves(x, 33, directions.requires_grad_(), None)  # a learned parameter
+        with torch.no_grad():
+            assert favor_exp_triton.serves(x, 33, directions, None)
+        monkeypatch.setenv("PERFORMER_HF_TRITON", "0")
+        assert not favor_exp_triton.serves(x, 33, directions.detach(), None)
+    else:
+        assert not favor_exp_triton.serves(x, 33, directions, None)  # no CUDA
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels run on CUDA devices")
+def test_cuda_kernels_match_the_cpu_in_float32_and_bfloat16(monkeypatch):
+    """On a GPU: forward and backward of the converter's causal preset (FAVOR++ far field, a window of 64, a global
+    token) at 4K tokens, its far field through the kernels, against the float32 CPU path."""
+    preset = ATTENTION_METHODS["hybrid"].presets["causal"]
+    settings = {name: preset[field] for name, field in HybridSpec.config_fields().items() if field in preset}
+    q, k, v = (t.float() for t in random_qkv(batch=2, heads=4, length=4096, head_dim=32, seed=11))
+    grad = torch.randn(2, 4, 4096, 32, generator=torch.Generator().manual_seed(12))
+    W = draw_projection(256, 32, generator=torch.Generator().manual_seed(13))
+    centres = [torch.randn(4, 32, generator=torch.Generator().manual_seed(seed)) * 0.1 for seed in (14, 15)]
+    calls = []
+    scan = favor_exp_triton.causal_exp_sums
+    monkeypatch.setattr(favor_exp, "triton_causal_exp_sums", lambda *args: calls.append(1) or scan(*args))
+
+    def run(device, dtype, inputs=(q, k, v)):
+        inputs = [t.detach().to(device, dtype).requires_grad_() for t in inputs]
+        query_center, key_center = (c.to(device) for c in centres)
+        out = hybrid_attention(
+            *inputs, W.to(device), causal=True, query_center=query_center, key_center=key_center,
+            far_field_parameter=-0.05, **settings,
+        )  # fmt: skip
+        (out.float() * grad.to(device)).sum().backward()
+        return [t.detach().float().cpu() for t in (out, *(i.grad for i in inputs))]
+
+    reference_cpu = run("cpu", torch.float32)
+    rounded_cpu = run("cpu", torch.float32, [t.bfloat16().float() for t in (q, k, v)])
+    bfloat16 = bfloat16_tolerances(rounded_cpu, reference_cpu, sdpa_bfloat16_errors(q, k, v, grad, True))
+    for dtype, tolerances in ((torch.float32, [1e-4] * 4), (torch.bfloat16, bfloat16)):
+        for got, want, tolerance in zip(run("cuda", dtype), reference_cpu, tolerances, strict=True):
+            assert torch.isfinite(got).all()
+            assert (got - want).norm() / want.norm() < tolerance, dtype
+    assert len(calls) == 2  # the kernels served both
