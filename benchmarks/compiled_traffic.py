@@ -24,6 +24,14 @@ Arms:
     far field, PyTorch     the same in PyTorch, explicit features (``far_field_polynomial.from_features``)
     far field, CPU form    the same in PyTorch as on a CPU (outer products)
     routing                its routing alone (each query block's key blocks)
+    causal favor           causal FAVOR+ (256 features) as CUDA runs it: its scan in the Triton kernels
+                           (``favor_exp_triton``; opaque operators: their inputs and outputs count)
+    causal favor, PyTorch scan  the same with the PyTorch scan (``favor_exp._CausalExp``)
+    causal hybrid          the converter's causal preset (a window of 64, a global token, a FAVOR++ far field lagged
+                           past the window, fixed centres), its far field's scan in the Triton kernels; traced on a
+                           CPU its exact part gathers each query block's candidates in PyTorch (on CUDA:
+                           FlexAttention over the window's tiles)
+    causal hybrid, PyTorch scan  the same with the PyTorch scan
 
 Without CUDA the Triton kernels run in Triton's interpreter (set here): most of the study's time, which is about
 15 minutes at 4K tokens on two CPU cores. The count grows linearly with the length (at 4K and 8K: twice as many bytes
@@ -52,8 +60,9 @@ if not torch.cuda.is_available():  # the Triton kernels in Triton's interpreter:
 import harness  # noqa: E402
 from attention_parts import FEATURES, HEAD_DIM, HEADS, far_field_part, hybrid_preset, routing_part  # noqa: E402
 
-from performer_hf.favor import draw_projection, favor_attention, hybrid_attention  # noqa: E402
-from performer_hf.modeling import far_field_polynomial, hybrid_backends, slabs  # noqa: E402
+from performer_hf.favor import HybridSpec, draw_projection, favor_attention, hybrid_attention  # noqa: E402
+from performer_hf.modeling import far_field_polynomial, favor_exp, hybrid_backends, slabs  # noqa: E402
+from performer_hf.modeling.attention_methods import ATTENTION_METHODS  # noqa: E402
 from performer_hf.modeling.far_field_triton import float32_precision  # noqa: E402
 
 logger = logging.getLogger("benchmarks.compiled_traffic")
@@ -67,12 +76,32 @@ ARMS = (
     "far field, PyTorch",
     "far field, CPU form",
     "routing",
+    "causal favor",
+    "causal favor, PyTorch scan",
+    "causal hybrid",
+    "causal hybrid, PyTorch scan",
 )
 TRITON_ARMS = ("hybrid, Triton", "hybrid", "far field")  # the arms whose far field runs in the Triton kernels
+SCAN_ARMS = ("causal favor", "causal hybrid")  # the arms whose causal scan runs in the Triton kernels
+
+
+def causal_preset() -> HybridSpec:
+    """The converter's causal hybrid preset as a spec (its exact prefix aside)."""
+    preset = ATTENTION_METHODS["hybrid"].presets["causal"]
+    return HybridSpec(**{name: preset[field] for name, field in HybridSpec.config_fields().items() if field in preset})
 
 
 def calls(projection):
-    spec = hybrid_preset()
+    spec, causal_spec = hybrid_preset(), causal_preset()
+    centre = torch.zeros(HEADS, HEAD_DIM)  # fixed centres (calibrated at conversion): any serve here
+
+    def causal_favor(q, k, v):
+        return favor_attention(q, k, v, projection, causal=True)
+
+    def causal_hybrid(q, k, v):
+        kwargs = dict(query_center=centre, key_center=centre, far_field_parameter=-0.05)
+        return hybrid_attention(q, k, v, projection, causal_spec, causal=True, **kwargs)
+
     return {
         "favor": lambda q, k, v: favor_attention(q, k, v, projection),
         "hybrid, Triton": lambda q, k, v: hybrid_attention(q, k, v, spec=spec),
@@ -82,6 +111,10 @@ def calls(projection):
         "far field, PyTorch": far_field_part,
         "far field, CPU form": far_field_part,
         "routing": lambda q, k, v: routing_part(q, k, v, spec),
+        "causal favor": causal_favor,
+        "causal favor, PyTorch scan": causal_favor,
+        "causal hybrid": causal_hybrid,
+        "causal hybrid, PyTorch scan": causal_hybrid,
     }
 
 
@@ -90,10 +123,11 @@ def as_on_cuda(arm: str):
     """The accelerators' slab budgets, far-field form (the Triton kernels for float32 rows, or PyTorch's features, or
     the CPU's outer products, by arm) and, for ``hybrid, Triton``, the Triton support sums, for tracing on a CPU."""
     kind, form, triton = slabs._kind, far_field_polynomial.from_features, far_field_polynomial.triton_serves
-    traced = hybrid_backends._traced_backend
+    traced, scan = hybrid_backends._traced_backend, favor_exp.triton_serves
     slabs._kind = lambda device: "accelerator"
     far_field_polynomial.from_features = lambda device: arm != "far field, CPU form"
     far_field_polynomial.triton_serves = lambda x, width: arm in TRITON_ARMS and x.dtype == torch.float32
+    favor_exp.triton_serves = lambda q, *features: arm in SCAN_ARMS and q.dtype == torch.float32
     if arm == "hybrid, Triton":
         precision = float32_precision(torch.bfloat16)
         hybrid_backends._traced_backend = lambda call, causal, continues: hybrid_backends.TritonBackend(precision)
@@ -101,7 +135,7 @@ def as_on_cuda(arm: str):
         yield
     finally:
         slabs._kind, far_field_polynomial.from_features, far_field_polynomial.triton_serves = kind, form, triton
-        hybrid_backends._traced_backend = traced
+        hybrid_backends._traced_backend, favor_exp.triton_serves = traced, scan
 
 
 def traffic(call, length: int, arm: str) -> dict:

@@ -74,8 +74,9 @@ def configurations(widest: bool):
             yield name, kernel, tensors, ("N", "E"), ("c",), constants
 
 
-SCAN_INTS = ("H", "L", "M", "E", "dir_b", "dir_h", "bias_b", "bias_h")
+SCAN_INTS = ("H", "L", "M", "E", "S", "SEG", "dir_b", "dir_h", "bias_b", "bias_h")
 SCAN_INPUTS = "Q K V1 QOFF KOFF SHIFTS DIR"
+WRITE_BOTH, WRITE = {"WRITE_OUT": True, "WRITE_STATE": True}, {"WRITE_GRADS": True}  # what their walks write
 
 
 def _scan_kernels(bias: bool) -> list:
@@ -86,9 +87,9 @@ def _scan_kernels(bias: bool) -> list:
     queries = {"GRAD": "*fp32", **with_bias, **_rows("KV0 SHIFT0 DQ DQOFF")}
     keys = {**_rows("GRAD GKV"), **with_bias, **_rows("SHIFT0 DK DKOFF DV1 DKV0")}
     return [
-        ("causal scan forward", favor_exp_triton._forward_kernel, forward, SCAN_INTS, ("stabilizer",)),
-        ("causal scan query gradients", favor_exp_triton._query_grad_kernel, queries, SCAN_INTS, ()),
-        ("causal scan key gradients", favor_exp_triton._key_grad_kernel, keys, SCAN_INTS, ("stabilizer",)),
+        ("causal scan forward", favor_exp_triton._forward_kernel, forward, SCAN_INTS, ("stabilizer",), WRITE_BOTH),
+        ("causal scan query gradients", favor_exp_triton._query_grad_kernel, queries, SCAN_INTS, (), {}),
+        ("causal scan key gradients", favor_exp_triton._key_grad_kernel, keys, SCAN_INTS, ("stabilizer",), WRITE),
     ]
 
 
@@ -101,10 +102,11 @@ def scan_configurations(widest: bool):
     for d, width, precision, bias in tiles:
         constants = dict(D=d, BM=favor_exp_triton.FEATURES_PER_PROGRAM, PRECISION=precision, C=first["C"])
         constants.update({} if bias else {"BIAS": None})
-        for name, kernel, tensors, ints, floats in _scan_kernels(bias):
-            yield name, kernel, tensors, ints, floats, {**constants, "EP": width}, {"num_stages": first["num_stages"]}
+        options = {"num_stages": first["num_stages"]}
+        for name, kernel, tensors, ints, floats, writes in _scan_kernels(bias):
+            yield name, kernel, tensors, ints, floats, {**constants, "EP": width, **writes}, options
         row_max = {**_rows("X DIR"), "BIAS": "*fp32" if bias else "constexpr", "OUT": "*fp32"}
-        ints = [name for name in SCAN_INTS if name != "E"]
+        ints = [name for name in SCAN_INTS if name not in ("E", "S", "SEG")]
         yield "causal scan row max", favor_exp_triton._row_max_kernel, row_max, ints, (), {**constants, "C": 64}, {}
 
 

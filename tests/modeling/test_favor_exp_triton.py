@@ -27,7 +27,10 @@ def _scan_inputs(length, d, m, width, per_head, bias, row, mask, state, seed=0):
     v1 = torch.cat([torch.randn(B, H, length, width - 1, generator=g), torch.ones(B, H, length, 1)], -1).double()
     directions = torch.randn(*((H,) if per_head else ()), m, d, generator=g, dtype=torch.float64) * 0.7
     bias = torch.randn(H, 1, m, generator=g, dtype=torch.float64) * 0.3 if bias else None
-    row = torch.randn(B, H, length, 1, generator=g, dtype=torch.float64) if row else None
+    if row:  # rising along the sequence: the keys' running max (their shift) grows at most positions
+        row = torch.randn(B, H, length, 1, generator=g, dtype=torch.float64) + 0.1 * torch.arange(length)[:, None]
+    else:
+        row = None
     mask = torch.rand(B, length, generator=g) > 0.2 if mask else None
     if state:
         state = (torch.rand(B, H, m, width, generator=g, dtype=torch.float64), torch.randn(B, H, generator=g).double())
@@ -64,11 +67,16 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("stabilizer", [0.0, 1e-3])
-def test_the_kernels_give_the_scans_sums_state_and_gradients(case, stabilizer):
+@pytest.mark.parametrize("segment", [None, 32], ids=["one walk", "segments of 32"])
+def test_the_kernels_give_the_scans_sums_state_and_gradients(case, stabilizer, segment, monkeypatch):
     """Sums, state after the call and the gradients of queries, keys, values, key rows and the state before, against
     the PyTorch scan in float64 (lengths past one chunk and not a multiple of it, features past one program's block
-    and not a multiple of it)."""
+    and not a multiple of it), walked whole or in segments that run in parallel (2 to 4 here)."""
+    if segment:
+        monkeypatch.setattr(favor_exp_triton, "MIN_SEGMENT", segment)
     q, k, v1, (directions, bias), row, mask, state = _scan_inputs(**CASES[case])
+    segments = favor_exp_triton.segments(6, directions.shape[-2], q.shape[2])[0]
+    assert (segments > 1) == bool(segment)
     g = torch.Generator().manual_seed(1)
     probes = (
         torch.randn(*v1.shape, generator=g).double(),
@@ -175,8 +183,12 @@ def test_the_causal_hybrid_through_the_kernels_matches_the_dense_reference(kerne
     _assert_relatively_close(got[1:], want[1:])
 
 
-def test_the_scan_compiles_into_one_graph_as_eager(kernels_serve):
-    """Causal FAVOR+ through the kernels' operators compiled (aot_eager) equals eager, in one graph."""
+@pytest.mark.parametrize("segment", [None, 16], ids=["one walk", "segments of 16"])
+def test_the_scan_compiles_into_one_graph_as_eager(kernels_serve, segment, monkeypatch):
+    """Causal FAVOR+ through the kernels' operators compiled (aot_eager) equals eager, in one graph (its segments'
+    start states an output whose shape the traced graph must know)."""
+    if segment:
+        monkeypatch.setattr(favor_exp_triton, "MIN_SEGMENT", segment)
     q, k, v = _float_leaves(*random_qkv(length=40, head_dim=16))
     W = draw_projection(64, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     assert_one_graph_as_eager(lambda q, k, v: favor_attention(q, k, v, W, causal=True), [q, k, v], rtol=1e-5, atol=1e-6)

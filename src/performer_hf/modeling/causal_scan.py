@@ -85,3 +85,36 @@ def causal_scan(
     to_query = torch.exp(start_shift.unsqueeze(-1) - sc).unsqueeze(-1)  # (B, H, N, C, 1)
     out = out + (qc @ start_kv) * to_query
     return out.reshape(B, H, N * C, d1)[:, :, :L], kv, shift
+
+
+def scan_weights(shifts: Tensor) -> Tensor:
+    """The chunk scan of a slab as a (G + 1) x (G + 1) lower-triangular matrix per (batch, head).
+
+    ``shifts`` (B, H, G + 1): p_0 = the shift of the state entering the slab, p_r (r >= 1) = the
+    shift at the end of chunk r - 1. Entry [r, c] = exp(p_c - p_r) for c <= r (<= 1: shifts only
+    grow), 0 above the diagonal. Column 0 weighs the entering state, column c >= 1 the summary
+    of chunk c - 1; row r < G gives the state before chunk r, row G the state after the slab.
+    """
+    G1 = shifts.shape[-1]
+    future = ~torch.ones(G1, G1, dtype=torch.bool, device=shifts.device).tril()
+    return (shifts.unsqueeze(-2) - shifts.unsqueeze(-1)).masked_fill_(future, float("-inf")).exp_()
+
+
+def scan_forward(weights: Tensor, state: Tensor, summaries: Tensor) -> tuple[Tensor, Tensor]:
+    """state (B, H, m', d + 1), summaries (B, H, G, m', d + 1) -> (start of each chunk, state after)."""
+    B, H, G = summaries.shape[:3]
+    flat, state_flat = summaries.view(B, H, G, -1), state.reshape(B, H, 1, -1)
+    starts = (weights[:, :, :G, 1:] @ flat).addcmul_(weights[:, :, :G, :1], state_flat)
+    after = (weights[:, :, G:, 1:] @ flat).addcmul_(weights[:, :, G:, :1], state_flat)
+    return starts.view(summaries.shape), after.view(state.shape)
+
+
+def scan_backward(weights: Tensor, start_grads: Tensor, after_grad: Tensor) -> tuple[Tensor, Tensor]:
+    """The adjoint of scan_forward: -> (gradients of the summaries, gradient of the entering state)."""
+    B, H, G = start_grads.shape[:3]
+    flat, after_flat = start_grads.view(B, H, G, -1), after_grad.reshape(B, H, 1, -1)
+    summary_grads = (weights[:, :, :G, 1:].transpose(-2, -1) @ flat).addcmul_(
+        weights[:, :, G, 1:].unsqueeze(-1), after_flat
+    )
+    state_grad = (weights[:, :, :G, 0].unsqueeze(-2) @ flat).addcmul_(weights[:, :, G:, 0:1], after_flat)
+    return summary_grads.view(start_grads.shape), state_grad.view(after_grad.shape)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .causal_scan import EMPTY_SHIFT
+from .causal_scan import EMPTY_SHIFT, scan_backward, scan_forward, scan_weights
 from .favor_exp_triton import causal_exp_sums as triton_causal_exp_sums
 from .favor_exp_triton import serves as triton_serves
 from .slabs import max_slab_chunks, slab_elements
@@ -184,39 +184,6 @@ class _BidirectionalExp(torch.autograd.Function):
         return grad_q, grad_k, grad_v1, grad_directions, None, None, None
 
 
-def _scan_weights(shifts: Tensor) -> Tensor:
-    """The chunk scan of a slab as a (G + 1) x (G + 1) lower-triangular matrix per (batch, head).
-
-    ``shifts`` (B, H, G + 1): p_0 = the shift of the state entering the slab, p_r (r >= 1) = the
-    shift at the end of chunk r - 1. Entry [r, c] = exp(p_c - p_r) for c <= r (<= 1: shifts only
-    grow), 0 above the diagonal. Column 0 weighs the entering state, column c >= 1 the summary
-    of chunk c - 1; row r < G gives the state before chunk r, row G the state after the slab.
-    """
-    G1 = shifts.shape[-1]
-    future = ~torch.ones(G1, G1, dtype=torch.bool, device=shifts.device).tril()
-    return (shifts.unsqueeze(-2) - shifts.unsqueeze(-1)).masked_fill_(future, float("-inf")).exp_()
-
-
-def _scan_forward(weights: Tensor, state: Tensor, summaries: Tensor) -> tuple[Tensor, Tensor]:
-    """state (B, H, m', d + 1), summaries (B, H, G, m', d + 1) -> (start of each chunk, state after)."""
-    B, H, G = summaries.shape[:3]
-    flat, state_flat = summaries.view(B, H, G, -1), state.reshape(B, H, 1, -1)
-    starts = (weights[:, :, :G, 1:] @ flat).addcmul_(weights[:, :, :G, :1], state_flat)
-    after = (weights[:, :, G:, 1:] @ flat).addcmul_(weights[:, :, G:, :1], state_flat)
-    return starts.view(summaries.shape), after.view(state.shape)
-
-
-def _scan_backward(weights: Tensor, start_grads: Tensor, after_grad: Tensor) -> tuple[Tensor, Tensor]:
-    """The adjoint of _scan_forward: -> (gradients of the summaries, gradient of the entering state)."""
-    B, H, G = start_grads.shape[:3]
-    flat, after_flat = start_grads.view(B, H, G, -1), after_grad.reshape(B, H, 1, -1)
-    summary_grads = (weights[:, :, :G, 1:].transpose(-2, -1) @ flat).addcmul_(
-        weights[:, :, G, 1:].unsqueeze(-1), after_flat
-    )
-    state_grad = (weights[:, :, :G, 0].unsqueeze(-2) @ flat).addcmul_(weights[:, :, G:, 0:1], after_flat)
-    return summary_grads.view(start_grads.shape), state_grad.view(after_grad.shape)
-
-
 class _CausalExp(torch.autograd.Function):
     """Chunked causal FAVOR+ for exponential features, a slab of chunks at a time.
 
@@ -280,8 +247,8 @@ class _CausalExp(torch.autograd.Function):
             ends = sc[..., -1]  # (B, H, G)
             chunk_kv = kc.transpose(-2, -1) @ (vc * torch.exp(sc - ends.unsqueeze(-1)).unsqueeze(-1))
             begins = torch.cat([prev.unsqueeze(-1), ends], dim=-1)  # (B, H, G + 1): shift before chunk r
-            weights = _scan_weights(begins)
-            chunk_starts, kv = _scan_forward(weights, kv, chunk_kv)  # (B, H, G, m', d + 1), (B, H, m', d + 1)
+            weights = scan_weights(begins)
+            chunk_starts, kv = scan_forward(weights, kv, chunk_kv)  # (B, H, G, m', d + 1), (B, H, m', d + 1)
             starts.append(chunk_starts)
             prev = ends[..., -1]
 
@@ -336,7 +303,7 @@ class _CausalExp(torch.autograd.Function):
             # The scan backwards: from how each chunk reads its start state, and the gradient of the
             # state after the slab, to the gradient of each chunk summary and of the state before.
             reads = (q1c * to_query).transpose(-2, -1) @ gc  # (B, H, G, m', d + 1)
-            after, state_grad = _scan_backward(_scan_weights(begins), reads, state_grad)
+            after, state_grad = scan_backward(scan_weights(begins), reads, state_grad)
             chunk_starts = starts.pop()
 
             # Intra-chunk and inter-chunk terms of the three gradients.

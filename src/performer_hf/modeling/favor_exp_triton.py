@@ -34,7 +34,7 @@ import torch
 
 # Triton and its language come from the far field's module, which imports them where they are (remote code's import
 # check requires every module a file imports outside a try block)
-from .causal_scan import EMPTY_SHIFT
+from .causal_scan import EMPTY_SHIFT, scan_backward, scan_forward, scan_weights
 from .far_field_triton import enabled, input_precision, launch_fitting, padded_width, tl, triton
 
 Tensor = torch.Tensor
@@ -44,6 +44,12 @@ CHUNK = 32  # positions per step of a program's walk
 # at chunks of 32, two stages of loads in flight, the key gradients take 87 KB at head dim 32 x 33 value columns,
 # 226 KB at 128 x 128 (of 227); chunks of 64 took 165 KB at 32 x 33
 TILES = ({"C": CHUNK, "num_stages": 2}, {"C": CHUNK, "num_stages": 1}, {"C": 16, "num_stages": 1})
+# The walk is cut into segments that run in parallel where (batch, head, feature block) programs are too few to fill a
+# GPU (a 32K-token call of 12 heads x 256 features has 48): about this many programs in all, segments of at least
+# MIN_SEGMENT positions. Each segment's start state then comes from a first pass over the segments' keys and a short
+# scan over the segments (causal_scan.scan_forward); backward likewise.
+TARGET_PROGRAMS = 1024
+MIN_SEGMENT = 512
 
 if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET (its interpreter: the tests on a CPU)
 
@@ -79,14 +85,15 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
 
     @triton.jit
     def _chunk(
-        start, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E,
+        start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E,
         D: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        # One chunk's rows (C,), which exist, queries and keys (C, D), values (C, EP), key shifts s (C,) (past the
-        # last position: the chunk's end shift), the chunk's end shift, its query and key features (C, BM) (the
-        # stabilizer aside) and the causal factors exp(s_j - s_i) (C, C) [i, j], 0 above the diagonal.
+        # One chunk's rows (C,) from `start`, which are before `stop` (its segment's end), queries and keys (C, D),
+        # values (C, EP), key shifts s (C,) (past the segment: the chunk's end shift), the chunk's end shift, its query
+        # and key features (C, BM) (the stabilizer aside) and the causal factors exp(s_j - s_i) (C, C) [i, j], 0 above
+        # the diagonal.
         rows = start + tl.arange(0, C)
-        live = rows < L
+        live = rows < stop
         dims, cols = tl.arange(0, D), tl.arange(0, EP)
         row_ptr = (bh * L + rows)[:, None]
         xq = tl.load(Q + row_ptr * D + dims[None, :], mask=live[:, None], other=0.0)
@@ -106,59 +113,77 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         return rows, live, xq, xk, v, s, end, phi_q, phi_k, decay
 
     @triton.jit
-    def _state_block(KV, bh, feats, exists, M, E, EP: tl.constexpr):
-        # pointers and mask of the program's rows of a (B, H, M, E) state
+    def _segment(H, L, S, SEG):
+        # program (bh, feature block, segment): its batch, head, feature block, segment, the segment's positions
+        # [first, stop) and the shift its start state is relative to's position (first - 1; the state's before the
+        # call for the first segment)
+        bh, block, g = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        first = g * SEG
+        return bh, bh // H, bh % H, block, bh * S + g, first, tl.minimum(first + SEG, L)
+
+    @triton.jit
+    def _start_shift(SHIFTS, SHIFT0, bh, L, start):
+        # the shift the state before position `start` is relative to: the key shift before it, or the state's before
+        # the call
+        return tl.where(start > 0, tl.load(SHIFTS + bh * L + tl.maximum(start - 1, 0)), tl.load(SHIFT0 + bh))
+
+    @triton.jit
+    def _state_block(KV, row, feats, exists, M, E, EP: tl.constexpr):
+        # pointers and mask of the program's rows of a (B, H, S, M, E) state (row = its (batch, head, segment))
         cols = tl.arange(0, EP)
-        return KV + (bh * M + feats)[:, None] * E + cols[None, :], exists[:, None] & (cols < E)[None, :]
+        return KV + (row * M + feats)[:, None] * E + cols[None, :], exists[:, None] & (cols < E)[None, :]
 
     @triton.jit
     def _forward_kernel(
         Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, KV0, SHIFT0, OUT, KV,
-        H, L, M, E, dir_b, dir_h, bias_b, bias_h, stabilizer,
+        H, L, M, E, S, SEG, dir_b, dir_h, bias_b, bias_h, stabilizer,
         D: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
+        WRITE_OUT: tl.constexpr, WRITE_STATE: tl.constexpr,
     ):  # fmt: skip
-        # program (bh, feature block): its share of every query's sums, and its rows of the state after the call
-        bh, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        b, h = bh // H, bh % H
+        # program (bh, feature block, segment): from its segment's start state, its share of the segment's sums
+        # (WRITE_OUT) and its rows of the state after the segment (WRITE_STATE)
+        bh, b, h, block, row, first, stop = _segment(H, L, S, SEG)
         feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, block * BM, M, dir_b, dir_h, bias_b, bias_h, D, BM)
         cols = tl.arange(0, EP)
-        state_ptr, state_mask = _state_block(KV0, bh, feats, exists, M, E, EP)
+        state_ptr, state_mask = _state_block(KV0, row, feats, exists, M, E, EP)
         state = tl.load(state_ptr, mask=state_mask, other=0.0)  # (BM, EP) relative to exp(prev)
-        prev = tl.load(SHIFT0 + bh)
-        for start in range(0, L, C):
+        prev = _start_shift(SHIFTS, SHIFT0, bh, L, first)
+        for start in range(first, stop, C):
             rows, live, xq, xk, v, s, end, phi_q, phi_k, decay = _chunk(
-                start, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, C, PRECISION
+                start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, C, PRECISION
             )
-            phi_q = tl.where(exists[None, :], phi_q + stabilizer, 0.0)
-            scores = tl.dot(phi_q, tl.trans(phi_k), input_precision=PRECISION) * decay  # (C, C)
-            out = tl.dot(scores, v, input_precision=PRECISION)
-            out += tl.dot(phi_q, state, input_precision=PRECISION) * tl.exp(prev - s)[:, None]
-            keep = live[:, None] & (cols < E)[None, :]
-            tl.atomic_add(OUT + (bh * L + rows)[:, None] * E + cols[None, :], out, mask=keep)
+            if WRITE_OUT:
+                phi_q = tl.where(exists[None, :], phi_q + stabilizer, 0.0)
+                scores = tl.dot(phi_q, tl.trans(phi_k), input_precision=PRECISION) * decay  # (C, C)
+                out = tl.dot(scores, v, input_precision=PRECISION)
+                out += tl.dot(phi_q, state, input_precision=PRECISION) * tl.exp(prev - s)[:, None]
+                keep = live[:, None] & (cols < E)[None, :]
+                tl.atomic_add(OUT + (bh * L + rows)[:, None] * E + cols[None, :], out, mask=keep)
             to_end = tl.exp(s - end)[:, None]
             state = state * tl.exp(prev - end) + tl.dot(tl.trans(phi_k), v * to_end, input_precision=PRECISION)
             prev = end
-        out_ptr, _ = _state_block(KV, bh, feats, exists, M, E, EP)
-        tl.store(out_ptr, state, mask=state_mask)
+        if WRITE_STATE:
+            out_ptr, _ = _state_block(KV, row, feats, exists, M, E, EP)
+            tl.store(out_ptr, state, mask=state_mask)
 
     @triton.jit
     def _query_grad_kernel(
         GRAD, Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, KV0, SHIFT0, DQ, DQOFF,
-        H, L, M, E, dir_b, dir_h, bias_b, bias_h,
+        H, L, M, E, S, SEG, dir_b, dir_h, bias_b, bias_h,
         D: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        # program (bh, feature block): its share of the queries' gradients, from the state each chunk starts from
-        # (recomputed, in order). d phi_q = (g v^T * decay) phi_k + exp(prev - s) g S^T; d log phi_q = d phi_q phi_q
-        bh, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        b, h = bh // H, bh % H
+        # program (bh, feature block, segment): its share of the segment's queries' gradients, from the state each
+        # chunk starts from (recomputed, in order, from the segment's start state).
+        # d phi_q = (g v^T * decay) phi_k + exp(prev - s) g S^T; d log phi_q = d phi_q phi_q
+        bh, b, h, block, row, first, stop = _segment(H, L, S, SEG)
         feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, block * BM, M, dir_b, dir_h, bias_b, bias_h, D, BM)
         dims, cols = tl.arange(0, D), tl.arange(0, EP)
-        state_ptr, state_mask = _state_block(KV0, bh, feats, exists, M, E, EP)
+        state_ptr, state_mask = _state_block(KV0, row, feats, exists, M, E, EP)
         state = tl.load(state_ptr, mask=state_mask, other=0.0)
-        prev = tl.load(SHIFT0 + bh)
-        for start in range(0, L, C):
+        prev = _start_shift(SHIFTS, SHIFT0, bh, L, first)
+        for start in range(first, stop, C):
             rows, live, xq, xk, v, s, end, phi_q, phi_k, decay = _chunk(
-                start, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, C, PRECISION
+                start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, C, PRECISION
             )
             row_ptr = (bh * L + rows)[:, None]
             g = tl.load(GRAD + row_ptr * E + cols[None, :], mask=live[:, None] & (cols < E)[None, :], other=0.0)
@@ -177,46 +202,46 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
     @triton.jit
     def _key_grad_kernel(
         GRAD, GKV, Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, SHIFT0, DK, DKOFF, DV1, DKV0,
-        H, L, M, E, dir_b, dir_h, bias_b, bias_h, stabilizer,
+        H, L, M, E, S, SEG, dir_b, dir_h, bias_b, bias_h, stabilizer,
         D: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
+        WRITE_GRADS: tl.constexpr,
     ):  # fmt: skip
-        # program (bh, feature block): its share of the keys' and values' gradients, walking the chunks in reverse
-        # with the gradient of the state each chunk ends with (relative to its end shift)
-        bh, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        b, h = bh // H, bh % H
+        # program (bh, feature block, segment): walking the segment's chunks in reverse from the gradient of the state
+        # after it (relative to its end shift), its share of the keys' and values' gradients (WRITE_GRADS) and its
+        # rows of the gradient of the segment's start state
+        bh, b, h, block, row, first, stop = _segment(H, L, S, SEG)
         feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, block * BM, M, dir_b, dir_h, bias_b, bias_h, D, BM)
         dims, cols = tl.arange(0, D), tl.arange(0, EP)
-        state_ptr, state_mask = _state_block(GKV, bh, feats, exists, M, E, EP)
+        state_ptr, state_mask = _state_block(GKV, row, feats, exists, M, E, EP)
         d_state = tl.load(state_ptr, mask=state_mask, other=0.0)  # (BM, EP)
-        last = (tl.cdiv(L, C) - 1) * C
-        for back in range(0, L, C):
+        last = first + (stop - first - 1) // C * C
+        for back in range(0, stop - first, C):
             start = last - back
             rows, live, xq, xk, v, s, end, phi_q, phi_k, decay = _chunk(
-                start, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, C, PRECISION
+                start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, C, PRECISION
             )
-            # the shift the chunk's start state is relative to: the previous chunk's end, or the state's before the call
-            prev = tl.where(start > 0, tl.load(SHIFTS + bh * L + tl.maximum(start - 1, 0)), tl.load(SHIFT0 + bh))
+            prev = _start_shift(SHIFTS, SHIFT0, bh, L, start)
             phi_q = tl.where(exists[None, :], phi_q + stabilizer, 0.0)
             row_ptr = (bh * L + rows)[:, None]
             keep = live[:, None] & (cols < E)[None, :]
             g = tl.load(GRAD + row_ptr * E + cols[None, :], mask=keep, other=0.0)
-            to_end = tl.exp(s - end)[:, None]  # (C, 1)
-            d_scores = tl.dot(g, tl.trans(v), input_precision=PRECISION) * decay  # (C, C) [i, j]
-            scores = tl.dot(phi_q, tl.trans(phi_k), input_precision=PRECISION) * decay
-            d_phi = tl.dot(tl.trans(d_scores), phi_q, input_precision=PRECISION)
-            d_phi += tl.dot(v, tl.trans(d_state), input_precision=PRECISION) * to_end
-            d_v = tl.dot(tl.trans(scores), g, input_precision=PRECISION)
-            d_v += tl.dot(phi_k, d_state, input_precision=PRECISION) * to_end
-            d_log = d_phi * phi_k
-            tl.atomic_add(
-                DK + row_ptr * D + dims[None, :], tl.dot(d_log, dirs, input_precision=PRECISION), mask=live[:, None]
-            )
-            tl.atomic_add(DKOFF + bh * L + rows, tl.sum(d_log, axis=1), mask=live)
-            tl.atomic_add(DV1 + row_ptr * E + cols[None, :], d_v, mask=keep)
+            if WRITE_GRADS:
+                to_end = tl.exp(s - end)[:, None]  # (C, 1)
+                d_scores = tl.dot(g, tl.trans(v), input_precision=PRECISION) * decay  # (C, C) [i, j]
+                scores = tl.dot(phi_q, tl.trans(phi_k), input_precision=PRECISION) * decay
+                d_phi = tl.dot(tl.trans(d_scores), phi_q, input_precision=PRECISION)
+                d_phi += tl.dot(v, tl.trans(d_state), input_precision=PRECISION) * to_end
+                d_v = tl.dot(tl.trans(scores), g, input_precision=PRECISION)
+                d_v += tl.dot(phi_k, d_state, input_precision=PRECISION) * to_end
+                d_log = d_phi * phi_k
+                d_k = tl.dot(d_log, dirs, input_precision=PRECISION)
+                tl.atomic_add(DK + row_ptr * D + dims[None, :], d_k, mask=live[:, None])
+                tl.atomic_add(DKOFF + bh * L + rows, tl.sum(d_log, axis=1), mask=live)
+                tl.atomic_add(DV1 + row_ptr * E + cols[None, :], d_v, mask=keep)
             # the state's gradient before the chunk: carried back, plus how the chunk's queries read that state
             reads = phi_q * tl.exp(prev - s)[:, None]
             d_state = d_state * tl.exp(prev - end) + tl.dot(tl.trans(reads), g, input_precision=PRECISION)
-        out_ptr, _ = _state_block(DKV0, bh, feats, exists, M, E, EP)
+        out_ptr, _ = _state_block(DKV0, row, feats, exists, M, E, EP)
         tl.store(out_ptr, d_state, mask=state_mask)
 
 
@@ -266,38 +291,79 @@ def _row_max(x: Tensor, directions: Tensor, bias: Tensor | None, precision: str)
     return out
 
 
+def segments(batch_heads: int, features: int, length: int) -> tuple[int, int]:
+    """How a walk of ``length`` positions is cut: (segments, positions per segment, a multiple of :data:`CHUNK`)."""
+    blocks = batch_heads * triton.cdiv(features, FEATURES_PER_PROGRAM)
+    wanted = max(1, min(triton.cdiv(length, MIN_SEGMENT), triton.cdiv(TARGET_PROGRAMS, blocks)))
+    size = triton.cdiv(triton.cdiv(max(length, 1), wanted), CHUNK) * CHUNK
+    return triton.cdiv(max(length, 1), size), size
+
+
+def _segment_weights(shifts: Tensor, shift0: Tensor, size: int) -> Tensor:
+    """The scan over segments of :func:`.causal_scan.scan_weights`, from the shift before the call and each segment's
+    end shift (its last position's): (B, H, S + 1, S + 1)."""
+    L = shifts.shape[-1]
+    ends = torch.arange(size, L + size, size, device=shifts.device).clamp_max(L) - 1  # (S,)
+    return scan_weights(torch.cat([shift0[..., None], shifts[..., ends]], dim=-1))
+
+
 def _forward(
     q: Tensor, k: Tensor, v1: Tensor, q_off: Tensor, k_off: Tensor, shifts: Tensor, directions: Tensor,
     bias: Tensor | None, kv0: Tensor, shift0: Tensor, stabilizer: float, precision: str,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """The sums (B, H, L, E) and the state after the call (B, H, m, E)."""
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The sums (B, H, L, E), the state after the call (B, H, m, E) and each segment's start state (B, H, S, m, E)."""
     B, H, L, _ = q.shape
     E, M = v1.shape[-1], directions.shape[-2]
     dirs, bias, *strides = _features_args(q, directions, bias)
+    S, size = segments(B * H, M, L)
+    grid, settings = (B * H, triton.cdiv(M, FEATURES_PER_PROGRAM), S), _settings(q, E, precision)
     out = q.new_zeros(B, H, L, E)  # added into atomically, a share per block of features
-    kv = torch.empty_like(kv0)
-    grid = (B * H, triton.cdiv(M, FEATURES_PER_PROGRAM))
-    args = (q, k, v1, q_off, k_off, shifts, dirs, bias, kv0, shift0, out, kv, H, L, M, E, *strides, stabilizer)
-    launch_fitting(_forward_kernel, grid, args, _settings(q, E, precision), TILES)
-    return out, kv
+    inputs = (q, k, v1, q_off, k_off, shifts, dirs, bias)
+    sizes = (H, L, M, E, S, size, *strides, stabilizer)
+    if S == 1:
+        starts, kv = kv0[:, :, None].clone(), torch.empty_like(kv0)  # (an operator's outputs alias no input)
+        args = (*inputs, starts, shift0, out, kv, *sizes)
+        launch_fitting(_forward_kernel, grid, args, {**settings, "WRITE_OUT": True, "WRITE_STATE": True}, TILES)
+        return out, kv, starts
+    # each segment's keys alone, then the segments' start states, then the sums
+    local = q.new_empty(B, H, S, M, E)
+    args = (*inputs, torch.zeros_like(local), shift0, out, local, *sizes)
+    launch_fitting(_forward_kernel, grid, args, {**settings, "WRITE_OUT": False, "WRITE_STATE": True}, TILES)
+    starts, kv = scan_forward(_segment_weights(shifts, shift0, size), kv0, local)
+    args = (*inputs, starts, shift0, out, local, *sizes)
+    launch_fitting(_forward_kernel, grid, args, {**settings, "WRITE_OUT": True, "WRITE_STATE": False}, TILES)
+    return out, kv, starts
 
 
 def _backward(
     grad: Tensor, grad_kv: Tensor, q: Tensor, k: Tensor, v1: Tensor, q_off: Tensor, k_off: Tensor, shifts: Tensor,
-    directions: Tensor, bias: Tensor | None, kv0: Tensor, shift0: Tensor, stabilizer: float, precision: str,
+    directions: Tensor, bias: Tensor | None, starts: Tensor, shift0: Tensor, stabilizer: float, precision: str,
 ) -> list[Tensor]:  # fmt: skip
-    """The gradients of q, k, v1, q_off, k_off and kv0."""
+    """The gradients of q, k, v1, q_off, k_off and the state before the call, from each segment's start state."""
     B, H, L, _ = q.shape
     E, M = v1.shape[-1], directions.shape[-2]
     dirs, bias, *strides = _features_args(q, directions, bias)
+    S, size = segments(B * H, M, L)
+    grid, settings = (B * H, triton.cdiv(M, FEATURES_PER_PROGRAM), S), _settings(q, E, precision)
     d_q, d_k, d_v1, d_q_off, d_k_off = (torch.zeros_like(t) for t in (q, k, v1, q_off, k_off))  # added into
-    d_kv0 = torch.empty_like(kv0)
-    grid, settings = (B * H, triton.cdiv(M, FEATURES_PER_PROGRAM)), _settings(q, E, precision)
     inputs = (q, k, v1, q_off, k_off, shifts, dirs, bias)
-    args = (grad, *inputs, kv0, shift0, d_q, d_q_off, H, L, M, E, *strides)
+    sizes = (H, L, M, E, S, size, *strides)
+    args = (grad, *inputs, starts, shift0, d_q, d_q_off, *sizes)
     launch_fitting(_query_grad_kernel, grid, args, settings, TILES)
-    args = (grad, grad_kv, *inputs, shift0, d_k, d_k_off, d_v1, d_kv0, H, L, M, E, *strides, stabilizer)
-    launch_fitting(_key_grad_kernel, grid, args, settings, TILES)
+    outputs = (d_k, d_k_off, d_v1)
+    if S == 1:
+        d_kv0 = torch.empty_like(grad_kv)
+        args = (grad, grad_kv[:, :, None], *inputs, shift0, *outputs, d_kv0[:, :, None], *sizes, stabilizer)
+        launch_fitting(_key_grad_kernel, grid, args, {**settings, "WRITE_GRADS": True}, TILES)
+        return [d_q, d_k, d_v1, d_q_off, d_k_off, d_kv0]
+    # how each segment's queries read its start state, then the gradients of the states after the segments (the
+    # scan's adjoint), then the keys' gradients from them
+    reads = torch.empty_like(starts)
+    args = (grad, torch.zeros_like(starts), *inputs, shift0, *outputs, reads, *sizes, stabilizer)
+    launch_fitting(_key_grad_kernel, grid, args, {**settings, "WRITE_GRADS": False}, TILES)
+    after, d_kv0 = scan_backward(_segment_weights(shifts, shift0, size), reads, grad_kv)
+    args = (grad, after, *inputs, shift0, *outputs, reads, *sizes, stabilizer)
+    launch_fitting(_key_grad_kernel, grid, args, {**settings, "WRITE_GRADS": True}, TILES)
     return [d_q, d_k, d_v1, d_q_off, d_k_off, d_kv0]
 
 
@@ -318,25 +384,26 @@ def _register() -> None:
 
     @forward.register_fake
     def _(q, k, v1, q_off, k_off, shifts, directions, bias, kv0, shift0, stabilizer, precision):
-        return q.new_empty(*q.shape[:3], v1.shape[-1]), torch.empty_like(kv0)
+        S = segments(q.shape[0] * q.shape[1], directions.shape[-2], q.shape[2])[0]
+        starts = kv0.new_empty(*kv0.shape[:2], S, *kv0.shape[2:])
+        return q.new_empty(*q.shape[:3], v1.shape[-1]), torch.empty_like(kv0), starts
 
     @backward.register_fake
-    def _(grad, grad_kv, q, k, v1, q_off, k_off, shifts, directions, bias, kv0, *rest):
-        return [torch.empty_like(t) for t in (q, k, v1, q_off, k_off, kv0)]
+    def _(grad, grad_kv, q, k, v1, q_off, k_off, shifts, directions, bias, starts, *rest):
+        return [*(torch.empty_like(t) for t in (q, k, v1, q_off, k_off)), torch.empty_like(grad_kv)]
 
     def setup_context(ctx, inputs, output):
-        *tensors, ctx.stabilizer, ctx.precision = inputs
-        ctx.has_bias = tensors[7] is not None
-        ctx.save_for_backward(*(t for t in tensors if t is not None))
+        q, k, v1, q_off, k_off, shifts, directions, bias, _, shift0, ctx.stabilizer, ctx.precision = inputs
+        ctx.has_bias = bias is not None
+        tensors = (q, k, v1, q_off, k_off, shifts, directions, output[2], shift0)
+        ctx.save_for_backward(*tensors, *((bias,) if ctx.has_bias else ()))
 
-    def gradients(ctx, grad, grad_kv):
-        saved = list(ctx.saved_tensors)
-        if not ctx.has_bias:
-            saved.insert(7, None)
-        q, k, v1, q_off, k_off, shifts, directions, bias, kv0, shift0 = saved
-        grad_kv = torch.zeros_like(kv0) if grad_kv is None else grad_kv.contiguous()
+    def gradients(ctx, grad, grad_kv, _grad_starts):
+        q, k, v1, q_off, k_off, shifts, directions, starts, shift0, *bias = ctx.saved_tensors
+        bias = bias[0] if ctx.has_bias else None
+        grad_kv = starts.new_zeros(*starts.shape[:2], *starts.shape[3:]) if grad_kv is None else grad_kv.contiguous()
         d_q, d_k, d_v1, d_q_off, d_k_off, d_kv0 = torch.ops.performer_hf.causal_exp_scan_backward(
-            grad.contiguous(), grad_kv, q, k, v1, q_off, k_off, shifts, directions, bias, kv0, shift0,
+            grad.contiguous(), grad_kv, q, k, v1, q_off, k_off, shifts, directions, bias, starts, shift0,
             ctx.stabilizer, ctx.precision,
         )  # fmt: skip
         return d_q, d_k, d_v1, d_q_off, d_k_off, None, None, None, d_kv0, None, None, None
@@ -391,7 +458,7 @@ def causal_exp_sums(
     k_off = k_base - shifts
     if mask is not None:
         k_off = k_off.masked_fill(~mask[:, None, :], float("-inf"))  # no features
-    out1, kv = ops.causal_exp_scan(
+    out1, kv, _ = ops.causal_exp_scan(
         q, k, v1, q_base - q_shifts, k_off, shifts, directions, bias, kv0, shift0.detach(), float(stabilizer), precision
     )
     shift = shifts[..., -1] if L else shift0.detach()
