@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("hybrid_support.cpp", "hybrid_far_field.cpp", "hybrid_routing.cpp", "sparse_decode.cpp")
+    for name in ("bindings.cpp", "hybrid_support.cpp", "hybrid_far_field.cpp", "hybrid_routing.cpp", "sparse_decode.cpp")
 ]
 _HEADER = Path(__file__).parent / "csrc" / "hybrid_kernels.h"
 _FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
@@ -64,7 +64,7 @@ def _compiled_kernels():
             _SOURCES[0].parent,
         )
         return None
-    logger.info("Loading the fused hybrid-attention CPU kernel (compiled on first use: about a minute)")
+    logger.info("Loading the fused hybrid-attention CPU kernel (compiled on first use: about 30 s)")
     try:
         from torch.utils import cpp_extension  # imported lazily: it pulls in setuptools
 

@@ -78,10 +78,10 @@ void far_apply(const T* u, const T* padded_state, int64_t L, int64_t d, int64_t 
 }
 
 // rows (B, H, L, d), values (B, H, L, D1) -> (B, H, F, D1): sum over rows of features(row) values^T
-torch::Tensor feature_sums(torch::Tensor rows, torch::Tensor values, double c2, bool key_side) {
+at::Tensor feature_sums(at::Tensor rows, at::Tensor values, double c2, bool key_side) {
   const int64_t B = rows.size(0), H = rows.size(1), L = rows.size(2), d = rows.size(3), D1 = values.size(3);
   const int64_t F = 1 + d + d * (d + 1) / 2;
-  auto state = torch::empty({B, H, F, D1}, values.options());
+  auto state = at::empty({B, H, F, D1}, values.options());
   AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "feature_sums", [&] {
     const scalar_t *w = rows.data_ptr<scalar_t>(), *v = values.data_ptr<scalar_t>();
     scalar_t* out = state.data_ptr<scalar_t>();
@@ -98,17 +98,17 @@ torch::Tensor feature_sums(torch::Tensor rows, torch::Tensor values, double c2, 
 }
 
 // rows (B, H, L, d), state (B, H, F, D1) -> (B, H, L, D1): features(row) . state for every row
-torch::Tensor feature_products(torch::Tensor rows, torch::Tensor state, double c2, bool key_side) {
+at::Tensor feature_products(at::Tensor rows, at::Tensor state, double c2, bool key_side) {
   const int64_t B = rows.size(0), H = rows.size(1), L = rows.size(2), d = rows.size(3), F = state.size(2);
   const int64_t D1 = state.size(3);
   TORCH_CHECK(F == 1 + d + d * (d + 1) / 2, "quadratic far field: a state of the wrong width");
-  auto sums = torch::empty({B, H, L, D1}, state.options());
+  auto sums = at::empty({B, H, L, D1}, state.options());
   AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "feature_products", [&] {
     const scalar_t* u = rows.data_ptr<scalar_t>();
     scalar_t* out = sums.data_ptr<scalar_t>();
     with_width(D1, [&]<int64_t W>() {
       // the state of every (batch, head), its rows padded to the tile width once: (B H, F, W)
-      auto padded = torch::constant_pad_nd(state, {0, W - D1}).contiguous();
+      auto padded = at::constant_pad_nd(state, {0, W - D1}).contiguous();
       const scalar_t* all = padded.data_ptr<scalar_t>();
       const int64_t blocks = (L + 255) / 256;  // 256 rows per task
       at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
@@ -167,11 +167,11 @@ void row_grads(const T* u, const T* state_t, const T* v, int64_t count, int64_t 
 
 // rows (B, H, L, d), state (B, H, F, D1), vectors (B, H, L, D1) -> (B, H, L, d): the gradient of
 // sum_i vectors_i . (state^T features(row_i)) with respect to each row
-torch::Tensor feature_row_grads(torch::Tensor rows, torch::Tensor state, torch::Tensor vectors, double c2,
+at::Tensor feature_row_grads(at::Tensor rows, at::Tensor state, at::Tensor vectors, double c2,
                                 bool key_side) {
   const int64_t B = rows.size(0), H = rows.size(1), L = rows.size(2), d = rows.size(3), F = state.size(2);
   const int64_t D1 = state.size(3);
-  auto grads = torch::empty_like(rows);
+  auto grads = at::empty_like(rows);
   auto state_t = state.transpose(-2, -1).contiguous();  // (B, H, D1, F)
   AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "feature_row_grads", [&] {
     const scalar_t *u = rows.data_ptr<scalar_t>(), *m = state_t.data_ptr<scalar_t>(), *v = vectors.data_ptr<scalar_t>();
@@ -188,7 +188,7 @@ torch::Tensor feature_row_grads(torch::Tensor rows, torch::Tensor state, torch::
   return grads;
 }
 
-void check_far(const torch::Tensor& rows, const torch::Tensor& values, const char* name) {
+void check_far(const at::Tensor& rows, const at::Tensor& values, const char* name) {
   TORCH_CHECK(rows.dim() == 4 && values.dim() == 4 && rows.is_contiguous() && values.is_contiguous(), name,
               ": needs contiguous (B, H, L, X) tensors");
   TORCH_CHECK(values.size(3) <= kMaxWidth, name, ": value width above ", kMaxWidth);
@@ -196,13 +196,13 @@ void check_far(const torch::Tensor& rows, const torch::Tensor& values, const cha
 }  // namespace
 
 // w (B, H, L, d) centred keys, wv1 (B, H, L, D1) weighted values -> (B, H, F, D1) far-field state
-torch::Tensor quadratic_far_state(torch::Tensor w, torch::Tensor wv1, double quadratic) {
+at::Tensor quadratic_far_state(at::Tensor w, at::Tensor wv1, double quadratic) {
   check_far(w, wv1, "quadratic_far_state");
   return feature_sums(w, wv1, quadratic, true);
 }
 
 // (w, wv1, d_state) -> (d_w, d_wv1), the gradients of quadratic_far_state
-std::vector<torch::Tensor> quadratic_far_state_backward(torch::Tensor w, torch::Tensor wv1, torch::Tensor d_state,
+std::vector<at::Tensor> quadratic_far_state_backward(at::Tensor w, at::Tensor wv1, at::Tensor d_state,
                                                         double quadratic) {
   check_far(w, wv1, "quadratic_far_state_backward");
   check_far(w, d_state, "quadratic_far_state_backward");
@@ -210,13 +210,13 @@ std::vector<torch::Tensor> quadratic_far_state_backward(torch::Tensor w, torch::
 }
 
 // u (B, H, L, d) centred queries, state (B, H, F, D1) -> (B, H, L, D1) far sums
-torch::Tensor quadratic_far_apply(torch::Tensor u, torch::Tensor state) {
+at::Tensor quadratic_far_apply(at::Tensor u, at::Tensor state) {
   check_far(u, state, "quadratic_far_apply");
   return feature_products(u, state, 1.0, false);
 }
 
 // (u, state, d_sums) -> (d_u, d_state), the gradients of quadratic_far_apply
-std::vector<torch::Tensor> quadratic_far_apply_backward(torch::Tensor u, torch::Tensor state, torch::Tensor d_sums) {
+std::vector<at::Tensor> quadratic_far_apply_backward(at::Tensor u, at::Tensor state, at::Tensor d_sums) {
   check_far(u, state, "quadratic_far_apply_backward");
   check_far(u, d_sums, "quadratic_far_apply_backward");
   return {feature_row_grads(u, state, d_sums, 1.0, false), feature_sums(u, d_sums, 1.0, false)};

@@ -1,13 +1,14 @@
-// Shared by the compiled CPU kernels of hybrid attention (performer_hf.modeling.cpu_kernels builds the four files
+// Shared by the compiled CPU kernels of hybrid attention (performer_hf.modeling.cpu_kernels builds the five files
 // into one module): a vectorisable exp, the register tiles, the compiled value widths, and the entry points.
-// - hybrid_support.cpp: the support sums (the exact part and the far field's share on the support) and the module;
+// - bindings.cpp: the module;
+// - hybrid_support.cpp: the support sums (the exact part and the far field's share on the support);
 // - hybrid_far_field.cpp: the polynomial far field's state and sums;
 // - hybrid_routing.cpp: the routing's top-k over key blocks.
 // - sparse_decode.cpp: sparse attention's decoding step (one query per head over a key/value cache or a pool).
 // Every function checks only what the Python side cannot get wrong cheaply; favor_hybrid validates inputs.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
 
@@ -94,24 +95,24 @@ void with_width(int64_t D1, Body&& body) {
 // ---- entry points (see hybrid_compiled.py for the contracts)
 // inputs: x, rq, q_scale, far_sum, key_shift, y_t, values1, klog, mask, routed; geometry: left, right, num_global,
 // block_q, block_k
-torch::Tensor hybrid_support_sums(const std::vector<torch::Tensor>& inputs, const std::vector<int64_t>& geometry,
+at::Tensor hybrid_support_sums(const std::vector<at::Tensor>& inputs, const std::vector<int64_t>& geometry,
                                   double quadratic);
-std::vector<torch::Tensor> hybrid_support_sums_backward(const torch::Tensor& grad_out,
-                                                        const std::vector<torch::Tensor>& inputs,
+std::vector<at::Tensor> hybrid_support_sums_backward(const at::Tensor& grad_out,
+                                                        const std::vector<at::Tensor>& inputs,
                                                         const std::vector<int64_t>& geometry, double quadratic);
-torch::Tensor quadratic_far_state(torch::Tensor w, torch::Tensor wv1, double quadratic);
-std::vector<torch::Tensor> quadratic_far_state_backward(torch::Tensor w, torch::Tensor wv1, torch::Tensor d_state,
+at::Tensor quadratic_far_state(at::Tensor w, at::Tensor wv1, double quadratic);
+std::vector<at::Tensor> quadratic_far_state_backward(at::Tensor w, at::Tensor wv1, at::Tensor d_state,
                                                         double quadratic);
-torch::Tensor quadratic_far_apply(torch::Tensor u, torch::Tensor state);
-std::vector<torch::Tensor> quadratic_far_apply_backward(torch::Tensor u, torch::Tensor state, torch::Tensor d_sums);
-torch::Tensor top_blocks(torch::Tensor scores, int64_t R);
-torch::Tensor routed_candidates(const std::vector<torch::Tensor>& blocks, const std::vector<int64_t>& settings);
+at::Tensor quadratic_far_apply(at::Tensor u, at::Tensor state);
+std::vector<at::Tensor> quadratic_far_apply_backward(at::Tensor u, at::Tensor state, at::Tensor d_sums);
+at::Tensor top_blocks(at::Tensor scores, int64_t R);
+at::Tensor routed_candidates(const std::vector<at::Tensor>& blocks, const std::vector<int64_t>& settings);
 // sparse attention's decoding step: q (B, Hkv, G, D); runs: keys (B, Hkv, rows, D), values (B, Hkv, rows, Dv) and
 // mask (B, Hkv, rows), (B, rows) or empty, of the global tokens, the candidate blocks and the window (rows
 // contiguous); geometry: block, select_blocks, skip (candidate rows never selected); scores: (B, Hkv, N) float32 to
 // which each candidate block's attention under a softmax over the candidates is added, or empty. Returns the
 // context (B, Hkv, G, Dv).
-torch::Tensor sparse_decode_step(torch::Tensor q, const std::vector<torch::Tensor>& runs,
-                                const std::vector<int64_t>& geometry, torch::Tensor scores);
+at::Tensor sparse_decode_step(at::Tensor q, const std::vector<at::Tensor>& runs,
+                                const std::vector<int64_t>& geometry, at::Tensor scores);
 
 }  // namespace performer_hf

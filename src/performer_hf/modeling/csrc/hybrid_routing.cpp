@@ -74,12 +74,12 @@ T dot(const T* a, const T* b, int64_t d) {
 
 // (B, H, N, Nk) scores -> (B, H, N, R) int64: the indices of the R largest finite scores of each row, in no
 // particular order, -1 where fewer than R are finite (what topk + isfinite give).
-torch::Tensor top_blocks(torch::Tensor scores, int64_t R) {
+at::Tensor top_blocks(at::Tensor scores, int64_t R) {
   TORCH_CHECK(scores.dim() == 4 && scores.is_contiguous() &&
-                  (scores.scalar_type() == torch::kFloat32 || scores.scalar_type() == torch::kFloat64),
+                  (scores.scalar_type() == at::kFloat || scores.scalar_type() == at::kDouble),
               "top_blocks: needs contiguous float (B, H, N, Nk) scores");
   const int64_t Nk = scores.size(3), rows = scores.numel() / std::max<int64_t>(Nk, 1);
-  auto out = torch::full({scores.size(0), scores.size(1), scores.size(2), R}, -1, scores.options().dtype(torch::kInt64));
+  auto out = at::full({scores.size(0), scores.size(1), scores.size(2), R}, -1, scores.options().dtype(at::kLong));
   int64_t* chosen = out.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "top_blocks", [&] {
     const scalar_t* all = scores.data_ptr<scalar_t>();
@@ -97,19 +97,19 @@ torch::Tensor top_blocks(torch::Tensor scores, int64_t R) {
 // has_keys (B, Nk) bool; groups (B, H, N, g) int64 (-1: none); window_lo / window_hi (N,) int64: the first and last key of
 // each query block's window span -> (B, H, N, R) int64 key blocks, -1 where fewer than R qualify.
 // blocks: mean_q, means, has_keys, groups, window_lo, window_hi; settings: block_k, group_size, R.
-torch::Tensor routed_candidates(const std::vector<torch::Tensor>& blocks, const std::vector<int64_t>& settings) {
+at::Tensor routed_candidates(const std::vector<at::Tensor>& blocks, const std::vector<int64_t>& settings) {
   TORCH_CHECK(blocks.size() == 6 && settings.size() == 3, "routed_candidates: 6 tensors and 3 settings");
-  const torch::Tensor &mean_q = blocks[0], &means = blocks[1], &has_keys = blocks[2], &groups = blocks[3];
-  const torch::Tensor &window_lo = blocks[4], &window_hi = blocks[5];
+  const at::Tensor &mean_q = blocks[0], &means = blocks[1], &has_keys = blocks[2], &groups = blocks[3];
+  const at::Tensor &window_lo = blocks[4], &window_hi = blocks[5];
   const int64_t block_k = settings[0], group_size = settings[1], R = settings[2];
   TORCH_CHECK(mean_q.dim() == 4 && means.dim() == 4 && mean_q.is_contiguous() && means.is_contiguous() &&
-                  mean_q.scalar_type() == means.scalar_type() && has_keys.scalar_type() == torch::kBool &&
-                  has_keys.is_contiguous() && groups.scalar_type() == torch::kInt64 && groups.is_contiguous() &&
+                  mean_q.scalar_type() == means.scalar_type() && has_keys.scalar_type() == at::kBool &&
+                  has_keys.is_contiguous() && groups.scalar_type() == at::kLong && groups.is_contiguous() &&
                   window_lo.is_contiguous() && window_hi.is_contiguous() && means.size(2) % group_size == 0,
               "routed_candidates: needs contiguous inputs as documented");
   const int64_t B = mean_q.size(0), H = mean_q.size(1), N = mean_q.size(2), d = mean_q.size(3);
   const int64_t Nk = means.size(2), g = groups.size(3);
-  auto out = torch::full({B, H, N, R}, -1, groups.options());
+  auto out = at::full({B, H, N, R}, -1, groups.options());
   int64_t* chosen = out.data_ptr<int64_t>();
   const bool* has = has_keys.data_ptr<bool>();
   const int64_t *group = groups.data_ptr<int64_t>(), *lo = window_lo.data_ptr<int64_t>(),

@@ -314,10 +314,10 @@ void run_backward(const Inputs<T>& in, const Gradients<T>& g) {
 // The Inputs of the tensors (x, rq, q_scale, far_sum, key_shift, y_t, values1, klog, mask, routed) and the geometry
 // (left, right, num_global, block_q, block_k); every tensor contiguous, on the CPU, in one dtype.
 template <typename T>
-Inputs<T> make_inputs(const std::vector<torch::Tensor>& t, const std::vector<int64_t>& geometry, double quadratic,
+Inputs<T> make_inputs(const std::vector<at::Tensor>& t, const std::vector<int64_t>& geometry, double quadratic,
                       T* out) {
   TORCH_CHECK(t.size() == 10 && geometry.size() == 5, "hybrid_support_sums: 10 tensors and 5 settings");
-  const torch::Tensor &x = t[0], &values1 = t[6], &routed = t[9];
+  const at::Tensor &x = t[0], &values1 = t[6], &routed = t[9];
   TORCH_CHECK(x.dim() == 4 && values1.dim() == 4 && routed.dim() == 4, "hybrid_support_sums: bad ranks");
   TORCH_CHECK(values1.size(3) <= kMaxWidth, "hybrid_support_sums: value width above ", kMaxWidth);
   return {x.data_ptr<T>(), t[1].data_ptr<T>(), t[2].data_ptr<T>(), t[3].data_ptr<T>(), t[4].data_ptr<T>(),
@@ -328,9 +328,9 @@ Inputs<T> make_inputs(const std::vector<torch::Tensor>& t, const std::vector<int
 }
 
 // See hybrid_compiled.fused_sums for the contract: (B, H, L, D1) numerator | mass relative to a per-query shift.
-torch::Tensor hybrid_support_sums(const std::vector<torch::Tensor>& inputs, const std::vector<int64_t>& geometry,
+at::Tensor hybrid_support_sums(const std::vector<at::Tensor>& inputs, const std::vector<int64_t>& geometry,
                                   double quadratic) {
-  auto out = torch::empty_like(inputs.at(6));
+  auto out = at::empty_like(inputs.at(6));
   AT_DISPATCH_FLOATING_TYPES(inputs[0].scalar_type(), "hybrid_support_sums", [&] {
     const auto in = make_inputs<scalar_t>(inputs, geometry, quadratic, out.data_ptr<scalar_t>());
     with_width(in.D1, [&]<int64_t W>() { run<scalar_t, W>(in); });
@@ -339,14 +339,14 @@ torch::Tensor hybrid_support_sums(const std::vector<torch::Tensor>& inputs, cons
 }
 
 // The gradients of hybrid_support_sums with respect to x, rq, q_scale, far_sum, y (B, H, L, d), values1 and klog
-std::vector<torch::Tensor> hybrid_support_sums_backward(const torch::Tensor& grad_out,
-                                                        const std::vector<torch::Tensor>& inputs,
+std::vector<at::Tensor> hybrid_support_sums_backward(const at::Tensor& grad_out,
+                                                        const std::vector<at::Tensor>& inputs,
                                                         const std::vector<int64_t>& geometry, double quadratic) {
-  const torch::Tensor& x = inputs.at(0);
+  const at::Tensor& x = inputs.at(0);
   TORCH_CHECK(grad_out.sizes() == inputs.at(6).sizes() && grad_out.is_contiguous(), "hybrid_support_sums_backward");
-  auto d_x = torch::zeros_like(x), d_rq = torch::zeros_like(inputs[1]), d_q_scale = torch::zeros_like(inputs[2]);
-  auto d_far_sum = torch::zeros_like(inputs[3]), d_y = torch::zeros_like(x);
-  auto d_values1 = torch::zeros_like(inputs[6]), d_klog = torch::zeros_like(inputs[7]);
+  auto d_x = at::zeros_like(x), d_rq = at::zeros_like(inputs[1]), d_q_scale = at::zeros_like(inputs[2]);
+  auto d_far_sum = at::zeros_like(inputs[3]), d_y = at::zeros_like(x);
+  auto d_values1 = at::zeros_like(inputs[6]), d_klog = at::zeros_like(inputs[7]);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hybrid_support_sums_backward", [&] {
     const auto in = make_inputs<scalar_t>(inputs, geometry, quadratic, nullptr);
     Gradients<scalar_t> g{grad_out.data_ptr<scalar_t>(), d_x.data_ptr<scalar_t>(), d_rq.data_ptr<scalar_t>(),
@@ -358,17 +358,3 @@ std::vector<torch::Tensor> hybrid_support_sums_backward(const torch::Tensor& gra
 }
 
 }  // namespace performer_hf
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using namespace performer_hf;
-  m.def("quadratic_far_state", &quadratic_far_state, "State of the polynomial far field over all keys");
-  m.def("quadratic_far_apply", &quadratic_far_apply, "Far sums of the polynomial far field for every query");
-  m.def("quadratic_far_state_backward", &quadratic_far_state_backward, "Gradients of quadratic_far_state");
-  m.def("quadratic_far_apply_backward", &quadratic_far_apply_backward, "Gradients of quadratic_far_apply");
-  m.def("top_blocks", &top_blocks, "Indices of the largest finite scores of each row");
-  m.def("routed_candidates", &routed_candidates, "Grouped routing: the best key blocks of each query block's groups");
-  m.def("sparse_decode_step", &sparse_decode_step, "Sparse attention's decoding step over a key/value cache");
-  m.attr("max_value_width") = kMaxWidth;
-  m.def("hybrid_support_sums", &hybrid_support_sums, "Fused exact-support sums of bidirectional hybrid attention");
-  m.def("hybrid_support_sums_backward", &hybrid_support_sums_backward, "Gradients of hybrid_support_sums");
-}

@@ -45,7 +45,7 @@ struct Run {
   int64_t rows, key_b, key_h, value_b, value_h, mask_b, mask_h;
   int64_t always_visible;  // a row visible whatever the mask (the query's own key), or -1
 
-  Run(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& m, int64_t always_visible)
+  Run(const at::Tensor& k, const at::Tensor& v, const at::Tensor& m, int64_t always_visible)
       : keys(k.data_ptr<float>()),
         values(v.data_ptr<float>()),
         mask(m.numel() ? m.data_ptr<bool>() : nullptr),
@@ -57,11 +57,11 @@ struct Run {
         mask_b(m.numel() ? m.stride(0) : 0),
         mask_h(m.numel() && m.dim() == 3 ? m.stride(1) : 0),
         always_visible(always_visible) {
-    TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
+    TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
                 "sparse_decode_step takes float32 keys and values");
     TORCH_CHECK(!rows || (k.stride(3) == 1 && k.stride(2) == k.size(3) && v.stride(3) == 1 && v.stride(2) == v.size(3)),
                 "sparse_decode_step takes keys and values with contiguous rows");
-    TORCH_CHECK(!m.numel() || (m.scalar_type() == torch::kBool && m.size(-1) == rows && m.stride(-1) == 1),
+    TORCH_CHECK(!m.numel() || (m.scalar_type() == at::kBool && m.size(-1) == rows && m.stride(-1) == 1),
                 "sparse_decode_step takes (B, Hkv, rows) or (B, rows) bool masks with contiguous rows");
   }
   const float* key_row(int64_t b, int64_t h, int64_t t, int64_t D) const { return keys + b * key_b + h * key_h + t * D; }
@@ -158,9 +158,9 @@ struct Span {  // logits columns [start, stop) of a run's rows from `first` on
 
 }  // namespace
 
-torch::Tensor sparse_decode_step(torch::Tensor q, const std::vector<torch::Tensor>& runs,
-                                const std::vector<int64_t>& geometry, torch::Tensor scores) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous(), "sparse_decode_step takes a contiguous float32 q");
+at::Tensor sparse_decode_step(at::Tensor q, const std::vector<at::Tensor>& runs,
+                                const std::vector<int64_t>& geometry, at::Tensor scores) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous(), "sparse_decode_step takes a contiguous float32 q");
   TORCH_CHECK(runs.size() == 9, "sparse_decode_step takes (keys, values, mask) of the globals, candidates, window");
   const int64_t block = geometry[0], select = geometry[1], skip = geometry[2];
   const bool observe = scores.numel() > 0;
@@ -170,9 +170,9 @@ torch::Tensor sparse_decode_step(torch::Tensor q, const std::vector<torch::Tenso
   const int64_t S = globals.rows, C = candidates.rows, W = window.rows, K = S + C + W, N = C / block;
   TORCH_CHECK(C % block == 0 && W > 0, "sparse_decode_step takes whole candidate blocks and a non-empty window");
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  auto logits = torch::empty({B, Hkv, G, K}, q.options());
-  auto out = torch::empty({B, Hkv, G, Dv}, q.options());
-  TORCH_CHECK(!observe || (scores.scalar_type() == torch::kFloat && scores.is_contiguous() && scores.size(2) == N),
+  auto logits = at::empty({B, Hkv, G, K}, q.options());
+  auto out = at::empty({B, Hkv, G, Dv}, q.options());
+  TORCH_CHECK(!observe || (scores.scalar_type() == at::kFloat && scores.is_contiguous() && scores.size(2) == N),
               "sparse_decode_step takes (B, Hkv, N) contiguous float32 block scores");
   const float* qp = q.data_ptr<float>();
   float *lp = logits.data_ptr<float>(), *op = out.data_ptr<float>();
