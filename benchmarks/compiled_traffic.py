@@ -10,7 +10,9 @@ forward and backward; inductor counts the bytes every generated kernel and matri
 
 Arms:
 
-    favor                  plain FAVOR+ (256 features)
+    favor                  plain FAVOR+ (256 features) as CUDA runs it: its sums in the Triton kernels
+                           (``favor_exp_triton``; opaque operators: their inputs and outputs count)
+    favor, PyTorch         the same in PyTorch (``favor_exp._BidirectionalExp``)
     hybrid, Triton         the default bidirectional hybrid (``hybrid_attention``, the converter's preset) as CUDA
                            runs it: its support sums (the exact part and the far field's share there) and its far
                            field in Triton kernels (``hybrid_triton``, ``far_field_triton``; opaque operators: their
@@ -69,6 +71,7 @@ logger = logging.getLogger("benchmarks.compiled_traffic")
 
 ARMS = (
     "favor",
+    "favor, PyTorch",
     "hybrid, Triton",
     "hybrid",
     "hybrid, PyTorch far field",
@@ -82,7 +85,7 @@ ARMS = (
     "causal hybrid, PyTorch scan",
 )
 TRITON_ARMS = ("hybrid, Triton", "hybrid", "far field")  # the arms whose far field runs in the Triton kernels
-SCAN_ARMS = ("causal favor", "causal hybrid")  # the arms whose causal scan runs in the Triton kernels
+SCAN_ARMS = ("favor", "causal favor", "causal hybrid")  # the arms whose FAVOR+ sums run in the Triton kernels
 
 
 def causal_preset() -> HybridSpec:
@@ -104,6 +107,7 @@ def calls(projection):
 
     return {
         "favor": lambda q, k, v: favor_attention(q, k, v, projection),
+        "favor, PyTorch": lambda q, k, v: favor_attention(q, k, v, projection),
         "hybrid, Triton": lambda q, k, v: hybrid_attention(q, k, v, spec=spec),
         "hybrid": lambda q, k, v: hybrid_attention(q, k, v, spec=spec),
         "hybrid, PyTorch far field": lambda q, k, v: hybrid_attention(q, k, v, spec=spec),

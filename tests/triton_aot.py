@@ -93,6 +93,22 @@ def _scan_kernels(bias: bool) -> list:
     ]
 
 
+def _bidirectional_kernels(bias: bool, constants: dict, options: dict):
+    """The bidirectional sums' kernels, as :func:`configurations` yields them: the state's sums, and the rows' sums
+    and gradients (the pointers a mode does not read given as None)."""
+    with_bias = {"BIAS": "*fp32" if bias else "constexpr"}
+    ints = ("H", "L", "M", "E", "SEG", "dir_b", "dir_h", "bias_b", "bias_h")
+    sums = {**_rows("X OFF W DIR"), **with_bias, "OUT": "*fp32"}
+    yield "bidirectional sums", favor_exp_triton._sum_kernel, sums, ints, ("stabilizer",), constants, options
+    for gradient, unused in ((False, ("G", "DX", "DOFF")), (True, ("OUT",))):
+        rows = {**_rows("X OFF G S DIR"), **with_bias, **_rows("OUT DX DOFF")}
+        rows.update(dict.fromkeys(unused, "constexpr"))
+        settings = {**constants, "C": favor_exp_triton.CHUNK, "GRADIENT": gradient, **dict.fromkeys(unused)}
+        name = "bidirectional rows' gradients" if gradient else "bidirectional rows"
+        row_ints = [n for n in ints if n != "SEG"]
+        yield name, favor_exp_triton._rows_kernel, rows, row_ints, ("stabilizer",), settings, options
+
+
 def scan_configurations(widest: bool):
     """The causal scan's kernels, as :func:`configurations` yields them, at its first tiles (chunk and pipeline
     stages): FAVOR++ (with a bias) at the decoder's head dim 32 and 33 value columns; with ``widest`` also plain
@@ -105,6 +121,7 @@ def scan_configurations(widest: bool):
         options = {"num_stages": first["num_stages"]}
         for name, kernel, tensors, ints, floats, writes in _scan_kernels(bias):
             yield name, kernel, tensors, ints, floats, {**constants, "EP": width, **writes}, options
+        yield from _bidirectional_kernels(bias, {**constants, "EP": width}, options)
         row_max = {**_rows("X DIR"), "BIAS": "*fp32" if bias else "constexpr", "OUT": "*fp32"}
         ints = [name for name in SCAN_INTS if name not in ("E", "S", "SEG")]
         yield "causal scan row max", favor_exp_triton._row_max_kernel, row_max, ints, (), {**constants, "C": 64}, {}

@@ -2,6 +2,8 @@
 the dense references: on a CPU through Triton's interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` where
 there is no CUDA device), on CUDA compiled. Float32 kernels against float64 PyTorch."""
 
+import functools
+
 import pytest
 import torch
 
@@ -105,6 +107,36 @@ def test_the_kernels_give_the_scans_sums_state_and_gradients(case, stabilizer, s
         assert error < 1e-5, f"relative error {error:.2e}"
 
 
+@pytest.mark.parametrize("segment", [None, 32], ids=["one walk", "segments of 32"])
+@pytest.mark.parametrize("case", ["padded keys, a stabilizer", "32 dims, 33 value columns"])
+def test_the_bidirectional_kernels_give_the_sums_and_gradients(case, segment, monkeypatch):
+    """Bidirectional sums (their ratio, what attention divides) and the gradients of queries, keys and values, against
+    the PyTorch form in float64: more queries than keys, features past one program's block and not a multiple of
+    it, the keys summed whole or in segments."""
+    if segment:
+        monkeypatch.setattr(favor_exp_triton, "MIN_SEGMENT", segment)
+    padded = case.startswith("padded")
+    d, m, width = (16, 80, 9) if padded else (32, 64, 33)
+    q, _, _, (directions, _), _, _, _ = _scan_inputs(100, d, m, width, False, False, False, False, False)
+    _, k, v1, _, _, mask, _ = _scan_inputs(90, d, m, width, False, False, False, padded, False, seed=1)
+    stabilizer = 1e-3 if padded else 0.0
+    probe = torch.randn(2, 3, 100, width - 1, generator=torch.Generator().manual_seed(2)).double()
+
+    def ratio(sums):
+        return sums[..., :-1] / sums[..., -1:]
+
+    exact = [t.clone().requires_grad_() for t in (q, k, v1)]
+    pytorch = favor_exp.bidirectional_exp_sums(*exact, ExpFeatures(directions, None, stabilizer), mask)
+    want = _outputs_and_gradients(lambda *leaves: ratio(pytorch), exact, probe)
+    leaves = _float_leaves(q, k, v1)
+    on_device = (directions.float().to(DEVICE), None, stabilizer, None if mask is None else mask.to(DEVICE))
+
+    def kernels(q, k, v1):
+        return ratio(favor_exp_triton.bidirectional_exp_sums(q, k, v1, *on_device))
+
+    _assert_relatively_close(_outputs_and_gradients(kernels, leaves, probe.float().to(DEVICE)), want)
+
+
 @pytest.fixture
 def kernels_serve(monkeypatch):
     """The scan takes the kernels (as on CUDA) wherever it is called; counts the calls."""
@@ -126,6 +158,25 @@ def _assert_relatively_close(got, want, tol=1e-5):
     for a, b in zip(got, want, strict=True):
         error = (a.detach().cpu().double() - b).abs().max() / b.abs().max()
         assert error < tol, f"relative error {error:.2e}"
+
+
+def test_bidirectional_favor_through_the_kernels_matches_pytorch(kernels_serve):
+    """Plain bidirectional FAVOR+ (a padded batch) with its sums in the kernels against PyTorch in float64: outputs and
+    the gradients of queries, keys and values."""
+    q, k, v = random_qkv(length=75, head_dim=16)
+    W = draw_projection(96, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    mask = right_padding(2, 75, real=(75, 60))
+    probe = torch.randn(2, 2, 75, 16, generator=torch.Generator().manual_seed(3)).double() * mask[:, None, :, None]
+
+    def favor(q, k, v):
+        return favor_attention(q, k, v, W.to(q.dtype).to(q.device), key_padding_mask=mask.to(q.device))
+
+    got = _outputs_and_gradients(favor, _float_leaves(q, k, v), probe.float().to(DEVICE))
+    assert len(kernels_serve) == 1
+    want = _outputs_and_gradients(favor, [t.clone().requires_grad_() for t in (q, k, v)], probe)
+    _assert_relatively_close(
+        [got[0] * mask.to(DEVICE)[:, None, :, None], *got[1:]], [want[0] * mask[:, None, :, None], *want[1:]]
+    )
 
 
 def test_causal_favor_through_the_kernels_matches_pytorch(kernels_serve):
@@ -184,14 +235,16 @@ def test_the_causal_hybrid_through_the_kernels_matches_the_dense_reference(kerne
 
 
 @pytest.mark.parametrize("segment", [None, 16], ids=["one walk", "segments of 16"])
-def test_the_scan_compiles_into_one_graph_as_eager(kernels_serve, segment, monkeypatch):
-    """Causal FAVOR+ through the kernels' operators compiled (aot_eager) equals eager, in one graph (its segments'
-    start states an output whose shape the traced graph must know)."""
+def test_the_kernels_compile_into_one_graph_as_eager(kernels_serve, segment, monkeypatch):
+    """Causal and bidirectional FAVOR+ through the kernels' operators compiled (aot_eager) equal eager, in one graph
+    each (the causal segments' start states an output whose shape the traced graph must know)."""
     if segment:
         monkeypatch.setattr(favor_exp_triton, "MIN_SEGMENT", segment)
     q, k, v = _float_leaves(*random_qkv(length=40, head_dim=16))
     W = draw_projection(64, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    assert_one_graph_as_eager(lambda q, k, v: favor_attention(q, k, v, W, causal=True), [q, k, v], rtol=1e-5, atol=1e-6)
+    for causal in (True, False):
+        function = functools.partial(favor_attention, projection=W, causal=causal)
+        assert_one_graph_as_eager(function, [q, k, v], rtol=1e-5, atol=1e-6)
     assert kernels_serve
 
 

@@ -22,7 +22,13 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("bindings.cpp", "hybrid_support.cpp", "hybrid_far_field.cpp", "hybrid_routing.cpp", "sparse_decode.cpp")
+    for name in (
+        "bindings.cpp",
+        "hybrid_support.cpp",
+        "hybrid_far_field.cpp",
+        "hybrid_routing.cpp",
+        "sparse_decode.cpp",
+    )
 ]
 _HEADER = Path(__file__).parent / "csrc" / "hybrid_kernels.h"
 _FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]

@@ -133,12 +133,15 @@ def _exp_features(feature_map: FeatureMap, projection: Tensor) -> ExpFeatures | 
     return ExpFeatures(feature_map.exp_directions(projection), None, feature_map.query_stabilizer)
 
 
-def _bidirectional(q: Tensor, k: Tensor, v1: Tensor, projection: Tensor, kernel: str, mask: Tensor | None) -> Tensor:
-    """q: (B, H, Lq, d), k: (B, H, Lk, d), v1: (B, H, Lk, dv + 1) -> (B, H, Lq, dv + 1)."""
+def _bidirectional(
+    q: Tensor, k: Tensor, v1: Tensor, projection: Tensor, kernel: str, mask: Tensor | None, precision: str
+) -> Tensor:
+    """q: (B, H, Lq, d), k: (B, H, Lk, d), v1: (B, H, Lk, dv + 1) -> (B, H, Lq, dv + 1) (``precision``: the Triton
+    kernels' float32 products, where they run)."""
     feature_map = get_feature_map(kernel)
     features = _exp_features(feature_map, projection)
     if features is not None:
-        return bidirectional_exp_sums(q, k, v1, features, mask)
+        return bidirectional_exp_sums(q, k, v1, features, mask, precision)
     keep = None if mask is None else mask[:, None, :, None]  # (B, 1, Lk, 1)
     qf, _ = _features(q, projection, kernel, keep=None, shift_of=_row_shift, stabilizer=feature_map.query_stabilizer)
     kf, _ = _features(k, projection, kernel, keep=keep, shift_of=_global_shift)  # (B, H, Lk, m)
@@ -276,11 +279,11 @@ def favor_attention(
     # The kernels compute in compute_dtype on purpose; autocast must not lower their matmuls
     # (the autograd functions' saved tensors would disagree in dtype with their backward).
     with torch.autocast(q.device.type, enabled=False):
+        precision = float32_precision(out_dtype)
         if causal:
-            precision = float32_precision(out_dtype)
             out1, state = _causal(q, k, v1, projection, kernel, mask, chunk_size, initial_state, precision)
         else:
-            out1, state = _bidirectional(q, k, v1, projection, kernel, mask), None
+            out1, state = _bidirectional(q, k, v1, projection, kernel, mask, precision), None
         out = _divide_or_zero(out1).to(out_dtype)
     return (out, state) if return_state else out
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .causal_scan import EMPTY_SHIFT, scan_backward, scan_forward, scan_weights
+from .favor_exp_triton import bidirectional_exp_sums as triton_bidirectional_exp_sums
 from .favor_exp_triton import causal_exp_sums as triton_causal_exp_sums
 from .favor_exp_triton import serves as triton_serves
 from .slabs import max_slab_chunks, slab_elements
@@ -341,11 +342,17 @@ def pad_to_chunks(tensors: list[Tensor | None], mask: Tensor | None, length: int
     return tensors, F.pad(mask, (0, pad), value=False)
 
 
-def bidirectional_exp_sums(q: Tensor, k: Tensor, v1: Tensor, features: ExpFeatures, mask: Tensor | None) -> Tensor:
-    """``phi(q_i) . sum_j phi(k_j) [v_j, 1]`` over the real keys (:class:`_BidirectionalExp`).
+def bidirectional_exp_sums(
+    q: Tensor, k: Tensor, v1: Tensor, features: ExpFeatures, mask: Tensor | None, precision: str = "pytorch"
+) -> Tensor:
+    """``phi(q_i) . sum_j phi(k_j) [v_j, 1]`` over the real keys (:class:`_BidirectionalExp`; on CUDA the Triton
+    kernels of :mod:`.favor_exp_triton` where they serve the call, their products in ``precision``).
 
     q: (B, H, Lq, d), k: (B, H, Lk, d), v1: (B, H, Lk, dv + 1), mask: (B, Lk) or None -> (B, H, Lq, dv + 1),
-    each query's row relative to its own scale (it cancels in the attention ratio)."""
+    each query's row relative to its own scale (it cancels in the attention ratio). Directions (m', d), no bias."""
+    if triton_serves(q, v1.shape[-1], features.directions, features.bias):
+        directions, bias, stabilizer = features
+        return triton_bidirectional_exp_sums(q, k, v1, directions, bias, stabilizer, mask, precision)
     keep = None if mask is None else mask[:, None, :, None]  # (B, 1, Lk, 1)
     slab = _slab_size(q.shape[0] * q.shape[1], features.directions.shape[-2], q.device)
     return _BidirectionalExp.apply(q, k, v1, features.directions, keep, features.stabilizer, slab)

@@ -1,29 +1,34 @@
-"""Causal FAVOR+ sums of exponential features in Triton kernels, for CUDA devices: plain causal FAVOR+ and the
-causal hybrid's far field (FAVOR++), what :func:`.favor_exp.causal_exp_sums` computes, with its contract.
+"""FAVOR+ sums of exponential features in Triton kernels, for CUDA devices: what :func:`.favor_exp.causal_exp_sums`
+(causal FAVOR+, and the causal hybrid's FAVOR++ far field) and :func:`.favor_exp.bidirectional_exp_sums` (plain
+FAVOR+) compute, with their contracts.
 
-Compiled on a GPU, the PyTorch scan writes each slab's (positions x features) feature buffers, their chunk products
-and the chunk start states to memory, forward and backward: ``benchmarks/compiled_traffic.py`` counts 2.56 GB for
-one causal FAVOR+ call of 12 heads x 4K tokens x 32 dims (256 features), where the inputs and outputs are about 25 MB.
-Here the features live in registers: each program walks the chunks of one (batch, head) in order, holding a block of
-the features' state, ``(features / FEATURES_PER_PROGRAM)`` programs per head, and adds its share of each chunk's
-sums to the output atomically. Nothing of size (positions x features) goes to memory.
+Compiled on a GPU, the PyTorch forms write (positions x features) buffers to memory, forward and backward (the
+causal scan also its chunk products and start states): ``benchmarks/compiled_traffic.py`` counts 2.56 GB for one
+causal FAVOR+ call of 12 heads x 4K tokens x 32 dims (256 features), 1.22 GB bidirectionally, where the inputs and
+outputs are about 25 MB. Here the features live in registers. Each program holds the state of a block of
+:data:`FEATURES_PER_PROGRAM` features and walks a segment of positions in chunks, adding its share of each chunk's
+sums to the output atomically; segments run in parallel where (batch, head, feature block) programs are too few to
+fill a GPU (:func:`segments`), each causal segment's start state from a first pass over its keys and a short scan over
+the segments (:func:`.causal_scan.scan_forward`).
 
 The features are ``phi(x)_r = exp(x . D_r + bias_r + offset(x))``: the offsets come from PyTorch (per row: the
-queries' ``-max_r (x . D_r + bias_r)``, the keys' ``row - |x|^2 / 2 - log sqrt(m) - s_j`` with ``s_j`` the running
-max of the keys' log-features), so that every feature and every factor ``exp(s_j - s_i)`` is at most 1, as in the
-PyTorch scan. Their gradient reaches the offsets' differentiable parts (``|x|^2``, ``row``) through PyTorch; the
-kernels give the rest:
+queries' ``-max_r (x . D_r + bias_r)``, the keys' ``row - |x|^2 / 2 - log sqrt(m)`` minus their shift: the running
+max ``s_j`` of the keys' log-features causally, their max bidirectionally), so that every feature and every factor
+``exp(s_j - s_i)`` is at most 1, as in PyTorch. Their gradient reaches the offsets' differentiable parts (``|x|^2``,
+``row``) through PyTorch; the kernels give the rest:
 
 - ``_row_max_kernel``: ``max_r (x . D_r + bias_r)`` for every row (the shifts' input);
-- ``_forward_kernel``: the sums ``sum_{j <= i} phi(q_i) . phi(k_j) exp(s_j - s_i) [v_j, 1]`` (plus the state
-  before position 0) and the state after the last position;
-- ``_query_grad_kernel`` (chunks in order, recomputing the state each chunk starts from) and ``_key_grad_kernel``
-  (in reverse, carrying the state's gradient): the gradients of queries, keys, values, offsets and the state before
-  position 0.
+- causal: ``_forward_kernel``, the sums ``sum_{j <= i} phi(q_i) . phi(k_j) exp(s_j - s_i) [v_j, 1]`` (plus the
+  state before position 0) and the state after the last position; ``_query_grad_kernel`` (chunks in order,
+  recomputing the state each chunk starts from) and ``_key_grad_kernel`` (in reverse, carrying the state's
+  gradient): the gradients of queries, keys, values, offsets and the state before position 0;
+- bidirectional: ``_sum_kernel``, ``sum_rows (phi(x) + stabilizer) (x) w`` (the keys' state; backward, its gradient
+  from the queries), and ``_rows_kernel``, each row's ``(phi(x) + stabilizer) S`` (the sums; backward, the values'
+  gradient) or the gradients of rows and offsets.
 
 Matrix products take float32 as :func:`.far_field_triton.float32_precision` says. The directions and bias are
-constants here (the projection is a buffer; a learned FAVOR++ parameter keeps the PyTorch scan: :func:`serves`).
-Tested on the CPU through Triton's interpreter against the PyTorch scan in float64.
+constants here (the projection is a buffer; a learned FAVOR++ parameter keeps PyTorch: :func:`serves`). Tested on
+the CPU through Triton's interpreter against the PyTorch forms in float64.
 """
 
 from __future__ import annotations
@@ -82,6 +87,83 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             logits = tl.dot(x, tl.trans(dirs), input_precision=PRECISION) + bias[None, :]
             best = tl.maximum(best, tl.max(tl.where(exists[None, :], logits, float("-inf")), axis=1))
         tl.store(OUT + bh * L + rows, best, mask=live)
+
+    @triton.jit
+    def _row_features(X, OFF, bh, rows, live, dirs, bias, exists, L, D: tl.constexpr, PRECISION: tl.constexpr):
+        # rows x (C, D) and their features exp(x . D_r + bias_r + offset) (C, BM), 0 for rows and features that do
+        # not exist (an offset of -inf: a key left out)
+        x = tl.load(X + (bh * L + rows)[:, None] * D + tl.arange(0, D)[None, :], mask=live[:, None], other=0.0)
+        off = tl.load(OFF + bh * L + rows, mask=live, other=float("-inf"))
+        logits = tl.dot(x, tl.trans(dirs), input_precision=PRECISION) + bias[None, :] + off[:, None]
+        return x, tl.where(exists[None, :] & live[:, None], tl.exp(logits), 0.0)
+
+    @triton.jit
+    def _sum_kernel(
+        X, OFF, W, DIR, BIAS, OUT,
+        H, L, M, E, SEG, dir_b, dir_h, bias_b, bias_h, stabilizer,
+        D: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # program (bh, feature block, segment): its segment's share of sum_rows (phi(x) + stabilizer) (x) w, for its
+        # block of features, added into OUT (B, H, M, E): the keys' state, or the state's gradient from the queries
+        bh, block, g = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        feats, exists, dirs, bias = _directions(
+            DIR, BIAS, bh // H, bh % H, block * BM, M, dir_b, dir_h, bias_b, bias_h, D, BM
+        )
+        cols = tl.arange(0, EP)
+        acc = tl.zeros((BM, EP), dtype=tl.float32)
+        first = g * SEG
+        stop = tl.minimum(first + SEG, L)
+        for start in range(first, stop, C):
+            rows = start + tl.arange(0, C)
+            live = rows < stop
+            _, phi = _row_features(X, OFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
+            phi = tl.where(exists[None, :] & live[:, None], phi + stabilizer, 0.0)
+            w = tl.load(
+                W + (bh * L + rows)[:, None] * E + cols[None, :], mask=live[:, None] & (cols < E)[None, :], other=0.0
+            )
+            acc += tl.dot(tl.trans(phi), w, input_precision=PRECISION)
+        out_ptr, mask = _state_block(OUT, bh, feats, exists, M, E, EP)
+        tl.atomic_add(out_ptr, acc, mask=mask)
+
+    @triton.jit
+    def _rows_kernel(
+        X, OFF, G, S, DIR, BIAS, OUT, DX, DOFF,
+        H, L, M, E, dir_b, dir_h, bias_b, bias_h, stabilizer,
+        D: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
+        GRADIENT: tl.constexpr,
+    ):  # fmt: skip
+        # program (bh, tile): for the tile's C rows, over every block of features of the state S (B, H, M, E):
+        # OUT = (phi(x) + stabilizer) S (the sums, or the values' gradient); with GRADIENT, from G (C, E):
+        # d log phi = (G S^T) phi, DX = d log phi D and DOFF = its row sums (the rows' and their offsets' gradients)
+        bh, tile = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        b, h = bh // H, bh % H
+        rows = tile * C + tl.arange(0, C)
+        live = rows < L
+        dims, cols = tl.arange(0, D), tl.arange(0, EP)
+        keep = live[:, None] & (cols < E)[None, :]
+        g = tl.zeros((C, EP), dtype=tl.float32)
+        if GRADIENT:
+            g = tl.load(G + (bh * L + rows)[:, None] * E + cols[None, :], mask=keep, other=0.0)
+        acc = tl.zeros((C, EP), dtype=tl.float32)
+        d_x = tl.zeros((C, D), dtype=tl.float32)
+        d_off = tl.zeros((C,), dtype=tl.float32)
+        for f0 in range(0, M, BM):
+            feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, f0, M, dir_b, dir_h, bias_b, bias_h, D, BM)
+            state_ptr, state_mask = _state_block(S, bh, feats, exists, M, E, EP)
+            state = tl.load(state_ptr, mask=state_mask, other=0.0)  # (BM, EP)
+            _, phi = _row_features(X, OFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
+            if GRADIENT:
+                d_log = tl.dot(g, tl.trans(state), input_precision=PRECISION) * phi  # (C, BM)
+                d_x += tl.dot(d_log, dirs, input_precision=PRECISION)
+                d_off += tl.sum(d_log, axis=1)
+            else:
+                phi = tl.where(exists[None, :], phi + stabilizer, 0.0)
+                acc += tl.dot(phi, state, input_precision=PRECISION)
+        if GRADIENT:
+            tl.store(DX + (bh * L + rows)[:, None] * D + dims[None, :], d_x, mask=live[:, None])
+            tl.store(DOFF + bh * L + rows, d_off, mask=live)
+        else:
+            tl.store(OUT + (bh * L + rows)[:, None] * E + cols[None, :], acc, mask=keep)
 
     @triton.jit
     def _chunk(
@@ -367,6 +449,61 @@ def _backward(
     return [d_q, d_k, d_v1, d_q_off, d_k_off, d_kv0]
 
 
+def _sum(x: Tensor, off: Tensor, w: Tensor, features: tuple, out: Tensor, stabilizer: float, precision: str) -> None:
+    """Adds ``sum_rows (phi(x) + stabilizer) (x) w`` into ``out`` (B, H, M, E), for rows x (B, H, L, d) with offsets
+    (B, H, L) and w (B, H, L, E); ``features``: :func:`_features_args`'s."""
+    B, H, L, _ = x.shape
+    M, E = out.shape[-2:]
+    dirs, bias, *strides = features
+    S, size = segments(B * H, M, L)
+    args = (x, off, w, dirs, bias, out, H, L, M, E, size, *strides, stabilizer)
+    grid = (B * H, triton.cdiv(M, FEATURES_PER_PROGRAM), S)
+    launch_fitting(_sum_kernel, grid, args, _settings(x, E, precision), TILES)
+
+
+def _rows(
+    x: Tensor, off: Tensor, state: Tensor, features: tuple, stabilizer: float, precision: str, g: Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
+    """For rows x (B, H, L, d) with offsets (B, H, L) and a state (B, H, M, E): ``(phi(x) + stabilizer) state``
+    (B, H, L, E); or with ``g`` (B, H, L, E), the gradients of x and of the offsets of ``sum g . phi(x) state``."""
+    B, H, L, d = x.shape
+    M, E = state.shape[-2:]
+    dirs, bias, *strides = features
+    gradient = g is not None
+    out = None if gradient else x.new_empty(B, H, L, E)
+    d_x, d_off = (x.new_empty(B, H, L, d), x.new_empty(B, H, L)) if gradient else (None, None)
+    args = (x, off, g, state, dirs, bias, out, d_x, d_off, H, L, M, E, *strides, stabilizer)
+    settings = {**_settings(x, E, precision), "C": CHUNK, "GRADIENT": gradient}
+    tiles = ({"num_stages": 2}, {"num_stages": 1})
+    launch_fitting(_rows_kernel, (B * H, triton.cdiv(L, CHUNK)), args, settings, tiles)
+    return (d_x, d_off) if gradient else out
+
+
+def _bidirectional_forward(
+    q: Tensor, k: Tensor, v1: Tensor, q_off: Tensor, k_off: Tensor, directions: Tensor, bias: Tensor | None,
+    stabilizer: float, precision: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The sums (B, H, Lq, E) and the keys' state (B, H, M, E)."""
+    features = _features_args(q, directions, bias)
+    kv = q.new_zeros(*q.shape[:2], directions.shape[-2], v1.shape[-1])  # added into, a share per segment
+    _sum(k, k_off, v1, features, kv, 0.0, precision)
+    return _rows(q, q_off, kv, features, stabilizer, precision), kv
+
+
+def _bidirectional_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v1: Tensor, q_off: Tensor, k_off: Tensor, directions: Tensor,
+    bias: Tensor | None, kv: Tensor, stabilizer: float, precision: str,
+) -> list[Tensor]:  # fmt: skip
+    """The gradients of q, k, v1, q_off and k_off."""
+    features = _features_args(q, directions, bias)
+    d_kv = torch.zeros_like(kv)
+    _sum(q, q_off, grad, features, d_kv, stabilizer, precision)
+    d_q, d_q_off = _rows(q, q_off, kv, features, stabilizer, precision, g=grad)
+    d_v1 = _rows(k, k_off, d_kv, features, 0.0, precision)
+    d_k, d_k_off = _rows(k, k_off, d_kv, features, 0.0, precision, g=v1)
+    return [d_q, d_k, d_v1, d_q_off, d_k_off]
+
+
 def _register() -> None:
     """The kernels as custom operators (opaque to ``torch.compile``, which calls them between its own kernels), with
     their shapes for tracing and the scan's gradients. A second copy of this module (remote code beside the installed
@@ -411,8 +548,52 @@ def _register() -> None:
     library.register_autograd("performer_hf::causal_exp_scan", gradients, setup_context=setup_context)
 
 
+def _register_bidirectional() -> None:
+    """The bidirectional sums as custom operators, as :func:`_register` does the scan."""
+    if hasattr(torch.ops.performer_hf, "bidirectional_exp_sums"):
+        return
+    library = torch.library
+    forward = library.custom_op("performer_hf::bidirectional_exp_sums", mutates_args=())(_bidirectional_forward)
+    backward = library.custom_op("performer_hf::bidirectional_exp_sums_backward", mutates_args=())(
+        _bidirectional_backward
+    )
+
+    @forward.register_fake
+    def _(q, k, v1, q_off, k_off, directions, bias, stabilizer, precision):
+        return q.new_empty(*q.shape[:3], v1.shape[-1]), q.new_empty(*q.shape[:2], directions.shape[-2], v1.shape[-1])
+
+    @backward.register_fake
+    def _(grad, q, k, v1, q_off, k_off, *rest):
+        return [torch.empty_like(t) for t in (q, k, v1, q_off, k_off)]
+
+    def setup_context(ctx, inputs, output):
+        q, k, v1, q_off, k_off, directions, bias, ctx.stabilizer, ctx.precision = inputs
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(q, k, v1, q_off, k_off, directions, output[1], *((bias,) if ctx.has_bias else ()))
+
+    def gradients(ctx, grad, _grad_kv):
+        q, k, v1, q_off, k_off, directions, kv, *bias = ctx.saved_tensors
+        bias = bias[0] if ctx.has_bias else None
+        d_q, d_k, d_v1, d_q_off, d_k_off = torch.ops.performer_hf.bidirectional_exp_sums_backward(
+            grad.contiguous(), q, k, v1, q_off, k_off, directions, bias, kv, ctx.stabilizer, ctx.precision
+        )
+        return d_q, d_k, d_v1, d_q_off, d_k_off, None, None, None, None
+
+    library.register_autograd("performer_hf::bidirectional_exp_sums", gradients, setup_context=setup_context)
+
+
 if triton is not None:
     _register()
+    _register_bidirectional()
+
+
+def _offsets(x: Tensor, directions: Tensor, bias: Tensor | None, precision: str) -> tuple[Tensor, Tensor]:
+    """Rows x (B, H, L, d) -> their features' per-row terms ``-|x|^2 / 2 - log sqrt(m)`` (differentiable) and the
+    largest log-feature ``max_r log phi_r(x)`` (a constant), each (B, H, L)."""
+    with torch.no_grad():
+        top = torch.ops.performer_hf.exp_row_max(x.detach(), directions, bias, precision)
+    base = -0.5 * x.pow(2).sum(-1) - 0.5 * math.log(directions.shape[-2])
+    return base, (top + base).detach()
 
 
 def causal_exp_sums(
@@ -434,20 +615,13 @@ def causal_exp_sums(
     shifts are constants for autograd."""
     B, H, L, _ = q.shape
     m = directions.shape[-2]
-    log_root_m = 0.5 * math.log(m)
     directions = directions.detach()
     bias = None if bias is None else bias.detach()
     q, k, v1 = (t.contiguous() for t in (q, k, v1))
-    ops = torch.ops.performer_hf
-    with torch.no_grad():
-        q_top = ops.exp_row_max(q.detach(), directions, bias, precision)  # (B, H, L)
-        k_top = ops.exp_row_max(k.detach(), directions, bias, precision)
-    q_base = -0.5 * q.pow(2).sum(-1) - log_root_m  # (B, H, L): the features' per-row terms, differentiable
-    k_base = -0.5 * k.pow(2).sum(-1) - log_root_m
+    q_base, q_shifts = _offsets(q, directions, bias, precision)  # q_shifts: log max_r phi_r(q_i)
+    k_base, k_max = _offsets(k, directions, bias, precision)
     if key_row is not None:
-        k_base = k_base + key_row.squeeze(-1)
-    q_shifts = (q_top + q_base).detach()  # log max_r phi_r(q_i)
-    k_max = (k_top + k_base).detach()  # log max_r phi_r(k_j)
+        k_base, k_max = k_base + key_row.squeeze(-1), k_max + key_row.squeeze(-1).detach()
     if mask is not None:
         k_max = k_max.masked_fill(~mask[:, None, :], EMPTY_SHIFT)
     if state is None:
@@ -458,8 +632,38 @@ def causal_exp_sums(
     k_off = k_base - shifts
     if mask is not None:
         k_off = k_off.masked_fill(~mask[:, None, :], float("-inf"))  # no features
-    out1, kv, _ = ops.causal_exp_scan(
+    out1, kv, _ = torch.ops.performer_hf.causal_exp_scan(
         q, k, v1, q_base - q_shifts, k_off, shifts, directions, bias, kv0, shift0.detach(), float(stabilizer), precision
     )
     shift = shifts[..., -1] if L else shift0.detach()
     return out1, q_shifts, shifts, kv, shift
+
+
+def bidirectional_exp_sums(
+    q: Tensor,
+    k: Tensor,
+    v1: Tensor,
+    directions: Tensor,
+    bias: Tensor | None,
+    stabilizer: float,
+    mask: Tensor | None,
+    precision: str = "pytorch",
+) -> Tensor:
+    """What :func:`.favor_exp.bidirectional_exp_sums` computes, in the kernels: q (B, H, Lq, d), k (B, H, Lk, d),
+    v1 (B, H, Lk, E), the :class:`.favor_exp.ExpFeatures` (directions, bias, stabilizer), mask (B, Lk) bool or None
+    -> ``phi(q_i) . sum_j phi(k_j) v1_j`` (B, H, Lq, E), float32, each query's row relative to a scale of its own."""
+    directions = directions.detach()
+    bias = None if bias is None else bias.detach()
+    q, k, v1 = (t.contiguous() for t in (q, k, v1))
+    q_base, q_top = _offsets(q, directions, bias, precision)
+    k_base, k_top = _offsets(k, directions, bias, precision)
+    if mask is not None:
+        k_top = k_top.masked_fill(~mask[:, None, :], float("-inf"))
+    shift = k_top.amax(dim=-1, keepdim=True).clamp_min(EMPTY_SHIFT)  # (B, H, 1): the largest key log-feature
+    k_off = k_base - shift
+    if mask is not None:
+        k_off = k_off.masked_fill(~mask[:, None, :], float("-inf"))  # no features
+    out, _ = torch.ops.performer_hf.bidirectional_exp_sums(
+        q, k, v1, q_base - q_top, k_off, directions, bias, float(stabilizer), precision
+    )
+    return out
