@@ -9,8 +9,10 @@
 #      (the CPU tests run too; inductor's compilations take most of its time), test_far_field_triton.py, the far
 #      field's Triton kernels compiled for the GPU against float64 PyTorch, eager, compiled and in the hybrid, and
 #      test_hybrid_triton.py, the support sums' Triton kernels against the CPU kernels and, at 4K tokens in float32
-#      and bfloat16, the hybrid through them against the float32 CPU path, and test_favor_exp_triton.py, the causal
-#      scan's Triton kernels (causal FAVOR+, the decoder's far field) likewise, the converter's causal preset at 4K;
+#      and bfloat16, the hybrid through them against the float32 CPU path, and the CUDA tests of
+#      test_favor_exp_triton.py, FAVOR+'s Triton kernels (the causal scan, which also serves the decoder's far field,
+#      and the bidirectional sums) likewise at 4K: the converter's causal preset and plain FAVOR+ both ways (its
+#      other tests, in the interpreter on a CPU, would compile some 20 variants of each kernel here);
 #   2. benchmarks/model_speed.py --check: every arm's logits on the GPU in bfloat16 against float32 on the CPU, then
 #      the whole models' training step and inference against the source held to flash attention, 512 to 32K
 #      tokens (16,384 tokens per batch; an arm that runs out of memory or past the time cap stops there, and a model
@@ -43,7 +45,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 tests=0
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/modeling/test_hybrid_flex.py tests/modeling/test_sparse_flex.py \
   tests/modeling/test_device_compile.py tests/modeling/test_far_field_triton.py tests/modeling/test_hybrid_triton.py \
-  tests/modeling/test_favor_exp_triton.py \
+  "tests/modeling/test_favor_exp_triton.py::test_cuda_kernels_match_the_cpu_in_float32_and_bfloat16" \
   2>&1 | tee -a "$out/gpu_check.log" || tests=$?
 # the encoder and GPT-2 decoder (their default: hybrid; the encoder's tiled support too), then the Llama converted in
 # place (its default: sparse)

@@ -266,10 +266,15 @@ def test_only_cuda_float32_queries_of_tile_dims_and_fixed_features_are_served(mo
         assert not favor_exp_triton.serves(x, 33, directions, None)  # no CUDA
 
 
+CUDA_CALLS = ["the converter's causal hybrid preset", "causal FAVOR+", "bidirectional FAVOR+"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels run on CUDA devices")
-def test_cuda_kernels_match_the_cpu_in_float32_and_bfloat16(monkeypatch):
-    """On a GPU: forward and backward of the converter's causal preset (FAVOR++ far field, a window of 64, a global
-    token) at 4K tokens, its far field through the kernels, against the float32 CPU path."""
+@pytest.mark.parametrize("call", CUDA_CALLS)
+def test_cuda_kernels_match_the_cpu_in_float32_and_bfloat16(call, monkeypatch):
+    """On a GPU, at 4K tokens (2 x 4 heads: the walks cut into 8 segments), forward and backward through the kernels
+    against the float32 CPU path: the converter's causal preset (FAVOR++ far field, a window of 64, a global token),
+    and plain FAVOR+ both ways."""
     preset = ATTENTION_METHODS["hybrid"].presets["causal"]
     settings = {name: preset[field] for name, field in HybridSpec.config_fields().items() if field in preset}
     q, k, v = (t.float() for t in random_qkv(batch=2, heads=4, length=4096, head_dim=32, seed=11))
@@ -277,22 +282,28 @@ def test_cuda_kernels_match_the_cpu_in_float32_and_bfloat16(monkeypatch):
     W = draw_projection(256, 32, generator=torch.Generator().manual_seed(13))
     centres = [torch.randn(4, 32, generator=torch.Generator().manual_seed(seed)) * 0.1 for seed in (14, 15)]
     calls = []
-    scan = favor_exp_triton.causal_exp_sums
-    monkeypatch.setattr(favor_exp, "triton_causal_exp_sums", lambda *args: calls.append(1) or scan(*args))
+    for name in ("triton_causal_exp_sums", "triton_bidirectional_exp_sums"):
+        kernels = getattr(favor_exp, name)
+        monkeypatch.setattr(favor_exp, name, lambda *args, kernels=kernels: calls.append(1) or kernels(*args))
+    causal = call != "bidirectional FAVOR+"
+
+    def attend(q, k, v):
+        device = q.device
+        if call.startswith("the converter's"):
+            query_center, key_center = (c.to(device) for c in centres)
+            kwargs = dict(query_center=query_center, key_center=key_center, far_field_parameter=-0.05, **settings)
+            return hybrid_attention(q, k, v, W.to(device), causal=True, **kwargs)
+        return favor_attention(q, k, v, W.to(device), causal=causal)
 
     def run(device, dtype, inputs=(q, k, v)):
         inputs = [t.detach().to(device, dtype).requires_grad_() for t in inputs]
-        query_center, key_center = (c.to(device) for c in centres)
-        out = hybrid_attention(
-            *inputs, W.to(device), causal=True, query_center=query_center, key_center=key_center,
-            far_field_parameter=-0.05, **settings,
-        )  # fmt: skip
+        out = attend(*inputs)
         (out.float() * grad.to(device)).sum().backward()
         return [t.detach().float().cpu() for t in (out, *(i.grad for i in inputs))]
 
     reference_cpu = run("cpu", torch.float32)
     rounded_cpu = run("cpu", torch.float32, [t.bfloat16().float() for t in (q, k, v)])
-    bfloat16 = bfloat16_tolerances(rounded_cpu, reference_cpu, sdpa_bfloat16_errors(q, k, v, grad, True))
+    bfloat16 = bfloat16_tolerances(rounded_cpu, reference_cpu, sdpa_bfloat16_errors(q, k, v, grad, causal))
     for dtype, tolerances in ((torch.float32, [1e-4] * 4), (torch.bfloat16, bfloat16)):
         for got, want, tolerance in zip(run("cuda", dtype), reference_cpu, tolerances, strict=True):
             assert torch.isfinite(got).all()
