@@ -345,6 +345,11 @@ def serves(q: Tensor, values_width: int, directions: Tensor, bias: Tensor | None
     )
 
 
+def _contiguous(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """The kernels read rows in place: a compiled caller may pass other strides."""
+    return tuple(t.contiguous() for t in tensors)
+
+
 def _features_args(q: Tensor, directions: Tensor, bias: Tensor | None) -> tuple:
     """Directions and bias broadcast to (B, H, m, d) and (B, H, 1, m), with their (batch, head) strides (0 where
     shared): (directions, bias or None, dir_b, dir_h, bias_b, bias_h)."""
@@ -394,6 +399,7 @@ def _forward(
     bias: Tensor | None, kv0: Tensor, shift0: Tensor, stabilizer: float, precision: str,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The sums (B, H, L, E), the state after the call (B, H, m, E) and each segment's start state (B, H, S, m, E)."""
+    q, k, v1, q_off, k_off, shifts, kv0, shift0 = _contiguous(q, k, v1, q_off, k_off, shifts, kv0, shift0)
     B, H, L, _ = q.shape
     E, M = v1.shape[-1], directions.shape[-2]
     dirs, bias, *strides = _features_args(q, directions, bias)
@@ -422,6 +428,8 @@ def _backward(
     directions: Tensor, bias: Tensor | None, starts: Tensor, shift0: Tensor, stabilizer: float, precision: str,
 ) -> list[Tensor]:  # fmt: skip
     """The gradients of q, k, v1, q_off, k_off and the state before the call, from each segment's start state."""
+    tensors = _contiguous(grad, grad_kv, q, k, v1, q_off, k_off, shifts, starts, shift0)
+    grad, grad_kv, q, k, v1, q_off, k_off, shifts, starts, shift0 = tensors
     B, H, L, _ = q.shape
     E, M = v1.shape[-1], directions.shape[-2]
     dirs, bias, *strides = _features_args(q, directions, bias)
@@ -484,6 +492,7 @@ def _bidirectional_forward(
     stabilizer: float, precision: str,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The sums (B, H, Lq, E) and the keys' state (B, H, M, E)."""
+    q, k, v1, q_off, k_off = _contiguous(q, k, v1, q_off, k_off)
     features = _features_args(q, directions, bias)
     kv = q.new_zeros(*q.shape[:2], directions.shape[-2], v1.shape[-1])  # added into, a share per segment
     _sum(k, k_off, v1, features, kv, 0.0, precision)
@@ -495,6 +504,7 @@ def _bidirectional_backward(
     bias: Tensor | None, kv: Tensor, stabilizer: float, precision: str,
 ) -> list[Tensor]:  # fmt: skip
     """The gradients of q, k, v1, q_off and k_off."""
+    grad, q, k, v1, q_off, k_off, kv = _contiguous(grad, q, k, v1, q_off, k_off, kv)
     features = _features_args(q, directions, bias)
     d_kv = torch.zeros_like(kv)
     _sum(q, q_off, grad, features, d_kv, stabilizer, precision)
