@@ -43,19 +43,25 @@ def enabled() -> bool:
     return triton is not None and os.environ.get("PERFORMER_HF_TRITON", "1") != "0"
 
 
-def serves(x: Tensor, values_width: int) -> bool:
-    """Whether the kernels take rows ``x`` (B, H, N, d) with values ``values_width`` wide: on CUDA where they are
-    :func:`enabled`, float32 rows (the far field's dtype), d a power of two from 16 to 64, at most 128 value
-    columns."""
+def tiles_serve(x: Tensor, values_width: int, max_head_dim: int) -> bool:
+    """What every Triton kernel here requires of its rows ``x`` (B, H, N, d) and their ``values_width`` value columns:
+    CUDA where the kernels are :func:`enabled`, float32 (attention's compute dtype), d a power of two from 16 (the
+    matrix products' smallest tile) to ``max_head_dim``, at most 128 value columns."""
     d = x.shape[-1]
     return (
         x.device.type == "cuda"
         and enabled()
         and x.dtype == torch.float32
-        and 16 <= d <= 64
+        and 16 <= d <= max_head_dim
         and d & (d - 1) == 0
         and values_width <= 128
     )
+
+
+def serves(x: Tensor, values_width: int) -> bool:
+    """Whether the far field's kernels take rows ``x`` (B, H, N, d) with values ``values_width`` wide: as
+    :func:`tiles_serve` says, head dims up to 64."""
+    return tiles_serve(x, values_width, 64)
 
 
 def padded_width(width: int) -> int:

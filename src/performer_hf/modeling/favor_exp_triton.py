@@ -40,7 +40,7 @@ import torch
 # Triton and its language come from the far field's module, which imports them where they are (remote code's import
 # check requires every module a file imports outside a try block)
 from .causal_scan import EMPTY_SHIFT, scan_backward, scan_forward, scan_weights
-from .far_field_triton import enabled, input_precision, launch_fitting, padded_width, tl, triton
+from .far_field_triton import input_precision, launch_fitting, padded_width, tiles_serve, tl, triton
 
 Tensor = torch.Tensor
 FEATURES_PER_PROGRAM = 64  # features of the state one program holds
@@ -328,21 +328,11 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
 
 
 def serves(q: Tensor, values_width: int, directions: Tensor, bias: Tensor | None) -> bool:
-    """Whether the kernels take queries ``q`` (B, H, L, d) with values ``values_width`` wide and these features: on
-    CUDA where Triton is :func:`.far_field_triton.enabled`, float32 (the scan's dtype), d a power of two from 16 to
-    128, at most 128 value columns, and directions and bias that need no gradient (a learned FAVOR++ parameter keeps
-    the PyTorch scan)."""
-    d = q.shape[-1]
+    """Whether the kernels take queries ``q`` (B, H, L, d) with values ``values_width`` wide and these features: as
+    :func:`.far_field_triton.tiles_serve` says (head dims up to 128), with directions and bias that need no gradient
+    (a learned FAVOR++ parameter keeps PyTorch)."""
     learned = torch.is_grad_enabled() and (directions.requires_grad or (bias is not None and bias.requires_grad))
-    return (
-        q.device.type == "cuda"
-        and enabled()
-        and q.dtype == torch.float32
-        and 16 <= d <= 128
-        and d & (d - 1) == 0
-        and values_width <= 128
-        and not learned
-    )
+    return tiles_serve(q, values_width, 128) and not learned
 
 
 def _contiguous(*tensors: Tensor) -> tuple[Tensor, ...]:

@@ -29,7 +29,7 @@ import torch
 
 # Triton and its language come from the far field's module, which imports them where they are (remote code's import
 # check requires every module a file imports outside a try block)
-from .far_field_triton import enabled, input_precision, launch_fitting, padded_width, tl, triton
+from .far_field_triton import input_precision, launch_fitting, padded_width, tiles_serve, tl, triton
 
 Tensor = torch.Tensor
 CHUNK = 64  # candidate keys per step of a query block's walk (fewer where the tiles exceed the GPU's shared memory)
@@ -200,20 +200,9 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
 
 def serves(x: Tensor, values_width: int, query_block: int) -> bool:
     """Whether the kernels take queries ``x`` (B, H, L, d) with values ``values_width`` wide in query blocks of
-    ``query_block``: on CUDA where Triton is :func:`.far_field_triton.enabled`, float32 (the hybrid's dtype), d a power
-    of two from 16 to 128, at most 128 value columns and 64 queries per block, at most 65,535 (batch, head) pairs
-    (the launch grid's second axis)."""
-    d = x.shape[-1]
-    return (
-        x.device.type == "cuda"
-        and x.shape[0] * x.shape[1] <= 65535
-        and enabled()
-        and x.dtype == torch.float32
-        and 16 <= d <= 128
-        and d & (d - 1) == 0
-        and values_width <= 128
-        and query_block <= 64
-    )
+    ``query_block``: as :func:`.far_field_triton.tiles_serve` says (head dims up to 128), at most 64 queries per
+    block and 65,535 (batch, head) pairs (the launch grid's second axis)."""
+    return tiles_serve(x, values_width, 128) and query_block <= 64 and x.shape[0] * x.shape[1] <= 65535
 
 
 def _settings(x: Tensor, width: int, block_q: int, block_k: int, precision: str) -> dict:
