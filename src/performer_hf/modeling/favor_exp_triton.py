@@ -90,12 +90,12 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
 
     @triton.jit
     def _row_features(X, OFF, bh, rows, live, dirs, bias, exists, L, D: tl.constexpr, PRECISION: tl.constexpr):
-        # rows x (C, D) and their features exp(x . D_r + bias_r + offset) (C, BM), 0 for rows and features that do
-        # not exist (an offset of -inf: a key left out)
+        # the features exp(x . D_r + bias_r + offset) (C, BM) of rows x, 0 for rows and features that do not exist
+        # (an offset of -inf: a key left out)
         x = tl.load(X + (bh * L + rows)[:, None] * D + tl.arange(0, D)[None, :], mask=live[:, None], other=0.0)
         off = tl.load(OFF + bh * L + rows, mask=live, other=float("-inf"))
         logits = tl.dot(x, tl.trans(dirs), input_precision=PRECISION) + bias[None, :] + off[:, None]
-        return x, tl.where(exists[None, :] & live[:, None], tl.exp(logits), 0.0)
+        return tl.where(exists[None, :] & live[:, None], tl.exp(logits), 0.0)
 
     @triton.jit
     def _sum_kernel(
@@ -116,7 +116,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         for start in range(first, stop, C):
             rows = start + tl.arange(0, C)
             live = rows < stop
-            _, phi = _row_features(X, OFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
+            phi = _row_features(X, OFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
             phi = tl.where(exists[None, :] & live[:, None], phi + stabilizer, 0.0)
             w = tl.load(
                 W + (bh * L + rows)[:, None] * E + cols[None, :], mask=live[:, None] & (cols < E)[None, :], other=0.0
@@ -151,7 +151,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, f0, M, dir_b, dir_h, bias_b, bias_h, D, BM)
             state_ptr, state_mask = _state_block(S, bh, feats, exists, M, E, EP)
             state = tl.load(state_ptr, mask=state_mask, other=0.0)  # (BM, EP)
-            _, phi = _row_features(X, OFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
+            phi = _row_features(X, OFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
             if GRADIENT:
                 d_log = tl.dot(g, tl.trans(state), input_precision=PRECISION) * phi  # (C, BM)
                 d_x += tl.dot(d_log, dirs, input_precision=PRECISION)
@@ -170,29 +170,23 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E,
         D: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        # One chunk's rows (C,) from `start`, which are before `stop` (its segment's end), queries and keys (C, D),
-        # values (C, EP), key shifts s (C,) (past the segment: the chunk's end shift), the chunk's end shift, its query
-        # and key features (C, BM) (the stabilizer aside) and the causal factors exp(s_j - s_i) (C, C) [i, j], 0 above
-        # the diagonal.
+        # One chunk's rows (C,) from `start`, which are before `stop` (its segment's end), values (C, EP), key shifts
+        # s (C,) (past the segment: the chunk's end shift), the chunk's end shift, its query and key features (C, BM)
+        # (the stabilizer aside) and the causal factors exp(s_j - s_i) (C, C) [i, j], 0 above the diagonal.
         rows = start + tl.arange(0, C)
         live = rows < stop
-        dims, cols = tl.arange(0, D), tl.arange(0, EP)
-        row_ptr = (bh * L + rows)[:, None]
-        xq = tl.load(Q + row_ptr * D + dims[None, :], mask=live[:, None], other=0.0)
-        xk = tl.load(K + row_ptr * D + dims[None, :], mask=live[:, None], other=0.0)
-        v = tl.load(V1 + row_ptr * E + cols[None, :], mask=live[:, None] & (cols < E)[None, :], other=0.0)
+        cols = tl.arange(0, EP)
+        v = tl.load(
+            V1 + (bh * L + rows)[:, None] * E + cols[None, :], mask=live[:, None] & (cols < E)[None, :], other=0.0
+        )
         s = tl.load(SHIFTS + bh * L + rows, mask=live, other=float("-inf"))
         end = tl.max(s, axis=0)  # the shifts never decrease: the last position's
         s = tl.where(live, s, end)
-        q_off = tl.load(QOFF + bh * L + rows, mask=live, other=0.0)
-        k_off = tl.load(KOFF + bh * L + rows, mask=live, other=float("-inf"))  # past L: no key
-        q_logits = tl.dot(xq, tl.trans(dirs), input_precision=PRECISION) + bias[None, :] + q_off[:, None]
-        k_logits = tl.dot(xk, tl.trans(dirs), input_precision=PRECISION) + bias[None, :] + k_off[:, None]
-        phi_q = tl.where(exists[None, :] & live[:, None], tl.exp(q_logits), 0.0)
-        phi_k = tl.where(exists[None, :], tl.exp(k_logits), 0.0)
+        phi_q = _row_features(Q, QOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
+        phi_k = _row_features(K, KOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
         causal = rows[:, None] >= rows[None, :]
         decay = tl.where(causal, tl.exp(tl.minimum(s[None, :] - s[:, None], 0.0)), 0.0)
-        return rows, live, xq, xk, v, s, end, phi_q, phi_k, decay
+        return rows, live, v, s, end, phi_q, phi_k, decay
 
     @triton.jit
     def _segment(H, L, S, SEG):
@@ -231,7 +225,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         state = tl.load(state_ptr, mask=state_mask, other=0.0)  # (BM, EP) relative to exp(prev)
         prev = _start_shift(SHIFTS, SHIFT0, bh, L, first)
         for start in range(first, stop, C):
-            rows, live, xq, xk, v, s, end, phi_q, phi_k, decay = _chunk(
+            rows, live, v, s, end, phi_q, phi_k, decay = _chunk(
                 start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, C, PRECISION
             )
             if WRITE_OUT:
@@ -264,7 +258,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         state = tl.load(state_ptr, mask=state_mask, other=0.0)
         prev = _start_shift(SHIFTS, SHIFT0, bh, L, first)
         for start in range(first, stop, C):
-            rows, live, xq, xk, v, s, end, phi_q, phi_k, decay = _chunk(
+            rows, live, v, s, end, phi_q, phi_k, decay = _chunk(
                 start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, C, PRECISION
             )
             row_ptr = (bh * L + rows)[:, None]
@@ -299,7 +293,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         last = first + (stop - first - 1) // C * C
         for back in range(0, stop - first, C):
             start = last - back
-            rows, live, xq, xk, v, s, end, phi_q, phi_k, decay = _chunk(
+            rows, live, v, s, end, phi_q, phi_k, decay = _chunk(
                 start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, C, PRECISION
             )
             prev = _start_shift(SHIFTS, SHIFT0, bh, L, start)
@@ -587,13 +581,19 @@ if triton is not None:
     _register_bidirectional()
 
 
-def _offsets(x: Tensor, directions: Tensor, bias: Tensor | None, precision: str) -> tuple[Tensor, Tensor]:
-    """Rows x (B, H, L, d) -> their features' per-row terms ``-|x|^2 / 2 - log sqrt(m)`` (differentiable) and the
-    largest log-feature ``max_r log phi_r(x)`` (a constant), each (B, H, L)."""
-    with torch.no_grad():
-        top = torch.ops.performer_hf.exp_row_max(x.detach(), directions, bias, precision)
-    base = -0.5 * x.pow(2).sum(-1) - 0.5 * math.log(directions.shape[-2])
-    return base, (top + base).detach()
+def _features_and_offsets(q: Tensor, k: Tensor, directions: Tensor, bias: Tensor | None, precision: str) -> tuple:
+    """The features' directions and bias as constants, and for queries and keys (B, H, L, d) their per-row terms
+    ``-|x|^2 / 2 - log sqrt(m)`` (differentiable) and largest log-feature ``max_r log phi_r(x)`` (a constant), each
+    (B, H, L): (directions, bias, (q terms, q largest), (k terms, k largest))."""
+    directions = directions.detach()
+    bias = None if bias is None else bias.detach()
+    offsets = []
+    for x in (q, k):
+        with torch.no_grad():
+            top = torch.ops.performer_hf.exp_row_max(x.detach(), directions, bias, precision)
+        base = -0.5 * x.pow(2).sum(-1) - 0.5 * math.log(directions.shape[-2])
+        offsets.append((base, (top + base).detach()))
+    return directions, bias, *offsets
 
 
 def causal_exp_sums(
@@ -615,11 +615,7 @@ def causal_exp_sums(
     shifts are constants for autograd."""
     B, H, L, _ = q.shape
     m = directions.shape[-2]
-    directions = directions.detach()
-    bias = None if bias is None else bias.detach()
-    q, k, v1 = (t.contiguous() for t in (q, k, v1))
-    q_base, q_shifts = _offsets(q, directions, bias, precision)  # q_shifts: log max_r phi_r(q_i)
-    k_base, k_max = _offsets(k, directions, bias, precision)
+    directions, bias, (q_base, q_shifts), (k_base, k_max) = _features_and_offsets(q, k, directions, bias, precision)
     if key_row is not None:
         k_base, k_max = k_base + key_row.squeeze(-1), k_max + key_row.squeeze(-1).detach()
     if mask is not None:
@@ -652,11 +648,7 @@ def bidirectional_exp_sums(
     """What :func:`.favor_exp.bidirectional_exp_sums` computes, in the kernels: q (B, H, Lq, d), k (B, H, Lk, d),
     v1 (B, H, Lk, E), the :class:`.favor_exp.ExpFeatures` (directions, bias, stabilizer), mask (B, Lk) bool or None
     -> ``phi(q_i) . sum_j phi(k_j) v1_j`` (B, H, Lq, E), float32, each query's row relative to a scale of its own."""
-    directions = directions.detach()
-    bias = None if bias is None else bias.detach()
-    q, k, v1 = (t.contiguous() for t in (q, k, v1))
-    q_base, q_top = _offsets(q, directions, bias, precision)
-    k_base, k_top = _offsets(k, directions, bias, precision)
+    directions, bias, (q_base, q_top), (k_base, k_top) = _features_and_offsets(q, k, directions, bias, precision)
     if mask is not None:
         k_top = k_top.masked_fill(~mask[:, None, :], float("-inf"))
     shift = k_top.amax(dim=-1, keepdim=True).clamp_min(EMPTY_SHIFT)  # (B, H, 1): the largest key log-feature
