@@ -1,5 +1,5 @@
-"""A function compiled (``aot_eager``, ``fullgraph``) against itself eager: the check the custom operators' tests
-share."""
+"""The checks the custom operators' tests share: a function compiled (``aot_eager``, ``fullgraph``) against itself
+eager, and an operator given rows of other strides (as a compiled caller may pass them)."""
 
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -20,3 +20,40 @@ def assert_one_graph_as_eager(function, leaves, rtol: float = 0.0, atol: float =
     assert counter.frame_count == 1
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+def padded_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in rows padded by three elements: not contiguous, as inductor may pad rows."""
+    if t.dim() == 0:
+        return t
+    storage = t.new_zeros(*t.shape[:-1], t.shape[-1] + 3)
+    return storage[..., : t.shape[-1]].copy_(t)
+
+
+def heads_last(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values laid out with its first two dims swapped (a (B, L, H, d) layout for (B, H, L, d)): dense, not
+    contiguous, as a caller's transposed projections are."""
+    if t.dim() < 2:
+        return t
+    return (
+        t.transpose(0, 1).contiguous().transpose(0, 1)
+        if t.dim() < 3
+        else t.transpose(1, 2).contiguous().transpose(1, 2)
+    )
+
+
+def assert_strides_do_not_matter(op, args: list) -> None:
+    """The custom operator ``op`` gives the same outputs for ``args`` with every tensor's rows padded, or laid out
+    heads last, and its fake implementation (what ``torch.compile`` traces, and inductor checks at run time) the
+    real outputs' shapes, dtypes and strides (``torch.library.opcheck``)."""
+    want = _flat(op(*args))
+    for layout in (padded_rows, heads_last):
+        strided = [layout(a) if isinstance(a, torch.Tensor) else a for a in args]
+        assert any(isinstance(a, torch.Tensor) and not a.is_contiguous() for a in strided)
+        for a, b in zip(_flat(op(*strided)), want, strict=True):
+            torch.testing.assert_close(a, b)
+        torch.library.opcheck(op, strided, test_utils=("test_schema", "test_faketensor"))
+
+
+def _flat(outputs) -> list[torch.Tensor]:
+    return [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)

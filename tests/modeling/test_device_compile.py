@@ -315,7 +315,7 @@ def test_a_torch_without_the_compile_settings_runs_eagerly(monkeypatch, counter)
     assert counter.frame_count == 0 and logits.shape[1] == 37 and bool(logits.isfinite().all())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: inductor's kernels for it")
+@pytest.mark.cuda
 @pytest.mark.parametrize("name", MODELS)
 def test_cuda_compiled_calls_match_eager(monkeypatch, name):
     """On CUDA, as shipped (inductor; the hybrid on its backend there), float32: logits and gradients against the same
@@ -352,7 +352,7 @@ def test_compiled_token_loss_matches_eager(monkeypatch, counter):
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: inductor's kernels for it")
+@pytest.mark.cuda
 def test_cuda_compiled_token_loss_matches_eager(monkeypatch):
     """On CUDA (inductor): the token loss of bfloat16 logits, 3,000 tokens of BERT's vocabulary, against eager."""
     from performer_hf.modeling import token_loss

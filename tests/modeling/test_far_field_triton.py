@@ -8,7 +8,7 @@ import torch
 from performer_hf.favor import hybrid_attention
 from performer_hf.modeling import far_field_polynomial, far_field_triton
 
-from ..compiled_check import assert_one_graph_as_eager
+from ..compiled_check import assert_one_graph_as_eager, assert_strides_do_not_matter
 from ..hybrid_reference import random_qkv, reference, right_padding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,6 +46,17 @@ def test_the_kernels_give_the_sums_and_gradients_of_pytorch(d, width, c2):
         far_field_polynomial.quadratic_state, far_field_polynomial.quadratic_apply, *exact, c2, probe.cpu().double()
     )
     _assert_relatively_close([t.cpu() for t in got], want, 1e-5)
+
+
+def test_the_operators_take_rows_of_any_strides():
+    """The three operators give the same outputs for rows that are not contiguous (inductor may pad them), and
+    their fake outputs have the real ones' strides."""
+    w, wv1, u = (t.detach() for t in _rows(16, 9))
+    ops = torch.ops.performer_hf
+    assert_strides_do_not_matter(ops.polynomial_far_state.default, [w, wv1, 0.25, "pytorch"])
+    state = ops.polynomial_far_state(w, wv1, 0.25, "pytorch")
+    assert_strides_do_not_matter(ops.polynomial_far_apply.default, [u, state, 0.25, "pytorch"])
+    assert_strides_do_not_matter(ops.polynomial_far_grad_x.default, [u, wv1, state, 0.25, "pytorch"])
 
 
 def test_the_far_field_takes_the_kernels_where_they_serve(monkeypatch):

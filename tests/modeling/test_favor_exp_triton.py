@@ -13,7 +13,7 @@ from performer_hf.modeling.attention_methods import ATTENTION_METHODS
 from performer_hf.modeling.favor_exp import ExpFeatures, ScanKeys
 from performer_hf.modeling.hybrid_spec import HybridSpec
 
-from ..compiled_check import assert_one_graph_as_eager
+from ..compiled_check import assert_one_graph_as_eager, assert_strides_do_not_matter
 from ..flex_reference import bfloat16_tolerances, sdpa_bfloat16_errors
 from ..hybrid_reference import random_qkv, reference, right_padding
 
@@ -249,6 +249,36 @@ def test_the_kernels_compile_into_one_graph_as_eager(kernels_serve, segment, mon
     assert kernels_serve
 
 
+def test_the_operators_take_rows_of_any_strides(monkeypatch):
+    """Every operator gives the same outputs for rows that are not contiguous (inductor may pad them), and its fake
+    outputs have the real ones' strides: on a GPU, a compiled backward stopped at inductor's check of the
+    bidirectional gradients' strides, which followed transposed inputs in the fake and not in the kernels."""
+    monkeypatch.setattr(favor_exp_triton, "MIN_SEGMENT", 32)  # 96 positions: 3 segments
+    g = torch.Generator().manual_seed(0)
+    B, H, L, d, m, E = 1, 2, 96, 16, 64, 9
+    q, k = (torch.randn(B, H, L, d, generator=g) * 0.3 for _ in range(2))
+    v1, grad = (torch.randn(B, H, L, E, generator=g) for _ in range(2))
+    q_off, k_off = (torch.randn(B, H, L, generator=g) - 1 for _ in range(2))
+    directions, bias = torch.randn(m, d, generator=g) * 0.3, torch.randn(H, 1, m, generator=g) * 0.1
+    kv0, shift0, shifts = torch.rand(B, H, m, E, generator=g), torch.zeros(B, H), torch.zeros(B, H, L)
+    q, k, v1, grad, q_off, k_off, directions, bias, kv0, shift0, shifts = (
+        t.to(DEVICE) for t in (q, k, v1, grad, q_off, k_off, directions, bias, kv0, shift0, shifts)
+    )
+    ops, features = torch.ops.performer_hf, (directions, bias)
+    assert_strides_do_not_matter(ops.exp_row_max.default, [q, *features, "pytorch"])
+    scan = [q, k, v1, q_off, k_off, shifts, *features, kv0, shift0, 1e-3, "pytorch"]
+    assert_strides_do_not_matter(ops.causal_exp_scan.default, scan)
+    starts = ops.causal_exp_scan(*scan)[2]
+    assert starts.shape[2] == 3
+    scan_backward = [grad, kv0, q, k, v1, q_off, k_off, shifts, *features, starts, shift0, 1e-3, "pytorch"]
+    assert_strides_do_not_matter(ops.causal_exp_scan_backward.default, scan_backward)
+    sums = [q, k, v1, q_off, k_off, *features, 1e-3, "pytorch"]
+    assert_strides_do_not_matter(ops.bidirectional_exp_sums.default, sums)
+    kv = ops.bidirectional_exp_sums(*sums)[1]
+    sums_backward = [grad, q, k, v1, q_off, k_off, *features, kv, 1e-3, "pytorch"]
+    assert_strides_do_not_matter(ops.bidirectional_exp_sums_backward.default, sums_backward)
+
+
 def test_only_cuda_float32_queries_of_tile_dims_and_fixed_features_are_served(monkeypatch):
     directions = torch.randn(64, 32)
     x = torch.randn(1, 2, 8, 32)
@@ -270,7 +300,7 @@ def test_only_cuda_float32_queries_of_tile_dims_and_fixed_features_are_served(mo
 CUDA_CALLS = ["the converter's causal hybrid preset", "causal FAVOR+", "bidirectional FAVOR+"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels run on CUDA devices")
+@pytest.mark.cuda
 @pytest.mark.parametrize("call", CUDA_CALLS)
 def test_cuda_kernels_match_the_cpu_in_float32_and_bfloat16(call, monkeypatch):
     """On a GPU, at 4K tokens (2 x 4 heads: the walks cut into 8 segments), forward and backward through the kernels

@@ -236,10 +236,7 @@ def test_which_calls_flex_attention_serves_on_cuda(monkeypatch):
     assert not serves(_call("poly2"))
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention runs on CUDA devices")
-
-
-@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("causal", [False, True])
 def test_cuda_compiled_kernels_match_the_cpu_in_float32_and_bfloat16(monkeypatch, causal):
     """On a GPU: forward and backward of the compiled backend at 4K tokens against the float32 CPU path."""

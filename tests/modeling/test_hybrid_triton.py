@@ -12,7 +12,7 @@ from performer_hf.modeling.attention_methods import ATTENTION_METHODS
 from performer_hf.modeling.favor_hybrid import hybrid_attention
 from performer_hf.modeling.hybrid_spec import HybridSpec
 
-from ..compiled_check import assert_one_graph_as_eager
+from ..compiled_check import assert_one_graph_as_eager, assert_strides_do_not_matter
 from ..flex_reference import bfloat16_tolerances, sdpa_bfloat16_errors
 from ..hybrid_reference import CONFIGS, random_qkv, reference, right_padding
 
@@ -88,6 +88,19 @@ def test_the_kernels_give_the_cpu_kernels_sums_and_gradients(geometry, d, dv, ro
     want = _cpu_kernels(tensors, key_shift, mask, routes, geometry, 0.25, probe)
     got = _triton(tensors, key_shift, mask, routes, geometry, 0.25, probe)
     _assert_relatively_close(got, want, ("sums", *NAMES), 1e-5)
+
+
+def test_the_operators_take_rows_of_any_strides():
+    """Both operators give the same outputs for rows that are not contiguous (inductor may pad them), and their fake
+    outputs have the real ones' strides."""
+    tensors, key_shift, mask, routes = _inputs([8, 8, 1, 16, 8], d=32, dv=32, routed=3)
+    x, rq, q_scale, far_sum, y, values1, klog = tensors
+    ops, settings = torch.ops.performer_hf, ([8, 8, 1, 16, 8], 0.25, "pytorch")
+    rows = [x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes.to(torch.int32)]
+    assert_strides_do_not_matter(ops.hybrid_support_sums.default, [*rows, *settings])
+    _, shift, kernel_mass = ops.hybrid_support_sums(*rows, *settings)
+    grad = torch.randn_like(far_sum)
+    assert_strides_do_not_matter(ops.hybrid_support_sums_backward.default, [grad, *rows, shift, kernel_mass, *settings])
 
 
 def test_launches_whose_tiles_exceed_shared_memory_take_smaller_chunks_and_remember(monkeypatch):
@@ -227,7 +240,7 @@ def test_only_cuda_float32_queries_of_tile_dims_are_served(monkeypatch):
         assert not hybrid_triton.serves(x, 33, 16)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels run on CUDA devices")
+@pytest.mark.cuda
 def test_cuda_kernels_match_the_cpu_in_float32_and_bfloat16(monkeypatch):
     """On a GPU: forward and backward of the converter's bidirectional preset at 4K tokens through the kernels against
     the float32 CPU path."""

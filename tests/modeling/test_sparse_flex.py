@@ -130,7 +130,7 @@ def test_which_calls_it_serves(monkeypatch):
     assert not sparse_flex.flex_prefill_serves(on(), spec)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention runs on CUDA devices")
+@pytest.mark.cuda
 def test_cuda_compiled_prefill_matches_the_cpu_walk(monkeypatch):
     """On a GPU: the compiled prefill at 4K tokens, forward and backward, against the float32 walk on the CPU."""
     monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")

@@ -194,9 +194,15 @@ def _launch_shape(x: Tensor, width: int, precision: str) -> dict:
     return {"D": x.shape[-1], "EP": padded_width(width), "BLOCK": BLOCK_ROWS, "PRECISION": input_precision(precision)}
 
 
+def contiguous_rows(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """The tensors contiguous: every kernel reads rows in place, and a compiled caller may pass other strides (an
+    operator's inputs, then, and its fake outputs are contiguous whatever it was given)."""
+    return tuple(t.contiguous() for t in tensors)
+
+
 def _state(x: Tensor, v: Tensor, c: float, precision: str = "pytorch") -> Tensor:
     """(B, H, N, d), (B, H, N, E) -> (B, H, 1 + d + d^2, E)."""
-    x, v = x.contiguous(), v.contiguous()  # the kernels read rows in place (compiled callers may pass other strides)
+    x, v = contiguous_rows(x, v)
     B, H, N, d = x.shape
     E = v.shape[-1]
     out = torch.empty(B, H, 1 + d + d * d, E, dtype=torch.float32, device=x.device)
@@ -206,7 +212,7 @@ def _state(x: Tensor, v: Tensor, c: float, precision: str = "pytorch") -> Tensor
 
 def _apply(x: Tensor, s: Tensor, c: float, precision: str = "pytorch") -> Tensor:
     """(B, H, N, d), (B, H, 1 + d + d^2, E) -> (B, H, N, E)."""
-    x, s = x.contiguous(), s.contiguous()
+    x, s = contiguous_rows(x, s)
     B, H, N, d = x.shape
     E = s.shape[-1]
     out = torch.empty(B, H, N, E, dtype=torch.float32, device=x.device)
@@ -216,7 +222,7 @@ def _apply(x: Tensor, s: Tensor, c: float, precision: str = "pytorch") -> Tensor
 
 def _grad_x(x: Tensor, g: Tensor, s: Tensor, c: float, precision: str = "pytorch") -> Tensor:
     """(B, H, N, d), (B, H, N, E), (B, H, 1 + d + d^2, E) -> (B, H, N, d)."""
-    x, g, s = x.contiguous(), g.contiguous(), s.contiguous()
+    x, g, s = contiguous_rows(x, g, s)
     B, H, N, d = x.shape
     E = s.shape[-1]
     out = torch.empty_like(x)

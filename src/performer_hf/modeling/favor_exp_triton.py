@@ -40,7 +40,7 @@ import torch
 # Triton and its language come from the far field's module, which imports them where they are (remote code's import
 # check requires every module a file imports outside a try block)
 from .causal_scan import EMPTY_SHIFT, scan_backward, scan_forward, scan_weights
-from .far_field_triton import input_precision, launch_fitting, padded_width, tiles_serve, tl, triton
+from .far_field_triton import contiguous_rows, input_precision, launch_fitting, padded_width, tiles_serve, tl, triton
 
 Tensor = torch.Tensor
 FEATURES_PER_PROGRAM = 64  # features of the state one program holds
@@ -329,11 +329,6 @@ def serves(q: Tensor, values_width: int, directions: Tensor, bias: Tensor | None
     return tiles_serve(q, values_width, 128) and not learned
 
 
-def _contiguous(*tensors: Tensor) -> tuple[Tensor, ...]:
-    """The kernels read rows in place: a compiled caller may pass other strides."""
-    return tuple(t.contiguous() for t in tensors)
-
-
 def _features_args(q: Tensor, directions: Tensor, bias: Tensor | None) -> tuple:
     """Directions and bias broadcast to (B, H, m, d) and (B, H, 1, m), with their (batch, head) strides (0 where
     shared): (directions, bias or None, dir_b, dir_h, bias_b, bias_h)."""
@@ -353,7 +348,7 @@ def _settings(q: Tensor, width: int, precision: str) -> dict:
 
 def _row_max(x: Tensor, directions: Tensor, bias: Tensor | None, precision: str) -> Tensor:
     """``max_r (x . D_r + bias_r)`` (B, H, L) of rows x (B, H, L, d)."""
-    x = x.contiguous()
+    (x,) = contiguous_rows(x)
     B, H, L, _ = x.shape
     dirs, bias, *strides = _features_args(x, directions, bias)
     out = x.new_empty(B, H, L)
@@ -383,7 +378,7 @@ def _forward(
     bias: Tensor | None, kv0: Tensor, shift0: Tensor, stabilizer: float, precision: str,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The sums (B, H, L, E), the state after the call (B, H, m, E) and each segment's start state (B, H, S, m, E)."""
-    q, k, v1, q_off, k_off, shifts, kv0, shift0 = _contiguous(q, k, v1, q_off, k_off, shifts, kv0, shift0)
+    q, k, v1, q_off, k_off, shifts, kv0, shift0 = contiguous_rows(q, k, v1, q_off, k_off, shifts, kv0, shift0)
     B, H, L, _ = q.shape
     E, M = v1.shape[-1], directions.shape[-2]
     dirs, bias, *strides = _features_args(q, directions, bias)
@@ -412,7 +407,7 @@ def _backward(
     directions: Tensor, bias: Tensor | None, starts: Tensor, shift0: Tensor, stabilizer: float, precision: str,
 ) -> list[Tensor]:  # fmt: skip
     """The gradients of q, k, v1, q_off, k_off and the state before the call, from each segment's start state."""
-    tensors = _contiguous(grad, grad_kv, q, k, v1, q_off, k_off, shifts, starts, shift0)
+    tensors = contiguous_rows(grad, grad_kv, q, k, v1, q_off, k_off, shifts, starts, shift0)
     grad, grad_kv, q, k, v1, q_off, k_off, shifts, starts, shift0 = tensors
     B, H, L, _ = q.shape
     E, M = v1.shape[-1], directions.shape[-2]
@@ -476,7 +471,7 @@ def _bidirectional_forward(
     stabilizer: float, precision: str,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The sums (B, H, Lq, E) and the keys' state (B, H, M, E)."""
-    q, k, v1, q_off, k_off = _contiguous(q, k, v1, q_off, k_off)
+    q, k, v1, q_off, k_off = contiguous_rows(q, k, v1, q_off, k_off)
     features = _features_args(q, directions, bias)
     kv = q.new_zeros(*q.shape[:2], directions.shape[-2], v1.shape[-1])  # added into, a share per segment
     _sum(k, k_off, v1, features, kv, 0.0, precision)
@@ -488,7 +483,7 @@ def _bidirectional_backward(
     bias: Tensor | None, kv: Tensor, stabilizer: float, precision: str,
 ) -> list[Tensor]:  # fmt: skip
     """The gradients of q, k, v1, q_off and k_off."""
-    grad, q, k, v1, q_off, k_off, kv = _contiguous(grad, q, k, v1, q_off, k_off, kv)
+    grad, q, k, v1, q_off, k_off, kv = contiguous_rows(grad, q, k, v1, q_off, k_off, kv)
     features = _features_args(q, directions, bias)
     d_kv = torch.zeros_like(kv)
     _sum(q, q_off, grad, features, d_kv, stabilizer, precision)
@@ -517,11 +512,11 @@ def _register() -> None:
     def _(q, k, v1, q_off, k_off, shifts, directions, bias, kv0, shift0, stabilizer, precision):
         S = segments(q.shape[0] * q.shape[1], directions.shape[-2], q.shape[2])[0]
         starts = kv0.new_empty(*kv0.shape[:2], S, *kv0.shape[2:])
-        return q.new_empty(*q.shape[:3], v1.shape[-1]), torch.empty_like(kv0), starts
+        return q.new_empty(*q.shape[:3], v1.shape[-1]), kv0.new_empty(kv0.shape), starts
 
     @backward.register_fake
     def _(grad, grad_kv, q, k, v1, q_off, k_off, shifts, directions, bias, starts, *rest):
-        return [*(torch.empty_like(t) for t in (q, k, v1, q_off, k_off)), torch.empty_like(grad_kv)]
+        return [t.new_empty(t.shape) for t in (q, k, v1, q_off, k_off, grad_kv)]
 
     def setup_context(ctx, inputs, output):
         q, k, v1, q_off, k_off, shifts, directions, bias, _, shift0, ctx.stabilizer, ctx.precision = inputs
@@ -532,9 +527,9 @@ def _register() -> None:
     def gradients(ctx, grad, grad_kv, _grad_starts):
         q, k, v1, q_off, k_off, shifts, directions, starts, shift0, *bias = ctx.saved_tensors
         bias = bias[0] if ctx.has_bias else None
-        grad_kv = starts.new_zeros(*starts.shape[:2], *starts.shape[3:]) if grad_kv is None else grad_kv.contiguous()
+        grad_kv = starts.new_zeros(*starts.shape[:2], *starts.shape[3:]) if grad_kv is None else grad_kv
         d_q, d_k, d_v1, d_q_off, d_k_off, d_kv0 = torch.ops.performer_hf.causal_exp_scan_backward(
-            grad.contiguous(), grad_kv, q, k, v1, q_off, k_off, shifts, directions, bias, starts, shift0,
+            grad, grad_kv, q, k, v1, q_off, k_off, shifts, directions, bias, starts, shift0,
             ctx.stabilizer, ctx.precision,
         )  # fmt: skip
         return d_q, d_k, d_v1, d_q_off, d_k_off, None, None, None, d_kv0, None, None, None
@@ -558,7 +553,7 @@ def _register_bidirectional() -> None:
 
     @backward.register_fake
     def _(grad, q, k, v1, q_off, k_off, *rest):
-        return [torch.empty_like(t) for t in (q, k, v1, q_off, k_off)]
+        return [t.new_empty(t.shape) for t in (q, k, v1, q_off, k_off)]
 
     def setup_context(ctx, inputs, output):
         q, k, v1, q_off, k_off, directions, bias, ctx.stabilizer, ctx.precision = inputs
@@ -569,7 +564,7 @@ def _register_bidirectional() -> None:
         q, k, v1, q_off, k_off, directions, kv, *bias = ctx.saved_tensors
         bias = bias[0] if ctx.has_bias else None
         d_q, d_k, d_v1, d_q_off, d_k_off = torch.ops.performer_hf.bidirectional_exp_sums_backward(
-            grad.contiguous(), q, k, v1, q_off, k_off, directions, bias, kv, ctx.stabilizer, ctx.precision
+            grad, q, k, v1, q_off, k_off, directions, bias, kv, ctx.stabilizer, ctx.precision
         )
         return d_q, d_k, d_v1, d_q_off, d_k_off, None, None, None, None
 
@@ -623,7 +618,7 @@ def causal_exp_sums(
     if state is None:
         kv0, shift0 = q.new_zeros(B, H, m, v1.shape[-1]), q.new_full((B, H), EMPTY_SHIFT)
     else:
-        kv0, shift0 = state[0].to(q.dtype).contiguous(), state[1].to(q.dtype).contiguous()
+        kv0, shift0 = state[0].to(q.dtype), state[1].to(q.dtype)
     shifts = torch.cummax(torch.maximum(k_max, shift0.detach()[..., None]), dim=-1).values  # s_j: running max
     k_off = k_base - shifts
     if mask is not None:

@@ -29,7 +29,7 @@ import torch
 
 # Triton and its language come from the far field's module, which imports them where they are (remote code's import
 # check requires every module a file imports outside a try block)
-from .far_field_triton import input_precision, launch_fitting, padded_width, tiles_serve, tl, triton
+from .far_field_triton import contiguous_rows, input_precision, launch_fitting, padded_width, tiles_serve, tl, triton
 
 Tensor = torch.Tensor
 CHUNK = 64  # candidate keys per step of a query block's walk (fewer where the tiles exceed the GPU's shared memory)
@@ -224,7 +224,10 @@ def _forward(
     klog: Tensor, mask: Tensor, routes: Tensor, geometry: list[int], quadratic: float, precision: str,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The sums (B, H, L, D1), each query's shift and the kernel's mass on its support (B, H, L). Inputs as
-    :class:`.hybrid_compiled._SupportSums` takes them (rows contiguous, y untransposed), routes int32."""
+    :func:`support_sums` gives them (y untransposed, routes int32)."""
+    x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes = contiguous_rows(
+        x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes
+    )
     left, right, nb_global, block_q, block_k = geometry
     B, H, L, _ = x.shape
     N, R, D1 = routes.shape[2], routes.shape[3], values1.shape[-1]
@@ -245,6 +248,10 @@ def _backward(
     geometry: list[int], quadratic: float, precision: str,
 ) -> list[Tensor]:  # fmt: skip
     """The gradients of x, rq, q_scale, far_sum, y, values1 and klog."""
+    tensors = (grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, shift, kernel_mass)
+    grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, shift, kernel_mass = contiguous_rows(
+        *tensors
+    )
     left, right, nb_global, block_q, block_k = geometry
     B, H, L, _ = x.shape
     N, R, D1 = routes.shape[2], routes.shape[3], values1.shape[-1]
@@ -252,7 +259,7 @@ def _backward(
     d_y, d_values1, d_klog = (torch.zeros_like(t) for t in (y, values1, klog))  # added into atomically
     width = block_q + left + right if right >= 0 else 0
     args = (
-        grad.contiguous(), x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, shift, kernel_mass,
+        grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, shift, kernel_mass,
         d_x, d_rq, d_q_scale, d_far, d_y, d_values1, d_klog,
         H, L, N, R, D1, block_q, width, nb_global, left, right, quadratic,
     )  # fmt: skip
@@ -272,11 +279,11 @@ def _register() -> None:
 
     @forward.register_fake
     def _(x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, geometry, quadratic, precision):
-        return torch.empty_like(far_sum), x.new_empty(x.shape[:3]), x.new_empty(x.shape[:3])
+        return far_sum.new_empty(far_sum.shape), x.new_empty(x.shape[:3]), x.new_empty(x.shape[:3])
 
     @backward.register_fake
     def _(grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, *rest):
-        return [torch.empty_like(t) for t in (x, rq, q_scale, far_sum, y, values1, klog)]
+        return [t.new_empty(t.shape) for t in (x, rq, q_scale, far_sum, y, values1, klog)]
 
     def setup_context(ctx, inputs, output):
         *tensors, ctx.geometry, ctx.quadratic, ctx.precision = inputs
@@ -306,9 +313,8 @@ def support_sums(
     key_shift (B, H); mask (B, L) bool; routes (B, H, N, R) the routed key blocks of each query block (-1: none);
     geometry ``[left, right, nb_global, block_q, block_k]``; quadratic the polynomial's ``c2``. Float32, the matrix
     products in ``precision`` (:func:`.far_field_triton.float32_precision`)."""
-    tensors = [t.contiguous() for t in (x, rq, q_scale, far_sum, key_shift, y, values1, klog)]
-    routes = routes.to(torch.int32).contiguous()
     out, _, _ = torch.ops.performer_hf.hybrid_support_sums(
-        *tensors, mask.contiguous(), routes, [int(g) for g in geometry], float(quadratic), precision
-    )
+        x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes.to(torch.int32), [int(g) for g in geometry],
+        float(quadratic), precision,
+    )  # fmt: skip
     return out
