@@ -23,14 +23,20 @@ forward + backward (training) and forward alone (inference), median of ``--reps`
                           query), compiled: its share of the compiled hybrid
     compiled: routing     the default's routing alone (each query block's key blocks), compiled; it has no
                           backward, so its training time is its forward's
+    causal favor          causal FAVOR+ (the decoder's; its scan also serves the decoder default's far field), against
+                          ``flash, causal``; then its Triton scan's launch settings varied (``favor_exp_triton``'s
+                          segments per walk, features per program): which the GPU prefers
 
 ``--arms`` runs the named arms only (flash always: every ratio divides its time), e.g. the compiled ones at 32K.
+``--head-dim 64`` takes the decoder's (GPT-2's) head size, whose 65 value columns the kernels pad to 128.
 
 Random inputs route to random blocks, so the hybrid's mask is at least as dense as on text (routing_granularity.py
 measures the real MiniLM's). Each row is logged as it is measured (a run cut short keeps what it printed). On a CPU
 (forward only, float32) only flash, FAVOR+ and the hybrid run: the rest are questions about the GPU.
 
     python benchmarks/attention_parts.py --device cuda --lengths 8192 32768 --out-dir benchmarks/results/...
+    python benchmarks/attention_parts.py --device cuda --lengths 32768 --head-dim 64 --arms "causal favor" \
+        "causal favor, short segments" "causal favor, long segments" "causal favor, 32 features per program"
     python benchmarks/attention_parts.py --quick    # smoke test on the CPU: inference at 512 tokens
 """
 
@@ -49,7 +55,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 from performer_hf.favor import HybridSpec, draw_projection, favor_attention, hybrid_attention
-from performer_hf.modeling import hybrid_flex
+from performer_hf.modeling import favor_exp_triton, hybrid_flex
 from performer_hf.modeling.attention_methods import ATTENTION_METHODS
 from performer_hf.modeling.far_field_polynomial import quadratic_apply, quadratic_state
 from performer_hf.modeling.favor_hybrid import _prepare
@@ -57,7 +63,7 @@ from performer_hf.modeling.hybrid_selection import ExtraKeys, Selection
 
 logger = logging.getLogger("benchmarks.attention_parts")
 
-HEADS, HEAD_DIM, FEATURES = 12, 32, 256
+HEADS, FEATURES = 12, 256
 
 
 def hybrid_preset(**changes) -> HybridSpec:
@@ -68,6 +74,13 @@ def hybrid_preset(**changes) -> HybridSpec:
     return HybridSpec(**{**settings, **changes})
 
 
+# favor_exp_triton's launch settings tried on the causal scan (read at each call; each compiles its kernels anew)
+SCAN_SETTINGS = {
+    "causal favor, short segments": dict(TARGET_PROGRAMS=4096, MIN_SEGMENT=128),
+    "causal favor, long segments": dict(TARGET_PROGRAMS=256, MIN_SEGMENT=2048),
+    "causal favor, 32 features per program": dict(FEATURES_PER_PROGRAM=32),
+    "causal favor, 128 features per program": dict(FEATURES_PER_PROGRAM=128),
+}
 TILE_ROUTING = dict(local_window=257, query_block_size=128, route_group_size=0, routed_blocks=4, route_block_size=128)
 TILED = dict(local_window=257, query_block_size=128, route_group_size=0, routed_blocks=16, route_block_size=64)
 
@@ -159,8 +172,14 @@ def arms(device: str, length: int, inputs, projection):
     def tiled(q, k, v):
         return hybrid_attention(q, k, v, spec=hybrid_preset(**TILED), projection=projection)
 
+    def flash_causal(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION if device == "cuda" else SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
     yield "flash", flash, False
+    yield "flash, causal", flash_causal, False
     yield "favor", favor, False
+    yield "causal favor", functools.partial(favor_attention, projection=projection, causal=True), False
     yield "hybrid", hybrid, device == "cuda"
     if device == "cuda" and capture.mask is not None:
         yield from flex_arms(capture.mask)
@@ -173,13 +192,28 @@ def arms(device: str, length: int, inputs, projection):
     yield "hybrid, tiled, compiled", torch.compile(tiled), False
     yield "compiled: far field", torch.compile(far_field_part), False
     yield "compiled: routing", torch.compile(functools.partial(routing_part, spec=spec)), False
+    for name, settings in SCAN_SETTINGS.items():
+        yield name, functools.partial(causal_favor_with, settings, projection), False
+
+
+def causal_favor_with(settings: dict, projection, q, k, v):
+    """Causal FAVOR+ with ``favor_exp_triton``'s module settings ``settings`` for this call."""
+    saved = {name: getattr(favor_exp_triton, name) for name in settings}
+    for name, value in settings.items():
+        setattr(favor_exp_triton, name, value)
+    try:
+        return favor_attention(q, k, v, projection, causal=True)
+    finally:
+        for name, value in saved.items():
+            setattr(favor_exp_triton, name, value)
 
 
 def far_field_part(q, k, v):
     """The polynomial far field of ``poly2`` (``1 + t + t^2 / 4``, the default's) over all keys, in float32 as the
     hybrid runs it: its state from the keys and values, applied to every query. -> (B, H, L, dv + 1)"""
     values1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1).float()
-    return quadratic_apply(q.float() * HEAD_DIM**-0.5, quadratic_state(k.float() * HEAD_DIM**-0.5, values1, 0.25))
+    scale = q.shape[-1] ** -0.5
+    return quadratic_apply(q.float() * scale, quadratic_state(k.float() * scale, values1, 0.25))
 
 
 def routing_part(q, k, v, spec: HybridSpec):
@@ -215,7 +249,7 @@ def flex_arms(mask):
     ):
 
         def call(q, k, v, block_mask=block_mask):
-            return hybrid_flex.flex_attend(q * HEAD_DIM**-0.5, k, v, block_mask)[0]
+            return hybrid_flex.flex_attend(q * q.shape[-1] ** -0.5, k, v, block_mask)[0]
 
         yield name, call, False
 
@@ -228,21 +262,22 @@ def measure(args) -> dict:
     rows = []
     for length in args.lengths:
         generator = torch.Generator().manual_seed(0)
-        shape = (1, HEADS, length, HEAD_DIM)
+        shape = (1, HEADS, length, args.head_dim)
         tensors = [torch.randn(shape, generator=generator).to(args.device, dtype) for _ in range(3)]
-        projection = draw_projection(FEATURES, HEAD_DIM, generator=generator).to(args.device)
+        projection = draw_projection(FEATURES, args.head_dim, generator=generator).to(args.device)
         flash_times = {}
         for name, call, split in arms(args.device, length, tensors, projection):
-            if args.arms and name not in args.arms and name != "flash":
+            if args.arms and name not in args.arms and not name.startswith("flash"):
                 continue
+            reference = name if name.startswith("flash") else "flash, causal" if name.startswith("causal") else "flash"
             row = {"length": length, "arm": name}
             try:
                 for mode in modes:
                     inputs = [t.detach().requires_grad_(mode == "train") for t in tensors]
                     row[mode] = timed(call, inputs, mode == "train", args.reps, args.device)
-                    if name == "flash":
-                        flash_times[mode] = row[mode]
-                    row[f"{mode}_vs_flash"] = flash_times[mode] / row[mode]
+                    if name.startswith("flash"):
+                        flash_times[name, mode] = row[mode]
+                    row[f"{mode}_vs_flash"] = flash_times[reference, mode] / row[mode]
                 if split:
                     row.update(device_split(call, [t.detach().requires_grad_() for t in tensors]))
             except Exception as error:  # an arm that fails (memory, compilation) is reported, the rest go on
@@ -252,7 +287,8 @@ def measure(args) -> dict:
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    return {"device": device, "torch": torch.__version__, "dtype": str(dtype), "modes": list(modes), "rows": rows}
+    settings = {"device": device, "torch": torch.__version__, "dtype": str(dtype), "head_dim": args.head_dim}
+    return {**settings, "modes": list(modes), "rows": rows}
 
 
 def markdown(result: dict) -> str:
@@ -261,8 +297,9 @@ def markdown(result: dict) -> str:
     lines = [
         f"# One attention call's parts on {result['device']} (torch {result['torch']})",
         "",
-        f"One call of the encoder's shape (1 x {HEADS} heads x L x {HEAD_DIM}), {result.get('dtype', 'bfloat16')}, "
-        "random inputs; median milliseconds; ratio = flash's time / the arm's (above 1: faster than flash). The "
+        f"One call of (1 x {HEADS} heads x L x {result.get('head_dim', 32)}), {result.get('dtype', 'bfloat16')}, "
+        "random inputs; median milliseconds; ratio = flash's time / the arm's (above 1: faster than flash; causal "
+        "arms against causal flash). The "
         "hybrid rows' device time, forward + backward: FlexAttention's kernels, matrix products, the rest (kernel "
         "launches).",
         "",
@@ -307,6 +344,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--lengths", nargs="+", type=int, default=[8192, 32768])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--arms", nargs="+", help="only these arms (and flash), by their names in the table")
+    parser.add_argument("--head-dim", type=int, default=32, help="32: the encoder's (MiniLM); 64: GPT-2's")
     return harness.main("attention_parts", parser, measure, markdown, plot, argv=argv)
 
 

@@ -26,6 +26,13 @@
 #   echo /.whl/ >> .git/info/exclude && python3 -m pip download --no-deps -d .whl "transformers==5.24.0"
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=590)
 #
+# A second call, where the session has time for one (about 4 minutes: each setting compiles the scan's kernels):
+# which launch settings of the causal scan the GPU prefers, at the decoder's head size,
+#
+#   python3 benchmarks/attention_parts.py --device cuda --lengths 32768 --head-dim 64 --reps 3 --out-dir $OUT \
+#     --arms "causal favor" "causal favor, short segments" "causal favor, long segments" \
+#     "causal favor, 32 features per program" "causal favor, 128 features per program" favor
+#
 # PERFORMER_HF_FLEX=0 runs the same on the PyTorch backend (the figures before FlexAttention).
 set -euo pipefail
 cd "$(dirname "$0")/.."
