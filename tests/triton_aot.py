@@ -110,18 +110,23 @@ def _bidirectional_kernels(bias: bool, constants: dict, options: dict):
 
 
 def scan_configurations(widest: bool):
-    """The causal scan's kernels, as :func:`configurations` yields them, at its first tiles (chunk and pipeline
-    stages): FAVOR++ (with a bias) at the decoder's head dim 32 and 33 value columns; with ``widest`` also plain
-    FAVOR+ (no bias) at head dim 64 and 65 value columns in IEEE float32, and head dim 128 with 128 value columns."""
-    tiles = [(32, 64, "tf32", True)] + ([(64, 128, "ieee", False), (128, 128, "tf32", True)] if widest else [])
+    """FAVOR+'s kernels (the causal scan's, the bidirectional sums'), as :func:`configurations` yields them, at the
+    scan's first tiles (chunk and pipeline stages): FAVOR++ (with a bias) at the decoder's head dim 32 and 33 value
+    columns (a tile of 32, the last apart: ``favor_exp_triton.value_tiles``); with ``widest`` also plain FAVOR+ (no
+    bias) at head dim 64 and 65 value columns in IEEE float32, head dim 128 with 129 value columns, and 24 value
+    columns (a tile of 32, none apart)."""
+    tiles = [(32, 33, "tf32", True)]
+    if widest:
+        tiles += [(64, 65, "ieee", False), (128, 129, "tf32", True), (32, 24, "tf32", True)]
     first = favor_exp_triton.TILES[0]
     for d, width, precision, bias in tiles:
         constants = dict(D=d, BM=favor_exp_triton.FEATURES_PER_PROGRAM, PRECISION=precision, C=first["C"])
         constants.update({} if bias else {"BIAS": None})
+        tile, tail = favor_exp_triton.value_tiles(width)
         options = {"num_stages": first["num_stages"]}
         for name, kernel, tensors, ints, floats, writes in _scan_kernels(bias):
-            yield name, kernel, tensors, ints, floats, {**constants, "EP": width, **writes}, options
-        yield from _bidirectional_kernels(bias, {**constants, "EP": width}, options)
+            yield name, kernel, tensors, ints, floats, {**constants, "EP": tile, "TAIL": tail, **writes}, options
+        yield from _bidirectional_kernels(bias, {**constants, "EP": tile, "TAIL": tail}, options)
         row_max = {**_rows("X DIR"), "BIAS": "*fp32" if bias else "constexpr", "OUT": "*fp32"}
         ints = [name for name in SCAN_INTS if name not in ("E", "S", "SEG")]
         yield "causal scan row max", favor_exp_triton._row_max_kernel, row_max, ints, (), {**constants, "C": 64}, {}

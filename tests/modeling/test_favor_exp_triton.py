@@ -22,11 +22,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _scan_inputs(length, d, m, width, per_head, bias, row, mask, state, seed=0):
     """Queries, keys, values, features (directions, bias), key rows, mask and state of a (2, 3)-headed scan, float64
-    on the CPU; the values' last column is ones, as the callers' are."""
+    on the CPU; the values' last column is positive, as the callers' (ones) are, and not constant: the kernels hold it
+    apart (``value_tiles``) where the others fill a tile."""
     g = torch.Generator().manual_seed(seed)
     B, H = 2, 3
     q, k = (torch.randn(B, H, length, d, generator=g, dtype=torch.float64) * 0.5 for _ in range(2))
-    v1 = torch.cat([torch.randn(B, H, length, width - 1, generator=g), torch.ones(B, H, length, 1)], -1).double()
+    v1 = torch.cat(
+        [torch.randn(B, H, length, width - 1, generator=g), torch.rand(B, H, length, 1, generator=g) + 0.5], -1
+    ).double()
     directions = torch.randn(*((H,) if per_head else ()), m, d, generator=g, dtype=torch.float64) * 0.7
     bias = torch.randn(H, 1, m, generator=g, dtype=torch.float64) * 0.3 if bias else None
     if row:  # rising along the sequence: the keys' running max (their shift) grows at most positions
@@ -287,7 +290,8 @@ def test_only_cuda_float32_queries_of_tile_dims_and_fixed_features_are_served(mo
         assert favor_exp_triton.serves(x, 33, directions, None)
         assert not favor_exp_triton.serves(x.double(), 33, directions.double(), None)  # float32 only
         assert not favor_exp_triton.serves(x[..., :24], 33, directions[:, :24], None)  # a power of two
-        assert not favor_exp_triton.serves(x, 129, directions, None)  # at most 128 value columns
+        assert favor_exp_triton.serves(x, 129, directions, None)  # 128 columns, the normaliser's apart
+        assert not favor_exp_triton.serves(x, 130, directions, None)  # a tile of at most 128 value columns
         assert not favor_exp_triton.serves(x, 33, directions.requires_grad_(), None)  # a learned parameter
         with torch.no_grad():
             assert favor_exp_triton.serves(x, 33, directions, None)

@@ -26,6 +26,11 @@ max ``s_j`` of the keys' log-features causally, their max bidirectionally), so t
   from the queries), and ``_rows_kernel``, each row's ``(phi(x) + stabilizer) S`` (the sums; backward, the values'
   gradient) or the gradients of rows and offsets.
 
+The values come with the normaliser's column (ones: a head's d values and 1, E = d + 1): the kernels hold d of them in
+their tiles and the last in reductions beside each product (:func:`value_tiles`), where a tile padded to the next
+power of two would double the products' value side (65 columns in 128) and the shared memory the state takes (on
+Hopper, ahead of time, at head dim 64: the scan's kernels 87 / 111 / 119 KB -> 62 / 74 / 91 KB).
+
 Matrix products take float32 as :func:`.far_field_triton.float32_precision` says. The directions and bias are
 constants here (the projection is a buffer; a learned FAVOR++ parameter keeps PyTorch: :func:`serves`). Tested on
 the CPU through Triton's interpreter against the PyTorch forms in float64.
@@ -46,8 +51,8 @@ Tensor = torch.Tensor
 FEATURES_PER_PROGRAM = 64  # features of the state one program holds
 CHUNK = 32  # positions per step of a program's walk
 # the tiles of the scan's kernels, the first that fits the GPU's shared memory (launch_fitting): compiled for Hopper
-# at chunks of 32, two stages of loads in flight, the key gradients take 87 KB at head dim 32 x 33 value columns,
-# 226 KB at 128 x 128 (of 227); chunks of 64 took 165 KB at 32 x 33
+# at chunks of 32, two stages of loads in flight, the key gradients take 74 KB at head dim 32 x 33 value columns,
+# 246 KB at 128 x 129 (of 227: one stage then); chunks of 64 took 165 KB at 32 x 33 (values in a tile of 64)
 TILES = ({"C": CHUNK, "num_stages": 2}, {"C": CHUNK, "num_stages": 1}, {"C": 16, "num_stages": 1})
 # The walk is cut into segments that run in parallel where (batch, head, feature block) programs are too few to fill a
 # GPU (a 32K-token call of 12 heads x 256 features has 48): about this many programs in all, segments of at least
@@ -98,10 +103,63 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         return tl.where(exists[None, :] & live[:, None], tl.exp(logits), 0.0)
 
     @triton.jit
+    def _value_rows(V, bh, rows, live, L, E, EP: tl.constexpr, TAIL: tl.constexpr):
+        # rows of (B, H, L, E) values: their tile (C, EP), zero past E, and with TAIL their last column apart (C,)
+        # (zero without)
+        cols = tl.arange(0, EP)
+        base = V + (bh * L + rows) * E
+        tile = tl.load(base[:, None] + cols[None, :], mask=live[:, None] & (cols < E)[None, :], other=0.0)
+        tail = tl.where(live, 0.0, 0.0)
+        if TAIL:
+            tail = tl.load(base + EP, mask=live, other=0.0)
+        return tile, tail
+
+    @triton.jit
+    def _add_rows(OUT, bh, rows, live, tile, tail, L, E, EP: tl.constexpr, TAIL: tl.constexpr):
+        # adds a tile (C, EP) and its last column apart (C,) (with TAIL) into rows of (B, H, L, E), atomically
+        cols = tl.arange(0, EP)
+        base = OUT + (bh * L + rows) * E
+        tl.atomic_add(base[:, None] + cols[None, :], tile, mask=live[:, None] & (cols < E)[None, :])
+        if TAIL:
+            tl.atomic_add(base + EP, tail, mask=live)
+
+    @triton.jit
+    def _state_rows(KV, row, feats, exists, M, E, EP: tl.constexpr):
+        # pointers to the program's rows of a (B, H, S, M, E) state (row = its (batch, head, segment)), the mask of
+        # its tile (BM, EP), and pointers to their last column (the tail's, with TAIL)
+        cols = tl.arange(0, EP)
+        base = KV + (row * M + feats) * E
+        return base[:, None] + cols[None, :], exists[:, None] & (cols < E)[None, :], base + EP
+
+    @triton.jit
+    def _load_state(KV, row, feats, exists, M, E, EP: tl.constexpr, TAIL: tl.constexpr):
+        # the program's rows of a (B, H, S, M, E) state: its tile (BM, EP) and last column (BM,) (zero without TAIL)
+        tile_ptr, tile_mask, tail_ptr = _state_rows(KV, row, feats, exists, M, E, EP)
+        tile = tl.load(tile_ptr, mask=tile_mask, other=0.0)
+        tail = tl.where(exists, 0.0, 0.0)
+        if TAIL:
+            tail = tl.load(tail_ptr, mask=exists, other=0.0)
+        return tile, tail
+
+    @triton.jit
+    def _store_state(KV, row, feats, exists, M, E, tile, tail, EP: tl.constexpr, TAIL: tl.constexpr, ADD: tl.constexpr):
+        # writes (or with ADD, adds atomically) the program's rows of a (B, H, S, M, E) state
+        tile_ptr, tile_mask, tail_ptr = _state_rows(KV, row, feats, exists, M, E, EP)
+        if ADD:
+            tl.atomic_add(tile_ptr, tile, mask=tile_mask)
+            if TAIL:
+                tl.atomic_add(tail_ptr, tail, mask=exists)
+        else:
+            tl.store(tile_ptr, tile, mask=tile_mask)
+            if TAIL:
+                tl.store(tail_ptr, tail, mask=exists)
+
+    @triton.jit
     def _sum_kernel(
         X, OFF, W, DIR, BIAS, OUT,
         H, L, M, E, SEG, dir_b, dir_h, bias_b, bias_h, stabilizer,
-        D: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
+        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
         # program (bh, feature block, segment): its segment's share of sum_rows (phi(x) + stabilizer) (x) w, for its
         # block of features, added into OUT (B, H, M, E): the keys' state, or the state's gradient from the queries
@@ -109,8 +167,8 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         feats, exists, dirs, bias = _directions(
             DIR, BIAS, bh // H, bh % H, block * BM, M, dir_b, dir_h, bias_b, bias_h, D, BM
         )
-        cols = tl.arange(0, EP)
         acc = tl.zeros((BM, EP), dtype=tl.float32)
+        acc_tail = tl.zeros((BM,), dtype=tl.float32)
         first = g * SEG
         stop = tl.minimum(first + SEG, L)
         for start in range(first, stop, C):
@@ -118,19 +176,18 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             live = rows < stop
             phi = _row_features(X, OFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
             phi = tl.where(exists[None, :] & live[:, None], phi + stabilizer, 0.0)
-            w = tl.load(
-                W + (bh * L + rows)[:, None] * E + cols[None, :], mask=live[:, None] & (cols < E)[None, :], other=0.0
-            )
+            w, w_tail = _value_rows(W, bh, rows, live, L, E, EP, TAIL)
             acc += tl.dot(tl.trans(phi), w, input_precision=PRECISION)
-        out_ptr, mask = _state_block(OUT, bh, feats, exists, M, E, EP)
-        tl.atomic_add(out_ptr, acc, mask=mask)
+            if TAIL:
+                acc_tail += tl.sum(phi * w_tail[:, None], axis=0)
+        _store_state(OUT, bh, feats, exists, M, E, acc, acc_tail, EP, TAIL, True)
 
     @triton.jit
     def _rows_kernel(
         X, OFF, G, S, DIR, BIAS, OUT, DX, DOFF,
         H, L, M, E, dir_b, dir_h, bias_b, bias_h, stabilizer,
-        D: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
-        GRADIENT: tl.constexpr,
+        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
+        PRECISION: tl.constexpr, GRADIENT: tl.constexpr,
     ):  # fmt: skip
         # program (bh, tile): for the tile's C rows, over every block of features of the state S (B, H, M, E):
         # OUT = (phi(x) + stabilizer) S (the sums, or the values' gradient); with GRADIENT, from G (C, E):
@@ -140,45 +197,51 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         rows = tile * C + tl.arange(0, C)
         live = rows < L
         dims, cols = tl.arange(0, D), tl.arange(0, EP)
-        keep = live[:, None] & (cols < E)[None, :]
         g = tl.zeros((C, EP), dtype=tl.float32)
+        g_tail = tl.zeros((C,), dtype=tl.float32)
         if GRADIENT:
-            g = tl.load(G + (bh * L + rows)[:, None] * E + cols[None, :], mask=keep, other=0.0)
+            g, g_tail = _value_rows(G, bh, rows, live, L, E, EP, TAIL)
         acc = tl.zeros((C, EP), dtype=tl.float32)
+        acc_tail = tl.zeros((C,), dtype=tl.float32)
         d_x = tl.zeros((C, D), dtype=tl.float32)
         d_off = tl.zeros((C,), dtype=tl.float32)
         for f0 in range(0, M, BM):
             feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, f0, M, dir_b, dir_h, bias_b, bias_h, D, BM)
-            state_ptr, state_mask = _state_block(S, bh, feats, exists, M, E, EP)
-            state = tl.load(state_ptr, mask=state_mask, other=0.0)  # (BM, EP)
+            state, state_tail = _load_state(S, bh, feats, exists, M, E, EP, TAIL)  # (BM, EP), (BM,)
             phi = _row_features(X, OFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
             if GRADIENT:
-                d_log = tl.dot(g, tl.trans(state), input_precision=PRECISION) * phi  # (C, BM)
+                d_phi = tl.dot(g, tl.trans(state), input_precision=PRECISION)  # (C, BM)
+                if TAIL:
+                    d_phi += g_tail[:, None] * state_tail[None, :]
+                d_log = d_phi * phi
                 d_x += tl.dot(d_log, dirs, input_precision=PRECISION)
                 d_off += tl.sum(d_log, axis=1)
             else:
                 phi = tl.where(exists[None, :], phi + stabilizer, 0.0)
                 acc += tl.dot(phi, state, input_precision=PRECISION)
+                if TAIL:
+                    acc_tail += tl.sum(phi * state_tail[None, :], axis=1)
         if GRADIENT:
             tl.store(DX + (bh * L + rows)[:, None] * D + dims[None, :], d_x, mask=live[:, None])
             tl.store(DOFF + bh * L + rows, d_off, mask=live)
         else:
-            tl.store(OUT + (bh * L + rows)[:, None] * E + cols[None, :], acc, mask=keep)
+            base = OUT + (bh * L + rows) * E
+            tl.store(base[:, None] + cols[None, :], acc, mask=live[:, None] & (cols < E)[None, :])
+            if TAIL:
+                tl.store(base + EP, acc_tail, mask=live)
 
     @triton.jit
     def _chunk(
         start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E,
-        D: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr,
+        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        # One chunk's rows (C,) from `start`, which are before `stop` (its segment's end), values (C, EP), key shifts
-        # s (C,) (past the segment: the chunk's end shift), the chunk's end shift, its query and key features (C, BM)
-        # (the stabilizer aside) and the causal factors exp(s_j - s_i) (C, C) [i, j], 0 above the diagonal.
+        # One chunk's rows (C,) from `start`, which are before `stop` (its segment's end), values (C, EP) and their
+        # last column apart (C,) (TAIL), key shifts s (C,) (past the segment: the chunk's end shift), the chunk's end
+        # shift, its query and key features (C, BM) (the stabilizer aside) and the causal factors exp(s_j - s_i)
+        # (C, C) [i, j], 0 above the diagonal.
         rows = start + tl.arange(0, C)
         live = rows < stop
-        cols = tl.arange(0, EP)
-        v = tl.load(
-            V1 + (bh * L + rows)[:, None] * E + cols[None, :], mask=live[:, None] & (cols < E)[None, :], other=0.0
-        )
+        v, v_tail = _value_rows(V1, bh, rows, live, L, E, EP, TAIL)
         s = tl.load(SHIFTS + bh * L + rows, mask=live, other=float("-inf"))
         end = tl.max(s, axis=0)  # the shifts never decrease: the last position's
         s = tl.where(live, s, end)
@@ -186,7 +249,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         phi_k = _row_features(K, KOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
         causal = rows[:, None] >= rows[None, :]
         decay = tl.where(causal, tl.exp(tl.minimum(s[None, :] - s[:, None], 0.0)), 0.0)
-        return rows, live, v, s, end, phi_q, phi_k, decay
+        return rows, live, v, v_tail, s, end, phi_q, phi_k, decay
 
     @triton.jit
     def _segment(H, L, S, SEG):
@@ -204,129 +267,137 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         return tl.where(start > 0, tl.load(SHIFTS + bh * L + tl.maximum(start - 1, 0)), tl.load(SHIFT0 + bh))
 
     @triton.jit
-    def _state_block(KV, row, feats, exists, M, E, EP: tl.constexpr):
-        # pointers and mask of the program's rows of a (B, H, S, M, E) state (row = its (batch, head, segment))
-        cols = tl.arange(0, EP)
-        return KV + (row * M + feats)[:, None] * E + cols[None, :], exists[:, None] & (cols < E)[None, :]
-
-    @triton.jit
     def _forward_kernel(
         Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, KV0, SHIFT0, OUT, KV,
         H, L, M, E, S, SEG, dir_b, dir_h, bias_b, bias_h, stabilizer,
-        D: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
-        WRITE_OUT: tl.constexpr, WRITE_STATE: tl.constexpr,
+        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
+        PRECISION: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_STATE: tl.constexpr,
     ):  # fmt: skip
         # program (bh, feature block, segment): from its segment's start state, its share of the segment's sums
         # (WRITE_OUT) and its rows of the state after the segment (WRITE_STATE)
         bh, b, h, block, row, first, stop = _segment(H, L, S, SEG)
         feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, block * BM, M, dir_b, dir_h, bias_b, bias_h, D, BM)
-        cols = tl.arange(0, EP)
-        state_ptr, state_mask = _state_block(KV0, row, feats, exists, M, E, EP)
-        state = tl.load(state_ptr, mask=state_mask, other=0.0)  # (BM, EP) relative to exp(prev)
+        state, state_tail = _load_state(KV0, row, feats, exists, M, E, EP, TAIL)  # relative to exp(prev)
         prev = _start_shift(SHIFTS, SHIFT0, bh, L, first)
         for start in range(first, stop, C):
-            rows, live, v, s, end, phi_q, phi_k, decay = _chunk(
-                start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, C, PRECISION
+            rows, live, v, v_tail, s, end, phi_q, phi_k, decay = _chunk(
+                start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, TAIL, C, PRECISION
             )
             if WRITE_OUT:
                 phi_q = tl.where(exists[None, :], phi_q + stabilizer, 0.0)
                 scores = tl.dot(phi_q, tl.trans(phi_k), input_precision=PRECISION) * decay  # (C, C)
+                to_query = tl.exp(prev - s)  # (C,)
                 out = tl.dot(scores, v, input_precision=PRECISION)
-                out += tl.dot(phi_q, state, input_precision=PRECISION) * tl.exp(prev - s)[:, None]
-                keep = live[:, None] & (cols < E)[None, :]
-                tl.atomic_add(OUT + (bh * L + rows)[:, None] * E + cols[None, :], out, mask=keep)
-            to_end = tl.exp(s - end)[:, None]
-            state = state * tl.exp(prev - end) + tl.dot(tl.trans(phi_k), v * to_end, input_precision=PRECISION)
+                out += tl.dot(phi_q, state, input_precision=PRECISION) * to_query[:, None]
+                out_tail = (
+                    tl.sum(scores * v_tail[None, :], axis=1) + tl.sum(phi_q * state_tail[None, :], axis=1) * to_query
+                )
+                _add_rows(OUT, bh, rows, live, out, out_tail, L, E, EP, TAIL)
+            to_end = tl.exp(s - end)  # (C,)
+            state = state * tl.exp(prev - end) + tl.dot(tl.trans(phi_k), v * to_end[:, None], input_precision=PRECISION)
+            if TAIL:
+                state_tail = state_tail * tl.exp(prev - end) + tl.sum(phi_k * (v_tail * to_end)[:, None], axis=0)
             prev = end
         if WRITE_STATE:
-            out_ptr, _ = _state_block(KV, row, feats, exists, M, E, EP)
-            tl.store(out_ptr, state, mask=state_mask)
+            _store_state(KV, row, feats, exists, M, E, state, state_tail, EP, TAIL, False)
 
     @triton.jit
     def _query_grad_kernel(
         GRAD, Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, KV0, SHIFT0, DQ, DQOFF,
         H, L, M, E, S, SEG, dir_b, dir_h, bias_b, bias_h,
-        D: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
+        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
         # program (bh, feature block, segment): its share of the segment's queries' gradients, from the state each
         # chunk starts from (recomputed, in order, from the segment's start state).
         # d phi_q = (g v^T * decay) phi_k + exp(prev - s) g S^T; d log phi_q = d phi_q phi_q
         bh, b, h, block, row, first, stop = _segment(H, L, S, SEG)
         feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, block * BM, M, dir_b, dir_h, bias_b, bias_h, D, BM)
-        dims, cols = tl.arange(0, D), tl.arange(0, EP)
-        state_ptr, state_mask = _state_block(KV0, row, feats, exists, M, E, EP)
-        state = tl.load(state_ptr, mask=state_mask, other=0.0)
+        dims = tl.arange(0, D)
+        state, state_tail = _load_state(KV0, row, feats, exists, M, E, EP, TAIL)
         prev = _start_shift(SHIFTS, SHIFT0, bh, L, first)
         for start in range(first, stop, C):
-            rows, live, v, s, end, phi_q, phi_k, decay = _chunk(
-                start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, C, PRECISION
+            rows, live, v, v_tail, s, end, phi_q, phi_k, decay = _chunk(
+                start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, TAIL, C, PRECISION
             )
             row_ptr = (bh * L + rows)[:, None]
-            g = tl.load(GRAD + row_ptr * E + cols[None, :], mask=live[:, None] & (cols < E)[None, :], other=0.0)
-            d_scores = tl.dot(g, tl.trans(v), input_precision=PRECISION) * decay  # (C, C)
-            d_phi = tl.dot(d_scores, phi_k, input_precision=PRECISION)
-            d_phi += tl.dot(g, tl.trans(state), input_precision=PRECISION) * tl.exp(prev - s)[:, None]
+            g, g_tail = _value_rows(GRAD, bh, rows, live, L, E, EP, TAIL)
+            d_scores = tl.dot(g, tl.trans(v), input_precision=PRECISION)  # (C, C)
+            reads = tl.dot(g, tl.trans(state), input_precision=PRECISION)  # (C, BM)
+            if TAIL:
+                d_scores += g_tail[:, None] * v_tail[None, :]
+                reads += g_tail[:, None] * state_tail[None, :]
+            d_phi = tl.dot(d_scores * decay, phi_k, input_precision=PRECISION) + reads * tl.exp(prev - s)[:, None]
             d_log = d_phi * phi_q  # (C, BM)
             tl.atomic_add(
                 DQ + row_ptr * D + dims[None, :], tl.dot(d_log, dirs, input_precision=PRECISION), mask=live[:, None]
             )
             tl.atomic_add(DQOFF + bh * L + rows, tl.sum(d_log, axis=1), mask=live)
-            to_end = tl.exp(s - end)[:, None]
-            state = state * tl.exp(prev - end) + tl.dot(tl.trans(phi_k), v * to_end, input_precision=PRECISION)
+            to_end = tl.exp(s - end)  # (C,)
+            state = state * tl.exp(prev - end) + tl.dot(tl.trans(phi_k), v * to_end[:, None], input_precision=PRECISION)
+            if TAIL:
+                state_tail = state_tail * tl.exp(prev - end) + tl.sum(phi_k * (v_tail * to_end)[:, None], axis=0)
             prev = end
 
     @triton.jit
     def _key_grad_kernel(
         GRAD, GKV, Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, SHIFT0, DK, DKOFF, DV1, DKV0,
         H, L, M, E, S, SEG, dir_b, dir_h, bias_b, bias_h, stabilizer,
-        D: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
-        WRITE_GRADS: tl.constexpr,
+        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
+        PRECISION: tl.constexpr, WRITE_GRADS: tl.constexpr,
     ):  # fmt: skip
         # program (bh, feature block, segment): walking the segment's chunks in reverse from the gradient of the state
         # after it (relative to its end shift), its share of the keys' and values' gradients (WRITE_GRADS) and its
         # rows of the gradient of the segment's start state
         bh, b, h, block, row, first, stop = _segment(H, L, S, SEG)
         feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, block * BM, M, dir_b, dir_h, bias_b, bias_h, D, BM)
-        dims, cols = tl.arange(0, D), tl.arange(0, EP)
-        state_ptr, state_mask = _state_block(GKV, row, feats, exists, M, E, EP)
-        d_state = tl.load(state_ptr, mask=state_mask, other=0.0)  # (BM, EP)
+        dims = tl.arange(0, D)
+        d_state, d_state_tail = _load_state(GKV, row, feats, exists, M, E, EP, TAIL)  # (BM, EP), (BM,)
         last = first + (stop - first - 1) // C * C
         for back in range(0, stop - first, C):
             start = last - back
-            rows, live, v, s, end, phi_q, phi_k, decay = _chunk(
-                start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, C, PRECISION
+            rows, live, v, v_tail, s, end, phi_q, phi_k, decay = _chunk(
+                start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, TAIL, C, PRECISION
             )
             prev = _start_shift(SHIFTS, SHIFT0, bh, L, start)
             phi_q = tl.where(exists[None, :], phi_q + stabilizer, 0.0)
             row_ptr = (bh * L + rows)[:, None]
-            keep = live[:, None] & (cols < E)[None, :]
-            g = tl.load(GRAD + row_ptr * E + cols[None, :], mask=keep, other=0.0)
+            g, g_tail = _value_rows(GRAD, bh, rows, live, L, E, EP, TAIL)
             if WRITE_GRADS:
-                to_end = tl.exp(s - end)[:, None]  # (C, 1)
-                d_scores = tl.dot(g, tl.trans(v), input_precision=PRECISION) * decay  # (C, C) [i, j]
+                to_end = tl.exp(s - end)  # (C,)
+                d_scores = tl.dot(g, tl.trans(v), input_precision=PRECISION)  # (C, C) [i, j]
+                writes = tl.dot(v, tl.trans(d_state), input_precision=PRECISION)  # (C, BM)
+                if TAIL:
+                    d_scores += g_tail[:, None] * v_tail[None, :]
+                    writes += v_tail[:, None] * d_state_tail[None, :]
+                d_scores = d_scores * decay
                 scores = tl.dot(phi_q, tl.trans(phi_k), input_precision=PRECISION) * decay
-                d_phi = tl.dot(tl.trans(d_scores), phi_q, input_precision=PRECISION)
-                d_phi += tl.dot(v, tl.trans(d_state), input_precision=PRECISION) * to_end
+                d_phi = tl.dot(tl.trans(d_scores), phi_q, input_precision=PRECISION) + writes * to_end[:, None]
                 d_v = tl.dot(tl.trans(scores), g, input_precision=PRECISION)
-                d_v += tl.dot(phi_k, d_state, input_precision=PRECISION) * to_end
+                d_v += tl.dot(phi_k, d_state, input_precision=PRECISION) * to_end[:, None]
+                d_v_tail = (
+                    tl.sum(scores * g_tail[:, None], axis=0) + tl.sum(phi_k * d_state_tail[None, :], axis=1) * to_end
+                )
                 d_log = d_phi * phi_k
                 d_k = tl.dot(d_log, dirs, input_precision=PRECISION)
                 tl.atomic_add(DK + row_ptr * D + dims[None, :], d_k, mask=live[:, None])
                 tl.atomic_add(DKOFF + bh * L + rows, tl.sum(d_log, axis=1), mask=live)
-                tl.atomic_add(DV1 + row_ptr * E + cols[None, :], d_v, mask=keep)
+                _add_rows(DV1, bh, rows, live, d_v, d_v_tail, L, E, EP, TAIL)
             # the state's gradient before the chunk: carried back, plus how the chunk's queries read that state
             reads = phi_q * tl.exp(prev - s)[:, None]
             d_state = d_state * tl.exp(prev - end) + tl.dot(tl.trans(reads), g, input_precision=PRECISION)
-        out_ptr, _ = _state_block(DKV0, row, feats, exists, M, E, EP)
-        tl.store(out_ptr, d_state, mask=state_mask)
+            if TAIL:
+                d_state_tail = d_state_tail * tl.exp(prev - end) + tl.sum(reads * g_tail[:, None], axis=0)
+        _store_state(DKV0, row, feats, exists, M, E, d_state, d_state_tail, EP, TAIL, False)
 
 
 def serves(q: Tensor, values_width: int, directions: Tensor, bias: Tensor | None) -> bool:
     """Whether the kernels take queries ``q`` (B, H, L, d) with values ``values_width`` wide and these features: as
-    :func:`.far_field_triton.tiles_serve` says (head dims up to 128), with directions and bias that need no gradient
-    (a learned FAVOR++ parameter keeps PyTorch)."""
+    :func:`.far_field_triton.tiles_serve` says of the values' tile (:func:`value_tiles`: head dims up to 128, and
+    their values with the normaliser's column), with directions and bias that need no gradient (a learned FAVOR++
+    parameter keeps PyTorch)."""
     learned = torch.is_grad_enabled() and (directions.requires_grad or (bias is not None and bias.requires_grad))
-    return tiles_serve(q, values_width, 128) and not learned
+    return tiles_serve(q, value_tiles(values_width)[0], 128) and not learned
 
 
 def _features_args(q: Tensor, directions: Tensor, bias: Tensor | None) -> tuple:
@@ -341,9 +412,21 @@ def _features_args(q: Tensor, directions: Tensor, bias: Tensor | None) -> tuple:
     return dirs, bias, dirs.stride(0), dirs.stride(1), bias.stride(0), bias.stride(1)
 
 
+def value_tiles(width: int) -> tuple[int, bool]:
+    """How the kernels hold ``width`` value columns: (the width of their tile, whether the last column is apart).
+    A power of two (16 or more) plus one, as a head's values and the normaliser's ones come, keeps the power in the
+    tile and its last column in reductions, for half the matrix products of a tile padded to the next power (65
+    columns: 64, not 128); other widths take a tile padded to a power of two."""
+    head = width - 1
+    if head >= 16 and head & (head - 1) == 0:
+        return head, True
+    return padded_width(width), False
+
+
 def _settings(q: Tensor, width: int, precision: str) -> dict:
     """The kernels' compile-time settings but the tiles (:data:`TILES`): widths and their products' precision."""
-    return dict(D=q.shape[-1], EP=padded_width(width), BM=FEATURES_PER_PROGRAM, PRECISION=input_precision(precision))
+    tile, tail = value_tiles(width)
+    return dict(D=q.shape[-1], EP=tile, TAIL=tail, BM=FEATURES_PER_PROGRAM, PRECISION=input_precision(precision))
 
 
 def _row_max(x: Tensor, directions: Tensor, bias: Tensor | None, precision: str) -> Tensor:
