@@ -5,9 +5,10 @@ script in a process without ``TRITON_INTERPRET`` (in the interpreter a kernel is
     python -m tests.triton_aot            # each kernel once, at the defaults' tiles (what the tests run)
     python -m tests.triton_aot --widest   # also the widest tiles the kernels take, in both precisions
 
-The defaults' tiles: head dim 32, 33 value columns (64 in a tile), query blocks of 16; the support sums' products
-in TF32 (bfloat16 models), the far field's in IEEE float32 (float32 models). The widest: head dims of 128 (support
-sums) and 64 (far field), 128 value columns, query blocks of 64. The causal scan's (``favor_exp_triton``): see
+The defaults' tiles: head dim 32, 33 value columns (the support sums: 64 in a tile; the far field: 32 and the last
+apart), query blocks of 16; the support sums' products in TF32 (bfloat16 models), the far field's in IEEE float32
+(float32 models). The widest: head dims of 128 (support sums) and 64 (far field), 128 value columns (and 65 for the
+far field), query blocks of 64. The causal scan's (``favor_exp_triton``): see
 :func:`scan_configurations`. Each compilation takes about 7 s on two CPU cores.
 """
 
@@ -63,9 +64,10 @@ def configurations(widest: bool):
             ("support sums backward", hybrid_triton._backward_kernel, SUPPORT_BACKWARD),
         ):
             yield name, kernel, tensors, SUPPORT_INTS, ("c2",), constants
-    far = [(32, 64, "ieee")] + ([(64, 128, "ieee"), (64, 128, "tf32")] if widest else [])
-    for d, width, precision in far:
-        constants = dict(D=d, EP=width, BLOCK=far_field_triton.BLOCK_ROWS, PRECISION=precision)
+    far = [(32, 33, "ieee")] + ([(64, 65, "ieee"), (64, 65, "tf32"), (64, 128, "tf32")] if widest else [])
+    for d, width, precision in far:  # head dim, value columns (the last apart where value_tiles says)
+        tile, tail = far_field_triton.value_tiles(width)
+        constants = dict(D=d, EP=tile, TAIL=tail, BLOCK=far_field_triton.BLOCK_ROWS, PRECISION=precision)
         for name, kernel, tensors in (
             ("far field state", far_field_triton._state_kernel, _rows("X V S")),
             ("far field sums", far_field_triton._apply_kernel, _rows("X S OUT")),
@@ -112,7 +114,7 @@ def _bidirectional_kernels(bias: bool, constants: dict, options: dict):
 def scan_configurations(widest: bool):
     """FAVOR+'s kernels (the causal scan's, the bidirectional sums'), as :func:`configurations` yields them, at the
     scan's first tiles (chunk and pipeline stages): FAVOR++ (with a bias) at the decoder's head dim 32 and 33 value
-    columns (a tile of 32, the last apart: ``favor_exp_triton.value_tiles``); with ``widest`` also plain FAVOR+ (no
+    columns (a tile of 32, the last apart: ``far_field_triton.value_tiles``); with ``widest`` also plain FAVOR+ (no
     bias) at head dim 64 and 65 value columns in IEEE float32, head dim 128 with 129 value columns, and 24 value
     columns (a tile of 32, none apart)."""
     tiles = [(32, 33, "tf32", True)]
@@ -122,7 +124,7 @@ def scan_configurations(widest: bool):
     for d, width, precision, bias in tiles:
         constants = dict(D=d, BM=favor_exp_triton.FEATURES_PER_PROGRAM, PRECISION=precision, C=first["C"])
         constants.update({} if bias else {"BIAS": None})
-        tile, tail = favor_exp_triton.value_tiles(width)
+        tile, tail = far_field_triton.value_tiles(width)
         options = {"num_stages": first["num_stages"]}
         for name, kernel, tensors, ints, floats, writes in _scan_kernels(bias):
             yield name, kernel, tensors, ints, floats, {**constants, "EP": tile, "TAIL": tail, **writes}, options

@@ -82,7 +82,17 @@ def test_only_cuda_float32_rows_of_tile_dims_are_served(monkeypatch):
         assert far_field_triton.serves(x.cuda(), 33)
         assert not far_field_triton.serves(x.cuda().double(), 33)  # float64: PyTorch
         assert not far_field_triton.serves(torch.zeros(1, 1, 4, 24, device="cuda"), 33)  # not a power of two
-        assert not far_field_triton.serves(x.cuda(), 129)  # wider values than a tile
+        assert far_field_triton.serves(x.cuda(), 129)  # 128 columns in the tile, the last apart
+        assert not far_field_triton.serves(x.cuda(), 130)  # wider values than a tile
+
+
+def test_a_heads_values_and_the_normaliser_fill_a_tile_and_the_last_column_goes_apart():
+    """d + 1 columns (d a power of two from 16) take a tile of d and the last apart; other widths a padded tile."""
+    tiles = {width: far_field_triton.value_tiles(width) for width in (9, 16, 17, 24, 33, 65, 129)}
+    assert tiles == {
+        9: (16, False), 16: (16, False), 17: (16, True), 24: (32, False), 33: (32, True), 65: (64, True),
+        129: (128, True),
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -139,7 +149,8 @@ def test_the_products_take_float32_as_pytorch_does():
     try:
         assert far_field_triton._launch_shape(x, 33, "pytorch")["PRECISION"] == "ieee"
         torch.set_float32_matmul_precision("high")
-        assert far_field_triton._launch_shape(x, 33, "pytorch") == {"D": 32, "EP": 64, "BLOCK": 64, "PRECISION": "tf32"}
+        shape = {"D": 32, "EP": 32, "TAIL": True, "BLOCK": 64, "PRECISION": "tf32"}  # 33 columns: 32 and the last
+        assert far_field_triton._launch_shape(x, 33, "pytorch") == shape
     finally:
         torch.set_float32_matmul_precision(previous)
     assert far_field_triton._launch_shape(x, 33, "tf32")["PRECISION"] == "tf32"

@@ -23,7 +23,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _scan_inputs(length, d, m, width, per_head, bias, row, mask, state, seed=0):
     """Queries, keys, values, features (directions, bias), key rows, mask and state of a (2, 3)-headed scan, float64
     on the CPU; the values' last column is positive, as the callers' (ones) are, and not constant: the kernels hold it
-    apart (``value_tiles``) where the others fill a tile."""
+    apart (``far_field_triton.value_tiles``) where the others fill a tile."""
     g = torch.Generator().manual_seed(seed)
     B, H = 2, 3
     q, k = (torch.randn(B, H, length, d, generator=g, dtype=torch.float64) * 0.5 for _ in range(2))

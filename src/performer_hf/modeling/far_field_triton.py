@@ -14,9 +14,10 @@ keys and its sums for each query, three kernels between them, forward and backwa
 The state of keys w with weighted values wv1 is ``state(w, wv1, c2)``, its sums for queries u ``apply(u, S, 1)``.
 Backward: ``d wv1 = apply(w, dS, c2)``, ``d w = grad_x(w, wv1, dS, c2)``; ``d u = grad_x(u, g, S, 1)``,
 ``d S = state(u, g, 1)``. Their matrix products take float32 as :func:`float32_precision` says (by default as
-PyTorch's do, TF32 for bfloat16 and float16 attention): about 310 GFLOP forward and backward for 12 heads x 32K tokens
-x 32 dims (the full square of d and the values padded to 64 columns: 4x what the features need, traded for regular
-tiles).
+PyTorch's do, TF32 for bfloat16 and float16 attention): about 160 GFLOP forward and backward for 12 heads x 32K tokens
+x 32 dims (the full square of d: 2x what the features need, traded for regular tiles). The values' last column (the
+normaliser's weights) stays out of their tile, in reductions beside each product (:func:`value_tiles`: 33 columns
+take a tile of 32, not 64; on Hopper, compiled ahead of time, 16-17 KB of shared memory where 25-33 KB were).
 Tested on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``); :func:`serves` says where they run.
 """
 
@@ -60,13 +61,24 @@ def tiles_serve(x: Tensor, values_width: int, max_head_dim: int) -> bool:
 
 def serves(x: Tensor, values_width: int) -> bool:
     """Whether the far field's kernels take rows ``x`` (B, H, N, d) with values ``values_width`` wide: as
-    :func:`tiles_serve` says, head dims up to 64."""
-    return tiles_serve(x, values_width, 64)
+    :func:`tiles_serve` says of the values' tile (:func:`value_tiles`), head dims up to 64."""
+    return tiles_serve(x, value_tiles(values_width)[0], 64)
 
 
 def padded_width(width: int) -> int:
     """A tile's width for ``width`` columns: a power of two, at least 16 (the matrix products' smallest tile)."""
     return max(16, 1 << (width - 1).bit_length())
+
+
+def value_tiles(width: int) -> tuple[int, bool]:
+    """How a kernel holds ``width`` value columns: (the width of their tile, whether the last column is apart). A
+    power of two (16 or more) plus one, as a head's values and the normaliser's column come, keeps the power in the
+    tile and its last column in reductions beside each product, for half the products of a tile padded to the next
+    power (65 columns: 64, not 128); other widths take a tile padded to a power of two (:func:`padded_width`)."""
+    head = width - 1
+    if head >= 16 and head & (head - 1) == 0:
+        return head, True
+    return padded_width(width), False
 
 
 _FITTING: dict[tuple, int] = {}  # per kind of launch that did not fit at first: the index of the tiles that did
@@ -109,33 +121,50 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
 
     @triton.jit
     def _state_kernel(
-        X, V, S, N, E, c, D: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr
-    ):
-        # program (bh, r): r = 0 the linear rows [sum v, X^T V], r = 1 + a the quadratic block a
+        X, V, S, N, E, c,
+        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # program (bh, r): r = 0 the linear rows [sum v, X^T V], r = 1 + a the quadratic block a; the value columns
+        # in a tile (EP) and, with TAIL, the last apart
         bh, r = tl.program_id(0).to(tl.int64), tl.program_id(1)  # int64 offsets: B H N d passes 2^31
         dims, cols, rows = tl.arange(0, D), tl.arange(0, EP), tl.arange(0, BLOCK)
         x_base, v_base = X + bh * N * D, V + bh * N * E
         s_base = S + bh * (1 + D + D * D) * E
         acc = tl.zeros((D, EP), dtype=tl.float32)
+        acc_tail = tl.zeros((D,), dtype=tl.float32)
         ones = tl.zeros((EP,), dtype=tl.float32)
+        ones_tail = tl.sum(tl.zeros((BLOCK,), dtype=tl.float32), axis=0)
         for start in range(0, N, BLOCK):
             row = start + rows
             live = row < N
             x = tl.load(x_base + row[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)  # (BLOCK, D)
             v = tl.load(v_base + row[:, None] * E + cols[None, :], mask=live[:, None] & (cols[None, :] < E), other=0.0)
+            v_tail = tl.where(live, 0.0, 0.0)
+            if TAIL:
+                v_tail = tl.load(v_base + row * E + EP, mask=live, other=0.0)  # (BLOCK,)
             if r == 0:
                 ones += tl.sum(v, axis=0)
                 acc += tl.dot(tl.trans(x), v, input_precision=PRECISION)
+                if TAIL:
+                    ones_tail += tl.sum(v_tail, axis=0)
+                    acc_tail += tl.sum(x * v_tail[:, None], axis=0)
             else:
                 x_a = tl.load(x_base + row * D + (r - 1), mask=live, other=0.0)  # (BLOCK,)
                 acc += tl.dot(tl.trans(x * x_a[:, None]), v, input_precision=PRECISION)
+                if TAIL:
+                    acc_tail += tl.sum(x * (x_a * v_tail)[:, None], axis=0)
         keep = cols[None, :] < E
+        first = 1
         if r == 0:
             tl.store(s_base + cols, ones, mask=cols < E)
-            tl.store(s_base + (1 + dims[:, None]) * E + cols[None, :], acc, mask=keep)
+            if TAIL:
+                tl.store(s_base + EP, ones_tail)
         else:
             first = 1 + D + (r - 1) * D
-            tl.store(s_base + (first + dims[:, None]) * E + cols[None, :], acc * c, mask=keep)
+            acc, acc_tail = acc * c, acc_tail * c
+        tl.store(s_base + (first + dims[:, None]) * E + cols[None, :], acc, mask=keep)
+        if TAIL:
+            tl.store(s_base + (first + dims) * E + EP, acc_tail)
 
     @triton.jit
     def _row_tile(X, S, N, E, D: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr):
@@ -149,39 +178,61 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         return bh, row, cols, live, keep, x, x_base, s_base
 
     @triton.jit
-    def _state_rows(s_base, first, keep, E, D: tl.constexpr, EP: tl.constexpr):
-        # the D state rows from `first` (D, EP): the linear block (first = 1) or a quadratic one (1 + D + a D)
+    def _state_rows(s_base, first, keep, E, D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr):
+        # the D state rows from `first`: the linear block (first = 1) or a quadratic one (1 + D + a D), their tile
+        # (D, EP) and, with TAIL, their last column (D,) (zero without)
         dims, cols = tl.arange(0, D), tl.arange(0, EP)
-        return tl.load(s_base + (first + dims[:, None]) * E + cols[None, :], mask=keep[None, :], other=0.0)
+        tile = tl.load(s_base + (first + dims[:, None]) * E + cols[None, :], mask=keep[None, :], other=0.0)
+        tail = tl.zeros((D,), dtype=tl.float32)
+        if TAIL:
+            tail = tl.load(s_base + (first + dims) * E + EP)
+        return tile, tail
 
     @triton.jit
     def _apply_kernel(
-        X, S, OUT, N, E, c, D: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr
-    ):
+        X, S, OUT, N, E, c,
+        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
         bh, row, cols, live, keep, x, x_base, s_base = _row_tile(X, S, N, E, D, EP, BLOCK)  # x: (BLOCK, D)
         s0 = tl.load(s_base + cols, mask=keep, other=0.0)  # (EP,)
-        acc = tl.dot(x, _state_rows(s_base, 1, keep, E, D, EP), input_precision=PRECISION) + s0[None, :]
+        linear, linear_tail = _state_rows(s_base, 1, keep, E, D, EP, TAIL)
+        acc = tl.dot(x, linear, input_precision=PRECISION) + s0[None, :]
+        acc_tail = tl.sum(x * linear_tail[None, :], axis=1)  # (BLOCK,)
         quad = tl.zeros((BLOCK, EP), dtype=tl.float32)
+        quad_tail = tl.zeros((BLOCK,), dtype=tl.float32)
         for a in range(D):
-            s_a = _state_rows(s_base, 1 + D + a * D, keep, E, D, EP)  # (D, EP)
+            s_a, s_a_tail = _state_rows(s_base, 1 + D + a * D, keep, E, D, EP, TAIL)  # (D, EP), (D,)
             x_a = tl.load(x_base + row * D + a, mask=live, other=0.0)
             quad += x_a[:, None] * tl.dot(x, s_a, input_precision=PRECISION)
+            if TAIL:
+                quad_tail += x_a * tl.sum(x * s_a_tail[None, :], axis=1)
         acc += quad * c
-        tl.store(OUT + bh * N * E + row[:, None] * E + cols[None, :], acc, mask=live[:, None] & keep[None, :])
+        out = OUT + bh * N * E + row * E
+        tl.store(out[:, None] + cols[None, :], acc, mask=live[:, None] & keep[None, :])
+        if TAIL:
+            tl.store(out + EP, acc_tail + tl.load(s_base + EP) + quad_tail * c, mask=live)
 
     @triton.jit
     def _grad_x_kernel(
-        X, G, S, OUT, N, E, c, D: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr
-    ):
+        X, G, S, OUT, N, E, c,
+        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
         # d/dx_ic of g_i . (x_i S_lin + c sum_ab x_ia x_ib S_ab) = g_i . S_lin[c] + c sum_b x_ib g_i . (S_cb + S_bc)
         bh, row, cols, live, keep, x, x_base, s_base = _row_tile(X, S, N, E, D, EP, BLOCK)  # x: (BLOCK, D)
         dims = tl.arange(0, D)
-        g = tl.load(G + bh * N * E + row[:, None] * E + cols[None, :], mask=live[:, None] & keep[None, :], other=0.0)
-        acc = tl.dot(g, tl.trans(_state_rows(s_base, 1, keep, E, D, EP)), input_precision=PRECISION)  # (BLOCK, D)
+        g_base = G + bh * N * E + row * E
+        g = tl.load(g_base[:, None] + cols[None, :], mask=live[:, None] & keep[None, :], other=0.0)
+        g_tail = tl.zeros((BLOCK,), dtype=tl.float32)
+        if TAIL:
+            g_tail = tl.load(g_base + EP, mask=live, other=0.0)
+        linear, linear_tail = _state_rows(s_base, 1, keep, E, D, EP, TAIL)
+        acc = tl.dot(g, tl.trans(linear), input_precision=PRECISION) + g_tail[:, None] * linear_tail[None, :]
         quad = tl.zeros((BLOCK, D), dtype=tl.float32)
         for a in range(D):
-            s_a = _state_rows(s_base, 1 + D + a * D, keep, E, D, EP)  # (D, EP)
+            s_a, s_a_tail = _state_rows(s_base, 1 + D + a * D, keep, E, D, EP, TAIL)  # (D, EP), (D,)
             m = tl.dot(g, tl.trans(s_a), input_precision=PRECISION)  # (BLOCK, D): g_i . S_ab for every b
+            if TAIL:
+                m += g_tail[:, None] * s_a_tail[None, :]
             x_a = tl.load(x_base + row * D + a, mask=live, other=0.0)
             quad += x_a[:, None] * m  # column b gains x_ia g_i . S_ab (the S_bc term, as a runs over b)
             quad += tl.where(dims[None, :] == a, tl.sum(x * m, axis=1)[:, None], 0.0)  # column a: sum_b x_ib g_i . S_ab
@@ -190,8 +241,9 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
 
 
 def _launch_shape(x: Tensor, width: int, precision: str) -> dict:
-    """The kernels' compile-time settings: tile widths and their matrix products' precision."""
-    return {"D": x.shape[-1], "EP": padded_width(width), "BLOCK": BLOCK_ROWS, "PRECISION": input_precision(precision)}
+    """The kernels' compile-time settings: tile widths (:func:`value_tiles`) and their products' precision."""
+    tile, tail = value_tiles(width)
+    return {"D": x.shape[-1], "EP": tile, "TAIL": tail, "BLOCK": BLOCK_ROWS, "PRECISION": input_precision(precision)}
 
 
 def contiguous_rows(*tensors: Tensor) -> tuple[Tensor, ...]:

@@ -27,9 +27,9 @@ max ``s_j`` of the keys' log-features causally, their max bidirectionally), so t
   gradient) or the gradients of rows and offsets.
 
 The values come with the normaliser's column (ones: a head's d values and 1, E = d + 1): the kernels hold d of them in
-their tiles and the last in reductions beside each product (:func:`value_tiles`), where a tile padded to the next
-power of two would double the products' value side (65 columns in 128) and the shared memory the state takes (on
-Hopper, ahead of time, at head dim 64: the scan's kernels 87 / 111 / 119 KB -> 62 / 74 / 91 KB).
+their tiles and the last in reductions beside each product (:func:`.far_field_triton.value_tiles`), where a tile
+padded to the next power of two would double the products' value side (65 columns in 128) and the shared memory the
+state takes (on Hopper, ahead of time, at head dim 64: the scan's kernels 87 / 111 / 119 KB -> 62 / 74 / 91 KB).
 
 Matrix products take float32 as :func:`.far_field_triton.float32_precision` says. The directions and bias are
 constants here (the projection is a buffer; a learned FAVOR++ parameter keeps PyTorch: :func:`serves`). Tested on
@@ -45,7 +45,7 @@ import torch
 # Triton and its language come from the far field's module, which imports them where they are (remote code's import
 # check requires every module a file imports outside a try block)
 from .causal_scan import EMPTY_SHIFT, scan_backward, scan_forward, scan_weights
-from .far_field_triton import contiguous_rows, input_precision, launch_fitting, padded_width, tiles_serve, tl, triton
+from .far_field_triton import contiguous_rows, input_precision, launch_fitting, tiles_serve, tl, triton, value_tiles
 
 Tensor = torch.Tensor
 FEATURES_PER_PROGRAM = 64  # features of the state one program holds
@@ -393,9 +393,9 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
 
 def serves(q: Tensor, values_width: int, directions: Tensor, bias: Tensor | None) -> bool:
     """Whether the kernels take queries ``q`` (B, H, L, d) with values ``values_width`` wide and these features: as
-    :func:`.far_field_triton.tiles_serve` says of the values' tile (:func:`value_tiles`: head dims up to 128, and
-    their values with the normaliser's column), with directions and bias that need no gradient (a learned FAVOR++
-    parameter keeps PyTorch)."""
+    :func:`.far_field_triton.tiles_serve` says of the values' tile (:func:`.far_field_triton.value_tiles`: head dims
+    up to 128, and their values with the normaliser's column), with directions and bias that need no gradient (a
+    learned FAVOR++ parameter keeps PyTorch)."""
     learned = torch.is_grad_enabled() and (directions.requires_grad or (bias is not None and bias.requires_grad))
     return tiles_serve(q, value_tiles(values_width)[0], 128) and not learned
 
@@ -410,17 +410,6 @@ def _features_args(q: Tensor, directions: Tensor, bias: Tensor | None) -> tuple:
         return dirs, None, dirs.stride(0), dirs.stride(1), 0, 0
     bias = bias.contiguous().broadcast_to(B, H, 1, m)
     return dirs, bias, dirs.stride(0), dirs.stride(1), bias.stride(0), bias.stride(1)
-
-
-def value_tiles(width: int) -> tuple[int, bool]:
-    """How the kernels hold ``width`` value columns: (the width of their tile, whether the last column is apart).
-    A power of two (16 or more) plus one, as a head's values and the normaliser's ones come, keeps the power in the
-    tile and its last column in reductions, for half the matrix products of a tile padded to the next power (65
-    columns: 64, not 128); other widths take a tile padded to a power of two."""
-    head = width - 1
-    if head >= 16 and head & (head - 1) == 0:
-        return head, True
-    return padded_width(width), False
 
 
 def _settings(q: Tensor, width: int, precision: str) -> dict:
