@@ -5,10 +5,10 @@ script in a process without ``TRITON_INTERPRET`` (in the interpreter a kernel is
     python -m tests.triton_aot            # each kernel once, at the defaults' tiles (what the tests run)
     python -m tests.triton_aot --widest   # also the widest tiles the kernels take, in both precisions
 
-The defaults' tiles: head dim 32, 33 value columns (the support sums: 64 in a tile; the far field: 32 and the last
-apart), query blocks of 16; the support sums' products in TF32 (bfloat16 models), the far field's in IEEE float32
-(float32 models). The widest: head dims of 128 (support sums) and 64 (far field), 128 value columns (and 65 for the
-far field), query blocks of 64. The causal scan's (``favor_exp_triton``): see
+The defaults' tiles: head dim 32, 33 value columns (32 in a tile, the last apart), query blocks of 16; the support
+sums' products in TF32 (bfloat16 models), the far field's in IEEE float32 (float32 models). The widest: head dims of
+128 (support sums) and 64 (far field), 129 value columns for the support sums, 65 and 128 for the far field, query
+blocks of 64. The causal scan's (``favor_exp_triton``): see
 :func:`scan_configurations`. Each compilation takes about 7 s on two CPU cores.
 """
 
@@ -56,9 +56,10 @@ def compile_kernel(kernel, tensors: dict, ints, floats, constants: dict, options
 def configurations(widest: bool):
     """(name, kernel, tensors, ints, floats, constants) for every kernel: at the defaults' tiles, and with ``widest``
     at the widest too."""
-    support = [(32, 64, 16, "tf32")] + ([(128, 128, 64, "ieee"), (128, 128, 64, "tf32")] if widest else [])
-    for d, width, rows, precision in support:  # D, EP, BQ, precision
-        constants = dict(D=d, EP=width, BQ=rows, BLOCK_K=8, CH=hybrid_triton.CHUNK, PRECISION=precision)
+    support = [(32, 33, 16, "tf32")] + ([(128, 129, 64, "ieee"), (128, 129, 64, "tf32")] if widest else [])
+    for d, width, rows, precision in support:  # head dim, value columns (the mass's last, apart), BQ, precision
+        tile = far_field_triton.padded_width(width - 1)
+        constants = dict(D=d, EP=tile, BQ=rows, BLOCK_K=8, CH=hybrid_triton.CHUNK, PRECISION=precision)
         for name, kernel, tensors in (
             ("support sums forward", hybrid_triton._forward_kernel, SUPPORT_FORWARD),
             ("support sums backward", hybrid_triton._backward_kernel, SUPPORT_BACKWARD),

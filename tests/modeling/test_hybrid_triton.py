@@ -234,7 +234,8 @@ def test_only_cuda_float32_queries_of_tile_dims_are_served(monkeypatch):
         assert hybrid_triton.serves(x, 33, 16)
         assert not hybrid_triton.serves(x.double(), 33, 16)
         assert not hybrid_triton.serves(x[..., :24], 33, 16)  # not a power of two
-        assert not hybrid_triton.serves(x, 129, 16)  # wider values than a tile
+        assert hybrid_triton.serves(x, 129, 16)  # 128 in the tile, the masses' column apart
+        assert not hybrid_triton.serves(x, 130, 16)  # wider values than a tile
         assert not hybrid_triton.serves(x, 33, 128)  # query blocks of more than 64
         monkeypatch.setenv("PERFORMER_HF_TRITON", "0")
         assert not hybrid_triton.serves(x, 33, 16)

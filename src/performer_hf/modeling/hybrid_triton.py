@@ -18,6 +18,10 @@ support, which the far field over all keys already counted: their difference is 
 - backward: each query block recomputes its chunks and writes its queries' gradients; its candidates' gradients
   (keys, values, key log-weights) are added atomically, a key being a candidate of several blocks.
 
+The values' last column (the ones whose sums are the masses) stays out of the others' tile, in reductions beside each
+product: 33 columns take a tile of 32, not 64 (on Hopper, compiled ahead of time: 27 / 30 KB of shared memory forward /
+backward where 36 / 46 KB were), and the masses need no picking out of a tile.
+
 Matrix products take float32 as :func:`.far_field_triton.float32_precision` says (by default as PyTorch's do, TF32
 for bfloat16 and float16 attention). Tested on the CPU
 through Triton's interpreter against the CPU kernels and the dense reference; :func:`serves` says where they run.
@@ -61,13 +65,15 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         x, rows, rq, pos, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
         D: tl.constexpr, EP: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        # One chunk's keys (CH, D), values (CH, EP) and key log-weights, the logits (BQ, CH), which pairs are in the
-        # support, t = (x_i - a) . (y_j - c) there and the far field's values there, pair = (1 + t + c2 t^2) kexp_j.
+        # One chunk's keys (CH, D), values (CH, EP) and their last column (CH,) (the ones of the mass) apart, key
+        # log-weights, the logits (BQ, CH), which pairs are in the support, t = (x_i - a) . (y_j - c) there and the
+        # far field's values there, pair = (1 + t + c2 t^2) kexp_j.
         dims, cols = tl.arange(0, D), tl.arange(0, EP)
         key_rows = bh * L + pos
         y = tl.load(Y + key_rows[:, None] * D + dims[None, :], mask=candidate[:, None], other=0.0)
-        in_values = candidate[:, None] & (cols < D1)[None, :]
+        in_values = candidate[:, None] & (cols < D1 - 1)[None, :]
         v = tl.load(V1 + key_rows[:, None] * D1 + cols[None, :], mask=in_values, other=0.0)
+        v_mass = tl.load(V1 + key_rows * D1 + D1 - 1, mask=candidate, other=0.0)
         klog = tl.load(KLOG + key_rows, mask=candidate, other=0.0)
         kexp = tl.where(candidate, tl.exp(klog - key_shift), 0.0)
         logits = tl.dot(x, tl.trans(y), input_precision=PRECISION)  # (BQ, CH)
@@ -76,7 +82,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         active = candidate[None, :] & (inside == is_window[None, :])
         t = tl.where(active, logits - rq[:, None] - klog[None, :], 0.0)
         pair = tl.where(active, (1.0 + t + c2 * t * t) * kexp[None, :], 0.0)
-        return y, v, logits, active, t, pair, kexp
+        return y, v, v_mass, logits, active, t, pair, kexp
 
     @triton.jit
     def _query_block(X, RQ, QSCALE, KSHIFT, H, L, block_q, D: tl.constexpr, BQ: tl.constexpr):
@@ -107,29 +113,33 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         cols = tl.arange(0, EP)
         shift = far_scale  # the running shift: the far field's scale, then the largest exact logit above it
         exact = tl.zeros((BQ, EP), dtype=tl.float32)  # softmax's sums [numerator, mass], relative to shift
+        exact_mass = tl.zeros((BQ,), dtype=tl.float32)
         kernel = tl.zeros((BQ, EP), dtype=tl.float32)  # the far field's sums on the support, relative to its scale
+        kernel_mass = tl.zeros((BQ,), dtype=tl.float32)
         for step in range(0, width + nb_global + R * BLOCK_K, CH):
             pos, candidate, is_window = _candidates(
                 step, n, bh, b, ROUTES, MASK, L, N, R, width, nb_global, q_start, left, BLOCK_K, CH
             )
-            y, v, logits, active, t, pair, kexp = _chunk(
+            y, v, v_mass, logits, active, t, pair, kexp = _chunk(
                 x, rows, rq, pos, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
                 D, EP, PRECISION,
             )  # fmt: skip
             active = active & live[:, None]
             new_shift = tl.maximum(shift, tl.max(tl.where(active, logits, float("-inf")), axis=1))
             weights = tl.where(active, tl.exp(tl.minimum(logits - new_shift[:, None], 0.0)), 0.0)
-            exact = exact * tl.exp(shift - new_shift)[:, None] + tl.dot(weights, v, input_precision=PRECISION)
+            decay = tl.exp(shift - new_shift)
+            exact = exact * decay[:, None] + tl.dot(weights, v, input_precision=PRECISION)
+            exact_mass = exact_mass * decay + tl.sum(weights * v_mass[None, :], axis=1)
             kernel += tl.dot(pair, v, input_precision=PRECISION)
+            kernel_mass += tl.sum(pair * v_mass[None, :], axis=1)
             shift = new_shift
         far_weight = tl.exp(far_scale - shift)  # (BQ,)
-        out_rows = (bh * L + rows)[:, None] * D1 + cols[None, :]
-        keep = live[:, None] & (cols < D1)[None, :]
-        far = tl.load(FAR + out_rows, mask=keep, other=0.0)
-        is_mass = (cols == D1 - 1)[None, :]
-        kernel_mass = tl.sum(tl.where(is_mass, kernel, 0.0), axis=1)  # the last value column is the ones column
-        far = tl.where(is_mass, tl.maximum(far, kernel_mass[:, None]), far)  # the far mass cannot be negative
-        tl.store(OUT + out_rows, exact + far_weight[:, None] * (far - kernel), mask=keep)
+        row_base = (bh * L + rows) * D1
+        keep = live[:, None] & (cols < D1 - 1)[None, :]
+        far = tl.load(FAR + row_base[:, None] + cols[None, :], mask=keep, other=0.0)
+        far_mass = tl.maximum(tl.load(FAR + row_base + D1 - 1, mask=live, other=0.0), kernel_mass)  # not negative
+        tl.store(OUT + row_base[:, None] + cols[None, :], exact + far_weight[:, None] * (far - kernel), mask=keep)
+        tl.store(OUT + row_base + D1 - 1, exact_mass + far_weight * (far_mass - kernel_mass), mask=live)
         tl.store(SHIFT + bh * L + rows, shift, mask=live)
         tl.store(KMASS + bh * L + rows, kernel_mass, mask=live)
 
@@ -149,27 +159,27 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         shift = tl.load(SHIFT + bh * L + rows, mask=live, other=0.0)
         kernel_mass = tl.load(KMASS + bh * L + rows, mask=live, other=0.0)
         far_weight = tl.where(live, tl.exp(far_scale - shift), 0.0)
-        out_rows = (bh * L + rows)[:, None] * D1 + cols[None, :]
-        keep = live[:, None] & (cols < D1)[None, :]
-        grad = tl.load(GRAD + out_rows, mask=keep, other=0.0)  # (BQ, EP)
+        row_base = (bh * L + rows) * D1
+        out_rows = row_base[:, None] + cols[None, :]
+        keep = live[:, None] & (cols < D1 - 1)[None, :]
+        grad = tl.load(GRAD + out_rows, mask=keep, other=0.0)  # (BQ, EP), and the mass's (BQ,) apart
+        grad_mass = tl.load(GRAD + row_base + D1 - 1, mask=live, other=0.0)
         far = tl.load(FAR + out_rows, mask=keep, other=0.0)
-        is_mass = (cols == D1 - 1)[None, :]
-        far_mass = tl.sum(tl.where(is_mass, far, 0.0), axis=1)
-        grad_mass = tl.sum(tl.where(is_mass, grad, 0.0), axis=1)
+        far_mass = tl.load(FAR + row_base + D1 - 1, mask=live, other=0.0)
         # out = sums + far_weight [far values, max(far mass, kernel mass)]; torch.maximum's gradient: all to the
         # larger, half each on a tie
         to_far = tl.where(far_mass > kernel_mass, 1.0, tl.where(far_mass == kernel_mass, 0.5, 0.0))
-        d_far = far_weight[:, None] * grad * tl.where(is_mass, to_far[:, None], 1.0)
-        tl.store(DFAR + out_rows, d_far, mask=keep)
+        tl.store(DFAR + out_rows, far_weight[:, None] * grad, mask=keep)
+        tl.store(DFAR + row_base + D1 - 1, far_weight * grad_mass * to_far, mask=live)
         d_mass = far_weight * grad_mass * (1.0 - to_far)  # (BQ,): the kernel mass's gradient
-        d_far_weight = tl.sum(tl.where(is_mass, tl.maximum(far, kernel_mass[:, None]), far) * grad, axis=1)
+        d_far_weight = tl.sum(far * grad, axis=1) + tl.maximum(far_mass, kernel_mass) * grad_mass
         d_x = tl.zeros((BQ, D), dtype=tl.float32)
         d_rq = tl.zeros((BQ,), dtype=tl.float32)
         for step in range(0, width + nb_global + R * BLOCK_K, CH):
             pos, candidate, is_window = _candidates(
                 step, n, bh, b, ROUTES, MASK, L, N, R, width, nb_global, q_start, left, BLOCK_K, CH
             )
-            y, v, logits, active, t, pair, kexp = _chunk(
+            y, v, v_mass, logits, active, t, pair, kexp = _chunk(
                 x, rows, rq, pos, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
                 D, EP, PRECISION,
             )  # fmt: skip
@@ -177,7 +187,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             pair = tl.where(active, pair, 0.0)
             exact = tl.where(active, tl.exp(tl.minimum(logits - shift[:, None], 0.0)), 0.0)
             weights = exact - far_weight[:, None] * pair  # (BQ, CH): what the sums applied to the values
-            d_weights = tl.dot(grad, tl.trans(v), input_precision=PRECISION)  # (BQ, CH)
+            d_weights = tl.dot(grad, tl.trans(v), input_precision=PRECISION) + grad_mass[:, None] * v_mass[None, :]
             d_far_weight -= tl.sum(d_weights * pair, axis=1)
             d_pair = d_mass[:, None] - far_weight[:, None] * d_weights
             d_t = tl.where(active, d_pair * kexp[None, :] * (1.0 + 2.0 * c2 * t), 0.0)
@@ -189,26 +199,30 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             d_klog = tl.sum(d_pair * pair - d_t, axis=0)
             d_y = tl.dot(tl.trans(d_logits), x, input_precision=PRECISION)  # (CH, D)
             d_v = tl.dot(tl.trans(weights), grad, input_precision=PRECISION)  # (CH, EP)
+            d_v_mass = tl.sum(weights * grad_mass[:, None], axis=0)  # (CH,)
             tl.atomic_add(DKLOG + key_rows, d_klog, mask=candidate)
             tl.atomic_add(DY + key_rows[:, None] * D + dims[None, :], d_y, mask=candidate[:, None])
-            d_v_mask = candidate[:, None] & (cols < D1)[None, :]
+            d_v_mask = candidate[:, None] & (cols < D1 - 1)[None, :]
             tl.atomic_add(DV1 + key_rows[:, None] * D1 + cols[None, :], d_v, mask=d_v_mask)
+            tl.atomic_add(DV1 + key_rows * D1 + D1 - 1, d_v_mass, mask=candidate)
         tl.store(DX + (bh * L + rows)[:, None] * D + dims[None, :], d_x, mask=live[:, None])
         tl.store(DRQ + bh * L + rows, d_rq, mask=live)
         tl.store(DQSCALE + bh * L + rows, d_far_weight * far_weight, mask=live)  # far_weight = exp(q_scale + ...)
 
 
 def serves(x: Tensor, values_width: int, query_block: int) -> bool:
-    """Whether the kernels take queries ``x`` (B, H, L, d) with values ``values_width`` wide in query blocks of
-    ``query_block``: as :func:`.far_field_triton.tiles_serve` says (head dims up to 128), at most 64 queries per
-    block and 65,535 (batch, head) pairs (the launch grid's second axis)."""
-    return tiles_serve(x, values_width, 128) and query_block <= 64 and x.shape[0] * x.shape[1] <= 65535
+    """Whether the kernels take queries ``x`` (B, H, L, d) with values ``values_width`` wide (the last, the mass's
+    ones, apart from the others' tile) in query blocks of ``query_block``: as :func:`.far_field_triton.tiles_serve`
+    says (head dims up to 128), at most 64 queries per block and 65,535 (batch, head) pairs (the launch grid's second
+    axis)."""
+    fits = tiles_serve(x, padded_width(values_width - 1), 128)
+    return fits and query_block <= 64 and x.shape[0] * x.shape[1] <= 65535
 
 
 def _settings(x: Tensor, width: int, block_q: int, block_k: int, precision: str) -> dict:
-    """The kernels' compile-time settings: tile sizes (query rows padded to at least 16, the matrix products' smallest
-    tile) and their matrix products' precision."""
-    tiles = dict(D=x.shape[-1], EP=padded_width(width), BQ=padded_width(block_q), BLOCK_K=block_k)
+    """The kernels' compile-time settings: tile sizes (query rows and the values but their last column, the mass's,
+    padded to at least 16, the matrix products' smallest tile) and their matrix products' precision."""
+    tiles = dict(D=x.shape[-1], EP=padded_width(width - 1), BQ=padded_width(block_q), BLOCK_K=block_k)
     return {**tiles, "PRECISION": input_precision(precision)}
 
 
