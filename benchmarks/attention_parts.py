@@ -63,7 +63,7 @@ from performer_hf.modeling.hybrid_selection import ExtraKeys, Selection
 
 logger = logging.getLogger("benchmarks.attention_parts")
 
-HEADS, FEATURES = 12, 256
+HEADS, HEAD_DIM, FEATURES = 12, 32, 256  # the encoder's (MiniLM's) head size by default
 
 
 def hybrid_preset(**changes) -> HybridSpec:
@@ -297,7 +297,7 @@ def markdown(result: dict) -> str:
     lines = [
         f"# One attention call's parts on {result['device']} (torch {result['torch']})",
         "",
-        f"One call of (1 x {HEADS} heads x L x {result.get('head_dim', 32)}), {result.get('dtype', 'bfloat16')}, "
+        f"One call of (1 x {HEADS} heads x L x {result.get('head_dim', HEAD_DIM)}), {result.get('dtype', 'bfloat16')}, "
         "random inputs; median milliseconds; ratio = flash's time / the arm's (above 1: faster than flash; causal "
         "arms against causal flash). The "
         "hybrid rows' device time, forward + backward: FlexAttention's kernels, matrix products, the rest (kernel "
@@ -344,7 +344,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--lengths", nargs="+", type=int, default=[8192, 32768])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--arms", nargs="+", help="only these arms (and flash), by their names in the table")
-    parser.add_argument("--head-dim", type=int, default=32, help="32: the encoder's (MiniLM); 64: GPT-2's")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="32: the encoder's (MiniLM); 64: GPT-2's")
     return harness.main("attention_parts", parser, measure, markdown, plot, argv=argv)
 
 
