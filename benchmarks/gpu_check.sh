@@ -1,24 +1,25 @@
 #!/usr/bin/env bash
-# Issue 30's GPU check in one command, on a CUDA machine, first correctness, then speed: at most 9 minutes (each part
-# within its time limit; the first calls of each length compile the attention), so that a session's 15 minutes of
-# device time hold the machine's start and a short second run.
+# Issue 30's GPU check in one command, on a CUDA machine: at most 9 minutes (each part within its time limit; the
+# first calls of each length compile the attention), so that a session's 15 minutes of device time hold the machine's
+# start and a short second call. `bash benchmarks/gpu_check.sh speed` or `... tests` runs one part alone.
 #
-#   1. the tests marked ``cuda`` (skipped without a GPU): the compiled FlexAttention paths of the hybrid and the
-#      sparse prefill, every compiled attention call against eager, and the Triton kernels (the support sums, the
-#      causal scan that also serves the decoder's far field, the bidirectional sums), forward and backward in float32
-#      and bfloat16 against the float32 CPU path at 4K tokens; then test_far_field_triton.py, the far field's
-#      kernels compiled for the GPU against float64 PyTorch. Each test's time and short tracebacks go to the log.
-#      (The other tests of those files run in CI on a CPU, in Triton's interpreter, and compile some 20 variants of
-#      each kernel here; those against the C++ CPU kernels need a build this check skips.)
-#   2. benchmarks/model_speed.py --check: every arm's logits on the GPU in bfloat16 against float32 on the CPU, then
-#      the whole models' training step and inference against the source held to flash attention, 32K first, then
-#      128K (where the floors are), then 8K to 512 (16,384 tokens per batch; an arm that runs out of memory or past
-#      the time cap stops there, and a model starts no new length past its budget, so that its results are written
-#      inside the time limit): the encoder of the Performer family (results in family/; its tiled support too) and
-#      its decoder (decoder/).
-#      Every timed output is checked for NaN and inf. Each length compiles the attention calls anew.
-#   3. benchmarks/profile_attention.py: where one attention call's device time goes at 32K tokens (forward and
-#      backward), by kernel, for the default conversion and plain FAVOR+, encoder and decoder.
+#   1. speed: benchmarks/model_speed.py --check: every arm's logits on the GPU in bfloat16 against float32 on the
+#      CPU, then the whole models' training step and inference against the source held to flash attention, 32K
+#      first, then 128K (where the floors are), then 8K to 512 (16,384 tokens per batch; an arm that runs out of
+#      memory or past the time cap stops there, and a model starts no new length past its budget, so that its
+#      results are written inside the time limit): the encoder of the Performer family (results in family/; its
+#      tiled support too) and its decoder (decoder/). Every timed output is checked for NaN and inf. Each length
+#      compiles the attention calls anew. Then benchmarks/profile_attention.py: where one attention call's device
+#      time goes at 32K tokens (forward and backward), by kernel, for the default conversion and plain FAVOR+.
+#   2. tests: the tests marked ``cuda`` (skipped without a GPU): the Triton kernels (FAVOR+'s causal scan, which
+#      also serves the decoder's far field, and bidirectional sums; the support sums), the compiled FlexAttention
+#      paths of the hybrid and the sparse prefill, and every compiled attention call against eager, forward and
+#      backward in float32 and bfloat16 against the float32 CPU path at 4K tokens; then test_far_field_triton.py,
+#      the far field's kernels compiled for the GPU against float64 PyTorch. Each test's time and short tracebacks
+#      go to the log. They come second: each compiles its kernels in two precisions (about a minute on the first
+#      run's H200), and the speed part checks the models' logits itself; a second call runs the rest (`tests`).
+#      (The other tests of those files run in CI on a CPU, in Triton's interpreter; those against the C++ CPU
+#      kernels need a build this check skips.)
 #
 # Results go to $OUT (the device tool's folder) or benchmarks/results. The device image has its own torch and Triton
 # but an older transformers and no network: carry transformers' wheel, fetched here first:
@@ -26,8 +27,12 @@
 #   echo /.whl/ >> .git/info/exclude && python3 -m pip download --no-deps -d .whl "transformers==5.24.0"
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=590)
 #
-# A second call, where the session has time for one (about 4 minutes: each setting compiles the scan's kernels):
-# which launch settings of the causal scan the GPU prefers, at the decoder's head size,
+# A second call, on the machine still warm (no start), with the time left: the tests the first left undone,
+#
+#   run(command="bash benchmarks/gpu_check.sh tests", carry=[".whl"], timeout_s=<what is left, less a minute>)
+#
+# or which launch settings of the causal scan the GPU prefers, at the decoder's head size (about 4 minutes: each
+# setting compiles the scan's kernels),
 #
 #   python3 benchmarks/attention_parts.py --device cuda --lengths 32768 --head-dim 64 --reps 3 --out-dir $OUT \
 #     --arms "causal favor" "causal favor, short segments" "causal favor, long segments" \
@@ -47,23 +52,30 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PERFORMER_
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu_check.log"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$out/gpu_check.log"
-# device time is scarce: the speed runs even when a test fails, and the script's status says so at the end
+part="${1:-all}"
+# device time is scarce: the tests run even when a speed run fails, and the script's status says so at the end
 tests=0
-# (a test past 100 s fails with its stack: the device image has pytest-timeout; causal FAVOR+'s ran past 80 s once)
-timeout 150 python3 -m pytest -v -p no:cacheprovider --tb=short --durations=10 --timeout 100 -m cuda \
-  tests/modeling/test_favor_exp_triton.py tests/modeling/test_hybrid_triton.py tests/modeling/test_hybrid_flex.py \
-  tests/modeling/test_sparse_flex.py tests/modeling/test_device_compile.py 2>&1 | tee -a "$out/gpu_check.log" || tests=$?
-timeout 40 python3 -m pytest -q -p no:cacheprovider --tb=short tests/modeling/test_far_field_triton.py \
-  2>&1 | tee -a "$out/gpu_check.log" || tests=$?
-lengths="32768 131072 8192 2048 512"
-mkdir -p "$out/family" "$out/decoder"
-timeout 170 python3 benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check \
-  --models encoder --arms flash hybrid tiled favor --lengths $lengths \
-  --reps 3 --time-cap 5 --budget 115 --out-dir "$out/family" 2>&1 | tee -a "$out/gpu_check.log" || true
-timeout 150 python3 benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check \
-  --models decoder --arms flash hybrid favor --lengths $lengths \
-  --reps 3 --time-cap 5 --budget 100 --out-dir "$out/decoder" 2>&1 | tee -a "$out/gpu_check.log" || true
-timeout 50 python3 benchmarks/profile_attention.py --device cuda --dtype bfloat16 --length 32768 --reps 2 \
-  --models encoder decoder --arms hybrid favor 2>&1 | tee -a "$out/gpu_check.log" || true
+if [ "$part" != tests ]; then
+  lengths="32768 131072 8192 2048 512"
+  mkdir -p "$out/family" "$out/decoder"
+  timeout 170 python3 benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check \
+    --models encoder --arms flash hybrid tiled favor --lengths $lengths \
+    --reps 3 --time-cap 5 --budget 115 --out-dir "$out/family" 2>&1 | tee -a "$out/gpu_check.log" || true
+  timeout 150 python3 benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check \
+    --models decoder --arms flash hybrid favor --lengths $lengths \
+    --reps 3 --time-cap 5 --budget 100 --out-dir "$out/decoder" 2>&1 | tee -a "$out/gpu_check.log" || true
+  timeout 50 python3 benchmarks/profile_attention.py --device cuda --dtype bfloat16 --length 32768 --reps 2 \
+    --models encoder decoder --arms hybrid favor 2>&1 | tee -a "$out/gpu_check.log" || true
+fi
+if [ "$part" != speed ]; then
+  limit=$([ "$part" = tests ] && echo 480 || echo 150)
+  # (a test past 100 s fails with its stack: the device image has pytest-timeout; causal FAVOR+'s ran past 80 s once)
+  timeout "$limit" python3 -m pytest -v -p no:cacheprovider --tb=short --durations=10 --timeout 100 -m cuda \
+    tests/modeling/test_favor_exp_triton.py tests/modeling/test_hybrid_triton.py tests/modeling/test_hybrid_flex.py \
+    tests/modeling/test_sparse_flex.py tests/modeling/test_device_compile.py 2>&1 | tee -a "$out/gpu_check.log" \
+    || tests=$?
+  timeout 40 python3 -m pytest -q -p no:cacheprovider --tb=short tests/modeling/test_far_field_triton.py \
+    2>&1 | tee -a "$out/gpu_check.log" || tests=$?
+fi
 if [ "$tests" != 0 ]; then echo "the GPU tests FAILED (status $tests): see above" | tee -a "$out/gpu_check.log"; fi
 exit "$tests"
