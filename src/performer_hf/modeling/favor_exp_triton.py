@@ -115,13 +115,20 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         return tile, tail
 
     @triton.jit
-    def _add_rows(OUT, bh, rows, live, tile, tail, L, E, EP: tl.constexpr, TAIL: tl.constexpr):
-        # adds a tile (C, EP) and its last column apart (C,) (with TAIL) into rows of (B, H, L, E), atomically
+    def _write_rows(OUT, bh, rows, live, tile, tail, L, E, EP: tl.constexpr, TAIL: tl.constexpr, ADD: tl.constexpr):
+        # writes (or with ADD, adds atomically) a tile (C, EP) and its last column apart (C,) (with TAIL) into rows
+        # of (B, H, L, E)
         cols = tl.arange(0, EP)
         base = OUT + (bh * L + rows) * E
-        tl.atomic_add(base[:, None] + cols[None, :], tile, mask=live[:, None] & (cols < E)[None, :])
-        if TAIL:
-            tl.atomic_add(base + EP, tail, mask=live)
+        tile_ptr, tile_mask = base[:, None] + cols[None, :], live[:, None] & (cols < E)[None, :]
+        if ADD:
+            tl.atomic_add(tile_ptr, tile, mask=tile_mask)
+            if TAIL:
+                tl.atomic_add(base + EP, tail, mask=live)
+        else:
+            tl.store(tile_ptr, tile, mask=tile_mask)
+            if TAIL:
+                tl.store(base + EP, tail, mask=live)
 
     @triton.jit
     def _state_rows(KV, row, feats, exists, M, E, EP: tl.constexpr):
@@ -196,7 +203,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         b, h = bh // H, bh % H
         rows = tile * C + tl.arange(0, C)
         live = rows < L
-        dims, cols = tl.arange(0, D), tl.arange(0, EP)
+        dims = tl.arange(0, D)
         g = tl.zeros((C, EP), dtype=tl.float32)
         g_tail = tl.zeros((C,), dtype=tl.float32)
         if GRADIENT:
@@ -225,10 +232,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             tl.store(DX + (bh * L + rows)[:, None] * D + dims[None, :], d_x, mask=live[:, None])
             tl.store(DOFF + bh * L + rows, d_off, mask=live)
         else:
-            base = OUT + (bh * L + rows) * E
-            tl.store(base[:, None] + cols[None, :], acc, mask=live[:, None] & (cols < E)[None, :])
-            if TAIL:
-                tl.store(base + EP, acc_tail, mask=live)
+            _write_rows(OUT, bh, rows, live, acc, acc_tail, L, E, EP, TAIL, False)
 
     @triton.jit
     def _chunk(
@@ -292,7 +296,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
                 out_tail = (
                     tl.sum(scores * v_tail[None, :], axis=1) + tl.sum(phi_q * state_tail[None, :], axis=1) * to_query
                 )
-                _add_rows(OUT, bh, rows, live, out, out_tail, L, E, EP, TAIL)
+                _write_rows(OUT, bh, rows, live, out, out_tail, L, E, EP, TAIL, True)
             to_end = tl.exp(s - end)  # (C,)
             state = state * tl.exp(prev - end) + tl.dot(tl.trans(phi_k), v * to_end[:, None], input_precision=PRECISION)
             if TAIL:
@@ -382,7 +386,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
                 d_k = tl.dot(d_log, dirs, input_precision=PRECISION)
                 tl.atomic_add(DK + row_ptr * D + dims[None, :], d_k, mask=live[:, None])
                 tl.atomic_add(DKOFF + bh * L + rows, tl.sum(d_log, axis=1), mask=live)
-                _add_rows(DV1, bh, rows, live, d_v, d_v_tail, L, E, EP, TAIL)
+                _write_rows(DV1, bh, rows, live, d_v, d_v_tail, L, E, EP, TAIL, True)
             # the state's gradient before the chunk: carried back, plus how the chunk's queries read that state
             reads = phi_q * tl.exp(prev - s)[:, None]
             d_state = d_state * tl.exp(prev - end) + tl.dot(tl.trans(reads), g, input_precision=PRECISION)
