@@ -324,6 +324,8 @@ def time_arms(steps: dict[str, Step], reps: int) -> dict[str, dict]:
                 continue
             if round_:  # the first round is the warm-up
                 records[arm]["times_s"].append(seconds)
+            else:  # where a time limit stops the run, the log still says which arm took the time (compilation)
+                logger.info("warm-up of %s: %.1f s", arm, seconds)
             if peak is not None:
                 records[arm]["peak_mb"] = max(records[arm]["peak_mb"] or 0.0, peak)
     for arm in live:
