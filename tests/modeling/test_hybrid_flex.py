@@ -236,6 +236,29 @@ def test_which_calls_flex_attention_serves_on_cuda(monkeypatch):
     assert not serves(_call("poly2"))
 
 
+def test_heads_narrower_than_flex_attention_takes_reach_it_padded_with_zeros(monkeypatch):
+    """FlexAttention's CUDA kernels take queries, keys and values of 16 columns or more (narrower ones fail to
+    compile, deep in inductor): ``flex_attend`` pads them with zero columns, and its output and log-sum-exp equal the
+    dense reference on the unpadded heads."""
+    from torch.nn.attention import flex_attention as flex_module
+
+    real, widths = flex_module.flex_attention, []
+
+    def recording(q, k, v, **kwargs):
+        widths.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(flex_module, "flex_attention", recording)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, width, generator=g) for width in (8, 8, 5))
+    mask = flex_module.create_block_mask(lambda b, h, i, j: j <= i, None, None, 32, 32, device="cpu", BLOCK_SIZE=16)
+    out, lse = flex_attend(q, k, v, mask)
+    want_out, want_lse = dense_attend(q, k, v, mask)
+    assert widths == [(16, 16, 16)] and out.shape == want_out.shape
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("causal", [False, True])
 def test_cuda_compiled_kernels_match_the_cpu_in_float32_and_bfloat16(monkeypatch, causal):

@@ -43,6 +43,7 @@ Tensor = torch.Tensor
 logger = logging.getLogger(__name__)
 
 TILE = 128  # FlexAttention's sparse block: queries and keys per tile of the block mask
+MIN_HEAD_DIM = 16  # the narrowest queries and keys FlexAttention's CUDA kernels take
 _TINY = 1e-30  # the log kernel's floor: poly2's kernel (1 + t / 2)^2 reaches 0
 
 
@@ -51,7 +52,7 @@ def flex_enabled() -> bool:
     return os.environ.get("PERFORMER_HF_FLEX", "1") != "0"
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # a constant where traced (dynamo would trace a cache's wrapped function)
 def flex_available() -> bool:
     """Whether this torch has FlexAttention with its log-sum-exp (``AuxRequest``, torch >= 2.9) and Triton to
     compile it for CUDA."""
@@ -77,12 +78,21 @@ _SMALL_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2}
 _NEEDS_SMALL_TILES: set[tuple] = set()
 
 
+def _at_least_min_head_dim(t: Tensor) -> Tensor:
+    """``t`` (.., width) with zero columns up to ``MIN_HEAD_DIM``: they leave every score (scale 1) and every output
+    column as they are."""
+    return t if t.shape[-1] >= MIN_HEAD_DIM else F.pad(t, (0, MIN_HEAD_DIM - t.shape[-1]))
+
+
 def flex_attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) -> tuple[Tensor, Tensor]:
     """FlexAttention with scale 1: ``softmax(score_mod(q . k))`` over ``block_mask``'s support applied to v.
     q (B, H, L, d), k (B, Hkv, L, d), v (B, Hkv, L, dv), the query heads a multiple of ``Hkv`` (grouped-query heads
     read in place) -> output (B, H, L, dv) and log-sum-exp (B, H, L), float32. Compiled on CUDA; eager (forward
     only, unfused) elsewhere."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    dv = v.shape[-1]
+    q, k, v = (_at_least_min_head_dim(t) for t in (q, k, v))
 
     def attend(function, kernel_options=None):
         out, aux = function(
@@ -96,7 +106,7 @@ def flex_attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) -> 
             return_aux=AuxRequest(lse=True),
             kernel_options=kernel_options,
         )
-        return out, aux.lse
+        return out[..., :dv], aux.lse
 
     if q.device.type != "cuda" or torch.compiler.is_compiling():  # eager, or traced in the caller's compiled model
         return attend(flex_attention)
