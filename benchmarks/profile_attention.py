@@ -1,13 +1,15 @@
 """Where an attention call's time goes: torch.profiler's top operators for one converted model's attention.
 
 Builds the models of ``model_speed.py`` (default conversion and plain FAVOR+), takes layer 0's attention
-function and profiles ``--reps`` forward + backward calls on (1, 12, L, 32) tensors after a warm-up.
+function and profiles ``--reps`` forward + backward calls on (1, 12, L, 32) tensors after a warm-up (``--mode
+inference``: forward calls without gradients).
 Prints, per arm, the operators with the most self device time (CPU time on a CPU), their call counts
 and the number of kernel launches per call: the figures that say whether a path is bound by launches,
 by memory traffic or by arithmetic. Nothing is written; this is a diagnostic, not a study.
 
-``--part model`` profiles the whole training step of ``model_speed.py`` instead (``--batch-tokens`` tokens per batch;
-the source arms ``sdpa`` and ``flash`` too), and counts the host's waits for the device (synchronisations and
+``--part model`` profiles the whole training step of ``model_speed.py`` instead (``--mode inference``: its inference
+forward, a decoder's cache included, as users call it; ``--batch-tokens`` tokens per batch; the source arms ``sdpa``
+and ``flash`` too), and counts the host's waits for the device (synchronisations and
 device-to-host copies), which stall a GPU's queue where a step that should be device-bound is not.
 
     python benchmarks/profile_attention.py --device cuda --dtype bfloat16 --length 16384
@@ -34,6 +36,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--models", nargs="+", choices=model_speed.MODELS, default=list(model_speed.MODELS))
     parser.add_argument("--part", choices=("attention", "model"), default="attention")
+    parser.add_argument("--mode", choices=model_speed.MODES, default="train", help="train: forward and backward")
     parser.add_argument("--arms", nargs="+", choices=("sdpa", "flash", "hybrid", "favor"), default=["hybrid", "favor"])
     parser.add_argument("--batch-tokens", type=int, default=0, help="--part model: tokens per batch; 0: batch 1")
     parser.add_argument("--length", type=int, default=4096)
@@ -64,18 +67,18 @@ def main(argv=None) -> None:
                 .requires_grad_()
                 for _ in range(3)
             ]
-            call(*qkv).float().sum().backward()  # warm-up
+            step = model_speed.attention_step(arm, call, qkv, MODES[args.mode], args.device)
+            step.work()  # warm-up
             with profile(activities=activities) as prof:
                 for _ in range(args.reps):
-                    call(*qkv).float().sum().backward()
-                if args.device == "cuda":
-                    torch.cuda.synchronize()
+                    step.work()
+                model_speed.synchronize(args.device)
             events = prof.key_averages()
             launches = sum(
                 e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
             )
             print(
-                f"\n=== {kind} {arm}: L={args.length}, forward + backward, {args.reps} calls, "
+                f"\n=== {kind} {arm}: L={args.length}, {MODES[args.mode].replace('_', ' + ')}, {args.reps} calls, "
                 f"{launches / args.reps:.0f} kernel launches per call ==="
             )
             print(events.table(sort_by=sort_by, row_limit=args.rows, max_name_column_width=60))
@@ -88,11 +91,13 @@ def _activities(device: str):
     return [ProfilerActivity.CPU], "self_cpu_time_total"
 
 
+MODES = {"train": "forward_backward", "inference": "forward"}  # model_speed's attention steps, by mode
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
 
 
 def profile_steps(args) -> None:
-    """``--part model``: ``--reps`` training steps of every arm's whole model after a warm-up."""
+    """``--part model``: ``--reps`` training steps (or inference forwards) of every arm's whole model after a
+    warm-up."""
     activities, sort_by = _activities(args.device)
     for kind in args.models:
         with tempfile.TemporaryDirectory() as workdir:
@@ -101,7 +106,7 @@ def profile_steps(args) -> None:
         for arm, model in models.items():
             model.to(args.device, getattr(torch, args.dtype))
             inputs = model_speed.make_batch(kind, model.config.vocab_size, batch, args.length, args.device)
-            step = model_speed.model_step(arm, model, "train", inputs, args.device)
+            step = model_speed.model_step(arm, model, args.mode, inputs, args.device)
             step.work()  # warm-up
             with profile(activities=activities) as prof:
                 for _ in range(args.reps):
@@ -113,7 +118,7 @@ def profile_steps(args) -> None:
             )
             waits = {e.key: e.count // args.reps for e in events if e.key in HOST_WAITS}
             print(
-                f"\n=== {kind} {arm}: L={args.length} x {batch}, training step, {args.reps} steps, "
+                f"\n=== {kind} {arm}: L={args.length} x {batch}, {args.mode}, {args.reps} steps, "
                 f"{launches / args.reps:.0f} kernel launches and host waits {waits} per step ==="
             )
             print(events.table(sort_by=sort_by, row_limit=args.rows, max_name_column_width=60))
