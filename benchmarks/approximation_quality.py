@@ -86,7 +86,7 @@ logger = logging.getLogger("benchmarks.approximation_quality")
 ATTENTION_NAME = "approximation_quality"
 SETS = ("sentences", "docs")
 LENGTHS = {"doc": 2048, "forward": 4096, "attention": 8192}  # tokens: documents, timed forward, timed attention
-QUICK_LENGTHS = {"doc": 512, "forward": 1024, "attention": 2048}
+QUICK_LENGTHS = {"doc": 256, "forward": 512, "attention": 1024}
 SELECT_AT = 256
 FLOORS = {"mean_cosine": 0.98, "pairwise_spearman": 0.95, "attention_speedup": 2.0}
 
