@@ -211,6 +211,64 @@ def test_causal_favor_through_the_kernels_matches_pytorch(kernels_serve):
     assert len(kernels_serve) == 3
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("segment", [None, 32], ids=["one walk", "segments of 32"])
+def test_the_key_state_is_the_scans_state_after_every_key(case, segment, monkeypatch):
+    """``exp_key_state`` (a decoding cache's state, without the sums) against the state after the PyTorch scan in
+    float64 (``favor_exp.causal_exp_sums``) and its PyTorch form: the same kv relative to the same shift, keys with
+    rows and padded or not, summed whole or in segments."""
+    if segment:
+        monkeypatch.setattr(favor_exp_triton, "MIN_SEGMENT", segment)
+    settings = {**CASES[case], "state": False}
+    stabilizer = settings.pop("stabilizer")
+    q, k, v1, (directions, bias), row, mask, _ = _scan_inputs(**settings)
+    features, keys = ExpFeatures(directions, bias, stabilizer), ScanKeys(k, v1, row, mask)
+    scan = favor_exp.causal_exp_sums(q, keys, features, 32)
+    pytorch_kv, pytorch_shift = favor_exp.exp_key_state(keys, features)
+    torch.testing.assert_close(pytorch_shift, scan.shift, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(pytorch_kv, scan.kv, rtol=1e-10, atol=1e-12)
+    on_device = [None if t is None else t.float().to(DEVICE) for t in (k, v1, directions, bias, row)]
+    kv, shift = favor_exp_triton.exp_key_state(*on_device, None if mask is None else mask.to(DEVICE))
+    assert (shift.cpu().double() - scan.shift).abs().max() < 1e-5
+    relative = kv.cpu().double() * torch.exp(shift.cpu().double() - scan.shift)[..., None, None]
+    error = (relative - scan.kv).abs().max() / scan.kv.abs().max()
+    assert error < 1e-5, f"relative error {error:.2e}"
+
+
+def test_a_decoding_caches_prefill_state_takes_the_kernels_where_no_gradient_is_asked(kernels_serve, monkeypatch):
+    """``favor_prefill_state`` (the state a compiled prefill computes apart) through the kernels equals the state
+    ``favor_attention`` returns in float64, and the next step decodes alike from either; with a gradient asked for,
+    the state keeps PyTorch (the kernels' operator has none)."""
+    from performer_hf.modeling.favor_attention import favor_prefill_state
+
+    launched = []
+    kernels = favor_exp.triton_exp_key_state
+    monkeypatch.setattr(favor_exp, "triton_exp_key_state", lambda *args: launched.append(1) or kernels(*args))
+    q, k, v = random_qkv(length=76, head_dim=16)
+    W = draw_projection(96, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    mask = right_padding(2, 75, real=(75, 60))
+    prefix = [t[:, :, :75] for t in (q, k, v)]
+    _, want = favor_attention(*prefix, W, causal=True, key_padding_mask=mask, return_state=True)
+    with torch.no_grad():
+        on_device = [t.float().to(DEVICE) for t in (*prefix, W)]
+        got = favor_prefill_state(*on_device, key_padding_mask=mask.to(DEVICE))
+    assert launched == [1]
+    assert (got.shift.cpu().double() - want.shift).abs().max() < 1e-5
+    relative = got.kv.cpu().double() * torch.exp(got.shift.cpu().double() - want.shift)[..., None, None]
+    assert ((relative - want.kv).abs().max() / want.kv.abs().max()) < 1e-5
+    step = [t[:, :, 75:] for t in (q, k, v)]
+    state = type(want)(got.kv.cpu().double(), got.shift.cpu().double())
+    torch.testing.assert_close(
+        favor_attention(*step, W, causal=True, initial_state=state),
+        favor_attention(*step, W, causal=True, initial_state=want),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    leaves = _float_leaves(*prefix)
+    favor_prefill_state(*leaves, W.float().to(DEVICE)).kv.sum().backward()
+    assert launched == [1] and leaves[1].grad is not None
+
+
 DECODER = dict(far_field="softmax_opt", local_window=6, num_global_tokens=1, far_field_parameter=-0.05, causal=True)
 
 
@@ -236,6 +294,41 @@ def test_the_causal_hybrid_through_the_kernels_matches_the_dense_reference(kerne
     dense = reference(q, k, v, W, mask=mask, query_center=centres[0], key_center=centres[1], **DECODER)
     _assert_relatively_close(got[:1], [dense * mask[:, None, :, None]])
     _assert_relatively_close(got[1:], want[1:])
+
+
+def test_the_causal_hybrids_prefill_state_takes_the_kernels(kernels_serve, monkeypatch):
+    """``hybrid_prefill_state`` of the decoder preset's form (a FAVOR++ far field around fixed centres, a window, a
+    global token), a padded batch: its far field's state through the kernels equals the state ``hybrid_attention``
+    returns in float64, and its window buffer and global keys are the same keys."""
+    from performer_hf.modeling.favor_hybrid import hybrid_prefill_state
+
+    launched = []
+    kernels = favor_exp.triton_exp_key_state
+    monkeypatch.setattr(favor_exp, "triton_exp_key_state", lambda *args: launched.append(1) or kernels(*args))
+    q, k, v = random_qkv(length=70, head_dim=16)
+    W = draw_projection(64, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    mask = right_padding(2, 70, real=(70, 52))
+    centres = [torch.randn(2, 16, generator=torch.Generator().manual_seed(seed)).double() * 0.3 for seed in (4, 5)]
+    settings = {name: value for name, value in DECODER.items() if name not in ("far_field_parameter", "causal")}
+    spec, parameter = HybridSpec(**settings), DECODER["far_field_parameter"]
+
+    def kwargs(device, dtype):
+        query_center, key_center = (c.to(device, dtype) for c in centres)
+        return dict(key_padding_mask=mask.to(device), query_center=query_center, key_center=key_center)
+
+    _, want = hybrid_attention(
+        q, k, v, W, spec, far_field_parameter=parameter, return_state=True, causal=True, **kwargs("cpu", q.dtype)
+    )
+    with torch.no_grad():
+        on_device = [t.float().to(DEVICE) for t in (q, k, v, W)]
+        got = hybrid_prefill_state(*on_device, spec, far_field_parameter=parameter, **kwargs(DEVICE, torch.float32))
+    assert launched == [1]
+    assert (got.far_shift.cpu().double() - want.far_shift).abs().max() < 1e-5
+    relative = got.far_kv.cpu().double() * torch.exp(got.far_shift.cpu().double() - want.far_shift)[..., None, None]
+    assert ((relative - want.far_kv).abs().max() / want.far_kv.abs().max()) < 1e-5
+    for name in ("keys", "values", "key_mask", "global_keys", "global_values", "global_mask"):
+        torch.testing.assert_close(getattr(got, name).cpu(), getattr(want, name).to(getattr(got, name).dtype))
+    assert got.length == want.length == 70
 
 
 @pytest.mark.parametrize("segment", [None, 16], ids=["one walk", "segments of 16"])
@@ -280,6 +373,7 @@ def test_the_operators_take_rows_of_any_strides(monkeypatch):
     kv = ops.bidirectional_exp_sums(*sums)[1]
     sums_backward = [grad, q, k, v1, q_off, k_off, *features, kv, 1e-3, "pytorch"]
     assert_strides_do_not_matter(ops.bidirectional_exp_sums_backward.default, sums_backward)
+    assert_strides_do_not_matter(ops.exp_key_state.default, [k, k_off, v1, *features, "pytorch"])
 
 
 def test_only_cuda_float32_queries_of_tile_dims_and_fixed_features_are_served(monkeypatch):

@@ -37,6 +37,7 @@ from .favor_exp import (
     ScanKeys,
     bidirectional_exp_sums,
     causal_exp_sums,
+    exp_key_state,
     pad_to_chunks,
 )
 from .favor_features import FeatureMap, get_feature_map
@@ -302,13 +303,18 @@ def favor_prefill_state(
 ) -> FavorState:
     """The state after a causal call from the first token, without its output: what
     ``favor_attention(..., causal=True, return_state=True)`` returns beside it, every key's features times
-    ``[v, 1]`` relative to the largest key log-feature (one matrix product). A prefill's output can then come from a
-    call without state (compiled, at a bucketed length, where a state would hold the padding). Arguments as
-    :func:`favor_attention`'s (``chunk_size`` changes nothing here)."""
+    ``[v, 1]`` relative to the largest key log-feature (one matrix product; exponential features through
+    :func:`.exp_key_state`, on CUDA in the Triton kernels without an (L, m') buffer, where no gradient is asked for).
+    A prefill's output can then come from a call without state (compiled, at a bucketed length, where a state would
+    hold the padding). Arguments as :func:`favor_attention`'s (``chunk_size`` changes nothing here)."""
     _check_inputs(q, k, v, projection, causal, key_padding_mask, None, True)
+    precision = float32_precision(q.dtype)
     _, k, v1, projection, mask = _prepared(q, k, v, projection, scaling, key_padding_mask)
     keep = None if mask is None else mask[:, None, :, None]
     with torch.autocast(q.device.type, enabled=False):
+        features = _exp_features(get_feature_map(kernel), projection)
+        if features is not None:
+            return FavorState(*exp_key_state(ScanKeys(k, v1, mask=mask), features, precision))
         kf, shift = _features(k, projection, kernel, keep=keep, shift_of=_last_shift)
         kv = kf.transpose(-2, -1) @ v1  # (B, H, m', dv + 1)
     B, H = k.shape[:2]

@@ -21,6 +21,7 @@ from torch.autograd.function import once_differentiable
 from .causal_scan import EMPTY_SHIFT, scan_backward, scan_forward, scan_weights
 from .favor_exp_triton import bidirectional_exp_sums as triton_bidirectional_exp_sums
 from .favor_exp_triton import causal_exp_sums as triton_causal_exp_sums
+from .favor_exp_triton import exp_key_state as triton_exp_key_state
 from .favor_exp_triton import serves as triton_serves
 from .slabs import max_slab_chunks, slab_elements
 
@@ -367,6 +368,23 @@ class ScanKeys(NamedTuple):
     v1: Tensor
     row: Tensor | None = None
     mask: Tensor | None = None
+
+
+def exp_key_state(keys: ScanKeys, features: ExpFeatures, precision: str = "pytorch") -> tuple[Tensor, Tensor]:
+    """The state of a causal call after its every key, without its sums: ``sum_j phi(k_j) [v_j, 1]`` relative to
+    the largest key log-feature, as :func:`causal_exp_sums` returns it (its ``kv`` and ``shift``) beside them. A
+    decoding cache's state: on CUDA the Triton kernels compute it where they serve the call and no gradient is asked
+    for, holding the features in registers where PyTorch writes an (L, m') buffer.
+
+    keys: the :class:`ScanKeys` -> (kv (B, H, m', dv + 1), shift (B, H))."""
+    (k, v1, row, mask), (directions, bias, _) = keys, features
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (k, v1, row, directions))
+    if not wants_grad and triton_serves(k, v1.shape[-1], directions, bias):
+        return triton_exp_key_state(k, v1, directions, bias, row, mask, precision)
+    keep = None if mask is None else mask[:, None, :, None]  # (B, 1, L, 1)
+    log_phi = _exp_log_features(k, directions, keep, bias, row)  # (B, H, L, m')
+    shift = log_phi.detach().amax(dim=(-2, -1)).nan_to_num(neginf=EMPTY_SHIFT).clamp_min(EMPTY_SHIFT)  # (B, H)
+    return torch.exp(log_phi - shift[..., None, None]).transpose(-2, -1) @ v1, shift
 
 
 def causal_exp_sums(

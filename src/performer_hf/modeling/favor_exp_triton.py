@@ -569,6 +569,15 @@ def _bidirectional_backward(
     return [d_q, d_k, d_v1, d_q_off, d_k_off]
 
 
+def _key_state(k: Tensor, k_off: Tensor, v1: Tensor, directions: Tensor, bias: Tensor | None, precision: str) -> Tensor:
+    """The keys' state ``sum_j phi(k_j) (x) v1_j`` (B, H, m, E) of keys k (B, H, L, d) with offsets k_off (B, H, L)
+    and values v1 (B, H, L, E)."""
+    k, k_off, v1 = contiguous_rows(k, k_off, v1)
+    kv = k.new_zeros(*k.shape[:2], directions.shape[-2], v1.shape[-1])  # added into, a share per segment
+    _sum(k, k_off, v1, _features_args(k, directions, bias), kv, 0.0, precision)
+    return kv
+
+
 def _register() -> None:
     """The kernels as custom operators (opaque to ``torch.compile``, which calls them between its own kernels), with
     their shapes for tracing and the scan's gradients. A second copy of this module (remote code beside the installed
@@ -647,9 +656,21 @@ def _register_bidirectional() -> None:
     library.register_autograd("performer_hf::bidirectional_exp_sums", gradients, setup_context=setup_context)
 
 
+def _register_key_state() -> None:
+    """The keys' state as a custom operator, without a gradient (a cache's state: :func:`exp_key_state`)."""
+    if hasattr(torch.ops.performer_hf, "exp_key_state"):
+        return
+    key_state = torch.library.custom_op("performer_hf::exp_key_state", mutates_args=())(_key_state)
+
+    @key_state.register_fake
+    def _(k, k_off, v1, directions, bias, precision):
+        return k.new_empty(*k.shape[:2], directions.shape[-2], v1.shape[-1])
+
+
 if triton is not None:
     _register()
     _register_bidirectional()
+    _register_key_state()
 
 
 def _features_and_offsets(q: Tensor, k: Tensor, directions: Tensor, bias: Tensor | None, precision: str) -> tuple:
@@ -658,13 +679,16 @@ def _features_and_offsets(q: Tensor, k: Tensor, directions: Tensor, bias: Tensor
     (B, H, L): (directions, bias, (q terms, q largest), (k terms, k largest))."""
     directions = directions.detach()
     bias = None if bias is None else bias.detach()
-    offsets = []
-    for x in (q, k):
-        with torch.no_grad():
-            top = torch.ops.performer_hf.exp_row_max(x.detach(), directions, bias, precision)
-        base = -0.5 * x.pow(2).sum(-1) - 0.5 * math.log(directions.shape[-2])
-        offsets.append((base, (top + base).detach()))
-    return directions, bias, *offsets
+    return directions, bias, *(_offsets(x, directions, bias, precision) for x in (q, k))
+
+
+def _offsets(x: Tensor, directions: Tensor, bias: Tensor | None, precision: str) -> tuple[Tensor, Tensor]:
+    """For rows x (B, H, L, d): ``-|x|^2 / 2 - log sqrt(m)`` (differentiable) and ``max_r log phi_r(x)`` (a
+    constant), each (B, H, L)."""
+    with torch.no_grad():
+        top = torch.ops.performer_hf.exp_row_max(x.detach(), directions, bias, precision)
+    base = -0.5 * x.pow(2).sum(-1) - 0.5 * math.log(directions.shape[-2])
+    return base, (top + base).detach()
 
 
 def causal_exp_sums(
@@ -730,3 +754,29 @@ def bidirectional_exp_sums(
         q, k, v1, q_base - q_top, k_off, directions, bias, float(stabilizer), precision
     )
     return out
+
+
+def exp_key_state(
+    k: Tensor,
+    v1: Tensor,
+    directions: Tensor,
+    bias: Tensor | None,
+    key_row: Tensor | None,
+    mask: Tensor | None,
+    precision: str = "pytorch",
+) -> tuple[Tensor, Tensor]:
+    """What :func:`.favor_exp.exp_key_state` computes, in the kernels (no gradient): k (B, H, L, d), v1 (B, H, L, E),
+    directions and bias as :class:`.favor_exp.ExpFeatures`', key_row (B, H, L, 1) or None, mask (B, L) bool or None
+    -> the state after every key, ``kv`` (B, H, m, E) relative to ``exp(shift)``, and ``shift`` (B, H): the largest
+    key log-feature."""
+    directions, bias = directions.detach(), None if bias is None else bias.detach()
+    base, top = _offsets(k, directions, bias, precision)
+    if key_row is not None:
+        base, top = base + key_row.squeeze(-1), top + key_row.squeeze(-1)
+    if mask is not None:
+        top = top.masked_fill(~mask[:, None, :], EMPTY_SHIFT)
+    shift = top.amax(dim=-1).clamp_min(EMPTY_SHIFT)  # (B, H): the running max after the last key
+    k_off = base - shift[..., None]
+    if mask is not None:
+        k_off = k_off.masked_fill(~mask[:, None, :], float("-inf"))  # no features
+    return torch.ops.performer_hf.exp_key_state(k, k_off, v1, directions, bias, precision), shift

@@ -43,14 +43,13 @@ import dataclasses
 
 import torch
 
-from .causal_scan import EMPTY_SHIFT
 from .far_fields import FarField, get_far_field
 from .favor_attention import check_attention_inputs
 from .favor_optimal import optimal_parameter, pair_statistic
 from .hybrid_backends import choose_backend
-from .hybrid_causal import LeavingKeys, decoding_step, extra_keys, lagged_far_field, next_state
+from .hybrid_causal import decoding_step, extra_keys, lagged_far_field, next_state, prefill_far_state
 from .hybrid_exact import divide, global_rows
-from .hybrid_far_field import BidirectionalFar, add_keys
+from .hybrid_far_field import BidirectionalFar
 from .hybrid_keys import FarContext, HybridCall, key_side, slice_keys
 from .hybrid_selection import ExtraKeys, Selection
 from .hybrid_spec import HybridSpec, HybridState
@@ -297,9 +296,4 @@ def hybrid_prefill_state(
     }
     spec.check_direction(True, query_center is not None and key_center is not None, True)
     call = _prepare(q, k, v, projection, spec, True, options)
-    leaving = LeavingKeys(None, call)
-    keys = leaving.keys(0, leaving.count, True)  # (B, H, n, .): every key that left the window, with features
-    B, H = q.shape[:2]
-    empty = keys.values1.new_zeros(B, H, keys.feats.shape[-1], keys.values1.shape[-1])  # (B, H, D, dv + 1)
-    far = add_keys(empty, keys.values1.new_full((B, H), EMPTY_SHIFT), keys)
-    return next_state(None, far, call)
+    return next_state(None, prefill_far_state(call), call)

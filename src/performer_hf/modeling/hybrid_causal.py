@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from .causal_scan import EMPTY_SHIFT
 from .far_field_triton import float32_precision
-from .favor_exp import ExpFeatures, ScanKeys, causal_exp_sums
+from .favor_exp import ExpFeatures, ScanKeys, causal_exp_sums, exp_key_state
 from .hybrid_exact import CandidateSet, exact_logits, exact_sums, merge
 from .hybrid_far_field import FarQueries, add_keys, causal_far_sums
 from .hybrid_keys import NEG_INF, HybridCall, Keys, cat_keys, key_side, pad_keys, slice_keys
@@ -121,6 +122,22 @@ def lagged_far_field(call: HybridCall, state: HybridState | None, with_state: bo
         far_sum, shifts, *final = causal_far_sums(qf, rows.feats, rows.klog, rows.values1, spec.chunk_size, previous)
     far = FarQueries(None, call.rq, scale + call.log_gain, shifts.unsqueeze(-1), far_sum, excludes_support=True)
     return far, add_keys(*final, leaving.after()) if with_state else None
+
+
+def prefill_far_state(call: HybridCall) -> tuple[Tensor, Tensor]:
+    """The far-field state after a causal call from the first token, without its sums: every key that left the
+    window, (kv (B, H, D, dv + 1), shift (B, H)). An exponential far field's as the fused scan holds it (on CUDA in
+    the kernels, without its (L, D) features: :func:`.exp_key_state`), the others' from their features."""
+    ctx, (B, H) = call.ctx, call.k.shape[:2]
+    leaving = LeavingKeys(None, call)
+    if leaving.count and ctx.far.exp_form is not None:
+        keys = leaving.keys(0, leaving.count, False)  # klog: the centering term alone
+        directions, bias = ctx.far.exp_form(ctx.projection, ctx.parameter)
+        scan_keys = ScanKeys(keys.y - ctx.c, keys.values1, keys.klog, keys.mask)
+        return exp_key_state(scan_keys, ExpFeatures(directions, bias), float32_precision(call.k.dtype))
+    keys = leaving.keys(0, leaving.count, True)  # (B, H, n, .), with features
+    empty = keys.values1.new_zeros(B, H, keys.feats.shape[-1], keys.values1.shape[-1])  # (B, H, D, dv + 1)
+    return add_keys(empty, keys.values1.new_full((B, H), EMPTY_SHIFT), keys)
 
 
 def decoding_step(call: HybridCall, state: HybridState) -> tuple[Tensor, tuple[Tensor, Tensor]]:
