@@ -280,7 +280,16 @@ def test_a_prefill_is_compiled_and_decodes_as_eager(monkeypatch, counter, settin
     eager's tokens and step logits; the decoding steps compile nothing."""
     _flex_backend(monkeypatch)
     model = random_centres(tiny_model(PerformerForCausalLM, max_position_embeddings=80, **settings))
-    ids = random_ids(batch=2, length=37, seed=3)
+    generated = _eager_and_compiled_generations(monkeypatch, model)
+    assert counter.frame_count == 1  # the prefill's graph (its layers share it); no step's
+    assert torch.equal(generated["1"][0], generated["0"][0])
+    torch.testing.assert_close(generated["1"][1], generated["0"][1], rtol=1e-5, atol=1e-5)
+
+
+def _eager_and_compiled_generations(monkeypatch, model, device: str = "cpu") -> dict:
+    """Greedy generation of 5 tokens after a left-padded batch of 37, with ``PERFORMER_HF_COMPILE`` "0" and "1":
+    ``{flag: (sequences, step logits)}``."""
+    ids = random_ids(batch=2, length=37, seed=3).to(device)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     generated = {}
@@ -296,9 +305,7 @@ def test_a_prefill_is_compiled_and_decodes_as_eager(monkeypatch, counter, settin
                 return_dict_in_generate=True,
             )
         generated[flag] = out.sequences, torch.stack(out.logits)
-    assert counter.frame_count == 1  # the prefill's graph (its layers share it); no step's
-    assert torch.equal(generated["1"][0], generated["0"][0])
-    torch.testing.assert_close(generated["1"][1], generated["0"][1], rtol=1e-5, atol=1e-5)
+    return generated
 
 
 def test_a_torch_without_the_compile_settings_runs_eagerly(monkeypatch, counter):
@@ -324,6 +331,30 @@ def test_cuda_compiled_calls_match_eager(monkeypatch, name):
     torch._dynamo.reset()
     model = _model(monkeypatch, name, "cuda")
     _assert_matches_eager(monkeypatch, model, 69, "cuda", tol=1e-4)
+
+
+DECODERS = {"hybrid": dict(attention_method="hybrid", exact_max_length=0), "favor": dict(attention_method="favor")}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", DECODERS)
+def test_cuda_prefill_decodes_as_eager(monkeypatch, name):
+    """On CUDA, float32: a decoder's compiled prefill, its cache's state computed apart in the Triton kernels
+    (``exp_key_state``), generates eager's tokens (whose state comes from the causal scan's kernels), step logits
+    within the kernels' float32 rounding."""
+    from performer_hf.modeling import favor_exp
+
+    torch._dynamo.reset()
+    launched = []
+    kernels = favor_exp.triton_exp_key_state
+    monkeypatch.setattr(favor_exp, "triton_exp_key_state", lambda *args: launched.append(1) or kernels(*args))
+    # heads of 16 dimensions, the kernels' narrowest
+    settings = dict(max_position_embeddings=80, hidden_size=64, **DECODERS[name])
+    model = random_centres(tiny_model(PerformerForCausalLM, **settings)).cuda()
+    generated = _eager_and_compiled_generations(monkeypatch, model, "cuda")
+    assert len(launched) == model.config.num_hidden_layers  # the compiled prefill's, one per layer
+    assert torch.equal(generated["1"][0], generated["0"][0])
+    torch.testing.assert_close(generated["1"][1], generated["0"][1], rtol=1e-4, atol=1e-4)
 
 
 def test_compiled_token_loss_matches_eager(monkeypatch, counter):
