@@ -149,6 +149,23 @@ def kernels_serve(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def key_state_launches(monkeypatch):
+    """Counts the calls of the kernels' key state (``exp_key_state``), which run as they would."""
+    launched, kernels = [], favor_exp.triton_exp_key_state
+    monkeypatch.setattr(favor_exp, "triton_exp_key_state", lambda *args: launched.append(1) or kernels(*args))
+    return launched
+
+
+def _assert_same_state(kv: torch.Tensor, shift: torch.Tensor, want_kv: torch.Tensor, want_shift: torch.Tensor):
+    """A state (kv relative to exp(shift)) from the kernels against a float64 one, to float32's rounding."""
+    kv, shift = kv.cpu().double(), shift.cpu().double()
+    assert (shift - want_shift).abs().max() < 1e-5
+    relative = kv * torch.exp(shift - want_shift)[..., None, None]
+    error = (relative - want_kv).abs().max() / want_kv.abs().max()
+    assert error < 1e-5, f"relative error {error:.2e}"
+
+
 def _float_leaves(*tensors):
     return [t.detach().float().to(DEVICE).requires_grad_() for t in tensors]
 
@@ -229,21 +246,15 @@ def test_the_key_state_is_the_scans_state_after_every_key(case, segment, monkeyp
     torch.testing.assert_close(pytorch_kv, scan.kv, rtol=1e-10, atol=1e-12)
     on_device = [None if t is None else t.float().to(DEVICE) for t in (k, v1, directions, bias, row)]
     kv, shift = favor_exp_triton.exp_key_state(*on_device, None if mask is None else mask.to(DEVICE))
-    assert (shift.cpu().double() - scan.shift).abs().max() < 1e-5
-    relative = kv.cpu().double() * torch.exp(shift.cpu().double() - scan.shift)[..., None, None]
-    error = (relative - scan.kv).abs().max() / scan.kv.abs().max()
-    assert error < 1e-5, f"relative error {error:.2e}"
+    _assert_same_state(kv, shift, scan.kv, scan.shift)
 
 
-def test_a_decoding_caches_prefill_state_takes_the_kernels_where_no_gradient_is_asked(kernels_serve, monkeypatch):
+def test_a_caches_prefill_state_takes_the_kernels_where_no_gradient_is_asked(kernels_serve, key_state_launches):
     """``favor_prefill_state`` (the state a compiled prefill computes apart) through the kernels equals the state
     ``favor_attention`` returns in float64, and the next step decodes alike from either; with a gradient asked for,
     the state keeps PyTorch (the kernels' operator has none)."""
     from performer_hf.modeling.favor_attention import favor_prefill_state
 
-    launched = []
-    kernels = favor_exp.triton_exp_key_state
-    monkeypatch.setattr(favor_exp, "triton_exp_key_state", lambda *args: launched.append(1) or kernels(*args))
     q, k, v = random_qkv(length=76, head_dim=16)
     W = draw_projection(96, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     mask = right_padding(2, 75, real=(75, 60))
@@ -252,10 +263,8 @@ def test_a_decoding_caches_prefill_state_takes_the_kernels_where_no_gradient_is_
     with torch.no_grad():
         on_device = [t.float().to(DEVICE) for t in (*prefix, W)]
         got = favor_prefill_state(*on_device, key_padding_mask=mask.to(DEVICE))
-    assert launched == [1]
-    assert (got.shift.cpu().double() - want.shift).abs().max() < 1e-5
-    relative = got.kv.cpu().double() * torch.exp(got.shift.cpu().double() - want.shift)[..., None, None]
-    assert ((relative - want.kv).abs().max() / want.kv.abs().max()) < 1e-5
+    assert key_state_launches == [1]
+    _assert_same_state(got.kv, got.shift, want.kv, want.shift)
     step = [t[:, :, 75:] for t in (q, k, v)]
     state = type(want)(got.kv.cpu().double(), got.shift.cpu().double())
     torch.testing.assert_close(
@@ -266,7 +275,7 @@ def test_a_decoding_caches_prefill_state_takes_the_kernels_where_no_gradient_is_
     )
     leaves = _float_leaves(*prefix)
     favor_prefill_state(*leaves, W.float().to(DEVICE)).kv.sum().backward()
-    assert launched == [1] and leaves[1].grad is not None
+    assert key_state_launches == [1] and leaves[1].grad is not None
 
 
 DECODER = dict(far_field="softmax_opt", local_window=6, num_global_tokens=1, far_field_parameter=-0.05, causal=True)
@@ -296,15 +305,12 @@ def test_the_causal_hybrid_through_the_kernels_matches_the_dense_reference(kerne
     _assert_relatively_close(got[1:], want[1:])
 
 
-def test_the_causal_hybrids_prefill_state_takes_the_kernels(kernels_serve, monkeypatch):
+def test_the_causal_hybrids_prefill_state_takes_the_kernels(kernels_serve, key_state_launches):
     """``hybrid_prefill_state`` of the decoder preset's form (a FAVOR++ far field around fixed centres, a window, a
     global token), a padded batch: its far field's state through the kernels equals the state ``hybrid_attention``
     returns in float64, and its window buffer and global keys are the same keys."""
     from performer_hf.modeling.favor_hybrid import hybrid_prefill_state
 
-    launched = []
-    kernels = favor_exp.triton_exp_key_state
-    monkeypatch.setattr(favor_exp, "triton_exp_key_state", lambda *args: launched.append(1) or kernels(*args))
     q, k, v = random_qkv(length=70, head_dim=16)
     W = draw_projection(64, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     mask = right_padding(2, 70, real=(70, 52))
@@ -322,10 +328,8 @@ def test_the_causal_hybrids_prefill_state_takes_the_kernels(kernels_serve, monke
     with torch.no_grad():
         on_device = [t.float().to(DEVICE) for t in (q, k, v, W)]
         got = hybrid_prefill_state(*on_device, spec, far_field_parameter=parameter, **kwargs(DEVICE, torch.float32))
-    assert launched == [1]
-    assert (got.far_shift.cpu().double() - want.far_shift).abs().max() < 1e-5
-    relative = got.far_kv.cpu().double() * torch.exp(got.far_shift.cpu().double() - want.far_shift)[..., None, None]
-    assert ((relative - want.far_kv).abs().max() / want.far_kv.abs().max()) < 1e-5
+    assert key_state_launches == [1]
+    _assert_same_state(got.far_kv, got.far_shift, want.far_kv, want.far_shift)
     for name in ("keys", "values", "key_mask", "global_keys", "global_values", "global_mask"):
         torch.testing.assert_close(getattr(got, name).cpu(), getattr(want, name).to(getattr(got, name).dtype))
     assert got.length == want.length == 70
