@@ -12,8 +12,8 @@
 #      results are written inside the time limit): the encoder of the Performer family (results in family/) and
 #      its decoder (decoder/); each arm's warm-up (compilation) time is logged. Every timed output is checked
 #      for NaN and inf. Each length compiles the attention calls anew. Then benchmarks/profile_attention.py:
-#      where the decoder's inference forward spends its device time at 32K tokens, by kernel (its cache's state included), for flash, plain
-#      FAVOR+ and the default conversion.
+#      where the decoder's inference forward spends its device time at 32K tokens, by kernel (its cache's state
+#      included), for flash, plain FAVOR+ and the default conversion.
 #   2. tests: the tests marked ``cuda`` (skipped without a GPU): the Triton kernels (FAVOR+'s causal scan, which
 #      also serves the decoder's far field, and bidirectional sums; the support sums), the compiled FlexAttention
 #      paths of the hybrid and the sparse prefill, and every compiled attention call against eager, forward and
@@ -79,8 +79,8 @@ if [ "$part" != speed ]; then
   # (failures show warnings, not the DEBUG records inductor logs: run 6's buried the summary)
   timeout "$limit" python3 -m pytest -v -p no:cacheprovider --tb=short --durations=10 --timeout 100 -m cuda \
     -o log_level=WARNING tests/modeling/test_favor_exp_triton.py tests/modeling/test_hybrid_triton.py \
-    tests/modeling/test_hybrid_flex.py tests/modeling/test_sparse_flex.py tests/modeling/test_device_compile.py 2>&1 | tee -a "$out/gpu_check.log" \
-    || tests=$?
+    tests/modeling/test_hybrid_flex.py tests/modeling/test_sparse_flex.py tests/modeling/test_device_compile.py 2>&1 \
+    | tee -a "$out/gpu_check.log" || tests=$?
   timeout 40 python3 -m pytest -q -p no:cacheprovider --tb=short tests/modeling/test_far_field_triton.py \
     2>&1 | tee -a "$out/gpu_check.log" || tests=$?
 fi
