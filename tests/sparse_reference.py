@@ -20,7 +20,7 @@ def reference_sparse(q, k, v, spec, key_mask=None):
             for h in range(Hkv):
                 blocks = pool
                 if spec.budget and len(blocks) > spec.budget:
-                    blocks = sorted(blocks, key=lambda j: -float(mass[b, h, j]))[: spec.budget]
+                    blocks = sorted(blocks, key=lambda j: -float(mass[b, h, j].detach()))[: spec.budget]
                 visible = torch.zeros(L, dtype=torch.bool)
                 visible[window_start : p + 1] = real[b, window_start : p + 1]
                 sinks = min(spec.num_global_tokens, window_start)
@@ -32,7 +32,7 @@ def reference_sparse(q, k, v, spec, key_mask=None):
                         continue
                     heads = q[b, h * G : (h + 1) * G, p]  # (G, D): the query heads sharing key/value head h
                     bound = ((heads @ k[b, h, keys].T) * D**-0.5).logsumexp(dim=(0, 1))  # the attention it holds
-                    scored.append((float(bound), j, keys))
+                    scored.append((float(bound.detach()), j, keys))  # the ranking: no gradient
                 scored.sort(key=lambda t: -t[0])
                 for _, _, keys in scored[: spec.select_blocks]:
                     visible[keys] = True
