@@ -677,9 +677,13 @@ def _features_and_offsets(q: Tensor, k: Tensor, directions: Tensor, bias: Tensor
     """The features' directions and bias as constants, and for queries and keys (B, H, L, d) their per-row terms
     ``-|x|^2 / 2 - log sqrt(m)`` (differentiable) and largest log-feature ``max_r log phi_r(x)`` (a constant), each
     (B, H, L): (directions, bias, (q terms, q largest), (k terms, k largest))."""
-    directions = directions.detach()
-    bias = None if bias is None else bias.detach()
+    directions, bias = _constants(directions, bias)
     return directions, bias, *(_offsets(x, directions, bias, precision) for x in (q, k))
+
+
+def _constants(directions: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """The features' directions and bias as the kernels take them: constants (no gradient reaches them)."""
+    return directions.detach(), None if bias is None else bias.detach()
 
 
 def _offsets(x: Tensor, directions: Tensor, bias: Tensor | None, precision: str) -> tuple[Tensor, Tensor]:
@@ -689,6 +693,23 @@ def _offsets(x: Tensor, directions: Tensor, bias: Tensor | None, precision: str)
         top = torch.ops.performer_hf.exp_row_max(x.detach(), directions, bias, precision)
     base = -0.5 * x.pow(2).sum(-1) - 0.5 * math.log(directions.shape[-2])
     return base, (top + base).detach()
+
+
+def _key_offsets(
+    k: Tensor, directions: Tensor, bias: Tensor | None, key_row: Tensor | None, mask: Tensor | None, precision: str
+) -> tuple[Tensor, Tensor]:
+    """Keys' offsets relative to their largest log-feature, and that shift: k (B, H, L, d), key_row (B, H, L, 1) or
+    None, mask (B, L) bool or None -> (offsets (B, H, L), -inf for keys left out; shift (B, H))."""
+    base, top = _offsets(k, directions, bias, precision)
+    if key_row is not None:
+        base, top = base + key_row.squeeze(-1), top + key_row.squeeze(-1)
+    if mask is not None:
+        top = top.masked_fill(~mask[:, None, :], EMPTY_SHIFT)
+    shift = top.amax(dim=-1).clamp_min(EMPTY_SHIFT)
+    k_off = base - shift[..., None]
+    if mask is not None:
+        k_off = k_off.masked_fill(~mask[:, None, :], float("-inf"))  # no features
+    return k_off, shift
 
 
 def causal_exp_sums(
@@ -743,13 +764,9 @@ def bidirectional_exp_sums(
     """What :func:`.favor_exp.bidirectional_exp_sums` computes, in the kernels: q (B, H, Lq, d), k (B, H, Lk, d),
     v1 (B, H, Lk, E), the :class:`.favor_exp.ExpFeatures` (directions, bias, stabilizer), mask (B, Lk) bool or None
     -> ``phi(q_i) . sum_j phi(k_j) v1_j`` (B, H, Lq, E), float32, each query's row relative to a scale of its own."""
-    directions, bias, (q_base, q_top), (k_base, k_top) = _features_and_offsets(q, k, directions, bias, precision)
-    if mask is not None:
-        k_top = k_top.masked_fill(~mask[:, None, :], float("-inf"))
-    shift = k_top.amax(dim=-1, keepdim=True).clamp_min(EMPTY_SHIFT)  # (B, H, 1): the largest key log-feature
-    k_off = k_base - shift
-    if mask is not None:
-        k_off = k_off.masked_fill(~mask[:, None, :], float("-inf"))  # no features
+    directions, bias = _constants(directions, bias)
+    q_base, q_top = _offsets(q, directions, bias, precision)
+    k_off, _ = _key_offsets(k, directions, bias, None, mask, precision)
     out, _ = torch.ops.performer_hf.bidirectional_exp_sums(
         q, k, v1, q_base - q_top, k_off, directions, bias, float(stabilizer), precision
     )
@@ -769,14 +786,6 @@ def exp_key_state(
     directions and bias as :class:`.favor_exp.ExpFeatures`', key_row (B, H, L, 1) or None, mask (B, L) bool or None
     -> the state after every key, ``kv`` (B, H, m, E) relative to ``exp(shift)``, and ``shift`` (B, H): the largest
     key log-feature."""
-    directions, bias = directions.detach(), None if bias is None else bias.detach()
-    base, top = _offsets(k, directions, bias, precision)
-    if key_row is not None:
-        base, top = base + key_row.squeeze(-1), top + key_row.squeeze(-1)
-    if mask is not None:
-        top = top.masked_fill(~mask[:, None, :], EMPTY_SHIFT)
-    shift = top.amax(dim=-1).clamp_min(EMPTY_SHIFT)  # (B, H): the running max after the last key
-    k_off = base - shift[..., None]
-    if mask is not None:
-        k_off = k_off.masked_fill(~mask[:, None, :], float("-inf"))  # no features
+    directions, bias = _constants(directions, bias)
+    k_off, shift = _key_offsets(k, directions, bias, key_row, mask, precision)  # shift: the running max at the end
     return torch.ops.performer_hf.exp_key_state(k, k_off, v1, directions, bias, precision), shift

@@ -107,10 +107,8 @@ def lagged_far_field(call: HybridCall, state: HybridState | None, with_state: bo
     fused = state is None and ctx.far.exp_form is not None  # from the start: features per slab, never stored
     rows = leaving.rows(features=not fused)
     if fused:
-        directions, bias = ctx.far.exp_form(ctx.projection, ctx.parameter)
-        keys = ScanKeys(rows.y - ctx.c, rows.values1, rows.klog, rows.mask)
-        precision = float32_precision(call.k.dtype)
-        scan = causal_exp_sums(u, keys, ExpFeatures(directions, bias), spec.chunk_size, precision=precision)
+        keys, features, precision = _scan_form(call, rows)
+        scan = causal_exp_sums(u, keys, features, spec.chunk_size, precision=precision)
         # The queries' centering factor exp(rq) stays out of the scan: in the far field's scale, and (a factor of
         # value 1) in its gradient.
         rq_const = call.rq.detach()
@@ -124,6 +122,15 @@ def lagged_far_field(call: HybridCall, state: HybridState | None, with_state: bo
     return far, add_keys(*final, leaving.after()) if with_state else None
 
 
+def _scan_form(call: HybridCall, keys: Keys) -> tuple[ScanKeys, ExpFeatures, str]:
+    """An exponential far field's ``keys`` (without features; ``klog`` the centering term) as its fused scan takes
+    them: the keys around the centre, the features' directions and bias, and the products' precision."""
+    ctx = call.ctx
+    directions, bias = ctx.far.exp_form(ctx.projection, ctx.parameter)
+    scan_keys = ScanKeys(keys.y - ctx.c, keys.values1, keys.klog, keys.mask)
+    return scan_keys, ExpFeatures(directions, bias), float32_precision(call.k.dtype)
+
+
 def prefill_far_state(call: HybridCall) -> tuple[Tensor, Tensor]:
     """The far-field state after a causal call from the first token, without its sums: every key that left the
     window, (kv (B, H, D, dv + 1), shift (B, H)). An exponential far field's as the fused scan holds it (on CUDA in
@@ -131,10 +138,7 @@ def prefill_far_state(call: HybridCall) -> tuple[Tensor, Tensor]:
     ctx, (B, H) = call.ctx, call.k.shape[:2]
     leaving = LeavingKeys(None, call)
     if leaving.count and ctx.far.exp_form is not None:
-        keys = leaving.keys(0, leaving.count, False)  # klog: the centering term alone
-        directions, bias = ctx.far.exp_form(ctx.projection, ctx.parameter)
-        scan_keys = ScanKeys(keys.y - ctx.c, keys.values1, keys.klog, keys.mask)
-        return exp_key_state(scan_keys, ExpFeatures(directions, bias), float32_precision(call.k.dtype))
+        return exp_key_state(*_scan_form(call, leaving.keys(0, leaving.count, False)))  # klog: the centering alone
     keys = leaving.keys(0, leaving.count, True)  # (B, H, n, .), with features
     empty = keys.values1.new_zeros(B, H, keys.feats.shape[-1], keys.values1.shape[-1])  # (B, H, D, dv + 1)
     return add_keys(empty, keys.values1.new_full((B, H), EMPTY_SHIFT), keys)
