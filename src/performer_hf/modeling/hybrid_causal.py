@@ -2,9 +2,9 @@
 
 Query ``i`` computes exactly its window (itself and the ``local_window - 1`` keys before it) and the global tokens;
 its far field reads every other earlier key. A call scans the keys as they leave the window (:class:`LeavingKeys`),
-so that its far field never holds a key of the query's support and nothing is subtracted: from the first token
-with an exponential far field in the fused scan of :func:`.causal_exp_sums` (features one slab at a time), and
-otherwise in the chunked scan of :func:`.causal_far_sums`. A single token after a state takes
+so that its far field never holds a key of the query's support and nothing is subtracted: with an exponential far
+field in the fused scan of :func:`.causal_exp_sums` (features one slab at a time), from the first token or from a
+state, and otherwise in the chunked scan of :func:`.causal_far_sums`. A single token after a state takes
 :func:`decoding_step`: the state's far field plus exact softmax on the window buffer and the global tokens, no scan.
 """
 
@@ -104,11 +104,12 @@ def lagged_far_field(call: HybridCall, state: HybridState | None, with_state: bo
     ctx, spec = call.ctx, call.spec
     u = call.x - ctx.a
     leaving = LeavingKeys(state, call)
-    fused = state is None and ctx.far.exp_form is not None  # from the start: features per slab, never stored
+    fused = ctx.far.exp_form is not None  # features per slab, never stored
     rows = leaving.rows(features=not fused)
     if fused:
         keys, features, precision = _scan_form(call, rows)
-        scan = causal_exp_sums(u, keys, features, spec.chunk_size, precision=precision)
+        previous = None if state is None else (state.far_kv, state.far_shift)
+        scan = causal_exp_sums(u, keys, features, spec.chunk_size, previous, precision=precision)
         # The queries' centering factor exp(rq) stays out of the scan: in the far field's scale, and (a factor of
         # value 1) in its gradient.
         rq_const = call.rq.detach()
