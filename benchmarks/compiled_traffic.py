@@ -134,7 +134,7 @@ def as_on_cuda(arm: str):
     favor_exp.triton_serves = lambda q, *features: arm in SCAN_ARMS and q.dtype == torch.float32
     if arm == "hybrid, Triton":
         precision = float32_precision(torch.bfloat16)
-        hybrid_backends._traced_backend = lambda call, causal, continues: hybrid_backends.TritonBackend(precision)
+        hybrid_backends._traced_backend = lambda call, causal: hybrid_backends.TritonBackend(precision)
     try:
         yield
     finally:

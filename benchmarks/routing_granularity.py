@@ -84,7 +84,7 @@ class TileCount:
                 fractions.append(float(tiles.float().mean()) / tiles.shape[-1])
                 return self.inner.support_sums(selection, far, quadratic)
 
-        favor_hybrid.choose_backend = lambda call, causal, continues=False: Counting(chosen(call, causal, continues))
+        favor_hybrid.choose_backend = lambda call, causal: Counting(chosen(call, causal))
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -51,7 +51,7 @@ def _flex_backend(monkeypatch):
     monkeypatch.setattr(
         favor_hybrid,
         "choose_backend",
-        lambda call, causal, continues=False: FlexBackend(
+        lambda call, causal: FlexBackend(
             (call.ctx.a, call.ctx.c), call.k.dtype, dense_attend, key_padding=call.key_padding
         ),
     )
@@ -166,9 +166,7 @@ def test_flex_attention_itself_traces_into_the_graph(monkeypatch, counter, name)
     monkeypatch.setattr(
         favor_hybrid,
         "choose_backend",
-        lambda call, causal, continues=False: FlexBackend(
-            (call.ctx.a, call.ctx.c), call.k.dtype, key_padding=call.key_padding
-        ),
+        lambda call, causal: FlexBackend((call.ctx.a, call.ctx.c), call.k.dtype, key_padding=call.key_padding),
     )
     model_class, settings, _ = MODELS[name]
     model = random_centres(tiny_model(model_class, max_position_embeddings=80, **settings))
@@ -229,7 +227,7 @@ def test_traced_hybrid_takes_flex_only_where_its_mask_looks_little_up(monkeypatc
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     flex = FlexBackend((None, None), torch.float32)
     chosen = {"cuda": flex, "triton": None}
-    monkeypatch.setattr(hybrid_backends, "_cuda_backend", lambda call, causal, continues: chosen["cuda"])
+    monkeypatch.setattr(hybrid_backends, "_cuda_backend", lambda call, causal: chosen["cuda"])
     monkeypatch.setattr(hybrid_backends, "_triton_backend", lambda call, causal: chosen["triton"])
 
     def backend(device: str, routed_blocks: int, query_block_size: int = 16):

@@ -52,9 +52,7 @@ def _flex(monkeypatch, attend=flex_attend):
     monkeypatch.setattr(
         favor_hybrid,
         "choose_backend",
-        lambda call, causal, continues=False: FlexBackend(
-            (call.ctx.a, call.ctx.c), call.k.dtype, attend, key_padding=call.key_padding
-        ),
+        lambda call, causal: FlexBackend((call.ctx.a, call.ctx.c), call.k.dtype, attend, key_padding=call.key_padding),
     )
 
 
@@ -107,6 +105,41 @@ def test_causal_from_the_first_token_matches_the_dense_reference(monkeypatch, co
         )
     ref = reference(q, k, v, W, mask=mask, **kwargs)
     _close_to_float64(out, ref, mask)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        *(c for c in CONFIGS if "routed_blocks" not in c),
+        dict(local_window=1, num_global_tokens=2),
+        dict(local_window=150),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("splits", [[3, 297], [140, 1, 159], [257, 43]], ids=str)
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_causal_after_a_state_matches_the_dense_reference(monkeypatch, config, splits, padding):
+    """Calls after a state (a prefill in chunks; the queries after an exact prefix) read the state's global keys
+    and window buffer before their own: offsets below and above the window and the global tokens, windows narrower
+    and wider than a tile, a call that starts inside the global tokens."""
+    length = sum(splits)
+    q, k, v = random_qkv(length=length, seed=3)
+    W = draw_projection(24, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    mask = right_padding(2, length, real=(length, 250)).flip(-1) if padding == "left" else None
+    kwargs = {**_causal_kwargs("softmax_opt"), **config}
+    ref = reference(q, k, v, W, mask=mask, **kwargs)
+    _flex(monkeypatch)
+    state, outs, start = None, [], 0
+    with torch.no_grad():
+        for n in splits:
+            part = [t[:, :, start : start + n].float() for t in (q, k, v)]
+            part_mask = None if mask is None else mask[:, start : start + n]
+            out, state = hybrid_attention(
+                *part, W.float(), key_padding_mask=part_mask, initial_state=state, return_state=True, **kwargs
+            )
+            outs.append(out)
+            start += n
+    _close_to_float64(torch.cat(outs, dim=2), ref, mask)
 
 
 # routing by blocks of 128 queries (one tile), one block of 64 keys each: most of a tile row holds no support
@@ -220,12 +253,9 @@ def _call(far_field="poly2", causal=False, dtype=torch.float32, **settings):
 
 def test_which_calls_flex_attention_serves_on_cuda(monkeypatch):
     monkeypatch.setattr(hybrid_backends, "flex_available", lambda: True)
-    serves = lambda call, causal=False, continues=False: isinstance(  # noqa: E731
-        hybrid_backends._cuda_backend(call, causal, continues), FlexBackend
-    )
+    serves = lambda call, causal=False: isinstance(hybrid_backends._cuda_backend(call, causal), FlexBackend)  # noqa: E731
     assert serves(_call("poly2")) and serves(_call("taylor2", dtype=torch.bfloat16))
     assert serves(_call("softmax_opt", causal=True), causal=True)
-    assert not serves(_call("softmax_opt", causal=True), causal=True, continues=True)  # after a cached state
     assert not serves(_call("softmax_opt"))  # bidirectional random features: their complement needs features
     assert not serves(_call("poly2", dtype=torch.float64))
     assert not serves(_call("poly2", routed_blocks=2, route_block_size=3, query_block_size=6))  # blocks vs tiles

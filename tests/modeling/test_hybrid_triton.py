@@ -193,12 +193,12 @@ def test_cuda_calls_take_the_kernels_where_they_serve(monkeypatch):
     polynomial, random_features = calls
     monkeypatch.setattr(hybrid_backends, "triton_serves", lambda x, width, block: True)  # as on CUDA
     takes = lambda call, causal=False: isinstance(  # noqa: E731
-        hybrid_backends._cuda_backend(call, causal, continues=False), hybrid_backends.TritonBackend
+        hybrid_backends._cuda_backend(call, causal), hybrid_backends.TritonBackend
     )
     assert takes(polynomial) and not takes(polynomial, causal=True) and not takes(random_features)
-    assert hybrid_backends._cuda_backend(polynomial, False, False).precision == "pytorch"  # float32 inputs
+    assert hybrid_backends._cuda_backend(polynomial, False).precision == "pytorch"  # float32 inputs
     bfloat16 = polynomial._replace(k=polynomial.k.bfloat16())  # the model's keys (the rest computes in float32)
-    assert hybrid_backends._cuda_backend(bfloat16, False, False).precision == "tf32"
+    assert hybrid_backends._cuda_backend(bfloat16, False).precision == "tf32"
     monkeypatch.setattr(hybrid_backends, "triton_serves", lambda x, width, block: False)
     assert not takes(polynomial)
 

@@ -170,7 +170,7 @@ def _causal(call: HybridCall, state: HybridState | None, return_state: bool):
     far, final = lagged_far_field(call, state, with_state=return_state)
     offset = 0 if state is None else state.length
     selection = Selection(call.x, call.keys, extra_keys(call, state), call.spec, True, offset, with_feats=False)
-    backend = choose_backend(call, causal=True, continues=state is not None)
+    backend = choose_backend(call, causal=True)
     return backend.support_sums(selection, far, call.ctx.far.quadratic), final
 
 

@@ -9,7 +9,7 @@ far field's complement and their merge), behind one signature, and :func:`choose
 - :class:`TritonBackend`: the Triton kernels of :mod:`.hybrid_triton` (forward and backward, the CPU kernels'
   contract) for bidirectional attention with a polynomial far field on CUDA devices, eager or compiled;
 - :class:`.FlexBackend`: FlexAttention (:mod:`.hybrid_flex`, compiled Triton kernels) on CUDA devices, for causal
-  calls from the first token and the bidirectional calls the Triton kernels do not take.
+  calls and the bidirectional calls the Triton kernels do not take.
 
 A backend that cannot serve a setting says why once in the log, and the PyTorch backend serves it.
 """
@@ -116,7 +116,7 @@ def _triton_backend(call: HybridCall, causal: bool) -> TritonBackend | None:
     return TritonBackend(float32_precision(call.k.dtype))
 
 
-def _cuda_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBackend | TritonBackend | FlexBackend:
+def _cuda_backend(call: HybridCall, causal: bool) -> TorchBackend | TritonBackend | FlexBackend:
     """Bidirectional calls with a polynomial far field: the Triton kernels where they serve the call
     (``PERFORMER_HF_TRITON=0`` turns them off). Else FlexAttention where it serves the call (``PERFORMER_HF_FLEX=0``
     turns it off), else PyTorch."""
@@ -128,8 +128,6 @@ def _cuda_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBacke
         return PYTORCH
     if not flex_available():
         return _served_by_pytorch("it needs torch >= 2.9 with Triton", flex)
-    if continues:
-        return _served_by_pytorch("it serves causal calls from the first token, not ones after a cached state", flex)
     if not causal and call.ctx.far.quadratic is None:
         return _served_by_pytorch(f"it serves the polynomial far fields, not far_field={call.ctx.far.name!r}", flex)
     if call.k.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -139,7 +137,7 @@ def _cuda_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBacke
     return FlexBackend((call.ctx.a, call.ctx.c), call.k.dtype, key_padding=call.key_padding)
 
 
-def _traced_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBackend | TritonBackend | FlexBackend:
+def _traced_backend(call: HybridCall, causal: bool) -> TorchBackend | TritonBackend | FlexBackend:
     """The backend traced into a compiled graph: PyTorch (the CPU kernels are opaque to tracing), or on CUDA the
     Triton kernels (custom operators: one graph), or FlexAttention where its ``mask_mod`` looks little up: supports
     without routed blocks (a window and global keys: it compares positions) or routed per tile of queries
@@ -154,20 +152,18 @@ def _traced_backend(call: HybridCall, causal: bool, continues: bool) -> TorchBac
         return triton
     if call.spec.routed_blocks and call.spec.query_block_size != TILE:
         return PYTORCH  # (before _cuda_backend, which may log why: a graph break)
-    return _cuda_backend(call, causal, continues)
+    return _cuda_backend(call, causal)
 
 
-def choose_backend(
-    call: HybridCall, causal: bool, continues: bool = False
-) -> TorchBackend | CompiledCpuBackend | TritonBackend | FlexBackend:
-    """The backend for a call: by its device, dtype and direction, whether it ``continues`` from a cached state, and
-    the settings (the far field, the value width, the length). On a CPU the compiled kernels, on CUDA the Triton
+def choose_backend(call: HybridCall, causal: bool) -> TorchBackend | CompiledCpuBackend | TritonBackend | FlexBackend:
+    """The backend for a call: by its device, dtype and direction, and the settings (the far field, the value
+    width, the length). On a CPU the compiled kernels, on CUDA the Triton
     kernels or FlexAttention, when they serve the call; else PyTorch. Traced (compiled), see :func:`_traced_backend`."""
     x, far = call.x, call.ctx.far
     if torch.compiler.is_compiling():  # traced into the caller's graph (device_compile, torch.export)
-        return _traced_backend(call, causal, continues)
+        return _traced_backend(call, causal)
     if x.device.type == "cuda":
-        return _cuda_backend(call, causal, continues)
+        return _cuda_backend(call, causal)
     if x.device.type != "cpu" or not kernels_enabled():
         return PYTORCH
     if causal:

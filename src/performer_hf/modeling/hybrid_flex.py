@@ -13,8 +13,10 @@ kernel launches per call on a GPU. Here the exact part is one fused, block-spars
   with the kernel as the score (``score_mod`` = ``log(1 + t + c2 t^2)`` of the centred logit ``t``) and the far
   field's weighted values ``exp(klog - shift) [v, 1]``: that call's output times ``exp(lse)`` is exactly the
   kernel's sums on the support;
-- causally (a call from the first token), the far field is the lagged scan of :mod:`.hybrid_causal`, which holds no
-  key of the support: nothing is left out, and the exact part is a sliding window plus the global keys;
+- causally, the far field is the lagged scan of :mod:`.hybrid_causal`, which holds no key of the support: nothing is
+  left out, and the exact part is a sliding window plus the global keys; a call after a state (its first token not
+  the sequence's: a prefill in chunks, the queries after an exact prefix) reads the state's global keys and window
+  buffer in front of its own keys (:func:`flex_keys`);
 - both parts merge under one shift, as the other backends do (:func:`.merge`).
 
 Gradients flow through both calls' outputs and log-sum-exps (FlexAttention's backward runs on CUDA; on a CPU it
@@ -37,6 +39,7 @@ from .far_field_polynomial import POLYNOMIAL
 from .far_field_triton import padded_width
 from .hybrid_exact import PartialSums, merge
 from .hybrid_far_field import FarQueries
+from .hybrid_keys import Keys, cat_keys, pad_keys, slice_keys
 from .hybrid_selection import Selection
 
 Tensor = torch.Tensor
@@ -130,49 +133,76 @@ def compiled_call(kind: tuple, attend: Callable):
         return attend(_compiled_flex(), _SMALL_TILES)
 
 
-def support_mask(selection: Selection, key_padding: bool = True):
-    """The exact support of every query of a call from the first token as a ``BlockMask``: the tiles that hold any of
-    it, and a ``mask_mod`` that keeps exactly the support (a query's window, the global keys (causally, those up to
-    the query) and its routed key blocks; real keys only: without ``key_padding`` every key is, and the mask_mod
-    looks none up)."""
+def flex_keys(selection: Selection) -> tuple[Keys, int]:
+    """The keys FlexAttention reads for a call's queries, and the index of the key at its first query's position
+    (``shift``). From the first token: the call's own keys, ``shift`` 0. After a state (a causal call that continues):
+    the global keys, empty keys, the window buffer (padded in front to the ``left`` keys a window holds) and the call's
+    keys, with ``shift`` the tiles before the call's keys, so that every query's window keeps its tile layout."""
+    if not selection.continues:
+        return selection.keys, 0
+    prefix, globals_ = selection.extra
+    before = slice_keys(selection.keys, 0, 0) if prefix is None else prefix
+    window = pad_keys(before, selection.left - before.y.shape[2], 0)  # (.., left, .)
+    front = slice_keys(selection.keys, 0, 0) if globals_ is None else globals_
+    shift = -(-(selection.nb_global + selection.left) // TILE) * TILE
+    front = pad_keys(front, 0, shift - selection.nb_global - selection.left)
+    return cat_keys(cat_keys(front, window), selection.keys), shift
+
+
+def support_mask(selection: Selection, key_padding: bool = True, keys: tuple[Keys, int] | None = None):
+    """The exact support of every query of a call as a ``BlockMask`` over the keys of :func:`flex_keys` (``keys``,
+    when already built): the tiles that hold any of it, and a ``mask_mod`` that keeps exactly the support (a query's
+    window, the global keys (causally, those up to the query) and its routed key blocks; real keys only: without
+    ``key_padding`` every key is, and the mask_mod looks none up)."""
     x, spec = selection.x, selection.spec
     B, H, L = x.shape[:3]
     device = x.device
     left, right, nb_global, causal = selection.left, selection.right, selection.nb_global, selection.causal
+    (all_keys, shift), offset = keys or flex_keys(selection), selection.offset
     block_q, block_k = spec.query_block_size, spec.route_block_size
     padded = -(-L // TILE) * TILE  # TILE is a multiple of block_q and block_k (see choose_backend)
-    tiles = padded // TILE
-    key_mask = F.pad(selection.keys.mask, (0, padded - L), value=False)  # (B, padded): positions past L are not keys
+    tiles, key_tiles = padded // TILE, (shift + padded) // TILE
+    key_padding = key_padding or selection.continues  # the buffer's and the front's empty keys
+    key_mask = F.pad(all_keys.mask, (0, shift + padded - all_keys.mask.shape[1]), value=False)  # (B, key tiles * TILE)
     routed_words, routed_tiles, full_routed = _routed(selection, B, H, padded, tiles)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        near = (q_idx - kv_idx <= left) & (kv_idx - q_idx <= right)
-        is_global = (kv_idx < nb_global) & (kv_idx <= q_idx) if causal else kv_idx < nb_global
+        query = q_idx + shift  # the index of the query's own key
+        near = (query - kv_idx <= left) & (kv_idx - query <= right)
+        if shift:  # the global keys apart, at their positions: those in the query's window are read there
+            gap = q_idx + offset - kv_idx
+            is_global = (kv_idx < nb_global) & (gap >= 0) & ((gap > left) | (gap < -right))
+        else:
+            is_global = (kv_idx < nb_global) & (kv_idx <= q_idx) if causal else kv_idx < nb_global
         supported = near | is_global
         if routed_words is not None:
             block = kv_idx // block_k
             supported = supported | has_bit(routed_words, (b, h, q_idx // block_q), block)
         return supported & key_mask[b, kv_idx] if key_padding else supported  # (FlexAttention bounds kv_idx by L)
 
-    start = torch.arange(tiles, device=device) * TILE  # (tiles,): each tile's first position
-    q_last, k_first, k_last = start[:, None] + TILE - 1, start[None, :], start[None, :] + TILE - 1
+    start = torch.arange(tiles, device=device)[:, None] * TILE + shift  # (tiles, 1): each query tile's first key
+    k_first = torch.arange(key_tiles, device=device)[None, :] * TILE  # (1, key tiles)
+    q_last, k_last = start + TILE - 1, k_first + TILE - 1
     touched = k_first < nb_global  # (query tiles, key tiles)
-    full = (k_last < nb_global) & (k_last <= start[:, None] if causal else True)  # every key global to every query
+    full = (
+        (k_last < nb_global) & (k_last <= start if causal else True) & (shift == 0)
+    )  # every key global to every query
     if right >= 0:  # the window's band, and the tiles it covers whole
-        touched = touched | (k_last >= start[:, None] - left) & (k_first <= q_last + right)
-        full = full | (q_last - k_first <= left) & (k_last - start[:, None] <= right)
+        touched = touched | (k_last >= start - left) & (k_first <= q_last + right)
+        full = full | (q_last - k_first <= left) & (k_last - start <= right)
     if routed_tiles is not None:
         touched = touched | routed_tiles  # (B, H, query tiles, key tiles)
         full = full | full_routed
-    real_keys = key_mask.view(B, 1, 1, tiles, TILE)
+    real_keys = key_mask.view(B, 1, 1, key_tiles, TILE)
     touched = touched & real_keys.any(-1)  # tiles without a real key hold nothing
     full = full & real_keys.all(-1)  # mask_mod runs only on the other tiles: the per-score lookups cost most
-    return tile_mask(touched.expand(B, H, tiles, tiles), mask_mod, L, full.expand(B, H, tiles, tiles))
+    shape = (B, H, tiles, key_tiles)
+    return tile_mask(touched.expand(shape), mask_mod, (L, shift + L), full.expand(shape))
 
 
-def tile_mask(touched: Tensor, mask_mod, length: int, full: Tensor | None = None):
+def tile_mask(touched: Tensor, mask_mod, lengths: tuple[int, int], full: Tensor | None = None):
     """The ``BlockMask`` that reads, for each batch, head and query tile, the key tiles ``touched`` marks ((B, H,
-    query tiles, key tiles) bool), over ``length`` queries and keys: with ``mask_mod`` inside them, except in the tiles
+    query tiles, key tiles) bool), over ``lengths`` (queries, keys): with ``mask_mod`` inside them, except in the tiles
     ``full`` marks (same shape; a subset of ``touched``), where ``mask_mod`` would keep every pair: read whole."""
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -182,9 +212,7 @@ def tile_mask(touched: Tensor, mask_mod, length: int, full: Tensor | None = None
         return counts, order
 
     partial, whole = (touched, ()) if full is None else (touched & ~full, blocks(full))
-    return BlockMask.from_kv_blocks(
-        *blocks(partial), *whole, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(length, length)
-    )
+    return BlockMask.from_kv_blocks(*blocks(partial), *whole, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=lengths)
 
 
 def _routed(selection: Selection, B: int, H: int, padded: int, tiles: int) -> tuple[Tensor | None, ...]:
@@ -252,8 +280,9 @@ class FlexBackend:
 
     def support_sums(self, selection: Selection, far: FarQueries, quadratic: float | None) -> Tensor:
         """Numerator|denominator (B, H, L, dv + 1) of hybrid attention, relative to a per-query shift."""
-        keys, dtype = selection.keys, self.dtype
-        mask = support_mask(selection, self.key_padding)
+        dtype, layout = self.dtype, flex_keys(selection)
+        mask = support_mask(selection, self.key_padding, layout)
+        keys = layout[0]
         dv = keys.values1.shape[-1] - 1
         exact, lse = self.attend(
             selection.x.to(dtype), keys.y.to(dtype), _padded_values(keys.values1[..., :dv].to(dtype)), mask

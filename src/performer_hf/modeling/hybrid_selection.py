@@ -99,6 +99,11 @@ class Selection:
         self._routes: tuple[Tensor, Tensor] | None = None
 
     @property
+    def continues(self) -> bool:
+        """Whether the call continues after a state (its first token is not the sequence's)."""
+        return self.offset > 0
+
+    @property
     def padded_keys(self) -> Keys:
         """The call's keys padded to the blocks' length (built when candidate sets are, not by the compiled path)."""
         if self._padded_keys is None:

@@ -71,7 +71,7 @@ def flex_prefill(q: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor, spec
     touched = (touched | (start[None, :] < nb_global)) | selected_tiles  # (B, Hkv, query tiles, key tiles)
     has_keys = key_mask_p.view(B, 1, 1, tiles, TILE).any(-1)
     touched = touched & has_keys | torch.eye(tiles, dtype=torch.bool, device=q.device)  # a query always sees itself
-    mask = tile_mask(touched.repeat_interleave(group, dim=1), mask_mod, L)  # tiles per query head
+    mask = tile_mask(touched.repeat_interleave(group, dim=1), mask_mod, (L, L))  # tiles per query head
     context, _ = flex_attend(scaled, keys.to(q.dtype), values.to(q.dtype), mask)
     return context
 
