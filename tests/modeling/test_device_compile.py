@@ -28,6 +28,12 @@ MODELS = {
     "encoder, hybrid": (PerformerForMaskedLM, HYBRID, False),
     "encoder, hybrid, no routing": (PerformerForMaskedLM, WINDOWED, True),
     "decoder, hybrid": (PerformerForCausalLM, dict(attention_method="hybrid", exact_max_length=0), True),
+    # the hybrid after the state of 4 exact positions (the rest of 37 to 39 tokens shares the bucket of 36)
+    "decoder, exact prefix then hybrid": (
+        PerformerForCausalLM,
+        dict(attention_method="hybrid", exact_max_length=4),
+        True,
+    ),
 }
 
 

@@ -147,7 +147,8 @@ def test_a_given_exact_max_length_holds_on_accelerators_too():
 
 def test_a_causal_hybrid_attends_exactly_at_its_first_exact_max_length_positions():
     # one layer, so that the attention's inputs are the same embeddings in every model: positions below T equal
-    # the exact twin, later positions the hybrid without an exact prefix, and short inputs train exactly
+    # the exact twin, later positions (and their gradients, which reach the earlier keys through the state the
+    # hybrid continues from) the hybrid without an exact prefix, and short inputs train exactly
     hybrid = {k: v for k, v in METHODS["hybrid"].items() if k != "local_window"}
     config = dict(num_hidden_layers=1, local_window=3, **hybrid)
     model = random_centres(tiny_model(exact_max_length=9, **config))
@@ -160,7 +161,13 @@ def test_a_causal_hybrid_attends_exactly_at_its_first_exact_max_length_positions
     twin = _exact_twin(model, type(model))
     ids = random_ids(length=20)
     logits, exact, approximate = model(ids).logits, twin(ids).logits, plain(ids).logits
-    torch.testing.assert_close(logits[:, 9:], approximate[:, 9:], rtol=0, atol=0)
+    torch.testing.assert_close(logits[:, 9:], approximate[:, 9:], rtol=1e-5, atol=1e-6)
+    weights = torch.randn(approximate[:, 9:].shape, generator=torch.Generator().manual_seed(0))
+    (logits[:, 9:] * weights).sum().backward()
+    (approximate[:, 9:] * weights).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    model.zero_grad()
     error = (logits[:, :9] - exact[:, :9]).abs().max()
     approximation_error = (approximate[:, :9] - exact[:, :9]).abs().max()
     assert error < 1e-6 and approximation_error > 30 * error, (error, approximation_error)

@@ -144,6 +144,30 @@ def test_the_prefill_state_alone_is_the_stateful_calls(far_field, window, length
 
 
 @pytest.mark.parametrize("far_field", sorted(FAR_FIELDS))
+@pytest.mark.parametrize("window,first", [(4, 2), (4, 9), (0, 5), (1, 3)])
+def test_the_prefill_state_after_a_state_is_the_stateful_calls(far_field, window, first):
+    """hybrid_prefill_state after a state (the queries after an exact prefix, compiled): the state hybrid_attention
+    returns after the same call, field by field (a first call shorter and longer than the window)."""
+    from performer_hf.modeling.favor_hybrid import hybrid_prefill_state
+
+    q, k, v = random_qkv(length=first + 12, scale=2.0)
+    W = _projection()
+    kwargs = _kwargs(far_field, True, dict(local_window=window, num_global_tokens=3))
+    spec = HybridSpec(
+        **{name: value for name, value in kwargs.items() if name not in ("causal", "far_field_parameter")}
+    )
+    extra = {name: kwargs[name] for name in ("causal", "far_field_parameter") if name in kwargs}
+    _, before = hybrid_attention(*(t[:, :, :first] for t in (q, k, v)), W, spec, return_state=True, **extra)
+    rest = [t[:, :, first:] for t in (q, k, v)]
+    _, want = hybrid_attention(*rest, W, spec, initial_state=before, return_state=True, **extra)
+    got = hybrid_prefill_state(*rest, W, spec, initial_state=before, **extra)
+    assert got.length == want.length == first + 12
+    for name, value in want._asdict().items():
+        if torch.is_tensor(value):
+            torch.testing.assert_close(getattr(got, name), value, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("far_field", sorted(FAR_FIELDS))
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_match_reference(far_field, causal):
     # causal exponential far fields: the fused scan (favor_attention.causal_exp_sums), with per-head FAVOR++

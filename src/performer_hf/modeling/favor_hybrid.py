@@ -278,12 +278,13 @@ def hybrid_prefill_state(
     key_center: Tensor | None = None,
     far_field_parameter: Tensor | float | None = None,
     far_field_gain: Tensor | float | list[float] | None = None,
+    initial_state: HybridState | None = None,
 ) -> HybridState:
-    """The decoding state after a causal call from the first token, without its output: what
-    ``hybrid_attention(..., causal=True, return_state=True)`` returns beside it. The far field holds the keys that
-    left the window (their features' sums, one matrix product), the buffer the window's last keys, and the global
-    tokens. A prefill's output can then come from a call without state (compiled, at a bucketed length, where a
-    state would hold the padding). Arguments as :func:`hybrid_attention`'s."""
+    """The decoding state after a causal call (from the first token, or after ``initial_state``), without its
+    output: what ``hybrid_attention(..., causal=True, return_state=True)`` returns beside it. The far field holds the
+    keys that left the window (their features' sums, one matrix product), the buffer the window's last keys, and the
+    global tokens; the queries are not read. A prefill's output can then come from a call that returns no state
+    (compiled, at a bucketed length, where a state would hold the padding). Arguments as :func:`hybrid_attention`'s."""
     if not causal:
         raise ValueError("hybrid_prefill_state is the state of causal attention: call it with causal=True.")
     options = {
@@ -296,4 +297,4 @@ def hybrid_prefill_state(
     }
     spec.check_direction(True, query_center is not None and key_center is not None, True)
     call = _prepare(q, k, v, projection, spec, True, options)
-    return next_state(None, prefill_far_state(call), call)
+    return next_state(initial_state, prefill_far_state(call, initial_state), call)

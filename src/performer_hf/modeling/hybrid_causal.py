@@ -16,7 +16,7 @@ from .causal_scan import EMPTY_SHIFT
 from .far_field_triton import float32_precision
 from .favor_exp import ExpFeatures, ScanKeys, causal_exp_sums, exp_key_state
 from .hybrid_exact import CandidateSet, exact_logits, exact_sums, merge
-from .hybrid_far_field import FarQueries, add_keys, causal_far_sums
+from .hybrid_far_field import FarQueries, add_keys, add_states, causal_far_sums
 from .hybrid_keys import NEG_INF, HybridCall, Keys, cat_keys, key_side, pad_keys, slice_keys
 from .hybrid_selection import ExtraKeys
 from .hybrid_spec import HybridState, in_window
@@ -132,15 +132,19 @@ def _scan_form(call: HybridCall, keys: Keys) -> tuple[ScanKeys, ExpFeatures, str
     return scan_keys, ExpFeatures(directions, bias), float32_precision(call.k.dtype)
 
 
-def prefill_far_state(call: HybridCall) -> tuple[Tensor, Tensor]:
-    """The far-field state after a causal call from the first token, without its sums: every key that left the
-    window, (kv (B, H, D, dv + 1), shift (B, H)). An exponential far field's as the fused scan holds it (on CUDA in
-    the kernels, without its (L, D) features: :func:`.exp_key_state`), the others' from their features."""
+def prefill_far_state(call: HybridCall, state: HybridState | None = None) -> tuple[Tensor, Tensor]:
+    """The far-field state after a causal call (after ``state``, or from the first token), without its sums: the
+    state's and every key that left the window, (kv (B, H, D, dv + 1), shift (B, H)). An exponential far field's keys
+    as the fused scan holds them (on CUDA in the kernels, without their (L, D) features: :func:`.exp_key_state`), the
+    others' from their features."""
     ctx, (B, H) = call.ctx, call.k.shape[:2]
-    leaving = LeavingKeys(None, call)
+    leaving = LeavingKeys(state, call)
     if leaving.count and ctx.far.exp_form is not None:
-        return exp_key_state(*_scan_form(call, leaving.keys(0, leaving.count, False)))  # klog: the centering alone
+        added = exp_key_state(*_scan_form(call, leaving.keys(0, leaving.count, False)))  # klog: the centering alone
+        return added if state is None else add_states((state.far_kv, state.far_shift), added)
     keys = leaving.keys(0, leaving.count, True)  # (B, H, n, .), with features
+    if state is not None:
+        return add_keys(state.far_kv, state.far_shift, keys)
     empty = keys.values1.new_zeros(B, H, keys.feats.shape[-1], keys.values1.shape[-1])  # (B, H, D, dv + 1)
     return add_keys(empty, keys.values1.new_full((B, H), EMPTY_SHIFT), keys)
 

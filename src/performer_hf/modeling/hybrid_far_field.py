@@ -118,6 +118,14 @@ def add_keys(kv: Tensor, shift: Tensor, keys: Keys) -> tuple[Tensor, Tensor]:
     row = keys.klog.squeeze(-1).detach().nan_to_num(neginf=EMPTY_SHIFT)  # (B, H, S)
     added_shift = row.amax(dim=-1).clamp_min(EMPTY_SHIFT)  # (B, H)
     added = (keys.feats * torch.exp(keys.klog - added_shift[..., None, None])).transpose(-2, -1) @ keys.values1
-    merged = torch.maximum(shift, added_shift)  # (B, H)
-    scale = torch.exp(added_shift - merged)[..., None, None], torch.exp(shift - merged)[..., None, None]
-    return added * scale[0] + kv * scale[1], merged
+    return add_states((kv, shift), (added, added_shift))
+
+
+def add_states(first: tuple[Tensor, Tensor], second: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """The sum of two causal far-field states over different keys, each (kv (B, H, D, dv + 1) relative to its shift
+    (B, H)), relative to the larger shift."""
+    (kv, shift), (other, other_shift) = first, second
+    merged = torch.maximum(shift, other_shift)  # (B, H)
+    return kv * torch.exp(shift - merged)[..., None, None] + other * torch.exp(other_shift - merged)[
+        ..., None, None
+    ], merged

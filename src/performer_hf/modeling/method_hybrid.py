@@ -13,7 +13,7 @@ from torch import nn
 from .device_compile import call_compiled_attention, compiles
 from .far_fields import get_far_field
 from .favor_hybrid import hybrid_attention, hybrid_prefill_state
-from .hybrid_spec import HybridSpec
+from .hybrid_spec import HybridSpec, HybridState
 from .method_exact import exact_is_enough, softmax_attention
 
 Tensor = torch.Tensor
@@ -47,29 +47,52 @@ def hybrid_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None
     return _hybrid(module, q, k, v, key_mask, causal, layer_cache), None
 
 
-def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None) -> Tensor:
-    """:func:`.hybrid_attention` with the module's settings, continuing from (and updating) ``layer_cache``'s state."""
+def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None, after=None) -> Tensor:
+    """:func:`.hybrid_attention` with the module's settings, after ``after`` (the state of an exact prefix) or
+    continuing from ``layer_cache``'s state, and updating it. Where calls compile (CUDA), a call without a cache and a
+    prefill are compiled (their state computed apart); calls after a cache's own state (decoding, a prefill in
+    chunks) are not: each length of the past would compile its own graph."""
+    projection, kwargs = _call_settings(module, q.device, causal, key_mask, q.shape[2])
     spec = module.hybrid_spec
-    new_key_mask = None if key_mask is None else key_mask[:, -q.shape[2] :]  # (B, L): the past is in the state
+    with torch.autocast(q.device.type, enabled=False):  # float32 inside, as for FAVOR+
+        if layer_cache is None:  # compiled on CUDA (device_compile)
+            return call_compiled_attention(hybrid_attention, q, k, v, projection, spec, initial_state=after, **kwargs)
+        state = layer_cache.get_state() if after is None else after
+        if (after is not None or state is None) and compiles(q.device):  # a prefill: output compiled, state apart
+            context = call_compiled_attention(
+                hybrid_attention, q, k, v, projection, spec, initial_state=after, **kwargs
+            )
+            state = hybrid_prefill_state(q, k, v, projection, spec, initial_state=after, **kwargs)
+        else:
+            context, state = hybrid_attention(
+                q, k, v, projection, spec, initial_state=state, return_state=True, **kwargs
+            )
+    layer_cache.update_state(state)
+    return context
+
+
+def _exact_prefix_state(module: nn.Module, k, v, key_mask) -> HybridState:
+    """The hybrid's state after the positions of an exact prefix, from their keys and values (B, H, T, .) and the
+    key mask (B, >= T) or None: what the queries after it read (their far field, window buffer and global keys).
+    The state reads no query: the keys stand in for them."""
+    visible = None if key_mask is None else key_mask[:, : k.shape[2]]
+    projection, kwargs = _call_settings(module, k.device, True, visible, k.shape[2])
+    with torch.autocast(k.device.type, enabled=False):
+        return hybrid_prefill_state(k, k, v, projection, module.hybrid_spec, **kwargs)
+
+
+def _call_settings(module: nn.Module, device, causal: bool, key_mask, length: int) -> tuple[Tensor | None, dict]:
+    """The module's projection (None where its far field takes none) and the keyword arguments of a hybrid call of
+    its last ``length`` tokens (``key_mask``: (B, >= length) or None; the past is in the state)."""
+    spec = module.hybrid_spec
+    new_key_mask = None if key_mask is None else key_mask[:, -length:]  # (B, length)
     kwargs = {"causal": causal, "key_padding_mask": new_key_mask}
     if causal and spec.center:  # fixed centres: causal outputs must not depend on later tokens
         kwargs.update(query_center=module.query_center, key_center=module.key_center)
     for name in ("far_field_parameter", "far_field_gain"):
         if getattr(module, name) is not None:
-            kwargs[name] = _setting_tensor(module, name, q.device)
-    projection = module.projection if spec.uses_projection else None
-    with torch.autocast(q.device.type, enabled=False):  # float32 inside, as for FAVOR+
-        if layer_cache is None:  # compiled on CUDA (device_compile)
-            return call_compiled_attention(hybrid_attention, q, k, v, projection, spec, **kwargs)
-        if layer_cache.get_state() is None and compiles(q.device):  # a prefill: its output compiled, its state alone
-            context = call_compiled_attention(hybrid_attention, q, k, v, projection, spec, **kwargs)
-            state = hybrid_prefill_state(q, k, v, projection, spec, **kwargs)
-        else:
-            context, state = hybrid_attention(
-                q, k, v, projection, spec, initial_state=layer_cache.get_state(), return_state=True, **kwargs
-            )
-    layer_cache.update_state(state)
-    return context
+            kwargs[name] = _setting_tensor(module, name, device)
+    return (module.projection if spec.uses_projection else None), kwargs
 
 
 def _setting_tensor(module: nn.Module, name: str, device: torch.device) -> Tensor | float | list:
@@ -90,8 +113,9 @@ def _causal_exact_prefix(module: nn.Module, q, k, v, key_mask, layer_cache) -> t
     """Causal hybrid attention whose first ``T = module.exact_max_length`` positions attend exactly (SDPA).
 
     The rule is by position, so that cached decoding equals a full forward: queries at positions below T see
-    every earlier key exactly (the cache layer keeps their keys and values until then); from position T on,
-    the hybrid itself (the cache layer switches to its constant-size state when the sequence passes T)."""
+    every earlier key exactly (the cache layer keeps their keys and values until then); from position T on, the
+    hybrid itself, after the state of the first T positions (the cache layer switches to its constant-size state
+    when the sequence passes T)."""
     T = module.exact_max_length
     past = 0 if layer_cache is None else layer_cache.get_seq_length()
     prefix = None if layer_cache is None else layer_cache.get_exact_prefix()  # (B, H, P, D) keys, values
@@ -107,14 +131,13 @@ def _causal_exact_prefix(module: nn.Module, q, k, v, key_mask, layer_cache) -> t
         if layer_cache is not None:
             layer_cache.update_exact_prefix(k, v)
         return context, None
-    # The rest: the hybrid over every key so far, as from the first token (the past queries are placeholders,
-    # their outputs unused); with a cache, its state after them takes over.
-    if past:
-        q = torch.cat([q.new_zeros(*q.shape[:2], past, q.shape[-1]), q], dim=2)
+    # The rest: the hybrid after the exact positions' state; with a cache, its state after them takes over.
+    after = _exact_prefix_state(module, k[:, :, :exact_end], v[:, :, :exact_end], key_mask)
     if layer_cache is not None:
         layer_cache.reset()
-    hybrid = _hybrid(module, q, k, v, key_mask, True, layer_cache)  # (B, H, P + L, D)
-    return torch.cat([context, hybrid[:, :, exact_end:]], dim=2), None
+    rest = (t[:, :, exact_end - offset :] for t, offset in ((q, past), (k, 0), (v, 0)))
+    hybrid = _hybrid(module, *rest, key_mask, True, layer_cache, after)  # (B, H, total - exact_end, D)
+    return torch.cat([context, hybrid], dim=2), None
 
 
 def hybrid_card_lines(config) -> list[str]:
