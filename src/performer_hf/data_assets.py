@@ -25,6 +25,8 @@ for ``training/run_classification.py`` (:func:`write_jsonl`).
 from __future__ import annotations
 
 import ast
+import collections
+import functools
 import hashlib
 import importlib.util
 import io
@@ -184,7 +186,13 @@ def bbc_news(seed: int = 0) -> dict[str, list[dict]]:
 
 def python_docstrings(min_chars: int = 200) -> list[str]:
     """Docstrings of at least ``min_chars`` characters from the standard library's modules, classes and
-    functions (tests, IDLE and installed packages excluded), in file order."""
+    functions (tests, IDLE and installed packages excluded), file by file, each file's breadth first (as
+    ``ast.walk``). Read once per process."""
+    return list(_python_docstrings(min_chars))
+
+
+@functools.cache
+def _python_docstrings(min_chars: int) -> tuple[str, ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
     docstrings = []
@@ -195,12 +203,24 @@ def python_docstrings(min_chars: int = 200) -> list[str]:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError):  # a few stdlib files are templates or Latin-1
             continue
-        for node in ast.walk(tree):
+        for node in _statements(tree):
             if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
                 text = ast.get_docstring(node)
                 if text and len(text) >= min_chars:
                     docstrings.append(text)
-    return docstrings
+    return tuple(docstrings)
+
+
+def _statements(tree: ast.AST):
+    """The nodes of ``tree`` that can hold a definition (statements, exception handlers, match cases), in
+    ``ast.walk``'s order: breadth first, without descending into expressions, which hold none (a file's
+    expressions are most of its nodes)."""
+    holders = ast.stmt | ast.excepthandler | ast.match_case
+    queue = collections.deque([tree])
+    while queue:
+        node = queue.popleft()
+        queue.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, holders))
+        yield node
 
 
 def python_docs(include_docstrings: bool = False, min_docstring_chars: int = 200) -> list[str]:
