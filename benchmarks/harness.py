@@ -17,7 +17,8 @@ Shared flags (``python benchmarks/<name>.py --help`` lists each study's own):
 
     --quick       a small configuration that runs in a minute or two: a smoke test, its figures say nothing
     --out-dir     where the three files go (default ``benchmarks/results/``)
-    --threads     torch threads, 0 for torch's default (only the studies that take it; their defaults differ)
+    --threads     torch threads, 0 for torch's default (only the studies that take it; their defaults differ,
+                  $OMP_NUM_THREADS over them where it is set)
     --from-json   write the Markdown and the PNG again from this JSON (no measurement)
 
 Every JSON holds ``environment``: ``{"machine": {...}, "load_average": {"before": [...], "after": [...]}}``,
@@ -73,9 +74,9 @@ def parser(doc: str, *, quick: str, threads: int | None = None) -> argparse.Argu
         arguments.add_argument(
             "--threads",
             type=int,
-            default=threads,
-            help="torch threads, 0 for torch's default; default %(default)s (on a shared CPU, more threads than "
-            "free cores can make every step ~10x slower)",
+            default=int(os.environ.get("OMP_NUM_THREADS") or threads),
+            help="torch threads, 0 for torch's default; default $OMP_NUM_THREADS where it is set, else %(default)s "
+            "(on a shared CPU, more threads than free cores can make every step ~10x slower)",
         )
     arguments.add_argument("--from-json", type=Path, help="write the Markdown and PNG again from this JSON")
     arguments.add_argument(

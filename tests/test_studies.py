@@ -1,9 +1,11 @@
 """Every study of benchmarks/ still runs: its ``--quick`` configuration (a smoke test whose figures say nothing),
 in a fresh process, writing into a temporary folder so that the committed results stay as they are. A study that
-no longer runs against the current code fails here, not when someone next needs its figures. About seven minutes
-in all on two CPU cores; CI runs them against the newest transformers of the range (``-m "not studies"`` leaves them
-out, as scripts/test.sh does for the oldest)."""
+no longer runs against the current code fails here, not when someone next needs its figures. The runs go two at a
+time, each on one thread (most of a smoke run is one thread's imports and Python: on two cores, 280 s in all where
+one after the other on two threads took 370 s), the longest first; CI runs them against the newest transformers of
+the range (``-m "not studies"`` leaves them out, as scripts/test.sh does for the oldest)."""
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -24,15 +26,39 @@ def test_every_study_is_listed():
     assert len(STUDIES) >= 13 and "model_speed" in STUDIES and "llm_linearization" in STUDIES
 
 
+# the longest smoke runs (about 25 to 80 s each), started first so that the two at a time end together
+LONGEST = ("llm_linearization", "model_speed", "long_context_retrieval", "long_documents", "compat_sentiment")
+
+
+def _run_quick(study: str, out_dir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(BENCHMARKS / f"{study}.py"), "--quick", "--out-dir", str(out_dir)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=out_dir)
+
+
+@pytest.fixture(scope="module")
+def quick_runs(request, tmp_path_factory):
+    """The selected studies' quick runs, started two at a time: {study: (future result, its output folder)}."""
+    selected = {item.callspec.params["study"] for item in request.session.items if "quick_runs" in item.fixturenames}
+    order = [study for study in LONGEST if study in selected] + sorted(selected - set(LONGEST))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = {}
+        for study in order:
+            out_dir = tmp_path_factory.mktemp(study)
+            runs[study] = pool.submit(_run_quick, study, out_dir), out_dir
+        yield runs
+        for future, _ in runs.values():
+            future.cancel()
+
+
 @pytest.mark.studies
 @pytest.mark.parametrize("study", STUDIES)
-def test_the_study_runs_quick(study, tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, str(BENCHMARKS / f"{study}.py"), "--quick", "--out-dir", str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+def test_the_study_runs_quick(study, quick_runs):
+    future, out_dir = quick_runs[study]
+    result = future.result()
     assert result.returncode == 0, f"{study} --quick failed:\n{result.stderr[-4000:]}"
     if study != "profile_attention":  # a diagnostic that prints and writes nothing
-        written = {path.suffix for path in tmp_path.iterdir()}
+        written = {path.suffix for path in out_dir.iterdir()}
         assert {".json", ".md", ".png"} <= written, f"{study} wrote {sorted(written)}"
 
 
