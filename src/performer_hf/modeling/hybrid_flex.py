@@ -184,9 +184,9 @@ def support_mask(selection: Selection, key_padding: bool = True, keys: tuple[Key
     k_first = torch.arange(key_tiles, device=device)[None, :] * TILE  # (1, key tiles)
     q_last, k_last = start + TILE - 1, k_first + TILE - 1
     touched = k_first < nb_global  # (query tiles, key tiles)
-    full = (
-        (k_last < nb_global) & (k_last <= start if causal else True) & (shift == 0)
-    )  # every key global to every query
+    # tiles of keys global to every query (after a state the global keys stand apart, each read where outside the
+    # query's window: such a tile holds empty keys too)
+    full = (k_last < nb_global) & (k_last <= start if causal else True) & (shift == 0)
     if right >= 0:  # the window's band, and the tiles it covers whole
         touched = touched | (k_last >= start - left) & (k_first <= q_last + right)
         full = full | (q_last - k_first <= left) & (k_last - start <= right)
