@@ -673,14 +673,6 @@ if triton is not None:
     _register_key_state()
 
 
-def _features_and_offsets(q: Tensor, k: Tensor, directions: Tensor, bias: Tensor | None, precision: str) -> tuple:
-    """The features' directions and bias as constants, and for queries and keys (B, H, L, d) their per-row terms
-    ``-|x|^2 / 2 - log sqrt(m)`` (differentiable) and largest log-feature ``max_r log phi_r(x)`` (a constant), each
-    (B, H, L): (directions, bias, (q terms, q largest), (k terms, k largest))."""
-    directions, bias = _constants(directions, bias)
-    return directions, bias, *(_offsets(x, directions, bias, precision) for x in (q, k))
-
-
 def _constants(directions: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """The features' directions and bias as the kernels take them: constants (no gradient reaches them)."""
     return directions.detach(), None if bias is None else bias.detach()
@@ -695,21 +687,33 @@ def _offsets(x: Tensor, directions: Tensor, bias: Tensor | None, precision: str)
     return base, (top + base).detach()
 
 
+def _key_terms(
+    k: Tensor, directions: Tensor, bias: Tensor | None, key_row: Tensor | None, mask: Tensor | None, precision: str
+) -> tuple[Tensor, Tensor]:
+    """Keys' offsets before any shift (differentiable) and their largest log-features (constants, ``EMPTY_SHIFT``
+    for keys left out): k (B, H, L, d), key_row (B, H, L, 1) or None, mask (B, L) bool or None -> each (B, H, L)."""
+    base, top = _offsets(k, directions, bias, precision)
+    if key_row is not None:
+        base, top = base + key_row.squeeze(-1), top + key_row.squeeze(-1).detach()
+    if mask is not None:
+        top = top.masked_fill(~mask[:, None, :], EMPTY_SHIFT)
+    return base, top
+
+
+def _shifted(base: Tensor, shifts: Tensor, mask: Tensor | None) -> Tensor:
+    """Keys' offsets ``base`` (B, H, L) relative to ``shifts`` (B, H, L or 1); -inf (no features) for keys left out."""
+    k_off = base - shifts
+    return k_off if mask is None else k_off.masked_fill(~mask[:, None, :], float("-inf"))
+
+
 def _key_offsets(
     k: Tensor, directions: Tensor, bias: Tensor | None, key_row: Tensor | None, mask: Tensor | None, precision: str
 ) -> tuple[Tensor, Tensor]:
-    """Keys' offsets relative to their largest log-feature, and that shift: k (B, H, L, d), key_row (B, H, L, 1) or
-    None, mask (B, L) bool or None -> (offsets (B, H, L), -inf for keys left out; shift (B, H))."""
-    base, top = _offsets(k, directions, bias, precision)
-    if key_row is not None:
-        base, top = base + key_row.squeeze(-1), top + key_row.squeeze(-1)
-    if mask is not None:
-        top = top.masked_fill(~mask[:, None, :], EMPTY_SHIFT)
+    """Keys' offsets relative to their largest log-feature, and that shift: arguments as :func:`_key_terms`'s ->
+    (offsets (B, H, L), -inf for keys left out; shift (B, H))."""
+    base, top = _key_terms(k, directions, bias, key_row, mask, precision)
     shift = top.amax(dim=-1).clamp_min(EMPTY_SHIFT)
-    k_off = base - shift[..., None]
-    if mask is not None:
-        k_off = k_off.masked_fill(~mask[:, None, :], float("-inf"))  # no features
-    return k_off, shift
+    return _shifted(base, shift[..., None], mask), shift
 
 
 def causal_exp_sums(
@@ -731,19 +735,15 @@ def causal_exp_sums(
     shifts are constants for autograd."""
     B, H, L, _ = q.shape
     m = directions.shape[-2]
-    directions, bias, (q_base, q_shifts), (k_base, k_max) = _features_and_offsets(q, k, directions, bias, precision)
-    if key_row is not None:
-        k_base, k_max = k_base + key_row.squeeze(-1), k_max + key_row.squeeze(-1).detach()
-    if mask is not None:
-        k_max = k_max.masked_fill(~mask[:, None, :], EMPTY_SHIFT)
+    directions, bias = _constants(directions, bias)
+    q_base, q_shifts = _offsets(q, directions, bias, precision)
+    k_base, k_max = _key_terms(k, directions, bias, key_row, mask, precision)
     if state is None:
         kv0, shift0 = q.new_zeros(B, H, m, v1.shape[-1]), q.new_full((B, H), EMPTY_SHIFT)
     else:
         kv0, shift0 = state[0].to(q.dtype), state[1].to(q.dtype)
     shifts = torch.cummax(torch.maximum(k_max, shift0.detach()[..., None]), dim=-1).values  # s_j: running max
-    k_off = k_base - shifts
-    if mask is not None:
-        k_off = k_off.masked_fill(~mask[:, None, :], float("-inf"))  # no features
+    k_off = _shifted(k_base, shifts, mask)
     out1, kv, _ = torch.ops.performer_hf.causal_exp_scan(
         q, k, v1, q_base - q_shifts, k_off, shifts, directions, bias, kv0, shift0.detach(), float(stabilizer), precision
     )

@@ -126,6 +126,5 @@ def add_states(first: tuple[Tensor, Tensor], second: tuple[Tensor, Tensor]) -> t
     (B, H)), relative to the larger shift."""
     (kv, shift), (other, other_shift) = first, second
     merged = torch.maximum(shift, other_shift)  # (B, H)
-    return kv * torch.exp(shift - merged)[..., None, None] + other * torch.exp(other_shift - merged)[
-        ..., None, None
-    ], merged
+    scale, other_scale = (torch.exp(s - merged)[..., None, None] for s in (shift, other_shift))
+    return kv * scale + other * other_scale, merged

@@ -149,8 +149,8 @@ def flex_keys(selection: Selection) -> tuple[Keys, int]:
     return cat_keys(cat_keys(front, window), selection.keys), shift
 
 
-def support_mask(selection: Selection, key_padding: bool = True, keys: tuple[Keys, int] | None = None):
-    """The exact support of every query of a call as a ``BlockMask`` over the keys of :func:`flex_keys` (``keys``,
+def support_mask(selection: Selection, key_padding: bool = True, layout: tuple[Keys, int] | None = None):
+    """The exact support of every query of a call as a ``BlockMask`` over the keys of :func:`flex_keys` (``layout``,
     when already built): the tiles that hold any of it, and a ``mask_mod`` that keeps exactly the support (a query's
     window, the global keys (causally, those up to the query) and its routed key blocks; real keys only: without
     ``key_padding`` every key is, and the mask_mod looks none up)."""
@@ -158,7 +158,8 @@ def support_mask(selection: Selection, key_padding: bool = True, keys: tuple[Key
     B, H, L = x.shape[:3]
     device = x.device
     left, right, nb_global, causal = selection.left, selection.right, selection.nb_global, selection.causal
-    (all_keys, shift), offset = keys or flex_keys(selection), selection.offset
+    all_keys, shift = layout or flex_keys(selection)
+    offset = selection.offset
     block_q, block_k = spec.query_block_size, spec.route_block_size
     padded = -(-L // TILE) * TILE  # TILE is a multiple of block_q and block_k (see choose_backend)
     tiles, key_tiles = padded // TILE, (shift + padded) // TILE
