@@ -79,18 +79,21 @@ def configurations(widest: bool):
 
 SCAN_INTS = ("H", "L", "M", "E", "S", "SEG", "dir_b", "dir_h", "bias_b", "bias_h")
 SCAN_INPUTS = "Q K V1 QOFF KOFF SHIFTS DIR"
-WRITE_BOTH, WRITE = {"WRITE_OUT": True, "WRITE_STATE": True}, {"WRITE_GRADS": True}  # what their walks write
+WRITE = {"WRITE_GRADS": True}  # what the key gradients' walk writes
 
 
 def _scan_kernels(bias: bool) -> list:
-    """(name, kernel, tensors, ints, floats) of the causal scan's kernels, the bias a pointer or None."""
+    """(name, kernel, tensors, ints, floats, writes) of the causal scan's kernels, the bias a pointer or None."""
     rows = _rows(SCAN_INPUTS)
     with_bias = {**rows, "BIAS": "*fp32"} if bias else {**rows, "BIAS": "constexpr"}
-    forward = {**with_bias, **_rows("KV0 SHIFT0 OUT KV")}
+    walk = {**_rows("K V1 KOFF SHIFTS DIR"), "BIAS": with_bias["BIAS"], **_rows("KV0 SHIFT0 KV CHUNKS")}
+    sums = {**with_bias, **_rows("SHIFT0 CHUNKS OUT")}
+    sums_ints = [name for name in SCAN_INTS if name not in ("S", "SEG")]
     queries = {"GRAD": "*fp32", **with_bias, **_rows("KV0 SHIFT0 DQ DQOFF")}
     keys = {**_rows("GRAD GKV"), **with_bias, **_rows("SHIFT0 DK DKOFF DV1 DKV0")}
     return [
-        ("causal scan forward", favor_exp_triton._forward_kernel, forward, SCAN_INTS, ("stabilizer",), WRITE_BOTH),
+        ("causal scan keys' walk", favor_exp_triton._state_walk_kernel, walk, SCAN_INTS, (), {"WRITE_CHUNKS": True}),
+        ("causal scan chunks' sums", favor_exp_triton._chunk_sums_kernel, sums, sums_ints, ("stabilizer",), {}),
         ("causal scan query gradients", favor_exp_triton._query_grad_kernel, queries, SCAN_INTS, (), {}),
         ("causal scan key gradients", favor_exp_triton._key_grad_kernel, keys, SCAN_INTS, ("stabilizer",), WRITE),
     ]
@@ -128,6 +131,8 @@ def scan_configurations(widest: bool):
         tile, tail = far_field_triton.value_tiles(width)
         options = {"num_stages": first["num_stages"]}
         for name, kernel, tensors, ints, floats, writes in _scan_kernels(bias):
+            if kernel is favor_exp_triton._chunk_sums_kernel:
+                writes = {"BM": favor_exp_triton.SUM_FEATURES}
             yield name, kernel, tensors, ints, floats, {**constants, "EP": tile, "TAIL": tail, **writes}, options
         yield from _bidirectional_kernels(bias, {**constants, "EP": tile, "TAIL": tail}, options)
         row_max = {**_rows("X DIR"), "BIAS": "*fp32" if bias else "constexpr", "OUT": "*fp32"}

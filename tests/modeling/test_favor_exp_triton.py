@@ -75,9 +75,11 @@ CASES = {
 def test_the_kernels_give_the_scans_sums_state_and_gradients(case, segment, monkeypatch):
     """Sums, state after the call and the gradients of queries, keys, values, key rows and the state before, against
     the PyTorch scan in float64 (lengths past one chunk and not a multiple of it, features past one program's block
-    and not a multiple of it), walked whole or in segments that run in parallel (2 to 4 here)."""
+    and not a multiple of it), walked whole or in segments that run in parallel (2 to 4 here); each chunk's sums
+    over blocks of 16 features, or of 32 (80 features: the last block partial)."""
     if segment:
         monkeypatch.setattr(favor_exp_triton, "MIN_SEGMENT", segment)
+        monkeypatch.setattr(favor_exp_triton, "SUM_FEATURES", 32)
     settings = dict(CASES[case])
     stabilizer = settings.pop("stabilizer")
     q, k, v1, (directions, bias), row, mask, state = _scan_inputs(**settings)

@@ -5,11 +5,10 @@ FAVOR+) compute, with their contracts.
 Compiled on a GPU, the PyTorch forms write (positions x features) buffers to memory, forward and backward (the
 causal scan also its chunk products and start states): ``benchmarks/compiled_traffic.py`` counts 2.56 GB for one
 causal FAVOR+ call of 12 heads x 4K tokens x 32 dims (256 features), 1.22 GB bidirectionally, where the inputs and
-outputs are about 25 MB. Here the features live in registers. Each program holds the state of a block of
-:data:`FEATURES_PER_PROGRAM` features and walks a segment of positions in chunks, adding its share of each chunk's
-sums to the output atomically; segments run in parallel where (batch, head, feature block) programs are too few to
-fill a GPU (:func:`segments`), each causal segment's start state from a first pass over its keys and a short scan over
-the segments (:func:`.causal_scan.scan_forward`).
+outputs are about 25 MB. Here the features live in registers. A walk's program holds the state of a block of
+:data:`FEATURES_PER_PROGRAM` features and walks a segment of positions in chunks; segments run in parallel where
+(batch, head, feature block) programs are too few to fill a GPU (:func:`segments`), each causal segment's start state
+from a first pass over its keys and a short scan over the segments (:func:`.causal_scan.scan_forward`).
 
 The features are ``phi(x)_r = exp(x . D_r + bias_r + offset(x))``: the offsets come from PyTorch (per row: the
 queries' ``-max_r (x . D_r + bias_r)``, the keys' ``row - |x|^2 / 2 - log sqrt(m)`` minus their shift: the running
@@ -18,10 +17,15 @@ max ``s_j`` of the keys' log-features causally, their max bidirectionally), so t
 ``row``) through PyTorch; the kernels give the rest:
 
 - ``_row_max_kernel``: ``max_r (x . D_r + bias_r)`` for every row (the shifts' input);
-- causal: ``_forward_kernel``, the sums ``sum_{j <= i} phi(q_i) . phi(k_j) exp(s_j - s_i) [v_j, 1]`` (plus the
-  state before position 0) and the state after the last position; ``_query_grad_kernel`` (chunks in order,
-  recomputing the state each chunk starts from) and ``_key_grad_kernel`` (in reverse, carrying the state's
-  gradient): the gradients of queries, keys, values, offsets and the state before position 0;
+- causal, forward in two steps, as flash-linear-attention's chunked kernels: ``_state_walk_kernel`` walks the keys
+  alone and writes the state before every chunk of :data:`CHUNK` positions (and after the last), then
+  ``_chunk_sums_kernel`` gives each chunk's sums ``sum_{j <= i} phi(q_i) . phi(k_j) exp(s_j - s_i) [v_j, 1]`` (plus the
+  state before position 0) from its keys and that state, every chunk in parallel, over all the features in one
+  program: no chain of dependent chunks beside the queries' work, and nothing added atomically (the walk that
+  computed the sums too, a feature block's share per program added into the output, spilled registers on Hopper
+  where both steps now spill none); ``_query_grad_kernel`` (chunks in order, recomputing the state each chunk starts
+  from) and ``_key_grad_kernel`` (in reverse, carrying the state's gradient): the gradients of queries, keys, values,
+  offsets and the state before position 0;
 - bidirectional: ``_sum_kernel``, ``sum_rows (phi(x) + stabilizer) (x) w`` (the keys' state; backward, its gradient
   from the queries), and ``_rows_kernel``, each row's ``(phi(x) + stabilizer) S`` (the sums; backward, the values'
   gradient) or the gradients of rows and offsets.
@@ -54,6 +58,12 @@ CHUNK = 32  # positions per step of a program's walk
 # at chunks of 32, two stages of loads in flight, the key gradients take 74 KB at head dim 32 x 33 value columns,
 # 246 KB at 128 x 129 (of 227: one stage then); chunks of 64 took 165 KB at 32 x 33 (values in a tile of 64)
 TILES = ({"C": CHUNK, "num_stages": 2}, {"C": CHUNK, "num_stages": 1}, {"C": 16, "num_stages": 1})
+# the forward's tiles: chunks of CHUNK always (the chunks' start states, which the keys' walk writes and the chunks'
+# sums read, are per chunk of CHUNK positions)
+WALK_TILES = ({"num_stages": 2}, {"num_stages": 1})
+# features per step of a chunk's sums (over all of them): compiled for Hopper at head dim 32, 33 value columns and
+# 4 warps (ptxas), 16 take 185 registers and spill none, 32 spill at two stages of loads (255 registers), 64 at any
+SUM_FEATURES = 16
 # The walk is cut into segments that run in parallel where (batch, head, feature block) programs are too few to fill a
 # GPU (a 32K-token call of 12 heads x 256 features has 48): about this many programs in all, segments of at least
 # MIN_SEGMENT positions. Each segment's start state then comes from a first pass over the segments' keys and a short
@@ -235,25 +245,35 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             _write_rows(OUT, bh, rows, live, acc, acc_tail, L, E, EP, TAIL, False)
 
     @triton.jit
-    def _chunk(
-        start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E,
-        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
+    def _chunk_rows(start, stop, bh, V1, SHIFTS, L, E, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr):
         # One chunk's rows (C,) from `start`, which are before `stop` (its segment's end), values (C, EP) and their
-        # last column apart (C,) (TAIL), key shifts s (C,) (past the segment: the chunk's end shift), the chunk's end
-        # shift, its query and key features (C, BM) (the stabilizer aside) and the causal factors exp(s_j - s_i)
-        # (C, C) [i, j], 0 above the diagonal.
+        # last column apart (C,) (TAIL), key shifts s (C,) (past the segment: the chunk's end shift) and the chunk's
+        # end shift
         rows = start + tl.arange(0, C)
         live = rows < stop
         v, v_tail = _value_rows(V1, bh, rows, live, L, E, EP, TAIL)
         s = tl.load(SHIFTS + bh * L + rows, mask=live, other=float("-inf"))
         end = tl.max(s, axis=0)  # the shifts never decrease: the last position's
         s = tl.where(live, s, end)
+        return rows, live, v, v_tail, s, end
+
+    @triton.jit
+    def _causal_decay(rows, s):
+        # the causal factors exp(s_j - s_i) (C, C) [i, j] of a chunk's rows, 0 above the diagonal
+        causal = rows[:, None] >= rows[None, :]
+        return tl.where(causal, tl.exp(tl.minimum(s[None, :] - s[:, None], 0.0)), 0.0)
+
+    @triton.jit
+    def _chunk(
+        start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E,
+        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # :func:`_chunk_rows`' and the chunk's query and key features (C, BM) (the stabilizer aside) and the causal
+        # factors (C, C)
+        rows, live, v, v_tail, s, end = _chunk_rows(start, stop, bh, V1, SHIFTS, L, E, EP, TAIL, C)
         phi_q = _row_features(Q, QOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
         phi_k = _row_features(K, KOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
-        causal = rows[:, None] >= rows[None, :]
-        decay = tl.where(causal, tl.exp(tl.minimum(s[None, :] - s[:, None], 0.0)), 0.0)
-        return rows, live, v, v_tail, s, end, phi_q, phi_k, decay
+        return rows, live, v, v_tail, s, end, phi_q, phi_k, _causal_decay(rows, s)
 
     @triton.jit
     def _segment(H, L, S, SEG):
@@ -271,39 +291,64 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         return tl.where(start > 0, tl.load(SHIFTS + bh * L + tl.maximum(start - 1, 0)), tl.load(SHIFT0 + bh))
 
     @triton.jit
-    def _forward_kernel(
-        Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, KV0, SHIFT0, OUT, KV,
-        H, L, M, E, S, SEG, dir_b, dir_h, bias_b, bias_h, stabilizer,
+    def _state_walk_kernel(
+        K, V1, KOFF, SHIFTS, DIR, BIAS, KV0, SHIFT0, KV, CHUNKS,
+        H, L, M, E, S, SEG, dir_b, dir_h, bias_b, bias_h,
         D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
-        PRECISION: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_STATE: tl.constexpr,
+        PRECISION: tl.constexpr, WRITE_CHUNKS: tl.constexpr,
     ):  # fmt: skip
-        # program (bh, feature block, segment): from its segment's start state, its share of the segment's sums
-        # (WRITE_OUT) and its rows of the state after the segment (WRITE_STATE)
+        # program (bh, feature block, segment): from its segment's start state (KV0's), its rows of the state after
+        # the segment (KV's) and, with WRITE_CHUNKS, of the state before each of its chunks (CHUNKS (B, H, NT, M, E),
+        # relative to the key shift before the chunk): the keys only, no query read
         bh, b, h, block, row, first, stop = _segment(H, L, S, SEG)
         feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, block * BM, M, dir_b, dir_h, bias_b, bias_h, D, BM)
         state, state_tail = _load_state(KV0, row, feats, exists, M, E, EP, TAIL)  # relative to exp(prev)
         prev = _start_shift(SHIFTS, SHIFT0, bh, L, first)
         for start in range(first, stop, C):
-            rows, live, v, v_tail, s, end, phi_q, phi_k, decay = _chunk(
-                start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, TAIL, C, PRECISION
-            )
-            if WRITE_OUT:
-                phi_q = tl.where(exists[None, :], phi_q + stabilizer, 0.0)
-                scores = tl.dot(phi_q, tl.trans(phi_k), input_precision=PRECISION) * decay  # (C, C)
-                to_query = tl.exp(prev - s)  # (C,)
-                out = tl.dot(scores, v, input_precision=PRECISION)
-                out += tl.dot(phi_q, state, input_precision=PRECISION) * to_query[:, None]
-                out_tail = (
-                    tl.sum(scores * v_tail[None, :], axis=1) + tl.sum(phi_q * state_tail[None, :], axis=1) * to_query
-                )
-                _write_rows(OUT, bh, rows, live, out, out_tail, L, E, EP, TAIL, True)
+            if WRITE_CHUNKS:
+                chunk = bh * tl.cdiv(L, C) + start // C
+                _store_state(CHUNKS, chunk, feats, exists, M, E, state, state_tail, EP, TAIL, False)
+            rows, live, v, v_tail, s, end = _chunk_rows(start, stop, bh, V1, SHIFTS, L, E, EP, TAIL, C)
+            phi_k = _row_features(K, KOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
             to_end = tl.exp(s - end)  # (C,)
             state = state * tl.exp(prev - end) + tl.dot(tl.trans(phi_k), v * to_end[:, None], input_precision=PRECISION)
             if TAIL:
                 state_tail = state_tail * tl.exp(prev - end) + tl.sum(phi_k * (v_tail * to_end)[:, None], axis=0)
             prev = end
-        if WRITE_STATE:
-            _store_state(KV, row, feats, exists, M, E, state, state_tail, EP, TAIL, False)
+        _store_state(KV, row, feats, exists, M, E, state, state_tail, EP, TAIL, False)
+
+    @triton.jit
+    def _chunk_sums_kernel(
+        Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, SHIFT0, CHUNKS, OUT,
+        H, L, M, E, dir_b, dir_h, bias_b, bias_h, stabilizer,
+        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # program (bh, chunk) (one axis: (batch, head) after (batch, head) of chunks): the chunk's sums over every
+        # block of features, from its keys (the causal product phi(q) phi(k)^T, decayed, times the values) and from
+        # the state before it (CHUNKS'), written once: no walk, nothing added atomically
+        chunks = tl.cdiv(L, C)
+        bh, n = tl.program_id(0).to(tl.int64) // chunks, tl.program_id(0).to(tl.int64) % chunks
+        b, h = bh // H, bh % H
+        rows, live, v, v_tail, s, end = _chunk_rows(n * C, L, bh, V1, SHIFTS, L, E, EP, TAIL, C)
+        scores = tl.zeros((C, C), dtype=tl.float32)
+        reads = tl.zeros((C, EP), dtype=tl.float32)  # the state's sums, relative to exp(prev)
+        reads_tail = tl.zeros((C,), dtype=tl.float32)
+        for f0 in range(0, M, BM):
+            feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, f0, M, dir_b, dir_h, bias_b, bias_h, D, BM)
+            phi_q = _row_features(Q, QOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
+            phi_q = tl.where(exists[None, :], phi_q + stabilizer, 0.0)
+            phi_k = _row_features(K, KOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
+            scores += tl.dot(phi_q, tl.trans(phi_k), input_precision=PRECISION)
+            state, state_tail = _load_state(CHUNKS, bh * chunks + n, feats, exists, M, E, EP, TAIL)
+            reads += tl.dot(phi_q, state, input_precision=PRECISION)
+            if TAIL:
+                reads_tail += tl.sum(phi_q * state_tail[None, :], axis=1)
+        scores = scores * _causal_decay(rows, s)
+        to_query = tl.exp(_start_shift(SHIFTS, SHIFT0, bh, L, n * C) - s)  # (C,)
+        out = tl.dot(scores, v, input_precision=PRECISION) + reads * to_query[:, None]
+        out_tail = tl.sum(scores * v_tail[None, :], axis=1) + reads_tail * to_query
+        _write_rows(OUT, bh, rows, live, out, out_tail, L, E, EP, TAIL, False)
 
     @triton.jit
     def _query_grad_kernel(
@@ -453,28 +498,36 @@ def _forward(
     q: Tensor, k: Tensor, v1: Tensor, q_off: Tensor, k_off: Tensor, shifts: Tensor, directions: Tensor,
     bias: Tensor | None, kv0: Tensor, shift0: Tensor, stabilizer: float, precision: str,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The sums (B, H, L, E), the state after the call (B, H, m, E) and each segment's start state (B, H, S, m, E)."""
+    """The sums (B, H, L, E), the state after the call (B, H, m, E) and each segment's start state (B, H, S, m, E).
+
+    The keys' walk gives the state before every chunk of :data:`CHUNK` positions (its segments in parallel, each from
+    its start state: the segments' own states, then their scan); then each chunk's sums, every chunk in parallel, from
+    its keys and that state. Those states are (B, H, L / CHUNK, m, E) float32 while the call runs: 415 MB at 12 heads
+    x 32K positions x 256 features x 33 columns."""
     q, k, v1, q_off, k_off, shifts, kv0, shift0 = contiguous_rows(q, k, v1, q_off, k_off, shifts, kv0, shift0)
     B, H, L, _ = q.shape
     E, M = v1.shape[-1], directions.shape[-2]
     dirs, bias, *strides = _features_args(q, directions, bias)
     S, size = segments(B * H, M, L)
-    grid, settings = (B * H, triton.cdiv(M, FEATURES_PER_PROGRAM), S), _settings(q, E, precision)
-    out = q.new_zeros(B, H, L, E)  # added into atomically, a share per block of features
-    inputs = (q, k, v1, q_off, k_off, shifts, dirs, bias)
-    sizes = (H, L, M, E, S, size, *strides, stabilizer)
+    grid, settings = (B * H, triton.cdiv(M, FEATURES_PER_PROGRAM), S), {**_settings(q, E, precision), "C": CHUNK}
+    keys = (k, v1, k_off, shifts, dirs, bias)
+    sizes = (H, L, M, E, S, size, *strides)
+    chunk_states = q.new_empty(B, H, triton.cdiv(L, CHUNK), M, E)
     if S == 1:
         starts, kv = kv0[:, :, None].clone(), torch.empty_like(kv0)  # (an operator's outputs alias no input)
-        args = (*inputs, starts, shift0, out, kv, *sizes)
-        launch_fitting(_forward_kernel, grid, args, {**settings, "WRITE_OUT": True, "WRITE_STATE": True}, TILES)
-        return out, kv, starts
-    # each segment's keys alone, then the segments' start states, then the sums
-    local = q.new_empty(B, H, S, M, E)
-    args = (*inputs, torch.zeros_like(local), shift0, out, local, *sizes)
-    launch_fitting(_forward_kernel, grid, args, {**settings, "WRITE_OUT": False, "WRITE_STATE": True}, TILES)
-    starts, kv = scan_forward(_segment_weights(shifts, shift0, size), kv0, local)
-    args = (*inputs, starts, shift0, out, local, *sizes)
-    launch_fitting(_forward_kernel, grid, args, {**settings, "WRITE_OUT": True, "WRITE_STATE": False}, TILES)
+        args = (*keys, starts, shift0, kv, chunk_states, *sizes)
+        launch_fitting(_state_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": True}, WALK_TILES)
+    else:  # each segment's keys alone, then the segments' start states, then the states before their chunks
+        local = q.new_empty(B, H, S, M, E)
+        args = (*keys, torch.zeros_like(local), shift0, local, chunk_states, *sizes)
+        launch_fitting(_state_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": False}, WALK_TILES)
+        starts, kv = scan_forward(_segment_weights(shifts, shift0, size), kv0, local)
+        args = (*keys, starts, shift0, local, chunk_states, *sizes)
+        launch_fitting(_state_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": True}, WALK_TILES)
+    out = q.new_empty(B, H, L, E)
+    args = (q, k, v1, q_off, k_off, shifts, dirs, bias, shift0, chunk_states, out, H, L, M, E, *strides, stabilizer)
+    settings = {**settings, "BM": SUM_FEATURES}
+    launch_fitting(_chunk_sums_kernel, (B * H * triton.cdiv(L, CHUNK),), args, settings, WALK_TILES)
     return out, kv, starts
 
 
