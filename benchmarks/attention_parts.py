@@ -25,7 +25,8 @@ forward + backward (training) and forward alone (inference), median of ``--reps`
                           backward, so its training time is its forward's
     causal favor          causal FAVOR+ (the decoder's; its scan also serves the decoder default's far field), against
                           ``flash, causal``; then its Triton scan's launch settings varied (``favor_exp_triton``'s
-                          segments per walk, features per program): which the GPU prefers
+                          segments per walk, features per walk's program, features per step of a chunk's
+                          program): which the GPU prefers
 
 ``--arms`` runs the named arms only (flash always: every ratio divides its time), e.g. the compiled ones at 32K.
 ``--head-dim 64`` takes the decoder's (GPT-2's) head size, whose 65 value columns the kernels pad to 128.
@@ -80,6 +81,7 @@ SCAN_SETTINGS = {
     "causal favor, long segments": dict(TARGET_PROGRAMS=256, MIN_SEGMENT=2048),
     "causal favor, 32 features per program": dict(FEATURES_PER_PROGRAM=32),
     "causal favor, 128 features per program": dict(FEATURES_PER_PROGRAM=128),
+    "causal favor, chunks over 32 features a step": dict(SUM_FEATURES=32),
 }
 TILE_ROUTING = dict(local_window=257, query_block_size=128, route_group_size=0, routed_blocks=4, route_block_size=128)
 TILED = dict(local_window=257, query_block_size=128, route_group_size=0, routed_blocks=16, route_block_size=64)

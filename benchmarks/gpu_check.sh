@@ -39,7 +39,8 @@
 #
 #   python3 benchmarks/attention_parts.py --device cuda --lengths 32768 --head-dim 64 --reps 3 --out-dir $OUT \
 #     --arms "causal favor" "causal favor, short segments" "causal favor, long segments" \
-#     "causal favor, 32 features per program" "causal favor, 128 features per program" favor
+#     "causal favor, 32 features per program" "causal favor, 128 features per program" \
+#     "causal favor, chunks over 32 features a step" favor
 #
 # PERFORMER_HF_FLEX=0 runs the same on the PyTorch backend (the figures before FlexAttention).
 set -euo pipefail

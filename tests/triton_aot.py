@@ -79,23 +79,25 @@ def configurations(widest: bool):
 
 SCAN_INTS = ("H", "L", "M", "E", "S", "SEG", "dir_b", "dir_h", "bias_b", "bias_h")
 SCAN_INPUTS = "Q K V1 QOFF KOFF SHIFTS DIR"
-WRITE = {"WRITE_GRADS": True}  # what the key gradients' walk writes
 
 
 def _scan_kernels(bias: bool) -> list:
     """(name, kernel, tensors, ints, floats, writes) of the causal scan's kernels, the bias a pointer or None."""
-    rows = _rows(SCAN_INPUTS)
-    with_bias = {**rows, "BIAS": "*fp32"} if bias else {**rows, "BIAS": "constexpr"}
-    walk = {**_rows("K V1 KOFF SHIFTS DIR"), "BIAS": with_bias["BIAS"], **_rows("KV0 SHIFT0 KV CHUNKS")}
+    bias_type = "*fp32" if bias else "constexpr"
+    with_bias = {**_rows(SCAN_INPUTS), "BIAS": bias_type}
+    walk = {**_rows("K V1 KOFF SHIFTS DIR"), "BIAS": bias_type, **_rows("KV0 SHIFT0 KV CHUNKS")}
+    grad_walk = {**_rows("GRAD GKV Q QOFF SHIFTS DIR"), "BIAS": bias_type, **_rows("SHIFT0 DKV0 DCHUNKS")}
     sums = {**with_bias, **_rows("SHIFT0 CHUNKS OUT")}
-    sums_ints = [name for name in SCAN_INTS if name not in ("S", "SEG")]
-    queries = {"GRAD": "*fp32", **with_bias, **_rows("KV0 SHIFT0 DQ DQOFF")}
-    keys = {**_rows("GRAD GKV"), **with_bias, **_rows("SHIFT0 DK DKOFF DV1 DKV0")}
+    queries = {"GRAD": "*fp32", **with_bias, **_rows("SHIFT0 CHUNKS DQ DQOFF")}
+    keys = {"GRAD": "*fp32", **with_bias, **_rows("DCHUNKS DK DKOFF DV1")}
+    per_chunk = [name for name in SCAN_INTS if name not in ("S", "SEG")]
+    walks, stabilizer, kernels = {"WRITE_CHUNKS": True}, ("stabilizer",), favor_exp_triton
     return [
-        ("causal scan keys' walk", favor_exp_triton._state_walk_kernel, walk, SCAN_INTS, (), {"WRITE_CHUNKS": True}),
-        ("causal scan chunks' sums", favor_exp_triton._chunk_sums_kernel, sums, sums_ints, ("stabilizer",), {}),
-        ("causal scan query gradients", favor_exp_triton._query_grad_kernel, queries, SCAN_INTS, (), {}),
-        ("causal scan key gradients", favor_exp_triton._key_grad_kernel, keys, SCAN_INTS, ("stabilizer",), WRITE),
+        ("causal scan keys' walk", kernels._state_walk_kernel, walk, SCAN_INTS, (), walks),
+        ("causal scan chunks' sums", kernels._chunk_sums_kernel, sums, per_chunk, stabilizer, {}),
+        ("causal scan queries' walk", kernels._state_grad_walk_kernel, grad_walk, SCAN_INTS, stabilizer, walks),
+        ("causal scan query gradients", kernels._chunk_query_grad_kernel, queries, per_chunk, (), {}),
+        ("causal scan key gradients", kernels._chunk_key_grad_kernel, keys, per_chunk, stabilizer, {}),
     ]
 
 
@@ -124,14 +126,14 @@ def scan_configurations(widest: bool):
     tiles = [(32, 33, "tf32", True)]
     if widest:
         tiles += [(64, 65, "ieee", False), (128, 129, "tf32", True), (32, 24, "tf32", True)]
-    first = favor_exp_triton.TILES[0]
+    first = {"C": favor_exp_triton.CHUNK, **favor_exp_triton.TILES[0]}
     for d, width, precision, bias in tiles:
         constants = dict(D=d, BM=favor_exp_triton.FEATURES_PER_PROGRAM, PRECISION=precision, C=first["C"])
         constants.update({} if bias else {"BIAS": None})
         tile, tail = far_field_triton.value_tiles(width)
         options = {"num_stages": first["num_stages"]}
         for name, kernel, tensors, ints, floats, writes in _scan_kernels(bias):
-            if kernel is favor_exp_triton._chunk_sums_kernel:
+            if "S" not in ints:  # a program per chunk: its features a block at a time
                 writes = {"BM": favor_exp_triton.SUM_FEATURES}
             yield name, kernel, tensors, ints, floats, {**constants, "EP": tile, "TAIL": tail, **writes}, options
         yield from _bidirectional_kernels(bias, {**constants, "EP": tile, "TAIL": tail}, options)

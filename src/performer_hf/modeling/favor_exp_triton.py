@@ -17,15 +17,17 @@ max ``s_j`` of the keys' log-features causally, their max bidirectionally), so t
 ``row``) through PyTorch; the kernels give the rest:
 
 - ``_row_max_kernel``: ``max_r (x . D_r + bias_r)`` for every row (the shifts' input);
-- causal, forward in two steps, as flash-linear-attention's chunked kernels: ``_state_walk_kernel`` walks the keys
-  alone and writes the state before every chunk of :data:`CHUNK` positions (and after the last), then
+- causal, in two steps each way, as flash-linear-attention's chunked kernels. Forward, ``_state_walk_kernel`` walks the
+  keys alone and writes the state before every chunk of :data:`CHUNK` positions (and after the last), then
   ``_chunk_sums_kernel`` gives each chunk's sums ``sum_{j <= i} phi(q_i) . phi(k_j) exp(s_j - s_i) [v_j, 1]`` (plus the
-  state before position 0) from its keys and that state, every chunk in parallel, over all the features in one
-  program: no chain of dependent chunks beside the queries' work, and nothing added atomically (the walk that
-  computed the sums too, a feature block's share per program added into the output, spilled registers on Hopper
-  where both steps now spill none); ``_query_grad_kernel`` (chunks in order, recomputing the state each chunk starts
-  from) and ``_key_grad_kernel`` (in reverse, carrying the state's gradient): the gradients of queries, keys, values,
-  offsets and the state before position 0;
+  state before position 0) from its keys and that state. Backward, the keys' walk again and
+  ``_state_grad_walk_kernel``, the queries alone in reverse, which writes the gradient of the state after every chunk;
+  then ``_chunk_query_grad_kernel`` and ``_chunk_key_grad_kernel``, each chunk's queries' gradients from the one, its
+  keys' and values' from the other (and the offsets'; the state before position 0's from the walk). The chunks run in
+  parallel, each program over all the features a block at a time: no chain of dependent chunks beside the queries'
+  work, nothing added atomically. (The walks that computed the sums and gradients too, a feature block's share per
+  program added into the outputs, used 255 registers and spilled 632 / 784 / 1,052 bytes compiled for Hopper at the
+  decoder's head size; now none spills.)
 - bidirectional: ``_sum_kernel``, ``sum_rows (phi(x) + stabilizer) (x) w`` (the keys' state; backward, its gradient
   from the queries), and ``_rows_kernel``, each row's ``(phi(x) + stabilizer) S`` (the sums; backward, the values'
   gradient) or the gradients of rows and offsets.
@@ -54,15 +56,13 @@ from .far_field_triton import contiguous_rows, input_precision, launch_fitting, 
 Tensor = torch.Tensor
 FEATURES_PER_PROGRAM = 64  # features of the state one program holds
 CHUNK = 32  # positions per step of a program's walk
-# the tiles of the scan's kernels, the first that fits the GPU's shared memory (launch_fitting): compiled for Hopper
-# at chunks of 32, two stages of loads in flight, the key gradients take 74 KB at head dim 32 x 33 value columns,
-# 246 KB at 128 x 129 (of 227: one stage then); chunks of 64 took 165 KB at 32 x 33 (values in a tile of 64)
-TILES = ({"C": CHUNK, "num_stages": 2}, {"C": CHUNK, "num_stages": 1}, {"C": 16, "num_stages": 1})
-# the forward's tiles: chunks of CHUNK always (the chunks' start states, which the keys' walk writes and the chunks'
-# sums read, are per chunk of CHUNK positions)
-WALK_TILES = ({"num_stages": 2}, {"num_stages": 1})
-# features per step of a chunk's sums (over all of them): compiled for Hopper at head dim 32, 33 value columns and
-# 4 warps (ptxas), 16 take 185 registers and spill none, 32 spill at two stages of loads (255 registers), 64 at any
+# the launch settings of the kernels, the first that fits the GPU's shared memory (launch_fitting), chunks of CHUNK
+# positions always (the walks write a state per chunk, which the chunks' kernels read): compiled for Hopper, two stages
+# of loads in flight take at most 31 KB at head dim 32 x 33 value columns, 115 KB at 128 x 129 (of 227)
+TILES = ({"num_stages": 2}, {"num_stages": 1})
+# features per step of a chunk's program (over all of them): compiled for Hopper at head dim 32, 33 value columns and
+# 4 warps (ptxas), the chunks' sums take 185 registers and spill none at 16, spill at two stages of loads at 32 (255
+# registers) and at any at 64
 SUM_FEATURES = 16
 # The walk is cut into segments that run in parallel where (batch, head, feature block) programs are too few to fill a
 # GPU (a 32K-token call of 12 heads x 256 features has 48): about this many programs in all, segments of at least
@@ -245,16 +245,21 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             _write_rows(OUT, bh, rows, live, acc, acc_tail, L, E, EP, TAIL, False)
 
     @triton.jit
-    def _chunk_rows(start, stop, bh, V1, SHIFTS, L, E, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr):
-        # One chunk's rows (C,) from `start`, which are before `stop` (its segment's end), values (C, EP) and their
-        # last column apart (C,) (TAIL), key shifts s (C,) (past the segment: the chunk's end shift) and the chunk's
-        # end shift
+    def _chunk_shifts(start, stop, bh, SHIFTS, L, C: tl.constexpr):
+        # One chunk's rows (C,) from `start`, which are before `stop` (its segment's end), key shifts s (C,) (past the
+        # segment: the chunk's end shift) and the chunk's end shift
         rows = start + tl.arange(0, C)
         live = rows < stop
-        v, v_tail = _value_rows(V1, bh, rows, live, L, E, EP, TAIL)
         s = tl.load(SHIFTS + bh * L + rows, mask=live, other=float("-inf"))
         end = tl.max(s, axis=0)  # the shifts never decrease: the last position's
-        s = tl.where(live, s, end)
+        return rows, live, tl.where(live, s, end), end
+
+    @triton.jit
+    def _chunk_rows(start, stop, bh, V1, SHIFTS, L, E, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr):
+        # :func:`_chunk_shifts`' and the chunk's values (C, EP) and their last column apart (C,) (TAIL):
+        # (rows, live, v, v_tail, s, end)
+        rows, live, s, end = _chunk_shifts(start, stop, bh, SHIFTS, L, C)
+        v, v_tail = _value_rows(V1, bh, rows, live, L, E, EP, TAIL)
         return rows, live, v, v_tail, s, end
 
     @triton.jit
@@ -262,18 +267,6 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         # the causal factors exp(s_j - s_i) (C, C) [i, j] of a chunk's rows, 0 above the diagonal
         causal = rows[:, None] >= rows[None, :]
         return tl.where(causal, tl.exp(tl.minimum(s[None, :] - s[:, None], 0.0)), 0.0)
-
-    @triton.jit
-    def _chunk(
-        start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E,
-        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        # :func:`_chunk_rows`' and the chunk's query and key features (C, BM) (the stabilizer aside) and the causal
-        # factors (C, C)
-        rows, live, v, v_tail, s, end = _chunk_rows(start, stop, bh, V1, SHIFTS, L, E, EP, TAIL, C)
-        phi_q = _row_features(Q, QOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
-        phi_k = _row_features(K, KOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
-        return rows, live, v, v_tail, s, end, phi_q, phi_k, _causal_decay(rows, s)
 
     @triton.jit
     def _segment(H, L, S, SEG):
@@ -289,6 +282,15 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         # the shift the state before position `start` is relative to: the key shift before it, or the state's before
         # the call
         return tl.where(start > 0, tl.load(SHIFTS + bh * L + tl.maximum(start - 1, 0)), tl.load(SHIFT0 + bh))
+
+    @triton.jit
+    def _chunk_program(L, H, C: tl.constexpr):
+        # program (bh, chunk) of a grid over every chunk of every (batch, head), one axis: (chunks per row, bh, b, h,
+        # chunk)
+        chunks = tl.cdiv(L, C)
+        pid = tl.program_id(0).to(tl.int64)  # int64 offsets: B H L d passes 2^31
+        bh = pid // chunks
+        return chunks, bh, bh // H, bh % H, pid % chunks
 
     @triton.jit
     def _state_walk_kernel(
@@ -327,9 +329,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         # program (bh, chunk) (one axis: (batch, head) after (batch, head) of chunks): the chunk's sums over every
         # block of features, from its keys (the causal product phi(q) phi(k)^T, decayed, times the values) and from
         # the state before it (CHUNKS'), written once: no walk, nothing added atomically
-        chunks = tl.cdiv(L, C)
-        bh, n = tl.program_id(0).to(tl.int64) // chunks, tl.program_id(0).to(tl.int64) % chunks
-        b, h = bh // H, bh % H
+        chunks, bh, b, h, n = _chunk_program(L, H, C)
         rows, live, v, v_tail, s, end = _chunk_rows(n * C, L, bh, V1, SHIFTS, L, E, EP, TAIL, C)
         scores = tl.zeros((C, C), dtype=tl.float32)
         reads = tl.zeros((C, EP), dtype=tl.float32)  # the state's sums, relative to exp(prev)
@@ -351,93 +351,115 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         _write_rows(OUT, bh, rows, live, out, out_tail, L, E, EP, TAIL, False)
 
     @triton.jit
-    def _query_grad_kernel(
-        GRAD, Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, KV0, SHIFT0, DQ, DQOFF,
-        H, L, M, E, S, SEG, dir_b, dir_h, bias_b, bias_h,
-        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        # program (bh, feature block, segment): its share of the segment's queries' gradients, from the state each
-        # chunk starts from (recomputed, in order, from the segment's start state).
-        # d phi_q = (g v^T * decay) phi_k + exp(prev - s) g S^T; d log phi_q = d phi_q phi_q
-        bh, b, h, block, row, first, stop = _segment(H, L, S, SEG)
-        feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, block * BM, M, dir_b, dir_h, bias_b, bias_h, D, BM)
-        dims = tl.arange(0, D)
-        state, state_tail = _load_state(KV0, row, feats, exists, M, E, EP, TAIL)
-        prev = _start_shift(SHIFTS, SHIFT0, bh, L, first)
-        for start in range(first, stop, C):
-            rows, live, v, v_tail, s, end, phi_q, phi_k, decay = _chunk(
-                start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, TAIL, C, PRECISION
-            )
-            row_ptr = (bh * L + rows)[:, None]
-            g, g_tail = _value_rows(GRAD, bh, rows, live, L, E, EP, TAIL)
-            d_scores = tl.dot(g, tl.trans(v), input_precision=PRECISION)  # (C, C)
-            reads = tl.dot(g, tl.trans(state), input_precision=PRECISION)  # (C, BM)
-            if TAIL:
-                d_scores += g_tail[:, None] * v_tail[None, :]
-                reads += g_tail[:, None] * state_tail[None, :]
-            d_phi = tl.dot(d_scores * decay, phi_k, input_precision=PRECISION) + reads * tl.exp(prev - s)[:, None]
-            d_log = d_phi * phi_q  # (C, BM)
-            tl.atomic_add(
-                DQ + row_ptr * D + dims[None, :], tl.dot(d_log, dirs, input_precision=PRECISION), mask=live[:, None]
-            )
-            tl.atomic_add(DQOFF + bh * L + rows, tl.sum(d_log, axis=1), mask=live)
-            to_end = tl.exp(s - end)  # (C,)
-            state = state * tl.exp(prev - end) + tl.dot(tl.trans(phi_k), v * to_end[:, None], input_precision=PRECISION)
-            if TAIL:
-                state_tail = state_tail * tl.exp(prev - end) + tl.sum(phi_k * (v_tail * to_end)[:, None], axis=0)
-            prev = end
-
-    @triton.jit
-    def _key_grad_kernel(
-        GRAD, GKV, Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, SHIFT0, DK, DKOFF, DV1, DKV0,
+    def _state_grad_walk_kernel(
+        GRAD, GKV, Q, QOFF, SHIFTS, DIR, BIAS, SHIFT0, DKV0, DCHUNKS,
         H, L, M, E, S, SEG, dir_b, dir_h, bias_b, bias_h, stabilizer,
         D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
-        PRECISION: tl.constexpr, WRITE_GRADS: tl.constexpr,
+        PRECISION: tl.constexpr, WRITE_CHUNKS: tl.constexpr,
     ):  # fmt: skip
         # program (bh, feature block, segment): walking the segment's chunks in reverse from the gradient of the state
-        # after it (relative to its end shift), its share of the keys' and values' gradients (WRITE_GRADS) and its
-        # rows of the gradient of the segment's start state
+        # after it (GKV's row, relative to its end shift), its rows of the gradient of the segment's start state
+        # (DKV0's) and, with WRITE_CHUNKS, of the state after each chunk (DCHUNKS (B, H, NT, M, E), relative to the
+        # chunk's end shift): how the queries after each chunk read it, the queries only
         bh, b, h, block, row, first, stop = _segment(H, L, S, SEG)
         feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, block * BM, M, dir_b, dir_h, bias_b, bias_h, D, BM)
-        dims = tl.arange(0, D)
         d_state, d_state_tail = _load_state(GKV, row, feats, exists, M, E, EP, TAIL)  # (BM, EP), (BM,)
         last = first + (stop - first - 1) // C * C
         for back in range(0, stop - first, C):
             start = last - back
-            rows, live, v, v_tail, s, end, phi_q, phi_k, decay = _chunk(
-                start, stop, bh, Q, K, V1, QOFF, KOFF, SHIFTS, dirs, bias, exists, L, E, D, EP, TAIL, C, PRECISION
-            )
+            if WRITE_CHUNKS:
+                chunk = bh * tl.cdiv(L, C) + start // C
+                _store_state(DCHUNKS, chunk, feats, exists, M, E, d_state, d_state_tail, EP, TAIL, False)
+            rows, live, s, end = _chunk_shifts(start, stop, bh, SHIFTS, L, C)
             prev = _start_shift(SHIFTS, SHIFT0, bh, L, start)
-            phi_q = tl.where(exists[None, :], phi_q + stabilizer, 0.0)
-            row_ptr = (bh * L + rows)[:, None]
+            phi_q = _row_features(Q, QOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
+            reads = tl.where(exists[None, :], phi_q + stabilizer, 0.0) * tl.exp(prev - s)[:, None]  # (C, BM)
             g, g_tail = _value_rows(GRAD, bh, rows, live, L, E, EP, TAIL)
-            if WRITE_GRADS:
-                to_end = tl.exp(s - end)  # (C,)
-                d_scores = tl.dot(g, tl.trans(v), input_precision=PRECISION)  # (C, C) [i, j]
-                writes = tl.dot(v, tl.trans(d_state), input_precision=PRECISION)  # (C, BM)
-                if TAIL:
-                    d_scores += g_tail[:, None] * v_tail[None, :]
-                    writes += v_tail[:, None] * d_state_tail[None, :]
-                d_scores = d_scores * decay
-                scores = tl.dot(phi_q, tl.trans(phi_k), input_precision=PRECISION) * decay
-                d_phi = tl.dot(tl.trans(d_scores), phi_q, input_precision=PRECISION) + writes * to_end[:, None]
-                d_v = tl.dot(tl.trans(scores), g, input_precision=PRECISION)
-                d_v += tl.dot(phi_k, d_state, input_precision=PRECISION) * to_end[:, None]
-                d_v_tail = (
-                    tl.sum(scores * g_tail[:, None], axis=0) + tl.sum(phi_k * d_state_tail[None, :], axis=1) * to_end
-                )
-                d_log = d_phi * phi_k
-                d_k = tl.dot(d_log, dirs, input_precision=PRECISION)
-                tl.atomic_add(DK + row_ptr * D + dims[None, :], d_k, mask=live[:, None])
-                tl.atomic_add(DKOFF + bh * L + rows, tl.sum(d_log, axis=1), mask=live)
-                _write_rows(DV1, bh, rows, live, d_v, d_v_tail, L, E, EP, TAIL, True)
-            # the state's gradient before the chunk: carried back, plus how the chunk's queries read that state
-            reads = phi_q * tl.exp(prev - s)[:, None]
             d_state = d_state * tl.exp(prev - end) + tl.dot(tl.trans(reads), g, input_precision=PRECISION)
             if TAIL:
                 d_state_tail = d_state_tail * tl.exp(prev - end) + tl.sum(reads * g_tail[:, None], axis=0)
         _store_state(DKV0, row, feats, exists, M, E, d_state, d_state_tail, EP, TAIL, False)
+
+    @triton.jit
+    def _chunk_query_grad_kernel(
+        GRAD, Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, SHIFT0, CHUNKS, DQ, DQOFF,
+        H, L, M, E, dir_b, dir_h, bias_b, bias_h,
+        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # program (bh, chunk): the chunk's queries' gradients, from its keys and the state before it (CHUNKS'), over
+        # every block of features. d phi_q = (g v^T * decay) phi_k + exp(prev - s) g S^T; d log phi_q = d phi_q phi_q
+        chunks, bh, b, h, n = _chunk_program(L, H, C)
+        rows, live, v, v_tail, s, end = _chunk_rows(n * C, L, bh, V1, SHIFTS, L, E, EP, TAIL, C)
+        g, g_tail = _value_rows(GRAD, bh, rows, live, L, E, EP, TAIL)
+        d_scores = tl.dot(g, tl.trans(v), input_precision=PRECISION)  # (C, C)
+        if TAIL:
+            d_scores += g_tail[:, None] * v_tail[None, :]
+        d_scores = d_scores * _causal_decay(rows, s)
+        to_query = tl.exp(_start_shift(SHIFTS, SHIFT0, bh, L, n * C) - s)  # (C,)
+        d_q = tl.zeros((C, D), dtype=tl.float32)
+        d_q_off = tl.zeros((C,), dtype=tl.float32)
+        for f0 in range(0, M, BM):
+            feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, f0, M, dir_b, dir_h, bias_b, bias_h, D, BM)
+            phi_q = _row_features(Q, QOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
+            phi_k = _row_features(K, KOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
+            state, state_tail = _load_state(CHUNKS, bh * chunks + n, feats, exists, M, E, EP, TAIL)
+            reads = tl.dot(g, tl.trans(state), input_precision=PRECISION)  # (C, BM)
+            if TAIL:
+                reads += g_tail[:, None] * state_tail[None, :]
+            d_phi = tl.dot(d_scores, phi_k, input_precision=PRECISION) + reads * to_query[:, None]
+            d_log = d_phi * phi_q  # (C, BM)
+            d_q += tl.dot(d_log, dirs, input_precision=PRECISION)
+            d_q_off += tl.sum(d_log, axis=1)
+        tl.store(DQ + (bh * L + rows)[:, None] * D + tl.arange(0, D)[None, :], d_q, mask=live[:, None])
+        tl.store(DQOFF + bh * L + rows, d_q_off, mask=live)
+
+    @triton.jit
+    def _chunk_key_grad_kernel(
+        GRAD, Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, DCHUNKS, DK, DKOFF, DV1,
+        H, L, M, E, dir_b, dir_h, bias_b, bias_h, stabilizer,
+        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # program (bh, chunk): the chunk's keys' and values' gradients, from its queries and the gradient of the state
+        # after it (DCHUNKS'), over every block of features
+        chunks, bh, b, h, n = _chunk_program(L, H, C)
+        rows, live, v, v_tail, s, end = _chunk_rows(n * C, L, bh, V1, SHIFTS, L, E, EP, TAIL, C)
+        g, g_tail = _value_rows(GRAD, bh, rows, live, L, E, EP, TAIL)
+        decay = _causal_decay(rows, s)
+        d_scores = tl.dot(g, tl.trans(v), input_precision=PRECISION)  # (C, C) [i, j]
+        if TAIL:
+            d_scores += g_tail[:, None] * v_tail[None, :]
+        d_scores = d_scores * decay
+        to_end = tl.exp(s - end)  # (C,)
+        scores = tl.zeros((C, C), dtype=tl.float32)
+        d_v = tl.zeros((C, EP), dtype=tl.float32)  # the state's share, relative to exp(end)
+        d_v_tail = tl.zeros((C,), dtype=tl.float32)
+        d_k = tl.zeros((C, D), dtype=tl.float32)
+        d_k_off = tl.zeros((C,), dtype=tl.float32)
+        for f0 in range(0, M, BM):
+            feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, f0, M, dir_b, dir_h, bias_b, bias_h, D, BM)
+            phi_q = _row_features(Q, QOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
+            phi_q = tl.where(exists[None, :], phi_q + stabilizer, 0.0)
+            phi_k = _row_features(K, KOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
+            d_state, d_state_tail = _load_state(DCHUNKS, bh * chunks + n, feats, exists, M, E, EP, TAIL)
+            scores += tl.dot(phi_q, tl.trans(phi_k), input_precision=PRECISION)
+            writes = tl.dot(v, tl.trans(d_state), input_precision=PRECISION)  # (C, BM)
+            if TAIL:
+                writes += v_tail[:, None] * d_state_tail[None, :]
+            d_phi = tl.dot(tl.trans(d_scores), phi_q, input_precision=PRECISION) + writes * to_end[:, None]
+            d_v += tl.dot(phi_k, d_state, input_precision=PRECISION)
+            if TAIL:
+                d_v_tail += tl.sum(phi_k * d_state_tail[None, :], axis=1)
+            d_log = d_phi * phi_k  # (C, BM)
+            d_k += tl.dot(d_log, dirs, input_precision=PRECISION)
+            d_k_off += tl.sum(d_log, axis=1)
+        scores = scores * decay
+        d_v = d_v * to_end[:, None] + tl.dot(tl.trans(scores), g, input_precision=PRECISION)
+        d_v_tail = d_v_tail * to_end + tl.sum(scores * g_tail[:, None], axis=0)
+        tl.store(DK + (bh * L + rows)[:, None] * D + tl.arange(0, D)[None, :], d_k, mask=live[:, None])
+        tl.store(DKOFF + bh * L + rows, d_k_off, mask=live)
+        _write_rows(DV1, bh, rows, live, d_v, d_v_tail, L, E, EP, TAIL, False)
 
 
 def serves(q: Tensor, values_width: int, directions: Tensor, bias: Tensor | None) -> bool:
@@ -462,9 +484,11 @@ def _features_args(q: Tensor, directions: Tensor, bias: Tensor | None) -> tuple:
 
 
 def _settings(q: Tensor, width: int, precision: str) -> dict:
-    """The kernels' compile-time settings but the tiles (:data:`TILES`): widths and their products' precision."""
+    """The kernels' compile-time settings but the pipeline's stages (:data:`TILES`): widths, chunks and their
+    products' precision."""
     tile, tail = value_tiles(width)
-    return dict(D=q.shape[-1], EP=tile, TAIL=tail, BM=FEATURES_PER_PROGRAM, PRECISION=input_precision(precision))
+    precision = input_precision(precision)
+    return dict(D=q.shape[-1], EP=tile, TAIL=tail, BM=FEATURES_PER_PROGRAM, C=CHUNK, PRECISION=precision)
 
 
 def _row_max(x: Tensor, directions: Tensor, bias: Tensor | None, precision: str) -> Tensor:
@@ -509,25 +533,25 @@ def _forward(
     E, M = v1.shape[-1], directions.shape[-2]
     dirs, bias, *strides = _features_args(q, directions, bias)
     S, size = segments(B * H, M, L)
-    grid, settings = (B * H, triton.cdiv(M, FEATURES_PER_PROGRAM), S), {**_settings(q, E, precision), "C": CHUNK}
+    grid, settings = (B * H, triton.cdiv(M, FEATURES_PER_PROGRAM), S), _settings(q, E, precision)
     keys = (k, v1, k_off, shifts, dirs, bias)
     sizes = (H, L, M, E, S, size, *strides)
     chunk_states = q.new_empty(B, H, triton.cdiv(L, CHUNK), M, E)
     if S == 1:
         starts, kv = kv0[:, :, None].clone(), torch.empty_like(kv0)  # (an operator's outputs alias no input)
         args = (*keys, starts, shift0, kv, chunk_states, *sizes)
-        launch_fitting(_state_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": True}, WALK_TILES)
+        launch_fitting(_state_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": True}, TILES)
     else:  # each segment's keys alone, then the segments' start states, then the states before their chunks
         local = q.new_empty(B, H, S, M, E)
         args = (*keys, torch.zeros_like(local), shift0, local, chunk_states, *sizes)
-        launch_fitting(_state_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": False}, WALK_TILES)
+        launch_fitting(_state_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": False}, TILES)
         starts, kv = scan_forward(_segment_weights(shifts, shift0, size), kv0, local)
         args = (*keys, starts, shift0, local, chunk_states, *sizes)
-        launch_fitting(_state_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": True}, WALK_TILES)
+        launch_fitting(_state_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": True}, TILES)
     out = q.new_empty(B, H, L, E)
     args = (q, k, v1, q_off, k_off, shifts, dirs, bias, shift0, chunk_states, out, H, L, M, E, *strides, stabilizer)
     settings = {**settings, "BM": SUM_FEATURES}
-    launch_fitting(_chunk_sums_kernel, (B * H * triton.cdiv(L, CHUNK),), args, settings, WALK_TILES)
+    launch_fitting(_chunk_sums_kernel, (B * H * triton.cdiv(L, CHUNK),), args, settings, TILES)
     return out, kv, starts
 
 
@@ -535,7 +559,12 @@ def _backward(
     grad: Tensor, grad_kv: Tensor, q: Tensor, k: Tensor, v1: Tensor, q_off: Tensor, k_off: Tensor, shifts: Tensor,
     directions: Tensor, bias: Tensor | None, starts: Tensor, shift0: Tensor, stabilizer: float, precision: str,
 ) -> list[Tensor]:  # fmt: skip
-    """The gradients of q, k, v1, q_off, k_off and the state before the call, from each segment's start state."""
+    """The gradients of q, k, v1, q_off, k_off and the state before the call, from each segment's start state.
+
+    As forward: the walks give the state before every chunk (the keys' walk again, from the segments' start states)
+    and the gradient of the state after every chunk (the queries' walk in reverse: each segment's own, then the
+    segments' scan's adjoint); then every chunk's gradients in parallel, its queries' from the one, its keys' and
+    values' from the other."""
     tensors = contiguous_rows(grad, grad_kv, q, k, v1, q_off, k_off, shifts, starts, shift0)
     grad, grad_kv, q, k, v1, q_off, k_off, shifts, starts, shift0 = tensors
     B, H, L, _ = q.shape
@@ -543,25 +572,29 @@ def _backward(
     dirs, bias, *strides = _features_args(q, directions, bias)
     S, size = segments(B * H, M, L)
     grid, settings = (B * H, triton.cdiv(M, FEATURES_PER_PROGRAM), S), _settings(q, E, precision)
-    d_q, d_k, d_v1, d_q_off, d_k_off = (torch.zeros_like(t) for t in (q, k, v1, q_off, k_off))  # added into
-    inputs = (q, k, v1, q_off, k_off, shifts, dirs, bias)
     sizes = (H, L, M, E, S, size, *strides)
-    args = (grad, *inputs, starts, shift0, d_q, d_q_off, *sizes)
-    launch_fitting(_query_grad_kernel, grid, args, settings, TILES)
-    outputs = (d_k, d_k_off, d_v1)
+    chunk_states, d_chunk_states = (q.new_empty(B, H, triton.cdiv(L, CHUNK), M, E) for _ in range(2))
+    args = (k, v1, k_off, shifts, dirs, bias, starts, shift0, torch.empty_like(starts), chunk_states, *sizes)
+    launch_fitting(_state_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": True}, TILES)
+    queries = (grad, q, q_off, shifts, dirs, bias, shift0)
     if S == 1:
         d_kv0 = torch.empty_like(grad_kv)
-        args = (grad, grad_kv[:, :, None], *inputs, shift0, *outputs, d_kv0[:, :, None], *sizes, stabilizer)
-        launch_fitting(_key_grad_kernel, grid, args, {**settings, "WRITE_GRADS": True}, TILES)
-        return [d_q, d_k, d_v1, d_q_off, d_k_off, d_kv0]
-    # how each segment's queries read its start state, then the gradients of the states after the segments (the
-    # scan's adjoint), then the keys' gradients from them
-    reads = torch.empty_like(starts)
-    args = (grad, torch.zeros_like(starts), *inputs, shift0, *outputs, reads, *sizes, stabilizer)
-    launch_fitting(_key_grad_kernel, grid, args, {**settings, "WRITE_GRADS": False}, TILES)
-    after, d_kv0 = scan_backward(_segment_weights(shifts, shift0, size), reads, grad_kv)
-    args = (grad, after, *inputs, shift0, *outputs, reads, *sizes, stabilizer)
-    launch_fitting(_key_grad_kernel, grid, args, {**settings, "WRITE_GRADS": True}, TILES)
+        args = (queries[0], grad_kv[:, :, None], *queries[1:], d_kv0[:, :, None], d_chunk_states, *sizes, stabilizer)
+        launch_fitting(_state_grad_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": True}, TILES)
+    else:  # how each segment's queries read its start state, then the gradients of the states after the segments
+        reads = torch.empty_like(starts)
+        args = (queries[0], torch.zeros_like(starts), *queries[1:], reads, d_chunk_states, *sizes, stabilizer)
+        launch_fitting(_state_grad_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": False}, TILES)
+        after, d_kv0 = scan_backward(_segment_weights(shifts, shift0, size), reads, grad_kv)
+        args = (queries[0], after, *queries[1:], reads, d_chunk_states, *sizes, stabilizer)
+        launch_fitting(_state_grad_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": True}, TILES)
+    d_q, d_k, d_v1, d_q_off, d_k_off = (torch.empty_like(t) for t in (q, k, v1, q_off, k_off))
+    rows = (grad, q, k, v1, q_off, k_off, shifts, dirs, bias)
+    chunks, settings = (B * H * triton.cdiv(L, CHUNK),), {**settings, "BM": SUM_FEATURES}
+    args = (*rows, shift0, chunk_states, d_q, d_q_off, H, L, M, E, *strides)
+    launch_fitting(_chunk_query_grad_kernel, chunks, args, settings, TILES)
+    args = (*rows, d_chunk_states, d_k, d_k_off, d_v1, H, L, M, E, *strides, stabilizer)
+    launch_fitting(_chunk_key_grad_kernel, chunks, args, settings, TILES)
     return [d_q, d_k, d_v1, d_q_off, d_k_off, d_kv0]
 
 
@@ -589,9 +622,8 @@ def _rows(
     out = None if gradient else x.new_empty(B, H, L, E)
     d_x, d_off = (x.new_empty(B, H, L, d), x.new_empty(B, H, L)) if gradient else (None, None)
     args = (x, off, g, state, dirs, bias, out, d_x, d_off, H, L, M, E, *strides, stabilizer)
-    settings = {**_settings(x, E, precision), "C": CHUNK, "GRADIENT": gradient}
-    tiles = ({"num_stages": 2}, {"num_stages": 1})
-    launch_fitting(_rows_kernel, (B * H, triton.cdiv(L, CHUNK)), args, settings, tiles)
+    settings = {**_settings(x, E, precision), "GRADIENT": gradient}
+    launch_fitting(_rows_kernel, (B * H, triton.cdiv(L, CHUNK)), args, settings, TILES)
     return (d_x, d_off) if gradient else out
 
 
