@@ -54,27 +54,28 @@ def compile_kernel(kernel, tensors: dict, ints, floats, constants: dict, options
 
 
 def configurations(widest: bool):
-    """(name, kernel, tensors, ints, floats, constants) for every kernel: at the defaults' tiles, and with ``widest``
-    at the widest too."""
+    """(name, kernel, tensors, ints, floats, constants, options) for the support sums' and the far field's kernels:
+    at the defaults' tiles, and with ``widest`` at the widest too; their launch options as the modules set them."""
     support = [(32, 33, 16, "tf32")] + ([(128, 129, 64, "ieee"), (128, 129, 64, "tf32")] if widest else [])
     for d, width, rows, precision in support:  # head dim, value columns (the mass's last, apart), BQ, precision
         tile = far_field_triton.padded_width(width - 1)
         constants = dict(D=d, EP=tile, BQ=rows, BLOCK_K=8, CH=hybrid_triton.CHUNK, PRECISION=precision)
-        for name, kernel, tensors in (
-            ("support sums forward", hybrid_triton._forward_kernel, SUPPORT_FORWARD),
-            ("support sums backward", hybrid_triton._backward_kernel, SUPPORT_BACKWARD),
-        ):
-            yield name, kernel, tensors, SUPPORT_INTS, ("c2",), constants
+        common = (SUPPORT_INTS, ("c2",), constants)
+        yield "support sums forward", hybrid_triton._forward_kernel, SUPPORT_FORWARD, *common, {}
+        warps = {"num_warps": hybrid_triton.BACKWARD_WARPS}
+        yield "support sums backward", hybrid_triton._backward_kernel, SUPPORT_BACKWARD, *common, warps
     far = [(32, 33, "ieee")] + ([(64, 65, "ieee"), (64, 65, "tf32"), (64, 128, "tf32")] if widest else [])
     for d, width, precision in far:  # head dim, value columns (the last apart where value_tiles says)
         tile, tail = far_field_triton.value_tiles(width)
         constants = dict(D=d, EP=tile, TAIL=tail, BLOCK=far_field_triton.BLOCK_ROWS, PRECISION=precision)
+        state, warps = {**constants, "A": far_field_triton.STATE_BLOCKS}, {"num_warps": far_field_triton.WARPS}
+        state_ints = ("N", "E", "SEG", "SEGMENTS")
+        yield "far field state", far_field_triton._state_kernel, _rows("X V S"), state_ints, ("c",), state, warps
         for name, kernel, tensors in (
-            ("far field state", far_field_triton._state_kernel, _rows("X V S")),
             ("far field sums", far_field_triton._apply_kernel, _rows("X S OUT")),
             ("far field gradient", far_field_triton._grad_x_kernel, _rows("X G S OUT")),
         ):
-            yield name, kernel, tensors, ("N", "E"), ("c",), constants
+            yield name, kernel, tensors, ("N", "E"), ("c",), constants, warps
 
 
 SCAN_INTS = ("H", "L", "M", "E", "S", "SEG", "dir_b", "dir_h", "bias_b", "bias_h")
@@ -144,7 +145,7 @@ def scan_configurations(widest: bool):
 
 def main(widest: bool) -> None:
     assert not os.environ.get("TRITON_INTERPRET"), "the interpreter compiles nothing: run without TRITON_INTERPRET"
-    kernels = [(*configuration, {}) for configuration in configurations(widest)] + list(scan_configurations(widest))
+    kernels = list(configurations(widest)) + list(scan_configurations(widest))
     for name, kernel, tensors, ints, floats, constants, options in kernels:
         shared = compile_kernel(kernel, tensors, ints, floats, constants, options)
         print(f"{name} {constants} {options}: {shared} bytes of shared memory", flush=True)

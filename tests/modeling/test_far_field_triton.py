@@ -35,9 +35,15 @@ def _assert_relatively_close(got, want, tol):
 
 @pytest.mark.parametrize("d,width", [(16, 9), (32, 33), (64, 16)])
 @pytest.mark.parametrize("c2", [0.25, 0.5])
-def test_the_kernels_give_the_sums_and_gradients_of_pytorch(d, width, c2):
+@pytest.mark.parametrize("segment", [None, 64], ids=["one segment", "segments of 64"])
+def test_the_kernels_give_the_sums_and_gradients_of_pytorch(d, width, c2, segment, monkeypatch):
     """State and sums forward, and the gradients of keys, values and queries, against the outer products in float64
-    (70 rows: a partial second tile)."""
+    (70 rows: a partial second tile); the state's rows summed whole or in two segments, its 1 + d blocks of rows a
+    group at a time (the last group partial)."""
+    if segment:
+        monkeypatch.setattr(far_field_triton, "MIN_STATE_SEGMENT", segment)
+    assert far_field_triton.state_segments(2, d, 70)[0] == (2 if segment else 1)
+    assert (1 + d) % far_field_triton.STATE_BLOCKS
     w, wv1, u = _rows(d, width)
     probe = torch.randn(1, 2, 70, width, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     got = _sums_and_gradients(far_field_triton.quadratic_state, far_field_triton.quadratic_apply, w, wv1, u, c2, probe)
@@ -149,7 +155,8 @@ def test_the_products_take_float32_as_pytorch_does():
     try:
         assert far_field_triton._launch_shape(x, 33, "pytorch")["PRECISION"] == "ieee"
         torch.set_float32_matmul_precision("high")
-        shape = {"D": 32, "EP": 32, "TAIL": True, "BLOCK": 64, "PRECISION": "tf32"}  # 33 columns: 32 and the last
+        # 33 columns: 32 and the last
+        shape = {"D": 32, "EP": 32, "TAIL": True, "BLOCK": 64, "PRECISION": "tf32", "num_warps": far_field_triton.WARPS}
         assert far_field_triton._launch_shape(x, 33, "pytorch") == shape
     finally:
         torch.set_float32_matmul_precision(previous)

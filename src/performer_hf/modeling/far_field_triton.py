@@ -7,7 +7,8 @@ its inputs and writes its outputs once. The kernel ``1 + t + c t^2`` of ``t = x 
 keys and its sums for each query, three kernels between them, forward and backward:
 
 - ``state(X, V, c)``, (B, H, 1 + d + d^2, E): rows ``[sum_j v_j, X^T V]``, then for each ``a`` the (d, E) block
-  ``c sum_j x_ja x_j (x) v_j`` (the full symmetric square: regular tiles);
+  ``c sum_j x_ja x_j (x) v_j`` (the full symmetric square: regular tiles); a program takes :data:`STATE_BLOCKS`
+  consecutive blocks (one product) over a segment of the rows and adds them into the state;
 - ``apply(X, S, c)``, (B, H, N, E): ``s_0 + x_i S_lin + c sum_ab x_ia x_ib S_ab`` for each row;
 - ``grad_x(X, G, S, c)``, (B, H, N, d): the gradient of ``sum_i g_i . apply(X, S, c)_i`` with respect to X.
 
@@ -29,6 +30,17 @@ import torch
 
 Tensor = torch.Tensor
 BLOCK_ROWS = 64  # rows (keys or queries) per tile
+# warps per program of every kernel here: compiled for Hopper (ptxas) at d = 32 and 33 value columns, the state's
+# takes 128 registers and spills none (at 4 warps it spills), the sums' and gradient's spill 216 and 56 bytes (612 and
+# 448 at 4 warps)
+WARPS = 8
+# The state kernel: a program takes STATE_BLOCKS blocks of the state (of d rows each: one product with the values)
+# over a segment of the rows, about STATE_PROGRAMS programs in all, segments of at least MIN_STATE_SEGMENT rows. A
+# program per block over all the rows read each head's rows 1 + d times, one after the other: ~3.4 GB at 12 heads x
+# 32K x 32 dims, in 1.0 ms on an H200 (run 6's profile)
+STATE_BLOCKS = 4
+STATE_PROGRAMS = 4096
+MIN_STATE_SEGMENT = 1024
 
 
 try:  # Triton comes with torch's CUDA builds; on a CPU without it, nothing here runs (see serves)
@@ -121,50 +133,58 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
 
     @triton.jit
     def _state_kernel(
-        X, V, S, N, E, c,
-        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+        X, V, S, N, E, SEG, SEGMENTS, c,
+        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, BLOCK: tl.constexpr, A: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
-        # program (bh, r): r = 0 the linear rows [sum v, X^T V], r = 1 + a the quadratic block a; the value columns
-        # in a tile (EP) and, with TAIL, the last apart
-        bh, r = tl.program_id(0).to(tl.int64), tl.program_id(1)  # int64 offsets: B H N d passes 2^31
+        # program (group, segment, bh), one axis, the groups of a segment's rows next to each other (they read the same
+        # rows): the state blocks r = A group ... A group + A - 1 (r = 0 the linear rows X^T V, r = 1 + a the quadratic
+        # block a; each block's D rows follow the last's from row 1) over the segment's rows, one product, added into
+        # S; the value columns in a tile (EP) and, with TAIL, the last apart. Group 0 also adds the values' sum (row 0).
+        groups = tl.cdiv(1 + D, A)
+        pid = tl.program_id(0).to(tl.int64)  # int64 offsets: B H N d passes 2^31
+        group, segment, bh = pid % groups, pid // groups % SEGMENTS, pid // groups // SEGMENTS
         dims, cols, rows = tl.arange(0, D), tl.arange(0, EP), tl.arange(0, BLOCK)
+        blocks = group * A + tl.arange(0, A)  # (A,)
         x_base, v_base = X + bh * N * D, V + bh * N * E
         s_base = S + bh * (1 + D + D * D) * E
-        acc = tl.zeros((D, EP), dtype=tl.float32)
-        acc_tail = tl.zeros((D,), dtype=tl.float32)
+        acc = tl.zeros((A * D, EP), dtype=tl.float32)
+        acc_tail = tl.zeros((A * D,), dtype=tl.float32)
         ones = tl.zeros((EP,), dtype=tl.float32)
         ones_tail = tl.sum(tl.zeros((BLOCK,), dtype=tl.float32), axis=0)
-        for start in range(0, N, BLOCK):
+        first = segment * SEG
+        stop = tl.minimum(first + SEG, N)
+        for start in range(first, stop, BLOCK):
             row = start + rows
-            live = row < N
+            live = row < stop
             x = tl.load(x_base + row[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)  # (BLOCK, D)
             v = tl.load(v_base + row[:, None] * E + cols[None, :], mask=live[:, None] & (cols[None, :] < E), other=0.0)
             v_tail = tl.where(live, 0.0, 0.0)
             if TAIL:
                 v_tail = tl.load(v_base + row * E + EP, mask=live, other=0.0)  # (BLOCK,)
-            if r == 0:
+            # each block's factor per row (A, BLOCK): 1 for the linear rows, x_a for the quadratic block a
+            quadratic = (blocks >= 1) & (blocks <= D)
+            x_a = tl.load(x_base + row[None, :] * D + (blocks - 1)[:, None], mask=quadratic[:, None] & live[None, :])
+            factors = tl.where((blocks == 0)[:, None], 1.0, tl.where(quadratic[:, None] & live[None, :], x_a, 0.0))
+            lhs = tl.reshape(factors[:, None, :] * tl.trans(x)[None, :, :], (A * D, BLOCK))  # row a D + d: x_a x_d
+            acc += tl.dot(lhs, v, input_precision=PRECISION)
+            if TAIL:
+                acc_tail += tl.sum(lhs * v_tail[None, :], axis=1)
+            if group == 0:
                 ones += tl.sum(v, axis=0)
-                acc += tl.dot(tl.trans(x), v, input_precision=PRECISION)
                 if TAIL:
                     ones_tail += tl.sum(v_tail, axis=0)
-                    acc_tail += tl.sum(x * v_tail[:, None], axis=0)
-            else:
-                x_a = tl.load(x_base + row * D + (r - 1), mask=live, other=0.0)  # (BLOCK,)
-                acc += tl.dot(tl.trans(x * x_a[:, None]), v, input_precision=PRECISION)
-                if TAIL:
-                    acc_tail += tl.sum(x * (x_a * v_tail)[:, None], axis=0)
-        keep = cols[None, :] < E
-        first = 1
-        if r == 0:
-            tl.store(s_base + cols, ones, mask=cols < E)
-            if TAIL:
-                tl.store(s_base + EP, ones_tail)
-        else:
-            first = 1 + D + (r - 1) * D
-            acc, acc_tail = acc * c, acc_tail * c
-        tl.store(s_base + (first + dims[:, None]) * E + cols[None, :], acc, mask=keep)
+        state_rows = 1 + group * A * D + tl.arange(0, A * D)  # (A D,): the group's blocks' rows
+        scale = tl.where(state_rows > D, c, 1.0)  # the quadratic blocks' rows: times c
+        kept = state_rows < 1 + D + D * D
+        tile_mask = kept[:, None] & (cols < E)[None, :]
+        tl.atomic_add(s_base + state_rows[:, None] * E + cols[None, :], acc * scale[:, None], mask=tile_mask)
         if TAIL:
-            tl.store(s_base + (first + dims) * E + EP, acc_tail)
+            tl.atomic_add(s_base + state_rows * E + EP, acc_tail * scale, mask=kept)
+        if group == 0:
+            tl.atomic_add(s_base + cols, ones, mask=cols < E)
+            if TAIL:
+                tl.atomic_add(s_base + EP, ones_tail)
 
     @triton.jit
     def _row_tile(X, S, N, E, D: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr):
@@ -241,9 +261,10 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
 
 
 def _launch_shape(x: Tensor, width: int, precision: str) -> dict:
-    """The kernels' compile-time settings: tile widths (:func:`value_tiles`) and their products' precision."""
+    """The kernels' compile-time settings: tile widths (:func:`value_tiles`), their products' precision, warps."""
     tile, tail = value_tiles(width)
-    return {"D": x.shape[-1], "EP": tile, "TAIL": tail, "BLOCK": BLOCK_ROWS, "PRECISION": input_precision(precision)}
+    precision = input_precision(precision)
+    return {"D": x.shape[-1], "EP": tile, "TAIL": tail, "BLOCK": BLOCK_ROWS, "PRECISION": precision, "num_warps": WARPS}
 
 
 def contiguous_rows(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -252,13 +273,25 @@ def contiguous_rows(*tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.contiguous() for t in tensors)
 
 
+def state_segments(batch_heads: int, head_dim: int, rows: int) -> tuple[int, int]:
+    """How the state kernel cuts ``rows`` rows: (segments, rows per segment, a multiple of :data:`BLOCK_ROWS`), about
+    :data:`STATE_PROGRAMS` programs in all, segments of at least :data:`MIN_STATE_SEGMENT` rows."""
+    programs = batch_heads * triton.cdiv(1 + head_dim, STATE_BLOCKS)
+    wanted = max(1, min(triton.cdiv(rows, MIN_STATE_SEGMENT), triton.cdiv(STATE_PROGRAMS, programs)))
+    size = triton.cdiv(triton.cdiv(max(rows, 1), wanted), BLOCK_ROWS) * BLOCK_ROWS
+    return triton.cdiv(max(rows, 1), size), size
+
+
 def _state(x: Tensor, v: Tensor, c: float, precision: str = "pytorch") -> Tensor:
     """(B, H, N, d), (B, H, N, E) -> (B, H, 1 + d + d^2, E)."""
     x, v = contiguous_rows(x, v)
     B, H, N, d = x.shape
     E = v.shape[-1]
-    out = torch.empty(B, H, 1 + d + d * d, E, dtype=torch.float32, device=x.device)
-    _state_kernel[(B * H, 1 + d)](x, v, out, N, E, c, **_launch_shape(x, E, precision))
+    out = torch.zeros(B, H, 1 + d + d * d, E, dtype=torch.float32, device=x.device)  # added into, a share per segment
+    segments, size = state_segments(B * H, d, N)
+    grid = (B * H * segments * triton.cdiv(1 + d, STATE_BLOCKS),)
+    settings = {**_launch_shape(x, E, precision), "A": STATE_BLOCKS}
+    _state_kernel[grid](x, v, out, N, E, size, segments, c, **settings)
     return out
 
 

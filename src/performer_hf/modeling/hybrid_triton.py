@@ -37,6 +37,9 @@ from .far_field_triton import contiguous_rows, input_precision, launch_fitting, 
 
 Tensor = torch.Tensor
 CHUNK = 64  # candidate keys per step of a query block's walk (fewer where the tiles exceed the GPU's shared memory)
+# warps per program of backward: compiled for Hopper (ptxas) at head dim 32 and 33 value columns, 242 registers and no
+# spill, where 4 warps spilled 272 bytes
+BACKWARD_WARPS = 8
 _SMALLER_CHUNKS = (32, 16)
 
 if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET (its interpreter: the tests on a CPU)
@@ -277,7 +280,8 @@ def _backward(
         d_x, d_rq, d_q_scale, d_far, d_y, d_values1, d_klog,
         H, L, N, R, D1, block_q, width, nb_global, left, right, quadratic,
     )  # fmt: skip
-    _launch(_backward_kernel, (N, B * H), args, _settings(x, D1, block_q, block_k, precision))
+    settings = {**_settings(x, D1, block_q, block_k, precision), "num_warps": BACKWARD_WARPS}
+    _launch(_backward_kernel, (N, B * H), args, settings)
     return [d_x, d_rq, d_q_scale, d_far, d_y, d_values1, d_klog]
 
 
