@@ -5,7 +5,7 @@ import torch
 
 import performer_hf.modeling.slabs as slabs_module
 from performer_hf.favor import FAR_FIELDS, HybridSpec, draw_projection, exact_attention, hybrid_attention
-from performer_hf.modeling import far_field_polynomial
+from performer_hf.modeling import far_field_polynomial, hybrid_routing
 
 from ..hybrid_reference import CONFIGS, QUADRATIC, random_qkv, reference, right_padding
 
@@ -278,6 +278,25 @@ def test_routing_groups_choose_as_every_block_while_there_are_few_groups():
         torch.testing.assert_close(grouped * keep, plain * keep, rtol=0, atol=1e-12)
     grouped = hybrid_attention(q, k, v, key_padding_mask=mask, route_group_size=2, **config)  # 6 groups: fewer
     assert not torch.allclose(grouped * keep, plain * keep)
+
+
+def test_routing_groups_score_their_blocks_alike_through_every_blocks_score_or_their_gathered_means(monkeypatch):
+    """A query block's candidate blocks (its routing groups' blocks) scored through one product with every key block's
+    mean, their columns picked, or through their gathered means (``hybrid_routing._scores_every_block`` takes the
+    one with fewer elements): the same routes, the same outputs."""
+    q, k, v = random_qkv()
+    mask = right_padding(2, 45)
+    config = dict(
+        far_field="poly2", local_window=5, num_global_tokens=1, routed_blocks=3, route_block_size=4, query_block_size=8
+    )
+    outputs = {}
+    for every in (True, False):
+        monkeypatch.setattr(hybrid_routing, "_scores_every_block", lambda blocks, nb_groups, every=every: every)
+        outputs[every] = hybrid_attention(q, k, v, key_padding_mask=mask, route_group_size=2, **config)  # 6 groups
+    keep = mask[:, None, :, None]
+    torch.testing.assert_close(outputs[True] * keep, outputs[False] * keep, rtol=0, atol=1e-12)
+    plain = hybrid_attention(q, k, v, key_padding_mask=mask, **config)  # every block a candidate: other routes
+    assert not torch.allclose(outputs[True] * keep, plain * keep)
 
 
 def test_argument_errors():
