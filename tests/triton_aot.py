@@ -35,6 +35,15 @@ SUPPORT_FORWARD = {
     "ROUTES": "*i32",
     **_rows("OUT SHIFT KMASS"),
 }
+SUPPORT_ROUTED = {
+    **_rows("GRAD X RQ QSCALE FAR KSHIFT Y V1 KLOG"),
+    "MASK": "*i1",
+    **_rows("SHIFT KMASS"),
+    "PIECES": "*i32",
+    "CHOOSERS": "*i32",
+    **_rows("DY DV1 DKLOG"),
+}
+ROUTED_INTS = ("H", "L", "NKB", "D1", "block_q", "nb_global", "left", "right")
 SUPPORT_BACKWARD = {
     **_rows("GRAD X RQ QSCALE FAR KSHIFT Y V1 KLOG"),
     "MASK": "*i1",
@@ -64,6 +73,10 @@ def configurations(widest: bool):
         yield "support sums forward", hybrid_triton._forward_kernel, SUPPORT_FORWARD, *common, {}
         warps = {"num_warps": hybrid_triton.BACKWARD_WARPS}
         yield "support sums backward", hybrid_triton._backward_kernel, SUPPORT_BACKWARD, *common, warps
+        routed = {key: value for key, value in constants.items() if key != "CH"}
+        routed["KT"] = far_field_triton.padded_width(routed["BLOCK_K"])
+        kernel = hybrid_triton._routed_backward_kernel
+        yield "support sums routed backward", kernel, SUPPORT_ROUTED, ROUTED_INTS, ("c2",), routed, {}
     far = [(32, 33, "ieee")] + ([(64, 65, "ieee"), (64, 65, "tf32"), (64, 128, "tf32")] if widest else [])
     for d, width, precision in far:  # head dim, value columns (the last apart where value_tiles says)
         tile, tail = far_field_triton.value_tiles(width)

@@ -80,14 +80,50 @@ def _assert_relatively_close(got, want, names, tol):
     ],
 )
 @pytest.mark.parametrize("far_mass", [20.0, 0.0])  # the far mass above the support's, or clamped to it
-def test_the_kernels_give_the_cpu_kernels_sums_and_gradients(geometry, d, dv, routed, length, far_mass):
+@pytest.mark.parametrize("choosers", [None, 2], ids=["a program per routed block", "pieces of 2 choosers"])
+def test_the_kernels_give_the_cpu_kernels_sums_and_gradients(
+    geometry, d, dv, routed, length, far_mass, choosers, monkeypatch
+):
     """Sums and the gradients of every input against the CPU kernels in float64: padded keys, routes of -1, routed
-    blocks that overlap the window or hold a global key."""
+    blocks that overlap the window or hold a global key; the routed blocks' gradients a program per key block, or
+    its choosers cut in pieces of two."""
+    if choosers:
+        monkeypatch.setattr(hybrid_triton, "CHOOSERS_PER_PROGRAM", choosers)
     tensors, key_shift, mask, routes = _inputs(geometry, d, dv, length, routed, far_mass)
     probe = torch.randn(2, 2, length, dv + 1, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     want = _cpu_kernels(tensors, key_shift, mask, routes, geometry, 0.25, probe)
     got = _triton(tensors, key_shift, mask, routes, geometry, 0.25, probe)
     _assert_relatively_close(got, want, ("sums", *NAMES), 1e-5)
+
+
+def test_the_routes_inverted_give_each_key_blocks_choosers_once_in_pieces(monkeypatch):
+    """``routed_pieces``: every (query block, key block) route once, in pieces of at most CHOOSERS_PER_PROGRAM
+    choosers of one key block; the rows past the pieces take nothing. Against loops over the routes."""
+    monkeypatch.setattr(hybrid_triton, "CHOOSERS_PER_PROGRAM", 3)
+    g = torch.Generator().manual_seed(0)
+    B, H, N, R, key_blocks = 2, 3, 9, 4, 7
+    routes = torch.stack([torch.randperm(key_blocks, generator=g)[:R] for _ in range(B * H * N)]).view(B, H, N, R)
+    routes[0, 1, ::2, 1:] = -1  # fewer choices
+    routes[1, 2, :, 0] = 5  # a key block every query block chose
+    pieces, choosers = hybrid_triton.routed_pieces(routes.to(DEVICE), key_blocks)
+    pieces, choosers = pieces.cpu(), choosers.cpu()
+    got = []
+    for block, first, end in pieces.tolist():
+        assert end - first <= 3
+        got += [(block, int(n)) for n in choosers[first:end]]
+    want = [
+        (bh * key_blocks + int(routes.view(B * H, N, R)[bh, n, r]), n)
+        for bh in range(B * H)
+        for n in range(N)
+        for r in range(R)
+        if routes.view(B * H, N, R)[bh, n, r] >= 0
+    ]
+    assert sorted(got) == sorted(want)
+    assert len(got) == len(want)  # each once
+    assert (pieces[:, 2] > pieces[:, 1]).sum() == sum(
+        -(-count // 3)
+        for count in torch.bincount(torch.tensor([block for block, _ in want]), minlength=B * H * key_blocks).tolist()
+    )
 
 
 def test_the_operators_take_rows_of_any_strides():

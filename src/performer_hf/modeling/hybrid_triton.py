@@ -15,8 +15,12 @@ support, which the far field over all keys already counted: their difference is 
 
 - forward: per query, the sums ``[numerator, mass]`` relative to its shift ``m = max(far-field scale, largest exact
   logit)``, with ``m`` and the kernel's mass on the support kept for backward;
-- backward: each query block recomputes its chunks and writes its queries' gradients; its candidates' gradients
-  (keys, values, key log-weights) are added atomically, a key being a candidate of several blocks.
+- backward: each query block recomputes its chunks and writes its queries' gradients, and adds its window and global
+  candidates' shares of theirs (keys, values, key log-weights) atomically, a key being a candidate of several blocks;
+  the routed blocks' keys take theirs key-major (``_routed_backward_kernel``): each routed key block walks the query
+  blocks that chose it (the routes inverted by a sort, :func:`routed_pieces`), in pieces of a few, and adds once per
+  piece. Added per query block, the routed keys' gradients were 85% of some 390M atomic additions at 12 heads x 32K
+  (24 blocks of 8 routed per block of 16 queries), and the backward took 7.1 ms of each call's 8.3 on an H200.
 
 The values' last column (the ones whose sums are the masses) stays out of the others' tile, in reductions beside each
 product: 33 columns take a tile of 32, not 64 (on Hopper, compiled ahead of time: 27 / 30 KB of shared memory forward /
@@ -40,6 +44,9 @@ CHUNK = 64  # candidate keys per step of a query block's walk (fewer where the t
 # warps per program of backward: compiled for Hopper (ptxas) at head dim 32 and 33 value columns, 242 registers and no
 # spill, where 4 warps spilled 272 bytes
 BACKWARD_WARPS = 8
+# query blocks per program of the routed blocks' gradients (a key block chosen by more takes more programs: a popular
+# block, such as one of the first tokens', is no long chain)
+CHOOSERS_PER_PROGRAM = 16
 _SMALLER_CHUNKS = (32, 16)
 
 if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET (its interpreter: the tests on a CPU)
@@ -50,7 +57,8 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
     ):
         # The chunk of candidate slots from `step`: the window span (width keys from q_start - left), the global keys,
         # then each routed block's BLOCK_K keys. -> positions (CH,), whether each is a real candidate, whether it is
-        # a window slot (a window slot counts for the queries whose window holds it, the others for the rest).
+        # a window slot (a window slot counts for the queries whose window holds it, the others for the rest), whether
+        # it is a routed block's.
         slot = step + tl.arange(0, CH)
         routed_slot = slot - width - nb_global
         is_window, is_global = slot < width, (slot >= width) & (routed_slot < 0)
@@ -61,7 +69,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         valid = (is_window | is_global | (is_routed & (block >= 0))) & (pos >= 0) & (pos < L)
         valid = valid & ~(is_routed & (pos < nb_global))  # a global key in a routed block is counted once
         real = tl.load(MASK + b * L + pos, mask=valid, other=0) != 0
-        return pos, valid & real, is_window
+        return pos, valid & real, is_window, is_routed
 
     @triton.jit
     def _chunk(
@@ -88,12 +96,9 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         return y, v, v_mass, logits, active, t, pair, kexp
 
     @triton.jit
-    def _query_block(X, RQ, QSCALE, KSHIFT, H, L, block_q, D: tl.constexpr, BQ: tl.constexpr):
-        # The program's query block: program (n, bh) takes block n of batch and head bh (neighbouring blocks, which
-        # share window keys, run together; the first grid axis takes more than 65,535 blocks). Its rows (BQ,), which
-        # are real queries, their scaled queries (BQ, D), centering log-weights and far-field scales (plus the key
-        # shift). int64 offsets: B H L d passes 2^31.
-        n, bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    def _query_rows(X, RQ, QSCALE, KSHIFT, n, bh, L, block_q, D: tl.constexpr, BQ: tl.constexpr):
+        # Query block n of batch and head bh: its rows (BQ,), which are real queries, their scaled queries (BQ, D),
+        # centering log-weights and far-field scales (plus the key shift). int64 offsets: B H L d passes 2^31.
         q_start = n * block_q
         rows = q_start + tl.arange(0, BQ)
         live = (tl.arange(0, BQ) < block_q) & (rows < L)
@@ -101,7 +106,53 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         rq = tl.load(RQ + bh * L + rows, mask=live, other=0.0)
         key_shift = tl.load(KSHIFT + bh)
         far_scale = tl.load(QSCALE + bh * L + rows, mask=live, other=0.0) + key_shift
+        return q_start, rows, live, x, rq, key_shift, far_scale
+
+    @triton.jit
+    def _query_block(X, RQ, QSCALE, KSHIFT, H, L, block_q, D: tl.constexpr, BQ: tl.constexpr):
+        # The program's query block: program (n, bh) takes block n of batch and head bh (neighbouring blocks, which
+        # share window keys, run together; the first grid axis takes more than 65,535 blocks), as _query_rows reads it.
+        n, bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        q_start, rows, live, x, rq, key_shift, far_scale = _query_rows(X, RQ, QSCALE, KSHIFT, n, bh, L, block_q, D, BQ)
         return n, bh, bh // H, q_start, rows, live, x, rq, key_shift, far_scale
+
+    @triton.jit
+    def _backward_terms(GRAD, FAR, SHIFT, KMASS, bh, rows, live, far_scale, L, D1, EP: tl.constexpr):
+        # What a query block's backward reads besides its queries: the gradient of its sums (BQ, EP) and of its mass
+        # (BQ,), its shift, the far field's weight exp(far scale - shift), the far field's sums and mass, which of the
+        # far and the kernel's mass the output took (torch.maximum's gradient: all to the larger, half each on a
+        # tie), and the kernel mass's gradient (BQ,)
+        cols = tl.arange(0, EP)
+        shift = tl.load(SHIFT + bh * L + rows, mask=live, other=0.0)
+        kernel_mass = tl.load(KMASS + bh * L + rows, mask=live, other=0.0)
+        far_weight = tl.where(live, tl.exp(far_scale - shift), 0.0)
+        row_base = (bh * L + rows) * D1
+        out_rows = row_base[:, None] + cols[None, :]
+        keep = live[:, None] & (cols < D1 - 1)[None, :]
+        grad = tl.load(GRAD + out_rows, mask=keep, other=0.0)  # (BQ, EP), and the mass's (BQ,) apart
+        grad_mass = tl.load(GRAD + row_base + D1 - 1, mask=live, other=0.0)
+        far = tl.load(FAR + out_rows, mask=keep, other=0.0)
+        far_mass = tl.load(FAR + row_base + D1 - 1, mask=live, other=0.0)
+        to_far = tl.where(far_mass > kernel_mass, 1.0, tl.where(far_mass == kernel_mass, 0.5, 0.0))
+        d_mass = far_weight * grad_mass * (1.0 - to_far)
+        return shift, kernel_mass, far_weight, grad, grad_mass, far, far_mass, to_far, d_mass
+
+    @triton.jit
+    def _pair_gradients(
+        logits, active, t, pair, kexp, v, v_mass, shift, far_weight, grad, grad_mass, d_mass, c2,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # For a chunk's (query, candidate) pairs, with the per-query shift held constant (it cancels in the division):
+        # the weights the sums applied to the values, the gradients of those weights, of the logits, of the far
+        # field's values on the support (d_pair) and of t = logit - rq - klog (each (BQ, CH))
+        pair = tl.where(active, pair, 0.0)
+        exact = tl.where(active, tl.exp(tl.minimum(logits - shift[:, None], 0.0)), 0.0)
+        weights = exact - far_weight[:, None] * pair  # (BQ, CH): what the sums applied to the values
+        d_weights = tl.dot(grad, tl.trans(v), input_precision=PRECISION) + grad_mass[:, None] * v_mass[None, :]
+        d_pair = d_mass[:, None] - far_weight[:, None] * d_weights
+        d_t = tl.where(active, d_pair * kexp[None, :] * (1.0 + 2.0 * c2 * t), 0.0)
+        d_logits = d_weights * exact + d_t
+        return pair, weights, d_weights, d_logits, d_pair, d_t
 
     @triton.jit
     def _forward_kernel(
@@ -120,7 +171,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         kernel = tl.zeros((BQ, EP), dtype=tl.float32)  # the far field's sums on the support, relative to its scale
         kernel_mass = tl.zeros((BQ,), dtype=tl.float32)
         for step in range(0, width + nb_global + R * BLOCK_K, CH):
-            pos, candidate, is_window = _candidates(
+            pos, candidate, is_window, _ = _candidates(
                 step, n, bh, b, ROUTES, MASK, L, N, R, width, nb_global, q_start, left, BLOCK_K, CH
             )
             y, v, v_mass, logits, active, t, pair, kexp = _chunk(
@@ -154,63 +205,102 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         D: tl.constexpr, EP: tl.constexpr, BQ: tl.constexpr, BLOCK_K: tl.constexpr, CH: tl.constexpr,
         PRECISION: tl.constexpr,
     ):  # fmt: skip
-        # What autograd gives for the sums with the per-query shift held constant (it cancels in the division).
+        # The query block's gradients (its queries', centering log-weights', far-field scales' and far sums'), and
+        # its window and global candidates' shares of theirs, added atomically (_routed_backward_kernel adds the
+        # routed blocks')
         n, bh, b, q_start, rows, live, x, rq, key_shift, far_scale = _query_block(
             X, RQ, QSCALE, KSHIFT, H, L, block_q, D, BQ
         )
         dims, cols = tl.arange(0, D), tl.arange(0, EP)
-        shift = tl.load(SHIFT + bh * L + rows, mask=live, other=0.0)
-        kernel_mass = tl.load(KMASS + bh * L + rows, mask=live, other=0.0)
-        far_weight = tl.where(live, tl.exp(far_scale - shift), 0.0)
+        shift, kernel_mass, far_weight, grad, grad_mass, far, far_mass, to_far, d_mass = _backward_terms(
+            GRAD, FAR, SHIFT, KMASS, bh, rows, live, far_scale, L, D1, EP
+        )
+        # out = sums + far_weight [far values, max(far mass, kernel mass)]
         row_base = (bh * L + rows) * D1
-        out_rows = row_base[:, None] + cols[None, :]
         keep = live[:, None] & (cols < D1 - 1)[None, :]
-        grad = tl.load(GRAD + out_rows, mask=keep, other=0.0)  # (BQ, EP), and the mass's (BQ,) apart
-        grad_mass = tl.load(GRAD + row_base + D1 - 1, mask=live, other=0.0)
-        far = tl.load(FAR + out_rows, mask=keep, other=0.0)
-        far_mass = tl.load(FAR + row_base + D1 - 1, mask=live, other=0.0)
-        # out = sums + far_weight [far values, max(far mass, kernel mass)]; torch.maximum's gradient: all to the
-        # larger, half each on a tie
-        to_far = tl.where(far_mass > kernel_mass, 1.0, tl.where(far_mass == kernel_mass, 0.5, 0.0))
-        tl.store(DFAR + out_rows, far_weight[:, None] * grad, mask=keep)
+        tl.store(DFAR + row_base[:, None] + cols[None, :], far_weight[:, None] * grad, mask=keep)
         tl.store(DFAR + row_base + D1 - 1, far_weight * grad_mass * to_far, mask=live)
-        d_mass = far_weight * grad_mass * (1.0 - to_far)  # (BQ,): the kernel mass's gradient
         d_far_weight = tl.sum(far * grad, axis=1) + tl.maximum(far_mass, kernel_mass) * grad_mass
         d_x = tl.zeros((BQ, D), dtype=tl.float32)
         d_rq = tl.zeros((BQ,), dtype=tl.float32)
         for step in range(0, width + nb_global + R * BLOCK_K, CH):
-            pos, candidate, is_window = _candidates(
+            pos, candidate, is_window, is_routed = _candidates(
                 step, n, bh, b, ROUTES, MASK, L, N, R, width, nb_global, q_start, left, BLOCK_K, CH
             )
             y, v, v_mass, logits, active, t, pair, kexp = _chunk(
                 x, rows, rq, pos, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
                 D, EP, PRECISION,
             )  # fmt: skip
-            active = active & live[:, None]
-            pair = tl.where(active, pair, 0.0)
-            exact = tl.where(active, tl.exp(tl.minimum(logits - shift[:, None], 0.0)), 0.0)
-            weights = exact - far_weight[:, None] * pair  # (BQ, CH): what the sums applied to the values
-            d_weights = tl.dot(grad, tl.trans(v), input_precision=PRECISION) + grad_mass[:, None] * v_mass[None, :]
+            pair, weights, d_weights, d_logits, d_pair, d_t = _pair_gradients(
+                logits, active & live[:, None], t, pair, kexp, v, v_mass, shift, far_weight, grad, grad_mass, d_mass,
+                c2, PRECISION,
+            )  # fmt: skip
             d_far_weight -= tl.sum(d_weights * pair, axis=1)
-            d_pair = d_mass[:, None] - far_weight[:, None] * d_weights
-            d_t = tl.where(active, d_pair * kexp[None, :] * (1.0 + 2.0 * c2 * t), 0.0)
-            d_logits = d_weights * exact + d_t  # t = logit - rq - klog
             d_rq -= tl.sum(d_t, axis=1)
             d_x += tl.dot(d_logits, y, input_precision=PRECISION)
-            # this block's share of its candidates' gradients (pair is proportional to exp(klog))
-            key_rows = bh * L + pos
-            d_klog = tl.sum(d_pair * pair - d_t, axis=0)
-            d_y = tl.dot(tl.trans(d_logits), x, input_precision=PRECISION)  # (CH, D)
-            d_v = tl.dot(tl.trans(weights), grad, input_precision=PRECISION)  # (CH, EP)
-            d_v_mass = tl.sum(weights * grad_mass[:, None], axis=0)  # (CH,)
-            tl.atomic_add(DKLOG + key_rows, d_klog, mask=candidate)
-            tl.atomic_add(DY + key_rows[:, None] * D + dims[None, :], d_y, mask=candidate[:, None])
-            d_v_mask = candidate[:, None] & (cols < D1 - 1)[None, :]
-            tl.atomic_add(DV1 + key_rows[:, None] * D1 + cols[None, :], d_v, mask=d_v_mask)
-            tl.atomic_add(DV1 + key_rows * D1 + D1 - 1, d_v_mass, mask=candidate)
+            if step < width + nb_global:  # this block's share of its window and global candidates' gradients
+                here = candidate & ~is_routed
+                key_rows = bh * L + pos
+                tl.atomic_add(DKLOG + key_rows, tl.sum(d_pair * pair - d_t, axis=0), mask=here)
+                d_y = tl.dot(tl.trans(d_logits), x, input_precision=PRECISION)  # (CH, D)
+                tl.atomic_add(DY + key_rows[:, None] * D + dims[None, :], d_y, mask=here[:, None])
+                d_v = tl.dot(tl.trans(weights), grad, input_precision=PRECISION)  # (CH, EP)
+                tl.atomic_add(DV1 + key_rows[:, None] * D1 + cols[None, :], d_v, mask=here[:, None] & (cols < D1 - 1))
+                d_v_mass = tl.sum(weights * grad_mass[:, None], axis=0)  # (CH,)
+                tl.atomic_add(DV1 + key_rows * D1 + D1 - 1, d_v_mass, mask=here)
         tl.store(DX + (bh * L + rows)[:, None] * D + dims[None, :], d_x, mask=live[:, None])
         tl.store(DRQ + bh * L + rows, d_rq, mask=live)
         tl.store(DQSCALE + bh * L + rows, d_far_weight * far_weight, mask=live)  # far_weight = exp(q_scale + ...)
+
+    @triton.jit
+    def _routed_backward_kernel(
+        GRAD, X, RQ, QSCALE, FAR, KSHIFT, Y, V1, KLOG, MASK, SHIFT, KMASS, PIECES, CHOOSERS, DY, DV1, DKLOG,
+        H, L, NKB, D1, block_q, nb_global, left, right, c2,
+        D: tl.constexpr, EP: tl.constexpr, BQ: tl.constexpr, BLOCK_K: tl.constexpr, KT: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # program: a piece of a routed key block's choosers (PIECES' row: the key block, bh * NKB + its index, and the
+        # piece's first and end entries in CHOOSERS, the query blocks that chose each key block, key block after key
+        # block): the block's keys' shares of their gradients from those query blocks, added atomically. The block's
+        # BLOCK_K keys in a tile of KT.
+        piece = tl.program_id(0).to(tl.int64)
+        key_block = tl.load(PIECES + 3 * piece).to(tl.int64)
+        first, end = tl.load(PIECES + 3 * piece + 1), tl.load(PIECES + 3 * piece + 2)
+        bh = key_block // NKB
+        slots, cols, dims = tl.arange(0, KT), tl.arange(0, EP), tl.arange(0, D)
+        pos = key_block % NKB * BLOCK_K + slots
+        valid = (slots < BLOCK_K) & (pos < L) & (pos >= nb_global) & (first < end)  # a global key: counted once
+        candidate = valid & (tl.load(MASK + bh // H * L + pos, mask=valid, other=0) != 0)
+        routed = tl.zeros((KT,), dtype=tl.int1)  # no window slot: pairs inside a query's window count there
+        d_y = tl.zeros((KT, D), dtype=tl.float32)
+        d_v = tl.zeros((KT, EP), dtype=tl.float32)
+        d_v_mass = tl.zeros((KT,), dtype=tl.float32)
+        d_klog = tl.zeros((KT,), dtype=tl.float32)
+        for entry in range(first, end):
+            n = tl.load(CHOOSERS + entry).to(tl.int64)
+            q_start, rows, live, x, rq, key_shift, far_scale = _query_rows(
+                X, RQ, QSCALE, KSHIFT, n, bh, L, block_q, D, BQ
+            )
+            shift, _, far_weight, grad, grad_mass, _, _, _, d_mass = _backward_terms(
+                GRAD, FAR, SHIFT, KMASS, bh, rows, live, far_scale, L, D1, EP
+            )
+            y, v, v_mass, logits, active, t, pair, kexp = _chunk(
+                x, rows, rq, pos, candidate, routed, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
+                D, EP, PRECISION,
+            )  # fmt: skip
+            pair, weights, d_weights, d_logits, d_pair, d_t = _pair_gradients(
+                logits, active & live[:, None], t, pair, kexp, v, v_mass, shift, far_weight, grad, grad_mass, d_mass,
+                c2, PRECISION,
+            )  # fmt: skip
+            d_klog += tl.sum(d_pair * pair - d_t, axis=0)
+            d_y += tl.dot(tl.trans(d_logits), x, input_precision=PRECISION)
+            d_v += tl.dot(tl.trans(weights), grad, input_precision=PRECISION)
+            d_v_mass += tl.sum(weights * grad_mass[:, None], axis=0)
+        key_rows = bh * L + pos
+        tl.atomic_add(DKLOG + key_rows, d_klog, mask=candidate)
+        tl.atomic_add(DY + key_rows[:, None] * D + dims[None, :], d_y, mask=candidate[:, None])
+        tl.atomic_add(DV1 + key_rows[:, None] * D1 + cols[None, :], d_v, mask=candidate[:, None] & (cols < D1 - 1))
+        tl.atomic_add(DV1 + key_rows * D1 + D1 - 1, d_v_mass, mask=candidate)
 
 
 def serves(x: Tensor, values_width: int, query_block: int) -> bool:
@@ -280,9 +370,49 @@ def _backward(
         d_x, d_rq, d_q_scale, d_far, d_y, d_values1, d_klog,
         H, L, N, R, D1, block_q, width, nb_global, left, right, quadratic,
     )  # fmt: skip
-    settings = {**_settings(x, D1, block_q, block_k, precision), "num_warps": BACKWARD_WARPS}
-    _launch(_backward_kernel, (N, B * H), args, settings)
+    settings = _settings(x, D1, block_q, block_k, precision)
+    _launch(_backward_kernel, (N, B * H), args, {**settings, "num_warps": BACKWARD_WARPS})
+    if R:
+        pieces, choosers = routed_pieces(routes, -(-L // block_k))
+        args = (
+            grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, shift, kernel_mass, pieces, choosers,
+            d_y, d_values1, d_klog, H, L, -(-L // block_k), D1, block_q, nb_global, left, right, quadratic,
+        )  # fmt: skip
+        _routed_launch(pieces.shape[0], args, {**settings, "KT": padded_width(block_k)})
     return [d_x, d_rq, d_q_scale, d_far, d_y, d_values1, d_klog]
+
+
+def routed_pieces(routes: Tensor, key_blocks: int) -> tuple[Tensor, Tensor]:
+    """The routes (B, H, N, R) inverted, for the routed blocks' gradients: the query blocks that chose each of the
+    ``key_blocks`` key blocks of each (batch, head), key block after key block (``choosers``, int32), and the pieces of
+    at most :data:`CHOOSERS_PER_PROGRAM` of them that programs take (``pieces`` (P, 3) int32: a key block,
+    ``bh * key_blocks + block``, and its piece's first and end entries in ``choosers``). P is a bound known before
+    the routes are (no wait for the device): the rows past the pieces' count have first = end = 0, and take nothing."""
+    B, H, N, R = routes.shape
+    device, blocks = routes.device, B * H * key_blocks
+    chosen = routes.reshape(B * H, N * R).long()
+    owner = torch.arange(B * H, device=device)[:, None] * key_blocks + chosen  # (B H, N R): bh's key block
+    owner, order = torch.where(chosen >= 0, owner, blocks).flatten().sort()  # no choice: past every key block
+    choosers = (order % (N * R) // R).int()  # (E,): each entry's query block, the entries by key block
+    counts = torch.bincount(owner, minlength=blocks + 1)[:blocks]  # (K,): choosers of each key block
+    ends = counts.cumsum(0)
+    per_block = -(-counts // CHOOSERS_PER_PROGRAM)  # (K,): its pieces
+    pieces_end = per_block.cumsum(0)
+    bound = -(-(B * H * N * R) // CHOOSERS_PER_PROGRAM) + min(blocks, B * H * N * R)
+    piece = torch.arange(bound, device=device)
+    block = torch.searchsorted(pieces_end, piece, right=True).clamp_max(blocks - 1)  # (P,): its key block
+    first = ends[block] - counts[block] + (piece - (pieces_end[block] - per_block[block])) * CHOOSERS_PER_PROGRAM
+    real = piece < pieces_end[-1]
+    first = torch.where(real, first, 0)
+    end = torch.where(real, torch.minimum(first + CHOOSERS_PER_PROGRAM, ends[block]), 0)
+    return torch.stack([block, first, end], dim=-1).int(), choosers
+
+
+def _routed_launch(programs: int, args: tuple, settings: dict) -> None:
+    """The routed blocks' gradients' kernel over ``programs`` pieces (its tiles a key block's keys: 4 warps, 122
+    registers compiled for Hopper at head dim 32); one stage of loads where two exceed the GPU's shared memory."""
+    tiles = ({"num_stages": 2}, {"num_stages": 1})
+    launch_fitting(_routed_backward_kernel, (programs,), args, settings, tiles)
 
 
 def _register() -> None:
