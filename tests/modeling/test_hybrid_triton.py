@@ -80,17 +80,23 @@ def _assert_relatively_close(got, want, names, tol):
     ],
 )
 @pytest.mark.parametrize("far_mass", [20.0, 0.0])  # the far mass above the support's, or clamped to it
-@pytest.mark.parametrize("choosers", [None, 2], ids=["a program per routed block", "pieces of 2 choosers"])
-def test_the_kernels_give_the_cpu_kernels_sums_and_gradients(
-    geometry, d, dv, routed, length, far_mass, choosers, monkeypatch
-):
+def test_the_kernels_give_the_cpu_kernels_sums_and_gradients(geometry, d, dv, routed, length, far_mass):
     """Sums and the gradients of every input against the CPU kernels in float64: padded keys, routes of -1, routed
-    blocks that overlap the window or hold a global key; the routed blocks' gradients a program per key block, or
-    its choosers cut in pieces of two."""
-    if choosers:
-        monkeypatch.setattr(hybrid_triton, "CHOOSERS_PER_PROGRAM", choosers)
+    blocks that overlap the window or hold a global key (their keys' gradients a program per routed key block)."""
     tensors, key_shift, mask, routes = _inputs(geometry, d, dv, length, routed, far_mass)
     probe = torch.randn(2, 2, length, dv + 1, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    want = _cpu_kernels(tensors, key_shift, mask, routes, geometry, 0.25, probe)
+    got = _triton(tensors, key_shift, mask, routes, geometry, 0.25, probe)
+    _assert_relatively_close(got, want, ("sums", *NAMES), 1e-5)
+
+
+@pytest.mark.parametrize("geometry,routed,length", [([8, 8, 1, 16, 8], 12, 120), ([2, 2, 0, 5, 3], 3, 45)])
+def test_the_routed_blocks_gradients_in_pieces_are_the_cpu_kernels(geometry, routed, length, monkeypatch):
+    """The routed key blocks' gradients with each block's choosers cut in pieces of two, several programs adding into
+    one block's keys: the CPU kernels' in float64."""
+    monkeypatch.setattr(hybrid_triton, "CHOOSERS_PER_PROGRAM", 2)
+    tensors, key_shift, mask, routes = _inputs(geometry, 16, 8, length, routed)
+    probe = torch.randn(2, 2, length, 9, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     want = _cpu_kernels(tensors, key_shift, mask, routes, geometry, 0.25, probe)
     got = _triton(tensors, key_shift, mask, routes, geometry, 0.25, probe)
     _assert_relatively_close(got, want, ("sums", *NAMES), 1e-5)

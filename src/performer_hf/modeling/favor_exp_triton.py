@@ -27,7 +27,7 @@ max ``s_j`` of the keys' log-features causally, their max bidirectionally), so t
   parallel, each program over all the features a block at a time: no chain of dependent chunks beside the queries'
   work, nothing added atomically. (The walks that computed the sums and gradients too, a feature block's share per
   program added into the outputs, used 255 registers and spilled 632 / 784 / 1,052 bytes compiled for Hopper at the
-  decoder's head size; now none spills.)
+  decoder's head size; now the query gradients' kernel spills 16 bytes, the others none.)
 - bidirectional: ``_sum_kernel``, ``sum_rows (phi(x) + stabilizer) (x) w`` (the keys' state; backward, its gradient
   from the queries), and ``_rows_kernel``, each row's ``(phi(x) + stabilizer) S`` (the sums; backward, the values'
   gradient) or the gradients of rows and offsets.
@@ -293,6 +293,22 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         return chunks, bh, bh // H, bh % H, pid % chunks
 
     @triton.jit
+    def _chunk_block(
+        Q, K, QOFF, KOFF, DIR, BIAS, STATES, state_row, bh, b, h, f0, rows, live, L, M, E,
+        dir_b, dir_h, bias_b, bias_h, stabilizer,
+        D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # A chunk program's block of BM features from f0: their directions (BM, D), the chunk's query features plus
+        # the stabilizer and key features (C, BM), and the block's rows of a state (STATES' row state_row: (BM, EP)
+        # and the last column (BM,))
+        feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, f0, M, dir_b, dir_h, bias_b, bias_h, D, BM)
+        phi_q = _row_features(Q, QOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
+        phi_q = tl.where(exists[None, :], phi_q + stabilizer, 0.0)
+        phi_k = _row_features(K, KOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
+        state, state_tail = _load_state(STATES, state_row, feats, exists, M, E, EP, TAIL)
+        return dirs, phi_q, phi_k, state, state_tail
+
+    @triton.jit
     def _state_walk_kernel(
         K, V1, KOFF, SHIFTS, DIR, BIAS, KV0, SHIFT0, KV, CHUNKS,
         H, L, M, E, S, SEG, dir_b, dir_h, bias_b, bias_h,
@@ -335,12 +351,11 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         reads = tl.zeros((C, EP), dtype=tl.float32)  # the state's sums, relative to exp(prev)
         reads_tail = tl.zeros((C,), dtype=tl.float32)
         for f0 in range(0, M, BM):
-            feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, f0, M, dir_b, dir_h, bias_b, bias_h, D, BM)
-            phi_q = _row_features(Q, QOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
-            phi_q = tl.where(exists[None, :], phi_q + stabilizer, 0.0)
-            phi_k = _row_features(K, KOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
+            _, phi_q, phi_k, state, state_tail = _chunk_block(
+                Q, K, QOFF, KOFF, DIR, BIAS, CHUNKS, bh * chunks + n, bh, b, h, f0, rows, live, L, M, E,
+                dir_b, dir_h, bias_b, bias_h, stabilizer, D, EP, TAIL, BM, PRECISION,
+            )  # fmt: skip
             scores += tl.dot(phi_q, tl.trans(phi_k), input_precision=PRECISION)
-            state, state_tail = _load_state(CHUNKS, bh * chunks + n, feats, exists, M, E, EP, TAIL)
             reads += tl.dot(phi_q, state, input_precision=PRECISION)
             if TAIL:
                 reads_tail += tl.sum(phi_q * state_tail[None, :], axis=1)
@@ -381,6 +396,27 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         _store_state(DKV0, row, feats, exists, M, E, d_state, d_state_tail, EP, TAIL, False)
 
     @triton.jit
+    def _chunk_grad_rows(
+        GRAD, V1, SHIFTS, L, H, E, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr
+    ):
+        # A chunk program's rows (:func:`_chunk_program`, :func:`_chunk_rows`), their sums' gradient g (C, EP) and its
+        # last column (C,), the causal factors (C, C) and the gradient of the causal scores, (g v^T) * decay
+        chunks, bh, b, h, n = _chunk_program(L, H, C)
+        rows, live, v, v_tail, s, end = _chunk_rows(n * C, L, bh, V1, SHIFTS, L, E, EP, TAIL, C)
+        g, g_tail = _value_rows(GRAD, bh, rows, live, L, E, EP, TAIL)
+        d_scores = tl.dot(g, tl.trans(v), input_precision=PRECISION)  # (C, C) [i, j]
+        if TAIL:
+            d_scores += g_tail[:, None] * v_tail[None, :]
+        decay = _causal_decay(rows, s)
+        return chunks, bh, b, h, n, rows, live, v, v_tail, s, end, g, g_tail, decay, d_scores * decay
+
+    @triton.jit
+    def _store_row_grads(DX, DOFF, bh, rows, live, d_x, d_off, L, D: tl.constexpr):
+        # the gradients of a chunk's rows (C, D) and of their offsets (C,)
+        tl.store(DX + (bh * L + rows)[:, None] * D + tl.arange(0, D)[None, :], d_x, mask=live[:, None])
+        tl.store(DOFF + bh * L + rows, d_off, mask=live)
+
+    @triton.jit
     def _chunk_query_grad_kernel(
         GRAD, Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, SHIFT0, CHUNKS, DQ, DQOFF,
         H, L, M, E, dir_b, dir_h, bias_b, bias_h,
@@ -389,21 +425,18 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
     ):  # fmt: skip
         # program (bh, chunk): the chunk's queries' gradients, from its keys and the state before it (CHUNKS'), over
         # every block of features. d phi_q = (g v^T * decay) phi_k + exp(prev - s) g S^T; d log phi_q = d phi_q phi_q
-        chunks, bh, b, h, n = _chunk_program(L, H, C)
-        rows, live, v, v_tail, s, end = _chunk_rows(n * C, L, bh, V1, SHIFTS, L, E, EP, TAIL, C)
-        g, g_tail = _value_rows(GRAD, bh, rows, live, L, E, EP, TAIL)
-        d_scores = tl.dot(g, tl.trans(v), input_precision=PRECISION)  # (C, C)
-        if TAIL:
-            d_scores += g_tail[:, None] * v_tail[None, :]
-        d_scores = d_scores * _causal_decay(rows, s)
+        chunks, bh, b, h, n, rows, live, v, v_tail, s, end, g, g_tail, decay, d_scores = _chunk_grad_rows(
+            GRAD, V1, SHIFTS, L, H, E, EP, TAIL, C, PRECISION
+        )
         to_query = tl.exp(_start_shift(SHIFTS, SHIFT0, bh, L, n * C) - s)  # (C,)
         d_q = tl.zeros((C, D), dtype=tl.float32)
         d_q_off = tl.zeros((C,), dtype=tl.float32)
         for f0 in range(0, M, BM):
-            feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, f0, M, dir_b, dir_h, bias_b, bias_h, D, BM)
-            phi_q = _row_features(Q, QOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
-            phi_k = _row_features(K, KOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
-            state, state_tail = _load_state(CHUNKS, bh * chunks + n, feats, exists, M, E, EP, TAIL)
+            # (the query features' own, without the stabilizer, which has no gradient)
+            dirs, phi_q, phi_k, state, state_tail = _chunk_block(
+                Q, K, QOFF, KOFF, DIR, BIAS, CHUNKS, bh * chunks + n, bh, b, h, f0, rows, live, L, M, E,
+                dir_b, dir_h, bias_b, bias_h, 0.0, D, EP, TAIL, BM, PRECISION,
+            )  # fmt: skip
             reads = tl.dot(g, tl.trans(state), input_precision=PRECISION)  # (C, BM)
             if TAIL:
                 reads += g_tail[:, None] * state_tail[None, :]
@@ -411,8 +444,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             d_log = d_phi * phi_q  # (C, BM)
             d_q += tl.dot(d_log, dirs, input_precision=PRECISION)
             d_q_off += tl.sum(d_log, axis=1)
-        tl.store(DQ + (bh * L + rows)[:, None] * D + tl.arange(0, D)[None, :], d_q, mask=live[:, None])
-        tl.store(DQOFF + bh * L + rows, d_q_off, mask=live)
+        _store_row_grads(DQ, DQOFF, bh, rows, live, d_q, d_q_off, L, D)
 
     @triton.jit
     def _chunk_key_grad_kernel(
@@ -423,14 +455,9 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
     ):  # fmt: skip
         # program (bh, chunk): the chunk's keys' and values' gradients, from its queries and the gradient of the state
         # after it (DCHUNKS'), over every block of features
-        chunks, bh, b, h, n = _chunk_program(L, H, C)
-        rows, live, v, v_tail, s, end = _chunk_rows(n * C, L, bh, V1, SHIFTS, L, E, EP, TAIL, C)
-        g, g_tail = _value_rows(GRAD, bh, rows, live, L, E, EP, TAIL)
-        decay = _causal_decay(rows, s)
-        d_scores = tl.dot(g, tl.trans(v), input_precision=PRECISION)  # (C, C) [i, j]
-        if TAIL:
-            d_scores += g_tail[:, None] * v_tail[None, :]
-        d_scores = d_scores * decay
+        chunks, bh, b, h, n, rows, live, v, v_tail, s, end, g, g_tail, decay, d_scores = _chunk_grad_rows(
+            GRAD, V1, SHIFTS, L, H, E, EP, TAIL, C, PRECISION
+        )
         to_end = tl.exp(s - end)  # (C,)
         scores = tl.zeros((C, C), dtype=tl.float32)
         d_v = tl.zeros((C, EP), dtype=tl.float32)  # the state's share, relative to exp(end)
@@ -438,11 +465,10 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         d_k = tl.zeros((C, D), dtype=tl.float32)
         d_k_off = tl.zeros((C,), dtype=tl.float32)
         for f0 in range(0, M, BM):
-            feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, f0, M, dir_b, dir_h, bias_b, bias_h, D, BM)
-            phi_q = _row_features(Q, QOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
-            phi_q = tl.where(exists[None, :], phi_q + stabilizer, 0.0)
-            phi_k = _row_features(K, KOFF, bh, rows, live, dirs, bias, exists, L, D, PRECISION)
-            d_state, d_state_tail = _load_state(DCHUNKS, bh * chunks + n, feats, exists, M, E, EP, TAIL)
+            dirs, phi_q, phi_k, d_state, d_state_tail = _chunk_block(
+                Q, K, QOFF, KOFF, DIR, BIAS, DCHUNKS, bh * chunks + n, bh, b, h, f0, rows, live, L, M, E,
+                dir_b, dir_h, bias_b, bias_h, stabilizer, D, EP, TAIL, BM, PRECISION,
+            )  # fmt: skip
             scores += tl.dot(phi_q, tl.trans(phi_k), input_precision=PRECISION)
             writes = tl.dot(v, tl.trans(d_state), input_precision=PRECISION)  # (C, BM)
             if TAIL:
@@ -457,8 +483,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         scores = scores * decay
         d_v = d_v * to_end[:, None] + tl.dot(tl.trans(scores), g, input_precision=PRECISION)
         d_v_tail = d_v_tail * to_end + tl.sum(scores * g_tail[:, None], axis=0)
-        tl.store(DK + (bh * L + rows)[:, None] * D + tl.arange(0, D)[None, :], d_k, mask=live[:, None])
-        tl.store(DKOFF + bh * L + rows, d_k_off, mask=live)
+        _store_row_grads(DK, DKOFF, bh, rows, live, d_k, d_k_off, L, D)
         _write_rows(DV1, bh, rows, live, d_v, d_v_tail, L, E, EP, TAIL, False)
 
 

@@ -155,6 +155,42 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         return pair, weights, d_weights, d_logits, d_pair, d_t
 
     @triton.jit
+    def _backward_step(
+        x, rows, live, rq, pos, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
+        shift, far_weight, grad, grad_mass, d_mass, D: tl.constexpr, EP: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # A chunk of candidates for a query block in backward: its keys (CH, D), the far field's values on the
+        # support, and :func:`_pair_gradients`'
+        y, v, v_mass, logits, active, t, pair, kexp = _chunk(
+            x, rows, rq, pos, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2, D, EP, PRECISION
+        )
+        pair, weights, d_weights, d_logits, d_pair, d_t = _pair_gradients(
+            logits, active & live[:, None], t, pair, kexp, v, v_mass, shift, far_weight, grad, grad_mass, d_mass,
+            c2, PRECISION,
+        )  # fmt: skip
+        return y, pair, weights, d_weights, d_logits, d_pair, d_t
+
+    @triton.jit
+    def _key_shares(x, grad, grad_mass, pair, weights, d_logits, d_pair, d_t, PRECISION: tl.constexpr):
+        # a query block's shares of a chunk's candidates' gradients: their key log-weights' (CH,), keys' (CH, D),
+        # values' (CH, EP) and the values' last column's (CH,) (pair is proportional to exp(klog))
+        d_klog = tl.sum(d_pair * pair - d_t, axis=0)
+        d_y = tl.dot(tl.trans(d_logits), x, input_precision=PRECISION)
+        d_v = tl.dot(tl.trans(weights), grad, input_precision=PRECISION)
+        return d_klog, d_y, d_v, tl.sum(weights * grad_mass[:, None], axis=0)
+
+    @triton.jit
+    def _add_key_grads(
+        DY, DV1, DKLOG, key_rows, here, d_klog, d_y, d_v, d_v_mass, D1, D: tl.constexpr, EP: tl.constexpr
+    ):
+        # adds the keys' (rows key_rows where `here`) gradients atomically: a key is a candidate of several programs
+        cols = tl.arange(0, EP)
+        tl.atomic_add(DKLOG + key_rows, d_klog, mask=here)
+        tl.atomic_add(DY + key_rows[:, None] * D + tl.arange(0, D)[None, :], d_y, mask=here[:, None])
+        tl.atomic_add(DV1 + key_rows[:, None] * D1 + cols[None, :], d_v, mask=here[:, None] & (cols < D1 - 1)[None, :])
+        tl.atomic_add(DV1 + key_rows * D1 + D1 - 1, d_v_mass, mask=here)
+
+    @triton.jit
     def _forward_kernel(
         X, RQ, QSCALE, FAR, KSHIFT, Y, V1, KLOG, MASK, ROUTES, OUT, SHIFT, KMASS,
         H, L, N, R, D1, block_q, width, nb_global, left, right, c2,
@@ -227,27 +263,19 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             pos, candidate, is_window, is_routed = _candidates(
                 step, n, bh, b, ROUTES, MASK, L, N, R, width, nb_global, q_start, left, BLOCK_K, CH
             )
-            y, v, v_mass, logits, active, t, pair, kexp = _chunk(
-                x, rows, rq, pos, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
-                D, EP, PRECISION,
-            )  # fmt: skip
-            pair, weights, d_weights, d_logits, d_pair, d_t = _pair_gradients(
-                logits, active & live[:, None], t, pair, kexp, v, v_mass, shift, far_weight, grad, grad_mass, d_mass,
-                c2, PRECISION,
+            y, pair, weights, d_weights, d_logits, d_pair, d_t = _backward_step(
+                x, rows, live, rq, pos, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
+                shift, far_weight, grad, grad_mass, d_mass, D, EP, PRECISION,
             )  # fmt: skip
             d_far_weight -= tl.sum(d_weights * pair, axis=1)
             d_rq -= tl.sum(d_t, axis=1)
             d_x += tl.dot(d_logits, y, input_precision=PRECISION)
             if step < width + nb_global:  # this block's share of its window and global candidates' gradients
+                d_klog, d_y, d_v, d_v_mass = _key_shares(
+                    x, grad, grad_mass, pair, weights, d_logits, d_pair, d_t, PRECISION
+                )
                 here = candidate & ~is_routed
-                key_rows = bh * L + pos
-                tl.atomic_add(DKLOG + key_rows, tl.sum(d_pair * pair - d_t, axis=0), mask=here)
-                d_y = tl.dot(tl.trans(d_logits), x, input_precision=PRECISION)  # (CH, D)
-                tl.atomic_add(DY + key_rows[:, None] * D + dims[None, :], d_y, mask=here[:, None])
-                d_v = tl.dot(tl.trans(weights), grad, input_precision=PRECISION)  # (CH, EP)
-                tl.atomic_add(DV1 + key_rows[:, None] * D1 + cols[None, :], d_v, mask=here[:, None] & (cols < D1 - 1))
-                d_v_mass = tl.sum(weights * grad_mass[:, None], axis=0)  # (CH,)
-                tl.atomic_add(DV1 + key_rows * D1 + D1 - 1, d_v_mass, mask=here)
+                _add_key_grads(DY, DV1, DKLOG, bh * L + pos, here, d_klog, d_y, d_v, d_v_mass, D1, D, EP)
         tl.store(DX + (bh * L + rows)[:, None] * D + dims[None, :], d_x, mask=live[:, None])
         tl.store(DRQ + bh * L + rows, d_rq, mask=live)
         tl.store(DQSCALE + bh * L + rows, d_far_weight * far_weight, mask=live)  # far_weight = exp(q_scale + ...)
@@ -267,7 +295,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         key_block = tl.load(PIECES + 3 * piece).to(tl.int64)
         first, end = tl.load(PIECES + 3 * piece + 1), tl.load(PIECES + 3 * piece + 2)
         bh = key_block // NKB
-        slots, cols, dims = tl.arange(0, KT), tl.arange(0, EP), tl.arange(0, D)
+        slots = tl.arange(0, KT)
         pos = key_block % NKB * BLOCK_K + slots
         valid = (slots < BLOCK_K) & (pos < L) & (pos >= nb_global) & (first < end)  # a global key: counted once
         candidate = valid & (tl.load(MASK + bh // H * L + pos, mask=valid, other=0) != 0)
@@ -284,23 +312,13 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             shift, _, far_weight, grad, grad_mass, _, _, _, d_mass = _backward_terms(
                 GRAD, FAR, SHIFT, KMASS, bh, rows, live, far_scale, L, D1, EP
             )
-            y, v, v_mass, logits, active, t, pair, kexp = _chunk(
-                x, rows, rq, pos, candidate, routed, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
-                D, EP, PRECISION,
+            _, pair, weights, _, d_logits, d_pair, d_t = _backward_step(
+                x, rows, live, rq, pos, candidate, routed, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
+                shift, far_weight, grad, grad_mass, d_mass, D, EP, PRECISION,
             )  # fmt: skip
-            pair, weights, d_weights, d_logits, d_pair, d_t = _pair_gradients(
-                logits, active & live[:, None], t, pair, kexp, v, v_mass, shift, far_weight, grad, grad_mass, d_mass,
-                c2, PRECISION,
-            )  # fmt: skip
-            d_klog += tl.sum(d_pair * pair - d_t, axis=0)
-            d_y += tl.dot(tl.trans(d_logits), x, input_precision=PRECISION)
-            d_v += tl.dot(tl.trans(weights), grad, input_precision=PRECISION)
-            d_v_mass += tl.sum(weights * grad_mass[:, None], axis=0)
-        key_rows = bh * L + pos
-        tl.atomic_add(DKLOG + key_rows, d_klog, mask=candidate)
-        tl.atomic_add(DY + key_rows[:, None] * D + dims[None, :], d_y, mask=candidate[:, None])
-        tl.atomic_add(DV1 + key_rows[:, None] * D1 + cols[None, :], d_v, mask=candidate[:, None] & (cols < D1 - 1))
-        tl.atomic_add(DV1 + key_rows * D1 + D1 - 1, d_v_mass, mask=candidate)
+            shares = _key_shares(x, grad, grad_mass, pair, weights, d_logits, d_pair, d_t, PRECISION)
+            d_klog, d_y, d_v, d_v_mass = d_klog + shares[0], d_y + shares[1], d_v + shares[2], d_v_mass + shares[3]
+        _add_key_grads(DY, DV1, DKLOG, bh * L + pos, candidate, d_klog, d_y, d_v, d_v_mass, D1, D, EP)
 
 
 def serves(x: Tensor, values_width: int, query_block: int) -> bool:
