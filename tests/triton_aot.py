@@ -9,7 +9,7 @@ The defaults' tiles: head dim 32, 33 value columns (32 in a tile, the last apart
 sums' products in TF32 (bfloat16 models), the far field's in IEEE float32 (float32 models). The widest: head dims of
 128 (support sums) and 64 (far field), 129 value columns for the support sums, 65 and 128 for the far field, query
 blocks of 64. The causal scan's (``favor_exp_triton``): see
-:func:`scan_configurations`. Each compilation takes about 7 s on two CPU cores.
+:func:`scan_configurations`. Cold, the 15 compile in about 16 s on two CPU cores.
 """
 
 import os
