@@ -44,6 +44,7 @@ the CPU through Triton's interpreter against the PyTorch forms in float64.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -543,6 +544,17 @@ def _segment_weights(shifts: Tensor, shift0: Tensor, size: int) -> Tensor:
     return scan_weights(torch.cat([shift0[..., None], shifts[..., ends]], dim=-1))
 
 
+def _keys_walk(
+    keys: tuple, shift0: Tensor, sizes: tuple, grid: tuple, settings: dict, starts: Tensor, after: Tensor,
+    chunk_states: Tensor | None,
+) -> None:  # fmt: skip
+    """The keys' walk (:func:`_state_walk_kernel`) of each segment from its start state ``starts`` (B, H, S, m, E):
+    the state after it into ``after`` and, unless ``chunk_states`` is None, the state before every chunk into it."""
+    write_chunks = chunk_states is not None
+    args = (*keys, starts, shift0, after, chunk_states if write_chunks else after, *sizes)
+    launch_fitting(_state_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": write_chunks}, TILES)
+
+
 def _forward(
     q: Tensor, k: Tensor, v1: Tensor, q_off: Tensor, k_off: Tensor, shifts: Tensor, directions: Tensor,
     bias: Tensor | None, kv0: Tensor, shift0: Tensor, stabilizer: float, precision: str,
@@ -559,20 +571,18 @@ def _forward(
     dirs, bias, *strides = _features_args(q, directions, bias)
     S, size = segments(B * H, M, L)
     grid, settings = (B * H, triton.cdiv(M, FEATURES_PER_PROGRAM), S), _settings(q, E, precision)
-    keys = (k, v1, k_off, shifts, dirs, bias)
-    sizes = (H, L, M, E, S, size, *strides)
+    walk = functools.partial(
+        _keys_walk, (k, v1, k_off, shifts, dirs, bias), shift0, (H, L, M, E, S, size, *strides), grid, settings
+    )
     chunk_states = q.new_empty(B, H, triton.cdiv(L, CHUNK), M, E)
     if S == 1:
         starts, kv = kv0[:, :, None].clone(), torch.empty_like(kv0)  # (an operator's outputs alias no input)
-        args = (*keys, starts, shift0, kv, chunk_states, *sizes)
-        launch_fitting(_state_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": True}, TILES)
+        walk(starts, kv, chunk_states)
     else:  # each segment's keys alone, then the segments' start states, then the states before their chunks
         local = q.new_empty(B, H, S, M, E)
-        args = (*keys, torch.zeros_like(local), shift0, local, chunk_states, *sizes)
-        launch_fitting(_state_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": False}, TILES)
+        walk(torch.zeros_like(local), local, None)
         starts, kv = scan_forward(_segment_weights(shifts, shift0, size), kv0, local)
-        args = (*keys, starts, shift0, local, chunk_states, *sizes)
-        launch_fitting(_state_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": True}, TILES)
+        walk(starts, local, chunk_states)
     out = q.new_empty(B, H, L, E)
     args = (q, k, v1, q_off, k_off, shifts, dirs, bias, shift0, chunk_states, out, H, L, M, E, *strides, stabilizer)
     settings = {**settings, "BM": SUM_FEATURES}
@@ -599,20 +609,23 @@ def _backward(
     grid, settings = (B * H, triton.cdiv(M, FEATURES_PER_PROGRAM), S), _settings(q, E, precision)
     sizes = (H, L, M, E, S, size, *strides)
     chunk_states, d_chunk_states = (q.new_empty(B, H, triton.cdiv(L, CHUNK), M, E) for _ in range(2))
-    args = (k, v1, k_off, shifts, dirs, bias, starts, shift0, torch.empty_like(starts), chunk_states, *sizes)
-    launch_fitting(_state_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": True}, TILES)
-    queries = (grad, q, q_off, shifts, dirs, bias, shift0)
+    keys = (k, v1, k_off, shifts, dirs, bias)
+    _keys_walk(keys, shift0, sizes, grid, settings, starts, torch.empty_like(starts), chunk_states)
+
+    def queries_walk(after: Tensor, before: Tensor, write_chunks: bool) -> None:
+        """The queries' walk in reverse of each segment from the gradient of the state ``after`` it: the gradient of
+        its start state into ``before`` and, with ``write_chunks``, of the state after every chunk."""
+        args = (grad, after, q, q_off, shifts, dirs, bias, shift0, before, d_chunk_states, *sizes, stabilizer)
+        launch_fitting(_state_grad_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": write_chunks}, TILES)
+
     if S == 1:
         d_kv0 = torch.empty_like(grad_kv)
-        args = (queries[0], grad_kv[:, :, None], *queries[1:], d_kv0[:, :, None], d_chunk_states, *sizes, stabilizer)
-        launch_fitting(_state_grad_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": True}, TILES)
+        queries_walk(grad_kv[:, :, None], d_kv0[:, :, None], True)
     else:  # how each segment's queries read its start state, then the gradients of the states after the segments
         reads = torch.empty_like(starts)
-        args = (queries[0], torch.zeros_like(starts), *queries[1:], reads, d_chunk_states, *sizes, stabilizer)
-        launch_fitting(_state_grad_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": False}, TILES)
+        queries_walk(torch.zeros_like(starts), reads, False)
         after, d_kv0 = scan_backward(_segment_weights(shifts, shift0, size), reads, grad_kv)
-        args = (queries[0], after, *queries[1:], reads, d_chunk_states, *sizes, stabilizer)
-        launch_fitting(_state_grad_walk_kernel, grid, args, {**settings, "WRITE_CHUNKS": True}, TILES)
+        queries_walk(after, reads, True)
     d_q, d_k, d_v1, d_q_off, d_k_off = (torch.empty_like(t) for t in (q, k, v1, q_off, k_off))
     rows = (grad, q, k, v1, q_off, k_off, shifts, dirs, bias)
     chunks, settings = (B * H * triton.cdiv(L, CHUNK),), {**settings, "BM": SUM_FEATURES}
