@@ -22,7 +22,8 @@ forward + backward (training) and forward alone (inference), median of ``--reps`
     compiled: far field   the default's polynomial far field alone (its state over all keys, applied to every
                           query), compiled: its share of the compiled hybrid
     compiled: routing     the default's routing alone (each query block's key blocks), compiled; it has no
-                          backward, so its training time is its forward's
+                          backward, so its training time is its forward's. On CUDA in its Triton kernel
+                          (``hybrid_routing_triton``); ``... in PyTorch``: through PyTorch's steps, as before it
     causal favor          causal FAVOR+ (the decoder's; its scan also serves the decoder default's far field), against
                           ``flash, causal``; then its Triton scan's launch settings varied (``favor_exp_triton``'s
                           segments per walk, features per walk's program, features per step of a chunk's
@@ -56,7 +57,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 from performer_hf.favor import HybridSpec, draw_projection, favor_attention, hybrid_attention
-from performer_hf.modeling import favor_exp_triton, hybrid_flex
+from performer_hf.modeling import favor_exp_triton, hybrid_flex, hybrid_routing
 from performer_hf.modeling.attention_methods import ATTENTION_METHODS
 from performer_hf.modeling.far_field_polynomial import quadratic_apply, quadratic_state
 from performer_hf.modeling.favor_hybrid import _prepare
@@ -194,6 +195,8 @@ def arms(device: str, length: int, inputs, projection):
     yield "hybrid, tiled, compiled", torch.compile(tiled), False
     yield "compiled: far field", torch.compile(far_field_part), False
     yield "compiled: routing", torch.compile(functools.partial(routing_part, spec=spec)), False
+    in_pytorch = functools.partial(routing_in_pytorch, torch.compile(routing_part), spec)
+    yield "compiled: routing in PyTorch", in_pytorch, False
     for name, settings in SCAN_SETTINGS.items():
         yield name, functools.partial(causal_favor_with, settings, projection), False
 
@@ -227,6 +230,19 @@ def routing_part(q, k, v, spec: HybridSpec):
     call = _prepare(q, k, v, None, spec, False, options)
     chosen, _ = Selection(call.x, call.keys, ExtraKeys(None, None), spec, False, 0, with_feats=False).routes
     return chosen.float().mean() + 0 * q.float().mean()
+
+
+def _never(*args) -> bool:
+    return False
+
+
+def routing_in_pytorch(routing, spec: HybridSpec, q, k, v):
+    """``routing`` (:func:`routing_part`, compiled) through routing's PyTorch steps, not its Triton kernel."""
+    kernel_serves, hybrid_routing.kernel_serves = hybrid_routing.kernel_serves, _never
+    try:
+        return routing(q, k, v, spec)
+    finally:
+        hybrid_routing.kernel_serves = kernel_serves
 
 
 def flex_arms(mask):

@@ -18,7 +18,8 @@
 #      also serves the decoder's far field, and bidirectional sums; the support sums), the compiled FlexAttention
 #      paths of the hybrid and the sparse prefill, and every compiled attention call against eager, forward and
 #      backward in float32 and bfloat16 against the float32 CPU path at 4K tokens; then test_far_field_triton.py,
-#      the far field's kernels compiled for the GPU against float64 PyTorch. Each test's time and short tracebacks
+#      the far field's kernels compiled for the GPU against float64 PyTorch, and test_hybrid_routing_triton.py,
+#      routing's kernel against its PyTorch steps (on the CPU, and on the GPU at 8K tokens). Each test's time and short tracebacks
 #      go to the log. They come in the second call: each compiles its kernels in two precisions (the 13 took 130 s
 #      on a fresh H200 in run 6), and the speed part checks the models' logits itself.
 #      (The other tests of those files run in CI on a CPU, in Triton's interpreter; those against the C++ CPU
@@ -41,6 +42,11 @@
 #     --arms "causal favor" "causal favor, short segments" "causal favor, long segments" \
 #     "causal favor, 32 features per program" "causal favor, 128 features per program" \
 #     "causal favor, chunks over 32 features a step" favor
+#
+# or routing alone in its Triton kernel and in PyTorch's steps (the encoder default's; about a minute),
+#
+#   python3 benchmarks/attention_parts.py --device cuda --lengths 32768 --reps 5 --out-dir $OUT \
+#     --arms "compiled: routing" "compiled: routing in PyTorch"
 #
 # PERFORMER_HF_FLEX=0 runs the same on the PyTorch backend (the figures before FlexAttention).
 set -euo pipefail
@@ -82,8 +88,8 @@ if [ "$part" != speed ]; then
     -o log_level=WARNING tests/modeling/test_favor_exp_triton.py tests/modeling/test_hybrid_triton.py \
     tests/modeling/test_hybrid_flex.py tests/modeling/test_sparse_flex.py tests/modeling/test_device_compile.py 2>&1 \
     | tee -a "$out/gpu_check.log" || tests=$?
-  timeout 40 python3 -m pytest -q -p no:cacheprovider --tb=short tests/modeling/test_far_field_triton.py \
-    2>&1 | tee -a "$out/gpu_check.log" || tests=$?
+  timeout 60 python3 -m pytest -q -p no:cacheprovider --tb=short tests/modeling/test_far_field_triton.py \
+    tests/modeling/test_hybrid_routing_triton.py 2>&1 | tee -a "$out/gpu_check.log" || tests=$?
 fi
 if [ "$tests" != 0 ]; then echo "the GPU tests FAILED (status $tests): see above" | tee -a "$out/gpu_check.log"; fi
 exit "$tests"

@@ -8,8 +8,8 @@ script in a process without ``TRITON_INTERPRET`` (in the interpreter a kernel is
 The defaults' tiles: head dim 32, 33 value columns (32 in a tile, the last apart), query blocks of 16; the support
 sums' products in TF32 (bfloat16 models), the far field's in IEEE float32 (float32 models). The widest: head dims of
 128 (support sums) and 64 (far field), 129 value columns for the support sums, 65 and 128 for the far field, query
-blocks of 64. The causal scan's (``favor_exp_triton``): see
-:func:`scan_configurations`. Cold, the 15 compile in about 16 s on two CPU cores.
+blocks of 64. The causal scan's (``favor_exp_triton``): see :func:`scan_configurations`; routing's
+(``hybrid_routing_triton``): :func:`routing_configurations`. Cold, the 16 compile in about 20 s on two CPU cores.
 """
 
 import os
@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from performer_hf.modeling import far_field_triton, favor_exp_triton, hybrid_triton
+from performer_hf.modeling import far_field_triton, favor_exp_triton, hybrid_routing_triton, hybrid_triton
 
 TARGET = GPUTarget("cuda", 90, 32)  # Hopper (H100, H200): the GPUs the issue's floors are measured on
 SUPPORT_INTS = ("H", "L", "N", "R", "D1", "block_q", "width", "nb_global", "left", "right")
@@ -91,6 +91,22 @@ def configurations(widest: bool):
             yield name, kernel, tensors, ("N", "E"), ("c",), constants, warps
 
 
+ROUTE_TENSORS = {**_rows("QMEANS GMEANS GRADII"), "GKEYS": "*i1", "BMEANS": "*fp32", "BKEYS": "*i1"}
+ROUTE_TENSORS.update({"CHOSEN": "*i64", "REAL": "*i1"})
+ROUTE_INTS = ("H", "n", "Ng", "Nk", "group_size", "first_block", "block_q", "block_k", "left", "right")
+
+
+def routing_configurations(widest: bool):
+    """Routing's kernel (``hybrid_routing_triton``), as :func:`configurations` yields it: the default's (head dim 32,
+    24 groups of 16 blocks) and with ``widest`` head dim 128 and the most candidates it takes (32 groups of 16)."""
+    for d, chosen, size in [(32, 24, 16)] + ([(128, 32, 16)] if widest else []):
+        tile = hybrid_routing_triton.MAX_GROUP_TILE
+        constants = dict(D=d, DC=min(d, 32), QB=hybrid_routing_triton.QUERY_BLOCKS, GT=tile, T=chosen)
+        constants.update(TP=triton.next_power_of_2(chosen), GP=size)
+        options = {"num_warps": hybrid_routing_triton.WARPS}
+        yield "routing", hybrid_routing_triton._route_kernel, ROUTE_TENSORS, ROUTE_INTS, (), constants, options
+
+
 SCAN_INTS = ("H", "L", "M", "E", "S", "SEG", "dir_b", "dir_h", "bias_b", "bias_h")
 SCAN_INPUTS = "Q K V1 QOFF KOFF SHIFTS DIR"
 
@@ -158,7 +174,7 @@ def scan_configurations(widest: bool):
 
 def main(widest: bool) -> None:
     assert not os.environ.get("TRITON_INTERPRET"), "the interpreter compiles nothing: run without TRITON_INTERPRET"
-    kernels = list(configurations(widest)) + list(scan_configurations(widest))
+    kernels = [*configurations(widest), *scan_configurations(widest), *routing_configurations(widest)]
     for name, kernel, tensors, ints, floats, constants, options in kernels:
         shared = compile_kernel(kernel, tensors, ints, floats, constants, options)
         print(f"{name} {constants} {options}: {shared} bytes of shared memory", flush=True)

@@ -23,7 +23,8 @@ files, so these modules import only each other (and torch / transformers), never
 - ``causal_scan.py``: the one chunked causal scan (FAVOR+ and the hybrid's far field);
 - hybrid attention, ``favor_hybrid.py`` (the entry point) and its parts: ``hybrid_spec.py`` (settings and decoding
   state), ``hybrid_keys.py`` (key sets, the far field's feature context), ``hybrid_selection.py`` and
-  ``hybrid_routing.py`` (each query block's exact support), ``hybrid_exact.py`` (the exact part and the merge),
+  ``hybrid_routing.py`` (each query block's exact support; ``hybrid_routing_triton.py``, routing's Triton kernel for
+  CUDA), ``hybrid_exact.py`` (the exact part and the merge),
   ``hybrid_far_field.py`` (the far field), ``hybrid_causal.py`` (causal lagging and decoding), ``far_fields.py`` (the
   far-field kernel registry) with ``far_field_polynomial.py`` (and ``far_field_triton.py``, its Triton kernels for
   CUDA), ``hybrid_backends.py`` (PyTorch or compiled, one choice), ``slabs.py`` (slab sizing);

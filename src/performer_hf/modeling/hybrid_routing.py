@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from .hybrid_keys import NEG_INF, Keys
+from .hybrid_routing_triton import route_blocks as routes_in_kernel
+from .hybrid_routing_triton import serves as kernel_serves
 
 Tensor = torch.Tensor
 
@@ -134,8 +136,18 @@ def _candidate_scores(mean_q: Tensor, blocks: KeyBlocks, groups: Tensor) -> Tens
     return (means @ mean_q.unsqueeze(-1)).squeeze(-1)
 
 
+def _in_kernel(blocks: KeyBlocks, nb_routed: int) -> bool:
+    """Whether routing with these blocks takes :mod:`.hybrid_routing_triton`'s kernel: with groups (more than
+    ``nb_routed``), where it serves."""
+    grouped = blocks.group_size and blocks.group_means.shape[2] > nb_routed
+    return bool(grouped) and kernel_serves(blocks.means, nb_routed, blocks.group_size)
+
+
 def route_width(blocks: KeyBlocks, nb_routed: int) -> int:
-    """Elements per query block (and head) of :func:`route_scores`' temporaries, for sizing slabs."""
+    """Elements per query block (and head) of :func:`route_scores`' temporaries, for sizing slabs (the kernel's:
+    its choices alone)."""
+    if _in_kernel(blocks, nb_routed):
+        return 2 * nb_routed
     if blocks.group_size and blocks.group_means.shape[2] > nb_routed:
         candidates = nb_routed * blocks.group_size
         every = _scores_every_block(blocks, nb_routed)
@@ -154,9 +166,14 @@ def route(
     (False when fewer than ``nb_routed`` blocks qualify; such a choice names block 0).
     With routing groups (``blocks.group_size``), the candidates are the blocks of the ``nb_routed`` groups
     with the highest :func:`group_bounds`: the bounds are quadratic in the length, but ``group_size`` times
-    fewer than the scores of every block; the candidates' scores are a fixed number per query block.
+    fewer than the scores of every block; the candidates' scores are a fixed number per query block. On CUDA, in one
+    Triton kernel where it serves (:mod:`.hybrid_routing_triton`).
     """
     queries = query_blocks(xq, q_mask, first_block, left, right)
+    if _in_kernel(blocks, nb_routed):
+        geometry = [first_block, xq.shape[3], block_k, left, right]
+        stats = (blocks.group_means, blocks.group_radii, blocks.group_has_keys, blocks.means, blocks.has_keys)
+        return routes_in_kernel(queries.means, *stats, geometry, nb_routed)
     bounds = group_bounds(queries, blocks, block_k, nb_routed)
     groups = None if bounds is None else bounds.topk(nb_routed, dim=-1, sorted=False).indices
     scores, candidates = route_scores(queries, blocks, block_k, groups)
