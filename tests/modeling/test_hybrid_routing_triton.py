@@ -93,7 +93,17 @@ def test_hybrid_attention_through_the_kernel_as_through_pytorch(monkeypatch):
 def test_cuda_routes_as_pytorch_at_the_defaults(monkeypatch):
     """On a GPU at the converter's defaults (8K tokens, 24 groups of 16 blocks of 8 keys per 16 queries, a window of
     8 each side), through ``route``: the kernel's routes and PyTorch's on the same device. Sums in another order may
-    swap two blocks of equal score to float32's rounding: at most 1 query block in 1,000."""
+    swap two blocks of equal score to float32's rounding: at most 1 query block in 1,000 (PyTorch's products in IEEE
+    float32, as by default: TF32's rounding would swap more)."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        _cuda_routes_as_pytorch(monkeypatch)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def _cuda_routes_as_pytorch(monkeypatch):
     g = torch.Generator().manual_seed(0)
     B, H, L, d = 1, 4, 8192, 32
     y, x = (torch.randn(B, H, L, d, generator=g).cuda() for _ in range(2))
