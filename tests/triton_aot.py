@@ -70,8 +70,9 @@ def configurations(widest: bool):
         tile = far_field_triton.padded_width(width - 1)
         constants = dict(D=d, EP=tile, BQ=rows, BLOCK_K=8, CH=hybrid_triton.CHUNK, PRECISION=precision)
         common = (SUPPORT_INTS, ("c2",), constants)
-        yield "support sums forward", hybrid_triton._forward_kernel, SUPPORT_FORWARD, *common, {}
-        warps = {"num_warps": hybrid_triton.BACKWARD_WARPS}
+        stages = {"num_stages": hybrid_triton.STAGES}
+        yield "support sums forward", hybrid_triton._forward_kernel, SUPPORT_FORWARD, *common, stages
+        warps = {"num_warps": hybrid_triton.BACKWARD_WARPS, **stages}
         yield "support sums backward", hybrid_triton._backward_kernel, SUPPORT_BACKWARD, *common, warps
         routed = {key: value for key, value in constants.items() if key != "CH"}
         routed["KT"] = far_field_triton.padded_width(routed["BLOCK_K"])

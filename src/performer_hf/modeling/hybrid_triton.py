@@ -23,8 +23,9 @@ support, which the far field over all keys already counted: their difference is 
   (24 blocks of 8 routed per block of 16 queries), and the backward took 7.1 ms of each call's 8.3 on an H200.
 
 The values' last column (the ones whose sums are the masses) stays out of the others' tile, in reductions beside each
-product: 33 columns take a tile of 32, not 64 (on Hopper, compiled ahead of time: 27 / 30 KB of shared memory forward /
-backward where 36 / 46 KB were), and the masses need no picking out of a tile.
+product: 33 columns take a tile of 32, not 64 (on Hopper, compiled ahead of time with the walks pipelined: 27 / 30 KB of
+shared memory forward / backward where 36 / 46 KB were; unpipelined, :data:`STAGES`, 18 / 32 KB), and the masses need
+no picking out of a tile.
 
 Matrix products take float32 as :func:`.far_field_triton.float32_precision` says (by default as PyTorch's do, TF32
 for bfloat16 and float16 attention). Tested on the CPU
@@ -41,9 +42,14 @@ from .far_field_triton import contiguous_rows, input_precision, launch_fitting, 
 
 Tensor = torch.Tensor
 CHUNK = 64  # candidate keys per step of a query block's walk (fewer where the tiles exceed the GPU's shared memory)
-# warps per program of backward: compiled for Hopper (ptxas) at head dim 32 and 33 value columns, 242 registers and no
+# warps per program of backward: compiled for Hopper (ptxas) at head dim 32 and 33 value columns, 194 registers and no
 # spill, where 4 warps spilled 272 bytes
 BACKWARD_WARPS = 8
+# software pipelining of the walks (Triton's num_stages) off: a chunk's rows load beside its key mask, not after it,
+# so that the compiler would hold the next chunks' in shared memory and registers: compiled for Hopper at head dim 32,
+# 3 stages spill 512 / 332 bytes (forward / backward), 2 stages 32 / 64, 1 none (149 / 194 registers): 3 forward
+# programs fit an SM's registers, where 2 did when the rows loaded after the mask (255 registers)
+STAGES = 1
 # query blocks per program of the routed blocks' gradients (a key block chosen by more takes more programs: a popular
 # block, such as one of the first tokens', is no long chain)
 CHOOSERS_PER_PROGRAM = 16
@@ -56,9 +62,9 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         step, n, bh, b, ROUTES, MASK, L, N, R, width, nb_global, q_start, left, BLOCK_K: tl.constexpr, CH: tl.constexpr
     ):
         # The chunk of candidate slots from `step`: the window span (width keys from q_start - left), the global keys,
-        # then each routed block's BLOCK_K keys. -> positions (CH,), whether each is a real candidate, whether it is
-        # a window slot (a window slot counts for the queries whose window holds it, the others for the rest), whether
-        # it is a routed block's.
+        # then each routed block's BLOCK_K keys. -> positions (CH,), whether each is a position of the call, whether
+        # it is a real candidate (a real key besides), whether it is a window slot (a window slot counts for the
+        # queries whose window holds it, the others for the rest), whether it is a routed block's.
         slot = step + tl.arange(0, CH)
         routed_slot = slot - width - nb_global
         is_window, is_global = slot < width, (slot >= width) & (routed_slot < 0)
@@ -69,23 +75,26 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         valid = (is_window | is_global | (is_routed & (block >= 0))) & (pos >= 0) & (pos < L)
         valid = valid & ~(is_routed & (pos < nb_global))  # a global key in a routed block is counted once
         real = tl.load(MASK + b * L + pos, mask=valid, other=0) != 0
-        return pos, valid & real, is_window, is_routed
+        return pos, valid, valid & real, is_window, is_routed
 
     @triton.jit
     def _chunk(
-        x, rows, rq, pos, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
+        x, rows, rq, pos, valid, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
         D: tl.constexpr, EP: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # One chunk's keys (CH, D), values (CH, EP) and their last column (CH,) (the ones of the mass) apart, key
         # log-weights, the logits (BQ, CH), which pairs are in the support, t = (x_i - a) . (y_j - c) there and the
-        # far field's values there, pair = (1 + t + c2 t^2) kexp_j.
+        # far field's values there, pair = (1 + t + c2 t^2) kexp_j. The rows load at every valid position, beside the
+        # key mask (not after it: one wait for memory less per chunk), and are zero where no real candidate is.
         dims, cols = tl.arange(0, D), tl.arange(0, EP)
         key_rows = bh * L + pos
-        y = tl.load(Y + key_rows[:, None] * D + dims[None, :], mask=candidate[:, None], other=0.0)
-        in_values = candidate[:, None] & (cols < D1 - 1)[None, :]
+        y = tl.load(Y + key_rows[:, None] * D + dims[None, :], mask=valid[:, None], other=0.0)
+        in_values = valid[:, None] & (cols < D1 - 1)[None, :]
         v = tl.load(V1 + key_rows[:, None] * D1 + cols[None, :], mask=in_values, other=0.0)
-        v_mass = tl.load(V1 + key_rows * D1 + D1 - 1, mask=candidate, other=0.0)
-        klog = tl.load(KLOG + key_rows, mask=candidate, other=0.0)
+        v_mass = tl.load(V1 + key_rows * D1 + D1 - 1, mask=valid, other=0.0)
+        klog = tl.load(KLOG + key_rows, mask=valid, other=0.0)
+        y, v = tl.where(candidate[:, None], y, 0.0), tl.where(candidate[:, None], v, 0.0)
+        v_mass, klog = tl.where(candidate, v_mass, 0.0), tl.where(candidate, klog, 0.0)
         kexp = tl.where(candidate, tl.exp(klog - key_shift), 0.0)
         logits = tl.dot(x, tl.trans(y), input_precision=PRECISION)  # (BQ, CH)
         gap = rows[:, None] - pos[None, :]
@@ -156,14 +165,15 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
 
     @triton.jit
     def _backward_step(
-        x, rows, live, rq, pos, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
+        x, rows, live, rq, pos, valid, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
         shift, far_weight, grad, grad_mass, d_mass, D: tl.constexpr, EP: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # A chunk of candidates for a query block in backward: its keys (CH, D), the far field's values on the
         # support, and :func:`_pair_gradients`'
         y, v, v_mass, logits, active, t, pair, kexp = _chunk(
-            x, rows, rq, pos, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2, D, EP, PRECISION
-        )
+            x, rows, rq, pos, valid, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
+            D, EP, PRECISION,
+        )  # fmt: skip
         pair, weights, d_weights, d_logits, d_pair, d_t = _pair_gradients(
             logits, active & live[:, None], t, pair, kexp, v, v_mass, shift, far_weight, grad, grad_mass, d_mass,
             c2, PRECISION,
@@ -207,11 +217,11 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         kernel = tl.zeros((BQ, EP), dtype=tl.float32)  # the far field's sums on the support, relative to its scale
         kernel_mass = tl.zeros((BQ,), dtype=tl.float32)
         for step in range(0, width + nb_global + R * BLOCK_K, CH):
-            pos, candidate, is_window, _ = _candidates(
+            pos, valid, candidate, is_window, _ = _candidates(
                 step, n, bh, b, ROUTES, MASK, L, N, R, width, nb_global, q_start, left, BLOCK_K, CH
             )
             y, v, v_mass, logits, active, t, pair, kexp = _chunk(
-                x, rows, rq, pos, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
+                x, rows, rq, pos, valid, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
                 D, EP, PRECISION,
             )  # fmt: skip
             active = active & live[:, None]
@@ -260,11 +270,11 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         d_x = tl.zeros((BQ, D), dtype=tl.float32)
         d_rq = tl.zeros((BQ,), dtype=tl.float32)
         for step in range(0, width + nb_global + R * BLOCK_K, CH):
-            pos, candidate, is_window, is_routed = _candidates(
+            pos, valid, candidate, is_window, is_routed = _candidates(
                 step, n, bh, b, ROUTES, MASK, L, N, R, width, nb_global, q_start, left, BLOCK_K, CH
             )
             y, pair, weights, d_weights, d_logits, d_pair, d_t = _backward_step(
-                x, rows, live, rq, pos, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
+                x, rows, live, rq, pos, valid, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
                 shift, far_weight, grad, grad_mass, d_mass, D, EP, PRECISION,
             )  # fmt: skip
             d_far_weight -= tl.sum(d_weights * pair, axis=1)
@@ -313,8 +323,8 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
                 GRAD, FAR, SHIFT, KMASS, bh, rows, live, far_scale, L, D1, EP
             )
             _, pair, weights, _, d_logits, d_pair, d_t = _backward_step(
-                x, rows, live, rq, pos, candidate, routed, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
-                shift, far_weight, grad, grad_mass, d_mass, D, EP, PRECISION,
+                x, rows, live, rq, pos, candidate, candidate, routed, bh, Y, V1, KLOG, key_shift, L, D1, left, right,
+                c2, shift, far_weight, grad, grad_mass, d_mass, D, EP, PRECISION,
             )  # fmt: skip
             shares = _key_shares(x, grad, grad_mass, pair, weights, d_logits, d_pair, d_t, PRECISION)
             d_klog, d_y, d_v, d_v_mass = d_klog + shares[0], d_y + shares[1], d_v + shares[2], d_v_mass + shares[3]
@@ -363,7 +373,7 @@ def _forward(
         x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, out, shift, kernel_mass,
         H, L, N, R, D1, block_q, width, nb_global, left, right, quadratic,
     )  # fmt: skip
-    _launch(_forward_kernel, (N, B * H), args, _settings(x, D1, block_q, block_k, precision))
+    _launch(_forward_kernel, (N, B * H), args, {**_settings(x, D1, block_q, block_k, precision), "num_stages": STAGES})
     return out, shift, kernel_mass
 
 
@@ -389,7 +399,7 @@ def _backward(
         H, L, N, R, D1, block_q, width, nb_global, left, right, quadratic,
     )  # fmt: skip
     settings = _settings(x, D1, block_q, block_k, precision)
-    _launch(_backward_kernel, (N, B * H), args, {**settings, "num_warps": BACKWARD_WARPS})
+    _launch(_backward_kernel, (N, B * H), args, {**settings, "num_warps": BACKWARD_WARPS, "num_stages": STAGES})
     if R:
         pieces, choosers = routed_pieces(routes, -(-L // block_k))
         args = (
