@@ -94,7 +94,11 @@ int64_t pack_candidates(const Inputs<T>& in, int64_t bh, int64_t n, Workspace<T>
       const bool never = !mask[j] || (run.kind == 2 && j < in.num_global);  // routed: global keys are counted once
       ws.position[c] = static_cast<T>(j);
       ws.windowed[c] = never ? T(-1) : static_cast<T>(run.kind == 1);
-      std::memcpy(&ws.values[c * W], in.values1 + (bh * L + j) * D1, D1 * sizeof(T));
+      if (never) {  // its key and values stay zero: whatever a padded row holds (NaN too) reaches no sum
+        for (int64_t e = 0; e < d; ++e) ws.keys_t[e * Cp + c] = T(0);
+      } else {
+        std::memcpy(&ws.values[c * W], in.values1 + (bh * L + j) * D1, D1 * sizeof(T));
+      }
       ws.klog[c] = never ? T(0) : in.klog[bh * L + j];
       ws.kexp[c] = never ? T(0) : exp_approx(ws.klog[c] - key_shift);
     }
