@@ -113,14 +113,19 @@ def test_the_kernels_give_the_scans_sums_state_and_gradients(case, segment, monk
         assert error < 1e-5, f"relative error {error:.2e}"
 
 
-@pytest.mark.parametrize("segment", [None, 32], ids=["one walk", "segments of 32"])
+@pytest.mark.parametrize(
+    "segment", [None, 32], ids=["one walk, 64 rows a program", "segments of 32, 32 rows a program"]
+)
 @pytest.mark.parametrize("case", ["padded keys, a stabilizer", "32 dims, 33 value columns"])
 def test_the_bidirectional_kernels_give_the_sums_and_gradients(case, segment, monkeypatch):
     """Bidirectional sums (their ratio, what attention divides) and the gradients of queries, keys and values, against
     the PyTorch form in float64: more queries than keys, features past one program's block and not a multiple of
-    it, the keys summed whole or in segments."""
+    it, the keys summed whole or in segments, the rows' kernel over 64 rows a program (as at head dims up to 32) or
+    32 (wider), the last partial."""
+    assert favor_exp_triton.rows_per_program(32) == 64
     if segment:
         monkeypatch.setattr(favor_exp_triton, "MIN_SEGMENT", segment)
+        monkeypatch.setattr(favor_exp_triton, "WIDE_ROWS", 32)
     padded = case.startswith("padded")
     d, m, width = (16, 80, 9) if padded else (32, 64, 33)
     q, _, _, (directions, _), _, _, _ = _scan_inputs(100, d, m, width, False, False, False, False, False)
