@@ -142,8 +142,8 @@ def _bidirectional_kernels(bias: bool, constants: dict, options: dict):
     for gradient, unused in ((False, ("G", "DX", "DOFF")), (True, ("OUT",))):
         rows = {**_rows("X OFF G S DIR"), **with_bias, **_rows("OUT DX DOFF")}
         rows.update(dict.fromkeys(unused, "constexpr"))
-        rows = favor_exp_triton.rows_per_program(constants["D"])
-        settings = {**constants, "C": rows, "GRADIENT": gradient, **dict.fromkeys(unused)}
+        per_program = favor_exp_triton.rows_per_program(constants["D"])
+        settings = {**constants, "C": per_program, "GRADIENT": gradient, **dict.fromkeys(unused)}
         name = "bidirectional rows' gradients" if gradient else "bidirectional rows"
         row_ints = [n for n in ints if n != "SEG"]
         yield name, favor_exp_triton._rows_kernel, rows, row_ints, ("stabilizer",), settings, options
