@@ -9,6 +9,7 @@ import torch
 from performer_hf.modeling import hybrid_routing, hybrid_routing_triton
 from performer_hf.modeling.favor_hybrid import hybrid_attention
 
+from ..compiled_check import assert_strides_do_not_matter
 from ..hybrid_reference import random_qkv, right_padding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,6 +68,20 @@ def test_the_kernel_bounds_its_groups_in_several_tiles(monkeypatch):
     assert hybrid_routing_triton.group_tile(64) == 16
     got, want, real_queries = _route_both(1024, 32, 16, 8, 2, 5, 8, 8, 0, 900)
     _assert_same_routes(got, want, real_queries)
+
+
+def test_the_operator_takes_rows_of_any_strides():
+    """The custom operator gives the same routes for rows that are not contiguous, and its fake implementation (what
+    ``torch.compile`` traces) the real outputs' shapes, dtypes and strides."""
+    g = torch.Generator().manual_seed(0)
+    y, x = (torch.randn(2, 2, 256, 16, generator=g) for _ in range(2))
+    mask = torch.ones(2, 256, dtype=torch.bool)
+    mask[1, 200:] = False
+    blocks = hybrid_routing.key_blocks(SimpleNamespace(y=y, mask=mask), 8, 2)
+    queries = hybrid_routing.query_blocks(x.view(2, 2, 16, 16, 16), mask.view(2, 16, 16), 0, 8, 8)
+    stats = (blocks.group_means, blocks.group_radii, blocks.group_has_keys, blocks.means, blocks.has_keys)
+    args = [t.to(DEVICE) for t in (queries.means, *stats)]
+    assert_strides_do_not_matter(torch.ops.performer_hf.route_blocks.default, [*args, [0, 16, 8, 8, 8], 3])
 
 
 def test_hybrid_attention_through_the_kernel_as_through_pytorch(monkeypatch):
