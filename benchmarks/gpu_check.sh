@@ -19,8 +19,8 @@
 #      paths of the hybrid and the sparse prefill, and every compiled attention call against eager, forward and
 #      backward in float32 and bfloat16 against the float32 CPU path at 4K tokens; then test_far_field_triton.py,
 #      the far field's kernels compiled for the GPU against float64 PyTorch, and test_hybrid_routing_triton.py,
-#      routing's kernel against its PyTorch steps (on the CPU, and on the GPU at 8K tokens). Each test's time and short tracebacks
-#      go to the log. They come in the second call: each compiles its kernels in two precisions (the 13 took 130 s
+#      routing's kernel against its PyTorch steps (on the CPU, and on the GPU at 8K tokens). Each test's time and
+#      short tracebacks go to the log. They come in the second call: each compiles its kernels in two precisions (the 13 took 130 s
 #      on a fresh H200 in run 6), and the speed part checks the models' logits itself.
 #      (The other tests of those files run in CI on a CPU, in Triton's interpreter; those against the C++ CPU
 #      kernels need a build this check skips.)

@@ -71,7 +71,7 @@ def group_bounds(queries: QueryBlocks, blocks: KeyBlocks, block_k: int, nb_group
 
     ``q . m_b <= q . c + |q| r`` for every block mean ``m_b`` of a group with centre ``c`` and radius ``r``.
     Groups without keys, and groups whose every block overlaps the query block's window span, have ``-inf``."""
-    if not blocks.group_size or blocks.group_means.shape[2] <= nb_groups:
+    if not _grouped(blocks, nb_groups):
         return None
     Ng, size = blocks.group_means.shape[2], blocks.group_size
     mean_q = queries.means
@@ -136,11 +136,14 @@ def _candidate_scores(mean_q: Tensor, blocks: KeyBlocks, groups: Tensor) -> Tens
     return (means @ mean_q.unsqueeze(-1)).squeeze(-1)
 
 
+def _grouped(blocks: KeyBlocks, nb_routed: int) -> bool:
+    """Whether routing keeps groups: with routing groups, more of them than ``nb_routed``."""
+    return bool(blocks.group_size) and blocks.group_means.shape[2] > nb_routed
+
+
 def _in_kernel(blocks: KeyBlocks, nb_routed: int) -> bool:
-    """Whether routing with these blocks takes :mod:`.hybrid_routing_triton`'s kernel: with groups (more than
-    ``nb_routed``), where it serves."""
-    grouped = blocks.group_size and blocks.group_means.shape[2] > nb_routed
-    return bool(grouped) and kernel_serves(blocks.means, nb_routed, blocks.group_size)
+    """Whether routing with these blocks takes :mod:`.hybrid_routing_triton`'s kernel: with groups, where it serves."""
+    return _grouped(blocks, nb_routed) and kernel_serves(blocks.means, nb_routed, blocks.group_size)
 
 
 def route_width(blocks: KeyBlocks, nb_routed: int) -> int:
@@ -148,7 +151,7 @@ def route_width(blocks: KeyBlocks, nb_routed: int) -> int:
     its choices alone)."""
     if _in_kernel(blocks, nb_routed):
         return 2 * nb_routed
-    if blocks.group_size and blocks.group_means.shape[2] > nb_routed:
+    if _grouped(blocks, nb_routed):
         candidates = nb_routed * blocks.group_size
         every = _scores_every_block(blocks, nb_routed)
         scores = blocks.means.shape[2] if every else candidates * blocks.means.shape[-1]  # or the gathered means

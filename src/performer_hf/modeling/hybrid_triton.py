@@ -45,10 +45,10 @@ CHUNK = 64  # candidate keys per step of a query block's walk (fewer where the t
 # warps per program of backward: compiled for Hopper (ptxas) at head dim 32 and 33 value columns, 194 registers and no
 # spill, where 4 warps spilled 272 bytes
 BACKWARD_WARPS = 8
-# software pipelining of the walks (Triton's num_stages) off: a chunk's rows load beside its key mask, not after it,
-# so that the compiler would hold the next chunks' in shared memory and registers: compiled for Hopper at head dim 32,
-# 3 stages spill 512 / 332 bytes (forward / backward), 2 stages 32 / 64, 1 none (149 / 194 registers): 3 forward
-# programs fit an SM's registers, where 2 did when the rows loaded after the mask (255 registers)
+# the walks' software pipelining (Triton's num_stages) is off: a chunk's rows load beside its key mask, not after it,
+# and pipelined the compiler holds the next chunks' rows in shared memory and registers. Compiled for Hopper at head
+# dim 32, 3 stages spill 512 / 332 bytes (forward / backward), 2 stages 32 / 64, 1 none (149 / 194 registers): 3
+# forward programs fit an SM's registers, where 2 did when the rows loaded after the mask (255 registers)
 STAGES = 1
 # query blocks per program of the routed blocks' gradients (a key block chosen by more takes more programs: a popular
 # block, such as one of the first tokens', is no long chain)
