@@ -278,7 +278,9 @@ class _CausalExp(torch.autograd.Function):
         # d loss / d (the state after the slab processed next, going backwards), relative to its shift
         state_grad = q.new_zeros(B, H, m, d1) if grad_kv is None else grad_kv
         future = ~torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-        for a, b in reversed(_spans(L, slab)):
+        # each slab's chunk start states, from the last slab back (not popped: traced, torch 2.11's dynamo holds
+        # them as a tuple, whose pop broke the graph)
+        for (a, b), chunk_starts in zip(reversed(_spans(L, slab)), reversed(starts), strict=True):
             G = (b - a) // C
             xq, xk = q[:, :, a:b], k[:, :, a:b]
             phi_q, _ = _exp_query_features(xq, directions, bias)  # without the stabilizer
@@ -306,7 +308,6 @@ class _CausalExp(torch.autograd.Function):
             # state after the slab, to the gradient of each chunk summary and of the state before.
             reads = (q1c * to_query).transpose(-2, -1) @ gc  # (B, H, G, m', d + 1)
             after, state_grad = scan_backward(scan_weights(begins), reads, state_grad)
-            chunk_starts = starts.pop()
 
             # Intra-chunk and inter-chunk terms of the three gradients.
             dscores = (gc @ vc.transpose(-2, -1)).mul_(decay)  # (B, H, G, C, C)
