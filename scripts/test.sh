@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install from scratch (idempotent), lint, and run the test suite (with a --quick smoke run of every study in
-# benchmarks/, tests/test_studies.py), against the newest transformers in the declared range; TRANSFORMERS=oldest
-# runs the suite without the study smoke runs against the oldest (in .venv-oldest). CI runs both.
+# benchmarks/, tests/test_studies.py), against the newest transformers and torch in the declared ranges;
+# TRANSFORMERS=oldest runs the suite without the study smoke runs against the oldest (in .venv-oldest). CI runs both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh

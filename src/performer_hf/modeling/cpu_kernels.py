@@ -18,6 +18,8 @@ import os
 import platform
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = [
@@ -40,15 +42,16 @@ def kernels_enabled() -> bool:
 
 
 def _cpu_signature() -> str:
-    """A short hash of what the build depends on: the CPU's model and flags (``-march=native``), the flags
-    and the source."""
+    """A short hash of what the build depends on: the CPU's model and flags (``-march=native``), the flags,
+    the source and torch's release (whose headers and ABI it is built against: CI builds it with both ends of
+    torch's range in one cache)."""
     cpu = platform.processor()
     try:
         cpu += next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         pass
     sources = "".join(path.read_text() for path in (*_SOURCES, _HEADER))
-    return hashlib.sha256((cpu + " ".join(_FLAGS) + sources).encode()).hexdigest()[:12]
+    return hashlib.sha256((cpu + " ".join(_FLAGS) + sources + torch.__version__).encode()).hexdigest()[:12]
 
 
 def _put_ninja_on_path() -> None:
