@@ -20,8 +20,8 @@
 #      backward in float32 and bfloat16 against the float32 CPU path at 4K tokens; then test_far_field_triton.py,
 #      the far field's kernels compiled for the GPU against float64 PyTorch, and test_hybrid_routing_triton.py,
 #      routing's kernel against its PyTorch steps (on the CPU, and on the GPU at 8K tokens). Each test's time and
-#      short tracebacks go to the log. They come in the second call: each compiles its kernels in two precisions (the 13 took 130 s
-#      on a fresh H200 in run 6), and the speed part checks the models' logits itself.
+#      short tracebacks go to the log. They come in the second call: each compiles its kernels in two precisions (the
+#      13 took 130 s on a fresh H200 in run 6), and the speed part checks the models' logits itself.
 #      (The other tests of those files run in CI on a CPU, in Triton's interpreter; those against the C++ CPU
 #      kernels need a build this check skips.)
 #
@@ -60,7 +60,8 @@ fi
 # the CPU only gives float32 references here: its PyTorch path, no C++ build
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PERFORMER_HF_CPU_KERNELS=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu_check.log"
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
+  'transformers', transformers.__version__)" \
   | tee -a "$out/gpu_check.log"
 part="${1:-speed}"
 # device time is scarce: a step that fails or runs out of time does not stop the next; the status is the tests'
