@@ -5,6 +5,8 @@ import os
 import pytest
 import torch
 
+from .study_runs import QuickRuns, selected_studies
+
 # Triton kernels (modeling/far_field_triton.py) run in Triton's interpreter on a machine without CUDA: it reads this
 # when the kernels are defined, at import
 if not torch.cuda.is_available():
@@ -36,3 +38,12 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def study_runs(request, tmp_path_factory):
+    """The session's smoke runs of benchmarks/ (tests/test_studies.py), started before its first test so that they
+    run beside the others on the core those leave idle (tests/study_runs.py); none when no study test is selected."""
+    runs = QuickRuns(selected_studies(request.session.items), tmp_path_factory.mktemp)
+    yield runs
+    runs.close()

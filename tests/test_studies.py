@@ -1,54 +1,24 @@
 """Every study of benchmarks/ still runs: its ``--quick`` configuration (a smoke test whose figures say nothing),
 in a fresh process, writing into a temporary folder so that the committed results stay as they are. A study that
-no longer runs against the current code fails here, not when someone next needs its figures. The runs go two at a
-time, each on one thread (most of a smoke run is one thread's imports and Python: on two cores, 280 s in all where
-one after the other on two threads took 370 s), the longest first; CI runs them against the newest transformers of
-the range (``-m "not studies"`` leaves them out, as scripts/test.sh does for the oldest)."""
+no longer runs against the current code fails here, not when someone next needs its figures. The runs start with
+the session, in the background (tests/study_runs.py); CI runs them against the newest transformers of the range
+(``-m "not studies"`` leaves them out, as scripts/test.sh does for the oldest)."""
 
-import concurrent.futures
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-NOT_STUDIES = {
-    "harness": "what the studies share",
-    "passkey": "the pass-key task of the retrieval studies",
-    "kvpress_anchor": "runs in an environment of its own (kvpress 0.5.5 needs transformers < 5.3): tested below",
-}
-STUDIES = sorted(path.stem for path in BENCHMARKS.glob("*.py") if path.stem not in NOT_STUDIES)
+from .study_runs import BENCHMARKS, STUDIES
 
 
 def test_every_study_is_listed():
     assert len(STUDIES) >= 13 and "model_speed" in STUDIES and "llm_linearization" in STUDIES
 
 
-# the longest smoke runs (about 25 to 80 s each), started first so that the two at a time end together
-LONGEST = ("llm_linearization", "model_speed", "long_context_retrieval", "long_documents", "compat_sentiment")
-
-
-def _run_quick(study: str, out_dir: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(BENCHMARKS / f"{study}.py"), "--quick", "--out-dir", str(out_dir)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=out_dir)
-
-
 @pytest.fixture(scope="module")
-def quick_runs(request, tmp_path_factory):
-    """The selected studies' quick runs, started two at a time: {study: (future result, its output folder)}."""
-    selected = {item.callspec.params["study"] for item in request.session.items if "quick_runs" in item.fixturenames}
-    order = [study for study in LONGEST if study in selected] + sorted(selected - set(LONGEST))
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        runs = {}
-        for study in order:
-            out_dir = tmp_path_factory.mktemp(study)
-            runs[study] = pool.submit(_run_quick, study, out_dir), out_dir
-        yield runs
-        for future, _ in runs.values():
-            future.cancel()
+def quick_runs(study_runs):
+    """The selected studies' smoke runs, started with the session: {study: (future result, its output folder)}."""
+    return study_runs.runs
 
 
 @pytest.mark.studies
