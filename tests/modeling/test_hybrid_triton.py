@@ -167,7 +167,8 @@ def test_the_operators_take_rows_of_any_strides():
 
 def test_launches_whose_tiles_exceed_shared_memory_take_smaller_chunks_and_remember(monkeypatch):
     """A launch the GPU refuses for its shared memory runs again in chunks of 32, then 16 candidates; later launches
-    of that kind start from the chunk that fitted. The smaller chunks give the same sums (in the interpreter)."""
+    of that kind start from the chunk that fitted. The smaller chunks give the CPU kernels' sums and gradients (in
+    the interpreter; the default chunk's are tested above)."""
     launched = []
 
     class Kernel:  # refuses chunks above 16, as a GPU with little shared memory would for wide tiles
@@ -187,11 +188,11 @@ def test_launches_whose_tiles_exceed_shared_memory_take_smaller_chunks_and_remem
     geometry = [8, 8, 1, 16, 8]
     tensors, key_shift, mask, routes = _inputs(geometry, 16, 8, 120, 12)
     probe = torch.randn(2, 2, 120, 9, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    want = _triton(tensors, key_shift, mask, routes, geometry, 0.25, probe)
+    want = _cpu_kernels(tensors, key_shift, mask, routes, geometry, 0.25, probe)
     monkeypatch.setattr(hybrid_triton, "CHUNK", 16)  # nine chunks of 16 for 129 candidates
     monkeypatch.setattr(far_field_triton, "_FITTING", {})
     got = _triton(tensors, key_shift, mask, routes, geometry, 0.25, probe)
-    _assert_relatively_close(got, [t.detach().cpu().double() for t in want], ("sums", *NAMES), 1e-5)
+    _assert_relatively_close(got, want, ("sums", *NAMES), 1e-5)
 
 
 @pytest.mark.parametrize("config", CONFIGS[3:], ids=range(3, len(CONFIGS)))
