@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -165,6 +166,7 @@ ERROR_CASES = [
 @pytest.mark.parametrize("make, options, message", [c[1:] for c in ERROR_CASES], ids=[c[0] for c in ERROR_CASES])
 def test_errors_exit_cleanly(make, options, message, tiny_bert, tmp_path, capsys):
     source = make(tiny_bert, tmp_path) if make is not None else tiny_bert
+    capsys.readouterr()  # what making the source printed (transformers' progress bars): not the command's
     out = tmp_path / "converted"
     code = main(["convert", str(source), str(out), "--no-fidelity", *options])
     assert_failed_cleanly(code, capsys, out, message)
@@ -191,6 +193,24 @@ def test_existing_output_needs_overwrite_and_is_replaced_only_on_success(tiny_be
 def test_empty_output_folder_is_fine(tiny_bert, tmp_path):
     (tmp_path / "out").mkdir()
     assert main(["convert", str(tiny_bert), str(tmp_path / "out"), "--no-fidelity", "-q"]) == 0
+
+
+def test_a_command_run_in_a_process_leaves_its_logging_as_it_was(tiny_bert, tmp_path, caplog):
+    """main() prints the package's log records on stdout while a command runs (and turns transformers' progress bars
+    off), then puts back what it changed, after a success and after an error: records logged later in the process
+    still reach its handlers (here pytest's), as they did before."""
+    from transformers.utils import logging as hf_logging
+
+    package_logger = logging.getLogger("performer_hf")
+    before = package_logger.handlers[:], package_logger.level, package_logger.propagate
+    out = tmp_path / "out"
+    assert main(["convert", str(tiny_bert), str(out), "--no-fidelity", "-q"]) == 0
+    assert main(["convert", str(tiny_bert), str(out), "--no-fidelity", "-q"]) == 1  # exists: no --overwrite
+    assert (package_logger.handlers, package_logger.level, package_logger.propagate) == before
+    assert hf_logging.is_progress_bar_enabled()
+    with caplog.at_level(logging.WARNING, logger="performer_hf.conversion"):
+        logging.getLogger("performer_hf.conversion").warning("after the command")
+    assert [record.getMessage() for record in caplog.records] == ["after the command"]
 
 
 def _hub_cache(folder: Path, cache: Path, repo_id: str) -> None:

@@ -11,6 +11,7 @@ one-line message and exit status 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -141,16 +142,29 @@ def _convert(args: argparse.Namespace) -> Path:
     )
 
 
-def _setup_logging(quiet: bool) -> None:
+@contextlib.contextmanager
+def _command_logging(quiet: bool):
+    """While a command runs: the package's log records on stdout as plain lines (INFO, or WARNING with ``-q``) and
+    no progress bars from transformers. What it changes is put back after, so that ``main`` called in a running
+    process (a notebook, a test) leaves that process's logging as it was."""
     from transformers.utils import logging as hf_logging
 
+    package_logger = logging.getLogger("performer_hf")
+    before = package_logger.handlers[:], package_logger.level, package_logger.propagate
+    bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    package_logger = logging.getLogger("performer_hf")
     package_logger.handlers[:] = [handler]
     package_logger.setLevel(logging.WARNING if quiet else logging.INFO)
     package_logger.propagate = False
+    try:
+        yield
+    finally:
+        package_logger.handlers[:], package_logger.propagate = before[0], before[2]
+        package_logger.setLevel(before[1])
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,40 +175,40 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command line (``performer_hf_cli.parser()``); returns the exit status."""
-    _setup_logging(getattr(args, "quiet", False))
-    try:
-        if args.command == "convert":
-            print(_convert(args))
-        elif args.command == "zoo":
-            _zoo(args)
-        elif args.command == "push":
-            from .hub import push_to_hub
+    with _command_logging(getattr(args, "quiet", False)):
+        try:
+            if args.command == "convert":
+                print(_convert(args))
+            elif args.command == "zoo":
+                _zoo(args)
+            elif args.command == "push":
+                from .hub import push_to_hub
 
-            commit = push_to_hub(
-                args.folder,
-                args.repo_id,
-                private=args.private,
-                revision=args.revision,
-                commit_message=args.message,
-                create_pr=args.create_pr,
-            )
-            print(commit.commit_url)
-        else:
-            from .conversion.demo import format_demo, run_demo
+                commit = push_to_hub(
+                    args.folder,
+                    args.repo_id,
+                    private=args.private,
+                    revision=args.revision,
+                    commit_message=args.message,
+                    create_pr=args.create_pr,
+                )
+                print(commit.commit_url)
+            else:
+                from .conversion.demo import format_demo, run_demo
 
-            result = run_demo(
-                args.output_dir,
-                length=args.length,
-                num_sentences=args.sentences,
-                repeats=args.repeats,
-                overwrite=args.overwrite,
-                method=args.method,
-            )
-            print(format_demo(result))
-    except (ConversionError, ZooError, PushError) as error:
-        print(f"performer-hf: error: {error}", file=sys.stderr)
-        return 1
-    return 0
+                result = run_demo(
+                    args.output_dir,
+                    length=args.length,
+                    num_sentences=args.sentences,
+                    repeats=args.repeats,
+                    overwrite=args.overwrite,
+                    method=args.method,
+                )
+                print(format_demo(result))
+        except (ConversionError, ZooError, PushError) as error:
+            print(f"performer-hf: error: {error}", file=sys.stderr)
+            return 1
+        return 0
 
 
 if __name__ == "__main__":
