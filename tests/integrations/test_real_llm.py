@@ -31,6 +31,14 @@ def test_conversion_is_exact_in_exact_mode_and_keeps_the_chat_template(smollm2):
     assert report["source_architecture"] == "LlamaForCausalLM"
     assert report["exact_parity_max_abs_diff"] <= 1e-4
     assert (out / "chat_template.jinja").read_text() == (folder / "chat_template.jinja").read_text()
+    # and it applies (transformers renders chat templates with jinja2 >= 3.1.6, our lower bound)
+    messages = [{"role": "user", "content": "What does a Performer approximate?"}]
+    prompts = [
+        AutoTokenizer.from_pretrained(path).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        for path in (folder, out)
+    ]
+    assert prompts[0] == prompts[1] and prompts[1].rstrip().endswith("assistant")
+    assert "What does a Performer approximate?" in prompts[1]
 
 
 def test_the_report_and_card_give_fidelity_on_real_text_past_the_exact_reach(smollm2):
