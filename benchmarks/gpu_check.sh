@@ -2,7 +2,7 @@
 # Issue 30's GPU check on a CUDA machine, in two calls that fit a session's 15 minutes of device time: first
 # `bash benchmarks/gpu_check.sh` (the speed part, at most 8.2 minutes: each step within its time limit, the first
 # calls of each length compiling the attention, cold on a fresh machine), then on the machine still warm
-# `bash benchmarks/gpu_check.sh tests` (at most 4.7 minutes). `... all` runs both; LENGTHS="8192 2048 512" (say)
+# `bash benchmarks/gpu_check.sh tests` (at most 5.7 minutes). `... all` runs both; LENGTHS="8192 2048 512" (say)
 # times other lengths.
 #
 #   1. speed: benchmarks/model_speed.py --check: every arm's logits on the GPU in bfloat16 against float32 on the
@@ -21,7 +21,8 @@
 #      the far field's kernels compiled for the GPU against float64 PyTorch, and test_hybrid_routing_triton.py,
 #      routing's kernel against its PyTorch steps (on the CPU, and on the GPU at 8K tokens). Each test's time and
 #      short tracebacks go to the log. They come in the second call: each compiles its kernels in two precisions (the
-#      13 took 130 s on a fresh H200 in run 6), and the speed part checks the models' logits itself.
+#      13 took 130 s on a fresh H200 in run 6; of the 16 in run 9, 11 in 240 s), and the speed part checks the
+#      models' logits itself.
 #      (The other tests of those files run in CI on a CPU, in Triton's interpreter; those against the C++ CPU
 #      kernels need a build this check skips.)
 #
@@ -82,14 +83,14 @@ if [ "$part" != tests ]; then
     | tee -a "$out/gpu_check.log" || true
 fi
 if [ "$part" != speed ]; then
-  limit=240
+  limit=290
   # (a test past 100 s fails with its stack: the device image has pytest-timeout; causal FAVOR+'s ran past 80 s once)
   # (failures show warnings, not the DEBUG records inductor logs: run 6's buried the summary)
   timeout "$limit" python3 -m pytest -v -p no:cacheprovider --tb=short --durations=10 --timeout 100 -m cuda \
     -o log_level=WARNING tests/modeling/test_favor_exp_triton.py tests/modeling/test_hybrid_triton.py \
     tests/modeling/test_hybrid_flex.py tests/modeling/test_sparse_flex.py tests/modeling/test_device_compile.py 2>&1 \
     | tee -a "$out/gpu_check.log" || tests=$?
-  timeout 60 python3 -m pytest -q -p no:cacheprovider --tb=short tests/modeling/test_far_field_triton.py \
+  timeout 50 python3 -m pytest -q -p no:cacheprovider --tb=short tests/modeling/test_far_field_triton.py \
     tests/modeling/test_hybrid_routing_triton.py 2>&1 | tee -a "$out/gpu_check.log" || tests=$?
 fi
 if [ "$tests" != 0 ]; then echo "the GPU tests FAILED (status $tests): see above" | tee -a "$out/gpu_check.log"; fi

@@ -251,6 +251,20 @@ def _call(far_field="poly2", causal=False, dtype=torch.float32, **settings):
     return favor_hybrid._prepare(q, k, v, W, spec, causal, kwargs)
 
 
+def test_what_a_mask_mod_reads_passes_through_memory_unchanged():
+    """``in_memory`` (the tensors a ``mask_mod`` captures, as a reduction's output: on CUDA inductor otherwise inlined
+    a concatenation into the mask, which FlexAttention's template could not render) changes no value: masks of both
+    values, positions below zero, in eager and compiled."""
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.rand(3, 200, generator=generator) > 0.5
+    positions = torch.randint(-5, 300, (200,), generator=generator)
+    padded = lambda m: hybrid_flex.in_memory(torch.nn.functional.pad(torch.cat([m, ~m], dim=-1), (0, 56)))  # noqa: E731
+    for tensor in (mask, positions):
+        assert torch.equal(hybrid_flex.in_memory(tensor), tensor)
+    want = torch.nn.functional.pad(torch.cat([mask, ~mask], dim=-1), (0, 56))
+    assert torch.equal(torch.compile(padded, backend="aot_eager", fullgraph=True)(mask), want)
+
+
 def test_which_calls_flex_attention_serves_on_cuda(monkeypatch):
     monkeypatch.setattr(hybrid_backends, "flex_available", lambda: True)
     serves = lambda call, causal=False: isinstance(hybrid_backends._cuda_backend(call, causal), FlexBackend)  # noqa: E731

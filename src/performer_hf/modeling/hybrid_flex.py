@@ -164,7 +164,8 @@ def support_mask(selection: Selection, key_padding: bool = True, layout: tuple[K
     padded = -(-L // TILE) * TILE  # TILE is a multiple of block_q and block_k (see choose_backend)
     tiles, key_tiles = padded // TILE, (shift + padded) // TILE
     key_padding = key_padding or selection.continues  # the buffer's and the front's empty keys
-    key_mask = F.pad(all_keys.mask, (0, shift + padded - all_keys.mask.shape[1]), value=False)  # (B, key tiles * TILE)
+    key_mask = F.pad(all_keys.mask, (0, shift + padded - all_keys.mask.shape[1]), value=False)
+    key_mask = in_memory(key_mask)  # (B, key tiles * TILE)
     routed_words, routed_tiles, full_routed = _routed(selection, B, H, padded, tiles)
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -199,6 +200,19 @@ def support_mask(selection: Selection, key_padding: bool = True, layout: tuple[K
     full = full & real_keys.all(-1)  # mask_mod runs only on the other tiles: the per-score lookups cost most
     shape = (B, H, tiles, key_tiles)
     return tile_mask(touched.expand(shape), mask_mod, (L, shift + L), full.expand(shape))
+
+
+# wider than the reductions inductor unrolls into pointwise code (its config's unroll_reductions_threshold, 8)
+_REDUCED_WIDTH = 16
+
+
+def in_memory(tensor: Tensor) -> Tensor:
+    """``tensor`` (.., S) unchanged, as a reduction's output, which inductor writes to memory where it computes it: for
+    the tensors a ``mask_mod`` reads. FlexAttention's Triton lowering builds the ``mask_mod`` over its captured tensors
+    before it writes them out (torch 2.11 to 2.13): a tensor that a concatenation or a padding computes in the same
+    graph is inlined with its masked loads, which the template cannot render (``'function' object has no attribute
+    'graph'``: on an H200, a decoder's hybrid after an exact prefix, whose keys follow the state's)."""
+    return tensor[..., None].expand(*tensor.shape, _REDUCED_WIDTH).amax(-1)  # (.., S)
 
 
 def tile_mask(touched: Tensor, mask_mod, lengths: tuple[int, int], full: Tensor | None = None):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .hybrid_flex import TILE, block_bits, flex_attend, flex_available, flex_enabled, has_bit, tile_mask
+from .hybrid_flex import TILE, block_bits, flex_attend, flex_available, flex_enabled, has_bit, in_memory, tile_mask
 from .slabs import slabs
 from .sparse_spec import SparseSpec
 
@@ -52,9 +52,9 @@ def flex_prefill(q: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor, spec
     padded = -(-L // TILE) * TILE
     tiles = padded // TILE
     words, selected_tiles = _selection(scaled, keys, selectable, window_start, spec, padded)
-    key_mask_p = F.pad(key_mask, (0, padded - L), value=False)
-    selectable_p = F.pad(selectable, (0, padded - L), value=False)
-    window_start_p = F.pad(window_start, (0, padded - L))
+    key_mask_p = in_memory(F.pad(key_mask, (0, padded - L), value=False))  # (B, padded): what mask_mod reads
+    selectable_p = in_memory(F.pad(selectable, (0, padded - L), value=False))
+    window_start_p = in_memory(F.pad(window_start, (0, padded - L)))
     nb_global = spec.num_global_tokens
 
     def mask_mod(b, h, q_idx, kv_idx):
