@@ -92,6 +92,21 @@ def test_every_head_has_the_right_shapes_and_a_loss(ln):
         assert all(g is not None and torch.isfinite(g).all() for g in grads), head.__name__
 
 
+def test_the_masked_lm_decoder_adds_its_bias_once_and_a_wrapped_decoder_runs_its_own_forward():
+    """The MLM head's logits are the decoder's product plus the separate bias (BERT's ``cls.predictions.bias``), in
+    one fused call for a plain ``nn.Linear`` decoder; a decoder with a forward hook (an adapter, offloading) runs its
+    own forward, which the logits then reflect."""
+    model = tiny_model(PerformerForMaskedLM).eval()
+    with torch.no_grad():
+        model.lm_head.bias.normal_(generator=torch.Generator().manual_seed(0))
+    head, hidden = model.lm_head, torch.randn(2, 5, HIDDEN, generator=torch.Generator().manual_seed(1))
+    transformed = head.layer_norm(head.act(head.dense(hidden)))
+    want = transformed @ head.decoder.weight.T + head.bias  # (2, 5, vocab)
+    torch.testing.assert_close(head(hidden), want)
+    head.decoder.register_forward_hook(lambda module, args, output: output * 2)
+    torch.testing.assert_close(head(hidden), 2 * (want - head.bias) + head.bias)
+
+
 def test_causal_lm_loss_is_shifted_cross_entropy_and_honours_num_items():
     model = tiny_model()
     ids = random_ids(2, 9)

@@ -288,6 +288,17 @@ class PerformerPooler(nn.Module):
         return self.activation(self.dense(hidden_states[:, 0]))
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` computes exactly ``F.linear(x, module.weight)``: a bias-free ``nn.Linear`` itself, not a
+    subclass (quantized layers), and without hooks (Accelerate's offloading replaces ``forward`` and sets
+    ``_hf_hook``)."""
+    return (
+        type(module) is nn.Linear
+        and module.bias is None
+        and not (module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"))
+    )
+
+
 class PerformerMaskedLMHead(nn.Module):
     """dense + activation + LayerNorm, then the (tied) decoder: BERT's and RoBERTa's MLM head."""
 
@@ -301,8 +312,10 @@ class PerformerMaskedLMHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = self.layer_norm(self.act(self.dense(hidden_states)))
-        # the bias added in place: one (B, L, vocab) tensor, as the source's fused decoder bias (a second one of that
-        # size would be a whole logits' worth of memory at the head's peak)
+        if _plain_linear(self.decoder):  # the product and the bias in one call (addmm), as the source's decoder
+            return nn.functional.linear(hidden_states, self.decoder.weight, self.bias)  # (B, L, vocab)
+        # a decoder wrapped (an adapter, a quantized or hooked layer): its own forward, the bias added in place (a
+        # second (B, L, vocab) tensor would be a whole logits' worth of memory at the head's peak)
         return self.decoder(hidden_states).add_(self.bias)  # (B, L, vocab)
 
     @torch.no_grad()
