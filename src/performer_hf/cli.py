@@ -177,38 +177,43 @@ def run(args: argparse.Namespace) -> int:
     """Run a parsed command line (``performer_hf_cli.parser()``); returns the exit status."""
     with _command_logging(getattr(args, "quiet", False)):
         try:
-            if args.command == "convert":
-                print(_convert(args))
-            elif args.command == "zoo":
-                _zoo(args)
-            elif args.command == "push":
-                from .hub import push_to_hub
-
-                commit = push_to_hub(
-                    args.folder,
-                    args.repo_id,
-                    private=args.private,
-                    revision=args.revision,
-                    commit_message=args.message,
-                    create_pr=args.create_pr,
-                )
-                print(commit.commit_url)
-            else:
-                from .conversion.demo import format_demo, run_demo
-
-                result = run_demo(
-                    args.output_dir,
-                    length=args.length,
-                    num_sentences=args.sentences,
-                    repeats=args.repeats,
-                    overwrite=args.overwrite,
-                    method=args.method,
-                )
-                print(format_demo(result))
+            _dispatch(args)
         except (ConversionError, ZooError, PushError) as error:
             print(f"performer-hf: error: {error}", file=sys.stderr)
             return 1
-        return 0
+    return 0
+
+
+def _dispatch(args: argparse.Namespace) -> None:
+    """Run the command ``args`` names, printing its result."""
+    if args.command == "convert":
+        print(_convert(args))
+    elif args.command == "zoo":
+        _zoo(args)
+    elif args.command == "push":
+        from .hub import push_to_hub
+
+        commit = push_to_hub(
+            args.folder,
+            args.repo_id,
+            private=args.private,
+            revision=args.revision,
+            commit_message=args.message,
+            create_pr=args.create_pr,
+        )
+        print(commit.commit_url)
+    else:
+        from .conversion.demo import format_demo, run_demo
+
+        result = run_demo(
+            args.output_dir,
+            length=args.length,
+            num_sentences=args.sentences,
+            repeats=args.repeats,
+            overwrite=args.overwrite,
+            method=args.method,
+        )
+        print(format_demo(result))
 
 
 if __name__ == "__main__":
