@@ -107,6 +107,30 @@ def test_the_masked_lm_decoder_adds_its_bias_once_and_a_wrapped_decoder_runs_its
     torch.testing.assert_close(head(hidden), 2 * (want - head.bias) + head.bias)
 
 
+@pytest.mark.parametrize("head", [PerformerForMaskedLM, PerformerForCausalLM])
+def test_a_mask_with_nothing_padded_is_dropped_before_attention(head):
+    """A tokenizer's mask of a batch without padding (all ones) reaches attention as no mask (its unmasked paths:
+    flash, a hybrid mask without key lookups), the outputs unchanged; a mask with padding reaches it."""
+    model = tiny_model(head).eval()
+    seen = []
+    for module in model.modules():
+        if hasattr(module, "attend"):
+            attend = module.attend
+            module.attend = lambda m, q, k, v, key_mask, *rest, attend=attend: (
+                seen.append(key_mask) or attend(m, q, k, v, key_mask, *rest)
+            )
+    ids = random_ids(2, 9)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        unmasked = model(input_ids=ids, use_cache=False).logits
+        ones = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        assert len(seen) == 2 * LAYERS and all(key_mask is None for key_mask in seen)
+        mask[1, 6:] = 0
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    torch.testing.assert_close(ones, unmasked, rtol=0, atol=0)
+    assert all(key_mask is not None for key_mask in seen[2 * LAYERS :])
+
+
 def test_causal_lm_loss_is_shifted_cross_entropy_and_honours_num_items():
     model = tiny_model()
     ids = random_ids(2, 9)

@@ -203,6 +203,10 @@ class PerformerModel(PerformerPreTrainedModel):
                 f"attention_mask must be 2D (batch, past + new tokens) = (batch, {past_length + length}) with 1 for "
                 f"real tokens; got {tuple(key_mask.shape)}."
             )
+        if key_mask is not None and not torch.compiler.is_compiling() and bool(key_mask.all()):
+            # nothing padded (a tokenizer's mask of a batch of one length): the attention calls take their unmasked
+            # paths (flash; the hybrid's mask looks no key up), as transformers drops such masks for SDPA
+            key_mask = None
 
         hidden_states = self.embeddings(
             input_ids=input_ids,
