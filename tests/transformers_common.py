@@ -60,8 +60,10 @@ def _cache_dir() -> Path:
 
 def _download_sdist(into: Path) -> Path:
     version = transformers.__version__
+    # pip prepares the sdist's metadata in an isolated build environment: the test environment's own setuptools may
+    # predate bdist_wheel (68.0, the oldest leg's bound, needs the wheel package for it)
     command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:"]
-    command += ["--no-build-isolation", "-d", str(into), f"transformers=={version}"]
+    command += ["-d", str(into), f"transformers=={version}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     archives = list(into.glob("transformers-*.tar.gz"))
     if result.returncode != 0 or not archives:
