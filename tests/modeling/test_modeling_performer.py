@@ -94,8 +94,8 @@ def test_every_head_has_the_right_shapes_and_a_loss(ln):
 
 def test_the_masked_lm_decoder_adds_its_bias_once_and_a_wrapped_decoder_runs_its_own_forward():
     """The MLM head's logits are the decoder's product plus the separate bias (BERT's ``cls.predictions.bias``), in
-    one fused call for a plain ``nn.Linear`` decoder; a decoder with a forward hook (an adapter, offloading) runs its
-    own forward, which the logits then reflect."""
+    one fused call for a plain ``nn.Linear`` decoder; a decoder with hooks (an adapter, offloading) runs its own
+    call: its backward hook runs, its forward hook's change reaches the logits."""
     model = tiny_model(PerformerForMaskedLM).eval()
     with torch.no_grad():
         model.lm_head.bias.normal_(generator=torch.Generator().manual_seed(0))
@@ -103,6 +103,10 @@ def test_the_masked_lm_decoder_adds_its_bias_once_and_a_wrapped_decoder_runs_its
     transformed = head.layer_norm(head.act(head.dense(hidden)))
     want = transformed @ head.decoder.weight.T + head.bias  # (2, 5, vocab)
     torch.testing.assert_close(head(hidden), want)
+    backward = []
+    head.decoder.register_full_backward_hook(lambda module, grad_in, grad_out: backward.append(1))
+    head(hidden.requires_grad_()).sum().backward()
+    assert backward == [1]  # a backward hook runs only through the decoder's own call
     head.decoder.register_forward_hook(lambda module, args, output: output * 2)
     torch.testing.assert_close(head(hidden), 2 * (want - head.bias) + head.bias)
 

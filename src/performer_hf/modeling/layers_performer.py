@@ -290,13 +290,10 @@ class PerformerPooler(nn.Module):
 
 def _plain_linear(module: nn.Module) -> bool:
     """Whether ``module`` computes exactly ``F.linear(x, module.weight)``: a bias-free ``nn.Linear`` itself, not a
-    subclass (quantized layers), and without hooks (Accelerate's offloading replaces ``forward`` and sets
-    ``_hf_hook``)."""
-    return (
-        type(module) is nn.Linear
-        and module.bias is None
-        and not (module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"))
-    )
+    subclass (quantized layers), and without hooks, which only its own call runs (forward and backward ones;
+    Accelerate's offloading replaces ``forward`` and sets ``_hf_hook``)."""
+    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    return type(module) is nn.Linear and module.bias is None and not any(hooks) and not hasattr(module, "_hf_hook")
 
 
 class PerformerMaskedLMHead(nn.Module):
@@ -314,9 +311,9 @@ class PerformerMaskedLMHead(nn.Module):
         hidden_states = self.layer_norm(self.act(self.dense(hidden_states)))
         if _plain_linear(self.decoder):  # the product and the bias in one call (addmm), as the source's decoder
             return nn.functional.linear(hidden_states, self.decoder.weight, self.bias)  # (B, L, vocab)
-        # a decoder wrapped (an adapter, a quantized or hooked layer): its own forward, the bias added in place (a
-        # second (B, L, vocab) tensor would be a whole logits' worth of memory at the head's peak)
-        return self.decoder(hidden_states).add_(self.bias)  # (B, L, vocab)
+        # a decoder wrapped (an adapter, a quantized or hooked layer): its own call, the bias added out of place (a
+        # full backward hook returns its output as a view that autograd forbids changing in place)
+        return self.decoder(hidden_states) + self.bias  # (B, L, vocab)
 
     @torch.no_grad()
     def resize_bias(self, vocab_size: int) -> None:
