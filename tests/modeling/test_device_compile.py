@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from performer_hf import PerformerForCausalLM, PerformerForMaskedLM
-from performer_hf.modeling import device_compile, far_field_polynomial, favor_hybrid, hybrid_backends
+from performer_hf.modeling import device_compile, far_field_polynomial, favor_hybrid, hybrid_backends, slabs
 from performer_hf.modeling.hybrid_flex import TILE, FlexBackend
 
 from ..flex_reference import dense_attend
@@ -387,9 +387,46 @@ def test_compiled_token_loss_matches_eager(monkeypatch, counter):
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
 
 
+def test_compiled_token_loss_takes_all_rows_at_once_without_a_scatter(monkeypatch, counter):
+    """Compiled, the loss runs as one chunk of all rows each way (no gradient copied into place), and backward's graph
+    subtracts the label without an in-place scatter into the softmax (inductor would have to write the softmax out
+    first); the gradient is eager's, to the bit."""
+    from performer_hf.modeling import token_loss
+
+    graphs = []
+
+    def capturing(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return counter(graph_module, example_inputs)
+
+    monkeypatch.setattr(device_compile, "BACKEND", capturing)
+    monkeypatch.setitem(slabs.SLAB_ELEMENTS["cpu"], "loss", 37 * 16)  # eagerly: chunks of 16 rows, the last of 6
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 50, 37, generator=generator).bfloat16().requires_grad_()
+    labels = torch.randint(0, 37, (3, 50), generator=generator)
+    labels[:, ::4] = token_loss.IGNORE_INDEX
+
+    def loss_and_grad():
+        logits.grad = None
+        loss = token_loss.token_cross_entropy(logits, labels)
+        loss.backward()
+        return loss.detach(), logits.grad.clone()
+
+    monkeypatch.setenv("PERFORMER_HF_COMPILE", "0")
+    want = loss_and_grad()
+    monkeypatch.setenv("PERFORMER_HF_COMPILE", "1")
+    got = loss_and_grad()
+    assert counter.frame_count == 2  # one forward chunk, one backward chunk
+    called = [str(node.target) for graph in graphs for node in graph.graph.nodes if node.op.startswith("call")]
+    assert any("softmax" in name for name in called) and not any("scatter" in name for name in called)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
 @pytest.mark.cuda
 def test_cuda_compiled_token_loss_matches_eager(monkeypatch):
-    """On CUDA (inductor): the token loss of bfloat16 logits, 3,000 tokens of BERT's vocabulary, against eager."""
+    """On CUDA (inductor): the token loss of bfloat16 logits, 3,000 tokens of BERT's vocabulary, against eager;
+    compiled, its forward and backward make nothing of the logits' size but their gradient (no float32 softmax)."""
     from performer_hf.modeling import token_loss
 
     torch._dynamo.reset()
@@ -397,12 +434,18 @@ def test_cuda_compiled_token_loss_matches_eager(monkeypatch):
     logits = torch.randn(3000, 30522, generator=generator).bfloat16().cuda().requires_grad_()
     labels = torch.randint(0, 30522, (3000,), generator=generator).cuda()
     labels[::5] = token_loss.IGNORE_INDEX
-    results = []
-    for flag in ("0", "1"):
+    results, peaks = [], []
+    for flag in ("0", "1", "1"):  # eager, compiled (compiling), compiled again
         monkeypatch.setenv("PERFORMER_HF_COMPILE", flag)
         logits.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
         loss = token_loss.token_cross_entropy(logits, labels)
         loss.backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - before)
         results.append((loss.detach(), logits.grad.clone()))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=0)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-2, atol=1e-6)
+    assert peaks[2] < 1.25 * logits.numel() * logits.element_size()  # the gradient and per-row vectors
