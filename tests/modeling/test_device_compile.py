@@ -37,6 +37,10 @@ MODELS = {
 }
 
 
+# graphs of a model's exact prefix's state, beside its attention call's (the prefix has the same length every time)
+PREFIX_STATE_GRAPHS = {name: int("exact prefix" in name) for name in MODELS}
+
+
 @pytest.fixture
 def counter(monkeypatch):
     """Compile for the CPU with a counting ``aot_eager`` backend; dynamo's caches cleared around the test."""
@@ -113,8 +117,10 @@ def test_lengths_of_one_bucket_share_a_graph_and_see_no_padding(monkeypatch, cou
     assert graphs >= 1
     for length in (38, 39):
         _assert_matches_eager(monkeypatch, model, length)
+    assert counter.frame_count == graphs  # the bucket's graph served every length
     _assert_matches_eager(monkeypatch, model, 39, padded=False)
-    assert counter.frame_count == graphs  # the bucket's graph served every length, with or without a mask
+    # with or without a mask (the exact prefix's state: a graph of each)
+    assert counter.frame_count == graphs + PREFIX_STATE_GRAPHS[name]
 
 
 def test_the_far_field_built_from_features_compiles_as_on_cuda(monkeypatch, counter):
@@ -185,7 +191,7 @@ def test_flex_attention_itself_traces_into_the_graph(monkeypatch, counter, name)
         for flag in ("0", "1"):
             monkeypatch.setenv("PERFORMER_HF_COMPILE", flag)
             logits[flag] = model(input_ids=ids, attention_mask=mask, **extra).logits
-    assert counter.frame_count == 1
+    assert counter.frame_count == 1 + PREFIX_STATE_GRAPHS[name]
     torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-5, atol=1e-5)
 
 
@@ -285,7 +291,8 @@ def test_a_prefill_is_compiled_and_decodes_as_eager(monkeypatch, counter, settin
     _flex_backend(monkeypatch)
     model = random_centres(tiny_model(PerformerForCausalLM, max_position_embeddings=80, **settings))
     generated = _eager_and_compiled_generations(monkeypatch, model)
-    assert counter.frame_count == 1  # the prefill's graph (its layers share it); no step's
+    # the prefill's graph (its layers share it), and the exact prefix's state's; no step's
+    assert counter.frame_count == 1 + (settings.get("exact_max_length", 0) > 0)
     assert torch.equal(generated["1"][0], generated["0"][0])
     torch.testing.assert_close(generated["1"][1], generated["0"][1], rtol=1e-5, atol=1e-5)
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .device_compile import call_compiled_attention, compiles
+from .device_compile import call_compiled, call_compiled_attention, compiles
 from .far_fields import get_far_field
 from .favor_hybrid import hybrid_attention, hybrid_prefill_state
 from .hybrid_spec import HybridSpec, HybridState
@@ -74,11 +74,15 @@ def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None, afte
 def _exact_prefix_state(module: nn.Module, k, v, key_mask) -> HybridState:
     """The hybrid's state after the positions of an exact prefix, from their keys and values (B, H, T, .) and the
     key mask (B, >= T) or None: what the queries after it read (their far field, window buffer and global keys).
-    The state reads no query: the keys stand in for them."""
-    visible = None if key_mask is None else key_mask[:, : k.shape[2]]
+    The state reads no query: the keys stand in for them. Compiled where calls compile (a prefix is always
+    ``exact_max_length`` long: one graph with a key mask and one without), as eager it would be a hundred small
+    kernels per layer. Its inputs are copied out of the longer sequence's tensors (whose strides vary with its length:
+    a graph for each), a few megabytes."""
+    k, v = k.contiguous(), v.contiguous()  # (B, H, T, .)
+    visible = None if key_mask is None else key_mask[:, : k.shape[2]].contiguous()  # (B, T)
     projection, kwargs = _call_settings(module, k.device, True, visible, k.shape[2])
     with torch.autocast(k.device.type, enabled=False):
-        return hybrid_prefill_state(k, k, v, projection, module.hybrid_spec, **kwargs)
+        return call_compiled(hybrid_prefill_state, k.device, k, k, v, projection, module.hybrid_spec, **kwargs)
 
 
 def _call_settings(module: nn.Module, device, causal: bool, key_mask, length: int) -> tuple[Tensor | None, dict]:
