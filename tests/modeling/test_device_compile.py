@@ -368,6 +368,21 @@ def test_cuda_prefill_decodes_as_eager(monkeypatch, name):
     torch.testing.assert_close(generated["1"][1], generated["0"][1], rtol=1e-4, atol=1e-4)
 
 
+def _eager_and_compiled_loss(monkeypatch, logits, labels) -> tuple[tuple, tuple]:
+    """The token loss of ``logits`` against ``labels`` and its gradient, eager then compiled: ((loss, grad), (loss,
+    grad))."""
+    from performer_hf.modeling import token_loss
+
+    results = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("PERFORMER_HF_COMPILE", flag)
+        logits.grad = None
+        loss = token_loss.token_cross_entropy(logits, labels)
+        loss.backward()
+        results.append((loss.detach(), logits.grad.clone()))
+    return results[0], results[1]
+
+
 def test_compiled_token_loss_matches_eager(monkeypatch, counter):
     """The token loss's chunks compiled (forward: the labels' log-probabilities; backward: softmax minus the label):
     the loss and the gradient of bfloat16 logits against eager, several chunks, unscored rows among them."""
@@ -379,16 +394,7 @@ def test_compiled_token_loss_matches_eager(monkeypatch, counter):
     labels = torch.randint(0, 37, (64,), generator=generator)
     labels[::5] = token_loss.IGNORE_INDEX
 
-    def loss_and_grad():
-        logits.grad = None
-        loss = token_loss.token_cross_entropy(logits, labels)
-        loss.backward()
-        return loss.detach(), logits.grad.clone()
-
-    monkeypatch.setenv("PERFORMER_HF_COMPILE", "0")
-    want = loss_and_grad()
-    monkeypatch.setenv("PERFORMER_HF_COMPILE", "1")
-    got = loss_and_grad()
+    want, got = _eager_and_compiled_loss(monkeypatch, logits, labels)
     assert counter.frame_count >= 2  # the forward and the backward chunk (then the last chunk's shape)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
@@ -413,16 +419,7 @@ def test_compiled_token_loss_takes_all_rows_at_once_without_a_scatter(monkeypatc
     labels = torch.randint(0, 37, (3, 50), generator=generator)
     labels[:, ::4] = token_loss.IGNORE_INDEX
 
-    def loss_and_grad():
-        logits.grad = None
-        loss = token_loss.token_cross_entropy(logits, labels)
-        loss.backward()
-        return loss.detach(), logits.grad.clone()
-
-    monkeypatch.setenv("PERFORMER_HF_COMPILE", "0")
-    want = loss_and_grad()
-    monkeypatch.setenv("PERFORMER_HF_COMPILE", "1")
-    got = loss_and_grad()
+    want, got = _eager_and_compiled_loss(monkeypatch, logits, labels)
     assert counter.frame_count == 2  # one forward chunk, one backward chunk
     called = [str(node.target) for graph in graphs for node in graph.graph.nodes if node.op.startswith("call")]
     assert any("softmax" in name for name in called) and not any("scatter" in name for name in called)
