@@ -291,16 +291,34 @@ def test_a_prefill_is_compiled_and_decodes_as_eager(monkeypatch, counter, settin
     _flex_backend(monkeypatch)
     model = random_centres(tiny_model(PerformerForCausalLM, max_position_embeddings=80, **settings))
     generated = _eager_and_compiled_generations(monkeypatch, model)
-    # the prefill's graph (its layers share it), and the exact prefix's state's; no step's
-    assert counter.frame_count == 1 + (settings.get("exact_max_length", 0) > 0)
+    # the prefill's graph (its layers share it), the hybrid's state's, and the exact prefix's state's; no step's
+    hybrid = settings["attention_method"] == "hybrid"
+    assert counter.frame_count == 1 + hybrid + (settings.get("exact_max_length", 0) > 0)
     assert torch.equal(generated["1"][0], generated["0"][0])
     torch.testing.assert_close(generated["1"][1], generated["0"][1], rtol=1e-5, atol=1e-5)
 
 
-def _eager_and_compiled_generations(monkeypatch, model, device: str = "cpu") -> dict:
-    """Greedy generation of 5 tokens after a left-padded batch of 37, with ``PERFORMER_HF_COMPILE`` "0" and "1":
-    ``{flag: (sequences, step logits)}``."""
-    ids = random_ids(batch=2, length=37, seed=3).to(device)
+@pytest.mark.parametrize("exact_max_length", [0, 16], ids=["hybrid", "exact prefix then hybrid"])
+def test_a_prefills_state_compiles_once_for_every_later_prompt_length(monkeypatch, counter, exact_max_length):
+    """Prompts of three lengths: the hybrid's prefill state compiles for a first length and then once with dynamic
+    lengths (its inputs copied contiguous: views of the sequence would guard on its length), not once per length;
+    each prompt generates eager's tokens and step logits."""
+    _flex_backend(monkeypatch)
+    settings = dict(attention_method="hybrid", exact_max_length=exact_max_length)
+    model = random_centres(tiny_model(PerformerForCausalLM, max_position_embeddings=80, **settings))
+    lengths = (37, 29, 21)  # attention buckets 40, 30, 22: a graph each
+    for length in lengths:
+        generated = _eager_and_compiled_generations(monkeypatch, model, length=length)
+        assert torch.equal(generated["1"][0], generated["0"][0])
+        torch.testing.assert_close(generated["1"][1], generated["0"][1], rtol=1e-5, atol=1e-5)
+    # the state's: one static graph (the first prompt's, or the exact prefix's, always 16 long), then one dynamic
+    assert counter.frame_count == len(lengths) + 2
+
+
+def _eager_and_compiled_generations(monkeypatch, model, device: str = "cpu", length: int = 37) -> dict:
+    """Greedy generation of 5 tokens after a left-padded batch of ``length``, with ``PERFORMER_HF_COMPILE`` "0" and
+    "1": ``{flag: (sequences, step logits)}``."""
+    ids = random_ids(batch=2, length=length, seed=3).to(device)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     generated = {}

@@ -62,7 +62,7 @@ def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None, afte
             context = call_compiled_attention(
                 hybrid_attention, q, k, v, projection, spec, initial_state=after, **kwargs
             )
-            state = hybrid_prefill_state(q, k, v, projection, spec, initial_state=after, **kwargs)
+            state = _prefill_state(module, k, v, projection, after, kwargs)
         else:
             context, state = hybrid_attention(
                 q, k, v, projection, spec, initial_state=state, return_state=True, **kwargs
@@ -71,18 +71,28 @@ def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None, afte
     return context
 
 
+def _prefill_state(module: nn.Module, k, v, projection, after: HybridState | None, kwargs: dict) -> HybridState:
+    """The hybrid's state after the keys and values (B, H, L, .) of a prefill (after ``after``, or from the first
+    token; ``kwargs``: :func:`_call_settings`'), as decoding reads it: compiled where calls compile, since eagerly it
+    is about a hundred small kernels per layer. One graph for a first length, then one with dynamic lengths
+    (:func:`.call_compiled`); an exact prefix is always ``exact_max_length`` long. The inputs are copied contiguous
+    (a few megabytes): as views of a longer sequence's tensors their strides would follow its length (a graph each).
+    The state reads no query: the keys stand in for them."""
+    k, v = k.contiguous(), v.contiguous()  # (B, H, L, .)
+    mask = kwargs["key_padding_mask"]
+    kwargs = {**kwargs, "key_padding_mask": None if mask is None else mask.contiguous()}  # (B, L)
+    with torch.autocast(k.device.type, enabled=False):
+        return call_compiled(
+            hybrid_prefill_state, k.device, k, k, v, projection, module.hybrid_spec, initial_state=after, **kwargs
+        )
+
+
 def _exact_prefix_state(module: nn.Module, k, v, key_mask) -> HybridState:
     """The hybrid's state after the positions of an exact prefix, from their keys and values (B, H, T, .) and the
-    key mask (B, >= T) or None: what the queries after it read (their far field, window buffer and global keys).
-    The state reads no query: the keys stand in for them. Compiled where calls compile (a prefix is always
-    ``exact_max_length`` long: one graph with a key mask and one without), as eager it would be a hundred small
-    kernels per layer. Its inputs are copied out of the longer sequence's tensors (whose strides vary with its length:
-    a graph for each), a few megabytes."""
-    k, v = k.contiguous(), v.contiguous()  # (B, H, T, .)
-    visible = None if key_mask is None else key_mask[:, : k.shape[2]].contiguous()  # (B, T)
+    key mask (B, >= T) or None: what the queries after it read (their far field, window buffer and global keys)."""
+    visible = None if key_mask is None else key_mask[:, : k.shape[2]]  # (B, T)
     projection, kwargs = _call_settings(module, k.device, True, visible, k.shape[2])
-    with torch.autocast(k.device.type, enabled=False):
-        return call_compiled(hybrid_prefill_state, k.device, k, k, v, projection, module.hybrid_spec, **kwargs)
+    return _prefill_state(module, k, v, projection, None, kwargs)
 
 
 def _call_settings(module: nn.Module, device, causal: bool, key_mask, length: int) -> tuple[Tensor | None, dict]:
