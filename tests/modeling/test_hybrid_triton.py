@@ -158,7 +158,7 @@ def test_the_routes_inverted_give_each_key_blocks_choosers_once_in_pieces(monkey
 def test_the_operators_take_rows_of_any_strides():
     """Both operators give the same outputs for rows that are not contiguous (inductor may pad them), and their fake
     outputs have the real ones' strides."""
-    tensors, key_shift, mask, routes = _inputs([8, 8, 1, 16, 8], d=32, dv=32, length=24, routed=1)
+    tensors, key_shift, mask, routes = _inputs([8, 8, 1, 16, 8], d=32, dv=32, routed=1)
     x, rq, q_scale, far_sum, y, values1, klog = tensors
     ops, settings = torch.ops.performer_hf, ([8, 8, 1, 16, 8], 0.25, "pytorch")
     rows = [x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes.to(torch.int32)]

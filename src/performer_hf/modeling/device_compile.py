@@ -6,9 +6,8 @@ Measured on an H200 (bfloat16, one bidirectional call of 12 heads x 32K tokens x
 ``benchmarks/results/attention_parts_h200``): FAVOR+ 10.96 -> 6.13 ms (flash attention: 26.8 ms), the hybrid
 218.5 -> 39.2 ms. Every call without a cache is compiled: FAVOR+ and the hybrid, bidirectional and causal (each a
 graph without breaks), and a decoder's prefill (its state computed apart: ``hybrid_prefill_state`` compiled as
-well, with dynamic lengths from a second one on; ``favor_prefill_state``, a few matrix products, eager); decoding steps
-stay eager. The CPU keeps its own kernels (``cpu_kernels``,
-``hybrid_compiled``) and eager PyTorch.
+well, with dynamic lengths from a second one on; ``favor_prefill_state``, a few matrix products, eager); decoding
+steps stay eager. The CPU keeps its own kernels (``cpu_kernels``, ``hybrid_compiled``) and eager PyTorch.
 
 - :func:`compile_settings`: every kind of call (method, mask, score, gradient mode, length bucket) compiles its own
   graphs, more than dynamo's default limit of 8 per function (and 256 in all); past its limit dynamo would silently
