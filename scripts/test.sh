@@ -16,4 +16,5 @@ python -c "import transformers; print(f'transformers {transformers.__version__}'
 # the linter and the formatter ruff is configured with (pyproject.toml): a finding fails the run
 python -m ruff check .
 python -m ruff format --check .
-python -m pytest -q "${studies[@]}" "$@"
+# on every core (pytest-xdist; at most 4 workers, each holding its own models), the tests spread as workers go idle
+python -m pytest -q --numprocesses logical --maxprocesses 4 --dist worksteal "${studies[@]}" "$@"

@@ -5,16 +5,35 @@ import os
 import pytest
 import torch
 
-from .study_runs import QuickRuns, selected_studies
-
 # Triton kernels (modeling/far_field_triton.py) run in Triton's interpreter on a machine without CUDA: it reads this
 # when the kernels are defined, at import
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Under pytest-xdist (scripts/test.sh runs the suite on every core), each worker runs torch on its share of the cores,
+# and so do the processes its tests start: more threads than cores makes tiny tensors' work ~100x slower
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if WORKERS:
+    threads = max(1, (os.cpu_count() or 1) // WORKERS)
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+# the studies' longest smoke runs (tests/test_studies.py; about 70 to 180 s each on one thread), in that order
+LONGEST_STUDIES = ("llm_linearization", "model_speed", "long_context_retrieval", "long_documents", "compat_sentiment")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` skip where there is no CUDA device (``benchmarks/gpu_check.sh`` runs them on one)."""
+    """Tests marked ``cuda`` skip where there is no CUDA device (``benchmarks/gpu_check.sh`` runs them on one).
+    Under pytest-xdist the studies' smoke runs (a minute or more each) come first, the longest first, so that the
+    workers share them and no long run is left for the end while the other workers idle."""
+    if WORKERS:
+        rank = {study: index for index, study in enumerate(LONGEST_STUDIES)}
+
+        def order(item):
+            study = item.callspec.params.get("study") if item.get_closest_marker("studies") else None
+            return (0, rank.get(study, len(rank))) if study else (1, 0)
+
+        items.sort(key=order)  # stable: the other tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (benchmarks/gpu_check.sh runs these tests)")
@@ -38,12 +57,3 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def study_runs(request, tmp_path_factory):
-    """The session's smoke runs of benchmarks/ (tests/test_studies.py), started before its first test so that they
-    run beside the others on the core those leave idle (tests/study_runs.py); none when no study test is selected."""
-    runs = QuickRuns(selected_studies(request.session.items), tmp_path_factory.mktemp)
-    yield runs
-    runs.close()

@@ -92,7 +92,11 @@ def _build(target: Path) -> None:
             path.parent.mkdir(exist_ok=True)
             (path.parent / "__init__.py").touch()
             path.write_text(text)
-        package.rename(target)
+        try:
+            package.rename(target)
+        except OSError:  # unless another process (a pytest-xdist worker) built it meanwhile
+            if not (target / _FILES[-1]).exists():
+                raise
 
 
 def load(module: str):
