@@ -63,7 +63,7 @@ is faster).
 
     python benchmarks/model_speed.py                                    # CPU, fp32, 2 threads, 512 .. 16K
     python benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check
-    python benchmarks/model_speed.py --quick --out-dir /tmp/ms          # smoke test: 256 tokens
+    python benchmarks/model_speed.py --quick --out-dir /tmp/ms          # smoke test: 128 tokens
     git worktree add /tmp/main main && python benchmarks/model_speed.py --models encoder decoder \
         --arms hybrid --baseline /tmp/main/src/performer_hf/modeling --out-dir /tmp/vs-main
 """
@@ -498,7 +498,7 @@ def _attention_outputs(model):
 
 def measure(args) -> dict:
     if args.quick:
-        args.lengths, args.reps = [256], 1
+        args.lengths, args.reps = [128], 1
         # the smoke test runs each path once: these arms are other settings of paths it runs (and the tiled
         # support would compile a CPU kernel of its own, a minute)
         args.arms = [arm for arm in args.arms if arm not in ("sdpa_fused", "exact", "approximation", "tiled")]
@@ -646,7 +646,7 @@ def plot(payload: dict):
 
 
 def main(argv=None) -> dict:
-    parser = harness.parser(__doc__, quick="L = 256, 1 run each, arms sdpa hybrid favor bound", threads=2)
+    parser = harness.parser(__doc__, quick="L = 128, 1 run each, arms sdpa hybrid favor bound", threads=2)
     parser.add_argument("--part", choices=("model", "attention"), default="model")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

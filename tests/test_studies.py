@@ -1,10 +1,11 @@
 """Every study of benchmarks/ still runs: its ``--quick`` configuration (a smoke test whose figures say nothing),
-in a fresh process on one thread, writing into a temporary folder so that the committed results stay as they are. A
-study that no longer runs against the current code fails here, not when someone next needs its figures. CI runs them
-against the newest transformers of the range (``-m "not studies"`` leaves them out, as scripts/test.sh does for the
-oldest); under pytest-xdist they are the session's first tests, the longest first (tests/conftest.py), so that the
-workers share them and end together."""
+in a process of its own on one thread (forked from tests/study_server.py, which has made the imports they share),
+writing into a temporary folder so that the committed results stay as they are. A study that no longer runs against
+the current code fails here, not when someone next needs its figures. CI runs them against the newest transformers of
+the range (``-m "not studies"`` leaves them out, as scripts/test.sh does for the oldest); under pytest-xdist they are
+the session's first tests, the longest first (tests/conftest.py), so that the workers share them and end together."""
 
+import json
 import os
 import subprocess
 import sys
@@ -27,18 +28,33 @@ def test_every_study_is_listed():
     assert len(STUDIES) >= 13 and "model_speed" in STUDIES and "llm_linearization" in STUDIES
 
 
+@pytest.fixture(scope="session")
+def study_server():
+    """tests/study_server.py, for this session (this pytest-xdist worker): the smoke runs' processes fork from it."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(Path(__file__).with_name("study_server.py")), str(BENCHMARKS)]
+    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) as server:
+        yield server
+        server.stdin.close()  # the end of its input ends it
+
+
 @pytest.mark.studies
 @pytest.mark.parametrize("study", STUDIES)
-def test_the_study_runs_quick(study, tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(BENCHMARKS / f"{study}.py"), "--quick", "--out-dir", str(tmp_path)]
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{study} --quick hung: it had not ended after {TIMEOUT_S} s")
-    assert result.returncode == 0, f"{study} --quick failed:\n{result.stderr[-4000:]}"
+def test_the_study_runs_quick(study, study_server, tmp_path):
+    out_dir, log_dir = tmp_path / "out", tmp_path
+    out_dir.mkdir()
+    argv = [str(BENCHMARKS / f"{study}.py"), "--quick", "--out-dir", str(out_dir)]
+    request = {"argv": argv, "cwd": str(out_dir), "log_dir": str(log_dir), "timeout_s": TIMEOUT_S}
+    study_server.stdin.write(json.dumps(request) + "\n")
+    study_server.stdin.flush()
+    answer = study_server.stdout.readline()
+    assert answer, f"the study server ended (exit {study_server.poll()}) before it answered"
+    answer = json.loads(answer)
+    stderr = (log_dir / "stderr.txt").read_text()
+    assert not answer["timed_out"], f"{study} --quick hung: it had not ended after {TIMEOUT_S} s\n{stderr[-4000:]}"
+    assert answer["returncode"] == 0, f"{study} --quick failed:\n{stderr[-4000:]}"
     if study != "profile_attention":  # a diagnostic that prints and writes nothing
-        written = {path.suffix for path in tmp_path.iterdir()}
+        written = {path.suffix for path in out_dir.iterdir()}
         assert {".json", ".md", ".png"} <= written, f"{study} wrote {sorted(written)}"
 
 
