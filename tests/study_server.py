@@ -37,7 +37,9 @@ def _run_child(argv: list[str], cwd: str, log_dir: str) -> None:
         os.setpgrp()  # so that a timeout ends the processes the study starts too
         os.chdir(cwd)
         for fd, name in ((1, "stdout.txt"), (2, "stderr.txt")):
-            os.dup2(os.open(os.path.join(log_dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+            log = os.open(os.path.join(log_dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(log, fd)
+            os.close(log)
         sys.argv = list(argv)
         runpy.run_path(argv[0], run_name="__main__")
         code = 0

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,24 +39,56 @@ def study_server():
         server.stdin.close()  # the end of its input ends it
 
 
+def _run_in_server(server, argv: list[str], cwd: Path, log_dir: Path, timeout_s: float) -> dict:
+    """``argv`` run by tests/study_server.py: its answer, ``{"returncode", "timed_out"}``."""
+    request = {"argv": argv, "cwd": str(cwd), "log_dir": str(log_dir), "timeout_s": timeout_s}
+    server.stdin.write(json.dumps(request) + "\n")
+    server.stdin.flush()
+    answer = server.stdout.readline()
+    assert answer, f"the study server ended (exit {server.poll()}) before it answered"
+    return json.loads(answer)
+
+
 @pytest.mark.studies
 @pytest.mark.parametrize("study", STUDIES)
 def test_the_study_runs_quick(study, study_server, tmp_path):
     out_dir, log_dir = tmp_path / "out", tmp_path
     out_dir.mkdir()
     argv = [str(BENCHMARKS / f"{study}.py"), "--quick", "--out-dir", str(out_dir)]
-    request = {"argv": argv, "cwd": str(out_dir), "log_dir": str(log_dir), "timeout_s": TIMEOUT_S}
-    study_server.stdin.write(json.dumps(request) + "\n")
-    study_server.stdin.flush()
-    answer = study_server.stdout.readline()
-    assert answer, f"the study server ended (exit {study_server.poll()}) before it answered"
-    answer = json.loads(answer)
+    answer = _run_in_server(study_server, argv, out_dir, log_dir, TIMEOUT_S)
     stderr = (log_dir / "stderr.txt").read_text()
     assert not answer["timed_out"], f"{study} --quick hung: it had not ended after {TIMEOUT_S} s\n{stderr[-4000:]}"
     assert answer["returncode"] == 0, f"{study} --quick failed:\n{stderr[-4000:]}"
     if study != "profile_attention":  # a diagnostic that prints and writes nothing
         written = {path.suffix for path in out_dir.iterdir()}
         assert {".json", ".md", ".png"} <= written, f"{study} wrote {sorted(written)}"
+
+
+@pytest.mark.studies
+def test_the_study_server_reports_failures_and_ends_hung_runs_with_what_they_started(study_server, tmp_path):
+    """What the smoke tests rely on: a script's exit status, its own arguments and output, and a run past its time
+    killed with the processes it started (a smoke run that hung would otherwise hold the suite)."""
+    script = tmp_path / "study.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "print('arguments', sys.argv[1:])\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "if sys.argv[1] == 'hang':\n"
+        "    open('child.pid', 'w').write(str(subprocess.Popen(['sleep', '60']).pid))\n"
+        "    time.sleep(60)\n"
+        "sys.exit(int(sys.argv[1]))\n"
+    )
+    for code in (0, 3):
+        answer = _run_in_server(study_server, [str(script), str(code)], tmp_path, tmp_path, 60)
+        assert answer == {"returncode": code, "timed_out": False}
+        assert (tmp_path / "stdout.txt").read_text() == f"arguments ['{code}']\n"
+        assert (tmp_path / "stderr.txt").read_text() == "to stderr\n"
+    start = time.monotonic()
+    answer = _run_in_server(study_server, [str(script), "hang"], tmp_path, tmp_path, 2)
+    assert answer == {"returncode": -9, "timed_out": True} and time.monotonic() - start < 30
+    # the process it started is gone with its group, not left running: no longer there, or dead and not yet reaped
+    stat = Path(f"/proc/{(tmp_path / 'child.pid').read_text()}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def test_the_pass_key_prompts_have_their_length_and_the_same_keys_everywhere():
