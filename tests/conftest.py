@@ -30,7 +30,8 @@ def pytest_collection_modifyitems(config, items):
         rank = {study: index for index, study in enumerate(LONGEST_STUDIES)}
 
         def order(item):
-            study = item.callspec.params.get("study") if item.get_closest_marker("studies") else None
+            callspec = getattr(item, "callspec", None)  # parametrized tests only
+            study = callspec.params.get("study") if callspec and item.get_closest_marker("studies") else None
             return (0, rank.get(study, len(rank))) if study else (1, 0)
 
         items.sort(key=order)  # stable: the other tests keep their order
