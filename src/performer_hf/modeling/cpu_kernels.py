@@ -73,7 +73,7 @@ def _compiled_kernels():
             _SOURCES[0].parent,
         )
         return None
-    logger.info("Loading the fused hybrid-attention CPU kernel (compiled on first use: about 30 s)")
+    logger.info("Loading the fused hybrid-attention CPU kernel (compiled on first use: about a minute on 2 cores)")
     try:
         from torch.utils import cpp_extension  # imported lazily: it pulls in setuptools
 

@@ -1,6 +1,7 @@
-// The Python module of the compiled CPU kernels: the one file that includes torch/extension.h (pybind11 and the whole
-// C++ frontend, about 20 s of compile time per file that includes it); the kernels' files include ATen alone.
-#include <torch/extension.h>
+// The Python module of the compiled CPU kernels: the one file that includes pybind11 with torch's tensor type casters
+// (torch/csrc/utils/pybind.h: 23 s to compile here, where torch/extension.h, which adds the whole C++ frontend, took
+// 55 s); the kernels' files include the ATen headers they use alone.
+#include <torch/csrc/utils/pybind.h>
 
 #include "hybrid_kernels.h"
 

@@ -8,9 +8,15 @@
 // Every function checks only what the Python side cannot get wrong cheaply; favor_hybrid validates inputs.
 #pragma once
 
-#include <ATen/ATen.h>
-
+// the operators the kernels call, one header each (ATen/ATen.h, every operator, took twice the compile time)
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
 #include <cmath>
