@@ -94,6 +94,30 @@ def test_python_docs():
     assert json.__doc__.strip() in extra  # the json package's module docstring (about 3,000 characters)
 
 
+@pytest.fixture
+def fresh_docstrings_cache():
+    """The process's docstrings read anew, before and after the test (which may put fakes there)."""
+    data_assets._python_docstrings.cache_clear()
+    yield
+    data_assets._python_docstrings.cache_clear()
+
+
+@pytest.mark.usefixtures("fresh_docstrings_cache")
+def test_the_docstrings_are_parsed_once_per_interpreter_and_cached_whole(tmp_path, monkeypatch):
+    monkeypatch.setenv("PERFORMER_HF_DATA", str(tmp_path))
+    parses = []
+    monkeypatch.setattr(data_assets, "_parse_docstrings", lambda root, min_chars: parses.append(min_chars) or ("x",))
+    assert data_assets.python_docstrings(300) == ["x"] and parses == [300]
+    (cached,) = tmp_path.iterdir()
+    data_assets._python_docstrings.cache_clear()  # a later process reads the file
+    assert data_assets.python_docstrings(300) == ["x"] and parses == [300]
+    assert data_assets.python_docstrings(400) == ["x"] and parses == [300, 400]  # another length: its own file
+    cached.write_text('["x", "trunc')  # a file cut short is parsed again and rewritten
+    data_assets._python_docstrings.cache_clear()
+    assert data_assets.python_docstrings(300) == ["x"] and parses == [300, 400, 300]
+    assert json.loads(cached.read_text()) == ["x"] and len(list(tmp_path.iterdir())) == 2  # no temporary file left
+
+
 def test_seeded_split_is_a_partition():
     records = list(range(101))
     splits = seeded_split(records, seed=3)

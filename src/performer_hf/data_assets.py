@@ -187,13 +187,44 @@ def bbc_news(seed: int = 0) -> dict[str, list[dict]]:
 def python_docstrings(min_chars: int = 200) -> list[str]:
     """Docstrings of at least ``min_chars`` characters from the standard library's modules, classes and
     functions (tests, IDLE and installed packages excluded), file by file, each file's breadth first (as
-    ``ast.walk``). Read once per process."""
+    ``ast.walk``). Parsed once per interpreter (cached in :func:`data_cache_dir`) and read once per process."""
     return list(_python_docstrings(min_chars))
 
 
 @functools.cache
 def _python_docstrings(min_chars: int) -> tuple[str, ...]:
+    """Read from :func:`data_cache_dir` where an earlier process of this interpreter wrote them (parsing the standard
+    library takes about 13 s of one core), else parsed and written there."""
     root = Path(sysconfig.get_paths()["stdlib"])
+    key = hashlib.sha256(f"{sys.version} {root} {min_chars}".encode()).hexdigest()[:16]
+    cached = data_cache_dir() / f"python-docstrings-{key}.json"
+    try:
+        return tuple(json.loads(cached.read_text(encoding="utf-8")))
+    except (OSError, ValueError):  # absent, or unreadable: parse again and rewrite it
+        pass
+    docstrings = _parse_docstrings(root, min_chars)
+    try:
+        _write_atomically(cached, json.dumps(docstrings))
+    except OSError as error:  # a read-only cache costs time, not correctness
+        logger.info("Could not cache the standard library's docstrings at %s: %s", cached, error)
+    return docstrings
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in its folder, so that concurrent readers see the whole
+    file or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _parse_docstrings(root: Path, min_chars: int) -> tuple[str, ...]:
     skip = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
     docstrings = []
     for path in sorted(root.rglob("*.py")):
