@@ -37,7 +37,6 @@ from pathlib import Path
 
 import harness
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from tqdm.auto import tqdm
 
 from performer_hf import PerformerConfig, PerformerModel, convert
@@ -116,8 +115,7 @@ def run_classifier(argv: list[str], output_dir: Path) -> tuple[dict, list[dict],
     start = time.perf_counter()
     metrics = train_classifier([*argv, "--output_dir", str(output_dir), "--with_tracking"])
     seconds = time.perf_counter() - start
-    AcceleratorState._reset_state(reset_partial_state=True)  # the next run builds its own Accelerator
-    GradientState._reset_state()
+    harness.reset_accelerate()
     return metrics, read_log(str(output_dir)), seconds
 
 

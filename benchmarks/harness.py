@@ -192,6 +192,15 @@ def in_fresh_process(script: str, *, memory_cap_gb: float | None = None, env: di
     return json.loads(done.stdout.split(RESULT_MARK, 1)[1].splitlines()[0])
 
 
+def reset_accelerate() -> None:
+    """After a training run in this process (``performer_hf.training``'s functions): Accelerate's process-wide state
+    cleared, so that the next run builds its own ``Accelerator``."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 def _answer_parent(child: Callable[..., dict], request: str) -> None:
     """The child's side of :func:`in_fresh_process`: apply the cap, run ``child``, print its answer."""
     request = json.loads(request)

@@ -145,7 +145,9 @@ def lora_finetune(base: Path, out: Path, train_file: Path, args) -> float:
     ]
     start = time.perf_counter()
     train_language_model("clm", argv)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    harness.reset_accelerate()
+    return seconds
 
 
 def window_only(window: int) -> str:

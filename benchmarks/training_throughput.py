@@ -26,7 +26,6 @@ from pathlib import Path
 
 import harness
 import torch
-from accelerate.state import AcceleratorState, GradientState
 
 from performer_hf.training.language_modeling import train_language_model
 from performer_hf.training.tracking import read_log
@@ -77,8 +76,7 @@ def run_once(args: argparse.Namespace, kernel: str, corpus: Path, tokenizer: str
         "--with_tracking",
     ]
     train_language_model("mlm", argv)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    harness.reset_accelerate()
     steps = sorted((r["step"], r["step_seconds"]) for r in read_log(str(output_dir)) if "step_seconds" in r)
     return [seconds for _, seconds in steps[1:]]
 
