@@ -55,6 +55,8 @@ STAND_INS = {
     "--tasks niah_single_1": {
         "benchmarks/lm_eval_tasks": "{root}/benchmarks/lm_eval_tasks",
         "--limit 10": "--limit 1 --output_path results",
+        # RULER builds every prompt of a length before --limit takes one: 4,096 tokens took 30 s
+        '"max_seq_lengths": [4096]': '"max_seq_lengths": [512]',
     },
     "from lm_eval import simple_evaluate": {
         '"benchmarks/lm_eval_tasks"': '"{root}/benchmarks/lm_eval_tasks"',
