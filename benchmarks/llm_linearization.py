@@ -62,7 +62,7 @@ SAMPLE_PROMPTS = {
 def arguments():
     parser = harness.parser(
         __doc__,
-        quick="hybrid window 64 only, transfer 4 steps, LoRA 2 steps, 1 window of 256 per text, contexts 128 512",
+        quick="hybrid w64 only, transfer 4 steps, LoRA 2 steps, 1 window of 128 per text, 4 tokens, contexts 96 256",
         threads=2,
     )
     parser.add_argument("--methods", nargs="+", default=["hybrid", "favor"], choices=["hybrid", "favor"])
@@ -258,9 +258,10 @@ def _converted_arms(args) -> dict[str, dict]:
 
 def measure(args) -> dict:
     if args.quick:
-        args.transfer_steps, args.lora_steps, args.eval_windows, args.sample_tokens = 4, 2, 1, 8
-        args.decode_contexts, args.decode_steps, args.decode_rounds = [128, 512], 4, 1
-        args.eval_length, args.transfer_length, args.lora_length = 256, 128, 128
+        # every stage and path at the least work: windows, prompts and contexts past the 64-key window
+        args.transfer_steps, args.lora_steps, args.eval_windows, args.sample_tokens = 4, 2, 1, 4
+        args.decode_contexts, args.decode_steps, args.decode_rounds = [96, 256], 4, 1
+        args.eval_length, args.transfer_length, args.lora_length = 128, 128, 128
         args.local_windows, args.methods = [64], ["hybrid"]
     source = smollm2_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(source)
