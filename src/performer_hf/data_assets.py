@@ -211,17 +211,15 @@ def _python_docstrings(min_chars: int) -> tuple[str, ...]:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in its folder, so that concurrent readers see the whole
-    file or none."""
+    """Write ``text`` to ``path`` through a temporary file beside it, so that concurrent readers see the whole file
+    or none."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
+        temporary.write_text(text, encoding="utf-8")
         os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    finally:
+        temporary.unlink(missing_ok=True)  # left only where writing failed
 
 
 def _parse_docstrings(root: Path, min_chars: int) -> tuple[str, ...]:
