@@ -103,7 +103,7 @@ def fresh_docstrings_cache():
 
 
 @pytest.mark.usefixtures("fresh_docstrings_cache")
-def test_the_docstrings_are_parsed_once_per_interpreter_and_cached_whole(tmp_path, monkeypatch):
+def test_the_docstrings_are_parsed_once_per_interpreter_and_cached_whole(tmp_path, tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PERFORMER_HF_DATA", str(tmp_path))
     parses = []
     monkeypatch.setattr(data_assets, "_parse_docstrings", lambda root, min_chars: parses.append(min_chars) or ("x",))
@@ -116,6 +116,11 @@ def test_the_docstrings_are_parsed_once_per_interpreter_and_cached_whole(tmp_pat
     data_assets._python_docstrings.cache_clear()
     assert data_assets.python_docstrings(300) == ["x"] and parses == [300, 400, 300]
     assert json.loads(cached.read_text()) == ["x"] and len(list(tmp_path.iterdir())) == 2  # no temporary file left
+    changed = tmp_path_factory.mktemp("parser") / "data_assets.py"  # another version of the parser's module
+    changed.write_text("# changed\n")
+    monkeypatch.setattr(data_assets, "__file__", str(changed))
+    data_assets._python_docstrings.cache_clear()
+    assert data_assets.python_docstrings(300) == ["x"] and parses == [300, 400, 300, 300]  # not the older file
 
 
 def test_seeded_split_is_a_partition():

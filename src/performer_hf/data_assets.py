@@ -193,10 +193,11 @@ def python_docstrings(min_chars: int = 200) -> list[str]:
 
 @functools.cache
 def _python_docstrings(min_chars: int) -> tuple[str, ...]:
-    """Read from :func:`data_cache_dir` where an earlier process of this interpreter wrote them (parsing the standard
-    library takes about 13 s of one core), else parsed and written there."""
+    """Read from :func:`data_cache_dir` where an earlier process of this interpreter and this module's code wrote
+    them (parsing the standard library takes about 13 s of one core), else parsed and written there."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    key = hashlib.sha256(f"{sys.version} {root} {min_chars}".encode()).hexdigest()[:16]
+    parser_code = Path(__file__).read_bytes()  # a changed parser never reads what an older one wrote
+    key = hashlib.sha256(f"{sys.version} {root} {min_chars}".encode() + parser_code).hexdigest()[:16]
     cached = data_cache_dir() / f"python-docstrings-{key}.json"
     try:
         return tuple(json.loads(cached.read_text(encoding="utf-8")))
