@@ -209,9 +209,10 @@ _REDUCED_WIDTH = 16
 def in_memory(tensor: Tensor) -> Tensor:
     """``tensor`` (.., S) unchanged, as a reduction's output, which inductor writes to memory where it computes it: for
     the tensors a ``mask_mod`` reads. FlexAttention's Triton lowering builds the ``mask_mod`` over its captured tensors
-    before it writes them out (torch 2.11 to 2.13): a tensor that a concatenation or a padding computes in the same
-    graph is inlined with its masked loads, which the template cannot render (``'function' object has no attribute
-    'graph'``: on an H200, a decoder's hybrid after an exact prefix, whose keys follow the state's)."""
+    before it writes them out (torch 2.11 to 2.13; kept for 2.14, not yet run on a GPU): a tensor that a concatenation
+    or a padding computes in the same graph is inlined with its masked loads, which the template cannot render
+    (``'function' object has no attribute 'graph'``: on an H200, a decoder's hybrid after an exact prefix, whose keys
+    follow the state's)."""
     return tensor[..., None].expand(*tensor.shape, _REDUCED_WIDTH).amax(-1)  # (.., S)
 
 
