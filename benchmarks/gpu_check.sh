@@ -21,8 +21,8 @@
 #      the far field's kernels compiled for the GPU against float64 PyTorch, and test_hybrid_routing_triton.py,
 #      routing's kernel against its PyTorch steps (on the CPU, and on the GPU at 8K tokens). Each test's time and
 #      short tracebacks go to the log. They come in the second call: each compiles its kernels in two precisions (the
-#      13 took 130 s on a fresh H200 in run 6; of the 16 in run 9, 11 in 240 s), and the speed part checks the
-#      models' logits itself.
+#      13 took 130 s on a fresh H200 in run 6; of the 16 in run 9, 11 in 240 s, one at a time: four at a time now),
+#      and the speed part checks the models' logits itself.
 #      (The other tests of those files run in CI on a CPU, in Triton's interpreter; those against the C++ CPU
 #      kernels need a build this check skips.)
 #
@@ -86,7 +86,12 @@ if [ "$part" != speed ]; then
   limit=290
   # (a test past 100 s fails with its stack: the device image has pytest-timeout; causal FAVOR+'s ran past 80 s once)
   # (failures show warnings, not the DEBUG records inductor logs: run 6's buried the summary)
+  # Four tests at a time where the image has pytest-xdist (run 10's had): their time is compilation on the host's
+  # CPU, mostly on one core each (run 9 reached 11 of 16 in 240 s, one at a time, 15 cores idle); 4K-token tests share the GPU
+  parallel=()
+  if python3 -c "import xdist" 2> /dev/null; then parallel=(-n 4 --dist worksteal); fi
   timeout "$limit" python3 -m pytest -v -p no:cacheprovider --tb=short --durations=10 --timeout 100 -m cuda \
+    "${parallel[@]}" \
     -o log_level=WARNING tests/modeling/test_favor_exp_triton.py tests/modeling/test_hybrid_triton.py \
     tests/modeling/test_hybrid_flex.py tests/modeling/test_sparse_flex.py tests/modeling/test_device_compile.py 2>&1 \
     | tee -a "$out/gpu_check.log" || tests=$?
