@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from performer_hf import PerformerForCausalLM, PerformerForMaskedLM
+from performer_hf.favor import draw_projection, favor_attention
 from performer_hf.modeling import device_compile, far_field_polynomial, favor_hybrid, hybrid_backends, slabs
 from performer_hf.modeling.hybrid_flex import TILE, FlexBackend
 
@@ -285,9 +286,9 @@ def test_the_cpu_by_default_and_compile_off_stay_eager(monkeypatch, counter):
     ids=["hybrid", "exact prefix then hybrid", "hybrid, polynomial far field", "favor"],
 )
 def test_a_prefill_is_compiled_and_decodes_as_eager(monkeypatch, counter, settings):
-    """A decoder's prefill with a cache: its output from the compiled call (bucketed: 37 tokens run as 40), its state
-    computed alone (``hybrid_prefill_state``, ``favor_prefill_state``); greedy generation of a left-padded batch gives
-    eager's tokens and step logits; the decoding steps compile nothing."""
+    """A decoder's prefill with a cache: its output from the compiled call (bucketed: 37 tokens run as 40), FAVOR+'s
+    state with it, the hybrid's computed alone (``hybrid_prefill_state``); greedy generation of a left-padded batch
+    gives eager's tokens and step logits; the decoding steps compile nothing."""
     _flex_backend(monkeypatch)
     model = random_centres(tiny_model(PerformerForCausalLM, max_position_embeddings=80, **settings))
     generated = _eager_and_compiled_generations(monkeypatch, model)
@@ -296,6 +297,27 @@ def test_a_prefill_is_compiled_and_decodes_as_eager(monkeypatch, counter, settin
     assert counter.frame_count == 1 + hybrid + (settings.get("exact_max_length", 0) > 0)
     assert torch.equal(generated["1"][0], generated["0"][0])
     torch.testing.assert_close(generated["1"][1], generated["0"][1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize("left_padded", [False, True], ids=["no mask", "left-padded"])
+def test_a_favor_prefill_compiled_with_its_state_holds_no_padding(counter, kernel, left_padded):
+    """FAVOR+'s prefill compiled with its state at a bucketed length (37 tokens run as 40): the keys that pad it have
+    no features, so its output and state are the eager call's on the 37 tokens alone."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 37, 16, generator=g) for _ in range(3))
+    projection = draw_projection(32, 16, generator=g)
+    mask = None
+    if left_padded:
+        mask = torch.ones(2, 37, dtype=torch.bool)
+        mask[1, :5] = False
+    settings = dict(causal=True, kernel=kernel, key_padding_mask=mask, return_state=True)
+    out, state = device_compile.call_compiled_attention(favor_attention, q, k, v, projection, **settings)
+    want, want_state = favor_attention(q, k, v, projection, **settings)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state.shift, want_state.shift, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(state.kv, want_state.kv, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("exact_max_length", [0, 16], ids=["hybrid", "exact prefix then hybrid"])

@@ -97,33 +97,6 @@ def test_incremental_decoding_with_state_matches_full_pass():
     torch.testing.assert_close(torch.cat(steps, dim=2), full, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("length", [1, 21, 40])
-def test_the_prefill_state_alone_is_the_stateful_calls(kernel, length):
-    """favor_prefill_state (a compiled prefill's state) against the state favor_attention returns with its output,
-    left-padded (a row whose first keys are padding), and the next step decoded from either."""
-    from performer_hf.modeling.favor_attention import favor_prefill_state
-
-    q, k, v = _qkv(length=length + 1, scale=1.5)
-    W = _projection()
-    mask = torch.ones(q.shape[0], length, dtype=torch.bool)
-    mask[-1, : min(3, length)] = False
-    prefix = [t[:, :, :length] for t in (q, k, v)]
-    _, want = favor_attention(
-        *prefix, W, causal=True, kernel=kernel, key_padding_mask=mask, return_state=True, chunk_size=8
-    )
-    got = favor_prefill_state(*prefix, W, kernel=kernel, key_padding_mask=mask)
-    torch.testing.assert_close(got.shift, want.shift, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(got.kv, want.kv, rtol=1e-10, atol=1e-12)
-    step = [t[:, :, length:] for t in (q, k, v)]
-    torch.testing.assert_close(
-        favor_attention(*step, W, causal=True, kernel=kernel, initial_state=got),
-        favor_attention(*step, W, causal=True, kernel=kernel, initial_state=want),
-        rtol=1e-10,
-        atol=1e-12,
-    )
-
-
 def test_softmax_kernel_approaches_exact_attention_with_many_features():
     q, k, v = _qkv(length=64, scale=0.3)
     exact = exact_attention(q, k, v)

@@ -256,33 +256,23 @@ def test_the_key_state_is_the_scans_state_after_every_key(case, segment, monkeyp
     _assert_same_state(kv, shift, scan.kv, scan.shift)
 
 
-def test_a_caches_prefill_state_takes_the_kernels_where_no_gradient_is_asked(kernels_serve, key_state_launches):
-    """``favor_prefill_state`` (the state a compiled prefill computes apart) through the kernels equals the state
-    ``favor_attention`` returns in float64, and the next step decodes alike from either; with a gradient asked for,
-    the state keeps PyTorch (the kernels' operator has none)."""
-    from performer_hf.modeling.favor_attention import favor_prefill_state
-
-    q, k, v = random_qkv(length=76, head_dim=16)
-    W = draw_projection(96, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    mask = right_padding(2, 75, real=(75, 60))
-    prefix = [t[:, :, :75] for t in (q, k, v)]
-    _, want = favor_attention(*prefix, W, causal=True, key_padding_mask=mask, return_state=True)
+def test_the_key_state_takes_the_kernels_where_no_gradient_is_asked(kernels_serve, key_state_launches):
+    """``favor_exp.exp_key_state`` (a decoding cache's state without the sums: the causal hybrid's, of the keys that
+    leave its window) through the kernels equals the state after the PyTorch scan in float64, keys padded; with a
+    gradient asked for, it keeps PyTorch (the kernels' operator has none)."""
+    settings = {**CASES["FAVOR++ (per-head directions, bias, key rows, padding, a state)"], "state": False}
+    stabilizer = settings.pop("stabilizer")
+    q, k, v1, (directions, bias), row, mask, _ = _scan_inputs(**settings)
+    scan = favor_exp.causal_exp_sums(q, ScanKeys(k, v1, row, mask), ExpFeatures(directions, bias, stabilizer), 32)
+    on_device = [t.float().to(DEVICE) for t in (k, v1, row, directions, bias)]
+    features = ExpFeatures(*on_device[3:], stabilizer)
     with torch.no_grad():
-        on_device = [t.float().to(DEVICE) for t in (*prefix, W)]
-        got = favor_prefill_state(*on_device, key_padding_mask=mask.to(DEVICE))
+        kv, shift = favor_exp.exp_key_state(ScanKeys(*on_device[:3], mask.to(DEVICE)), features)
     assert key_state_launches == [1]
-    _assert_same_state(got.kv, got.shift, want.kv, want.shift)
-    step = [t[:, :, 75:] for t in (q, k, v)]
-    state = type(want)(got.kv.cpu().double(), got.shift.cpu().double())
-    torch.testing.assert_close(
-        favor_attention(*step, W, causal=True, initial_state=state),
-        favor_attention(*step, W, causal=True, initial_state=want),
-        rtol=1e-5,
-        atol=1e-6,
-    )
-    leaves = _float_leaves(*prefix)
-    favor_prefill_state(*leaves, W.float().to(DEVICE)).kv.sum().backward()
-    assert key_state_launches == [1] and leaves[1].grad is not None
+    _assert_same_state(kv, shift, scan.kv, scan.shift)
+    leaves = _float_leaves(k, v1)
+    favor_exp.exp_key_state(ScanKeys(*leaves, on_device[2], mask.to(DEVICE)), features)[0].sum().backward()
+    assert key_state_launches == [1] and leaves[0].grad is not None
 
 
 DECODER = dict(far_field="softmax_opt", local_window=6, num_global_tokens=1, far_field_parameter=-0.05, causal=True)

@@ -5,9 +5,10 @@ per call.
 Measured on an H200 (bfloat16, one bidirectional call of 12 heads x 32K tokens x 32 dims, forward + backward,
 ``benchmarks/results/attention_parts_h200``): FAVOR+ 10.96 -> 6.13 ms (flash attention: 26.8 ms), the hybrid
 218.5 -> 39.2 ms. Every call without a cache is compiled: FAVOR+ and the hybrid, bidirectional and causal (each a
-graph without breaks), and a decoder's prefill (its state computed apart: ``hybrid_prefill_state`` compiled as
-well, with dynamic lengths from a second one on; ``favor_prefill_state``, a few matrix products, eager); decoding
-steps stay eager. The CPU keeps its own kernels (``cpu_kernels``, ``hybrid_compiled``) and eager PyTorch.
+graph without breaks), and a decoder's prefill (FAVOR+'s with its state, which padding keys leave as it is; the
+hybrid's state, which holds the last keys themselves, apart: ``hybrid_prefill_state`` compiled as well, with
+dynamic lengths from a second one on); decoding steps stay eager. The CPU keeps its own kernels (``cpu_kernels``,
+``hybrid_compiled``) and eager PyTorch.
 
 - :func:`compile_settings`: every kind of call (method, mask, score, gradient mode, length bucket) compiles its own
   graphs, more than dynamo's default limit of 8 per function (and 256 in all); past its limit dynamo would silently
@@ -95,7 +96,8 @@ def call_compiled_attention(function: Callable, q, k, v, *args, key_padding_mask
     """``function(q, k, v, *args, key_padding_mask=key_padding_mask, **kwargs)`` for self-attention inputs
     (B, H, L, .) and a key mask (B, L) (True or 1: a real token) or None, compiled as :func:`call_compiled` does, at
     :func:`bucket_length`: the inputs padded at the end with keys the mask leaves out (queries and keys see no
-    padding, causally or not), the padded queries' outputs dropped. One static graph per bucket. A kind of call whose
+    padding, causally or not), the padded queries' outputs dropped (of an ``(output, state)`` pair, the output's).
+    One static graph per bucket. A kind of call whose
     graph needs more GPU shared memory than there is runs eagerly from then on, with a warning."""
     length, kind = q.shape[2], (function, q.dtype, q.shape[-1], v.shape[-1])
     if not compiles(q.device) or kind in _EAGER_KINDS:
@@ -109,7 +111,10 @@ def call_compiled_attention(function: Callable, q, k, v, *args, key_padding_mask
         padded = tuple(F.pad(t, (0, 0, 0, extra)) for t in (q, k, v))  # (B, H, L + extra, .)
     try:
         with torch._dynamo.config.patch(compile_settings()):
-            return _compiled(function, BACKEND, False)(*padded, *args, key_padding_mask=mask, **kwargs)[:, :, :length]
+            result = _compiled(function, BACKEND, False)(*padded, *args, key_padding_mask=mask, **kwargs)
+        if isinstance(result, tuple):  # (B, H, L + extra, .) and a state
+            return result[0][:, :, :length], *result[1:]
+        return result[:, :, :length]
     except Exception as error:  # Triton's "out of resource" (shared memory) comes as inductor's own error types
         if "out of resource" not in str(error):
             raise

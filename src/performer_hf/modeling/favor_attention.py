@@ -37,7 +37,6 @@ from .favor_exp import (
     ScanKeys,
     bidirectional_exp_sums,
     causal_exp_sums,
-    exp_key_state,
     pad_to_chunks,
 )
 from .favor_features import FeatureMap, get_feature_map
@@ -104,12 +103,6 @@ def _features(
         features = torch.exp(log_scale - shift)
         features = features if base is None else base * features
     return (features + stabilizer if stabilizer else features), shift
-
-
-def _last_shift(log_features: Tensor) -> Tensor:
-    """The running max after the last position (one max over every key, ``EMPTY_SHIFT`` if none):
-    (B, H, L, m) -> (B, H, 1, 1)."""
-    return log_features.amax(dim=(-2, -1), keepdim=True).nan_to_num(neginf=EMPTY_SHIFT).clamp_min(EMPTY_SHIFT)
 
 
 def _divide_or_zero(out1: Tensor) -> Tensor:
@@ -287,35 +280,3 @@ def favor_attention(
             out1, state = _bidirectional(q, k, v1, projection, kernel, mask, precision), None
         out = _divide_or_zero(out1).to(out_dtype)
     return (out, state) if return_state else out
-
-
-def favor_prefill_state(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    projection: Tensor,
-    *,
-    causal: bool = True,
-    kernel: str = "softmax",
-    key_padding_mask: Tensor | None = None,
-    scaling: float | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> FavorState:
-    """The state after a causal call from the first token, without its output: what
-    ``favor_attention(..., causal=True, return_state=True)`` returns beside it, every key's features times
-    ``[v, 1]`` relative to the largest key log-feature (one matrix product; exponential features through
-    :func:`.exp_key_state`, on CUDA in the Triton kernels without an (L, m') buffer, where no gradient is asked for).
-    A prefill's output can then come from a call without state (compiled, at a bucketed length, where a state would
-    hold the padding). Arguments as :func:`favor_attention`'s (``chunk_size`` changes nothing here)."""
-    _check_inputs(q, k, v, projection, causal, key_padding_mask, None, True)
-    precision = float32_precision(q.dtype)
-    _, k, v1, projection, mask = _prepared(q, k, v, projection, scaling, key_padding_mask)
-    keep = None if mask is None else mask[:, None, :, None]
-    with torch.autocast(q.device.type, enabled=False):
-        features = _exp_features(get_feature_map(kernel), projection)
-        if features is not None:
-            return FavorState(*exp_key_state(ScanKeys(k, v1, mask=mask), features, precision))
-        kf, shift = _features(k, projection, kernel, keep=keep, shift_of=_last_shift)
-        kv = kf.transpose(-2, -1) @ v1  # (B, H, m', dv + 1)
-    B, H = k.shape[:2]
-    return FavorState(kv=kv, shift=k.new_full((B, H), EMPTY_SHIFT) if shift is None else shift[..., 0, 0])

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .device_compile import call_compiled_attention, compiles
-from .favor_attention import favor_attention, favor_prefill_state
+from .favor_attention import favor_attention
 from .method_exact import exact_is_enough, softmax_attention
 
 
@@ -29,9 +29,12 @@ def favor_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None,
     with torch.autocast(q.device.type, enabled=False):
         if layer_cache is None:  # compiled on CUDA (device_compile)
             return call_compiled_attention(favor_attention, q, k, v, module.projection, **kwargs), None
-        if causal and layer_cache.get_state() is None and compiles(q.device):  # a prefill: output compiled, state alone
-            context = call_compiled_attention(favor_attention, q, k, v, module.projection, **kwargs)
-            state = favor_prefill_state(q, k, v, module.projection, **kwargs)
+        if causal and layer_cache.get_state() is None and compiles(q.device):
+            # a prefill, compiled with its state: the keys that pad it to its bucket have no features, so the state
+            # after them is the state after the prompt
+            context, state = call_compiled_attention(
+                favor_attention, q, k, v, module.projection, return_state=True, **kwargs
+            )
         else:
             context, state = favor_attention(
                 q, k, v, module.projection, initial_state=layer_cache.get_state(), return_state=True, **kwargs
