@@ -271,8 +271,10 @@ def test_the_key_state_takes_the_kernels_where_no_gradient_is_asked(kernels_serv
     assert key_state_launches == [1]
     _assert_same_state(kv, shift, scan.kv, scan.shift)
     leaves = _float_leaves(k, v1)
-    favor_exp.exp_key_state(ScanKeys(*leaves, on_device[2], mask.to(DEVICE)), features)[0].sum().backward()
+    kv, shift = favor_exp.exp_key_state(ScanKeys(*leaves, on_device[2], mask.to(DEVICE)), features)
+    kv.sum().backward()
     assert key_state_launches == [1] and leaves[0].grad is not None
+    _assert_same_state(kv.detach(), shift, scan.kv, scan.shift)  # PyTorch's state: the same
 
 
 DECODER = dict(far_field="softmax_opt", local_window=6, num_global_tokens=1, far_field_parameter=-0.05, causal=True)

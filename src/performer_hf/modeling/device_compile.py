@@ -97,8 +97,8 @@ def call_compiled_attention(function: Callable, q, k, v, *args, key_padding_mask
     (B, H, L, .) and a key mask (B, L) (True or 1: a real token) or None, compiled as :func:`call_compiled` does, at
     :func:`bucket_length`: the inputs padded at the end with keys the mask leaves out (queries and keys see no
     padding, causally or not), the padded queries' outputs dropped (of an ``(output, state)`` pair, the output's).
-    One static graph per bucket. A kind of call whose
-    graph needs more GPU shared memory than there is runs eagerly from then on, with a warning."""
+    One static graph per bucket. A kind of call whose graph needs more GPU shared memory than there is runs eagerly
+    from then on, with a warning."""
     length, kind = q.shape[2], (function, q.dtype, q.shape[-1], v.shape[-1])
     if not compiles(q.device) or kind in _EAGER_KINDS:
         return function(q, k, v, *args, key_padding_mask=key_padding_mask, **kwargs)

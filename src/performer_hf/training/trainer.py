@@ -107,8 +107,8 @@ FUSED_OPTIMIZER_DEVICES = ("cpu", "cuda")
 
 def _optimizer(model: torch.nn.Module, args: argparse.Namespace, accelerator: Accelerator) -> torch.optim.AdamW:
     """AdamW; biases and LayerNorm weights get no weight decay. Fused on the CPU and CUDA, as transformers' Trainer
-    defaults to with torch >= 2.8: on a CPU the step of all-MiniLM-L6-v2's 22.7M parameters takes 26 ms where the
-    default's loop over them took 126 (2 threads)."""
+    defaults to with torch >= 2.8: on a CPU (2 threads) the step over all-MiniLM-L6-v2's 22.7M parameters takes 26 ms
+    where the default's loop over them took 126; a whole training step at 8 x 256 tokens, 1.03x faster."""
     no_decay = set()
     for module_name, module in model.named_modules():
         for param_name, _ in module.named_parameters(recurse=False):
