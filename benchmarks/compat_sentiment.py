@@ -166,7 +166,7 @@ CONVERTED_ARMS = {"favor": "plain FAVOR+", "default": "default conversion"}
 
 def setup(args: argparse.Namespace) -> dict:
     if args.quick:
-        return {"train": 256, "validation": 64, "test": 128, "epochs": 1, "max_steps": 8, "batch": 16, "eval_steps": 4}
+        return {"train": 64, "validation": 32, "test": 64, "epochs": 1, "max_steps": 4, "batch": 16, "eval_steps": 2}
     return {
         "train": args.train_size,
         "validation": args.validation_size,
@@ -426,7 +426,7 @@ def plot(result: dict):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = harness.parser(__doc__, quick="256 sentences, 8 steps", threads=1)
+    parser = harness.parser(__doc__, quick="64 sentences, 4 steps", threads=1)
     parser.add_argument(
         "--arms",
         nargs="+",
