@@ -17,7 +17,8 @@
 #   2. tests: the tests marked ``cuda`` (skipped without a GPU): the Triton kernels (FAVOR+'s causal scan, which
 #      also serves the decoder's far field, and bidirectional sums; the support sums), the compiled FlexAttention
 #      paths of the hybrid and the sparse prefill, and every compiled attention call against eager, forward and
-#      backward in float32 and bfloat16 against the float32 CPU path at 4K tokens; then test_far_field_triton.py,
+#      backward in float32 and bfloat16 against the float32 CPU path at 4K tokens, the heads' vocabulary product with
+#      rows padded for cuBLAS's aligned kernels; then test_far_field_triton.py,
 #      the far field's kernels compiled for the GPU against float64 PyTorch, and test_hybrid_routing_triton.py,
 #      routing's kernel against its PyTorch steps (on the CPU, and on the GPU at 8K tokens). Each test's time and
 #      short tracebacks go to the log. They come in the second call: each compiles its kernels in two precisions (the
@@ -93,7 +94,8 @@ if [ "$part" != speed ]; then
   timeout "$limit" python3 -m pytest -v -p no:cacheprovider --tb=short --durations=10 --timeout 100 -m cuda \
     "${parallel[@]}" \
     -o log_level=WARNING tests/modeling/test_favor_exp_triton.py tests/modeling/test_hybrid_triton.py \
-    tests/modeling/test_hybrid_flex.py tests/modeling/test_sparse_flex.py tests/modeling/test_device_compile.py 2>&1 \
+    tests/modeling/test_hybrid_flex.py tests/modeling/test_sparse_flex.py tests/modeling/test_device_compile.py \
+    tests/modeling/test_vocabulary_projection.py 2>&1 \
     | tee -a "$out/gpu_check.log" || tests=$?
   timeout 50 python3 -m pytest -q -p no:cacheprovider --tb=short tests/modeling/test_far_field_triton.py \
     tests/modeling/test_hybrid_routing_triton.py 2>&1 | tee -a "$out/gpu_check.log" || tests=$?

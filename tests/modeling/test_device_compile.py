@@ -467,6 +467,28 @@ def test_compiled_token_loss_takes_all_rows_at_once_without_a_scatter(monkeypatc
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
 
 
+def test_compiled_token_loss_of_logits_in_padded_rows(monkeypatch, counter):
+    """The heads' logits on CUDA are the first columns of rows padded for cuBLAS (vocabulary_projection): compiled on
+    such a view, the loss and the padded rows' gradient are eager's, to the bit, and nothing reaches the padding."""
+    from performer_hf.modeling import token_loss
+
+    generator = torch.Generator().manual_seed(2)
+    padded = torch.randn(3, 50, 64, generator=generator).bfloat16().requires_grad_()  # 37 words in rows of 64
+    labels = torch.randint(0, 37, (3, 50), generator=generator)
+    labels[:, ::4] = token_loss.IGNORE_INDEX
+    results = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("PERFORMER_HF_COMPILE", flag)
+        padded.grad = None
+        loss = token_loss.token_cross_entropy(padded[..., :37], labels)
+        loss.backward()
+        results.append((loss.detach(), padded.grad.clone()))
+    assert counter.frame_count == 2  # one forward chunk, one backward chunk
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)
+    assert not results[1][1][..., 37:].any()
+
+
 @pytest.mark.cuda
 def test_cuda_compiled_token_loss_matches_eager(monkeypatch):
     """On CUDA (inductor): the token loss of bfloat16 logits, 3,000 tokens of BERT's vocabulary, against eager;

@@ -16,6 +16,7 @@ from .attention_methods import ATTENTION_METHODS
 from .configuration_performer import PerformerConfig
 from .favor_projection import draw_projection
 from .implied_attention import implied_attention
+from .vocabulary_projection import plain_linear, vocabulary_logits
 
 
 class PerformerEmbeddings(nn.Module):
@@ -288,14 +289,6 @@ class PerformerPooler(nn.Module):
         return self.activation(self.dense(hidden_states[:, 0]))
 
 
-def _plain_linear(module: nn.Module) -> bool:
-    """Whether ``module`` computes exactly ``F.linear(x, module.weight)``: a bias-free ``nn.Linear`` itself, not a
-    subclass (quantized layers), and without hooks, which only its own call runs (forward and backward ones;
-    Accelerate's offloading replaces ``forward`` and sets ``_hf_hook``)."""
-    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    return type(module) is nn.Linear and module.bias is None and not any(hooks) and not hasattr(module, "_hf_hook")
-
-
 class PerformerMaskedLMHead(nn.Module):
     """dense + activation + LayerNorm, then the (tied) decoder: BERT's and RoBERTa's MLM head."""
 
@@ -309,8 +302,8 @@ class PerformerMaskedLMHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = self.layer_norm(self.act(self.dense(hidden_states)))
-        if _plain_linear(self.decoder):  # the product and the bias in one call (addmm), as the source's decoder
-            return nn.functional.linear(hidden_states, self.decoder.weight, self.bias)  # (B, L, vocab)
+        if plain_linear(self.decoder):  # the product and the bias in one call (addmm), as the source's decoder
+            return vocabulary_logits(hidden_states, self.decoder.weight, self.bias)  # (B, L, vocab)
         # a decoder wrapped (an adapter, a quantized or hooked layer): its own call, the bias added out of place (a
         # full backward hook returns its output as a view that autograd forbids changing in place)
         return self.decoder(hidden_states) + self.bias  # (B, L, vocab)

@@ -37,6 +37,7 @@ from .layers_performer import (
     PerformerPooler,
 )
 from .token_loss import IGNORE_INDEX, token_cross_entropy
+from .vocabulary_projection import plain_linear, vocabulary_logits
 
 logger = logging.get_logger(__name__)
 
@@ -376,7 +377,11 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
         )
         hidden_states = outputs.last_hidden_state  # (B, L, hidden)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep])  # (B, L or N, vocab)
+        hidden_states = hidden_states[:, keep]  # (B, L or N, hidden)
+        if plain_linear(self.lm_head):  # rows aligned for a GPU's kernels (vocabulary_projection)
+            logits = vocabulary_logits(hidden_states, self.lm_head.weight)  # (B, L or N, vocab)
+        else:  # a wrapped or hooked head (an adapter, offloading): its own call
+            logits = self.lm_head(hidden_states)
         loss = None
         if labels is not None or shift_labels is not None:
             targets = shift_labels if shift_labels is not None else labels

@@ -1,0 +1,60 @@
+"""The vocabulary projection (hidden states -> logits) with rows of a length a GPU's matrix kernels take whole.
+
+A vocabulary of odd size (GPT-2's 50,257 words, BERT's 30,522) gives the logits rows that are not a multiple of
+16 bytes long, and cuBLAS then leaves its Hopper kernels for an sm_75 one at alignment 1 or 2. On the H200 that
+one product was the largest kernel of the source and of its conversion alike: 14.1 ms of the decoder's inference at
+32K tokens (flash's whole step 44.0 ms; 89 TFLOPS), 7.1 ms forward and 4.6 + 4.3 ms backward of its 38 ms training
+step at 32 x 512 (``benchmarks/results/flex_h200``, runs 1 and 9). Here, on CUDA, the weight gets zero rows up to a
+multiple of 64 words for the product, and the logits are its first ``vocab_size`` columns: a view whose rows keep
+the padded length, so the gradient of a loss over them reaches the backward products aligned too. nanoGPT pads its
+vocabulary to the same end (50,257 -> 50,304); here the model's vocabulary and its logits' shape stay as they are.
+
+Only where the product is large (at least :data:`MIN_ROWS` rows, an estimate: the GPU has not timed the threshold):
+a few sequences' next-token logits in ``generate`` read the weight once, and a padded copy of it would double that.
+The padded copy lives until backward (one more weight's memory in training), and a loss's gradient of the logits
+is copied into the padded rows once. Not on a CPU: there (float32, 2 threads, 512 and 4,096 rows of 384 into 30,522
+and 50,257 words) the forward alone took 1.10x-1.37x less time padded, but forward and backward 0.91x-1.03x.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Tensor = torch.Tensor
+
+ALIGNMENT = 64  # words: a multiple of the 8 (16 bytes of bfloat16) that cuBLAS's vectorized kernels need
+MIN_ROWS = 256  # rows (tokens): a GPU's product is compute-bound from about here, and its alignment matters
+
+
+def alignment_for(hidden: Tensor) -> int:
+    """The row length the logits of ``hidden`` (..., hidden_size) are padded to a multiple of: :data:`ALIGNMENT` on
+    CUDA for at least :data:`MIN_ROWS` rows, else 1 (no padding)."""
+    rows = hidden.numel() // max(hidden.shape[-1], 1)
+    return ALIGNMENT if hidden.device.type == "cuda" and rows >= MIN_ROWS else 1
+
+
+def plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` computes exactly ``F.linear(x, module.weight)``: a bias-free ``nn.Linear`` itself, not a
+    subclass (quantized layers), and without hooks, which only its own call runs (forward and backward ones;
+    Accelerate's offloading replaces ``forward`` and sets ``_hf_hook``). A head's own product
+    (:func:`vocabulary_logits`) may stand in for such a module's call only."""
+    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    return type(module) is nn.Linear and module.bias is None and not any(hooks) and not hasattr(module, "_hf_hook")
+
+
+def vocabulary_logits(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None = None, alignment: int | None = None
+) -> Tensor:
+    """``F.linear(hidden, weight, bias)``: (..., hidden_size) -> (..., vocab_size) logits, computed with the
+    weight's rows padded to a multiple of ``alignment`` (default :func:`alignment_for`) and returned as the first
+    ``vocab_size`` columns of that product (a view; contiguous where nothing is padded)."""
+    vocab_size = weight.shape[0]
+    alignment = alignment_for(hidden) if alignment is None else alignment
+    padding = -vocab_size % alignment
+    if padding == 0:
+        return F.linear(hidden, weight, bias)
+    weight = F.pad(weight, (0, 0, 0, padding))  # (vocab_size + padding, hidden_size)
+    bias = None if bias is None else F.pad(bias, (0, padding))
+    return F.linear(hidden, weight, bias)[..., :vocab_size]  # (..., vocab_size), rows of vocab_size + padding

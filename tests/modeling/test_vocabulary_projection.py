@@ -1,0 +1,114 @@
+"""The vocabulary projection with rows padded for a GPU's kernels: the same logits, loss and gradients as the
+plain product, in a view whose rows keep the padded length (on CUDA; forced here on the CPU)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from performer_hf import PerformerForCausalLM, PerformerForMaskedLM
+from performer_hf.modeling import vocabulary_projection
+from performer_hf.modeling.vocabulary_projection import ALIGNMENT, MIN_ROWS, alignment_for, vocabulary_logits
+
+from ..tiny_models import VOCAB, random_ids, tiny_model
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _leaves(seed: int, rows: int, hidden: int, vocab: int, bias: bool, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(rows, hidden, generator=g), torch.randn(vocab, hidden, generator=g) / hidden**0.5]
+    if bias:
+        tensors.append(torch.randn(vocab, generator=g))
+    return [t.to(device, dtype).requires_grad_() for t in tensors]
+
+
+@pytest.mark.parametrize("vocab", [99, 128, 30])
+@pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
+def test_padded_logits_and_gradients_equal_the_plain_product(vocab, bias):
+    """Against ``F.linear`` on the same leaves: logits, and the gradients of the hidden states, weight and bias
+    under a random upstream gradient; rows padded to a multiple of 32 where the vocabulary is not one already."""
+    hidden, weight, *rest = _leaves(0, 12, 16, vocab, bias)
+    plain_leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, *rest)]
+    logits = vocabulary_logits(hidden.view(3, 4, 16), weight, *rest, alignment=32)
+    want = F.linear(plain_leaves[0].view(3, 4, 16), *plain_leaves[1:])
+    assert logits.shape == want.shape == (3, 4, vocab)
+    assert logits.stride(-2) == -(-vocab // 32) * 32  # rows of the padded length
+    torch.testing.assert_close(logits, want, rtol=1e-6, atol=1e-6)
+    upstream = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    (logits * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    for leaf, plain in zip((hidden, weight, *rest), plain_leaves, strict=True):
+        assert leaf.grad.shape == leaf.shape
+        torch.testing.assert_close(leaf.grad, plain.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_a_cpu_or_a_few_rows_are_not_padded():
+    """Padding pays only for a GPU's large products: on the CPU, or below MIN_ROWS rows, the plain product."""
+    assert alignment_for(torch.zeros(4 * MIN_ROWS, 8)) == 1
+    hidden, weight = _leaves(0, 5, 8, 99, bias=False)
+    assert vocabulary_logits(hidden, weight).is_contiguous()
+
+
+def _padding_everywhere(monkeypatch):
+    """The CUDA choice on the CPU: every product padded to ALIGNMENT, whatever its rows."""
+    monkeypatch.setattr(vocabulary_projection, "alignment_for", lambda hidden: ALIGNMENT)
+
+
+@pytest.mark.parametrize("head", [PerformerForCausalLM, PerformerForMaskedLM])
+def test_the_heads_logits_loss_and_gradients_are_unchanged_by_padding(monkeypatch, head):
+    """A model's logits, loss and every parameter's gradient with the padded product equal the plain product's
+    (VOCAB = 99 words padded to 128), and the logits come out as the padded view."""
+    ids = random_ids(2, 11)
+    results = []
+    for padded in (False, True):
+        if padded:
+            _padding_everywhere(monkeypatch)
+        model = tiny_model(head).train()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        results.append((out.logits.detach(), out.loss.detach(), grads))
+    (plain_logits, plain_loss, plain_grads), (logits, loss, grads) = results
+    assert logits.shape == (2, 11, VOCAB) and logits.stride(-2) == 128
+    torch.testing.assert_close(logits, plain_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == plain_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_generation_and_a_hooked_head_with_padding(monkeypatch):
+    """Greedy generation reads the padded logits as the plain ones (same tokens); a head with a forward hook (an
+    adapter, offloading) still runs its own call, whose change reaches the logits."""
+    ids = random_ids(2, 7)
+    model = tiny_model(PerformerForCausalLM)
+    plain = model.generate(ids, max_new_tokens=5, do_sample=False)
+    _padding_everywhere(monkeypatch)
+    torch.testing.assert_close(model.generate(ids, max_new_tokens=5, do_sample=False), plain, rtol=0, atol=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        model.lm_head.register_forward_hook(lambda module, args, output: output * 2)
+        hooked = model(input_ids=ids).logits
+    assert hooked.is_contiguous()  # the head's own call: not the padded product
+    torch.testing.assert_close(hooked, 2 * logits)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_pads_large_products_and_matches_the_plain_product(dtype):
+    """On CUDA at GPT-2's vocabulary (50,257 words) and 1,024 rows: the logits' rows padded to 50,304, the same
+    logits and gradients as ``F.linear`` within the dtype's rounding; a few rows (decoding) are not padded."""
+    hidden, weight = _leaves(0, 1024, 384, 50257, bias=False, device="cuda", dtype=dtype)
+    plain_hidden, plain_weight = (t.detach().clone().requires_grad_() for t in (hidden, weight))
+    logits = vocabulary_logits(hidden, weight)
+    want = F.linear(plain_hidden, plain_weight)
+    assert logits.stride(0) == 50304
+    tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(logits, want, **tolerance)
+    upstream = torch.randn_like(want)
+    (logits * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    torch.testing.assert_close(hidden.grad, plain_hidden.grad, **tolerance)
+    torch.testing.assert_close(weight.grad, plain_weight.grad, **tolerance)
+    assert vocabulary_logits(hidden[: MIN_ROWS - 1], weight).is_contiguous()
