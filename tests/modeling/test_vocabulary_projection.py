@@ -1,5 +1,5 @@
-"""The vocabulary projection with rows padded for a GPU's kernels: the same logits, loss and gradients as the
-plain product, in a view whose rows keep the padded length (on CUDA; forced here on the CPU)."""
+"""The vocabulary projection with rows padded for the matrix kernels: the same logits, loss and gradients as the
+plain product, in a view whose rows keep the padded length (from MIN_ROWS rows; forced here for tiny models)."""
 
 import pytest
 import torch
@@ -42,15 +42,27 @@ def test_padded_logits_and_gradients_equal_the_plain_product(vocab, bias):
         torch.testing.assert_close(leaf.grad, plain.grad, rtol=1e-6, atol=1e-6)
 
 
-def test_a_cpu_or_a_few_rows_are_not_padded():
-    """Padding pays only for a GPU's large products: on the CPU, or below MIN_ROWS rows, the plain product."""
-    assert alignment_for(torch.zeros(4 * MIN_ROWS, 8)) == 1
-    hidden, weight = _leaves(0, 5, 8, 99, bias=False)
-    assert vocabulary_logits(hidden, weight).is_contiguous()
+def test_a_few_rows_are_not_padded_and_many_are():
+    """Padding pays for large products only: below MIN_ROWS rows (decoding) the plain product; from MIN_ROWS on, on
+    the CPU too, the padded one."""
+    hidden, weight = _leaves(0, MIN_ROWS, 8, 99, bias=False)
+    assert alignment_for(hidden[:-1]) == 1 and vocabulary_logits(hidden[:-1], weight).is_contiguous()
+    assert alignment_for(hidden) == ALIGNMENT and vocabulary_logits(hidden, weight).stride(0) == 128
+
+
+def test_a_model_pads_its_logits_from_min_rows_on():
+    """Unforced, a causal LM's logits over 2 x 130 tokens (MIN_ROWS = 256 rows or more) are the padded view, equal
+    to the product of its last hidden states with the tied embeddings."""
+    model = tiny_model(PerformerForCausalLM, max_position_embeddings=160)
+    with torch.no_grad():
+        out = model(input_ids=random_ids(2, 130), output_hidden_states=True)
+    assert out.logits.stride(-2) == 128
+    want = out.hidden_states[-1] @ model.performer.embeddings.word_embeddings.weight.T  # (2, 130, VOCAB)
+    torch.testing.assert_close(out.logits, want, rtol=1e-5, atol=1e-5)
 
 
 def _padding_everywhere(monkeypatch):
-    """The CUDA choice on the CPU: every product padded to ALIGNMENT, whatever its rows."""
+    """Every product padded to ALIGNMENT, whatever its rows (a tiny model's are fewer than MIN_ROWS)."""
     monkeypatch.setattr(vocabulary_projection, "alignment_for", lambda hidden: ALIGNMENT)
 
 

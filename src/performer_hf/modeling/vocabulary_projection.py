@@ -1,19 +1,21 @@
-"""The vocabulary projection (hidden states -> logits) with rows of a length a GPU's matrix kernels take whole.
+"""The vocabulary projection (hidden states -> logits) with rows of a length that matrix kernels take whole.
 
 A vocabulary of odd size (GPT-2's 50,257 words, BERT's 30,522) gives the logits rows that are not a multiple of
 16 bytes long, and cuBLAS then leaves its Hopper kernels for an sm_75 one at alignment 1 or 2. On the H200 that
 one product was the largest kernel of the source and of its conversion alike: 14.1 ms of the decoder's inference at
 32K tokens (flash's whole step 44.0 ms; 89 TFLOPS), 7.1 ms forward and 4.6 + 4.3 ms backward of its 38 ms training
-step at 32 x 512 (``benchmarks/results/flex_h200``, runs 1 and 9). Here, on CUDA, the weight gets zero rows up to a
-multiple of 64 words for the product, and the logits are its first ``vocab_size`` columns: a view whose rows keep
-the padded length, so the gradient of a loss over them reaches the backward products aligned too. nanoGPT pads its
-vocabulary to the same end (50,257 -> 50,304); here the model's vocabulary and its logits' shape stay as they are.
+step at 32 x 512 (``benchmarks/results/flex_h200``, runs 1 and 9). Here the weight gets zero rows up to a multiple
+of 64 words for the product, and the logits are its first ``vocab_size`` columns: a view whose rows keep the padded
+length, so the gradient of a loss over them reaches the backward products aligned too. nanoGPT pads its vocabulary
+to the same end (50,257 -> 50,304); here the model's vocabulary and its logits' shape stay as they are.
 
-Only where the product is large (at least :data:`MIN_ROWS` rows, an estimate: the GPU has not timed the threshold):
-a few sequences' next-token logits in ``generate`` read the weight once, and a padded copy of it would double that.
-The padded copy lives until backward (one more weight's memory in training), and a loss's gradient of the logits
-is copied into the padded rows once. Not on a CPU: there (float32, 2 threads, 512 and 4,096 rows of 384 into 30,522
-and 50,257 words) the forward alone took 1.10x-1.37x less time padded, but forward and backward 0.91x-1.03x.
+A CPU gains too, in float32 (2 threads, 6 layers of 384 at 8 x 512 tokens, exact attention): the masked LM's and
+the causal LM's whole inference 1.15x and 1.18x faster (the product alone 1.05x-1.32x at 256 to 2,048 rows), a
+training step 1.03x (4 x 512); bfloat16 0.99x-1.01x. GPU time not measured.
+
+Only where the product is large (at least :data:`MIN_ROWS` rows): a few sequences' next-token logits in ``generate``
+read the weight once, and a padded copy of it would double that. The padded copy lives until backward (one more
+weight's memory in training), and a loss's gradient of the logits is copied into the padded rows once.
 """
 
 from __future__ import annotations
@@ -25,14 +27,14 @@ from torch import nn
 Tensor = torch.Tensor
 
 ALIGNMENT = 64  # words: a multiple of the 8 (16 bytes of bfloat16) that cuBLAS's vectorized kernels need
-MIN_ROWS = 256  # rows (tokens): a GPU's product is compute-bound from about here, and its alignment matters
+MIN_ROWS = 256  # rows (tokens): a GPU's product is compute-bound from about here (an estimate, not timed there)
 
 
 def alignment_for(hidden: Tensor) -> int:
-    """The row length the logits of ``hidden`` (..., hidden_size) are padded to a multiple of: :data:`ALIGNMENT` on
-    CUDA for at least :data:`MIN_ROWS` rows, else 1 (no padding)."""
+    """The row length the logits of ``hidden`` (..., hidden_size) are padded to a multiple of: :data:`ALIGNMENT`
+    for at least :data:`MIN_ROWS` rows, else 1 (no padding)."""
     rows = hidden.numel() // max(hidden.shape[-1], 1)
-    return ALIGNMENT if hidden.device.type == "cuda" and rows >= MIN_ROWS else 1
+    return ALIGNMENT if rows >= MIN_ROWS else 1
 
 
 def plain_linear(module: nn.Module) -> bool:
