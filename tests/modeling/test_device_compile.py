@@ -2,8 +2,8 @@
 through AOTAutograd's graphs (``aot_eager``, no code generation) give the eager outputs and gradients at two lengths,
 for FAVOR+ and the hybrid, bidirectional and causal, each on the backend it takes on CUDA (the routed hybrid:
 PyTorch's; a window and global keys: FlexAttention's, its attention calls in plain PyTorch). Lengths share a graph per
-bucket, their padding invisible; layers share one graph. A decoder's prefill compiles and decodes as eager;
-decoding steps, the CPU by default and ``PERFORMER_HF_COMPILE=0`` stay eager. The token loss's chunks too."""
+bucket, their padding invisible; layers share one graph. A decoder's prefill and decoding steps compile and decode as
+eager; the CPU by default and ``PERFORMER_HF_COMPILE=0`` stay eager. The token loss's chunks too."""
 
 import types
 import warnings
@@ -285,18 +285,26 @@ def test_the_cpu_by_default_and_compile_off_stay_eager(monkeypatch, counter):
     ],
     ids=["hybrid", "exact prefix then hybrid", "hybrid, polynomial far field", "favor"],
 )
-def test_a_prefill_is_compiled_and_decodes_as_eager(monkeypatch, counter, settings):
+def test_a_prefill_and_its_decoding_steps_compile_and_decode_as_eager(monkeypatch, counter, settings):
     """A decoder's prefill with a cache: its output from the compiled call (bucketed: 37 tokens run as 40), FAVOR+'s
-    state with it, the hybrid's computed alone (``hybrid_prefill_state``); greedy generation of a left-padded batch
-    gives eager's tokens and step logits; the decoding steps compile nothing."""
+    state with it, the hybrid's computed alone (``hybrid_prefill_state``); then its decoding steps, compiled
+    (``decode_step``); greedy generation of a left-padded batch gives eager's tokens and step logits, and a longer
+    generation compiles nothing more (no graph per step or per length of the past)."""
     _flex_backend(monkeypatch)
     model = random_centres(tiny_model(PerformerForCausalLM, max_position_embeddings=80, **settings))
     generated = _eager_and_compiled_generations(monkeypatch, model)
-    # the prefill's graph (its layers share it), the hybrid's state's, and the exact prefix's state's; no step's
-    hybrid = settings["attention_method"] == "hybrid"
-    assert counter.frame_count == 1 + hybrid + (settings.get("exact_max_length", 0) > 0)
+    hybrid, prefix = settings["attention_method"] == "hybrid", settings.get("exact_max_length", 0) > 0
+    # the prefill's graph (its layers share it), the hybrid's state's, the exact prefix's state's, and the steps':
+    # the hybrid's state carries the past's length, specialised at the first step and dynamic from the second (the
+    # first step after an exact prefix: dynamic at once, the attention call having met another length before)
+    steps = 1 + (hybrid and not prefix)
+    assert counter.frame_count == 1 + hybrid + prefix + steps
     assert torch.equal(generated["1"][0], generated["0"][0])
     torch.testing.assert_close(generated["1"][1], generated["0"][1], rtol=1e-5, atol=1e-5)
+    longer = _eager_and_compiled_generations(monkeypatch, model, new_tokens=12)
+    assert counter.frame_count == 1 + hybrid + prefix + steps
+    assert torch.equal(longer["1"][0], longer["0"][0])
+    torch.testing.assert_close(longer["1"][1], longer["0"][1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kernel", ["softmax", "relu"])
@@ -323,8 +331,9 @@ def test_a_favor_prefill_compiled_with_its_state_holds_no_padding(counter, kerne
 @pytest.mark.parametrize("exact_max_length", [0, 16], ids=["hybrid", "exact prefix then hybrid"])
 def test_a_prefills_state_compiles_once_for_every_later_prompt_length(monkeypatch, counter, exact_max_length):
     """Prompts of three lengths: the hybrid's prefill state compiles for a first length and then once with dynamic
-    lengths (its inputs copied contiguous: views of the sequence would guard on its length), not once per length;
-    each prompt generates eager's tokens and step logits."""
+    lengths (its inputs copied contiguous: views of the sequence would guard on its length), not once per length,
+    and so do the decoding steps (the state's window buffer a tensor of its own, whatever the prompt's length); each
+    prompt generates eager's tokens and step logits."""
     _flex_backend(monkeypatch)
     settings = dict(attention_method="hybrid", exact_max_length=exact_max_length)
     model = random_centres(tiny_model(PerformerForCausalLM, max_position_embeddings=80, **settings))
@@ -333,13 +342,16 @@ def test_a_prefills_state_compiles_once_for_every_later_prompt_length(monkeypatc
         generated = _eager_and_compiled_generations(monkeypatch, model, length=length)
         assert torch.equal(generated["1"][0], generated["0"][0])
         torch.testing.assert_close(generated["1"][1], generated["0"][1], rtol=1e-5, atol=1e-5)
-    # the state's: one static graph (the first prompt's, or the exact prefix's, always 16 long), then one dynamic
-    assert counter.frame_count == len(lengths) + 2
+    # the state's: one static graph (the first prompt's, or the exact prefix's, always 16 long), then one dynamic; the
+    # steps': as in test_a_prefill_and_its_decoding_steps_compile_and_decode_as_eager
+    assert counter.frame_count == len(lengths) + 2 + (1 if exact_max_length else 2)
 
 
-def _eager_and_compiled_generations(monkeypatch, model, device: str = "cpu", length: int = 37) -> dict:
-    """Greedy generation of 5 tokens after a left-padded batch of ``length``, with ``PERFORMER_HF_COMPILE`` "0" and
-    "1": ``{flag: (sequences, step logits)}``."""
+def _eager_and_compiled_generations(
+    monkeypatch, model, device: str = "cpu", length: int = 37, new_tokens: int = 5
+) -> dict:
+    """Greedy generation of ``new_tokens`` after a left-padded batch of ``length``, with ``PERFORMER_HF_COMPILE``
+    "0" and "1": ``{flag: (sequences, step logits)}``."""
     ids = random_ids(batch=2, length=length, seed=3).to(device)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
@@ -350,7 +362,7 @@ def _eager_and_compiled_generations(monkeypatch, model, device: str = "cpu", len
             out = model.generate(
                 ids,
                 attention_mask=mask,
-                max_new_tokens=5,
+                max_new_tokens=new_tokens,
                 do_sample=False,
                 output_logits=True,
                 return_dict_in_generate=True,
@@ -391,8 +403,8 @@ DECODERS = {"hybrid": dict(attention_method="hybrid", exact_max_length=0), "favo
 @pytest.mark.parametrize("name", DECODERS)
 def test_cuda_prefill_decodes_as_eager(monkeypatch, name):
     """On CUDA, float32: a decoder's compiled prefill, its cache's state computed apart in the Triton kernels
-    (``exp_key_state``), generates eager's tokens (whose state comes from the causal scan's kernels), step logits
-    within the kernels' float32 rounding."""
+    (``exp_key_state``), and its compiled decoding steps generate eager's tokens (whose state comes from the causal
+    scan's kernels), step logits within the kernels' float32 rounding."""
     from performer_hf.modeling import favor_exp
 
     torch._dynamo.reset()

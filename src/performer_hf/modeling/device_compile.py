@@ -7,8 +7,8 @@ Measured on an H200 (bfloat16, one bidirectional call of 12 heads x 32K tokens x
 218.5 -> 39.2 ms. Every call without a cache is compiled: FAVOR+ and the hybrid, bidirectional and causal (each a
 graph without breaks), and a decoder's prefill (FAVOR+'s with its state, which padding keys leave as it is; the
 hybrid's state, which holds the last keys themselves, apart: ``hybrid_prefill_state`` compiled as well, with
-dynamic lengths from a second one on); decoding steps stay eager. The CPU keeps its own kernels (``cpu_kernels``,
-``hybrid_compiled``) and eager PyTorch.
+dynamic lengths from a second one on), and a decoding step (:func:`decode_step`). The CPU keeps its own kernels
+(``cpu_kernels``, ``hybrid_compiled``) and eager PyTorch.
 
 - :func:`compile_settings`: every kind of call (method, mask, score, gradient mode, length bucket) compiles its own
   graphs, more than dynamo's default limit of 8 per function (and 256 in all); past its limit dynamo would silently
@@ -77,6 +77,16 @@ def call_compiled(function: Callable, device: torch.device, *args, **kwargs):
         return function(*args, **kwargs)
     with torch._dynamo.config.patch(compile_settings()):
         return _compiled(function, BACKEND, None)(*args, **kwargs)
+
+
+def decode_step(function: Callable, q, k, v, *args, initial_state, **kwargs):
+    """A causal method's decoding step, ``function(q, k, v, *args, initial_state=initial_state, return_state=True,
+    **kwargs)`` for one new token (q, k, v: (B, H, 1, .)) after ``initial_state``, through :func:`call_compiled`: its
+    few hundred small operations (the hybrid's window, global keys and far field; FAVOR+'s state) in a handful of
+    fused kernels, where eagerly each is a kernel launch of its own per layer and token. One graph for a first step,
+    then one with dynamic sizes (the past's length, a state buffer still filling), shared by the layers. Returns
+    ``(output, state)``."""
+    return call_compiled(function, q.device, q, k, v, *args, initial_state=initial_state, return_state=True, **kwargs)
 
 
 # the kinds of attention call (function, dtype, head dims) whose compiled graph needed more shared memory than the GPU

@@ -192,18 +192,17 @@ def next_state(state: HybridState | None, far: tuple[Tensor, Tensor], call: Hybr
     if state is None:
         empty_k, empty_v, empty_m = k.new_zeros(B, H, 0, d), v.new_zeros(B, H, 0, v.shape[-1]), mask.new_zeros(B, 0)
         state = HybridState(*far, empty_k, empty_v, empty_m, empty_k, empty_v, empty_m, 0)
-    keep = max(spec.local_window - 1, 0)
-    keys = torch.cat([state.keys, k.to(state.keys.dtype)], dim=2)
-    values = torch.cat([state.values, v.to(state.values.dtype)], dim=2)
-    key_mask = torch.cat([state.key_mask, mask], dim=1)
-    start = max(0, keys.shape[2] - keep)
+    # the buffer keeps the last local_window - 1 keys: what leaves it is dropped before the concatenation, so that the
+    # buffer is a tensor of its own whose strides do not follow the call's length (a compiled step guards on them)
+    keep, held = max(spec.local_window - 1, 0), state.keys.shape[2]
+    old, fresh = min(held, max(0, held + L - keep)), max(0, L - keep)  # the old and the new keys that leave
     new = max(0, min(spec.num_global_tokens - length, L))
     return HybridState(
         far_kv=far[0],
         far_shift=far[1],
-        keys=keys[:, :, start:],
-        values=values[:, :, start:],
-        key_mask=key_mask[:, start:],
+        keys=torch.cat([state.keys[:, :, old:], k[:, :, fresh:].to(state.keys.dtype)], dim=2),
+        values=torch.cat([state.values[:, :, old:], v[:, :, fresh:].to(state.values.dtype)], dim=2),
+        key_mask=torch.cat([state.key_mask[:, old:], mask[:, fresh:]], dim=1),
         global_keys=torch.cat([state.global_keys, k[:, :, :new].to(state.global_keys.dtype)], dim=2),
         global_values=torch.cat([state.global_values, v[:, :, :new].to(state.global_values.dtype)], dim=2),
         global_mask=torch.cat([state.global_mask, mask[:, :new]], dim=1),

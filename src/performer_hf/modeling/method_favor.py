@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .device_compile import call_compiled_attention, compiles
+from .device_compile import call_compiled_attention, compiles, decode_step
 from .favor_attention import favor_attention
 from .method_exact import exact_is_enough, softmax_attention
 
@@ -34,6 +34,10 @@ def favor_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None,
             # after them is the state after the prompt
             context, state = call_compiled_attention(
                 favor_attention, q, k, v, module.projection, return_state=True, **kwargs
+            )
+        elif length == 1 and compiles(q.device):  # a decoding step (decode_step)
+            context, state = decode_step(
+                favor_attention, q, k, v, module.projection, initial_state=layer_cache.get_state(), **kwargs
             )
         else:
             context, state = favor_attention(

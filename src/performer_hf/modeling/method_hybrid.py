@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .device_compile import call_compiled, call_compiled_attention, compiles
+from .device_compile import call_compiled, call_compiled_attention, compiles, decode_step
 from .far_fields import get_far_field
 from .favor_hybrid import hybrid_attention, hybrid_prefill_state
 from .hybrid_spec import HybridSpec, HybridState
@@ -49,9 +49,9 @@ def hybrid_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None
 
 def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None, after=None) -> Tensor:
     """:func:`.hybrid_attention` with the module's settings, after ``after`` (the state of an exact prefix) or
-    continuing from ``layer_cache``'s state, and updating it. Where calls compile (CUDA), a call without a cache and a
-    prefill are compiled (their state computed apart); calls after a cache's own state (decoding, a prefill in
-    chunks) are not: each length of the past would compile its own graph."""
+    continuing from ``layer_cache``'s state, and updating it. Where calls compile (CUDA), a call without a cache, a
+    prefill (its state computed apart) and a decoding step are compiled; a prefill in chunks after a cache's own
+    state is not (each length of the past and of the chunk would compile its own graph)."""
     projection, kwargs = _call_settings(module, q.device, causal, key_mask, q.shape[2])
     spec = module.hybrid_spec
     with torch.autocast(q.device.type, enabled=False):  # float32 inside, as for FAVOR+
@@ -63,6 +63,8 @@ def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None, afte
                 hybrid_attention, q, k, v, projection, spec, initial_state=after, **kwargs
             )
             state = _prefill_state(module, k, v, projection, after, kwargs)
+        elif q.shape[2] == 1 and compiles(q.device):  # a decoding step (decode_step)
+            context, state = decode_step(hybrid_attention, q, k, v, projection, spec, initial_state=state, **kwargs)
         else:
             context, state = hybrid_attention(
                 q, k, v, projection, spec, initial_state=state, return_state=True, **kwargs
