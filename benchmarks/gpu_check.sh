@@ -2,8 +2,8 @@
 # Issue 30's GPU check on a CUDA machine, in two calls that fit a session's 15 minutes of device time: first
 # `bash benchmarks/gpu_check.sh` (the speed part, at most 8.2 minutes: each step within its time limit, the first
 # calls of each length compiling the attention, cold on a fresh machine), then on the machine still warm
-# `bash benchmarks/gpu_check.sh tests` (at most 5.7 minutes). `... all` runs both; LENGTHS="8192 2048 512" (say)
-# times other lengths.
+# `bash benchmarks/gpu_check.sh tests` (at most 5.7 minutes). Where device time is left, `... decode` (at most 2.5
+# minutes) times decoding. `... all` runs the three; LENGTHS="8192 2048 512" (say) times other lengths.
 #
 #   1. speed: benchmarks/model_speed.py --check: every arm's logits on the GPU in bfloat16 against float32 on the
 #      CPU, then the whole models' training step and inference against the source held to flash attention, 32K
@@ -26,6 +26,9 @@
 #      and the speed part checks the models' logits itself.
 #      (The other tests of those files run in CI on a CPU, in Triton's interpreter; those against the C++ CPU
 #      kernels need a build this check skips.)
+#   3. decode: benchmarks/model_speed.py --part decode: the decoder's seconds per token after 8,192 tokens (past the
+#      default's exact prefix), flash against the default and FAVOR+, whose decoding steps run compiled (results in
+#      decode/).
 #
 # Results go to $OUT (the device tool's folder) or benchmarks/results. The device image has its own torch and Triton
 # but an older transformers and no network: carry transformers' wheel, fetched here first:
@@ -68,7 +71,7 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 part="${1:-speed}"
 # device time is scarce: a step that fails or runs out of time does not stop the next; the status is the tests'
 tests=0
-if [ "$part" != tests ]; then
+if [ "$part" = speed ] || [ "$part" = all ]; then
   # a fresh machine compiles every call cold: run 6's encoder (four arms) finished no 32K round in 170 s
   lengths="${LENGTHS:-32768 131072 8192 2048 512}"
   mkdir -p "$out/family" "$out/decoder"
@@ -83,7 +86,7 @@ if [ "$part" != tests ]; then
     --part model --mode inference --batch-tokens 16384 --models decoder --arms flash favor hybrid --rows 25 2>&1 \
     | tee -a "$out/gpu_check.log" || true
 fi
-if [ "$part" != speed ]; then
+if [ "$part" = tests ] || [ "$part" = all ]; then
   limit=290
   # (a test past 100 s fails with its stack: the device image has pytest-timeout; causal FAVOR+'s ran past 80 s once)
   # (failures show warnings, not the DEBUG records inductor logs: run 6's buried the summary)
@@ -99,6 +102,11 @@ if [ "$part" != speed ]; then
     | tee -a "$out/gpu_check.log" || tests=$?
   timeout 50 python3 -m pytest -q -p no:cacheprovider --tb=short tests/modeling/test_far_field_triton.py \
     tests/modeling/test_hybrid_routing_triton.py 2>&1 | tee -a "$out/gpu_check.log" || tests=$?
+fi
+if [ "$part" = decode ] || [ "$part" = all ]; then
+  mkdir -p "$out/decode"
+  timeout 150 python3 benchmarks/model_speed.py --part decode --device cuda --dtype bfloat16 --models decoder \
+    --arms flash hybrid favor --lengths 8192 --reps 16 --out-dir "$out/decode" 2>&1 | tee -a "$out/gpu_check.log" || true
 fi
 if [ "$tests" != 0 ]; then echo "the GPU tests FAILED (status $tests): see above" | tee -a "$out/gpu_check.log"; fi
 exit "$tests"

@@ -40,6 +40,10 @@ path. The converted models have no attention dropout (FAVOR+ and the hybrid cann
 ``--part attention`` times the attention call alone (layer 0's, through the same registry function the
 model calls) on (batch, 12, L, 32) tensors, forward + backward and forward, against SDPA.
 
+``--part decode`` times decoding (the decoder and llama models): one token's forward with the cache after a prompt of
+L random tokens (batch 1, the cache the model returns, as ``generate()`` keeps it), seconds per token; each arm first
+decodes a few tokens untimed (where calls compile: its graphs), then the rounds below, each a token.
+
 Timing: for every L, each arm's model is built once; a warm-up run, then ``--reps`` runs interleaved
 (arm after arm, round after round, the order reversed every other round) so that a change of load, or a cost
 left by the arm before, hits every arm alike; the median is
@@ -63,6 +67,7 @@ is faster).
 
     python benchmarks/model_speed.py                                    # CPU, fp32, 2 threads, 512 .. 16K
     python benchmarks/model_speed.py --device cuda --dtype bfloat16 --batch-tokens 16384 --check
+    python benchmarks/model_speed.py --part decode --models decoder --device cuda --dtype bfloat16 --reps 16
     python benchmarks/model_speed.py --quick --out-dir /tmp/ms          # smoke test: 128 tokens
     git worktree add /tmp/main main && python benchmarks/model_speed.py --models encoder decoder \
         --arms hybrid --baseline /tmp/main/src/performer_hf/modeling --out-dir /tmp/vs-main
@@ -87,6 +92,8 @@ ARMS = ("sdpa", "sdpa_fused", "flash", "hybrid", "tiled", "favor", "sparse", "ex
 SOURCE_ARMS = ("sdpa", "sdpa_fused", "flash")
 FAMILY_ARMS = ("exact", "approximation", "bound")  # the Performer family's exact dispatch: not for in-place models
 MODES = ("train", "inference")
+PART_MODES = {"model": MODES, "attention": ("forward_backward", "forward"), "decode": ("decode",)}
+WARM_TOKENS = 3  # decoded before the timing: a compiled step's first graph, then its graph with dynamic sizes
 LAYERS, HIDDEN, HEADS = 6, 384, 12
 TILED = dict(local_window=257, routed_blocks=16, route_block_size=64, query_block_size=128, route_group_size=0)
 
@@ -278,6 +285,29 @@ def model_step(arm: str, model, mode: str, inputs: dict, device: str) -> Step:
     return step
 
 
+@torch.no_grad()
+def decode_step(arm: str, model, prompt, device: str) -> Step:
+    """Decoding after ``prompt`` (1, L): the prompt's forward fills the cache the model returns, a few tokens are
+    decoded (compiled calls compile), then each run is one more token's forward with that cache."""
+    from performer_hf.integrations import CACHE_KEYWORD
+
+    model.eval()
+    with backend(arm, device):
+        cache = model(input_ids=prompt, use_cache=True)[CACHE_KEYWORD]
+    token = prompt[:, -1:]  # (1, 1)
+
+    def work() -> None:
+        with torch.no_grad(), backend(arm, device):
+            logits = model(input_ids=token, use_cache=True, **{CACHE_KEYWORD: cache}).logits
+        if step.finite is None:
+            step.finite = bool(torch.isfinite(logits).all())
+
+    step = Step(work, device)
+    for _ in range(WARM_TOKENS):
+        work()
+    return step
+
+
 def attention_step(arm: str, call, qkv: list, mode: str, device: str) -> Step:
     """One attention call on ``qkv``: forward (no gradients) or forward + backward."""
 
@@ -377,6 +407,28 @@ def measure_models(args, workdir: Path) -> list[dict]:
                         ", NOT FINITE (NaN or inf in the output)" if rec.get("finite") is False else ""
                     )
                     logger.info("%-8s %-6s %-9s L=%-6d B=%-3d %s", kind, arm, mode, length, batch, shown)
+        del models
+    return results
+
+
+def measure_decode(args, workdir: Path) -> list[dict]:
+    results = []
+    dtype = getattr(torch, args.dtype)
+    for kind in args.models:
+        positions = max(args.lengths) + WARM_TOKENS + args.reps + 2  # the prompt and every decoded token
+        models = build_models(kind, positions, args.arms, workdir, args.baseline)
+        for model in models.values():
+            model.to(device=args.device, dtype=dtype)
+        for length in args.lengths:
+            prompt = make_batch(kind, models[next(iter(models))].config.vocab_size, 1, length, args.device)
+            steps = {arm: decode_step(arm, model, prompt["input_ids"], args.device) for arm, model in models.items()}
+            for arm, rec in time_arms(steps, args.reps).items():
+                rec.update(model=kind, arm=arm, mode="decode", length=length, batch=1)
+                results.append(rec)
+                logger.info(
+                    "decode %-8s %-6s L=%-6d %s", kind, arm, length, rec.get("skipped") or f"{rec['median_s']:.5f} s"
+                )
+            del steps
         del models
     return results
 
@@ -502,6 +554,8 @@ def measure(args) -> dict:
         # the smoke test runs each path once: these arms are other settings of paths it runs (and the tiled
         # support would compile a CPU kernel of its own, a minute)
         args.arms = [arm for arm in args.arms if arm not in ("sdpa_fused", "exact", "approximation", "tiled")]
+    if args.part == "decode":  # the encoder does not decode
+        args.models = [kind for kind in args.models if kind != "encoder"]
     if args.device == "cpu" and "flash" in args.arms:
         args.arms = [a for a in args.arms if a != "flash"]
     payload = {"settings": {k: v for k, v in vars(args).items() if k != "out_dir"}}
@@ -511,7 +565,7 @@ def measure(args) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
         if args.check:
             payload["agreement"] = measure_agreement(args, Path(workdir))
-        part = measure_models if args.part == "model" else measure_attention
+        part = {"model": measure_models, "attention": measure_attention, "decode": measure_decode}[args.part]
         payload["results"] = part(args, Path(workdir))
     return payload
 
@@ -529,10 +583,10 @@ def markdown(payload: dict) -> str:
     environment = harness.environment(payload)
     machine, load = environment["machine"], environment["load_average"]
     where = s.get("gpu") or f"{machine.get('cpu', '?')}, {machine['torch_threads']} threads"
-    modes = MODES if s["part"] == "model" else ("forward_backward", "forward")
+    modes = PART_MODES[s["part"]]
+    title = {"model": "Whole-model speed", "attention": "Attention-call speed", "decode": "Decoding speed"}[s["part"]]
     lines = [
-        f"# {'Whole-model' if s['part'] == 'model' else 'Attention-call'} speed: converted Performer vs its "
-        f"source with SDPA ({s['device']}, {s['dtype']})",
+        f"# {title}: converted Performer vs its source with SDPA ({s['device']}, {s['dtype']})",
         "",
         f"{where}; torch {machine['torch']}, transformers {machine.get('transformers', '?')}. Median of "
         f"{s['reps']} interleaved runs after a warm-up. "
@@ -620,7 +674,7 @@ def markdown(payload: dict) -> str:
 
 def plot(payload: dict):
     s, results = payload["settings"], payload["results"]
-    modes = MODES if s["part"] == "model" else ("forward_backward", "forward")
+    modes = PART_MODES[s["part"]]
     fig, axes = harness.pyplot().subplots(
         len(s["models"]), len(modes), figsize=(12, 4.5 * len(s["models"])), squeeze=False
     )
@@ -636,7 +690,7 @@ def plot(payload: dict):
                 xscale="log",
                 yscale="log",
                 xlabel="sequence length L",
-                ylabel="seconds per step",
+                ylabel="seconds per token" if mode == "decode" else "seconds per step",
                 title=f"{kind}: {mode.replace('_', ' + ')} ({s['device']}, {s['dtype']})",
             )
             ax.set_xscale("log", base=2)
@@ -647,7 +701,7 @@ def plot(payload: dict):
 
 def main(argv=None) -> dict:
     parser = harness.parser(__doc__, quick="L = 128, 1 run each, arms sdpa hybrid favor bound", threads=2)
-    parser.add_argument("--part", choices=("model", "attention"), default="model")
+    parser.add_argument("--part", choices=tuple(PART_MODES), default="model")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
@@ -662,7 +716,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--check", action="store_true", help="first compare outputs with float32 on the CPU")
     parser.add_argument("--baseline", help="another checkout's src/performer_hf/modeling: its arms baseline:<arm>")
     args, _ = parser.parse_known_args(argv)
-    name = "model_speed" + ("_attention" if args.part == "attention" else "")
+    name = "model_speed" + ("" if args.part == "model" else f"_{args.part}")
     if (args.device, args.dtype) != ("cpu", "float32"):
         name += f"_{args.device}_{args.dtype}"
     return harness.main(name, parser, measure, markdown, plot, argv=argv)

@@ -65,6 +65,19 @@ def test_the_study_runs_quick(study, study_server, tmp_path):
 
 
 @pytest.mark.studies
+def test_model_speeds_decoding_part_runs_quick(study_server, tmp_path):
+    """``model_speed.py --part decode`` (the GPU check's decoding times), on the decoder: a row per arm, finite."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    argv = [str(BENCHMARKS / "model_speed.py"), "--quick", "--part", "decode", "--models", "decoder", "--out-dir"]
+    answer = _run_in_server(study_server, [*argv, str(out_dir)], out_dir, tmp_path, TIMEOUT_S)
+    assert answer["returncode"] == 0, (tmp_path / "stderr.txt").read_text()[-4000:]
+    results = json.loads((out_dir / "model_speed_decode.json").read_text())["results"]
+    assert {r["arm"] for r in results} == {"sdpa", "hybrid", "favor", "sparse", "bound"}
+    assert all(r["mode"] == "decode" and r["median_s"] > 0 and r["finite"] for r in results)
+
+
+@pytest.mark.studies
 def test_the_study_server_reports_failures_and_ends_hung_runs_with_what_they_started(study_server, tmp_path):
     """What the smoke tests rely on: a script's exit status, its own arguments and output, and a run past its time
     killed with the processes it started (a smoke run that hung would otherwise hold the suite)."""
