@@ -378,7 +378,7 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
         hidden_states = outputs.last_hidden_state  # (B, L, hidden)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         hidden_states = hidden_states[:, keep]  # (B, L or N, hidden)
-        if plain_linear(self.lm_head):  # rows aligned for a GPU's kernels (vocabulary_projection)
+        if plain_linear(self.lm_head):  # rows aligned for the matrix kernels (vocabulary_projection)
             logits = vocabulary_logits(hidden_states, self.lm_head.weight)  # (B, L or N, vocab)
         else:  # a wrapped or hooked head (an adapter, offloading): its own call
             logits = self.lm_head(hidden_states)
