@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from performer_hf import PerformerForCausalLM, PerformerForMaskedLM
 from performer_hf.modeling import vocabulary_projection
+from performer_hf.modeling.token_loss import token_cross_entropy
 from performer_hf.modeling.vocabulary_projection import ALIGNMENT, MIN_ROWS, alignment_for, vocabulary_logits
 
 from ..tiny_models import VOCAB, random_ids, tiny_model
@@ -59,6 +60,46 @@ def test_a_model_pads_its_logits_from_min_rows_on():
     assert out.logits.stride(-2) == 128
     want = out.hidden_states[-1] @ model.performer.embeddings.word_embeddings.weight.T  # (2, 130, VOCAB)
     torch.testing.assert_close(out.logits, want, rtol=1e-5, atol=1e-5)
+
+
+def _autograd_nodes(loss: torch.Tensor) -> set[str]:
+    """The names of every autograd node that ``loss``'s backward runs."""
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo += [fn for fn, _ in node.next_functions]
+    return {type(node).__name__ for node in seen}
+
+
+@pytest.mark.parametrize("asked", [None, "retain_grad", "hook"])
+def test_the_token_loss_reads_the_padded_rows_whole(asked):
+    """The token loss of the padded view takes the product's rows themselves (its gradient goes to the product, no
+    zero-filled copy through the view), with the loss and every gradient of the contiguous logits' loss; where the
+    logits' own gradient is asked for (retain_grad, a hook), it goes through the view and the logits get it."""
+    hidden, weight = _leaves(0, 24, 16, 99, bias=False)
+    labels = torch.randint(0, 99, (24,), generator=torch.Generator().manual_seed(2))
+    labels[::5] = -100
+    logits = vocabulary_logits(hidden, weight, alignment=32)  # (24, 99) in rows of 128
+    hooked = []
+    if asked == "retain_grad":
+        logits.retain_grad()
+    elif asked == "hook":
+        logits.register_hook(lambda grad: hooked.append(grad.shape))
+    loss = token_cross_entropy(logits, labels)
+    loss.backward()
+    plain_hidden, plain_weight = (t.detach().clone().requires_grad_() for t in (hidden, weight))
+    want = F.cross_entropy(F.linear(plain_hidden, plain_weight), labels)
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, plain_hidden.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weight.grad, plain_weight.grad, rtol=1e-5, atol=1e-6)
+    sliced = any("Slice" in name for name in _autograd_nodes(loss))  # the view's backward: a zero-filled copy
+    assert sliced == (asked is not None)
+    if asked is not None:
+        assert asked != "hook" or hooked == [(24, 99)]
+        assert asked != "retain_grad" or logits.grad.shape == (24, 99)
 
 
 def _padding_everywhere(monkeypatch):

@@ -19,10 +19,14 @@ with the comparison: the logits read, their gradient written).
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 from .device_compile import call_compiled, compiles
 from .slabs import slabs
+from .vocabulary_projection import padded_rows
 
 Tensor = torch.Tensor
 
@@ -37,50 +41,56 @@ def _chunks(logits: Tensor) -> list[slice]:
     return slabs(logits.shape[0], logits.shape[1], "loss", logits.device)
 
 
-def _chunk_log_probabilities(logits: Tensor, target: Tensor, dtype: torch.dtype) -> Tensor:
-    """Rows of logits (n, C) and their labels (n, 1) -> the labels' log-probabilities (n,), in ``dtype``."""
-    return torch.log_softmax(logits, dim=-1, dtype=dtype).gather(1, target).squeeze(1)
+def _chunk_log_probabilities(logits: Tensor, target: Tensor, dtype: torch.dtype, classes: int) -> Tensor:
+    """Rows (n, >= C) whose first ``classes`` columns are logits, and their labels (n, 1) -> the labels'
+    log-probabilities (n,), in ``dtype``."""
+    return torch.log_softmax(logits[:, :classes], dim=-1, dtype=dtype).gather(1, target).squeeze(1)
 
 
-def _chunk_gradient(logits: Tensor, target: Tensor, weight: Tensor) -> Tensor:
-    """The loss's gradient for rows of logits (n, C), from their labels (n, 1) and the gradient of each row's loss
-    (n, 1), in ``weight``'s dtype: ``(softmax - one_hot(label)) * weight``, in the logits' dtype."""
-    probs = torch.softmax(logits, dim=-1, dtype=weight.dtype)  # (n, C)
+def _chunk_gradient(logits: Tensor, target: Tensor, weight: Tensor, classes: int) -> Tensor:
+    """The loss's gradient for rows (n, >= C) whose first ``classes`` columns are logits, from their labels (n, 1) and
+    the gradient of each row's loss (n, 1), in ``weight``'s dtype: ``(softmax - one_hot(label)) * weight``, zero
+    beyond the logits, in the logits' dtype."""
+    probs = torch.softmax(logits[:, :classes], dim=-1, dtype=weight.dtype)  # (n, C)
     if torch.compiler.is_compiling():  # one fused pass: the label found by comparison, nothing written in place
-        label = torch.arange(logits.shape[1], device=logits.device) == target  # (n, C)
-        return ((probs - label.to(probs.dtype)) * weight).to(logits.dtype)
-    probs.scatter_add_(1, target, torch.full_like(weight, -1.0))  # minus the one-hot label
-    return probs.mul_(weight).to(logits.dtype)
+        label = torch.arange(classes, device=logits.device) == target  # (n, C)
+        grad = ((probs - label.to(probs.dtype)) * weight).to(logits.dtype)
+    else:
+        probs.scatter_add_(1, target, torch.full_like(weight, -1.0))  # minus the one-hot label
+        grad = probs.mul_(weight).to(logits.dtype)
+    return F.pad(grad, (0, logits.shape[1] - classes)) if logits.shape[1] > classes else grad  # (n, >= C)
 
 
 class _CrossEntropySum(torch.autograd.Function):
-    """The summed cross entropy of the scored rows of logits (N, C) against labels (N,)."""
+    """The summed cross entropy of the scored rows of logits (N, >= C: the first ``classes`` columns) against labels
+    (N,)."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor) -> Tensor:
+    def forward(ctx, logits: Tensor, labels: Tensor, classes: int) -> Tensor:
         dtype = torch.promote_types(logits.dtype, torch.float32)
         scored = labels != IGNORE_INDEX  # (N,)
         target = torch.where(scored, labels, 0)[:, None]  # (N, 1)
         picked = [  # (n,) per chunk: the labels' log-probabilities
-            call_compiled(_chunk_log_probabilities, logits.device, logits[rows], target[rows], dtype)
+            call_compiled(_chunk_log_probabilities, logits.device, logits[rows], target[rows], dtype, classes)
             for rows in _chunks(logits)
         ]
         ctx.save_for_backward(logits, target, scored)
-        ctx.dtype = dtype
+        ctx.dtype, ctx.classes = dtype, classes
         return -torch.where(scored, torch.cat(picked), 0.0).sum()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_sum: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx, grad_sum: Tensor) -> tuple[Tensor, None, None]:
         logits, target, scored = ctx.saved_tensors
         weight = (scored * grad_sum).to(ctx.dtype)[:, None]  # (N, 1)
         chunks = _chunks(logits)
+        gradient = functools.partial(call_compiled, _chunk_gradient, logits.device)
         if len(chunks) == 1:  # the gradient as computed, not copied into place
-            return call_compiled(_chunk_gradient, logits.device, logits, target, weight), None
+            return gradient(logits, target, weight, ctx.classes), None, None
         grad = torch.empty_like(logits)
         for rows in chunks:
-            grad[rows] = call_compiled(_chunk_gradient, logits.device, logits[rows], target[rows], weight[rows])
-        return grad, None
+            grad[rows] = gradient(logits[rows], target[rows], weight[rows], ctx.classes)
+        return grad, None, None
 
 
 def token_cross_entropy(logits: Tensor, labels: Tensor, num_items_in_batch=None) -> Tensor:
@@ -88,9 +98,10 @@ def token_cross_entropy(logits: Tensor, labels: Tensor, num_items_in_batch=None)
     ``-100`` not scored: the mean over scored tokens (NaN when there are none, as ``F.cross_entropy``); with
     ``num_items_in_batch`` (passed by the HF ``Trainer``) the sum divided by it, which keeps gradient accumulation
     exact. Equal to ``F.cross_entropy(logits.float(), labels)``; the memory it needs beyond the logits and their
-    gradient is one chunk of rows."""
+    gradient is one chunk of rows. Logits that are the first columns of wider rows (the heads' padded product:
+    :func:`.padded_rows`) are read in those rows, which get the gradient whole, zero beyond the logits."""
     labels = labels.to(logits.device).reshape(-1)
-    total = _CrossEntropySum.apply(logits.reshape(-1, logits.shape[-1]), labels)
+    total = _CrossEntropySum.apply(padded_rows(logits), labels, logits.shape[-1])
     if num_items_in_batch is None:
         return total / (labels != IGNORE_INDEX).sum()
     return total / num_items_in_batch

@@ -6,16 +6,18 @@ one product was the largest kernel of the source and of its conversion alike: 14
 32K tokens (flash's whole step 44.0 ms; 89 TFLOPS), 7.1 ms forward and 4.6 + 4.3 ms backward of its 38 ms training
 step at 32 x 512 (``benchmarks/results/flex_h200``, runs 1 and 9). Here the weight gets zero rows up to a multiple
 of 64 words for the product, and the logits are its first ``vocab_size`` columns: a view whose rows keep the padded
-length, so the gradient of a loss over them reaches the backward products aligned too. nanoGPT pads its vocabulary
-to the same end (50,257 -> 50,304); here the model's vocabulary and its logits' shape stay as they are.
+length, and :func:`.token_cross_entropy` reads those rows whole (:func:`padded_rows`), so that its gradient is the
+padded product's, aligned for the backward products too. nanoGPT pads its vocabulary to the same end (50,257 ->
+50,304); here the model's vocabulary and its logits' shape stay as they are.
 
 A CPU gains too, in float32 (2 threads, 6 layers of 384 at 8 x 512 tokens, exact attention): the masked LM's and
 the causal LM's whole inference 1.15x and 1.18x faster (the product alone 1.05x-1.32x at 256 to 2,048 rows), a
-training step 1.03x (4 x 512); bfloat16 0.99x-1.01x. GPU time not measured.
+training step at 4 x 512 1.02x and 1.04x (1.01x either way where the loss's gradient went through the view);
+bfloat16 0.99x-1.01x. GPU time not measured.
 
 Only where the product is large (at least :data:`MIN_ROWS` rows): a few sequences' next-token logits in ``generate``
 read the weight once, and a padded copy of it would double that. The padded copy lives until backward (one more
-weight's memory in training), and a loss's gradient of the logits is copied into the padded rows once.
+weight's memory in training).
 """
 
 from __future__ import annotations
@@ -60,3 +62,21 @@ def vocabulary_logits(
     weight = F.pad(weight, (0, 0, 0, padding))  # (vocab_size + padding, hidden_size)
     bias = None if bias is None else F.pad(bias, (0, padding))
     return F.linear(hidden, weight, bias)[..., :vocab_size]  # (..., vocab_size), rows of vocab_size + padding
+
+
+def padded_rows(logits: Tensor) -> Tensor:
+    """Rows (N, W) whose first C columns are the logits (..., C): the padded product the logits are a view of where
+    :func:`vocabulary_logits` made them, else the logits themselves. A loss that reads the padded rows (ignoring the
+    padding) gives its gradient to the product directly; through the view, autograd would fill a zero tensor of the
+    product's size and copy the gradient into it (on this CPU 85 ms of a 3.3 s training step at 2,048 x 30,522)."""
+    base = logits._base  # the tensor a view was taken of (torch's documented view attribute)
+    if (
+        base is not None
+        and not (logits.retains_grad or logits._backward_hooks)  # what asked for the logits' own gradient gets it
+        and base.is_contiguous()
+        and base.shape[:-1] == logits.shape[:-1]
+        and logits.stride() == base.stride()
+        and logits.storage_offset() == base.storage_offset()
+    ):
+        return base.reshape(-1, base.shape[-1])  # (N, W >= C)
+    return logits.reshape(-1, logits.shape[-1])  # (N, C)
