@@ -480,8 +480,9 @@ def test_compiled_token_loss_takes_all_rows_at_once_without_a_scatter(monkeypatc
 
 
 def test_compiled_token_loss_of_logits_in_padded_rows(monkeypatch, counter):
-    """The heads' logits on CUDA are the first columns of rows padded for cuBLAS (vocabulary_projection): compiled on
-    such a view, the loss and the padded rows' gradient are eager's, to the bit, and nothing reaches the padding."""
+    """The heads' logits are the first columns of rows padded for the matrix kernels (vocabulary_projection): compiled
+    on such a view, the loss and the padded rows' gradient are eager's, to the bit, both F.cross_entropy's on the
+    logits alone, and nothing reaches the padding."""
     from performer_hf.modeling import token_loss
 
     generator = torch.Generator().manual_seed(2)
@@ -499,6 +500,11 @@ def test_compiled_token_loss_of_logits_in_padded_rows(monkeypatch, counter):
     torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)
     assert not results[1][1][..., 37:].any()
+    plain = padded.detach()[..., :37].float().requires_grad_()
+    want = torch.nn.functional.cross_entropy(plain.reshape(-1, 37), labels.reshape(-1))
+    want.backward()
+    torch.testing.assert_close(results[1][0], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[1][1][..., :37].float(), plain.grad, rtol=1e-2, atol=1e-4)
 
 
 @pytest.mark.cuda

@@ -73,11 +73,17 @@ def _autograd_nodes(loss: torch.Tensor) -> set[str]:
     return {type(node).__name__ for node in seen}
 
 
+@pytest.mark.parametrize("chunks", [1, 3], ids=["one chunk", "three chunks"])
 @pytest.mark.parametrize("asked", [None, "retain_grad", "hook"])
-def test_the_token_loss_reads_the_padded_rows_whole(asked):
+def test_the_token_loss_reads_the_padded_rows_whole(monkeypatch, asked, chunks):
     """The token loss of the padded view takes the product's rows themselves (its gradient goes to the product, no
-    zero-filled copy through the view), with the loss and every gradient of the contiguous logits' loss; where the
-    logits' own gradient is asked for (retain_grad, a hook), it goes through the view and the logits get it."""
+    zero-filled copy through the view), with the loss and every gradient of the contiguous logits' loss, in one chunk
+    of rows or several (a CPU's cache-sized chunks); where the logits' own gradient is asked for (retain_grad, a
+    hook), it goes through the view and the logits get it."""
+    from performer_hf.modeling import token_loss
+
+    if chunks == 3:
+        monkeypatch.setattr(token_loss, "_chunks", lambda logits: [slice(0, 7), slice(7, 16), slice(16, 24)])
     hidden, weight = _leaves(0, 24, 16, 99, bias=False)
     labels = torch.randint(0, 99, (24,), generator=torch.Generator().manual_seed(2))
     labels[::5] = -100
