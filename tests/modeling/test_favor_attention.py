@@ -435,3 +435,41 @@ def test_causal_exp_sums_gradients_with_per_head_directions_bias_and_key_terms(m
         return scan.sums * torch.exp(scan.q_shifts + scan.shifts).unsqueeze(-1)
 
     assert torch.autograd.gradcheck(absolute, (q, k, v1, directions, bias, key_row), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "FAVOR++ per head"])
+@pytest.mark.parametrize("masked", [False, True], ids=["real", "left out"])
+def test_one_position_after_a_state_equals_the_scan_over_everything(per_head, masked, monkeypatch):
+    # A decoding step (one position after a state, no gradient) takes its own few operations, not the chunked
+    # scan: its sums and the state after it equal, at absolute scale, the scan's over the whole sequence at its last
+    # position (per-head directions and bias, the keys' centering terms, a left-out last key).
+    from performer_hf.modeling import favor_exp
+    from performer_hf.modeling.favor_exp import ExpFeatures, ScanKeys, causal_exp_sums
+
+    g = torch.Generator().manual_seed(3)
+    B, H, L, d, m = 2, 3, 10, 4, 6
+
+    def rand(*shape, scale=0.7):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+    q, k, v1, row = rand(B, H, L, d), rand(B, H, L, d), rand(B, H, L, 5), rand(B, H, L, 1)
+    directions = rand(H, m, d) if per_head else rand(m, d)
+    features = ExpFeatures(directions, rand(H, 1, m, scale=0.2) if per_head else None, 1e-3)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[0, -1] = not masked
+
+    def keys(span):
+        return ScanKeys(k[:, :, span], v1[:, :, span], row[:, :, span], mask[:, span])
+
+    with torch.no_grad():
+        whole = causal_exp_sums(q, keys(slice(None)), features, chunk_size=4)
+        head = causal_exp_sums(q[:, :, :-1], keys(slice(None, -1)), features, chunk_size=4)
+        monkeypatch.setattr(favor_exp._CausalExp, "apply", None)  # the step must not run the scan
+        step = causal_exp_sums(q[:, :, -1:], keys(slice(-1, None)), features, 4, (head.kv, head.shift))
+
+    def absolute(scan, position):
+        sums = scan.sums[:, :, position] * torch.exp(scan.q_shifts + scan.shifts)[:, :, position, None]
+        return sums, scan.kv * torch.exp(scan.shift)[..., None, None]
+
+    for ours, reference in zip(absolute(step, 0), absolute(whole, -1), strict=True):
+        torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-14)

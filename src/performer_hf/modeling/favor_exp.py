@@ -69,10 +69,10 @@ class ScanResult(NamedTuple):
     shift: Tensor
 
 
-def _exp_log_features(x: Tensor, directions: Tensor, keep: Tensor | None, bias=None, row=None) -> Tensor:
+def exp_log_features(x: Tensor, directions: Tensor, bias=None, keep: Tensor | None = None, row=None) -> Tensor:
     """log phi(x) = x D^T + bias - |x|^2 / 2 + row - log sqrt(m'): (B, H, S, d) -> (B, H, S, m'), -inf where not
-    kept. ``directions`` D: (m', d) or per head (.., H, m', d); ``bias``: (.., H, 1, m') or None; ``row``: (B, H, S, 1)
-    or None."""
+    kept. ``directions`` D: (m', d) or per head (.., H, m', d); ``bias``: (.., H, 1, m') or None; ``keep``:
+    (B, 1, S, 1) bool or None; ``row``: (B, H, S, 1) or None."""
     log_phi = x @ directions.transpose(-2, -1)
     if bias is not None:
         log_phi.add_(bias)
@@ -142,7 +142,7 @@ class _BidirectionalExp(torch.autograd.Function):
         kv = q.new_zeros(B, H, m, v1.shape[-1])
         shift = q.new_full((B, H, 1, 1), EMPTY_SHIFT)  # online max over all real keys
         for a, b in _spans(Lk, slab):
-            log_phi = _exp_log_features(k[:, :, a:b], directions, None if keep is None else keep[:, :, a:b])
+            log_phi = exp_log_features(k[:, :, a:b], directions, keep=None if keep is None else keep[:, :, a:b])
             new_shift = torch.maximum(shift, log_phi.amax(dim=(-2, -1), keepdim=True))
             kv.mul_(torch.exp(shift - new_shift))
             kv.add_(log_phi.sub_(new_shift).exp_().transpose(-2, -1) @ v1[:, :, a:b])
@@ -177,7 +177,7 @@ class _BidirectionalExp(torch.autograd.Function):
                 grad_directions.add_(_exp_directions_grad(g, x, directions))
         for a, b in _spans(k.shape[2], slab):
             x, v1_slab = k[:, :, a:b], v1[:, :, a:b]
-            phi = _exp_log_features(x, directions, None if keep is None else keep[:, :, a:b]).sub_(shift).exp_()
+            phi = exp_log_features(x, directions, keep=None if keep is None else keep[:, :, a:b]).sub_(shift).exp_()
             grad_v1[:, :, a:b] = phi @ grad_kv
             g = (v1_slab @ grad_kv.transpose(-2, -1)).mul_(phi)  # d loss / d log phi
             grad_k[:, :, a:b] = _exp_input_grad(g, x, directions)
@@ -227,12 +227,12 @@ class _CausalExp(torch.autograd.Function):
             q_shifts[:, :, a:b] = (top - 0.5 * xq.pow(2).sum(dim=-1, keepdim=True)).squeeze(-1) - log_root_m
             if stabilizer:
                 phi_q.add_(stabilizer)
-            log_phi = _exp_log_features(
+            log_phi = exp_log_features(
                 k[:, :, a:b],
                 directions,
-                None if keep is None else keep[:, :, a:b],
                 bias,
-                None if key_row is None else key_row[:, :, a:b],
+                keep=None if keep is None else keep[:, :, a:b],
+                row=None if key_row is None else key_row[:, :, a:b],
             )
             row_max = torch.maximum(log_phi.amax(dim=-1).nan_to_num_(neginf=EMPTY_SHIFT), prev.unsqueeze(-1))
             s = torch.cummax(row_max, dim=-1).values  # (B, H, S)
@@ -286,12 +286,12 @@ class _CausalExp(torch.autograd.Function):
             phi_q, _ = _exp_query_features(xq, directions, bias)  # without the stabilizer
             phi_q1 = phi_q + stabilizer if stabilizer else phi_q  # as used in the forward
             s = shifts[:, :, a:b]
-            log_phi = _exp_log_features(
+            log_phi = exp_log_features(
                 xk,
                 directions,
-                None if keep is None else keep[:, :, a:b],
                 bias,
-                None if key_row is None else key_row[:, :, a:b],
+                keep=None if keep is None else keep[:, :, a:b],
+                row=None if key_row is None else key_row[:, :, a:b],
             )
             phi_k = log_phi.sub_(s.unsqueeze(-1)).exp_()
             qc, q1c, kc = (t.view(B, H, G, C, m) for t in (phi_q, phi_q1, phi_k))
@@ -383,7 +383,7 @@ def exp_key_state(keys: ScanKeys, features: ExpFeatures, precision: str = "pytor
     if not wants_grad and triton_serves(k, v1.shape[-1], directions, bias):
         return triton_exp_key_state(k, v1, directions, bias, row, mask, precision)
     keep = None if mask is None else mask[:, None, :, None]  # (B, 1, L, 1)
-    log_phi = _exp_log_features(k, directions, keep, bias, row)  # (B, H, L, m')
+    log_phi = exp_log_features(k, directions, bias, keep, row)  # (B, H, L, m')
     shift = log_phi.detach().amax(dim=(-2, -1)).nan_to_num(neginf=EMPTY_SHIFT).clamp_min(EMPTY_SHIFT)  # (B, H)
     return torch.exp(log_phi - shift[..., None, None]).transpose(-2, -1) @ v1, shift
 
@@ -407,6 +407,11 @@ def causal_exp_sums(
         precision: how the Triton kernels' matrix products take float32
             (:func:`.far_field_triton.float32_precision` of the attention's input dtype).
     """
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, *keys, *features[:2], *(state or ()))
+    )
+    if q.shape[2] == 1 and not wants_grad:
+        return _causal_exp_step(q, keys, features, state)
     if triton_serves(q, keys.v1.shape[-1], features.directions, features.bias):
         directions, bias, stabilizer = features
         args = (keys.row, keys.mask, state, precision)
@@ -425,3 +430,28 @@ def causal_exp_sums(
         settings, q, k, v1, features.directions, features.bias, key_row, kv0, shift0, keep
     )
     return ScanResult(out1[:, :, :L], q_shifts[:, :, :L], shifts[:, :, :L], kv, shift)
+
+
+def _causal_exp_step(q: Tensor, keys: ScanKeys, features: ExpFeatures, state) -> ScanResult:
+    """:func:`causal_exp_sums` of one position (a decoding step, no gradient): the state rescaled to the new key's
+    shift plus that key's term, then the query's sums from it; no chunks, no scan.
+
+    q: (B, H, 1, d), keys: one key's :class:`ScanKeys`, state: (kv (B, H, m', dv + 1), shift (B, H)) or None."""
+    directions, bias, stabilizer = features
+    B, H = q.shape[:2]
+    m = directions.shape[-2]
+    if state is None:
+        kv0, shift0 = q.new_zeros(B, H, m, keys.v1.shape[-1]), q.new_full((B, H), EMPTY_SHIFT)
+    else:
+        kv0, shift0 = state[0].to(q.dtype), state[1].to(q.dtype)
+    keep = None if keys.mask is None else keys.mask[:, None, :, None]  # (B, 1, 1, 1)
+    log_phi = exp_log_features(keys.k, directions, bias, keep, keys.row)  # (B, H, 1, m')
+    shift = log_phi.amax(dim=(-2, -1)).nan_to_num_(neginf=EMPTY_SHIFT).maximum(shift0)  # (B, H)
+    phi_k = log_phi.sub_(shift[..., None, None]).exp_()  # (B, H, 1, m'), entries <= 1
+    kv = phi_k.transpose(-2, -1) @ keys.v1  # the state relative to the new shift: (B, H, m', dv + 1)
+    kv.addcmul_(kv0, torch.exp(shift0 - shift)[..., None, None])
+    phi_q, top = _exp_query_features(q, directions, bias)  # (B, H, 1, m'), (B, H, 1, 1)
+    q_shift = top.squeeze(-1) - 0.5 * q.pow(2).sum(dim=-1) - 0.5 * math.log(m)  # (B, H, 1)
+    if stabilizer:
+        phi_q.add_(stabilizer)
+    return ScanResult(phi_q @ kv, q_shift, shift.unsqueeze(-1), kv, shift)

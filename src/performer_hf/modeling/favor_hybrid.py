@@ -122,9 +122,10 @@ def _far_field_parameter(far: FarField, given, x: Tensor, centred: tuple[Tensor,
     return optimal_parameter(pair_statistic(*centred, mask)).to(x.dtype)  # (B, H)
 
 
-def _prepare(q, k, v, projection, spec: HybridSpec, causal: bool, options: dict) -> HybridCall:
+def _prepare(q, k, v, projection, spec: HybridSpec, causal: bool, options: dict, with_keys: bool = True) -> HybridCall:
     """The call's inputs in the compute dtype, scaled, centred, with the far field's context (``options``: the
-    keyword arguments of :func:`hybrid_attention` that are tensors or numbers)."""
+    keyword arguments of :func:`hybrid_attention` that are tensors or numbers); ``with_keys``: the call's prepared
+    keys too (a decoding step reads the raw ones)."""
     far = get_far_field(spec.far_field)
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, H, L, d = q.shape
@@ -142,10 +143,11 @@ def _prepare(q, k, v, projection, spec: HybridSpec, causal: bool, options: dict)
     a = _as_center(query_center, x) if query_center is not None else (_masked_mean(x, mask) if spec.center else zero)
     c = _as_center(key_center, y) if key_center is not None else (_masked_mean(y, mask) if spec.center else zero)
     parameter = _far_field_parameter(far, options["far_field_parameter"], x, (x - a, y - c), mask, causal)
-    ctx = FarContext(root, a, c, far, projection, parameter, dtype)
+    exp_form = None if far.exp_form is None else far.exp_form(projection, parameter)  # directions, bias
+    ctx = FarContext(root, a, c, far, projection, parameter, dtype, exp_form)
     # Causal: the support's keys need no far-field features (the far field never holds them); bidirectional: the
     # random-feature far fields subtract their kernel on the support.
-    keys = key_side(k, v, mask, ctx, with_features=not causal and far.quadratic is None)
+    keys = key_side(k, v, mask, ctx, with_features=not causal and far.quadratic is None) if with_keys else None
     log_gain = _log_gain(options["far_field_gain"], x)  # (.., H or 1, 1, 1)
     return HybridCall(k, v, mask, x, x @ c.transpose(-2, -1), keys, ctx, log_gain, spec, padding is not None)
 
@@ -162,10 +164,15 @@ def _bidirectional(call: HybridCall) -> Tensor:
     )
 
 
+def _decoding(state: HybridState | None, q: Tensor) -> bool:
+    """Whether a causal call is a decoding step: one token after a state (:func:`.decoding_step`)."""
+    return state is not None and q.shape[2] == 1
+
+
 def _causal(call: HybridCall, state: HybridState | None, return_state: bool):
     """Numerator|denominator (B, H, L, dv + 1) of causal hybrid attention after ``state``, and the far-field
     state (kv, shift) after the call (None unless ``return_state``)."""
-    if state is not None and call.x.shape[2] == 1:  # a decoding step: no scan, no query blocks
+    if _decoding(state, call.x):  # no scan, no query blocks
         return decoding_step(call, state)
     far, final = lagged_far_field(call, state, with_state=return_state)
     offset = 0 if state is None else state.length
@@ -250,7 +257,7 @@ def hybrid_attention(
         "far_field_parameter": far_field_parameter,
         "far_field_gain": far_field_gain,
     }
-    call = _prepare(q, k, v, projection, spec, causal, options)
+    call = _prepare(q, k, v, projection, spec, causal, options, with_keys=not (causal and _decoding(initial_state, q)))
     if causal:
         sums, far_state = _causal(call, initial_state, return_state)
     else:

@@ -84,8 +84,9 @@ def optimal_exp_form(projection: Tensor, a: Tensor | float) -> tuple[Tensor, Ten
     if not torch.compiler.is_compiling() and bool((a >= 0.125).any()):
         raise ValueError(f"The FAVOR++ parameter A must be below 1/8 (finite variance); got max {float(a.max())}.")
     a = a.reshape(*a.shape, 1, 1)  # (.., 1, 1)
-    directions = torch.sqrt(1 - 4 * a) * projection  # (.., m, d)
-    bias = a * projection.pow(2).sum(-1) + (d / 4) * torch.log(1 - 4 * a)  # (.., 1, m)
+    shrink = 1 - 4 * a
+    directions = torch.sqrt(shrink) * projection  # (.., m, d)
+    bias = a * projection.pow(2).sum(-1) + (d / 4) * torch.log(shrink)  # (.., 1, m)
     return directions, bias
 
 

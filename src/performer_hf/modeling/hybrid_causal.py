@@ -15,11 +15,11 @@ import torch
 from .causal_scan import EMPTY_SHIFT
 from .far_field_triton import float32_precision
 from .favor_exp import ExpFeatures, ScanKeys, causal_exp_sums, exp_key_state
-from .hybrid_exact import CandidateSet, exact_logits, exact_sums, merge
+from .hybrid_exact import CandidateSet, PartialSums, exact_logits, exact_sums, merge
 from .hybrid_far_field import FarQueries, add_keys, add_states, causal_far_sums
-from .hybrid_keys import NEG_INF, HybridCall, Keys, cat_keys, key_side, pad_keys, slice_keys
+from .hybrid_keys import NEG_INF, HybridCall, Keys, cat_keys, key_rows, key_side, pad_keys, slice_keys
 from .hybrid_selection import ExtraKeys
-from .hybrid_spec import HybridState, in_window
+from .hybrid_spec import HybridState
 
 Tensor = torch.Tensor
 
@@ -104,7 +104,7 @@ def lagged_far_field(call: HybridCall, state: HybridState | None, with_state: bo
     ctx, spec = call.ctx, call.spec
     u = call.x - ctx.a
     leaving = LeavingKeys(state, call)
-    fused = ctx.far.exp_form is not None  # features per slab, never stored
+    fused = ctx.exp_form is not None  # features per slab, never stored
     rows = leaving.rows(features=not fused)
     if fused:
         keys, features, precision = _scan_form(call, rows)
@@ -127,7 +127,7 @@ def _scan_form(call: HybridCall, keys: Keys) -> tuple[ScanKeys, ExpFeatures, str
     """An exponential far field's ``keys`` (without features; ``klog`` the centering term) as its fused scan takes
     them: the keys around the centre, the features' directions and bias, and the products' precision."""
     ctx = call.ctx
-    directions, bias = ctx.far.exp_form(ctx.projection, ctx.parameter)
+    directions, bias = ctx.exp_form
     scan_keys = ScanKeys(keys.y - ctx.c, keys.values1, keys.klog, keys.mask)
     return scan_keys, ExpFeatures(directions, bias), float32_precision(call.k.dtype)
 
@@ -139,7 +139,7 @@ def prefill_far_state(call: HybridCall, state: HybridState | None = None) -> tup
     others' from their features."""
     ctx, (B, H) = call.ctx, call.k.shape[:2]
     leaving = LeavingKeys(state, call)
-    if leaving.count and ctx.far.exp_form is not None:
+    if leaving.count and ctx.exp_form is not None:
         added = exp_key_state(*_scan_form(call, leaving.keys(0, leaving.count, False)))  # klog: the centering alone
         return added if state is None else add_states((state.far_kv, state.far_shift), added)
     keys = leaving.keys(0, leaving.count, True)  # (B, H, n, .), with features
@@ -151,36 +151,53 @@ def prefill_far_state(call: HybridCall, state: HybridState | None = None) -> tup
 
 def decoding_step(call: HybridCall, state: HybridState) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """One causal token after ``state``, what the scan computes for a single query: the state's far field (plus the
-    key that leaves the window at this query, if any) and exact softmax on the window buffer, this token and the
-    global tokens outside the window. Returns its numerator|denominator (B, H, 1, dv + 1) relative to a shift, and
-    the far-field state (kv, shift) after the token."""
-    ctx, spec = call.ctx, call.spec
-    prefix, globals_ = extra_keys(call, state)
+    key that leaves the window at this query, if any) and exact softmax on the global tokens outside the window,
+    the window buffer and this token, one set of keys. Returns its numerator|denominator (B, H, 1, dv + 1) relative
+    to a shift, and the far-field state (kv, shift) after the token."""
+    ctx = call.ctx
     leaving = LeavingKeys(state, call)
     far_kv, far_shift = state.far_kv, state.far_shift
     if leaving.read:  # the key that leaves the window at this query (with no window: this token itself)
         far_kv, far_shift = add_keys(far_kv, far_shift, leaving.keys(0, leaving.read, True))
     qf, q_scale = ctx.features(call.x - ctx.a, call.rq)  # (B, H, 1, D), (B, H, 1, 1)
-    far = FarQueries(None, call.rq, q_scale + call.log_gain, far_shift[..., None, None], qf @ far_kv, True)
-    sets = []
-    if spec.local_window:  # the buffer (the last local_window - 1 keys) and this token
-        window = call.keys if prefix is None else cat_keys(prefix, call.keys)
-        sets.append(CandidateSet([window.y, window.values1], window.mask[:, None, None, :]))  # (B, 1, 1, C)
-    if globals_ is not None:
-        left, right = spec.offsets(causal=True)
-        key_pos = torch.arange(globals_.y.shape[2], device=call.x.device)  # (G,)
-        outside = ~in_window(torch.tensor(state.length, device=call.x.device), key_pos, left, right)
-        sets.append(CandidateSet([globals_.y, globals_.values1], (globals_.mask & outside)[:, None, None, :]))
-    # one block of one query: (B, H, n = 1, 1, X)
-    sets = [CandidateSet([t.unsqueeze(2) for t in s.keys], s.support.unsqueeze(2)) for s in sets]
-    far = FarQueries(*(None if t is None else t.unsqueeze(2) for t in far[:-1]), excludes_support=True)
-    xq = call.x.unsqueeze(2)
-    parts = [far.complement([], [], None)]
-    if sets:
-        parts.append(exact_sums(exact_logits(xq, sets), sets))
+    parts = [PartialSums(qf @ far_kv, q_scale + call.log_gain + far_shift[..., None, None])]
+    k, v, mask = _exact_keys(call, state)  # (B, H, C, d / dv), (B, C)
+    if k.shape[2]:
+        y, values1 = key_rows(k, v, mask, ctx)
+        exact = [CandidateSet([y.unsqueeze(2), values1.unsqueeze(2)], mask[:, None, None, None, :])]  # one block
+        sums, shift = exact_sums(exact_logits(call.x.unsqueeze(2), exact), exact)  # (B, H, 1, 1, .)
+        parts.append(PartialSums(sums.squeeze(2), shift.squeeze(2)))
     if leaving.count > leaving.read:  # the key that leaves the window at the next token
         far_kv, far_shift = add_keys(far_kv, far_shift, leaving.after())
-    return merge(*parts).squeeze(2), (far_kv, far_shift)
+    return merge(*parts), (far_kv, far_shift)
+
+
+def _exact_keys(call: HybridCall, state: HybridState) -> tuple[Tensor, Tensor, Tensor]:
+    """The raw keys, values (B, H, C, d / dv) and mask (B, C) a decoding step computes exactly: the global tokens
+    outside its window (before it: positions below ``length - left``; with no window, this token too if global),
+    then the window buffer and this token."""
+    spec, k, v, mask = call.spec, call.k, call.v, call.mask
+    left, right = spec.offsets(causal=True)
+    first_inside = state.length - left if right >= 0 else state.length + 1  # the window's first position
+    new = max(0, min(spec.num_global_tokens - state.length, 1))  # this token is a global one
+    outside = min(state.global_keys.shape[2] + new, max(0, first_inside))
+    keys, values, masks = [], [], []
+    if outside:
+        global_keys, global_values = state.global_keys.to(k.dtype), state.global_values.to(v.dtype)
+        global_mask = state.global_mask
+        if new:
+            global_keys, global_values = torch.cat([global_keys, k], dim=2), torch.cat([global_values, v], dim=2)
+            global_mask = torch.cat([global_mask, mask], dim=1)
+        keys.append(global_keys[:, :, :outside])
+        values.append(global_values[:, :, :outside])
+        masks.append(global_mask[:, :outside])
+    if spec.local_window:
+        keys += [state.keys.to(k.dtype), k]
+        values += [state.values.to(v.dtype), v]
+        masks += [state.key_mask, mask]
+    if not keys:
+        return k[:, :, :0], v[:, :, :0], mask[:, :0]
+    return torch.cat(keys, dim=2), torch.cat(values, dim=2), torch.cat(masks, dim=1)
 
 
 def next_state(state: HybridState | None, far: tuple[Tensor, Tensor], call: HybridCall) -> HybridState:
@@ -196,15 +213,19 @@ def next_state(state: HybridState | None, far: tuple[Tensor, Tensor], call: Hybr
     # buffer is a tensor of its own whose strides do not follow the call's length (a compiled step guards on them)
     keep, held = max(spec.local_window - 1, 0), state.keys.shape[2]
     old, fresh = min(held, max(0, held + L - keep)), max(0, L - keep)  # the old and the new keys that leave
-    new = max(0, min(spec.num_global_tokens - length, L))
+    global_keys, global_values, global_mask = state.global_keys, state.global_values, state.global_mask
+    if new := max(0, min(spec.num_global_tokens - length, L)):  # the call's first tokens are global ones
+        global_keys = torch.cat([global_keys, k[:, :, :new].to(global_keys.dtype)], dim=2)
+        global_values = torch.cat([global_values, v[:, :, :new].to(global_values.dtype)], dim=2)
+        global_mask = torch.cat([global_mask, mask[:, :new]], dim=1)
     return HybridState(
         far_kv=far[0],
         far_shift=far[1],
         keys=torch.cat([state.keys[:, :, old:], k[:, :, fresh:].to(state.keys.dtype)], dim=2),
         values=torch.cat([state.values[:, :, old:], v[:, :, fresh:].to(state.values.dtype)], dim=2),
         key_mask=torch.cat([state.key_mask[:, old:], mask[:, fresh:]], dim=1),
-        global_keys=torch.cat([state.global_keys, k[:, :, :new].to(state.global_keys.dtype)], dim=2),
-        global_values=torch.cat([state.global_values, v[:, :, :new].to(state.global_values.dtype)], dim=2),
-        global_mask=torch.cat([state.global_mask, mask[:, :new]], dim=1),
+        global_keys=global_keys,
+        global_values=global_values,
+        global_mask=global_mask,
         length=length + L,
     )

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .far_fields import FarField
+from .favor_exp import exp_log_features
 from .hybrid_spec import HybridSpec
 
 Tensor = torch.Tensor
@@ -26,6 +27,7 @@ class FarContext(NamedTuple):
     projection: Tensor | None
     parameter: Tensor | None  # FAVOR++'s A, (B, H), or None
     dtype: torch.dtype
+    exp_form: tuple[Tensor, Tensor | None] | None = None  # an exponential far field's (directions, bias), once a call
 
     def features(self, u: Tensor, row_log: Tensor) -> tuple[Tensor, Tensor]:
         """Far-field features of centred rows u (B, H, L, d) as (normalised features, per-row log scale).
@@ -34,12 +36,14 @@ class FarContext(NamedTuple):
         ``scale`` (B, H, L, 1): the row max of the log-features (so that ``|feats| <= 1`` for the
         exponential kernels; polynomial kernels keep their base features as they are).
         """
-        base, log = self.far.features(u, self.projection, self.parameter)
+        if self.exp_form is not None:
+            base, log = None, exp_log_features(u, *self.exp_form)  # as far.features, the form computed once
+        else:
+            base, log = self.far.features(u, self.projection, self.parameter)
         if log is None:
             return base, row_log
         log = log + row_log
-        scale = log.amax(dim=-1, keepdim=True).detach()  # (B, H, L, 1)
-        scale = torch.where(torch.isfinite(scale), scale, torch.zeros_like(scale))
+        scale = log.detach().amax(dim=-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)  # (B, H, L, 1), 0 where not finite
         feats = torch.exp(log - scale)
         return (feats if base is None else base * feats), scale
 
@@ -58,20 +62,26 @@ class Keys(NamedTuple):
         return [self.y, self.values1, self.klog] + ([self.feats] if with_feats else [])
 
 
+def key_rows(k: Tensor, v: Tensor, mask: Tensor, ctx: FarContext) -> tuple[Tensor, Tensor]:
+    """What the exact part reads of keys (B, H, S, d), values (B, H, S, dv) and their mask (B, S): the keys scaled
+    (B, H, S, d) and the values with the normaliser's column, zero for masked keys (B, H, S, dv + 1)."""
+    y = k.to(ctx.dtype) * ctx.root
+    values1 = F.pad(v.to(ctx.dtype), (0, 1), value=1.0) * mask[:, None, :, None]
+    return y, values1
+
+
 def key_side(k, v, mask, ctx: FarContext, with_features: bool) -> Keys:
     """Keys (B, H, S, d), values (B, H, S, dv) and their mask (B, S) prepared for the support and the far field;
     without features, ``klog`` is the centering term ``a . y - a . c`` alone."""
-    y = k.to(ctx.dtype) * ctx.root
-    rk = y @ ctx.a.transpose(-2, -1) - (ctx.a * ctx.c).sum(-1, keepdim=True)  # (B, H, S, 1): a . y_j - a . c
+    y, values1 = key_rows(k, v, mask, ctx)
     keep = mask[:, None, :, None]  # (B, 1, S, 1)
     feats = None
-    if not with_features:  # the log-scale of the centering factor alone
-        klog = rk
+    if not with_features:  # the log-scale of the centering factor alone: (B, H, S, 1), a . y_j - a . c
+        klog = y @ ctx.a.transpose(-2, -1) - (ctx.a * ctx.c).sum(-1, keepdim=True)
     else:
-        feats, klog = ctx.features(y - ctx.c, rk)
+        u = y - ctx.c
+        feats, klog = ctx.features(u, u @ ctx.a.transpose(-2, -1))
         feats = feats * keep
-    v = v.to(ctx.dtype) * keep
-    values1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * keep
     return Keys(y, values1, klog.masked_fill(~keep, NEG_INF), mask, feats)
 
 
@@ -109,7 +119,8 @@ class HybridCall(NamedTuple):
     mask: Tensor  # (B, L) bool, True for real tokens
     x: Tensor  # (B, H, L, d) queries times the root of the logit scale
     rq: Tensor  # (B, H, L, 1) the queries' centering log-weights x . c
-    keys: Keys  # this call's keys (with far-field features where the far field subtracts its kernel)
+    keys: Keys | None  # this call's keys (with far-field features where the far field subtracts its kernel); None
+    # in a decoding step, which reads the raw ones
     ctx: FarContext
     log_gain: Tensor | float  # the far field's log gain, (1 or B, 1 or H, 1, 1), or 0
     spec: HybridSpec
