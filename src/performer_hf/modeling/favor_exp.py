@@ -380,7 +380,8 @@ def exp_key_state(keys: ScanKeys, features: ExpFeatures, precision: str = "pytor
     keys: the :class:`ScanKeys` -> (kv (B, H, m', dv + 1), shift (B, H))."""
     (k, v1, row, mask), (directions, bias, _) = keys, features
     wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (k, v1, row, directions))
-    if not wants_grad and triton_serves(k, v1.shape[-1], directions, bias):
+    # (a decoding step's one key stays in PyTorch: compiled, fused with the step's other operators)
+    if not wants_grad and k.shape[2] > 1 and triton_serves(k, v1.shape[-1], directions, bias):
         return triton_exp_key_state(k, v1, directions, bias, row, mask, precision)
     keep = None if mask is None else mask[:, None, :, None]  # (B, 1, L, 1)
     log_phi = exp_log_features(k, directions, bias, keep, row)  # (B, H, L, m')

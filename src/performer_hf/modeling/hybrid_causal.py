@@ -75,9 +75,15 @@ class LeavingKeys:
         read = self.keys(0, self.read, features)
         return slice_keys(pad_keys(read, self.window - self.buffered, 0), 0, self.length)
 
-    def after(self) -> Keys:
-        """The keys that join the state after the call (with features)."""
-        return self.keys(self.read, self.count, True)
+    def add_to(self, far: tuple[Tensor, Tensor], first: int, stop: int) -> tuple[Tensor, Tensor]:
+        """The far-field state ``far`` (kv (B, H, D, dv + 1), shift (B, H)) with the leaving keys ``[first, stop)``
+        added: an exponential far field's as the fused scan holds them (:func:`.exp_key_state`, their features never
+        stored), the others' from their features."""
+        if stop <= first:
+            return far
+        if self.call.ctx.exp_form is not None:
+            return add_states(far, exp_key_state(*_scan_form(self.call, self.keys(first, stop, False))))
+        return add_keys(*far, self.keys(first, stop, True))
 
 
 def extra_keys(call: HybridCall, state: HybridState | None) -> ExtraKeys:
@@ -120,7 +126,7 @@ def lagged_far_field(call: HybridCall, state: HybridState | None, with_state: bo
         previous = None if state is None else (state.far_kv, state.far_shift)
         far_sum, shifts, *final = causal_far_sums(qf, rows.feats, rows.klog, rows.values1, spec.chunk_size, previous)
     far = FarQueries(None, call.rq, scale + call.log_gain, shifts.unsqueeze(-1), far_sum, excludes_support=True)
-    return far, add_keys(*final, leaving.after()) if with_state else None
+    return far, leaving.add_to(tuple(final), leaving.read, leaving.count) if with_state else None
 
 
 def _scan_form(call: HybridCall, keys: Keys) -> tuple[ScanKeys, ExpFeatures, str]:
@@ -139,12 +145,11 @@ def prefill_far_state(call: HybridCall, state: HybridState | None = None) -> tup
     others' from their features."""
     ctx, (B, H) = call.ctx, call.k.shape[:2]
     leaving = LeavingKeys(state, call)
-    if leaving.count and ctx.exp_form is not None:
-        added = exp_key_state(*_scan_form(call, leaving.keys(0, leaving.count, False)))  # klog: the centering alone
-        return added if state is None else add_states((state.far_kv, state.far_shift), added)
-    keys = leaving.keys(0, leaving.count, True)  # (B, H, n, .), with features
     if state is not None:
-        return add_keys(state.far_kv, state.far_shift, keys)
+        return leaving.add_to((state.far_kv, state.far_shift), 0, leaving.count)
+    if leaving.count and ctx.exp_form is not None:
+        return exp_key_state(*_scan_form(call, leaving.keys(0, leaving.count, False)))  # klog: the centering alone
+    keys = leaving.keys(0, leaving.count, True)  # (B, H, n, .), with features
     empty = keys.values1.new_zeros(B, H, keys.feats.shape[-1], keys.values1.shape[-1])  # (B, H, D, dv + 1)
     return add_keys(empty, keys.values1.new_full((B, H), EMPTY_SHIFT), keys)
 
@@ -156,9 +161,8 @@ def decoding_step(call: HybridCall, state: HybridState) -> tuple[Tensor, tuple[T
     to a shift, and the far-field state (kv, shift) after the token."""
     ctx = call.ctx
     leaving = LeavingKeys(state, call)
-    far_kv, far_shift = state.far_kv, state.far_shift
-    if leaving.read:  # the key that leaves the window at this query (with no window: this token itself)
-        far_kv, far_shift = add_keys(far_kv, far_shift, leaving.keys(0, leaving.read, True))
+    # the key that leaves the window at this query (with no window: this token itself), if any
+    far_kv, far_shift = leaving.add_to((state.far_kv, state.far_shift), 0, leaving.read)
     qf, q_scale = ctx.features(call.x - ctx.a, call.rq)  # (B, H, 1, D), (B, H, 1, 1)
     parts = [PartialSums(qf @ far_kv, q_scale + call.log_gain + far_shift[..., None, None])]
     k, v, mask = _exact_keys(call, state)  # (B, H, C, d / dv), (B, C)
@@ -167,9 +171,7 @@ def decoding_step(call: HybridCall, state: HybridState) -> tuple[Tensor, tuple[T
         exact = [CandidateSet([y.unsqueeze(2), values1.unsqueeze(2)], mask[:, None, None, None, :])]  # one block
         sums, shift = exact_sums(exact_logits(call.x.unsqueeze(2), exact), exact)  # (B, H, 1, 1, .)
         parts.append(PartialSums(sums.squeeze(2), shift.squeeze(2)))
-    if leaving.count > leaving.read:  # the key that leaves the window at the next token
-        far_kv, far_shift = add_keys(far_kv, far_shift, leaving.after())
-    return merge(*parts), (far_kv, far_shift)
+    return merge(*parts), leaving.add_to((far_kv, far_shift), leaving.read, leaving.count)  # the key leaving next
 
 
 def _exact_keys(call: HybridCall, state: HybridState) -> tuple[Tensor, Tensor, Tensor]:
