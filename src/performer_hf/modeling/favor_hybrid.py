@@ -40,6 +40,7 @@ features by the max over keys (bidirectional) or by a running max over positions
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -106,9 +107,10 @@ def _check(q, k, v, projection, far: FarField, key_padding_mask) -> None:
         )
 
 
-def _far_field_parameter(far: FarField, given, x: Tensor, centred: tuple[Tensor, Tensor], mask, causal: bool):
+def _far_field_parameter(far: FarField, given, x: Tensor, centred: Callable[[], tuple[Tensor, Tensor]], mask, causal):
     """FAVOR++'s A per (batch, head) for far fields that take it: the given one, or (bidirectional only) the
-    closed-form optimum from the sequence's centred queries and keys ``centred``; None for other far fields."""
+    closed-form optimum from the sequence's centred queries and keys (``centred()``, made only then); None for other
+    far fields."""
     if not far.uses_parameter:
         return None
     if given is not None:
@@ -119,7 +121,7 @@ def _far_field_parameter(far: FarField, given, x: Tensor, centred: tuple[Tensor,
             f"far_field={far.name!r} in causal attention needs a fixed far_field_parameter (A per head): "
             "the closed-form optimum from the sequence's statistics would read future tokens."
         )
-    return optimal_parameter(pair_statistic(*centred, mask)).to(x.dtype)  # (B, H)
+    return optimal_parameter(pair_statistic(*centred(), mask)).to(x.dtype)  # (B, H)
 
 
 def _prepare(q, k, v, projection, spec: HybridSpec, causal: bool, options: dict, with_keys: bool = True) -> HybridCall:
@@ -142,7 +144,7 @@ def _prepare(q, k, v, projection, spec: HybridSpec, causal: bool, options: dict,
     query_center, key_center = options["query_center"], options["key_center"]
     a = _as_center(query_center, x) if query_center is not None else (_masked_mean(x, mask) if spec.center else zero)
     c = _as_center(key_center, y) if key_center is not None else (_masked_mean(y, mask) if spec.center else zero)
-    parameter = _far_field_parameter(far, options["far_field_parameter"], x, (x - a, y - c), mask, causal)
+    parameter = _far_field_parameter(far, options["far_field_parameter"], x, lambda: (x - a, y - c), mask, causal)
     exp_form = None if far.exp_form is None else far.exp_form(projection, parameter)  # directions, bias
     ctx = FarContext(root, a, c, far, projection, parameter, dtype, exp_form)
     # Causal: the support's keys need no far-field features (the far field never holds them); bidirectional: the

@@ -48,8 +48,11 @@ class LeavingKeys:
         centering term alone), -inf log-scale for the global tokens."""
         k, v, mask = self._raw(first, stop)
         part = key_side(k, v, mask, self.call.ctx, features)
-        position = torch.arange(first, stop, device=k.device) + self.start - self.buffered
-        is_global = position < self.call.spec.num_global_tokens
+        first_position = first + self.start - self.buffered
+        leading_globals = min(max(self.call.spec.num_global_tokens - first_position, 0), stop - first)
+        if not leading_globals:
+            return part
+        is_global = torch.arange(stop - first, device=k.device) < leading_globals  # (n,)
         return part._replace(klog=part.klog.masked_fill(is_global[:, None], NEG_INF))  # (.., 1): never far
 
     def _raw(self, first: int, stop: int):
