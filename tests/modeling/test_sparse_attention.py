@@ -2,10 +2,13 @@
 (window, global tokens, per-query block selection, the bounded pool), cached decoding against a full forward, no
 future leak, a state that stops growing with a budget, gradients, and the settings' checks."""
 
+import dataclasses
+
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
 
+import performer_hf.modeling.sparse_attention as sparse_attention_module
 from performer_hf import PerformerConfig
 from performer_hf.modeling.cache_performer import held_bytes
 from performer_hf.modeling.sparse_attention import sparse_attention
@@ -40,6 +43,31 @@ def test_every_query_matches_the_reference(spec):
     expected = reference_sparse(q, k, v, spec, mask)
     real = mask[:, None, :, None]
     torch.testing.assert_close(sparse_attention(q, k, v, spec, mask) * real, expected * real)
+
+
+@pytest.mark.parametrize("ranking", ["latest", "window"])
+def test_the_queries_that_read_every_earlier_key_are_exact_attention_in_one_call(monkeypatch, ranking):
+    """From the first token, the queries before ``covered_length`` select nothing yet: one exact attention call gives
+    theirs, and only the later key blocks are walked (every block with the "window" ranking, which weighs the window's
+    attention block by block); the outputs are the reference's either way."""
+    spec = SparseSpec(local_window=8, num_global_tokens=2, block_size=4, select_blocks=2, budget=3, ranking=ranking)
+    walk = sparse_attention_module._BlockWalk._query_block
+    walked = []
+
+    def counted(self, q, c, *args):
+        walked.append(c)
+        return walk(self, q, c, *args)
+
+    monkeypatch.setattr(sparse_attention_module._BlockWalk, "_query_block", counted)
+    q, k, v, mask = _inputs()  # 70 tokens: key blocks 0 ... 17
+    mask[0, :3] = False  # left padding too, in the exact part
+    out = sparse_attention(q, k, v, spec, mask)
+    first = spec.covered_length // spec.block_size if ranking == "latest" else 0
+    assert spec.covered_length == 20 and walked == list(range(first, 18))
+    # within one call the "latest" ranking selects among every earlier block (its budget prunes the pool after it)
+    within_call = spec if ranking == "window" else dataclasses.replace(spec, budget=0)
+    real = mask[:, None, :, None]
+    torch.testing.assert_close(out * real, reference_sparse(q, k, v, within_call, mask) * real)
 
 
 @pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS)

@@ -177,7 +177,13 @@ def sparse_attention(
     else:
         walk = _BlockWalk(keys, values, key_mask, (global_keys, global_values, global_mask), state, spec)
         fused = given and not past and L > 1 and flex_prefill_serves(q, spec)  # from the first token, on CUDA
-        context = walk.run(q, first, end, fused)
+        exact = None
+        if given and not past and not fused and not walk.by_window:  # from the first token: its leading queries
+            # read every earlier key (no selection yet), exact attention in one call (SDPA's fused kernel)
+            n = min(end, spec.covered_length)
+            mask = None if key_padding_mask is None else key_mask[:, :n]
+            exact = softmax_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], mask, True)[0]  # (B, H, n, Dv)
+        context = walk.run(q, first, end, fused, exact)
         pool, pushed, mass = walk.pool, walk.pushed, walk.mass
     if not return_state:
         return context
@@ -266,18 +272,21 @@ class _BlockWalk:
             self.mass = torch.cat([self.mass, self.mass.new_zeros(B, Hkv, stored_blocks - self.mass.shape[2])], dim=2)
         self.selectable = _selectable(key_mask, self.start, spec)  # (B, R)
 
-    def run(self, q: Tensor, first: int, end: int, fused: bool = False) -> Tensor:
+    def run(self, q: Tensor, first: int, end: int, fused: bool = False, exact: Tensor | None = None) -> Tensor:
         """The context (B, H, L, Dv) of the queries q (B, H, L, D) at positions first ... end - 1: block by block, or
-        ``fused`` (a call from the first token: :func:`.flex_prefill`). With ``ranking="latest"``, the blocks that
-        left the window join the pool at the end, ranked by the attention of the call's last block of queries, and
-        the pool is pruned to the budget."""
+        ``fused`` (a call from the first token: :func:`.flex_prefill`), after ``exact``, the context of the leading
+        queries (whole blocks, or all) where it is given. With ``ranking="latest"``, the blocks that left the window
+        join the pool at the end, ranked by the attention of the call's last block of queries, and the pool is pruned
+        to the budget."""
         block = self.spec.block_size
         if fused:
-            contexts = [flex_prefill(q, self.keys, self.values, self.key_mask, self.spec)]
-            if self.spec.bounded:  # what the block walk leaves: the blocks before the last window are pushed out
-                self.pushed = max(self.pushed, (end - 1) // block - self.spec.window_blocks)
-        else:
-            contexts = [self._query_block(q, c, first, end) for c in range(first // block, (end - 1) // block + 1)]
+            contexts, done = [flex_prefill(q, self.keys, self.values, self.key_mask, self.spec)], end
+        else:  # done: the first position left to walk
+            contexts, done = ([], first) if exact is None else ([exact], first + exact.shape[2])
+        if done > first and self.spec.bounded:  # what the block walk leaves: the blocks before the last window go
+            self.pushed = max(self.pushed, (done - 1) // block - self.spec.window_blocks)
+        if done < end:
+            contexts += [self._query_block(q, c, first, end) for c in range(done // block, (end - 1) // block + 1)]
         if self.spec.budget and not self.by_window:
             left = self.pushed - self.first_block
             if left:

@@ -100,9 +100,15 @@ class SparseSpec:
         """Whole key blocks before the query's own that its window holds."""
         return self.local_window // self.block_size
 
+    @property
+    def covered_length(self) -> int:
+        """The positions whose queries read every earlier key exactly (no selection yet): the first blocks, up to a
+        window and ``select_blocks`` blocks before the last."""
+        return (self.window_blocks + 1 + self.select_blocks) * self.block_size
+
     def covers(self, length: int) -> bool:
         """Whether every query of a ``length``-token input reads every earlier key exactly (no selection)."""
-        return length <= (self.window_blocks + 1 + self.select_blocks) * self.block_size
+        return length <= self.covered_length
 
 
 class SparseState(NamedTuple):
