@@ -371,6 +371,11 @@ class ScanKeys(NamedTuple):
     mask: Tensor | None = None
 
 
+def _wants_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd records a function of ``tensors`` (None entries skipped)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def exp_key_state(keys: ScanKeys, features: ExpFeatures, precision: str = "pytorch") -> tuple[Tensor, Tensor]:
     """The state of a causal call after its every key, without its sums: ``sum_j phi(k_j) [v_j, 1]`` relative to
     the largest key log-feature, as :func:`causal_exp_sums` returns it (its ``kv`` and ``shift``) beside them. A
@@ -379,9 +384,8 @@ def exp_key_state(keys: ScanKeys, features: ExpFeatures, precision: str = "pytor
 
     keys: the :class:`ScanKeys` -> (kv (B, H, m', dv + 1), shift (B, H))."""
     (k, v1, row, mask), (directions, bias, _) = keys, features
-    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (k, v1, row, directions))
     # (a decoding step's one key stays in PyTorch: compiled, fused with the step's other operators)
-    if not wants_grad and k.shape[2] > 1 and triton_serves(k, v1.shape[-1], directions, bias):
+    if not _wants_grad(k, v1, row, directions) and k.shape[2] > 1 and triton_serves(k, v1.shape[-1], directions, bias):
         return triton_exp_key_state(k, v1, directions, bias, row, mask, precision)
     keep = None if mask is None else mask[:, None, :, None]  # (B, 1, L, 1)
     log_phi = exp_log_features(k, directions, bias, keep, row)  # (B, H, L, m')
@@ -408,10 +412,7 @@ def causal_exp_sums(
         precision: how the Triton kernels' matrix products take float32
             (:func:`.far_field_triton.float32_precision` of the attention's input dtype).
     """
-    wants_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, *keys, *features[:2], *(state or ()))
-    )
-    if q.shape[2] == 1 and not wants_grad:
+    if q.shape[2] == 1 and not _wants_grad(q, *keys, *features[:2], *(state or ())):
         return _causal_exp_step(q, keys, features, state)
     if triton_serves(q, keys.v1.shape[-1], features.directions, features.bias):
         directions, bias, stabilizer = features

@@ -184,17 +184,12 @@ def _exact_keys(call: HybridCall, state: HybridState) -> tuple[Tensor, Tensor, T
     spec, k, v, mask = call.spec, call.k, call.v, call.mask
     left, right = spec.offsets(causal=True)
     first_inside = state.length - left if right >= 0 else state.length + 1  # the window's first position
-    new = max(0, min(spec.num_global_tokens - state.length, 1))  # this token is a global one
-    outside = min(state.global_keys.shape[2] + new, max(0, first_inside))
+    global_keys, global_values, global_mask = _global_tokens(state, call)  # this token's too if global
+    outside = min(global_keys.shape[2], max(0, first_inside))
     keys, values, masks = [], [], []
     if outside:
-        global_keys, global_values = state.global_keys.to(k.dtype), state.global_values.to(v.dtype)
-        global_mask = state.global_mask
-        if new:
-            global_keys, global_values = torch.cat([global_keys, k], dim=2), torch.cat([global_values, v], dim=2)
-            global_mask = torch.cat([global_mask, mask], dim=1)
-        keys.append(global_keys[:, :, :outside])
-        values.append(global_values[:, :, :outside])
+        keys.append(global_keys[:, :, :outside].to(k.dtype))
+        values.append(global_values[:, :, :outside].to(v.dtype))
         masks.append(global_mask[:, :outside])
     if spec.local_window:
         keys += [state.keys.to(k.dtype), k]
@@ -210,7 +205,6 @@ def next_state(state: HybridState | None, far: tuple[Tensor, Tensor], call: Hybr
     the window buffer and to the global prefix."""
     k, v, mask, spec = call.k, call.v, call.mask, call.spec
     B, H, L, d = k.shape
-    length = 0 if state is None else state.length
     if state is None:
         empty_k, empty_v, empty_m = k.new_zeros(B, H, 0, d), v.new_zeros(B, H, 0, v.shape[-1]), mask.new_zeros(B, 0)
         state = HybridState(*far, empty_k, empty_v, empty_m, empty_k, empty_v, empty_m, 0)
@@ -218,11 +212,7 @@ def next_state(state: HybridState | None, far: tuple[Tensor, Tensor], call: Hybr
     # buffer is a tensor of its own whose strides do not follow the call's length (a compiled step guards on them)
     keep, held = max(spec.local_window - 1, 0), state.keys.shape[2]
     old, fresh = min(held, max(0, held + L - keep)), max(0, L - keep)  # the old and the new keys that leave
-    global_keys, global_values, global_mask = state.global_keys, state.global_values, state.global_mask
-    if new := max(0, min(spec.num_global_tokens - length, L)):  # the call's first tokens are global ones
-        global_keys = torch.cat([global_keys, k[:, :, :new].to(global_keys.dtype)], dim=2)
-        global_values = torch.cat([global_values, v[:, :, :new].to(global_values.dtype)], dim=2)
-        global_mask = torch.cat([global_mask, mask[:, :new]], dim=1)
+    global_keys, global_values, global_mask = _global_tokens(state, call)
     return HybridState(
         far_kv=far[0],
         far_shift=far[1],
@@ -232,5 +222,16 @@ def next_state(state: HybridState | None, far: tuple[Tensor, Tensor], call: Hybr
         global_keys=global_keys,
         global_values=global_values,
         global_mask=global_mask,
-        length=length + L,
+        length=state.length + L,
     )
+
+
+def _global_tokens(state: HybridState, call: HybridCall) -> tuple[Tensor, Tensor, Tensor]:
+    """The global tokens' raw keys, values (B, H, G, d / dv) and mask (B, G) after the call, in the state's dtype:
+    the state's, then the call's first tokens while fewer than ``num_global_tokens`` came before."""
+    keys, values, mask = state.global_keys, state.global_values, state.global_mask
+    if new := max(0, min(call.spec.num_global_tokens - state.length, call.k.shape[2])):
+        keys = torch.cat([keys, call.k[:, :, :new].to(keys.dtype)], dim=2)
+        values = torch.cat([values, call.v[:, :, :new].to(values.dtype)], dim=2)
+        mask = torch.cat([mask, call.mask[:, :new]], dim=1)
+    return keys, values, mask
