@@ -224,16 +224,51 @@ def test_a_budget_bounds_the_state_and_keeping_every_block_does_not():
     assert held_bytes(states[0]) == held_bytes(states[1]) < sizes[3][1] and states[1].pool_keys.shape[2] == 0
 
 
-def test_gradients_match_the_reference():
-    spec = SPECS["bounded pool"]
-    q, k, v, mask = _inputs(length=30)
-    grads = []
-    for function in (sparse_attention, reference_sparse):
-        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-        (function(*inputs, spec, mask) * mask[:, None, :, None]).pow(2).sum().backward()
-        grads.append([t.grad for t in inputs])
-    for ours, expected in zip(*grads, strict=True):
+def _gradients(function, spec, q, k, v, mask):
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    (function(*inputs, spec, mask) * mask[:, None, :, None]).pow(2).sum().backward()
+    return [t.grad for t in inputs]
+
+
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS)
+def test_gradients_match_the_reference(spec):
+    q, k, v, mask = _inputs(length=46)
+    ours, expected = (_gradients(f, spec, q, k, v, mask) for f in (sparse_attention, reference_sparse))
+    for got, want in zip(ours, expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_gradients_through_every_candidate_block_equal_those_through_the_chosen_ones(monkeypatch):
+    """Off the CPU the backward reads every candidate block (those no query chose hidden) where the CPU reads the
+    chosen ones: the same gradients."""
+    spec = SPECS["window+globals+select"]
+    q, k, v, mask = _inputs(length=90, seed=3)
+    chosen = _gradients(sparse_attention, spec, q, k, v, mask)
+    monkeypatch.setattr(sparse_attention_module, "_union", lambda chosen: None)
+    for ours, expected in zip(_gradients(sparse_attention, spec, q, k, v, mask), chosen, strict=True):
         torch.testing.assert_close(ours, expected)
+
+
+def test_a_gradient_keeps_no_logits():
+    """What the call saves for its backward, beyond views of its inputs, is a small share of the (queries x keys)
+    logits that attention over every earlier key would keep: the backward recomputes each query's support."""
+    spec = SparseSpec(local_window=16, num_global_tokens=2, block_size=8, select_blocks=2)
+    q, k, v, _ = _inputs(batch=1, length=512)
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    theirs = {t.untyped_storage().data_ptr() for t in inputs}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in theirs:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = sparse_attention(*inputs, spec)
+    out.sum().backward()
+    logits = q.shape[1] * q.shape[2] ** 2 / 2 * q.element_size()  # causal (queries x keys), float64
+    assert sum(saved.values()) < 0.05 * logits
+    assert all(t.grad is not None and bool(t.grad.abs().sum() > 0) for t in inputs)
 
 
 def test_bfloat16_runs_and_stays_close_to_float32():

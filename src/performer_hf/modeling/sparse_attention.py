@@ -89,25 +89,6 @@ def _gather_blocks(blocks: Tensor, index: Tensor) -> Tensor:
     return blocks.gather(2, index[..., None, None].expand(-1, -1, -1, *blocks.shape[3:]))
 
 
-def _chosen_blocks(blocks: Tensor, chosen: Tensor, values: Tensor):
-    """Only the blocks some query chose: logits (B, Hkv, G, nq, N, block), chosen (B, Hkv, nq, N) and values
-    (B, Hkv, N * block, Dv) -> the same at the U <= N blocks of their union. On a CPU only: U is read on the host,
-    which on a GPU would wait for the device at every call (once per layer and token while decoding); there every
-    block stays, its weights zero where no query chose it."""
-    B, Hkv, G, nq, N, block = blocks.shape
-    if blocks.device.type != "cpu":
-        return blocks, chosen, values
-    union = chosen.any(dim=2)  # (B, Hkv, N)
-    count = int(union.sum(dim=-1).max())
-    if count == N:
-        return blocks, chosen, values
-    index = union.to(torch.int8).topk(count, dim=-1).indices  # (B, Hkv, U)
-    blocks = blocks.gather(4, index[:, :, None, None, :, None].expand(B, Hkv, G, nq, count, block))
-    chosen = chosen.gather(3, index[:, :, None, :].expand(B, Hkv, nq, count))
-    values = _gather_blocks(values.unflatten(2, (N, block)), index).flatten(2, 3)
-    return blocks, chosen, values
-
-
 def sparse_attention(
     q: Tensor,
     k: Tensor,
@@ -435,54 +416,146 @@ def _decode_kernels(*tensors: Tensor):
     return hybrid_kernels()
 
 
-def _attend(queries: Tensor, parts, candidates, spec: SparseSpec):
+def _attend(queries: Tensor, parts, candidates, spec: SparseSpec) -> tuple[Tensor, Tensor]:
     """Softmax of one block's queries (B, Hkv, G, nq, D) over the ``parts`` it reads whole (global tokens, then its
     window: (keys (B, Hkv, K, D), values, visible broadcastable to (B, Hkv, nq, K))) and the ``select_blocks`` blocks
     of ``candidates`` (keys, values (B, Hkv, N * block, D), mask (B, Hkv, N * block)) that hold the most of its
-    attention. Returns the context (B, Hkv, G, nq, Dv) and the detached probabilities (B, Hkv, G, nq, Kw) of the
-    window (the last part)."""
-    scale = queries.shape[-1] ** -0.5
-    flat = queries.flatten(2, 3)  # (B, Hkv, G * nq, D)
-    B, Hkv, G, nq, _ = queries.shape
+    attention. Returns the context (B, Hkv, G, nq, Dv) and the probabilities (B, Hkv, G, nq, Kw) of the window (the
+    last part), without gradient. Where a gradient is wanted, :class:`_SupportAttention` keeps the selection alone for
+    backward, not the logits."""
+    tensors = [queries, *(t for part in parts for t in part), *candidates]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _SupportAttention.apply(spec, len(parts), *tensors)
+    context, window_probs, _ = _attend_forward(queries, parts, candidates, spec)
+    return context, window_probs
+
+
+def _attend_forward(queries: Tensor, parts, candidates, spec: SparseSpec):
+    """:func:`_attend`'s forward without gradient, and the selection (B, Hkv, nq, N) of candidate blocks each query
+    read (None: every candidate; an empty tensor: no candidate read)."""
+    B, Hkv, G, nq, D = queries.shape
+    flat = queries.flatten(2, 3) * D**-0.5  # (B, Hkv, G * nq, D), scaled once for every logit
     logits, values = [], []  # the parts read whole, then the pool's
     for keys, part_values, visible in parts:
         if keys.shape[2]:
-            part = (flat @ keys.transpose(-1, -2) * scale).unflatten(2, (G, nq))  # (B, Hkv, G, nq, K)
-            logits.append(part.masked_fill(~visible[:, :, None], NEG_INF))
+            part = (flat @ keys.transpose(-1, -2)).unflatten(2, (G, nq))  # (B, Hkv, G, nq, K)
+            logits.append(part.masked_fill_(~visible[:, :, None], NEG_INF))
             values.append(part_values)
     window = len(logits) - 1  # the window, never empty (every query sees itself), is the last part read whole
     pool_keys, pool_values, pool_mask = candidates
     selecting = pool_keys.shape[2] and spec.select_blocks
     if selecting:
-        part = (flat @ pool_keys.transpose(-1, -2) * scale).unflatten(2, (G, nq))  # (B, Hkv, G, nq, N * block)
-        logits.append(part.masked_fill(~pool_mask[:, :, None, None], NEG_INF))
+        part = (flat @ pool_keys.transpose(-1, -2)).unflatten(2, (G, nq))  # (B, Hkv, G, nq, N * block)
+        logits.append(part.masked_fill_(~pool_mask[:, :, None, None], NEG_INF))
     # one softmax over every part: a shared maximum per query and head, each part's exponentials and values
     peak = logits[0].amax(dim=-1, keepdim=True)
     for part in logits[1:]:
         peak = torch.maximum(peak, part.amax(dim=-1, keepdim=True))  # (B, Hkv, G, nq, 1)
     dtype = torch.promote_types(peak.dtype, torch.float32)
-    weights = [(part.to(dtype) - peak.to(dtype)).exp() for part in logits]
+    peak = peak.to(dtype)
+    weights = [part.to(dtype).sub_(peak).exp_() for part in logits]  # in place where part is in dtype already
+    chosen = queries.new_empty(0, dtype=torch.bool)
     if selecting:
-        weights[-1], pool_values = _selected(weights[-1], peak, pool_values, spec)
+        weights[-1], pool_values, chosen = _selected(weights[-1], peak, pool_values, spec)
         values.append(pool_values)
     total = sum(weight.sum(dim=-1, keepdim=True) for weight in weights)  # >= 1: every query sees itself
     pairs = zip(weights, values, strict=True)
     context = sum(weight.to(part.dtype).flatten(2, 3) @ part for weight, part in pairs)  # (B, Hkv, G * nq, Dv)
     context = (context.unflatten(2, (G, nq)) / total.to(context.dtype)).to(queries.dtype)
-    return context, (weights[window] / total).detach()
+    return context, weights[window].div_(total), chosen
 
 
-def _selected(weights: Tensor, peak: Tensor, values: Tensor, spec: SparseSpec) -> tuple[Tensor, Tensor]:
+def _selected(weights: Tensor, peak: Tensor, values: Tensor, spec: SparseSpec):
     """The pool's exponentials (B, Hkv, G, nq, N * block) kept on each query's ``select_blocks`` blocks of most
     attention (the exponentials' sum over a block's keys and the query heads of the group, brought under one shift:
-    the order of the log-sum-exp of the logits), with the values (B, Hkv, N * block, Dv); only the blocks some query
-    chose are returned."""
+    the order of the log-sum-exp of the logits), with the values (B, Hkv, N * block, Dv), only of the blocks some
+    query chose, and the choice (B, Hkv, nq, N) (None: every block, when there are no more than ``select_blocks``)."""
     blocks = weights.unflatten(-1, (-1, spec.block_size))  # (B, Hkv, G, nq, N, block)
     if blocks.shape[-2] <= spec.select_blocks:
-        return weights, values
+        return weights, values, None
     heads = (peak - peak.amax(dim=2, keepdim=True)).exp()  # (B, Hkv, G, nq, 1): each head's shift against the top
-    score = (blocks.detach().sum(dim=-1) * heads.detach()).sum(dim=2)  # (B, Hkv, nq, N)
+    score = (blocks.sum(dim=-1) * heads).sum(dim=2)  # (B, Hkv, nq, N)
     top = score.topk(spec.select_blocks, dim=-1).indices
     chosen = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True)  # (B, Hkv, nq, N)
-    blocks, chosen, values = _chosen_blocks(blocks, chosen, values)
-    return (blocks * chosen[:, :, None, :, :, None]).flatten(-2), values
+    union = _union(chosen)
+    if union is not None:  # (B, Hkv, U)
+        blocks = blocks.gather(4, union[:, :, None, None, :, None].expand(*blocks.shape[:4], -1, blocks.shape[-1]))
+        values = _gather_blocks(values.unflatten(2, (-1, spec.block_size)), union).flatten(2, 3)
+        chosen_there = chosen.gather(3, union[:, :, None, :].expand(-1, -1, chosen.shape[2], -1))
+    else:
+        chosen_there = chosen
+    return blocks.mul_(chosen_there[:, :, None, :, :, None]).flatten(-2), values, chosen
+
+
+def _union(chosen: Tensor) -> Tensor | None:
+    """The U <= N blocks some query chose (chosen (B, Hkv, nq, N)), (B, Hkv, U) in block order; None for all of
+    them. On a CPU only: U is read on the host, which on a GPU would wait for the device at every call (once per
+    layer and token while decoding); there every block stays, its weights zero where no query chose it."""
+    if chosen.device.type != "cpu":
+        return None
+    union = chosen.any(dim=2)  # (B, Hkv, N)
+    count = int(union.sum(dim=-1).max())
+    if count == chosen.shape[-1]:
+        return None
+    return union.to(torch.int8).topk(count, dim=-1, sorted=False).indices.sort(dim=-1).values
+
+
+class _SupportAttention(torch.autograd.Function):
+    """:func:`_attend` with a gradient, in the memory of its inputs: the forward keeps the queries' selection alone
+    (no logits: they are (queries x candidates), the whole call's O(L^2)), and the backward is exact attention's over
+    each query's support (its global tokens, window and selected blocks, as a mask), recomputed: the selection is
+    piecewise constant, so its gradient is that of softmax over the support, which SDPA's fused backward gives.
+    Tensors: the queries, each part's keys, values and visible mask, then the candidates'."""
+
+    @staticmethod
+    def forward(ctx, spec: SparseSpec, n_parts: int, queries: Tensor, *tensors: Tensor):
+        parts = [tensors[3 * i : 3 * i + 3] for i in range(n_parts)]
+        context, window_probs, chosen = _attend_forward(queries, parts, tensors[3 * n_parts :], spec)
+        ctx.spec, ctx.n_parts, ctx.all_chosen = spec, n_parts, chosen is None
+        ctx.save_for_backward(queries, *tensors, chosen if chosen is not None else queries.new_empty(0))
+        ctx.mark_non_differentiable(window_probs)
+        return context, window_probs
+
+    @staticmethod
+    def backward(ctx, grad_context: Tensor, _grad_window: Tensor):
+        queries, *tensors, chosen = ctx.saved_tensors
+        wanted = [queries, *tensors]
+        leaves = [t.detach().requires_grad_(need) for t, need in zip(wanted, ctx.needs_input_grad[2:], strict=True)]
+        with torch.enable_grad():
+            keys, values, visible = _support(
+                leaves[0], leaves[1:], ctx.n_parts, None if ctx.all_chosen else chosen, ctx.spec
+            )
+            B, Hkv, G, nq, D = queries.shape
+            mask = visible[:, :, None].expand(B, Hkv, G, nq, -1).flatten(2, 3)  # (B, Hkv, G * nq, K)
+            context = torch.nn.functional.scaled_dot_product_attention(leaves[0].flatten(2, 3), keys, values, mask)
+            needed = [leaf for leaf in leaves if leaf.requires_grad]
+            grads = iter(torch.autograd.grad(context, needed, grad_context.flatten(2, 3), allow_unused=True))
+        return None, None, *(next(grads) if leaf.requires_grad else None for leaf in leaves)
+
+
+def _support(queries: Tensor, tensors, n_parts: int, chosen: Tensor | None, spec: SparseSpec):
+    """Keys, values (B, Hkv, K, D) and visibility (B, Hkv, nq, K) of what one block's queries (B, Hkv, G, nq, D)
+    read (:func:`_attend`'s parts and candidates, ``tensors``): the parts, then the candidate blocks some query chose
+    (every candidate when ``chosen`` is None; none when it is empty), each visible to the queries that chose it."""
+    B, Hkv, _, nq, _ = queries.shape
+    keys, values, visible = [], [], []
+    for i in range(n_parts):
+        part_keys, part_values, part_visible = tensors[3 * i : 3 * i + 3]
+        if part_keys.shape[2]:
+            keys.append(part_keys), values.append(part_values)
+            visible.append(part_visible.expand(B, Hkv, nq, part_keys.shape[2]))
+    pool_keys, pool_values, pool_mask = tensors[3 * n_parts :]
+    if pool_keys.shape[2] and spec.select_blocks and (chosen is None or chosen.numel()):
+        block = spec.block_size
+        pool_visible = pool_mask[:, :, None]  # (B, Hkv, 1, N * block)
+        if chosen is not None:
+            union = _union(chosen)
+            if union is not None:  # the blocks some query chose, (B, Hkv, U)
+                pool_keys = _gather_blocks(pool_keys.unflatten(2, (-1, block)), union).flatten(2, 3)
+                pool_values = _gather_blocks(pool_values.unflatten(2, (-1, block)), union).flatten(2, 3)
+                pool_visible = _gather_blocks(pool_mask.unflatten(2, (-1, block))[..., None], union).flatten(2, 4)
+                pool_visible = pool_visible[:, :, None]
+                chosen = chosen.gather(3, union[:, :, None, :].expand(-1, -1, nq, -1))  # (B, Hkv, nq, U)
+            pool_visible = pool_visible & chosen.repeat_interleave(block, dim=-1)
+        keys.append(pool_keys), values.append(pool_values), visible.append(pool_visible.expand(B, Hkv, nq, -1))
+    return torch.cat(keys, dim=2), torch.cat(values, dim=2), torch.cat(visible, dim=-1)
