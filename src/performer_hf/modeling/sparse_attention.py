@@ -19,6 +19,8 @@ the ones the last queries of each call attend to most (``ranking="latest"``, pru
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .cpu_kernels import hybrid_kernels
@@ -266,8 +268,10 @@ class _BlockWalk:
             contexts, done = ([], first) if exact is None else ([exact], first + exact.shape[2])
         if done > first and self.spec.bounded:  # what the block walk leaves: the blocks before the last window go
             self.pushed = max(self.pushed, (done - 1) // block - self.spec.window_blocks)
-        if done < end:
-            contexts += [self._query_block(q, c, first, end) for c in range(done // block, (end - 1) // block + 1)]
+        if done < end:  # the queries left, one key block's at a time (split: one gradient for them all)
+            cuts = [done, *range((done // block + 1) * block, end, block), end]
+            chunks = q[:, :, done - first :].split([hi - lo for lo, hi in itertools.pairwise(cuts)], dim=2)
+            contexts += [self._query_block(chunk, lo) for chunk, lo in zip(chunks, cuts[:-1], strict=True)]
         if self.spec.budget and not self.by_window:
             left = self.pushed - self.first_block
             if left:
@@ -282,11 +286,13 @@ class _BlockWalk:
         block = self.spec.block_size
         self.pool.add(self.keys, self.values, self.selectable, lo * block, hi * block, score)
 
-    def _query_block(self, q: Tensor, c: int, first: int, end: int) -> Tensor:
-        """The context (B, H, nq, Dv) of the call's queries in key block c."""
+    def _query_block(self, q: Tensor, q_lo: int) -> Tensor:
+        """The context (B, H, nq, Dv) of the call's queries q (B, H, nq, D) at positions q_lo ... q_lo + nq - 1, in
+        one key block."""
         spec, start, block = self.spec, self.start, self.spec.block_size
         keys, values, key_mask, selectable = self.keys, self.values, self.key_mask, self.selectable
         B, Hkv = keys.shape[:2]
+        c = q_lo // block
         window_block = max(0, c - spec.window_blocks)
         if self.by_window and self.pushed < window_block:  # blocks [pushed, window_block) leave the window
             lo, hi = self.pushed - self.first_block, window_block - self.first_block
@@ -301,8 +307,8 @@ class _BlockWalk:
             candidates = (keys[:, :, :hi], values[:, :, :hi], selectable[:, None, :hi].expand(B, Hkv, hi))
             if self.pool.score.shape[2]:
                 candidates = tuple(torch.cat(parts, dim=2) for parts in zip(self.pool.flat(), candidates, strict=True))
-        q_lo, q_hi = max(first, c * block), min(end, (c + 1) * block)
-        queries = q[:, :, q_lo - first : q_hi - first].unflatten(1, (Hkv, -1))  # (B, Hkv, G, nq, D)
+        q_hi = q_lo + q.shape[2]
+        queries = q.unflatten(1, (Hkv, -1))  # (B, Hkv, G, nq, D)
         window_lo, window_hi = window_block * block - start, q_hi - start
         key_pos = torch.arange(window_block * block, q_hi, device=keys.device)
         query_pos = torch.arange(q_lo, q_hi, device=keys.device)[:, None]
