@@ -452,7 +452,7 @@ def _attend_forward(queries: Tensor, parts, candidates, spec: SparseSpec):
     selecting = pool_keys.shape[2] and spec.select_blocks
     if selecting:
         part = (flat @ pool_keys.transpose(-1, -2)).unflatten(2, (G, nq))  # (B, Hkv, G, nq, N * block)
-        logits.append(part.masked_fill_(~pool_mask[:, :, None, None], NEG_INF))
+        logits.append(_hide(part, pool_mask[:, :, None, None]))
     # one softmax over every part: a shared maximum per query and head, each part's exponentials and values
     peak = logits[0].amax(dim=-1, keepdim=True)
     for part in logits[1:]:
@@ -469,6 +469,19 @@ def _attend_forward(queries: Tensor, parts, candidates, spec: SparseSpec):
     context = sum(weight.to(part.dtype).flatten(2, 3) @ part for weight, part in pairs)  # (B, Hkv, G * nq, Dv)
     context = (context.unflatten(2, (G, nq)) / total.to(context.dtype)).to(queries.dtype)
     return context, weights[window].div_(total), chosen
+
+
+def _hide(logits: Tensor, visible: Tensor) -> Tensor:
+    """logits (..., K), -inf written in place where visible (broadcastable to them) is False. On a CPU only over the
+    span of columns that hide some key (a pool's hidden keys are the global tokens and padding: mostly a prefix),
+    which the host reads; elsewhere over every column, without waiting for the device."""
+    if logits.device.type != "cpu":
+        return logits.masked_fill_(~visible, NEG_INF)
+    hidden = (~visible).flatten(0, -2).any(dim=0).nonzero()  # (n, 1): the columns that hide a key
+    if hidden.numel():
+        lo, hi = int(hidden[0]), int(hidden[-1]) + 1
+        logits[..., lo:hi].masked_fill_(~visible[..., lo:hi], NEG_INF)
+    return logits
 
 
 def _selected(weights: Tensor, peak: Tensor, values: Tensor, spec: SparseSpec):
