@@ -243,7 +243,16 @@ def test_gradients_through_every_candidate_block_equal_those_through_the_chosen_
     chosen ones: the same gradients."""
     spec = SPECS["window+globals+select"]
     q, k, v, mask = _inputs(length=90, seed=3)
+    monkeypatch.setattr(sparse_attention_module, "GATHERED_SHARE", 1.0)  # the chosen blocks alone, always
+    union, gathered = sparse_attention_module._union, []
+
+    def spied(chosen):
+        gathered.append(union(chosen))
+        return gathered[-1]
+
+    monkeypatch.setattr(sparse_attention_module, "_union", spied)
     chosen = _gradients(sparse_attention, spec, q, k, v, mask)
+    assert any(blocks is not None for blocks in gathered)  # the chosen blocks alone, somewhere
     monkeypatch.setattr(sparse_attention_module, "_union", lambda chosen: None)
     for ours, expected in zip(_gradients(sparse_attention, spec, q, k, v, mask), chosen, strict=True):
         torch.testing.assert_close(ours, expected)

@@ -107,6 +107,7 @@ def test_keeping_every_candidate_block_as_on_a_gpu_gives_the_same_context_and_de
         return context, decoded
 
     monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", "0")  # the walk's PyTorch decoding step, not the compiled one
+    monkeypatch.setattr(sparse_attention, "GATHERED_SHARE", 1.0)  # on the CPU: the chosen blocks alone, always
     expected = prefill_and_step()
     monkeypatch.setattr(sparse_attention, "_union", lambda chosen: None)  # every block kept, as off the CPU
     for got, want in zip(prefill_and_step(), expected, strict=True):
