@@ -541,14 +541,13 @@ class _SupportAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_context: Tensor, _grad_window: Tensor):
-        queries, *tensors, chosen = ctx.saved_tensors
-        wanted = [queries, *tensors]
-        leaves = [t.detach().requires_grad_(need) for t, need in zip(wanted, ctx.needs_input_grad[2:], strict=True)]
+        *saved, chosen = ctx.saved_tensors  # the queries, the tensors, the selection
+        leaves = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad[2:], strict=True)]
         with torch.enable_grad():
             keys, values, visible = _support(
                 leaves[0], leaves[1:], ctx.n_parts, None if ctx.all_chosen else chosen, ctx.spec
             )
-            B, Hkv, G, nq, D = queries.shape
+            B, Hkv, G, nq, _ = leaves[0].shape
             mask = visible[:, :, None].expand(B, Hkv, G, nq, -1).flatten(2, 3)  # (B, Hkv, G * nq, K)
             context = torch.nn.functional.scaled_dot_product_attention(leaves[0].flatten(2, 3), keys, values, mask)
             needed = [leaf for leaf in leaves if leaf.requires_grad]
