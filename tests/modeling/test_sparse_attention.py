@@ -251,11 +251,12 @@ def test_gradients_through_every_candidate_block_equal_those_through_the_chosen_
         return gathered[-1]
 
     monkeypatch.setattr(sparse_attention_module, "_union", spied)
-    chosen = _gradients(sparse_attention, spec, q, k, v, mask)
+    through_chosen = _gradients(sparse_attention, spec, q, k, v, mask)
     assert any(blocks is not None for blocks in gathered)  # the chosen blocks alone, somewhere
     monkeypatch.setattr(sparse_attention_module, "_union", lambda chosen: None)
-    for ours, expected in zip(_gradients(sparse_attention, spec, q, k, v, mask), chosen, strict=True):
-        torch.testing.assert_close(ours, expected)
+    through_every = _gradients(sparse_attention, spec, q, k, v, mask)
+    for got, want in zip(through_every, through_chosen, strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_a_gradient_keeps_no_logits():
