@@ -439,7 +439,7 @@ def _attend(queries: Tensor, parts, candidates, spec: SparseSpec) -> tuple[Tenso
 
 def _attend_forward(queries: Tensor, parts, candidates, spec: SparseSpec):
     """:func:`_attend`'s forward without gradient, and the selection (B, Hkv, nq, N) of candidate blocks each query
-    read (None: every candidate; an empty tensor: no candidate read)."""
+    read (an empty tensor: no candidate read)."""
     B, Hkv, G, nq, D = queries.shape
     flat = queries.flatten(2, 3) * D**-0.5  # (B, Hkv, G * nq, D), scaled once for every logit
     logits, values = [], []  # the parts read whole, then the pool's
@@ -489,10 +489,11 @@ def _selected(weights: Tensor, peak: Tensor, values: Tensor, spec: SparseSpec):
     """The pool's exponentials (B, Hkv, G, nq, N * block) kept on each query's ``select_blocks`` blocks of most
     attention (the exponentials' sum over a block's keys and the query heads of the group, brought under one shift:
     the order of the log-sum-exp of the logits), with the values (B, Hkv, N * block, Dv), only of the blocks some
-    query chose, and the choice (B, Hkv, nq, N) (None: every block, when there are no more than ``select_blocks``)."""
+    query chose, and the choice (B, Hkv, nq, N) (every block, when there are no more than ``select_blocks``)."""
     blocks = weights.unflatten(-1, (-1, spec.block_size))  # (B, Hkv, G, nq, N, block)
-    if blocks.shape[-2] <= spec.select_blocks:
-        return weights, values, None
+    B, Hkv, _, nq, N, _ = blocks.shape
+    if N <= spec.select_blocks:
+        return weights, values, torch.ones(B, Hkv, nq, N, dtype=torch.bool, device=weights.device)
     heads = (peak - peak.amax(dim=2, keepdim=True)).exp()  # (B, Hkv, G, nq, 1): each head's shift against the top
     score = (blocks.sum(dim=-1) * heads).sum(dim=2)  # (B, Hkv, nq, N)
     top = score.topk(spec.select_blocks, dim=-1).indices
@@ -501,9 +502,7 @@ def _selected(weights: Tensor, peak: Tensor, values: Tensor, spec: SparseSpec):
     if union is not None:  # (B, Hkv, U)
         blocks = blocks.gather(4, union[:, :, None, None, :, None].expand(*blocks.shape[:4], -1, blocks.shape[-1]))
         values = _gather_blocks(values.unflatten(2, (-1, spec.block_size)), union).flatten(2, 3)
-        chosen_there = chosen.gather(3, union[:, :, None, :].expand(-1, -1, chosen.shape[2], -1))
-    else:
-        chosen_there = chosen
+    chosen_there = chosen if union is None else _chosen_at(chosen, union)
     return blocks.mul_(chosen_there[:, :, None, :, :, None]).flatten(-2), values, chosen
 
 
@@ -523,6 +522,11 @@ def _union(chosen: Tensor) -> Tensor | None:
     return union.to(torch.int8).topk(count, dim=-1, sorted=False).indices.sort(dim=-1).values
 
 
+def _chosen_at(chosen: Tensor, union: Tensor) -> Tensor:
+    """The choice (B, Hkv, nq, N) at the blocks of its union (B, Hkv, U) -> (B, Hkv, nq, U)."""
+    return chosen.gather(3, union[:, :, None, :].expand(-1, -1, chosen.shape[2], -1))
+
+
 class _SupportAttention(torch.autograd.Function):
     """:func:`_attend` with a gradient, in the memory of its inputs: the forward keeps the queries' selection alone
     (no logits: they are (queries x candidates), the whole call's O(L^2)), and the backward is exact attention's over
@@ -534,8 +538,8 @@ class _SupportAttention(torch.autograd.Function):
     def forward(ctx, spec: SparseSpec, n_parts: int, queries: Tensor, *tensors: Tensor):
         parts = [tensors[3 * i : 3 * i + 3] for i in range(n_parts)]
         context, window_probs, chosen = _attend_forward(queries, parts, tensors[3 * n_parts :], spec)
-        ctx.spec, ctx.n_parts, ctx.all_chosen = spec, n_parts, chosen is None
-        ctx.save_for_backward(queries, *tensors, chosen if chosen is not None else queries.new_empty(0))
+        ctx.spec, ctx.n_parts = spec, n_parts
+        ctx.save_for_backward(queries, *tensors, chosen)
         ctx.mark_non_differentiable(window_probs)
         return context, window_probs
 
@@ -544,9 +548,7 @@ class _SupportAttention(torch.autograd.Function):
         *saved, chosen = ctx.saved_tensors  # the queries, the tensors, the selection
         leaves = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad[2:], strict=True)]
         with torch.enable_grad():
-            keys, values, visible = _support(
-                leaves[0], leaves[1:], ctx.n_parts, None if ctx.all_chosen else chosen, ctx.spec
-            )
+            keys, values, visible = _support(leaves[0], leaves[1:], ctx.n_parts, chosen, ctx.spec)
             B, Hkv, G, nq, _ = leaves[0].shape
             mask = visible[:, :, None].expand(B, Hkv, G, nq, -1).flatten(2, 3)  # (B, Hkv, G * nq, K)
             context = torch.nn.functional.scaled_dot_product_attention(leaves[0].flatten(2, 3), keys, values, mask)
@@ -555,10 +557,10 @@ class _SupportAttention(torch.autograd.Function):
         return None, None, *(next(grads) if leaf.requires_grad else None for leaf in leaves)
 
 
-def _support(queries: Tensor, tensors, n_parts: int, chosen: Tensor | None, spec: SparseSpec):
+def _support(queries: Tensor, tensors, n_parts: int, chosen: Tensor, spec: SparseSpec):
     """Keys, values (B, Hkv, K, D) and visibility (B, Hkv, nq, K) of what one block's queries (B, Hkv, G, nq, D)
     read (:func:`_attend`'s parts and candidates, ``tensors``): the parts, then the candidate blocks some query chose
-    (every candidate when ``chosen`` is None; none when it is empty), each visible to the queries that chose it."""
+    (none when ``chosen`` is empty), each visible to the queries that chose it."""
     B, Hkv, _, nq, _ = queries.shape
     keys, values, visible = [], [], []
     for i in range(n_parts):
@@ -567,17 +569,16 @@ def _support(queries: Tensor, tensors, n_parts: int, chosen: Tensor | None, spec
             keys.append(part_keys), values.append(part_values)
             visible.append(part_visible.expand(B, Hkv, nq, part_keys.shape[2]))
     pool_keys, pool_values, pool_mask = tensors[3 * n_parts :]
-    if pool_keys.shape[2] and spec.select_blocks and (chosen is None or chosen.numel()):
-        block = spec.block_size
+    if chosen.numel():  # the candidates were read: (B, Hkv, nq, N) chosen blocks
+        block, union = spec.block_size, _union(chosen)
         pool_visible = pool_mask[:, :, None]  # (B, Hkv, 1, N * block)
-        if chosen is not None:
-            union = _union(chosen)
-            if union is not None:  # the blocks some query chose, (B, Hkv, U)
-                pool_keys = _gather_blocks(pool_keys.unflatten(2, (-1, block)), union).flatten(2, 3)
-                pool_values = _gather_blocks(pool_values.unflatten(2, (-1, block)), union).flatten(2, 3)
-                pool_visible = _gather_blocks(pool_mask.unflatten(2, (-1, block))[..., None], union).flatten(2, 4)
-                pool_visible = pool_visible[:, :, None]
-                chosen = chosen.gather(3, union[:, :, None, :].expand(-1, -1, nq, -1))  # (B, Hkv, nq, U)
-            pool_visible = pool_visible & chosen.repeat_interleave(block, dim=-1)
-        keys.append(pool_keys), values.append(pool_values), visible.append(pool_visible.expand(B, Hkv, nq, -1))
+        if union is not None:  # the blocks some query chose, (B, Hkv, U)
+            pool_keys = _gather_blocks(pool_keys.unflatten(2, (-1, block)), union).flatten(2, 3)
+            pool_values = _gather_blocks(pool_values.unflatten(2, (-1, block)), union).flatten(2, 3)
+            pool_visible = _gather_blocks(pool_mask.unflatten(2, (-1, block))[..., None], union).flatten(2, 4)[
+                :, :, None
+            ]
+            chosen = _chosen_at(chosen, union)  # (B, Hkv, nq, U)
+        pool_visible = pool_visible & chosen.repeat_interleave(block, dim=-1)  # (B, Hkv, nq, U * block)
+        keys.append(pool_keys), values.append(pool_values), visible.append(pool_visible)
     return torch.cat(keys, dim=2), torch.cat(values, dim=2), torch.cat(visible, dim=-1)
