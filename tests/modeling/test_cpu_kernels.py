@@ -309,3 +309,83 @@ def test_bounded_decoding_step_kernel_matches_the_block_walk(name, decode_kernel
             else:
                 assert torch.equal(ours, theirs) if torch.is_tensor(ours) else ours == theirs
     assert len(decode_kernel_calls) == 80 - prompt
+
+
+@pytest.fixture
+def block_kernel_calls(monkeypatch) -> list:
+    """The geometry of every call of the compiled block of sparse attention that sparse_attention makes."""
+    kernels, calls = cpu_kernels.hybrid_kernels(), []
+
+    class Spy:
+        def sparse_block_attend(self, logits, values, masks, geometry):
+            calls.append(geometry)
+            return kernels.sparse_block_attend(logits, values, masks, geometry)
+
+    monkeypatch.setattr("performer_hf.modeling.sparse_attention.hybrid_kernels", Spy)
+    return calls
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 72])  # the value rows below, at and beyond a vector's width
+def test_sparse_block_kernel_matches_the_reference(head_dim, block_kernel_calls):
+    """A float32 prefill without gradients (the compiled block of queries, every query block walked) against the
+    float64 one-query-at-a-time reference, for every geometry of the sparse tests (bounded pools, budgets, global
+    tokens beyond a block, no selection), with right and left padding."""
+    from performer_hf.modeling.sparse_attention import sparse_attention
+
+    from ..sparse_reference import reference_sparse
+    from .test_sparse_attention import SPECS, _inputs
+
+    q, k, v, mask = _inputs(length=70, dim=head_dim, seed=head_dim)  # 4 query heads over 2, row 1 right-padded
+    mask[0, :5] = False  # row 0 left-padded
+    for name, spec in SPECS.items():
+        expected = reference_sparse(q, k, v, spec, mask)
+        with torch.no_grad():
+            out = sparse_attention(q.float(), k.float(), v.float(), spec, mask)
+        real = mask[:, None, :, None]
+        torch.testing.assert_close(out.double() * real, expected * real, rtol=1e-5, atol=1e-5, msg=name)
+    assert block_kernel_calls and {geometry[0] for geometry in block_kernel_calls} == {2}  # G: heads per key head
+
+
+def test_sparse_block_kernel_chooses_what_pytorch_chooses(monkeypatch):
+    """One block of queries over a pool of 40 candidate blocks, 8 read: the kernel's context, window probabilities and
+    choice against the PyTorch steps' on the same float32 inputs."""
+    from performer_hf.modeling import sparse_attention as module
+    from performer_hf.modeling.sparse_spec import SparseSpec
+
+    spec = SparseSpec(local_window=16, num_global_tokens=2, block_size=8, select_blocks=8)
+    g = torch.Generator().manual_seed(7)
+    B, Hkv, G, nq, D, C, W = 2, 3, 3, 8, 64, 320, 24
+    queries = torch.randn(B, Hkv, G, nq, D, generator=g) * 2
+    pool_keys, pool_values = torch.randn(2, B, Hkv, C, D, generator=g).unbind(0)
+    pool_mask = (torch.rand(B, C, generator=g) > 0.1)[:, None].expand(B, Hkv, C)  # some keys hidden
+    window_keys, window_values = torch.randn(2, B, Hkv, W, D, generator=g).unbind(0)
+    window_visible = (torch.arange(W) <= torch.arange(nq)[:, None] + W - nq)[None, None].expand(B, 1, nq, W)
+    global_keys, global_values = torch.randn(2, B, Hkv, 2, D, generator=g).unbind(0)
+    parts = [
+        (global_keys, global_values, torch.tensor([[True, False], [True, True]])[:, None, None]),
+        (window_keys, window_values, window_visible),
+    ]
+    candidates = (pool_keys, pool_values, pool_mask)
+    compiled = module._attend_forward(queries, parts, candidates, spec)
+    monkeypatch.setattr(module, "hybrid_kernels", lambda: None)
+    eager = module._attend_forward(queries, parts, candidates, spec)
+    assert compiled[2].shape == (B, Hkv, nq, C // 8) and bool((compiled[2].sum(-1) == 8).all())
+    assert torch.equal(compiled[2], eager[2])
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(compiled[1], eager[1], rtol=1e-5, atol=1e-7)
+
+
+def test_sparse_training_through_the_block_kernel_matches_the_reference(block_kernel_calls):
+    """Float32 gradients whose forward ran in the compiled block kernel, against the float64 reference's."""
+    from performer_hf.modeling.sparse_attention import sparse_attention
+
+    from ..sparse_reference import reference_sparse
+    from .test_sparse_attention import SPECS, _gradients, _inputs
+
+    q, k, v, mask = _inputs(length=46, dim=16)
+    for name in ("window+globals+select", "bounded pool"):
+        ours = _gradients(sparse_attention, SPECS[name], *(t.float() for t in (q, k, v)), mask)
+        expected = _gradients(reference_sparse, SPECS[name], q, k, v, mask)
+        for got, want in zip(ours, expected, strict=True):
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5, msg=name)
+    assert block_kernel_calls

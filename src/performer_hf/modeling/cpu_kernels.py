@@ -1,8 +1,8 @@
 """Compiled CPU kernels, built on first use with PyTorch's C++ extension JIT (needs a C++ compiler).
 
 The kernels are optional fast paths (forward and backward, :mod:`.hybrid_compiled`; sparse attention's
-decoding step, :mod:`.sparse_attention`) with pure-PyTorch fallbacks. When the build fails (no compiler, no
-ninja), :func:`hybrid_kernels` logs why once and returns ``None``, and callers use the PyTorch code.
+decoding step and blocks of queries, :mod:`.sparse_attention`) with pure-PyTorch fallbacks. When the build fails (no
+compiler, no ninja), :func:`hybrid_kernels` logs why once and returns ``None``, and callers use the PyTorch code.
 ``PERFORMER_HF_CPU_KERNELS=0`` turns the kernels off.
 
 The build is cached by PyTorch (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``),
@@ -30,6 +30,7 @@ _SOURCES = [
         "hybrid_far_field.cpp",
         "hybrid_routing.cpp",
         "sparse_decode.cpp",
+        "sparse_block.cpp",
     )
 ]
 _HEADER = Path(__file__).parent / "csrc" / "hybrid_kernels.h"
@@ -100,5 +101,6 @@ def _compiled_kernels():
 def hybrid_kernels():
     """The compiled module (``hybrid_support_sums``, ``quadratic_far_state``, ``quadratic_far_apply``, each
     with its ``_backward``, ``top_blocks``, ``routed_candidates``, ``max_value_width``, and sparse attention's
-    ``sparse_decode_step``; see ``csrc/hybrid_kernels.h``), or ``None`` when disabled or the build failed."""
+    ``sparse_decode_step`` and ``sparse_block_attend``; see ``csrc/hybrid_kernels.h``), or ``None`` when disabled or
+    the build failed."""
     return _compiled_kernels() if kernels_enabled() else None

@@ -439,9 +439,13 @@ def _attend(queries: Tensor, parts, candidates, spec: SparseSpec) -> tuple[Tenso
 
 def _attend_forward(queries: Tensor, parts, candidates, spec: SparseSpec):
     """:func:`_attend`'s forward without gradient, and the selection (B, Hkv, nq, N) of candidate blocks each query
-    read (an empty tensor: no candidate read)."""
+    read (an empty tensor: no candidate read). In float32 on the CPU, past the logits' products, in the compiled
+    kernel (:func:`_attend_compiled`)."""
     B, Hkv, G, nq, D = queries.shape
     flat = queries.flatten(2, 3) * D**-0.5  # (B, Hkv, G * nq, D), scaled once for every logit
+    kernels = _block_kernels(queries, parts, candidates)
+    if kernels is not None:
+        return _attend_compiled(kernels, flat, parts, candidates, spec, nq)
     logits, values = [], []  # the parts read whole, then the pool's
     for keys, part_values, visible in parts:
         if keys.shape[2]:
@@ -470,6 +474,33 @@ def _attend_forward(queries: Tensor, parts, candidates, spec: SparseSpec):
     context = sum(weight.to(part.dtype).flatten(2, 3) @ part for weight, part in pairs)  # (B, Hkv, G * nq, Dv)
     context = (context.unflatten(2, (G, nq)) / total.to(context.dtype)).to(queries.dtype)
     return context, weights[window].div_(total), chosen
+
+
+def _block_kernels(queries: Tensor, parts, candidates):
+    """The compiled kernels when they serve a block of queries: float32 on the CPU (:func:`_attend_forward` runs
+    without gradient)."""
+    tensors = [queries, *(t for part in parts for t in part[:2]), *candidates[:2]]
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        return None
+    return hybrid_kernels()
+
+
+def _attend_compiled(kernels, flat: Tensor, parts, candidates, spec: SparseSpec, nq: int):
+    """:func:`_attend_forward` in the compiled kernel (``csrc/sparse_block.cpp``): the logits from matrix products
+    here (flat: the scaled queries (B, Hkv, G * nq, D)), the softmax, the selection and only the chosen blocks'
+    values there."""
+    B, Hkv, GQ, _ = flat.shape
+    G = GQ // nq
+    runs = [part for part in parts if part[0].shape[2]]
+    whole = len(runs)  # the window, never empty, is the last
+    pool_keys, pool_values, pool_mask = candidates
+    if pool_keys.shape[2] and spec.select_blocks:
+        runs.append((pool_keys, pool_values, pool_mask[:, :, None]))
+    logits = [flat @ keys.transpose(-1, -2) for keys, _, _ in runs]  # (B, Hkv, G * nq, K) each
+    masks = [visible.expand(B, Hkv, nq, keys.shape[2]) for keys, _, visible in runs]
+    geometry = [G, spec.block_size, spec.select_blocks, whole]
+    context, window_probs, chosen = kernels.sparse_block_attend(logits, [run[1] for run in runs], masks, geometry)
+    return context.unflatten(2, (G, nq)), window_probs.unflatten(2, (G, nq)), chosen
 
 
 def _hide(logits: Tensor, visible: Tensor) -> Tensor:

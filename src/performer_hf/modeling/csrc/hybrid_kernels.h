@@ -1,10 +1,11 @@
-// Shared by the compiled CPU kernels of hybrid attention (performer_hf.modeling.cpu_kernels builds the five files
+// Shared by the compiled CPU kernels of hybrid attention (performer_hf.modeling.cpu_kernels builds the six files
 // into one module): a vectorisable exp, the register tiles, the compiled value widths, and the entry points.
 // - bindings.cpp: the module;
 // - hybrid_support.cpp: the support sums (the exact part and the far field's share on the support);
 // - hybrid_far_field.cpp: the polynomial far field's state and sums;
 // - hybrid_routing.cpp: the routing's top-k over key blocks.
-// - sparse_decode.cpp: sparse attention's decoding step (one query per head over a key/value cache or a pool).
+// - sparse_decode.cpp: sparse attention's decoding step (one query per head over a key/value cache or a pool);
+// - sparse_block.cpp: sparse attention over one block of queries, from their logits (a prefill's or training's).
 // Every function checks only what the Python side cannot get wrong cheaply; favor_hybrid validates inputs.
 #pragma once
 
@@ -120,5 +121,13 @@ at::Tensor routed_candidates(const std::vector<at::Tensor>& blocks, const std::v
 // context (B, Hkv, G, Dv).
 at::Tensor sparse_decode_step(at::Tensor q, const std::vector<at::Tensor>& runs,
                                 const std::vector<int64_t>& geometry, at::Tensor scores);
+// sparse attention over one block of nq queries per head, G query heads per key/value head: logits (B, Hkv, G * nq,
+// K) (contiguous, overwritten), values (B, Hkv, K, Dv) and masks (B, Hkv, nq, K) (broadcast views, or empty: every
+// key visible) of the runs read whole (the global tokens, then the window: `whole` of them), then, when given, of
+// the candidate key blocks, of which each query reads the `select` of most attention; geometry: G, block, select,
+// whole. Returns the context (B, Hkv, G * nq, Dv), the window's probabilities (B, Hkv, G * nq, Kw) (its logits'
+// storage) and the blocks each query read, (B, Hkv, nq, N) bool (empty without candidates).
+std::vector<at::Tensor> sparse_block_attend(std::vector<at::Tensor> logits, const std::vector<at::Tensor>& values,
+                                            const std::vector<at::Tensor>& masks, const std::vector<int64_t>& geometry);
 
 }  // namespace performer_hf

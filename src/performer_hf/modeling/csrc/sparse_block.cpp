@@ -1,0 +1,192 @@
+// Compiled CPU kernel of sparse attention over one block of queries (see hybrid_kernels.h; the contract and the
+// PyTorch version are sparse_attention._attend_forward): the softmax of each query over the runs it reads whole (the
+// global tokens, then its window) and the candidate blocks of most attention, from the logits the caller formed
+// with matrix products. One pass per query and head takes the largest visible logit; a second writes the
+// exponentials in place of the logits, summing each candidate block's; the blocks are ranked by those sums over the
+// query heads of a key/value head (under one shift); then only the chosen blocks' values are read, each value row
+// once for the group's heads. The PyTorch version reads every candidate's values (a matrix product with zeros where
+// no query chose) and passes over the logits once per step.
+#include "hybrid_kernels.h"
+
+namespace performer_hf {
+namespace {
+
+// One run of keys' logits (B, Hkv, G * nq, K) (contiguous), their values (B, Hkv, K, Dv) (rows of unit stride) and
+// their visibility, broadcast to (B, Hkv, nq, K) (last dimension of unit stride), or every key visible.
+struct BlockRun {
+  float* logits;
+  const float* values;
+  const bool* mask;
+  int64_t keys, value_b, value_h, value_t, mask_b, mask_h, mask_q;
+
+  BlockRun(at::Tensor& l, const at::Tensor& v, const at::Tensor& m)
+      : logits(l.data_ptr<float>()),
+        values(v.data_ptr<float>()),
+        mask(m.numel() ? m.data_ptr<bool>() : nullptr),
+        keys(l.size(3)),
+        value_b(v.stride(0)),
+        value_h(v.stride(1)),
+        value_t(v.stride(2)),
+        mask_b(m.numel() ? m.stride(0) : 0),
+        mask_h(m.numel() ? m.stride(1) : 0),
+        mask_q(m.numel() ? m.stride(2) : 0) {
+    TORCH_CHECK(l.scalar_type() == at::kFloat && l.is_contiguous() && l.dim() == 4,
+                "sparse_block_attend takes contiguous float32 (B, Hkv, G * nq, K) logits");
+    TORCH_CHECK(v.scalar_type() == at::kFloat && v.dim() == 4 && v.size(2) == keys && (v.stride(3) == 1 || keys == 0),
+                "sparse_block_attend takes float32 (B, Hkv, K, Dv) values with rows of unit stride");
+    TORCH_CHECK(!m.numel() || (m.scalar_type() == at::kBool && m.dim() == 4 && m.size(3) == keys &&
+                               (m.stride(3) == 1 || keys == 1)),
+                "sparse_block_attend takes (B, Hkv, nq, K) bool masks whose last dimension has unit stride");
+  }
+  float* row(int64_t bh, int64_t g, int64_t q, int64_t nq, int64_t G) const {
+    return logits + ((bh * G + g) * nq + q) * keys;
+  }
+  const bool* visible(int64_t b, int64_t h, int64_t q) const {
+    return mask == nullptr ? nullptr : mask + b * mask_b + h * mask_h + q * mask_q;
+  }
+  const float* value_row(int64_t b, int64_t h, int64_t t) const {
+    return values + b * value_b + h * value_h + t * value_t;
+  }
+};
+
+constexpr float kHidden = -std::numeric_limits<float>::infinity();
+
+// -inf written over the hidden keys of the G rows (visible: the keys' visibility, null for every key visible), the
+// visibility read eight keys at a time: the hidden ones are few (global tokens, padding), mostly none
+inline void hide(float* const* rows, int64_t G, const bool* visible, int64_t keys) {
+  if (visible == nullptr) return;
+  constexpr uint64_t kEightVisible = 0x0101010101010101ULL;
+  for (int64_t t0 = 0; t0 < keys; t0 += 8) {
+    const int64_t n = std::min<int64_t>(8, keys - t0);
+    uint64_t word = kEightVisible;
+    std::memcpy(&word, visible + t0, n);
+    if (word == kEightVisible) continue;
+    for (int64_t t = t0; t < t0 + n; ++t)
+      if (!visible[t])
+        for (int64_t g = 0; g < G; ++g) rows[g][t] = kHidden;
+  }
+}
+
+// the largest of row[lo, hi) and peak
+inline float row_max(const float* row, int64_t lo, int64_t hi, float peak) {
+#pragma omp simd reduction(max : peak)
+  for (int64_t t = lo; t < hi; ++t) peak = std::max(peak, row[t]);
+  return peak;
+}
+
+// row[lo, hi) <- exp(row - peak) (0 where hidden: -inf); returns their sum
+inline float exponentials(float* row, int64_t lo, int64_t hi, float peak) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = lo; t < hi; ++t) sum += row[t] = exp_approx(row[t] - peak);
+  return sum;
+}
+
+// acc (G, Dv) += the G rows' weights at keys [lo, hi) of a run times their values
+inline void weigh_values(const BlockRun& run, int64_t b, int64_t h, float* const* rows, int64_t G, int64_t lo,
+                         int64_t hi, int64_t Dv, float* acc) {
+  for (int64_t t = lo; t < hi; ++t) {
+    const float* value = run.value_row(b, h, t);
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = rows[g][t];
+      float* sums = acc + g * Dv;
+#pragma omp simd
+      for (int64_t e = 0; e < Dv; ++e) sums[e] += w * value[e];
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<at::Tensor> sparse_block_attend(std::vector<at::Tensor> logits, const std::vector<at::Tensor>& values,
+                                            const std::vector<at::Tensor>& masks,
+                                            const std::vector<int64_t>& geometry) {
+  const int64_t G = geometry[0], block = geometry[1], select = geometry[2], whole = geometry[3];
+  const int64_t n_runs = static_cast<int64_t>(logits.size());
+  TORCH_CHECK(n_runs == static_cast<int64_t>(values.size()) && n_runs == static_cast<int64_t>(masks.size()) &&
+                  whole >= 1 && (n_runs == whole || n_runs == whole + 1),
+              "sparse_block_attend takes the runs read whole (the window last), then at most the candidates");
+  std::vector<BlockRun> runs;
+  for (int64_t r = 0; r < n_runs; ++r) runs.emplace_back(logits[r], values[r], masks[r]);
+  const at::Tensor& window = logits[whole - 1];
+  const int64_t B = window.size(0), Hkv = window.size(1), nq = window.size(2) / G, Dv = values[whole - 1].size(3);
+  const bool selecting = n_runs > whole;
+  const int64_t C = selecting ? runs.back().keys : 0, N = C / std::max<int64_t>(block, 1);
+  TORCH_CHECK(!selecting || (block > 0 && C % block == 0), "sparse_block_attend takes whole candidate blocks");
+  for (int64_t r = 0; r < n_runs; ++r)
+    TORCH_CHECK(logits[r].size(0) == B && logits[r].size(1) == Hkv && logits[r].size(2) == G * nq &&
+                    values[r].size(3) == Dv,
+                "sparse_block_attend takes runs of the same queries and value width");
+  auto context = at::empty({B, Hkv, G * nq, Dv}, window.options());
+  const auto flags = window.options().dtype(at::kBool);
+  auto chosen = selecting ? at::empty({B, Hkv, nq, N}, flags) : at::empty({0}, flags);
+  float* out = context.data_ptr<float>();
+  bool* choice = selecting ? chosen.data_ptr<bool>() : nullptr;
+
+  at::parallel_for(0, B * Hkv * nq, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float*> rows(G);
+    std::vector<float> peak(G), total(G), acc(G * Dv), block_sums(G * N), score(N);
+    std::vector<int64_t> order(N);
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t bh = i / nq, q = i % nq, b = bh / Hkv, h = bh % Hkv;
+      // the hidden keys' logits -inf, then each head's largest logit over every run
+      std::fill(peak.begin(), peak.end(), kHidden);
+      for (const BlockRun& run : runs) {
+        for (int64_t g = 0; g < G; ++g) rows[g] = run.row(bh, g, q, nq, G);
+        hide(rows.data(), G, run.visible(b, h, q), run.keys);
+        for (int64_t g = 0; g < G; ++g) peak[g] = row_max(rows[g], 0, run.keys, peak[g]);
+      }
+      // the exponentials in place of the logits: the runs read whole, summed, and their values weighed; the
+      // candidates, summed per block
+      std::fill(total.begin(), total.end(), 0.0f);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t r = 0; r < whole; ++r) {
+        for (int64_t g = 0; g < G; ++g) {
+          rows[g] = runs[r].row(bh, g, q, nq, G);
+          total[g] += exponentials(rows[g], 0, runs[r].keys, peak[g]);
+        }
+        weigh_values(runs[r], b, h, rows.data(), G, 0, runs[r].keys, Dv, acc.data());
+      }
+      if (selecting) {
+        const BlockRun& cand = runs.back();
+        const float top = *std::max_element(peak.begin(), peak.end());
+        std::fill(score.begin(), score.end(), 0.0f);
+        for (int64_t g = 0; g < G; ++g) {
+          rows[g] = cand.row(bh, g, q, nq, G);
+          const float shift = exp_approx(peak[g] - top);  // each head's sums brought under the largest peak
+          for (int64_t n = 0; n < N; ++n) {
+            const float sum = exponentials(rows[g], n * block, (n + 1) * block, peak[g]);
+            block_sums[g * N + n] = sum;
+            score[n] += sum * shift;
+          }
+        }
+        for (int64_t n = 0; n < N; ++n) order[n] = n;
+        int64_t kept = N;
+        if (N > select) {  // the select_blocks of largest score
+          std::nth_element(order.begin(), order.begin() + select, order.end(),
+                           [&](int64_t x, int64_t y) { return score[x] > score[y]; });
+          kept = select;
+          std::sort(order.begin(), order.begin() + kept);  // block order: the values read forwards
+        }
+        bool* chose = choice + i * N;
+        std::fill(chose, chose + N, false);
+        for (int64_t j = 0; j < kept; ++j) {
+          const int64_t n = order[j];
+          chose[n] = true;
+          for (int64_t g = 0; g < G; ++g) total[g] += block_sums[g * N + n];
+          weigh_values(cand, b, h, rows.data(), G, n * block, (n + 1) * block, Dv, acc.data());
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* dst = out + ((bh * G + g) * nq + q) * Dv;
+        const float inverse = 1.0f / total[g];
+        for (int64_t e = 0; e < Dv; ++e) dst[e] = acc[g * Dv + e] * inverse;
+        float* probs = runs[whole - 1].row(bh, g, q, nq, G);  // the window's probabilities, in place
+        for (int64_t t = 0; t < runs[whole - 1].keys; ++t) probs[t] *= inverse;
+      }
+    }
+  });
+  return {context, logits[whole - 1], chosen};
+}
+
+}  // namespace performer_hf
