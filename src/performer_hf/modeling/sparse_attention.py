@@ -486,20 +486,19 @@ def _block_kernels(queries: Tensor, parts, candidates):
 
 
 def _attend_compiled(kernels, flat: Tensor, parts, candidates, spec: SparseSpec, nq: int):
-    """:func:`_attend_forward` in the compiled kernel (``csrc/sparse_block.cpp``): the logits from matrix products
-    here (flat: the scaled queries (B, Hkv, G * nq, D)), the softmax, the selection and only the chosen blocks'
-    values there."""
+    """:func:`_attend_forward` in the compiled kernel (``csrc/sparse_block.cpp``): the logits of the parts read whole
+    from matrix products here (flat: the scaled queries (B, Hkv, G * nq, D)); the candidates' a tile at a time, the
+    softmax, the selection and only the chosen blocks' values there."""
     B, Hkv, GQ, _ = flat.shape
     G = GQ // nq
-    runs = [part for part in parts if part[0].shape[2]]
-    whole = len(runs)  # the window, never empty, is the last
-    pool_keys, pool_values, pool_mask = candidates
-    if pool_keys.shape[2] and spec.select_blocks:
-        runs.append((pool_keys, pool_values, pool_mask[:, :, None]))
+    runs = [part for part in parts if part[0].shape[2]]  # the window, never empty, is the last
     logits = [flat @ keys.transpose(-1, -2) for keys, _, _ in runs]  # (B, Hkv, G * nq, K) each
     masks = [visible.expand(B, Hkv, nq, keys.shape[2]) for keys, _, visible in runs]
-    geometry = [G, spec.block_size, spec.select_blocks, whole]
-    context, window_probs, chosen = kernels.sparse_block_attend(logits, [run[1] for run in runs], masks, geometry)
+    pool_keys, pool_values, pool_mask = candidates
+    selecting = pool_keys.shape[2] and spec.select_blocks
+    pool = [flat, pool_keys, pool_values, pool_mask[:, :, None].expand(B, Hkv, nq, -1)] if selecting else []
+    geometry = [G, spec.block_size, spec.select_blocks]
+    context, window_probs, chosen = kernels.sparse_block_attend(logits, [run[1] for run in runs], masks, pool, geometry)
     return context.unflatten(2, (G, nq)), window_probs.unflatten(2, (G, nq)), chosen
 
 

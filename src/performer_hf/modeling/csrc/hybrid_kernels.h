@@ -13,10 +13,12 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/core/InferenceMode.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
@@ -123,11 +125,14 @@ at::Tensor sparse_decode_step(at::Tensor q, const std::vector<at::Tensor>& runs,
                                 const std::vector<int64_t>& geometry, at::Tensor scores);
 // sparse attention over one block of nq queries per head, G query heads per key/value head: logits (B, Hkv, G * nq,
 // K) (contiguous, overwritten), values (B, Hkv, K, Dv) and masks (B, Hkv, nq, K) (broadcast views, or empty: every
-// key visible) of the runs read whole (the global tokens, then the window: `whole` of them), then, when given, of
-// the candidate key blocks, of which each query reads the `select` of most attention; geometry: G, block, select,
-// whole. Returns the context (B, Hkv, G * nq, Dv), the window's probabilities (B, Hkv, G * nq, Kw) (its logits'
-// storage) and the blocks each query read, (B, Hkv, nq, N) bool (empty without candidates).
+// key visible) of the runs read whole (the global tokens, then the window); candidates: empty, or the scaled queries
+// (B, Hkv, G * nq, D) (contiguous), keys (B, Hkv, C, D), values (B, Hkv, C, Dv) and mask (B, Hkv, nq, C) of the
+// candidate key blocks, of which each query reads the `select` of most attention; geometry: G, block, select.
+// Returns the context (B, Hkv, G * nq, Dv), the window's probabilities (B, Hkv, G * nq, Kw) (its logits' storage)
+// and the blocks each query read, (B, Hkv, nq, N) bool (empty without candidates).
 std::vector<at::Tensor> sparse_block_attend(std::vector<at::Tensor> logits, const std::vector<at::Tensor>& values,
-                                            const std::vector<at::Tensor>& masks, const std::vector<int64_t>& geometry);
+                                            const std::vector<at::Tensor>& masks,
+                                            const std::vector<at::Tensor>& candidates,
+                                            const std::vector<int64_t>& geometry);
 
 }  // namespace performer_hf

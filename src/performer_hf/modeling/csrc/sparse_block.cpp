@@ -1,11 +1,12 @@
 // Compiled CPU kernel of sparse attention over one block of queries (see hybrid_kernels.h; the contract and the
 // PyTorch version are sparse_attention._attend_forward): the softmax of each query over the runs it reads whole (the
-// global tokens, then its window) and the candidate blocks of most attention, from the logits the caller formed
-// with matrix products. One pass per query and head takes the largest visible logit; a second writes the
-// exponentials in place of the logits, summing each candidate block's; the blocks are ranked by those sums over the
-// query heads of a key/value head (under one shift); then only the chosen blocks' values are read, each value row
-// once for the group's heads. The PyTorch version reads every candidate's values (a matrix product with zeros where
-// no query chose) and passes over the logits once per step.
+// global tokens, then its window), from the logits the caller formed, and over the candidate blocks of most
+// attention. The candidates' logits are formed here, a tile of key blocks at a time, so that a tile's product, its
+// maxima and exponentials stay in cache: each block keeps its largest logit, its exponentials under it and their sum.
+// The blocks are ranked by those sums over the query heads of a key/value head (under one shift); then only the
+// chosen blocks' exponentials and values are read, each value row once for the group's heads. The PyTorch version
+// writes every candidate's logits, passes over them once per step and reads every candidate's values (a matrix
+// product with zeros where no query chose).
 #include "hybrid_kernels.h"
 
 namespace performer_hf {
@@ -82,13 +83,13 @@ inline float exponentials(float* row, int64_t lo, int64_t hi, float peak) {
   return sum;
 }
 
-// acc (G, Dv) += the G rows' weights at keys [lo, hi) of a run times their values
-inline void weigh_values(const BlockRun& run, int64_t b, int64_t h, float* const* rows, int64_t G, int64_t lo,
-                         int64_t hi, int64_t Dv, float* acc) {
+// acc (G, Dv) += the G rows' weights at keys [lo, hi) of a run, each row's times factor[g], times their values
+inline void weigh_values(const BlockRun& run, int64_t b, int64_t h, float* const* rows, const float* factor,
+                         int64_t G, int64_t lo, int64_t hi, int64_t Dv, float* acc) {
   for (int64_t t = lo; t < hi; ++t) {
     const float* value = run.value_row(b, h, t);
     for (int64_t g = 0; g < G; ++g) {
-      const float w = rows[g][t];
+      const float w = rows[g][t] * factor[g];
       float* sums = acc + g * Dv;
 #pragma omp simd
       for (int64_t e = 0; e < Dv; ++e) sums[e] += w * value[e];
@@ -96,48 +97,110 @@ inline void weigh_values(const BlockRun& run, int64_t b, int64_t h, float* const
   }
 }
 
+constexpr int64_t kTileKeys = 512;  // candidate keys whose logits a product forms at once (whole blocks)
+
+// The candidates' blocks, a tile at a time: the logits of the queries q (B, Hkv, G * nq, D) against a tile's keys,
+// their hidden keys -inf, then per block and query head its largest logit (block_max), the exponentials under it
+// (exps, (B, Hkv, G * nq, C)) and their sum (block_sum, (B, Hkv, G * nq, N)); a block with every key hidden: 0.
+void score_blocks(const at::Tensor& q, const at::Tensor& keys, const BlockRun& cand, int64_t G, int64_t nq,
+                  int64_t block, float* exps, float* block_max, float* block_sum) {
+  const int64_t B = q.size(0), Hkv = q.size(1), GQ = q.size(2), C = keys.size(2), N = C / block;
+  const int64_t tile_blocks = std::max<int64_t>(1, kTileKeys / block), tiles = (N + tile_blocks - 1) / tile_blocks;
+  at::parallel_for(0, B * Hkv * tiles, 1, [&](int64_t lo, int64_t hi) {
+    c10::InferenceMode no_autograd;  // grad mode is the thread's own: the products record no graph
+    auto buffer = at::empty({GQ * tile_blocks * block}, q.options());
+    std::vector<float*> rows(G);
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t bh = i / tiles, b = bh / Hkv, h = bh % Hkv;
+      const int64_t n0 = i % tiles * tile_blocks, n1 = std::min(N, n0 + tile_blocks), t0 = n0 * block;
+      const int64_t width = (n1 - n0) * block;
+      auto logits = buffer.narrow(0, 0, GQ * width).view({GQ, width});
+      at::mm_out(logits, q[b][h], keys[b][h].narrow(0, t0, width).t());  // (G * nq, width)
+      float* tile = logits.data_ptr<float>();
+      for (int64_t query = 0; query < nq; ++query) {
+        for (int64_t g = 0; g < G; ++g) rows[g] = tile + (g * nq + query) * width;
+        const bool* visible = cand.visible(b, h, query);
+        hide(rows.data(), G, visible == nullptr ? nullptr : visible + t0, width);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = (bh * G + g) * nq + query;
+          float* out = exps + r * C + t0;
+          for (int64_t n = n0; n < n1; ++n) {
+            const float* row = rows[g] + (n - n0) * block;
+            float* dst = out + (n - n0) * block;
+            const float peak = row_max(row, 0, block, kHidden);
+            float sum = 0.0f;
+            if (peak == kHidden) {
+              std::fill(dst, dst + block, 0.0f);
+            } else {
+#pragma omp simd reduction(+ : sum)
+              for (int64_t t = 0; t < block; ++t) sum += dst[t] = exp_approx(row[t] - peak);
+            }
+            block_max[r * N + n] = peak;
+            block_sum[r * N + n] = sum;
+          }
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 std::vector<at::Tensor> sparse_block_attend(std::vector<at::Tensor> logits, const std::vector<at::Tensor>& values,
                                             const std::vector<at::Tensor>& masks,
+                                            const std::vector<at::Tensor>& candidates,
                                             const std::vector<int64_t>& geometry) {
-  const int64_t G = geometry[0], block = geometry[1], select = geometry[2], whole = geometry[3];
-  const int64_t n_runs = static_cast<int64_t>(logits.size());
-  TORCH_CHECK(n_runs == static_cast<int64_t>(values.size()) && n_runs == static_cast<int64_t>(masks.size()) &&
-                  whole >= 1 && (n_runs == whole || n_runs == whole + 1),
-              "sparse_block_attend takes the runs read whole (the window last), then at most the candidates");
+  const int64_t G = geometry[0], block = geometry[1], select = geometry[2];
+  const int64_t whole = static_cast<int64_t>(logits.size());
+  TORCH_CHECK(whole >= 1 && whole == static_cast<int64_t>(values.size()) &&
+                  whole == static_cast<int64_t>(masks.size()) && (candidates.empty() || candidates.size() == 4),
+              "sparse_block_attend takes the runs read whole (the window last), then the candidates or none");
   std::vector<BlockRun> runs;
-  for (int64_t r = 0; r < n_runs; ++r) runs.emplace_back(logits[r], values[r], masks[r]);
+  for (int64_t r = 0; r < whole; ++r) runs.emplace_back(logits[r], values[r], masks[r]);
   const at::Tensor& window = logits[whole - 1];
-  const int64_t B = window.size(0), Hkv = window.size(1), nq = window.size(2) / G, Dv = values[whole - 1].size(3);
-  const bool selecting = n_runs > whole;
-  const int64_t C = selecting ? runs.back().keys : 0, N = C / std::max<int64_t>(block, 1);
-  TORCH_CHECK(!selecting || (block > 0 && C % block == 0), "sparse_block_attend takes whole candidate blocks");
-  for (int64_t r = 0; r < n_runs; ++r)
-    TORCH_CHECK(logits[r].size(0) == B && logits[r].size(1) == Hkv && logits[r].size(2) == G * nq &&
+  const int64_t B = window.size(0), Hkv = window.size(1), GQ = window.size(2), nq = GQ / G;
+  const int64_t Dv = values[whole - 1].size(3);
+  for (int64_t r = 0; r < whole; ++r)
+    TORCH_CHECK(logits[r].size(0) == B && logits[r].size(1) == Hkv && logits[r].size(2) == GQ &&
                     values[r].size(3) == Dv,
                 "sparse_block_attend takes runs of the same queries and value width");
-  auto context = at::empty({B, Hkv, G * nq, Dv}, window.options());
+  const bool selecting = !candidates.empty();
+  const int64_t C = selecting ? candidates[1].size(2) : 0, N = selecting ? C / block : 0;
+  auto exps = at::empty({B, Hkv, GQ, C}, window.options());
+  auto block_max = at::empty({B, Hkv, GQ, N}, window.options()), block_sum = at::empty_like(block_max);
+  std::vector<BlockRun> cand;  // the candidates, their exponentials in place of logits
+  if (selecting) {
+    const at::Tensor q = candidates[0].detach(), keys = candidates[1].detach();
+    TORCH_CHECK(block > 0 && C % block == 0 && q.is_contiguous() && q.scalar_type() == at::kFloat &&
+                    q.size(2) == GQ && keys.scalar_type() == at::kFloat && keys.stride(3) == 1,
+                "sparse_block_attend takes whole candidate blocks, contiguous float32 queries and float32 keys");
+    cand.emplace_back(exps, candidates[2], candidates[3]);
+    score_blocks(q, keys, cand[0], G, nq, block, exps.data_ptr<float>(), block_max.data_ptr<float>(),
+                 block_sum.data_ptr<float>());
+  }
+  auto context = at::empty({B, Hkv, GQ, Dv}, window.options());
   const auto flags = window.options().dtype(at::kBool);
   auto chosen = selecting ? at::empty({B, Hkv, nq, N}, flags) : at::empty({0}, flags);
   float* out = context.data_ptr<float>();
   bool* choice = selecting ? chosen.data_ptr<bool>() : nullptr;
+  const float *maxima = block_max.data_ptr<float>(), *sums = block_sum.data_ptr<float>();
 
   at::parallel_for(0, B * Hkv * nq, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float*> rows(G);
-    std::vector<float> peak(G), total(G), acc(G * Dv), block_sums(G * N), score(N);
+    std::vector<float> peak(G), total(G), acc(G * Dv), score(N), factor(G), ones(G, 1.0f);
     std::vector<int64_t> order(N);
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t bh = i / nq, q = i % nq, b = bh / Hkv, h = bh % Hkv;
-      // the hidden keys' logits -inf, then each head's largest logit over every run
+      // the hidden keys' logits -inf, then each head's largest logit over every run and candidate block
       std::fill(peak.begin(), peak.end(), kHidden);
       for (const BlockRun& run : runs) {
         for (int64_t g = 0; g < G; ++g) rows[g] = run.row(bh, g, q, nq, G);
         hide(rows.data(), G, run.visible(b, h, q), run.keys);
         for (int64_t g = 0; g < G; ++g) peak[g] = row_max(rows[g], 0, run.keys, peak[g]);
       }
-      // the exponentials in place of the logits: the runs read whole, summed, and their values weighed; the
-      // candidates, summed per block
+      for (int64_t g = 0; g < G && selecting; ++g)
+        peak[g] = row_max(maxima + ((bh * G + g) * nq + q) * N, 0, N, peak[g]);
+      // the runs read whole: their exponentials in place of the logits, summed, and their values weighed
       std::fill(total.begin(), total.end(), 0.0f);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t r = 0; r < whole; ++r) {
@@ -145,20 +208,16 @@ std::vector<at::Tensor> sparse_block_attend(std::vector<at::Tensor> logits, cons
           rows[g] = runs[r].row(bh, g, q, nq, G);
           total[g] += exponentials(rows[g], 0, runs[r].keys, peak[g]);
         }
-        weigh_values(runs[r], b, h, rows.data(), G, 0, runs[r].keys, Dv, acc.data());
+        weigh_values(runs[r], b, h, rows.data(), ones.data(), G, 0, runs[r].keys, Dv, acc.data());
       }
-      if (selecting) {
-        const BlockRun& cand = runs.back();
+      if (selecting) {  // each block's exponentials under the head's peak: exp(block max - peak) times its own
         const float top = *std::max_element(peak.begin(), peak.end());
         std::fill(score.begin(), score.end(), 0.0f);
         for (int64_t g = 0; g < G; ++g) {
-          rows[g] = cand.row(bh, g, q, nq, G);
-          const float shift = exp_approx(peak[g] - top);  // each head's sums brought under the largest peak
-          for (int64_t n = 0; n < N; ++n) {
-            const float sum = exponentials(rows[g], n * block, (n + 1) * block, peak[g]);
-            block_sums[g * N + n] = sum;
-            score[n] += sum * shift;
-          }
+          const int64_t r = (bh * G + g) * nq + q;
+          rows[g] = cand[0].row(bh, g, q, nq, G);
+          for (int64_t n = 0; n < N; ++n)  // the sums over the group's heads under the largest peak
+            score[n] += sums[r * N + n] * exp_approx(maxima[r * N + n] - top);
         }
         for (int64_t n = 0; n < N; ++n) order[n] = n;
         int64_t kept = N;
@@ -173,8 +232,12 @@ std::vector<at::Tensor> sparse_block_attend(std::vector<at::Tensor> logits, cons
         for (int64_t j = 0; j < kept; ++j) {
           const int64_t n = order[j];
           chose[n] = true;
-          for (int64_t g = 0; g < G; ++g) total[g] += block_sums[g * N + n];
-          weigh_values(cand, b, h, rows.data(), G, n * block, (n + 1) * block, Dv, acc.data());
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = (bh * G + g) * nq + q;
+            factor[g] = exp_approx(maxima[r * N + n] - peak[g]);  // 0 for a block with every key hidden
+            total[g] += sums[r * N + n] * factor[g];
+          }
+          weigh_values(cand[0], b, h, rows.data(), factor.data(), G, n * block, (n + 1) * block, Dv, acc.data());
         }
       }
       for (int64_t g = 0; g < G; ++g) {
