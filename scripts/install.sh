@@ -3,8 +3,8 @@
 # benchmarks use, at one end of the ranges pyproject.toml declares for transformers and torch (scripts/tested_range.py).
 #
 # TRANSFORMERS=newest (default): .venv, with the newest transformers and torch the ranges allow; torch installed first
-#   and pinned: 2.14.1 has no CPU build on PyPI, so this takes its CUDA build (about 6.6 GB installed, with its
-#   Triton, 3.8), which runs on a CPU as the CPU build does.
+#   and pinned: 2.15.0 has no CPU build on PyPI, so this takes its CUDA build (about 6.6 GB installed, with its
+#   Triton, 3.9), which runs on a CPU as the CPU build does.
 # TRANSFORMERS=oldest: .venv-oldest, with the ranges' lower bounds, the oldest releases we support and test: torch
 #   2.11 has no CPU build on PyPI, so this takes its CUDA build (about 4.6 GB installed, with its Triton, 3.6); the
 #   other requirements users install (dependencies, extras train and llm) at their lower bounds too.
@@ -27,7 +27,7 @@ pins=("torch==$torch_pin" "transformers==$(python scripts/tested_range.py transf
 if [ "$which_end" = newest ]; then
   # Triton for the tests of the Triton kernels, which run in its interpreter without a GPU (pinned like torch: the
   # release tested, the newest torch's own)
-  pins+=("triton==3.8.0")
+  pins+=("triton==3.9.0")
 else
   # the oldest torch's own Triton (3.6), whose interpreter reads a one-element array as a number: NumPy 2.4 refuses
   pins+=("numpy<2.4")

@@ -317,8 +317,11 @@ class FlexBackend:
         shift = far.key_shift[:, :, :1, :]  # (B, H, 1, 1): the far field's one key shift
         weighted = keys.values1 * torch.exp(keys.klog - shift)  # (B, H, L, dv + 1); padded keys -> 0
 
+        # a captured tensor, not a float: torch 2.15 traces a float as a symbol, which FlexAttention refuses
+        c2 = torch.tensor(quadratic, dtype=torch.float32, device=keys.y.device)
+
         def log_kernel(score, b, h, q_idx, kv_idx):
-            return torch.log(torch.clamp(1 + score + quadratic * score * score, min=_TINY))
+            return torch.log(torch.clamp(1 + score + c2 * score * score, min=_TINY))
 
         on_support, support_lse = self.attend(
             (selection.x - a).to(dtype), (keys.y - c).to(dtype), _padded_values(weighted.to(dtype)), mask, log_kernel

@@ -307,7 +307,8 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         bh = key_block // NKB
         slots = tl.arange(0, KT)
         pos = key_block % NKB * BLOCK_K + slots
-        valid = (slots < BLOCK_K) & (pos < L) & (pos >= nb_global) & (first < end)  # a global key: counted once
+        valid = (slots < BLOCK_K) & (pos < L) & (pos >= nb_global)  # a global key: counted once
+        valid = valid & (slots * 0 + first < end)  # a vector: Triton 3.9's interpreter types a scalar's as int32
         candidate = valid & (tl.load(MASK + bh // H * L + pos, mask=valid, other=0) != 0)
         routed = tl.zeros((KT,), dtype=tl.int1)  # no window slot: pairs inside a query's window count there
         d_y = tl.zeros((KT, D), dtype=tl.float32)
