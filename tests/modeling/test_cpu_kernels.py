@@ -326,7 +326,8 @@ def block_kernel_calls(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("head_dim", [8, 64, 72])  # the value rows below, at and beyond a vector's width
-def test_sparse_block_kernel_matches_the_reference(head_dim, block_kernel_calls):
+@pytest.mark.parametrize("heads", [4, 2], ids=["grouped", "one per key head"])
+def test_sparse_block_kernel_matches_the_reference(head_dim, heads, block_kernel_calls):
     """A float32 prefill without gradients (the compiled block of queries, every query block walked) against the
     float64 one-query-at-a-time reference, for every geometry of the sparse tests (bounded pools, budgets, global
     tokens beyond a block, no selection), with right and left padding."""
@@ -335,15 +336,17 @@ def test_sparse_block_kernel_matches_the_reference(head_dim, block_kernel_calls)
     from ..sparse_reference import reference_sparse
     from .test_sparse_attention import SPECS, _inputs
 
-    q, k, v, mask = _inputs(length=70, dim=head_dim, seed=head_dim)  # 4 query heads over 2, row 1 right-padded
+    q, k, v, mask = _inputs(heads=heads, length=70, dim=head_dim, seed=head_dim)  # 2 key heads, row 1 right-padded
     mask[0, :5] = False  # row 0 left-padded
+    # laid out as a model's projections give them: (B, L, H, D) memory, viewed (B, H, L, D)
+    q32, k32, v32 = (t.float().transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     for name, spec in SPECS.items():
         expected = reference_sparse(q, k, v, spec, mask)
         with torch.no_grad():
-            out = sparse_attention(q.float(), k.float(), v.float(), spec, mask)
+            out = sparse_attention(q32, k32, v32, spec, mask)
         real = mask[:, None, :, None]
         torch.testing.assert_close(out.double() * real, expected * real, rtol=1e-5, atol=1e-5, msg=name)
-    assert block_kernel_calls and {geometry[0] for geometry in block_kernel_calls} == {2}  # G: heads per key head
+    assert block_kernel_calls and {geometry[0] for geometry in block_kernel_calls} == {heads // 2}  # G
 
 
 def test_sparse_block_kernel_chooses_what_pytorch_chooses(monkeypatch):

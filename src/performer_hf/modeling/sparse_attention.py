@@ -489,6 +489,7 @@ def _attend_compiled(kernels, flat: Tensor, parts, candidates, spec: SparseSpec,
     """:func:`_attend_forward` in the compiled kernel (``csrc/sparse_block.cpp``): the logits of the parts read whole
     from matrix products here (flat: the scaled queries (B, Hkv, G * nq, D)); the candidates' a tile at a time, the
     softmax, the selection and only the chosen blocks' values there."""
+    flat = flat.contiguous()  # scaled from a view of the model's queries, it may keep their head-major strides
     B, Hkv, GQ, _ = flat.shape
     G = GQ // nq
     runs = [part for part in parts if part[0].shape[2]]  # the window, never empty, is the last
