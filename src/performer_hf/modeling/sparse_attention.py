@@ -150,7 +150,7 @@ def sparse_attention(
         global_values = torch.cat([global_values, values[:, :, fresh]], dim=2)
         global_mask = torch.cat([global_mask, key_mask[:, fresh]], dim=1)
     pooled_step = L == 1 and spec.bounded and not (spec.budget and spec.ranking == "window")
-    kernels = _decode_kernels(q, keys, values) if pooled_step else None
+    kernels = _cpu_kernels(q, keys, values) if pooled_step else None
     if L == 1 and not spec.bounded:  # a decoding step with every key kept (start is 0): one pass over them
         context = _decode_step(q, keys, values, None if bool(key_mask.all()) else key_mask, spec)
         pool, pushed, mass = _Pool(state), start // block, state.mass
@@ -344,7 +344,7 @@ def _decode_step(q: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | Non
     n_blocks = window_lo // block  # the blocks before the window
     if n_blocks <= spec.select_blocks:  # every earlier key is read: exact attention, SDPA's fused kernel
         return softmax_attention(q, keys, values, key_mask, True)[0]
-    kernels = _decode_kernels(q, keys, values)
+    kernels = _cpu_kernels(q, keys, values)
     if kernels is not None:
         keys, values = keys.contiguous(), values.contiguous()
         runs = [_run(keys, values, key_mask, lo, hi) for lo, hi in ((0, outside), (0, window_lo), (window_lo, T))]
@@ -414,8 +414,9 @@ def _pooled_decode_step(q, keys, values, key_mask, globals_, state: SparseState,
     return context.view(B, H, 1, -1), pool, window_block
 
 
-def _decode_kernels(*tensors: Tensor):
-    """The compiled kernels when they serve these tensors: float32 on the CPU, no gradient to record."""
+def _cpu_kernels(*tensors: Tensor):
+    """The compiled kernels when they serve these tensors: float32 on the CPU, no gradient to record (a decoding step;
+    a block of queries, whose forward runs without one)."""
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -439,11 +440,11 @@ def _attend(queries: Tensor, parts, candidates, spec: SparseSpec) -> tuple[Tenso
 
 def _attend_forward(queries: Tensor, parts, candidates, spec: SparseSpec):
     """:func:`_attend`'s forward without gradient, and the selection (B, Hkv, nq, N) of candidate blocks each query
-    read (an empty tensor: no candidate read). In float32 on the CPU, past the logits' products, in the compiled
-    kernel (:func:`_attend_compiled`)."""
+    read (an empty tensor: no candidate read). In float32 on the CPU, in the compiled kernel
+    (:func:`_attend_compiled`)."""
     B, Hkv, G, nq, D = queries.shape
     flat = queries.flatten(2, 3) * D**-0.5  # (B, Hkv, G * nq, D), scaled once for every logit
-    kernels = _block_kernels(queries, parts, candidates)
+    kernels = _cpu_kernels(queries, *(t for part in parts for t in part[:2]), *candidates[:2])
     if kernels is not None:
         return _attend_compiled(kernels, flat, parts, candidates, spec, nq)
     logits, values = [], []  # the parts read whole, then the pool's
@@ -474,15 +475,6 @@ def _attend_forward(queries: Tensor, parts, candidates, spec: SparseSpec):
     context = sum(weight.to(part.dtype).flatten(2, 3) @ part for weight, part in pairs)  # (B, Hkv, G * nq, Dv)
     context = (context.unflatten(2, (G, nq)) / total.to(context.dtype)).to(queries.dtype)
     return context, weights[window].div_(total), chosen
-
-
-def _block_kernels(queries: Tensor, parts, candidates):
-    """The compiled kernels when they serve a block of queries: float32 on the CPU (:func:`_attend_forward` runs
-    without gradient)."""
-    tensors = [queries, *(t for part in parts for t in part[:2]), *candidates[:2]]
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
-        return None
-    return hybrid_kernels()
 
 
 def _attend_compiled(kernels, flat: Tensor, parts, candidates, spec: SparseSpec, nq: int):

@@ -5,7 +5,7 @@
 // - hybrid_far_field.cpp: the polynomial far field's state and sums;
 // - hybrid_routing.cpp: the routing's top-k over key blocks.
 // - sparse_decode.cpp: sparse attention's decoding step (one query per head over a key/value cache or a pool);
-// - sparse_block.cpp: sparse attention over one block of queries, from their logits (a prefill's or training's).
+// - sparse_block.cpp: sparse attention over one block of queries (a prefill's or training's forward).
 // Every function checks only what the Python side cannot get wrong cheaply; favor_hybrid validates inputs.
 #pragma once
 
@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace performer_hf {

@@ -75,11 +75,11 @@ inline float row_max(const float* row, int64_t lo, int64_t hi, float peak) {
   return peak;
 }
 
-// row[lo, hi) <- exp(row - peak) (0 where hidden: -inf); returns their sum
-inline float exponentials(float* row, int64_t lo, int64_t hi, float peak) {
+// out[0, n) <- exp(row[0, n) - peak) (0 where hidden: -inf; out may be row); returns their sum
+inline float exponentials(const float* row, float* out, int64_t n, float peak) {
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t t = lo; t < hi; ++t) sum += row[t] = exp_approx(row[t] - peak);
+  for (int64_t t = 0; t < n; ++t) sum += out[t] = exp_approx(row[t] - peak);
   return sum;
 }
 
@@ -128,15 +128,9 @@ void score_blocks(const at::Tensor& q, const at::Tensor& keys, const BlockRun& c
             const float* row = rows[g] + (n - n0) * block;
             float* dst = out + (n - n0) * block;
             const float peak = row_max(row, 0, block, kHidden);
-            float sum = 0.0f;
-            if (peak == kHidden) {
-              std::fill(dst, dst + block, 0.0f);
-            } else {
-#pragma omp simd reduction(+ : sum)
-              for (int64_t t = 0; t < block; ++t) sum += dst[t] = exp_approx(row[t] - peak);
-            }
+            if (peak == kHidden) std::fill(dst, dst + block, 0.0f);
             block_max[r * N + n] = peak;
-            block_sum[r * N + n] = sum;
+            block_sum[r * N + n] = peak == kHidden ? 0.0f : exponentials(row, dst, block, peak);
           }
         }
       }
@@ -168,14 +162,14 @@ std::vector<at::Tensor> sparse_block_attend(std::vector<at::Tensor> logits, cons
   const int64_t C = selecting ? candidates[1].size(2) : 0, N = selecting ? C / block : 0;
   auto exps = at::empty({B, Hkv, GQ, C}, window.options());
   auto block_max = at::empty({B, Hkv, GQ, N}, window.options()), block_sum = at::empty_like(block_max);
-  std::vector<BlockRun> cand;  // the candidates, their exponentials in place of logits
+  std::optional<BlockRun> cand;  // the candidates, their exponentials in place of logits
   if (selecting) {
     const at::Tensor q = candidates[0].detach(), keys = candidates[1].detach();
     TORCH_CHECK(block > 0 && C % block == 0 && q.is_contiguous() && q.scalar_type() == at::kFloat &&
                     q.size(2) == GQ && keys.scalar_type() == at::kFloat && keys.stride(3) == 1,
                 "sparse_block_attend takes whole candidate blocks, contiguous float32 queries and float32 keys");
-    cand.emplace_back(exps, candidates[2], candidates[3]);
-    score_blocks(q, keys, cand[0], G, nq, block, exps.data_ptr<float>(), block_max.data_ptr<float>(),
+    cand.emplace(exps, candidates[2], candidates[3]);
+    score_blocks(q, keys, *cand, G, nq, block, exps.data_ptr<float>(), block_max.data_ptr<float>(),
                  block_sum.data_ptr<float>());
   }
   auto context = at::empty({B, Hkv, GQ, Dv}, window.options());
@@ -206,7 +200,7 @@ std::vector<at::Tensor> sparse_block_attend(std::vector<at::Tensor> logits, cons
       for (int64_t r = 0; r < whole; ++r) {
         for (int64_t g = 0; g < G; ++g) {
           rows[g] = runs[r].row(bh, g, q, nq, G);
-          total[g] += exponentials(rows[g], 0, runs[r].keys, peak[g]);
+          total[g] += exponentials(rows[g], rows[g], runs[r].keys, peak[g]);
         }
         weigh_values(runs[r], b, h, rows.data(), ones.data(), G, 0, runs[r].keys, Dv, acc.data());
       }
@@ -215,7 +209,7 @@ std::vector<at::Tensor> sparse_block_attend(std::vector<at::Tensor> logits, cons
         std::fill(score.begin(), score.end(), 0.0f);
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = (bh * G + g) * nq + q;
-          rows[g] = cand[0].row(bh, g, q, nq, G);
+          rows[g] = cand->row(bh, g, q, nq, G);
           for (int64_t n = 0; n < N; ++n)  // the sums over the group's heads under the largest peak
             score[n] += sums[r * N + n] * exp_approx(maxima[r * N + n] - top);
         }
@@ -237,7 +231,7 @@ std::vector<at::Tensor> sparse_block_attend(std::vector<at::Tensor> logits, cons
             factor[g] = exp_approx(maxima[r * N + n] - peak[g]);  // 0 for a block with every key hidden
             total[g] += sums[r * N + n] * factor[g];
           }
-          weigh_values(cand[0], b, h, rows.data(), factor.data(), G, n * block, (n + 1) * block, Dv, acc.data());
+          weigh_values(*cand, b, h, rows.data(), factor.data(), G, n * block, (n + 1) * block, Dv, acc.data());
         }
       }
       for (int64_t g = 0; g < G; ++g) {
