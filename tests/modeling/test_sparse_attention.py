@@ -9,6 +9,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
 
 import performer_hf.modeling.sparse_attention as sparse_attention_module
+import performer_hf.modeling.sparse_backward as sparse_backward
 from performer_hf import PerformerConfig
 from performer_hf.modeling.cache_performer import held_bytes
 from performer_hf.modeling.sparse_attention import sparse_attention
@@ -234,6 +235,27 @@ def _gradients(function, spec, q, k, v, mask):
 def test_gradients_match_the_reference(spec):
     q, k, v, mask = _inputs(length=46)
     ours, expected = (_gradients(f, spec, q, k, v, mask) for f in (sparse_attention, reference_sparse))
+    for got, want in zip(ours, expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_gradients_of_a_long_walk_match_the_reference(monkeypatch):
+    """From the first token the walked queries' gradients are computed all at once (each candidate block once, with
+    every query that chose it; the windows a chunk of query blocks at a time): against the reference where blocks are
+    chosen by many queries, over more than one chunk, with a partial last block and a padded row."""
+    spec = SparseSpec(local_window=8, num_global_tokens=3, block_size=4, select_blocks=3)
+    q, k, v, mask = _inputs(length=150, seed=5)
+    monkeypatch.setattr(sparse_backward, "BAND_CHUNK", 7)
+    walked = []
+    walk_gradients = sparse_attention_module.walk_gradients
+
+    def spied(q, *args):
+        walked.append(q.shape[2])
+        return walk_gradients(q, *args)
+
+    monkeypatch.setattr(sparse_attention_module, "walk_gradients", spied)
+    ours, expected = (_gradients(f, spec, q, k, v, mask) for f in (sparse_attention, reference_sparse))
+    assert walked == [150 - spec.covered_length]
     for got, want in zip(ours, expected, strict=True):
         torch.testing.assert_close(got, want)
 

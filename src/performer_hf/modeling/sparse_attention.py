@@ -22,9 +22,11 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.nn.functional as F
 
 from .cpu_kernels import hybrid_kernels
 from .method_exact import softmax_attention
+from .sparse_backward import walk_gradients
 from .sparse_flex import flex_prefill, flex_prefill_serves
 from .sparse_spec import SparseSpec, SparseState
 
@@ -269,10 +271,11 @@ class _BlockWalk:
             contexts, done = ([], first) if exact is None else ([exact], first + exact.shape[2])
         if done > first and self.spec.bounded:  # what the block walk leaves: the blocks before the last window go
             self.pushed = max(self.pushed, (done - 1) // block - self.spec.window_blocks)
-        if done < end:  # the queries left, one key block's at a time (split: one gradient for them all)
-            cuts = [done, *range((done // block + 1) * block, end, block), end]
-            chunks = q[:, :, done - first :].split([hi - lo for lo, hi in itertools.pairwise(cuts)], dim=2)
-            contexts += [self._query_block(chunk, lo) for chunk, lo in zip(chunks, cuts[:-1], strict=True)]
+        if done < end and exact is not None and _records_gradient(q, self.keys, self.values):
+            # from the first token, every stored key a candidate: one gradient for every walked query at once
+            contexts.append(_WalkAttention.apply(self, done, q[:, :, done - first :], self.keys, self.values))
+        elif done < end:  # the queries left, one key block's at a time (split: one gradient for them all)
+            contexts.append(self.walk(q[:, :, done - first :], done)[0])
         if self.spec.budget and not self.by_window:
             left = self.pushed - self.first_block
             if left:
@@ -287,9 +290,28 @@ class _BlockWalk:
         block = self.spec.block_size
         self.pool.add(self.keys, self.values, self.selectable, lo * block, hi * block, score)
 
-    def _query_block(self, q: Tensor, q_lo: int) -> Tensor:
+    def walk(self, q: Tensor, first: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The context (B, H, L, Dv) of the queries q (B, H, L, D) at positions first ... first + L - 1, one key block's
+        at a time; and without gradient, the candidate blocks each query read, (B, Hkv, L, N) bool (N: the last
+        block's candidates; empty: none read), and each row's log-sum-exp over what it read (B, Hkv, G, L)."""
+        block, end = self.spec.block_size, first + q.shape[2]
+        cuts = [first, *range((first // block + 1) * block, end, block), end]
+        chunks = q.split([hi - lo for lo, hi in itertools.pairwise(cuts)], dim=2)
+        blocks = [self._query_block(chunk, lo) for chunk, lo in zip(chunks, cuts[:-1], strict=True)]
+        contexts, chosen, lse = (list(part) for part in zip(*blocks, strict=True))
+        n = max(c.shape[-1] if c.numel() else 0 for c in chosen)
+        if n:
+            B, Hkv = lse[0].shape[:2]
+            chosen = [
+                F.pad(c, (0, n - c.shape[-1])) if c.numel() else c.new_zeros(B, Hkv, part.shape[-1], n)
+                for c, part in zip(chosen, lse, strict=True)
+            ]
+        chosen = torch.cat(chosen, dim=2) if n else chosen[0]
+        return torch.cat(contexts, dim=2), chosen, torch.cat(lse, dim=3)
+
+    def _query_block(self, q: Tensor, q_lo: int) -> tuple[Tensor, Tensor, Tensor]:
         """The context (B, H, nq, Dv) of the call's queries q (B, H, nq, D) at positions q_lo ... q_lo + nq - 1, in
-        one key block."""
+        one key block, with their selection and log-sum-exp (:func:`_attend`)."""
         spec, start, block = self.spec, self.start, self.spec.block_size
         keys, values, key_mask, selectable = self.keys, self.values, self.key_mask, self.selectable
         B, Hkv = keys.shape[:2]
@@ -323,12 +345,12 @@ class _BlockWalk:
             ),
             (keys[:, :, window_lo:window_hi], values[:, :, window_lo:window_hi], window_visible[:, None]),
         ]
-        context, window_probs = _attend(queries, parts, candidates, spec)
+        context, window_probs, chosen, lse = _attend(queries, parts, candidates, spec)
         if self.by_window:  # the attention the window's keys received, for the pool's ranking
             received = window_probs.sum(dim=(2, 3))  # (B, Hkv, Kw)
             ids = torch.arange(window_lo, window_hi, device=keys.device) // block
             self.mass.index_add_(2, ids, received.to(self.mass.dtype))
-        return context.flatten(1, 2)  # (B, H, nq, Dv)
+        return context.flatten(1, 2), chosen, lse  # (B, H, nq, Dv), (B, Hkv, nq, N), (B, Hkv, G, nq)
 
 
 def _decode_step(q: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | None, spec: SparseSpec) -> Tensor:
@@ -419,29 +441,25 @@ def _cpu_kernels(*tensors: Tensor):
     a block of queries, whose forward runs without one)."""
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
         return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return None
-    return hybrid_kernels()
+    return None if _records_gradient(*tensors) else hybrid_kernels()
 
 
-def _attend(queries: Tensor, parts, candidates, spec: SparseSpec) -> tuple[Tensor, Tensor]:
+def _attend(queries: Tensor, parts, candidates, spec: SparseSpec) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Softmax of one block's queries (B, Hkv, G, nq, D) over the ``parts`` it reads whole (global tokens, then its
     window: (keys (B, Hkv, K, D), values, visible broadcastable to (B, Hkv, nq, K))) and the ``select_blocks`` blocks
     of ``candidates`` (keys, values (B, Hkv, N * block, D), mask (B, Hkv, N * block)) that hold the most of its
-    attention. Returns the context (B, Hkv, G, nq, Dv) and the probabilities (B, Hkv, G, nq, Kw) of the window (the
-    last part), without gradient. Where a gradient is wanted, :class:`_SupportAttention` keeps the selection alone for
-    backward, not the logits."""
+    attention. Returns the context (B, Hkv, G, nq, Dv), and without gradient the probabilities (B, Hkv, G, nq, Kw) of
+    the window (the last part), the candidate blocks each query read (B, Hkv, nq, N) (empty: none read) and each
+    row's log-sum-exp over what it read (B, Hkv, G, nq), float32 or wider. Where a gradient is wanted,
+    :class:`_SupportAttention` keeps the selection alone for backward, not the logits."""
     tensors = [queries, *(t for part in parts for t in part), *candidates]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if _records_gradient(*tensors):
         return _SupportAttention.apply(spec, len(parts), *tensors)
-    context, window_probs, _ = _attend_forward(queries, parts, candidates, spec)
-    return context, window_probs
+    return _attend_forward(queries, parts, candidates, spec)
 
 
 def _attend_forward(queries: Tensor, parts, candidates, spec: SparseSpec):
-    """:func:`_attend`'s forward without gradient, and the selection (B, Hkv, nq, N) of candidate blocks each query
-    read (an empty tensor: no candidate read). In float32 on the CPU, in the compiled kernel
-    (:func:`_attend_compiled`)."""
+    """:func:`_attend` without gradient. In float32 on the CPU, in the compiled kernel (:func:`_attend_compiled`)."""
     B, Hkv, G, nq, D = queries.shape
     flat = queries.flatten(2, 3) * D**-0.5  # (B, Hkv, G * nq, D), scaled once for every logit
     kernels = _cpu_kernels(queries, *(t for part in parts for t in part[:2]), *candidates[:2])
@@ -474,7 +492,8 @@ def _attend_forward(queries: Tensor, parts, candidates, spec: SparseSpec):
     pairs = zip(weights, values, strict=True)
     context = sum(weight.to(part.dtype).flatten(2, 3) @ part for weight, part in pairs)  # (B, Hkv, G * nq, Dv)
     context = (context.unflatten(2, (G, nq)) / total.to(context.dtype)).to(queries.dtype)
-    return context, weights[window].div_(total), chosen
+    lse = (peak + total.log()).squeeze(-1)  # (B, Hkv, G, nq)
+    return context, weights[window].div_(total), chosen, lse
 
 
 def _attend_compiled(kernels, flat: Tensor, parts, candidates, spec: SparseSpec, nq: int):
@@ -491,8 +510,9 @@ def _attend_compiled(kernels, flat: Tensor, parts, candidates, spec: SparseSpec,
     selecting = pool_keys.shape[2] and spec.select_blocks
     pool = [flat, pool_keys, pool_values, pool_mask[:, :, None].expand(B, Hkv, nq, -1)] if selecting else []
     geometry = [G, spec.block_size, spec.select_blocks]
-    context, window_probs, chosen = kernels.sparse_block_attend(logits, [run[1] for run in runs], masks, pool, geometry)
-    return context.unflatten(2, (G, nq)), window_probs.unflatten(2, (G, nq)), chosen
+    values = [run[1] for run in runs]
+    context, window_probs, chosen, lse = kernels.sparse_block_attend(logits, values, masks, pool, geometry)
+    return context.unflatten(2, (G, nq)), window_probs.unflatten(2, (G, nq)), chosen, lse.unflatten(2, (G, nq))
 
 
 def _hide(logits: Tensor, visible: Tensor) -> Tensor:
@@ -550,6 +570,33 @@ def _chosen_at(chosen: Tensor, union: Tensor) -> Tensor:
     return chosen.gather(3, union[:, :, None, :].expand(-1, -1, chosen.shape[2], -1))
 
 
+def _records_gradient(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+class _WalkAttention(torch.autograd.Function):
+    """The walked queries of a call from the first token (every stored key a candidate) with a gradient: the forward
+    walks them without one (:meth:`_BlockWalk.walk`) and keeps each query's selection and log-sum-exp, not the logits;
+    the backward recomputes the probabilities over each query's support for every walked query at once
+    (:func:`.sparse_backward.walk_gradients`), with matrix products of useful size where one block's backward would
+    read each chosen block for a few of its queries."""
+
+    @staticmethod
+    def forward(ctx, walk: _BlockWalk, first: int, queries: Tensor, keys: Tensor, values: Tensor):
+        context, chosen, lse = walk.walk(queries, first)
+        ctx.spec, ctx.first = walk.spec, first
+        ctx.save_for_backward(queries, keys, values, walk.key_mask, walk.selectable, context, lse, chosen)
+        return context
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        queries, keys, values, key_mask, selectable, context, lse, chosen = ctx.saved_tensors
+        gradients = walk_gradients(
+            queries, keys, values, key_mask, selectable, context, lse, chosen, grad, ctx.spec, ctx.first
+        )
+        return None, None, *gradients
+
+
 class _SupportAttention(torch.autograd.Function):
     """:func:`_attend` with a gradient, in the memory of its inputs: the forward keeps the queries' selection alone
     (no logits: they are (queries x candidates), the whole call's O(L^2)), and the backward is exact attention's over
@@ -560,14 +607,14 @@ class _SupportAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: SparseSpec, n_parts: int, queries: Tensor, *tensors: Tensor):
         parts = [tensors[3 * i : 3 * i + 3] for i in range(n_parts)]
-        context, window_probs, chosen = _attend_forward(queries, parts, tensors[3 * n_parts :], spec)
+        context, window_probs, chosen, lse = _attend_forward(queries, parts, tensors[3 * n_parts :], spec)
         ctx.spec, ctx.n_parts = spec, n_parts
         ctx.save_for_backward(queries, *tensors, chosen)
-        ctx.mark_non_differentiable(window_probs)
-        return context, window_probs
+        ctx.mark_non_differentiable(window_probs, chosen, lse)
+        return context, window_probs, chosen, lse
 
     @staticmethod
-    def backward(ctx, grad_context: Tensor, _grad_window: Tensor):
+    def backward(ctx, grad_context: Tensor, *_not_differentiable: Tensor):
         *saved, chosen = ctx.saved_tensors  # the queries, the tensors, the selection
         leaves = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad[2:], strict=True)]
         with torch.enable_grad():

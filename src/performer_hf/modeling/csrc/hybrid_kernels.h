@@ -129,8 +129,9 @@ at::Tensor sparse_decode_step(at::Tensor q, const std::vector<at::Tensor>& runs,
 // key visible) of the runs read whole (the global tokens, then the window); candidates: empty, or the scaled queries
 // (B, Hkv, G * nq, D) (contiguous), keys (B, Hkv, C, D), values (B, Hkv, C, Dv) and mask (B, Hkv, nq, C) of the
 // candidate key blocks, of which each query reads the `select` of most attention; geometry: G, block, select.
-// Returns the context (B, Hkv, G * nq, Dv), the window's probabilities (B, Hkv, G * nq, Kw) (its logits' storage)
-// and the blocks each query read, (B, Hkv, nq, N) bool (empty without candidates).
+// Returns the context (B, Hkv, G * nq, Dv), the window's probabilities (B, Hkv, G * nq, Kw) (its logits' storage),
+// the blocks each query read, (B, Hkv, nq, N) bool (empty without candidates), and each row's log-sum-exp over what
+// it read, (B, Hkv, G * nq) (what a backward needs to recompute the probabilities).
 std::vector<at::Tensor> sparse_block_attend(std::vector<at::Tensor> logits, const std::vector<at::Tensor>& values,
                                             const std::vector<at::Tensor>& masks,
                                             const std::vector<at::Tensor>& candidates,

@@ -173,9 +173,10 @@ std::vector<at::Tensor> sparse_block_attend(std::vector<at::Tensor> logits, cons
                  block_sum.data_ptr<float>());
   }
   auto context = at::empty({B, Hkv, GQ, Dv}, window.options());
+  auto lse = at::empty({B, Hkv, GQ}, window.options());
   const auto flags = window.options().dtype(at::kBool);
   auto chosen = selecting ? at::empty({B, Hkv, nq, N}, flags) : at::empty({0}, flags);
-  float* out = context.data_ptr<float>();
+  float *out = context.data_ptr<float>(), *log_total = lse.data_ptr<float>();
   bool* choice = selecting ? chosen.data_ptr<bool>() : nullptr;
   const float *maxima = block_max.data_ptr<float>(), *sums = block_sum.data_ptr<float>();
 
@@ -237,13 +238,14 @@ std::vector<at::Tensor> sparse_block_attend(std::vector<at::Tensor> logits, cons
       for (int64_t g = 0; g < G; ++g) {
         float* dst = out + ((bh * G + g) * nq + q) * Dv;
         const float inverse = 1.0f / total[g];
+        log_total[(bh * G + g) * nq + q] = peak[g] + std::log(total[g]);
         for (int64_t e = 0; e < Dv; ++e) dst[e] = acc[g * Dv + e] * inverse;
         float* probs = runs[whole - 1].row(bh, g, q, nq, G);  // the window's probabilities, in place
         for (int64_t t = 0; t < runs[whole - 1].keys; ++t) probs[t] *= inverse;
       }
     }
   });
-  return {context, logits[whole - 1], chosen};
+  return {context, logits[whole - 1], chosen, lse};
 }
 
 }  // namespace performer_hf
