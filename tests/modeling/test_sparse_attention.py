@@ -241,11 +241,13 @@ def test_gradients_match_the_reference(spec):
 
 def test_gradients_of_a_long_walk_match_the_reference(monkeypatch):
     """From the first token the walked queries' gradients are computed all at once (each candidate block once, with
-    every query that chose it; the windows a chunk of query blocks at a time): against the reference where blocks are
-    chosen by many queries, over more than one chunk, with a partial last block and a padded row."""
+    every query that chose it, their rows gathered a few blocks at a time; the windows a chunk of query blocks at a
+    time): against the reference where blocks are chosen by many queries, over more than one chunk and gathering, with
+    a partial last block and a padded row."""
     spec = SparseSpec(local_window=8, num_global_tokens=3, block_size=4, select_blocks=3)
     q, k, v, mask = _inputs(length=150, seed=5)
     monkeypatch.setattr(sparse_backward, "BAND_CHUNK", 7)
+    monkeypatch.setattr(sparse_backward, "PAIRS_AT_ONCE", 100)
     walked = []
     walk_gradients = sparse_attention_module.walk_gradients
 

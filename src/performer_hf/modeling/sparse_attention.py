@@ -275,7 +275,7 @@ class _BlockWalk:
             # from the first token, every stored key a candidate: one gradient for every walked query at once
             contexts.append(_WalkAttention.apply(self, done, q[:, :, done - first :], self.keys, self.values))
         elif done < end:  # the queries left, one key block's at a time (split: one gradient for them all)
-            contexts.append(self.walk(q[:, :, done - first :], done)[0])
+            contexts += [context for context, _, _ in self.walk(q[:, :, done - first :], done)]
         if self.spec.budget and not self.by_window:
             left = self.pushed - self.first_block
             if left:
@@ -290,24 +290,13 @@ class _BlockWalk:
         block = self.spec.block_size
         self.pool.add(self.keys, self.values, self.selectable, lo * block, hi * block, score)
 
-    def walk(self, q: Tensor, first: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The context (B, H, L, Dv) of the queries q (B, H, L, D) at positions first ... first + L - 1, one key block's
-        at a time; and without gradient, the candidate blocks each query read, (B, Hkv, L, N) bool (N: the last
-        block's candidates; empty: none read), and each row's log-sum-exp over what it read (B, Hkv, G, L)."""
+    def walk(self, q: Tensor, first: int) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """The queries q (B, H, L, D) at positions first ... first + L - 1, one key block's at a time: each block's
+        context, selection and log-sum-exp (:meth:`_query_block`)."""
         block, end = self.spec.block_size, first + q.shape[2]
         cuts = [first, *range((first // block + 1) * block, end, block), end]
         chunks = q.split([hi - lo for lo, hi in itertools.pairwise(cuts)], dim=2)
-        blocks = [self._query_block(chunk, lo) for chunk, lo in zip(chunks, cuts[:-1], strict=True)]
-        contexts, chosen, lse = (list(part) for part in zip(*blocks, strict=True))
-        n = max(c.shape[-1] if c.numel() else 0 for c in chosen)
-        if n:
-            B, Hkv = lse[0].shape[:2]
-            chosen = [
-                F.pad(c, (0, n - c.shape[-1])) if c.numel() else c.new_zeros(B, Hkv, part.shape[-1], n)
-                for c, part in zip(chosen, lse, strict=True)
-            ]
-        chosen = torch.cat(chosen, dim=2) if n else chosen[0]
-        return torch.cat(contexts, dim=2), chosen, torch.cat(lse, dim=3)
+        return [self._query_block(chunk, lo) for chunk, lo in zip(chunks, cuts[:-1], strict=True)]
 
     def _query_block(self, q: Tensor, q_lo: int) -> tuple[Tensor, Tensor, Tensor]:
         """The context (B, H, nq, Dv) of the call's queries q (B, H, nq, D) at positions q_lo ... q_lo + nq - 1, in
@@ -583,7 +572,8 @@ class _WalkAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, walk: _BlockWalk, first: int, queries: Tensor, keys: Tensor, values: Tensor):
-        context, chosen, lse = walk.walk(queries, first)
+        contexts, chosen, lse = zip(*walk.walk(queries, first), strict=True)
+        context, chosen, lse = torch.cat(contexts, dim=2), _selection(chosen, lse), torch.cat(lse, dim=3)
         ctx.spec, ctx.first = walk.spec, first
         ctx.save_for_backward(queries, keys, values, walk.key_mask, walk.selectable, context, lse, chosen)
         return context
@@ -595,6 +585,20 @@ class _WalkAttention(torch.autograd.Function):
             queries, keys, values, key_mask, selectable, context, lse, chosen, grad, ctx.spec, ctx.first
         )
         return None, None, *gradients
+
+
+def _selection(chosen, lse) -> Tensor:
+    """The candidate blocks each walked query read, (B, Hkv, L, N) bool (N: the last block's candidates; empty: none
+    read), from each block's (B, Hkv, nq, N_i) (or empty: none read) and log-sum-exps (B, Hkv, G, nq)."""
+    n = max(c.shape[-1] if c.numel() else 0 for c in chosen)
+    if not n:
+        return chosen[0].new_zeros(0)
+    B, Hkv = lse[0].shape[:2]
+    padded = [
+        F.pad(c, (0, n - c.shape[-1])) if c.numel() else c.new_zeros(B, Hkv, rows.shape[-1], n)
+        for c, rows in zip(chosen, lse, strict=True)
+    ]
+    return torch.cat(padded, dim=2)
 
 
 class _SupportAttention(torch.autograd.Function):

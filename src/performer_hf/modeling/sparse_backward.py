@@ -18,7 +18,8 @@ from .sparse_spec import SparseSpec
 
 Tensor = torch.Tensor
 
-BAND_CHUNK = 16  # query blocks whose windows one set of products reads (each (G * block) x (globals + window))
+BAND_CHUNK = 8  # query blocks whose windows one set of products reads (each (G * block) x (globals + window))
+PAIRS_AT_ONCE = 4096  # (query, chosen block) pairs whose rows are gathered at once (at least one block's)
 
 
 def walk_gradients(
@@ -59,17 +60,18 @@ def walk_gradients(
 
     def query_rows(t: Tensor, fill: float = 0.0) -> Tensor:  # (B, H, Lw, ...) -> (B, Hkv, G, rows, ...)
         t = t.to(dtype).unflatten(1, (Hkv, G))
-        if t.dim() == 5:
-            return F.pad(t, (0, 0, 0, rows - Lw), value=fill)
-        return F.pad(t, (0, rows - Lw), value=fill)
+        return t if rows == Lw else F.pad(t, (0, 0) * (t.dim() - 4) + (0, rows - Lw), value=fill)
 
     def key_rows(t: Tensor, fill=0) -> Tensor:  # (B, Hkv, R, D) -> (B, Hkv, stored, D); (B, R) -> (B, stored)
-        return F.pad(t.to(dtype), (0, 0, 0, stored - R)) if t.dim() == 4 else F.pad(t, (0, stored - R), value=fill)
+        if t.dim() == 4:
+            t = t.to(dtype)
+            return t if stored == R else F.pad(t, (0, 0, 0, stored - R))
+        return t if stored == R else F.pad(t, (0, stored - R), value=fill)
 
     walk = _Rows(
         q=query_rows(q),
         grad=query_rows(grad),
-        lse=F.pad(lse.to(dtype), (0, rows - Lw), value=float("inf")),  # padded rows: no probability
+        lse=query_rows(lse.flatten(1, 2), fill=float("inf")),  # padded rows: no probability
         delta=query_rows((grad.to(dtype) * context.to(dtype)).sum(-1)),  # rowsum(dO * O)
         keys=key_rows(keys),
         values=key_rows(values),
@@ -154,33 +156,39 @@ def _chosen_blocks(walk: _Rows, selectable: Tensor, chosen: Tensor, spec: Sparse
     for b in range(B):
         for h in range(Hkv):
             pairs = chosen[b, h].transpose(0, 1).nonzero()  # (P, 2): (block, query), by block
-            if not pairs.shape[0]:
-                continue
             counts = chosen[b, h].sum(dim=0).tolist()  # queries per block
-            query = pairs[:, 1]
-            # each pair's rows, by pair then head: (P * G, D), (P * G, Dv), (P * G, 1) twice
-            q_rows, grad_rows = (_pair_rows(t[b, h], query) for t in (walk.q, walk.grad))
-            lse, delta = (_pair_rows(t[b, h], query)[:, None] for t in (walk.lse, walk.delta))
-            dq_rows = torch.empty_like(q_rows)
-            start = 0
-            for j, count in enumerate(counts):
-                if not count:
-                    continue
-                r = slice(start * G, (start + count) * G)
-                start += count
-                key, value = keys[b, h, j], values[b, h, j]  # (block, D)
-                probs = (q_rows[r] @ key.T).mul_(walk.scale).sub_(lse[r]).exp_()  # (count * G, block)
-                if partial[b][j]:
-                    probs.masked_fill_(~offered[b, j], 0)
-                dv_blocks[b, h, j].addmm_(probs.T, grad_rows[r])
-                scores = (grad_rows[r] @ value.T).sub_(delta[r]).mul_(probs)  # dS
-                torch.mm(scores, key, out=dq_rows[r])
-                dk_blocks[b, h, j].addmm_(scores.T, q_rows[r], alpha=walk.scale)
-            by_query = torch.zeros(rows, G, D, dtype=dq.dtype, device=dq.device)
-            by_query.index_add_(0, query, dq_rows.view(-1, G, D), alpha=walk.scale)
-            dq[b, h] += by_query.transpose(0, 1)
+            by_query = [t[b, h].transpose(0, 1).contiguous() for t in (walk.q, walk.grad, walk.lse, walk.delta)]
+            dq_by_query = torch.zeros_like(by_query[0])  # (rows, G, D)
+            for blocks, lo, hi in _pair_groups(counts):
+                query = pairs[lo:hi, 1]
+                # each pair's rows, by pair then head: (P * G, D), (P * G, Dv), (P * G, 1) twice
+                q_rows, grad_rows, lse, delta = (t.index_select(0, query).flatten(0, 1) for t in by_query)
+                lse, delta = lse[:, None], delta[:, None]
+                dq_rows = torch.empty_like(q_rows)
+                start = 0
+                for j in blocks:
+                    r = slice(start * G, (start + counts[j]) * G)
+                    start += counts[j]
+                    key, value = keys[b, h, j], values[b, h, j]  # (block, D)
+                    probs = (q_rows[r] @ key.T).mul_(walk.scale).sub_(lse[r]).exp_()  # (count * G, block)
+                    if partial[b][j]:
+                        probs.masked_fill_(~offered[b, j], 0)
+                    dv_blocks[b, h, j].addmm_(probs.T, grad_rows[r])
+                    scores = (grad_rows[r] @ value.T).sub_(delta[r]).mul_(probs)  # dS
+                    torch.mm(scores, key, out=dq_rows[r])
+                    dk_blocks[b, h, j].addmm_(scores.T, q_rows[r], alpha=walk.scale)
+                dq_by_query.index_add_(0, query, dq_rows.view(-1, G, D), alpha=walk.scale)
+            dq[b, h] += dq_by_query.transpose(0, 1)
 
 
-def _pair_rows(rows: Tensor, query: Tensor) -> Tensor:
-    """rows (G, rows, ...) of one key/value head's queries, at the chosen pairs' queries (P,) -> (P * G, ...)."""
-    return rows.transpose(0, 1).contiguous().index_select(0, query).flatten(0, 1)
+def _pair_groups(counts: list[int]):
+    """The chosen blocks (``counts``: the queries that chose each) in runs of about ``PAIRS_AT_ONCE`` pairs: (the
+    run's blocks, its first pair, its end), pairs ordered by block."""
+    blocks, lo, filled = [], 0, 0
+    for j, count in enumerate(counts):
+        if count:
+            blocks.append(j)
+            filled += count
+        if blocks and (filled >= PAIRS_AT_ONCE or j == len(counts) - 1):
+            yield blocks, lo, lo + filled
+            blocks, lo, filled = [], lo + filled, 0
