@@ -11,6 +11,8 @@ it (at 8K tokens about a thousand rows per block, where one block of queries cho
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -86,13 +88,17 @@ def walk_gradients(
     return dq, dk[:, :, :R].to(keys.dtype), dv[:, :, :R].to(values.dtype)
 
 
-class _Rows:
+class _Rows(NamedTuple):
     """The walked rows in the backward's dtype: queries, gradients (B, Hkv, G, rows, D), log-sum-exps and deltas
     (B, Hkv, G, rows), keys and values (B, Hkv, stored, D), and the logits' scale."""
 
-    def __init__(self, q, grad, lse, delta, keys, values, scale):
-        self.q, self.grad, self.lse, self.delta = q, grad, lse, delta
-        self.keys, self.values, self.scale = keys, values, scale
+    q: Tensor
+    grad: Tensor
+    lse: Tensor
+    delta: Tensor
+    keys: Tensor
+    values: Tensor
+    scale: float
 
 
 def _band(walk: _Rows, key_mask: Tensor, first: int, spec: SparseSpec, dq: Tensor, dk: Tensor, dv: Tensor) -> None:
@@ -146,7 +152,7 @@ def _band(walk: _Rows, key_mask: Tensor, first: int, spec: SparseSpec, dq: Tenso
 
 def _chosen_blocks(walk: _Rows, selectable: Tensor, chosen: Tensor, spec: SparseSpec, dq, dk, dv) -> None:
     """The gradients through the candidate blocks each query chose: per key/value head, each chosen block once with
-    every query that chose it (their rows gathered once, block after block); dq, dk and dv added to."""
+    every query that chose it (their rows gathered a run of blocks at a time); dq, dk and dv added to."""
     B, Hkv, G, rows, D = walk.q.shape
     block, N = spec.block_size, chosen.shape[-1]
     key_blocks = [t.unflatten(2, (-1, block)) for t in (walk.keys, walk.values, dk, dv)]  # (B, Hkv, nk, block, D)
