@@ -283,12 +283,9 @@ def test_gradients_through_every_candidate_block_equal_those_through_the_chosen_
         torch.testing.assert_close(got, want)
 
 
-def test_a_gradient_keeps_no_logits():
-    """What the call saves for its backward, beyond views of its inputs, is a small share of the (queries x keys)
-    logits that attention over every earlier key would keep: the backward recomputes each query's support."""
-    spec = SparseSpec(local_window=16, num_global_tokens=2, block_size=8, select_blocks=2)
-    q, k, v, _ = _inputs(batch=1, length=512)
-    inputs = [t.requires_grad_() for t in (q, k, v)]
+def _saved_bytes(spec, q, k, v) -> int:
+    """What a forward with a gradient saves for its backward, beyond views of its inputs (and runs the backward)."""
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     theirs = {t.untyped_storage().data_ptr() for t in inputs}
     saved = {}
 
@@ -300,9 +297,20 @@ def test_a_gradient_keeps_no_logits():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = sparse_attention(*inputs, spec)
     out.sum().backward()
-    logits = q.shape[1] * q.shape[2] ** 2 / 2 * q.element_size()  # causal (queries x keys), float64
-    assert sum(saved.values()) < 0.05 * logits
     assert all(t.grad is not None and bool(t.grad.abs().sum() > 0) for t in inputs)
+    return sum(saved.values())
+
+
+def test_a_gradient_keeps_no_logits():
+    """What the call saves for its backward, beyond views of its inputs, is a small share of the (queries x keys)
+    logits that attention over every earlier key would keep: the backward recomputes each query's support. A budget
+    ranked by the call's last queries saves no more: without a state to return, no pool is built."""
+    spec = SparseSpec(local_window=16, num_global_tokens=2, block_size=8, select_blocks=2)
+    q, k, v, _ = _inputs(batch=1, length=512)
+    saved = _saved_bytes(spec, q, k, v)
+    logits = q.shape[1] * q.shape[2] ** 2 / 2 * q.element_size()  # causal (queries x keys), float64
+    assert saved < 0.05 * logits
+    assert _saved_bytes(dataclasses.replace(spec, budget=4, ranking="latest"), q, k, v) == saved
 
 
 def test_bfloat16_runs_and_stays_close_to_float32():

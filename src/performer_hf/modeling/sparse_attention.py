@@ -169,7 +169,7 @@ def sparse_attention(
             n = min(end, spec.covered_length)
             mask = None if key_padding_mask is None else key_mask[:, :n]
             exact = softmax_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], mask, True)[0]  # (B, H, n, Dv)
-        context = walk.run(q, first, end, fused, exact)
+        context = walk.run(q, first, end, fused, exact, keep_state=return_state)
         pool, pushed, mass = walk.pool, walk.pushed, walk.mass
     if not return_state:
         return context
@@ -258,12 +258,15 @@ class _BlockWalk:
             self.mass = torch.cat([self.mass, self.mass.new_zeros(B, Hkv, stored_blocks - self.mass.shape[2])], dim=2)
         self.selectable = _selectable(key_mask, self.start, spec)  # (B, R)
 
-    def run(self, q: Tensor, first: int, end: int, fused: bool = False, exact: Tensor | None = None) -> Tensor:
+    def run(
+        self, q: Tensor, first: int, end: int, fused: bool = False, exact: Tensor | None = None, keep_state: bool = True
+    ) -> Tensor:
         """The context (B, H, L, Dv) of the queries q (B, H, L, D) at positions first ... end - 1: block by block, or
         ``fused`` (a call from the first token: :func:`.flex_prefill`), after ``exact``, the context of the leading
-        queries (whole blocks, or all) where it is given. With ``ranking="latest"``, the blocks that left the window
-        join the pool at the end, ranked by the attention of the call's last block of queries, and the pool is pruned
-        to the budget."""
+        queries (whole blocks, or all) where it is given. With ``ranking="latest"`` and ``keep_state``, the blocks that
+        left the window join the pool at the end, ranked by the attention of the call's last block of queries, and the
+        pool is pruned to the budget (without a gradient: a state is not differentiated; without ``keep_state``, as in
+        training, no pool is built)."""
         block = self.spec.block_size
         if fused:
             contexts, done = [flex_prefill(q, self.keys, self.values, self.key_mask, self.spec)], end
@@ -276,12 +279,13 @@ class _BlockWalk:
             contexts.append(_WalkAttention.apply(self, done, q[:, :, done - first :], self.keys, self.values))
         elif done < end:  # the queries left, one key block's at a time (split: one gradient for them all)
             contexts += [context for context, _, _ in self.walk(q[:, :, done - first :], done)]
-        if self.spec.budget and not self.by_window:
-            left = self.pushed - self.first_block
-            if left:
-                self._to_pool(0, left, q.new_zeros(*self.keys.shape[:2], left, dtype=torch.float32))
-            self.pool.observe(q[:, :, -min(q.shape[2], block) :])
-            self.pool.prune(self.spec.budget)
+        if keep_state and self.spec.budget and not self.by_window:
+            with torch.no_grad():
+                left = self.pushed - self.first_block
+                if left:
+                    self._to_pool(0, left, q.new_zeros(*self.keys.shape[:2], left, dtype=torch.float32))
+                self.pool.observe(q[:, :, -min(q.shape[2], block) :])
+                self.pool.prune(self.spec.budget)
         return contexts[0] if len(contexts) == 1 else torch.cat(contexts, dim=2)
 
     def _to_pool(self, lo: int, hi: int, score: Tensor) -> None:
