@@ -351,8 +351,8 @@ def test_sparse_block_kernel_matches_the_reference(head_dim, heads, block_kernel
 
 def test_sparse_block_kernel_chooses_what_pytorch_chooses(monkeypatch):
     """One block of queries over a pool of 150 candidate blocks, 8 read (the kernel's products: three tiles, the last
-    partial; one block every key of which is hidden): the kernel's context, window probabilities and choice against
-    the PyTorch steps' on the same float32 inputs."""
+    partial; one block every key of which is hidden): the kernel's context, window probabilities, choice and
+    log-sum-exps against the PyTorch steps' on the same float32 inputs."""
     from performer_hf.modeling import sparse_attention as module
     from performer_hf.modeling.sparse_spec import SparseSpec
 
@@ -380,6 +380,7 @@ def test_sparse_block_kernel_chooses_what_pytorch_chooses(monkeypatch):
     assert torch.equal(compiled[2], eager[2])
     torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(compiled[1], eager[1], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(compiled[3], eager[3], rtol=1e-6, atol=1e-5)  # each row's log-sum-exp, for backward
 
 
 def test_sparse_training_through_the_block_kernel_matches_the_reference(block_kernel_calls):

@@ -275,7 +275,8 @@ class _BlockWalk:
         if done > first and self.spec.bounded:  # what the block walk leaves: the blocks before the last window go
             self.pushed = max(self.pushed, (done - 1) // block - self.spec.window_blocks)
         if done < end and exact is not None and _records_gradient(q, self.keys, self.values):
-            # from the first token, every stored key a candidate: one gradient for every walked query at once
+            # exact is given for a call from the first token whose pool is not ranked by the window: every stored key
+            # is a candidate, so one gradient serves every walked query at once
             contexts.append(_WalkAttention.apply(self, done, q[:, :, done - first :], self.keys, self.values))
         elif done < end:  # the queries left, one key block's at a time (split: one gradient for them all)
             contexts += [context for context, _, _ in self.walk(q[:, :, done - first :], done)]
@@ -564,6 +565,7 @@ def _chosen_at(chosen: Tensor, union: Tensor) -> Tensor:
 
 
 def _records_gradient(*tensors: Tensor) -> bool:
+    """Whether autograd records a graph through any of these tensors."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 

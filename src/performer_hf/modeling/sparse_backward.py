@@ -172,7 +172,7 @@ def _chosen_blocks(walk: _Rows, selectable: Tensor, chosen: Tensor, spec: Sparse
                 lse, delta = lse[:, None], delta[:, None]
                 dq_rows = torch.empty_like(q_rows)
                 start = 0
-                for j in blocks:
+                for j in blocks:  # the module's formulas, as in _band, with the products accumulated in place
                     r = slice(start * G, (start + counts[j]) * G)
                     start += counts[j]
                     key, value = keys[b, h, j], values[b, h, j]  # (block, D)
