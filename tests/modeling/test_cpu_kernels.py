@@ -349,20 +349,25 @@ def test_sparse_block_kernel_matches_the_reference(head_dim, heads, block_kernel
     assert block_kernel_calls and {geometry[0] for geometry in block_kernel_calls} == {heads // 2}  # G
 
 
-def test_sparse_block_kernel_chooses_what_pytorch_chooses(monkeypatch):
-    """One block of queries over a pool of 150 candidate blocks, 8 read (the kernel's products: three tiles, the last
+@pytest.mark.parametrize(
+    ("block", "G", "W", "D"),
+    [(8, 3, 24, 64), (64, 5, 150, 80)],  # blocks of whole 64-key steps, heads past a register tile, partial steps
+    ids=["small blocks", "64-key blocks"],
+)
+def test_sparse_block_kernel_chooses_what_pytorch_chooses(block, G, W, D, monkeypatch):
+    """One block of queries over a pool of 150 candidate blocks, 8 read (the kernel's products: tiles, the last
     partial; one block every key of which is hidden): the kernel's context, window probabilities, choice and
     log-sum-exps against the PyTorch steps' on the same float32 inputs."""
     from performer_hf.modeling import sparse_attention as module
     from performer_hf.modeling.sparse_spec import SparseSpec
 
-    spec = SparseSpec(local_window=16, num_global_tokens=2, block_size=8, select_blocks=8)
+    spec = SparseSpec(local_window=block, num_global_tokens=2, block_size=block, select_blocks=8)
     g = torch.Generator().manual_seed(7)
-    B, Hkv, G, nq, D, C, W = 2, 3, 3, 8, 64, 1200, 24
+    B, Hkv, nq, C = 2, 3, 8, 150 * block
     queries = torch.randn(B, Hkv, G, nq, D, generator=g) * 2
     pool_keys, pool_values = torch.randn(2, B, Hkv, C, D, generator=g).unbind(0)
     pool_mask = torch.rand(B, C, generator=g) > 0.1  # some keys hidden
-    pool_mask[:, 40:48] = False  # every key of block 5
+    pool_mask[:, 5 * block : 6 * block] = False  # every key of block 5
     pool_mask = pool_mask[:, None].expand(B, Hkv, C)
     window_keys, window_values = torch.randn(2, B, Hkv, W, D, generator=g).unbind(0)
     window_visible = (torch.arange(W) <= torch.arange(nq)[:, None] + W - nq)[None, None].expand(B, 1, nq, W)
@@ -375,7 +380,7 @@ def test_sparse_block_kernel_chooses_what_pytorch_chooses(monkeypatch):
     compiled = module._attend_forward(queries, parts, candidates, spec)
     monkeypatch.setattr(module, "hybrid_kernels", lambda: None)
     eager = module._attend_forward(queries, parts, candidates, spec)
-    assert compiled[2].shape == (B, Hkv, nq, C // 8) and bool((compiled[2].sum(-1) == 8).all())
+    assert compiled[2].shape == (B, Hkv, nq, 150) and bool((compiled[2].sum(-1) == 8).all())
     assert not compiled[2][..., 5].any()
     assert torch.equal(compiled[2], eager[2])
     torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-6)
