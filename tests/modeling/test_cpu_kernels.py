@@ -1,5 +1,6 @@
 """The compiled CPU kernel of hybrid attention against the PyTorch implementation and the dense reference."""
 
+import dataclasses
 import functools
 import logging
 
@@ -313,13 +314,18 @@ def test_bounded_decoding_step_kernel_matches_the_block_walk(name, decode_kernel
 
 @pytest.fixture
 def block_kernel_calls(monkeypatch) -> list:
-    """The geometry of every call of the compiled block of sparse attention that sparse_attention makes."""
+    """The query heads per key head (G) of every call of the compiled blocks of sparse attention that
+    sparse_attention makes: one block of queries, or the loop over a call's blocks."""
     kernels, calls = cpu_kernels.hybrid_kernels(), []
 
     class Spy:
         def sparse_block_attend(self, logits, values, masks, candidates, geometry):
-            calls.append(geometry)
+            calls.append(geometry[0])
             return kernels.sparse_block_attend(logits, values, masks, candidates, geometry)
+
+        def sparse_walk_attend(self, q, keys, *args):
+            calls.append(q.shape[1] // keys.shape[1])
+            return kernels.sparse_walk_attend(q, keys, *args)
 
     monkeypatch.setattr("performer_hf.modeling.sparse_attention.hybrid_kernels", Spy)
     return calls
@@ -346,7 +352,38 @@ def test_sparse_block_kernel_matches_the_reference(head_dim, heads, block_kernel
             out = sparse_attention(q32, k32, v32, spec, mask)
         real = mask[:, None, :, None]
         torch.testing.assert_close(out.double() * real, expected * real, rtol=1e-5, atol=1e-5, msg=name)
-    assert block_kernel_calls and {geometry[0] for geometry in block_kernel_calls} == {heads // 2}  # G
+    assert block_kernel_calls and set(block_kernel_calls) == {heads // 2}  # G
+
+
+@pytest.mark.parametrize("first", [0, 13, 40])  # the whole call, a partial first block, after whole blocks
+def test_the_compiled_walk_matches_the_walk_block_by_block(first):
+    """The compiled loop over a call's blocks of queries (``csrc/sparse_walk.cpp``) against the Python loop over the
+    same blocks (each through the block kernel), float32, for every geometry of the sparse tests whose candidates
+    are the stored keys before the window, left and right padding: the same context, choice and log-sum-exps."""
+    from performer_hf.modeling.sparse_attention import _BlockWalk, _cpu_kernels
+    from performer_hf.modeling.sparse_spec import SparseState
+
+    from .test_sparse_attention import SPECS, _inputs
+
+    q, k, v, mask = (t.float() if t.is_floating_point() else t for t in _inputs(length=70, dim=16, seed=first))
+    mask[0, :5] = False  # row 0 left-padded, row 1 right-padded
+    assert _cpu_kernels(q, k, v) is not None
+    latest = {
+        f"{name}, latest": dataclasses.replace(spec, ranking="latest") for name, spec in SPECS.items() if spec.budget
+    }
+    compared = 0
+    for name, spec in {**SPECS, **latest}.items():
+        n, state = spec.num_global_tokens, SparseState.empty(k, v, spec.block_size)
+        walk = _BlockWalk(k, v, mask, (k[:, :, :n], v[:, :, :n], mask[:, :n]), state, spec)
+        if walk.by_window or (spec.bounded and not spec.budget):  # candidates from a pool: the Python loop alone
+            continue
+        with torch.no_grad():
+            compiled, blockwise = walk.walk(q[:, :, first:], first), walk._walk_blocks(q[:, :, first:], first)
+        torch.testing.assert_close(compiled[0], blockwise[0], rtol=1e-6, atol=1e-6, msg=name)
+        assert torch.equal(compiled[1], blockwise[1]), name
+        torch.testing.assert_close(compiled[2], blockwise[2], rtol=1e-6, atol=1e-6, msg=name)
+        compared += 1
+    assert compared == 5
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ _SOURCES = [
         "hybrid_routing.cpp",
         "sparse_decode.cpp",
         "sparse_block.cpp",
+        "sparse_walk.cpp",
     )
 ]
 _HEADER = Path(__file__).parent / "csrc" / "hybrid_kernels.h"
@@ -101,6 +102,6 @@ def _compiled_kernels():
 def hybrid_kernels():
     """The compiled module (``hybrid_support_sums``, ``quadratic_far_state``, ``quadratic_far_apply``, each
     with its ``_backward``, ``top_blocks``, ``routed_candidates``, ``max_value_width``, and sparse attention's
-    ``sparse_decode_step`` and ``sparse_block_attend``; see ``csrc/hybrid_kernels.h``), or ``None`` when disabled or
-    the build failed."""
+    ``sparse_decode_step``, ``sparse_block_attend`` and ``sparse_walk_attend``; see ``csrc/hybrid_kernels.h``), or
+    ``None`` when disabled or the build failed."""
     return _compiled_kernels() if kernels_enabled() else None

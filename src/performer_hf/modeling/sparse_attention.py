@@ -279,7 +279,7 @@ class _BlockWalk:
             # is a candidate, so one gradient serves every walked query at once
             contexts.append(_WalkAttention.apply(self, done, q[:, :, done - first :], self.keys, self.values))
         elif done < end:  # the queries left, one key block's at a time (split: one gradient for them all)
-            contexts += [context for context, _, _ in self.walk(q[:, :, done - first :], done)]
+            contexts.append(self.walk(q[:, :, done - first :], done)[0])
         if keep_state and self.spec.budget and not self.by_window:
             with torch.no_grad():
                 left = self.pushed - self.first_block
@@ -295,13 +295,33 @@ class _BlockWalk:
         block = self.spec.block_size
         self.pool.add(self.keys, self.values, self.selectable, lo * block, hi * block, score)
 
-    def walk(self, q: Tensor, first: int) -> list[tuple[Tensor, Tensor, Tensor]]:
-        """The queries q (B, H, L, D) at positions first ... first + L - 1, one key block's at a time: each block's
-        context, selection and log-sum-exp (:meth:`_query_block`)."""
+    def walk(self, q: Tensor, first: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The queries q (B, H, L, D) at positions first ... first + L - 1, one key block's at a time: their context
+        (B, H, L, Dv), the candidate blocks each read (B, Hkv, L, N) (N: the last block's candidates; empty: none
+        read) and each row's log-sum-exp (B, Hkv, G, L) (:meth:`_query_block`). Where every block's candidates are
+        the stored keys before its window (a call from the first token, ranking ``"latest"`` or no budget), float32
+        on the CPU, in the compiled loop (``csrc/sparse_walk.cpp``)."""
+        spec, block, end = self.spec, self.spec.block_size, first + q.shape[2]
+        prefix = not self.by_window and not (spec.bounded and not spec.budget) and not self.pool.score.shape[2]
+        kernels = _cpu_kernels(q, self.keys, self.values) if prefix and self.start == 0 else None
+        if kernels is not None:
+            globals_ = [self.global_keys, self.global_values, self.global_mask]
+            geometry = [block, spec.select_blocks, spec.window_blocks, first]
+            context, chosen, lse = kernels.sparse_walk_attend(
+                q, self.keys, self.values, self.key_mask, self.selectable, globals_, geometry
+            )
+            if spec.bounded:  # what _query_block leaves: the blocks before the last block's window go
+                self.pushed = max(self.pushed, (end - 1) // block - spec.window_blocks)
+            return context, chosen, lse
+        return self._walk_blocks(q, first)
+
+    def _walk_blocks(self, q: Tensor, first: int) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`walk` in Python, one :meth:`_query_block` call per block of queries."""
         block, end = self.spec.block_size, first + q.shape[2]
         cuts = [first, *range((first // block + 1) * block, end, block), end]
         chunks = q.split([hi - lo for lo, hi in itertools.pairwise(cuts)], dim=2)
-        return [self._query_block(chunk, lo) for chunk, lo in zip(chunks, cuts[:-1], strict=True)]
+        contexts, chosen, lse = zip(*map(self._query_block, chunks, cuts[:-1]), strict=True)
+        return torch.cat(contexts, dim=2), _selection(chosen, lse), torch.cat(lse, dim=3)
 
     def _query_block(self, q: Tensor, q_lo: int) -> tuple[Tensor, Tensor, Tensor]:
         """The context (B, H, nq, Dv) of the call's queries q (B, H, nq, D) at positions q_lo ... q_lo + nq - 1, in
@@ -578,8 +598,7 @@ class _WalkAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, walk: _BlockWalk, first: int, queries: Tensor, keys: Tensor, values: Tensor):
-        contexts, chosen, lse = zip(*walk.walk(queries, first), strict=True)
-        context, chosen, lse = torch.cat(contexts, dim=2), _selection(chosen, lse), torch.cat(lse, dim=3)
+        context, chosen, lse = walk.walk(queries, first)
         ctx.spec, ctx.first = walk.spec, first
         ctx.save_for_backward(queries, keys, values, walk.key_mask, walk.selectable, context, lse, chosen)
         return context

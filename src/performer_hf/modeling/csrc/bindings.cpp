@@ -15,6 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("routed_candidates", &routed_candidates, "Grouped routing: the best key blocks of each query block's groups");
   m.def("sparse_decode_step", &sparse_decode_step, "Sparse attention's decoding step over a key/value cache");
   m.def("sparse_block_attend", &sparse_block_attend, "Sparse attention over one block of queries");
+  m.def("sparse_walk_attend", &sparse_walk_attend, "Sparse attention over a call's queries, a block at a time");
   m.attr("max_value_width") = kMaxWidth;
   m.def("hybrid_support_sums", &hybrid_support_sums, "Fused exact-support sums of bidirectional hybrid attention");
   m.def("hybrid_support_sums_backward", &hybrid_support_sums_backward, "Gradients of hybrid_support_sums");

@@ -1,11 +1,12 @@
-// Shared by the compiled CPU kernels of hybrid attention (performer_hf.modeling.cpu_kernels builds the six files
+// Shared by the compiled CPU kernels of hybrid attention (performer_hf.modeling.cpu_kernels builds the seven files
 // into one module): a vectorisable exp, the register tiles, the compiled value widths, and the entry points.
 // - bindings.cpp: the module;
 // - hybrid_support.cpp: the support sums (the exact part and the far field's share on the support);
 // - hybrid_far_field.cpp: the polynomial far field's state and sums;
 // - hybrid_routing.cpp: the routing's top-k over key blocks.
 // - sparse_decode.cpp: sparse attention's decoding step (one query per head over a key/value cache or a pool);
-// - sparse_block.cpp: sparse attention over one block of queries (a prefill's or training's forward).
+// - sparse_block.cpp: sparse attention over one block of queries (a prefill's or training's forward);
+// - sparse_walk.cpp: the loop over a call's blocks of queries, from the first token.
 // Every function checks only what the Python side cannot get wrong cheaply; favor_hybrid validates inputs.
 #pragma once
 
@@ -136,5 +137,16 @@ std::vector<at::Tensor> sparse_block_attend(std::vector<at::Tensor> logits, cons
                                             const std::vector<at::Tensor>& masks,
                                             const std::vector<at::Tensor>& candidates,
                                             const std::vector<int64_t>& geometry);
+// sparse attention over the queries q (B, H, L, D) at positions first ... first + L - 1 of a call from the first
+// token, one block of queries at a time, each block's candidates every stored key before its window: keys (B, Hkv,
+// R, D) and values (B, Hkv, R, Dv) at positions 0 ... R - 1, key_mask (B, R) (real keys), selectable (B, R) (keys a
+// query may select: real, not global tokens); globals: the global tokens' keys, values (B, Hkv, S, D) and mask (B,
+// S); geometry: block, select, window_blocks, first. Returns the context (B, H, L, Dv), the candidate blocks each
+// query read, (B, Hkv, L, N) bool (N: the last block's candidates; empty: none read), and each row's log-sum-exp,
+// (B, Hkv, G, L).
+std::vector<at::Tensor> sparse_walk_attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                           const at::Tensor& key_mask, const at::Tensor& selectable,
+                                           const std::vector<at::Tensor>& globals,
+                                           const std::vector<int64_t>& geometry);
 
 }  // namespace performer_hf
