@@ -68,14 +68,14 @@ class _Pool:
         B, Hkv, N, block, D = self.keys.shape
         if not N:
             return
-        grouped = queries.unflatten(1, (Hkv, -1)).flatten(2, 3)  # (B, Hkv, G * n, D)
-        logits = grouped @ self.keys.flatten(2, 3).transpose(-1, -2) * D**-0.5  # (B, Hkv, G * n, N * block)
-        real = self.mask.flatten(2, 3)[:, :, None]  # (B, Hkv, 1, N * block)
-        logits = logits.float().masked_fill(~real, NEG_INF)
+        grouped = queries.unflatten(1, (Hkv, -1)).flatten(2, 3) * D**-0.5  # (B, Hkv, G * n, D)
+        logits = (grouped @ self.keys.flatten(2, 3).transpose(-1, -2)).float()  # (B, Hkv, G * n, N * block)
+        logits = _hide(logits, self.mask.flatten(2, 3)[:, :, None])  # in place, as below: one buffer throughout
         peak = logits.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)  # no key: no weight
-        weights = (logits - peak).exp()
-        probs = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        self.score = self.score + probs.unflatten(-1, (N, block)).sum(dim=(2, 4)).detach()  # (B, Hkv, N)
+        weights = logits.sub_(peak).exp_()
+        inverse = weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny).reciprocal_()
+        received = inverse.transpose(-1, -2) @ weights  # (B, Hkv, 1, N * block): each key's probability, summed
+        self.score = self.score + received.view(B, Hkv, N, block).sum(dim=-1).detach()  # (B, Hkv, N)
 
     def flat(self) -> tuple[Tensor, Tensor, Tensor]:
         """Keys, values (B, Hkv, N * block, D) and mask (B, Hkv, N * block)."""
