@@ -137,6 +137,13 @@ std::vector<at::Tensor> sparse_block_attend(std::vector<at::Tensor> logits, cons
                                             const std::vector<at::Tensor>& masks,
                                             const std::vector<at::Tensor>& candidates,
                                             const std::vector<int64_t>& geometry);
+// sparse_block_attend with the candidates' exponentials and block sums in scratch (float32, at least B * Hkv * G *
+// nq * (C + 2 * N) elements; undefined or smaller: allocated), for a caller that runs many blocks
+std::vector<at::Tensor> sparse_block_attend_within(std::vector<at::Tensor> logits,
+                                                   const std::vector<at::Tensor>& values,
+                                                   const std::vector<at::Tensor>& masks,
+                                                   const std::vector<at::Tensor>& candidates,
+                                                   const std::vector<int64_t>& geometry, const at::Tensor& scratch);
 // sparse attention over the queries q (B, H, L, D) at positions first ... first + L - 1 of a call from the first
 // token, one block of queries at a time, each block's candidates every stored key before its window: keys (B, Hkv,
 // R, D) and values (B, Hkv, R, Dv) at positions 0 ... R - 1, key_mask (B, R) (real keys), selectable (B, R) (keys a

@@ -9,6 +9,8 @@
 // product with zeros where no query chose).
 #include "hybrid_kernels.h"
 
+#include <ATen/ops/from_blob.h>
+
 namespace performer_hf {
 namespace {
 
@@ -176,13 +178,17 @@ void score_blocks(const at::Tensor& q, const at::Tensor& keys, const BlockRun& c
   const int64_t tile_blocks = std::max<int64_t>(1, kTileKeys / block), tiles = (N + tile_blocks - 1) / tile_blocks;
   at::parallel_for(0, B * Hkv * tiles, 1, [&](int64_t lo, int64_t hi) {
     c10::InferenceMode no_autograd;  // grad mode is the thread's own: the products record no graph
-    auto buffer = at::empty({GQ * tile_blocks * block}, q.options());
+    // the thread's tile of logits, kept from call to call: allocated per block of queries, a buffer this size was
+    // mapped afresh and its pages faulted in, where the model's own buffers had moved the allocator's thresholds
+    thread_local std::vector<float> tile_logits;
+    const auto tile_size = static_cast<size_t>(GQ * tile_blocks * block);
+    if (tile_logits.size() < tile_size) tile_logits.resize(tile_size);
     std::vector<float*> rows(G);
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t bh = i / tiles, b = bh / Hkv, h = bh % Hkv;
       const int64_t n0 = i % tiles * tile_blocks, n1 = std::min(N, n0 + tile_blocks), t0 = n0 * block;
       const int64_t width = (n1 - n0) * block;
-      auto logits = buffer.narrow(0, 0, GQ * width).view({GQ, width});
+      auto logits = at::from_blob(tile_logits.data(), {GQ, width}, q.options());
       at::mm_out(logits, q[b][h], keys[b][h].narrow(0, t0, width).t());  // (G * nq, width)
       float* tile = logits.data_ptr<float>();
       for (int64_t query = 0; query < nq; ++query) {
@@ -212,6 +218,14 @@ std::vector<at::Tensor> sparse_block_attend(std::vector<at::Tensor> logits, cons
                                             const std::vector<at::Tensor>& masks,
                                             const std::vector<at::Tensor>& candidates,
                                             const std::vector<int64_t>& geometry) {
+  return sparse_block_attend_within(std::move(logits), values, masks, candidates, geometry, at::Tensor());
+}
+
+std::vector<at::Tensor> sparse_block_attend_within(std::vector<at::Tensor> logits,
+                                                   const std::vector<at::Tensor>& values,
+                                                   const std::vector<at::Tensor>& masks,
+                                                   const std::vector<at::Tensor>& candidates,
+                                                   const std::vector<int64_t>& geometry, const at::Tensor& scratch) {
   const int64_t G = geometry[0], block = geometry[1], select = geometry[2];
   const int64_t whole = static_cast<int64_t>(logits.size());
   TORCH_CHECK(whole >= 1 && whole == static_cast<int64_t>(values.size()) &&
@@ -228,8 +242,12 @@ std::vector<at::Tensor> sparse_block_attend(std::vector<at::Tensor> logits, cons
                 "sparse_block_attend takes runs of the same queries and value width");
   const bool selecting = !candidates.empty();
   const int64_t C = selecting ? candidates[1].size(2) : 0, N = selecting ? C / block : 0;
-  auto exps = at::empty({B, Hkv, GQ, C}, window.options());
-  auto block_max = at::empty({B, Hkv, GQ, N}, window.options()), block_sum = at::empty_like(block_max);
+  const int64_t rows = B * Hkv * GQ;  // the candidates' exponentials, then each block's maximum and sum
+  const bool fits = scratch.defined() && scratch.numel() >= rows * (C + 2 * N);
+  const at::Tensor space = fits ? scratch : at::empty({rows * (C + 2 * N)}, window.options());
+  auto exps = space.narrow(0, 0, rows * C).view({B, Hkv, GQ, C});
+  auto block_max = space.narrow(0, rows * C, rows * N).view({B, Hkv, GQ, N});
+  auto block_sum = space.narrow(0, rows * (C + N), rows * N).view({B, Hkv, GQ, N});
   std::optional<BlockRun> cand;  // the candidates, their exponentials in place of logits
   if (selecting) {
     const at::Tensor q = candidates[0].detach(), keys = candidates[1].detach();

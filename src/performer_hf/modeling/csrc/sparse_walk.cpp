@@ -32,6 +32,12 @@ std::vector<at::Tensor> sparse_walk_attend(const at::Tensor& q, const at::Tensor
   auto context = at::empty({B, Hkv, G, L, Dv}, q.options());
   auto lse = at::empty({B, Hkv, G, L}, q.options());
   auto chosen = at::zeros({B, Hkv, L, N}, q.options().dtype(at::kBool));
+  // buffers for every block, sized for the largest (the last block's candidates, a whole window): allocated per
+  // block, buffers of megabytes were mapped afresh and their pages faulted in once the model's own buffers had moved
+  // the allocator's thresholds (a third more page faults than SDPA in SmolLM2's forward at 4K tokens)
+  const int64_t rows = B * Hkv * G * std::min(block, L);
+  auto scratch = at::empty({rows * (last_window + 2 * N)}, q.options());
+  auto window_logits = at::empty({rows * (window_blocks + 1) * block}, q.options());
   for (int64_t lo = first; lo < end;) {
     const int64_t hi = std::min(end, (lo / block + 1) * block), nq = hi - lo;
     const int64_t window_lo = std::max<int64_t>(0, lo / block - window_blocks) * block, width = hi - window_lo;
@@ -43,7 +49,8 @@ std::vector<at::Tensor> sparse_walk_attend(const at::Tensor& q, const at::Tensor
       runs.push_back(global_values.narrow(2, 0, outside));
       masks.push_back(global_mask.narrow(1, 0, outside).unsqueeze(1).unsqueeze(1).expand({B, Hkv, nq, outside}));
     }
-    logits.push_back(at::matmul(flat, keys.narrow(2, window_lo, width).transpose(-1, -2)));
+    auto window = window_logits.narrow(0, 0, B * Hkv * G * nq * width).view({B, Hkv, G * nq, width});
+    logits.push_back(at::matmul_out(window, flat, keys.narrow(2, window_lo, width).transpose(-1, -2)));
     runs.push_back(values.narrow(2, window_lo, width));
     auto visible = at::empty({B, 1, nq, width}, key_mask.options());  // a query sees itself and real keys before
     bool* seen = visible.data_ptr<bool>();
@@ -58,7 +65,7 @@ std::vector<at::Tensor> sparse_walk_attend(const at::Tensor& q, const at::Tensor
     if (window_lo && select)
       candidates = {flat, keys.narrow(2, 0, window_lo), values.narrow(2, 0, window_lo),
                     selectable.narrow(1, 0, window_lo).unsqueeze(1).unsqueeze(1).expand({B, Hkv, nq, window_lo})};
-    auto out = sparse_block_attend(logits, runs, masks, candidates, {G, block, select});
+    auto out = sparse_block_attend_within(logits, runs, masks, candidates, {G, block, select}, scratch);
     context.narrow(3, lo - first, nq).copy_(out[0].view({B, Hkv, G, nq, Dv}));
     lse.narrow(3, lo - first, nq).copy_(out[3].view({B, Hkv, G, nq}));
     if (!candidates.empty()) chosen.narrow(2, lo - first, nq).narrow(3, 0, window_lo / block).copy_(out[2]);
