@@ -2,7 +2,7 @@
 // time (the PyTorch version is sparse_attention._BlockWalk.walk over _query_block): each block's logits of its
 // global tokens and window, its window's visibility and its candidates (every stored key before its window) are
 // formed here and passed to sparse_block_attend. In Python these took about 40 small operations a block: at 8K
-// tokens, 128 blocks a layer, a tenth of the layer's attention.
+// tokens, 128 blocks a layer, 5% of one Llama layer's prefill (0.588 s against 0.559 s compiled).
 #include "hybrid_kernels.h"
 
 #include <ATen/ops/matmul.h>
@@ -34,9 +34,9 @@ std::vector<at::Tensor> sparse_walk_attend(const at::Tensor& q, const at::Tensor
   auto chosen = at::zeros({B, Hkv, L, N}, q.options().dtype(at::kBool));
   // buffers for every block, sized for the largest (the last block's candidates, a whole window): allocated per
   // block, buffers of megabytes were mapped afresh and their pages faulted in once the model's own buffers had moved
-  // the allocator's thresholds (a third more page faults than SDPA in SmolLM2's forward at 4K tokens)
+  // the allocator's thresholds (SmolLM2's forward at 4K tokens: 773K page faults against SDPA's 550K)
   const int64_t rows = B * Hkv * G * std::min(block, L);
-  auto scratch = at::empty({rows * (last_window + 2 * N)}, q.options());
+  auto scratch = at::empty({N ? rows * (last_window + 2 * N) : 0}, q.options());
   auto window_logits = at::empty({rows * (window_blocks + 1) * block}, q.options());
   for (int64_t lo = first; lo < end;) {
     const int64_t hi = std::min(end, (lo / block + 1) * block), nq = hi - lo;
