@@ -356,7 +356,7 @@ def test_sparse_block_kernel_matches_the_reference(head_dim, heads, block_kernel
 
 
 @pytest.mark.parametrize("first", [0, 13, 40])  # the whole call, a partial first block, after whole blocks
-def test_the_compiled_walk_matches_the_walk_block_by_block(first):
+def test_the_compiled_walk_matches_the_walk_block_by_block(first, monkeypatch):
     """The compiled loop over a call's blocks of queries (``csrc/sparse_walk.cpp``) against the Python loop over the
     same blocks (each through the block kernel), float32, for every geometry of the sparse tests whose candidates
     are the stored keys before the window, left and right padding: the same context, choice and log-sum-exps."""
@@ -364,6 +364,17 @@ def test_the_compiled_walk_matches_the_walk_block_by_block(first):
     from performer_hf.modeling.sparse_spec import SparseState
 
     from .test_sparse_attention import SPECS, _inputs
+
+    kernels, walked = cpu_kernels.hybrid_kernels(), []
+
+    class Spy:  # the block kernel as it is; the compiled loop counted (a fallback to Python would compare it to itself)
+        sparse_block_attend = staticmethod(kernels.sparse_block_attend)
+
+        def sparse_walk_attend(self, *args):
+            walked.append(args[-1])  # geometry
+            return kernels.sparse_walk_attend(*args)
+
+    monkeypatch.setattr("performer_hf.modeling.sparse_attention.hybrid_kernels", Spy)
 
     q, k, v, mask = (t.float() if t.is_floating_point() else t for t in _inputs(length=70, dim=16, seed=first))
     mask[0, :5] = False  # row 0 left-padded, row 1 right-padded
@@ -375,7 +386,7 @@ def test_the_compiled_walk_matches_the_walk_block_by_block(first):
     for name, spec in {**SPECS, **latest}.items():
         n, state = spec.num_global_tokens, SparseState.empty(k, v, spec.block_size)
         walk = _BlockWalk(k, v, mask, (k[:, :, :n], v[:, :, :n], mask[:, :n]), state, spec)
-        if walk.by_window or (spec.bounded and not spec.budget):  # candidates from a pool: the Python loop alone
+        if walk.pool_alone:  # candidates from a pool: the Python loop alone
             continue
         with torch.no_grad():
             compiled, blockwise = walk.walk(q[:, :, first:], first), walk._walk_blocks(q[:, :, first:], first)
@@ -383,6 +394,7 @@ def test_the_compiled_walk_matches_the_walk_block_by_block(first):
         assert torch.equal(compiled[1], blockwise[1]), name
         torch.testing.assert_close(compiled[2], blockwise[2], rtol=1e-6, atol=1e-6, msg=name)
         compared += 1
+        assert len(walked) == compared, name
     assert compared == 5
 
 

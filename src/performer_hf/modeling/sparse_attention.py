@@ -257,6 +257,9 @@ class _BlockWalk:
             stored_blocks = -(-R // spec.block_size)
             self.mass = torch.cat([self.mass, self.mass.new_zeros(B, Hkv, stored_blocks - self.mass.shape[2])], dim=2)
         self.selectable = _selectable(key_mask, self.start, spec)  # (B, R)
+        # each block's candidates: the pool alone (empty without selection), or the stored keys before its window
+        # (every key, or ranking "latest": this call's) after the pool's
+        self.pool_alone = self.by_window or (spec.bounded and not spec.budget)
 
     def run(
         self, q: Tensor, first: int, end: int, fused: bool = False, exact: Tensor | None = None, keep_state: bool = True
@@ -272,8 +275,8 @@ class _BlockWalk:
             contexts, done = [flex_prefill(q, self.keys, self.values, self.key_mask, self.spec)], end
         else:  # done: the first position left to walk
             contexts, done = ([], first) if exact is None else ([exact], first + exact.shape[2])
-        if done > first and self.spec.bounded:  # what the block walk leaves: the blocks before the last window go
-            self.pushed = max(self.pushed, (done - 1) // block - self.spec.window_blocks)
+        if done > first:  # what the block walk leaves
+            self._leave_window(done - 1)
         if done < end and exact is not None and _records_gradient(q, self.keys, self.values):
             # exact is given for a call from the first token whose pool is not ranked by the window: every stored key
             # is a candidate, so one gradient serves every walked query at once
@@ -289,6 +292,12 @@ class _BlockWalk:
                 self.pool.prune(self.spec.budget)
         return contexts[0] if len(contexts) == 1 else torch.cat(contexts, dim=2)
 
+    def _leave_window(self, position: int) -> None:
+        """With a bounded pool, the stored key blocks before the window of the query at ``position`` are no longer
+        kept (the pool holds what it selected of them)."""
+        if self.spec.bounded:
+            self.pushed = max(self.pushed, position // self.spec.block_size - self.spec.window_blocks)
+
     def _to_pool(self, lo: int, hi: int, score: Tensor) -> None:
         """Add the stored key blocks lo ... hi - 1 (counted from the first stored one) to the pool, with ``score``
         (B, Hkv, hi - lo)."""
@@ -302,16 +311,15 @@ class _BlockWalk:
         the stored keys before its window (a call from the first token, ranking ``"latest"`` or no budget), float32
         on the CPU, in the compiled loop (``csrc/sparse_walk.cpp``)."""
         spec, block, end = self.spec, self.spec.block_size, first + q.shape[2]
-        prefix = not self.by_window and not (spec.bounded and not spec.budget) and not self.pool.score.shape[2]
-        kernels = _cpu_kernels(q, self.keys, self.values) if prefix and self.start == 0 else None
+        prefix = not self.pool_alone and not self.pool.score.shape[2] and self.start == 0
+        kernels = _cpu_kernels(q, self.keys, self.values) if prefix else None
         if kernels is not None:
             globals_ = [self.global_keys, self.global_values, self.global_mask]
             geometry = [block, spec.select_blocks, spec.window_blocks, first]
             context, chosen, lse = kernels.sparse_walk_attend(
                 q, self.keys, self.values, self.key_mask, self.selectable, globals_, geometry
             )
-            if spec.bounded:  # what _query_block leaves: the blocks before the last block's window go
-                self.pushed = max(self.pushed, (end - 1) // block - spec.window_blocks)
+            self._leave_window(end - 1)  # what _query_block leaves
             return context, chosen, lse
         return self._walk_blocks(q, first)
 
@@ -335,11 +343,10 @@ class _BlockWalk:
             lo, hi = self.pushed - self.first_block, window_block - self.first_block
             self._to_pool(lo, hi, self.mass[:, :, lo:hi])
             self.pool.prune(spec.budget)
-        if spec.bounded:  # without selection, nothing is kept once it leaves the window
-            self.pushed = max(self.pushed, window_block)
-        if self.by_window or (spec.bounded and not spec.budget):  # the pool alone (empty without selection)
+        self._leave_window(q_lo)
+        if self.pool_alone:
             candidates = self.pool.flat()
-        else:  # the stored keys before the window (every key, or ranking "latest": this call's), after the pool's
+        else:
             hi = window_block * block - start
             candidates = (keys[:, :, :hi], values[:, :, :hi], selectable[:, None, :hi].expand(B, Hkv, hi))
             if self.pool.score.shape[2]:
