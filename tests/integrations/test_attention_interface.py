@@ -213,6 +213,28 @@ def test_plain_generate_decodes_from_the_methods_own_state(arch, method, tmp_pat
     assert sizes[0] == sizes[1] > 0
 
 
+@pytest.mark.parametrize("method", ["favor", "hybrid", "sparse, latest ranking"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_a_forward_told_use_cache_false_keeps_no_state(arch, method, tmp_path):
+    """A first forward without gradients keeps the method's state for the next call (what plain generate() adopts):
+    not when told use_cache=False, so that an evaluation holds no state between calls; the outputs are the same.
+    (Gemma3's and GPT-2's layers do not pass use_cache on to attention: their state is kept, as before.)"""
+    _, folder = _source(DECODERS[arch], tmp_path)
+    implementation, settings, _ = OWN_STATE[method]
+    model = _load(folder, implementation, **settings)
+    ids = _ids(2, 40)
+
+    def kept_layers():
+        return [module for module in model.modules() if "_performer_pending_cache_layer" in module.__dict__]
+
+    with torch.no_grad():
+        uncached = model(ids, use_cache=False).logits
+        assert kept_layers() == []
+        cached = model(ids, use_cache=True).logits
+    assert len(kept_layers()) > 0
+    torch.testing.assert_close(uncached, cached, rtol=0, atol=0)
+
+
 def test_sparse_refuses_encoders_and_a_bounded_state_in_a_key_value_cache(tmp_path):
     _, folder = _source(_bert_config(), tmp_path, encoder=True)
     with pytest.raises(ValueError, match="causal only"):

@@ -117,9 +117,15 @@ def _performer_attention(implementation: str):
         if groups > 1 and not grouped_kv:  # grouped-query attention: each key/value head serves `groups` query heads
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (B, H, Lk, D)
         key_mask = _key_mask(attention_mask)
-        if layer_cache is None and transfer is None and _starts_own_state(state, query, key, causal):
+        if (
+            layer_cache is None
+            and transfer is None
+            and kwargs.get("use_cache") is not False
+            and _starts_own_state(state, query, key, causal)
+        ):
             # a sequence's first call, without gradients: the method's state is kept as well, and handed to the
-            # caller's key/value cache at the next call (so that plain generate() decodes from the state)
+            # caller's key/value cache at the next call (so that plain generate() decodes from the state); not where
+            # the model was told use_cache=False (the architectures that pass it on to attention say so)
             layer_cache = ATTENTION_METHODS[state.attention_method].cache_layer()
             layer_cache.update(key, value)
             adopt_on_next_call(module, layer_cache)

@@ -2,8 +2,9 @@
 
 ``generate()`` builds a key/value ``DynamicCache`` by default. The sparse method with every block kept reads it in
 place. For the methods whose decoding keeps a state of its own (FAVOR+ and the hybrid: constant-size; the sparse
-method with ``select_budget``: bounded), the first call of a sequence without gradients also builds that state in
-the method's cache layer (``modeling/cache_performer.py``), and :func:`adopt_on_next_call` puts the layer in the
+method with ``select_budget``: bounded), the first call of a sequence without gradients (unless the model was told
+``use_cache=False``, where its layers pass that on to attention: Llama, Mistral, Qwen) also builds that state in the
+method's cache layer (``modeling/cache_performer.py``), and :func:`adopt_on_next_call` puts the layer in the
 key/value cache's place at the next call, so that plain ``generate()`` decodes from the state. A
 :class:`PerformerCache` holds those layers from the start::
 
