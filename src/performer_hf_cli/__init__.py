@@ -124,6 +124,20 @@ def parser() -> argparse.ArgumentParser:
     return command_line
 
 
+def output_replaces_source(output_dir: Path, source: Path) -> str | None:
+    """Why writing ``output_dir`` would replace the ``source`` folder (it is the source, or holds it: a conversion
+    replaces its output folder whole, even with ``--overwrite``), as one line; None where it would not."""
+    if not source.is_dir():
+        return None
+    source, output = source.resolve(), output_dir.expanduser().resolve()
+    if output != source and output not in source.parents:
+        return None
+    return (
+        f"output folder {output_dir} {'is' if output == source else 'holds'} the source {source}: writing it would "
+        f"replace the source. Choose another output folder, e.g. {source}-performer."
+    )
+
+
 def precheck(args: argparse.Namespace) -> str | None:
     """A problem with the command line that shows without loading anything (a missing folder, a folder in the way, an
     option that needs another), as the one line to print; None when there is none to see here."""
@@ -131,6 +145,8 @@ def precheck(args: argparse.Namespace) -> str | None:
         output_dir = Path(args.output_dir)
         if output_dir.exists() and not output_dir.is_dir():
             return f"output {output_dir} exists and is not a folder."
+        if replaced := output_replaces_source(output_dir, Path(args.source).expanduser()):
+            return replaced
         if output_dir.is_dir() and any(output_dir.iterdir()) and not args.overwrite:
             return f"output folder {output_dir} exists and is not empty; pass --overwrite to replace it."
         if args.transfer_text is not None and not args.transfer_steps:

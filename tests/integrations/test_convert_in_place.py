@@ -104,6 +104,41 @@ def test_fields_the_architecture_fixes_are_refused_before_anything_is_written(tm
     assert [p.name for p in tmp_path.iterdir()] == ["source"]
 
 
+def test_a_tokenizer_of_vocabulary_and_merges_files_is_copied_whole(tmp_path):
+    """A byte-level BPE tokenizer saved as vocab.json + merges.txt (no tokenizer.json, as older Qwen2 and GPT-2
+    folders ship it) reaches the converted folder whole: it encodes text as the source's does."""
+    _save_source("Qwen2ForCausalLM", tmp_path / "source")
+    vocab = {"h": 0, "e": 1, "l": 2, "o": 3, "he": 4, "ll": 5, "hell": 6, "hello": 7, "Ġ": 8, "w": 9, "r": 10, "d": 11}
+    (tmp_path / "source" / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "source" / "merges.txt").write_text("#version: 0.2\nh e\nl l\nhe ll\nhell o\n")
+    (tmp_path / "source" / "added_tokens.json").write_text(json.dumps({"<|endoftext|>": 12}))
+    config = {"tokenizer_class": "Qwen2Tokenizer", "unk_token": None, "eos_token": "<|endoftext|>"}
+    (tmp_path / "source" / "tokenizer_config.json").write_text(json.dumps(config))
+    out = performer_hf.convert(tmp_path / "source", tmp_path / "out", fidelity=False)
+    report = json.loads((out / "conversion_report.json").read_text())
+    assert {"vocab.json", "merges.txt", "added_tokens.json", "tokenizer_config.json"} <= set(report["copied_files"])
+    text = "hello world hello<|endoftext|>"
+    expected = AutoTokenizer.from_pretrained(tmp_path / "source")(text).input_ids
+    assert 7 in expected and AutoTokenizer.from_pretrained(out)(text).input_ids == expected
+
+
+@pytest.mark.parametrize("where", ["the source", "its parent"])
+def test_an_output_folder_that_would_replace_the_source_is_refused(where, tmp_path, capsys):
+    """Converting into the source folder, or a folder holding it, would replace the source even with --overwrite:
+    the library and the command line refuse it, before anything is written, naming another folder."""
+    _save_source("LlamaForCausalLM", tmp_path / "models" / "source")
+    (tmp_path / "models" / "source" / "NOTES.md").write_text("mine")
+    before = sorted(p.name for p in (tmp_path / "models" / "source").iterdir())
+    out = tmp_path / "models" / "source" if where == "the source" else tmp_path / "models"
+    with pytest.raises(ConversionError, match=r"the source .*: writing it would replace the source"):
+        performer_hf.convert(tmp_path / "models" / "source", out, overwrite=True, fidelity=False)
+    assert main(["convert", str(tmp_path / "models" / "source"), str(out), "--overwrite", "-q"]) == 1
+    assert "source-performer" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "models" / "source").iterdir()) == before
+    assert (tmp_path / "models" / "source" / "NOTES.md").read_text() == "mine"
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["source"]
+
+
 def _save_tokenizer(folder, text):
     """A word-level tokenizer over ``text``'s words (the tiny sources have none)."""
     words = sorted(set(text.split()))

@@ -28,6 +28,7 @@ from .model_card import CardSource, build_model_card, source_license
 from .output_folder import check_output_dir, publish
 from .sentence_pipeline import copy_sentence_pipeline
 from .source import SourceCheckpoint, _one_line, load_weights, read_source, resolve_source, source_architecture
+from .tokenizer_files import copy_tokenizer, tokenizer_files
 
 logger = logging.getLogger(__name__)
 
@@ -50,17 +51,6 @@ FIXED_BY_SOURCE = frozenset(
         "transformers_version",
         "architectures",
     }
-)
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.txt",
-    "vocab.json",
-    "merges.txt",
-    "spiece.model",
-    "sentencepiece.bpe.model",
 )
 REPORT_FILE = "conversion_report.json"
 
@@ -219,7 +209,7 @@ def _load_source_model(checkpoint: SourceCheckpoint) -> torch.nn.Module:
 
 
 def _load_tokenizer(folder: Path):
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+    if not tokenizer_files(folder):
         return None
     from transformers import AutoTokenizer
 
@@ -268,20 +258,6 @@ def attention_settings(config: PerformerConfig) -> dict[str, Any]:
         if config.accelerator_exact_max_length is not None:
             names.append("accelerator_exact_max_length")
     return {name: getattr(config, name) for name in names}
-
-
-def _copy_tokenizer(source: Path, target: Path, positions: int, extended: bool) -> list[str]:
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, target / name)
-            copied.append(name)
-    config_file = target / "tokenizer_config.json"
-    if extended and config_file.is_file():  # let the tokenizer produce the longer inputs the model now reads
-        tokenizer_config = json.loads(config_file.read_text())
-        tokenizer_config["model_max_length"] = positions
-        config_file.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    return copied
 
 
 # Keywords of earlier releases, still taken (with a FutureWarning): the transfer options, now one TransferSettings,
@@ -359,10 +335,11 @@ def convert(
 
     Raises:
         ConversionError: with a one-line cause, for an unsupported architecture, missing or corrupt
-            weights, a config that does not match the weights, or an existing non-empty output folder.
+            weights, a config that does not match the weights, an existing non-empty output folder, or an output
+            folder that is (or holds) the source folder.
     """
     output_dir = Path(output_dir).expanduser().absolute()
-    check_output_dir(output_dir, overwrite)
+    check_output_dir(output_dir, overwrite, Path(source).expanduser())
     overrides = dict(overrides)
     transfer, revision = _deprecated_keywords(overrides, transfer)
     folder, repo_id = resolve_source(source, revision)
@@ -451,7 +428,7 @@ def convert(
     try:
         model.save_pretrained(staging)
         positions = config.max_position_embeddings - config.position_offset
-        copied = _copy_tokenizer(folder, staging, positions, extended)
+        copied = copy_tokenizer(folder, staging, positions if extended else None)
         sentence_pipeline = copy_sentence_pipeline(folder, staging, positions, extended)
         card_source = CardSource(
             base_model, source_license(folder), checkpoint.architecture, pretrained_rows - config.position_offset

@@ -28,12 +28,14 @@ from ..modeling.attention_settings import ATTENTION_FIELDS, CONFIG_ATTRIBUTE, he
 from .errors import ConversionError
 from .model_card import build_in_place_card, source_license
 from .output_folder import publish
+from .tokenizer_files import tokenizer_files
 
 logger = logging.getLogger(__name__)
 
 # the converter's method names -> attn_implementation names
 IMPLEMENTATION_OF_METHOD = {"hybrid": "performer_hybrid", "favor": "performer", "sparse": "performer_sparse"}
 PARITY_TOLERANCE = 1e-4
+GENERATION_FILES = ("generation_config.json",)  # copied with the tokenizer's files, where the model wrote none
 
 
 @dataclass(frozen=True)
@@ -240,8 +242,7 @@ def convert_in_place(
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
     try:
         ship_remote_code(model).save_pretrained(staging)  # with the code that loads it without performer_hf
-        prefixes = ("tokenizer", "special_tokens", "chat_template", "generation_config")
-        copied = [p.name for p in folder.iterdir() if p.is_file() and p.name.startswith(prefixes)]
+        copied = tokenizer_files(folder) + [name for name in GENERATION_FILES if (folder / name).is_file()]
         for name in copied:
             if not (staging / name).exists():
                 shutil.copy2(folder / name, staging / name)

@@ -10,13 +10,18 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from performer_hf_cli import output_replaces_source
+
 from .errors import ConversionError
 
 
-def check_output_dir(output_dir: Path, overwrite: bool) -> None:
-    """Refuse an output that is a file, or a non-empty folder unless ``overwrite``."""
+def check_output_dir(output_dir: Path, overwrite: bool, source: Path | None = None) -> None:
+    """Refuse an output that is a file, the ``source`` folder or a folder holding it (replacing it would delete the
+    source, even with ``overwrite``), or a non-empty folder unless ``overwrite``."""
     if output_dir.exists() and not output_dir.is_dir():
         raise ConversionError(f"output {output_dir} exists and is not a folder.")
+    if source is not None and (replaced := output_replaces_source(output_dir, source)):
+        raise ConversionError(replaced)
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
         raise ConversionError(f"output folder {output_dir} exists and is not empty; pass --overwrite to replace it.")
 
