@@ -139,6 +139,25 @@ def test_an_output_folder_that_would_replace_the_source_is_refused(where, tmp_pa
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["source"]
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--local-window", "100"], "local_window=100 must be a multiple of select_block_size=64"),
+        (["--method", "hybrid", "--local-window", "-3"], "local_window"),
+        (["--set", "select_ranking=best"], "select_ranking"),
+        (["--method", "favor", "--nb-features", "0"], "nb_features"),
+    ],
+)
+def test_bad_attention_settings_end_with_one_line_before_anything_is_loaded(options, message, tmp_path, capsys):
+    """Settings a decoder converted in place cannot take are refused with the settings' own message, as a
+    conversion error (one line on the command line, no traceback), before the source is loaded or anything written."""
+    _save_source("LlamaForCausalLM", tmp_path / "source")
+    assert main(["convert", str(tmp_path / "source"), str(tmp_path / "out"), "-q", *options]) == 1
+    err = capsys.readouterr().err
+    assert "invalid attention settings" in err and message in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
 def _save_tokenizer(folder, text):
     """A word-level tokenizer over ``text``'s words (the tiny sources have none)."""
     words = sorted(set(text.split()))

@@ -20,14 +20,14 @@ from ..modeling.attention_methods import ATTENTION_METHODS, preset_under
 from ..modeling.configuration_performer import PerformerConfig
 from ..modeling.far_fields import FAR_FIELDS
 from .calibration import calibrate as calibrate_model
-from .errors import ConversionError
+from .errors import ConversionError, one_line
 from .fidelity import FidelityReport, measure_fidelity, sample_batch
 from .in_place import IN_PLACE_ARCHITECTURES, TransferSettings, convert_in_place
 from .mapping import POSITION_TABLE, MappingResult, extend_positions, map_weights
 from .model_card import CardSource, build_model_card, source_license
 from .output_folder import check_output_dir, publish
 from .sentence_pipeline import copy_sentence_pipeline
-from .source import SourceCheckpoint, _one_line, load_weights, read_source, resolve_source, source_architecture
+from .source import SourceCheckpoint, load_weights, read_source, resolve_source, source_architecture
 from .tokenizer_files import copy_tokenizer, tokenizer_files
 
 logger = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def performer_config(
     try:
         return PerformerConfig(**merged)
     except (ValueError, TypeError, StrictDataclassError) as error:  # strict validation wraps the ValueError
-        raise ConversionError(f"invalid Performer settings: {_one_line(error.__cause__ or error)}") from None
+        raise ConversionError(f"invalid Performer settings: {one_line(error.__cause__ or error)}") from None
 
 
 def build_model(target_class: str, config: PerformerConfig, pooler: bool) -> torch.nn.Module:
@@ -203,7 +203,7 @@ def _load_source_model(checkpoint: SourceCheckpoint) -> torch.nn.Module:
         cls = getattr(transformers, checkpoint.architecture)
         return cls.from_pretrained(checkpoint.folder, dtype=torch.float32, attn_implementation="sdpa").eval()
     except Exception as error:  # any failure here means transformers itself cannot read the checkpoint
-        raise ConversionError(f"transformers cannot load the source checkpoint ({_one_line(error)}).") from None
+        raise ConversionError(f"transformers cannot load the source checkpoint ({one_line(error)}).") from None
     finally:
         hf_logging.set_verbosity(verbosity)
 

@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from ..data_assets import python_docs, python_docstrings
 from ..integrations.attention_transfer import text_batches, transfer_attention
 from ..integrations.remote_code import ship_remote_code
 from ..modeling.attention_settings import ATTENTION_FIELDS, CONFIG_ATTRIBUTE, head_shape, method_config
-from .errors import ConversionError
+from .errors import ConversionError, one_line
 from .model_card import build_in_place_card, source_license
 from .output_folder import publish
 from .tokenizer_files import tokenizer_files
@@ -95,7 +96,11 @@ def _auto_class(row: InPlace):
     return getattr(transformers, row.auto_class)
 
 
-def _attention_settings(overrides: dict[str, Any]) -> dict[str, Any]:
+def _attention_settings(folder: Path, implementation: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The attention fields given for ``folder``'s model, checked with its head shapes (as its first call would check
+    them) before any model is loaded."""
+    from transformers import AutoConfig
+
     overrides = {name: value for name, value in overrides.items() if value is not None}
     unknown = sorted(set(overrides) - set(ATTENTION_FIELDS))
     if unknown:
@@ -103,6 +108,12 @@ def _attention_settings(overrides: dict[str, Any]) -> dict[str, Any]:
             f"{', '.join(unknown)} cannot be set for a model converted in place (its architecture is kept); "
             f"the attention fields can: {', '.join(ATTENTION_FIELDS)}."
         )
+    config = AutoConfig.from_pretrained(folder)
+    setattr(config, CONFIG_ATTRIBUTE, dict(overrides))
+    try:
+        method_config(config, implementation, True, *head_shape(config))
+    except (ValueError, TypeError, StrictDataclassError) as error:  # strict validation wraps the ValueError
+        raise ConversionError(f"invalid attention settings: {one_line(error.__cause__ or error)}") from None
     return overrides
 
 
@@ -226,7 +237,7 @@ def convert_in_place(
     learnable parts are first trained to match the source's attention (the weights stay the source's)."""
     row = IN_PLACE_ARCHITECTURES[architecture]
     implementation = IMPLEMENTATION_OF_METHOD[method]
-    settings = _attention_settings(overrides)
+    settings = _attention_settings(folder, implementation, overrides)
     parity = exact_parity(folder, row, implementation) if fidelity else None
     if parity is not None and parity > PARITY_TOLERANCE:
         raise ConversionError(

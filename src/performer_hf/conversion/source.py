@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConversionError
+from .errors import ConversionError, one_line
 from .mapping import SUPPORTED_ARCHITECTURES, Family, find_family
 
 logger = logging.getLogger(__name__)
@@ -22,11 +22,6 @@ SAFETENSORS_FILE, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.in
 PYTORCH_FILE, PYTORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 # everything but the weights: config, tokenizer, model card
 _METADATA_PATTERNS = ["*.json", "*.txt", "*.model", "README.md"]
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 def resolve_source(source: str | Path, revision: str | None = None) -> tuple[Path, str | None]:
@@ -51,7 +46,7 @@ def resolve_source(source: str | Path, revision: str | None = None) -> tuple[Pat
         raise ConversionError(f"source {source!r} is neither an existing folder nor a valid Hub id.") from None
     except Exception as error:  # huggingface_hub raises many types (offline, 404, HTTP); all mean "not found"
         raise ConversionError(
-            f"source {source!r} is not a local folder and could not be fetched from the Hub ({_one_line(error)})."
+            f"source {source!r} is not a local folder and could not be fetched from the Hub ({one_line(error)})."
         ) from None
     return folder, repo_id
 
@@ -72,7 +67,7 @@ def _config_json(folder: Path) -> dict:
     try:
         return json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConversionError(f"{config_file} is not valid JSON ({_one_line(error)}).") from None
+        raise ConversionError(f"{config_file} is not valid JSON ({one_line(error)}).") from None
 
 
 def source_architecture(folder: Path) -> str:
@@ -106,7 +101,7 @@ def read_source(folder: Path, repo_id: str | None) -> SourceCheckpoint:
         config = CONFIG_MAPPING[family.model_type].from_dict(raw)
     except (ValueError, TypeError) as error:
         raise ConversionError(
-            f"{folder / 'config.json'} is not a valid {family.model_type} config ({_one_line(error)})."
+            f"{folder / 'config.json'} is not a valid {family.model_type} config ({one_line(error)})."
         ) from None
     return SourceCheckpoint(folder, repo_id, config, architecture, family)
 
@@ -119,7 +114,7 @@ def _weight_files(folder: Path) -> list[Path]:
             try:
                 shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
             except (json.JSONDecodeError, KeyError, AttributeError, UnicodeDecodeError) as error:
-                raise ConversionError(f"{folder / index} is not a valid shard index ({_one_line(error)}).") from None
+                raise ConversionError(f"{folder / index} is not a valid shard index ({one_line(error)}).") from None
             missing = [name for name in shards if not (folder / name).is_file()]
             if missing:
                 raise ConversionError(f"{folder} is missing weight shards listed in {index}: {', '.join(missing)}.")
@@ -146,9 +141,9 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
         except ConversionError:
             raise
         except (SafetensorError, OSError, RuntimeError, EOFError, ValueError) as error:
-            raise ConversionError(f"cannot read weights from {file} ({_one_line(error)}).") from None
+            raise ConversionError(f"cannot read weights from {file} ({one_line(error)}).") from None
         except Exception as error:  # torch.load(weights_only=True) refuses pickled objects with UnpicklingError
-            raise ConversionError(f"refusing to read {file}: not plain tensors ({_one_line(error)}).") from None
+            raise ConversionError(f"refusing to read {file}: not plain tensors ({one_line(error)}).") from None
         tensors.update(part)
     if not tensors:
         raise ConversionError(f"the weights in {folder} are empty.")
