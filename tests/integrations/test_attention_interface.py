@@ -3,6 +3,8 @@
 padding, cached generation against a full forward, constant cache bytes, exact-mode parity with the
 source model, and save / load."""
 
+import logging
+
 import pytest
 import torch
 import transformers
@@ -245,6 +247,40 @@ def test_sparse_refuses_encoders_and_a_bounded_state_in_a_key_value_cache(tmp_pa
     model(_ids(1, 40), use_cache=True, **{CACHE_KEYWORD: cache})  # with gradients on: nothing is adopted
     with pytest.raises(ValueError, match="PerformerCache"):
         model(_ids(1, 1, seed=2), use_cache=True, **{CACHE_KEYWORD: cache})
+
+
+@pytest.mark.parametrize("saved", ["performer_sparse", "performer_hybrid"])
+def test_another_attn_implementation_than_the_saved_one_runs_its_own_method(saved, tmp_path, caplog):
+    """A folder saved with one method's settings, loaded with another attn_implementation, runs the method asked for
+    (with its preset, as a fresh load does), with a warning naming the saved method; the saved settings are replaced
+    (so a save records a consistent pair). Loaded with its own implementation, it keeps them."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    wanted = "performer_hybrid" if saved == "performer_sparse" else "performer_sparse"
+    ids = _ids(1, 40)
+    with torch.no_grad():
+        first = _load(folder, saved, **SHORT_WINDOW[saved])
+        first(ids)  # records every setting, the method's name too
+        first.save_pretrained(tmp_path / "saved")
+        expected = _load(folder, wanted)(ids).logits
+        kept = _load(tmp_path / "saved", saved)
+        kept_logits = kept(ids).logits
+        model = _load(tmp_path / "saved", wanted)
+        with caplog.at_level(logging.WARNING, logger="performer_hf"):
+            logits = model(ids).logits
+    assert kept.config.performer_attention["local_window"] == SHORT_WINDOW[saved]["local_window"]
+    assert not torch.equal(kept_logits, logits)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    method = {"performer_sparse": "sparse", "performer_hybrid": "hybrid"}
+    assert model.config.performer_attention["attention_method"] == method[wanted]
+    assert [r.getMessage() for r in caplog.records if f"settings of the {method[saved]!r} method" in r.getMessage()]
+
+
+def test_settings_that_are_not_a_dict_are_refused(tmp_path):
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, "performer", **{})
+    model.config.performer_attention = "performer"
+    with pytest.raises(ValueError, match="must be a dict of PerformerConfig's attention fields"):
+        model(_ids(1, 8))
 
 
 @pytest.mark.parametrize("arch", list(DECODERS))

@@ -25,7 +25,13 @@ from huggingface_hub.errors import StrictDataclassError
 from ..data_assets import python_docs, python_docstrings
 from ..integrations.attention_transfer import text_batches, transfer_attention
 from ..integrations.remote_code import ship_remote_code
-from ..modeling.attention_settings import ATTENTION_FIELDS, CONFIG_ATTRIBUTE, head_shape, method_config
+from ..modeling.attention_settings import (
+    ATTENTION_FIELDS,
+    CONFIG_ATTRIBUTE,
+    IMPLEMENTATION_OF_METHOD,
+    head_shape,
+    method_config,
+)
 from .errors import ConversionError, one_line
 from .model_card import build_in_place_card, source_license
 from .output_folder import publish
@@ -34,7 +40,6 @@ from .tokenizer_files import tokenizer_files
 logger = logging.getLogger(__name__)
 
 # the converter's method names -> attn_implementation names
-IMPLEMENTATION_OF_METHOD = {"hybrid": "performer_hybrid", "favor": "performer", "sparse": "performer_sparse"}
 PARITY_TOLERANCE = 1e-4
 GENERATION_FILES = ("generation_config.json",)  # copied with the tokenizer's files, where the model wrote none
 

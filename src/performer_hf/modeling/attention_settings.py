@@ -50,10 +50,34 @@ IMPLEMENTATIONS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+# the attention method each attn_implementation name runs (the "exact" kernel runs under any of them)
+METHOD_OF_IMPLEMENTATION = {"performer": "favor", "performer_hybrid": "hybrid", "performer_sparse": "sparse"}
+IMPLEMENTATION_OF_METHOD = {method: name for name, method in METHOD_OF_IMPLEMENTATION.items()}
+
+
 def resolved_settings(config, implementation: str, causal: bool) -> dict[str, Any]:
     """The attention fields for ``config``'s model under ``implementation``: the preset, overridden by
-    ``config.performer_attention``; recorded on the config (with ``attn_implementation``) on first use."""
+    ``config.performer_attention``; recorded on the config (with ``attn_implementation``) on first use. Settings
+    that name another implementation's method (a converted folder loaded with another ``attn_implementation``) give
+    way to ``implementation``'s preset, with a warning."""
     given = getattr(config, CONFIG_ATTRIBUTE, None) or {}
+    if not isinstance(given, dict):
+        raise ValueError(
+            f"config.{CONFIG_ATTRIBUTE} must be a dict of PerformerConfig's attention fields (e.g. "
+            f"{{'local_window': 512}}), got {type(given).__name__} {given!r}."
+        )
+    named = given.get("attention_method")
+    if named in METHOD_OF_IMPLEMENTATION.values() and named != METHOD_OF_IMPLEMENTATION[implementation]:
+        logger.warning(
+            "config.%s holds settings of the %r method, but the model was loaded with attn_implementation=%r: it "
+            "runs the %r method with its preset (load it with attn_implementation=%r to keep the saved settings).",
+            CONFIG_ATTRIBUTE,
+            named,
+            implementation,
+            METHOD_OF_IMPLEMENTATION[implementation],
+            IMPLEMENTATION_OF_METHOD[named],
+        )
+        given = {}
     unknown = sorted(set(given) - set(ATTENTION_FIELDS))
     if unknown:
         raise ValueError(
