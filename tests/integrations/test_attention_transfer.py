@@ -92,6 +92,24 @@ def test_transfer_refuses_inputs_the_window_covers_and_models_without_performer_
         performer_hf.transfer_attention(source, _batches(), steps=2, progress=False)
 
 
+def test_a_refused_transfer_leaves_the_model_as_it_was(tmp_path):
+    """Whatever stops a transfer (a model without Performer attention, the sparse method, which has nothing to
+    learn, batches that are not dicts of inputs), the model's parameters train and its mode is what it was."""
+    source, folder = _source(DECODERS["llama"], tmp_path)
+    sparse = _load(folder, "performer_sparse", **SHORT_WINDOW["performer_sparse"])
+    cases = [
+        (source, _batches(), "runs no Performer attention"),
+        (sparse, _batches(), "the 'sparse' method has none: load the model with attn_implementation="),
+        (source, [_ids(2, 48)], "each batch is a dict of the model's inputs"),
+    ]
+    for model, batches, message in cases:
+        model.train()
+        trainable = [p.requires_grad for p in model.parameters()]
+        with pytest.raises(ValueError, match=message):
+            performer_hf.transfer_attention(model, batches, steps=2, progress=False)
+        assert model.training and [p.requires_grad for p in model.parameters()] == trainable
+
+
 def test_transfer_starts_the_centres_at_the_sources_mean_query_and_key(tmp_path):
     """Independent reference: the rotated queries and keys the source's own attention receives, captured by an
     attention function that then runs SDPA."""

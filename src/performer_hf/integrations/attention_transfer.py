@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +48,7 @@ MAX_FAR_FIELD_PARAMETER = 0.12  # FAVOR++'s A must stay below 1/8 (finite varian
 # The far-field gains' log moves this many times faster than the rest: a few hundred steps must be able to turn
 # a far field down by orders of magnitude, while the centres and projections take small steps.
 GAIN_LEARNING_RATE_FACTOR = 10.0
+TRAINABLE_METHODS = {"favor", "hybrid"}  # the methods with learnable parts (the sparse method and exact have none)
 # (config field, the learned tensor's name, the field's neutral value): per-head values that transfer learns and
 # writes to the config
 _CONFIG_VALUES = (("far_field_parameter", "far_field_parameter", 0.0), ("far_field_gain", "far_field_log_gain", 1.0))
@@ -172,73 +173,86 @@ def transfer_attention(
     batches = list(batches)
     if not batches:
         raise ValueError("no batches to train on.")
+    if not all(isinstance(batch, Mapping) for batch in batches):
+        raise ValueError(
+            "each batch is a dict of the model's inputs ({'input_ids': ..., 'attention_mask': ...}, as text_batches() "
+            f"gives them), got a {type(next(b for b in batches if not isinstance(b, Mapping))).__name__}."
+        )
     was_training = model.training
     model.eval()
     frozen = [p for p in model.parameters() if p.requires_grad]
     for parameter in frozen:
         parameter.requires_grad_(False)
-    with torch.no_grad():
-        model(**batches[0])  # builds every layer's method state
-    states = _states(model)
-    if not states:
-        raise ValueError(
-            "the model runs no Performer attention: load it with attn_implementation='performer_hybrid' (or "
-            "'performer'), or convert it with performer_hf.convert."
-        )
-    _centre_on_the_source(model, batches[0], states)
-    learned = [_learnable(state) for _, state in states]
-    gains = [
-        (state, parameters["far_field_log_gain"])
-        for (_, state), parameters in zip(states, learned, strict=True)
-        if "far_field_log_gain" in parameters
-    ]
-    tensors = [p for parameters in learned for name, p in parameters.items() if name != "far_field_log_gain"]
-    optimizer = torch.optim.Adam(
-        [
-            {"params": tensors},
-            {"params": [log_gain for _, log_gain in gains], "lr": learning_rate * GAIN_LEARNING_RATE_FACTOR},
-        ],
-        lr=learning_rate,
-    )
-    far_field_parameters = [
-        parameters["far_field_parameter"] for parameters in learned if "far_field_parameter" in parameters
-    ]
-    errors: list[dict[int, float]] = []
-    layer_errors: dict[int, torch.Tensor] = {}
-
-    def match_softmax(state, q, k, v, key_mask, causal):
+    try:  # the model's own parameters and mode come back however this ends
         with torch.no_grad():
-            target, _ = softmax_attention(q, k, v, key_mask, causal)  # (B, H, L, D): the source's attention
-        prediction, _ = state.attend(state, q, k, v, key_mask, causal)
-        layer_errors[state.layer_idx] = _relative_error(prediction, target, key_mask)
-        return target
+            model(**batches[0])  # builds every layer's method state
+        states = _states(model)
+        if not states:
+            raise ValueError(
+                "the model runs no Performer attention: load it with attn_implementation='performer_hybrid' (or "
+                "'performer'), or convert it with performer_hf.convert."
+            )
+        untrainable = sorted({state.attention_method for _, state in states} - TRAINABLE_METHODS)
+        if untrainable:
+            raise ValueError(
+                f"attention transfer trains the far field's parts, and the {untrainable[0]!r} method has none: load "
+                "the model with attn_implementation='performer_hybrid' (or 'performer') to transfer."
+            )
+        _centre_on_the_source(model, batches[0], states)
+        learned = [_learnable(state) for _, state in states]
+        gains = [
+            (state, parameters["far_field_log_gain"])
+            for (_, state), parameters in zip(states, learned, strict=True)
+            if "far_field_log_gain" in parameters
+        ]
+        tensors = [p for parameters in learned for name, p in parameters.items() if name != "far_field_log_gain"]
+        optimizer = torch.optim.Adam(
+            [
+                {"params": tensors},
+                {"params": [log_gain for _, log_gain in gains], "lr": learning_rate * GAIN_LEARNING_RATE_FACTOR},
+            ],
+            lr=learning_rate,
+        )
+        far_field_parameters = [
+            parameters["far_field_parameter"] for parameters in learned if "far_field_parameter" in parameters
+        ]
+        errors: list[dict[int, float]] = []
+        layer_errors: dict[int, torch.Tensor] = {}
 
-    start, tokens = time.perf_counter(), 0
-    token = TRANSFER_HOOK.set(match_softmax)
-    try:
-        for step in tqdm(range(steps), desc="attention transfer", disable=not progress):
-            batch = batches[step % len(batches)]
-            layer_errors.clear()
-            model(**batch)
-            loss = torch.stack(list(layer_errors.values())).sum()
-            if not loss.requires_grad:
-                raise ValueError(
-                    "no layer's approximation was in use (the inputs are within the hybrid's exact window, or "
-                    "attention_kernel is 'exact'): train on longer inputs."
-                )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+        def match_softmax(state, q, k, v, key_mask, causal):
             with torch.no_grad():
-                for parameter in far_field_parameters:
-                    parameter.clamp_(max=MAX_FAR_FIELD_PARAMETER)
-            for state, log_gain in gains:
-                _use_gain(state, log_gain)
-            errors.append({layer: float(e.detach()) for layer, e in layer_errors.items()})
-            tokens += int(batch["input_ids"].numel())
-            logger.debug("transfer step %d: summed relative error %.4f", step + 1, float(loss.detach()))
+                target, _ = softmax_attention(q, k, v, key_mask, causal)  # (B, H, L, D): the source's attention
+            prediction, _ = state.attend(state, q, k, v, key_mask, causal)
+            layer_errors[state.layer_idx] = _relative_error(prediction, target, key_mask)
+            return target
+
+        start, tokens = time.perf_counter(), 0
+        token = TRANSFER_HOOK.set(match_softmax)
+        try:
+            for step in tqdm(range(steps), desc="attention transfer", disable=not progress):
+                batch = batches[step % len(batches)]
+                layer_errors.clear()
+                model(**batch)
+                loss = torch.stack(list(layer_errors.values())).sum()
+                if not loss.requires_grad:
+                    raise ValueError(
+                        "no layer's approximation was in use (the inputs are within the hybrid's exact window, or "
+                        "attention_kernel is 'exact'): train on longer inputs."
+                    )
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                with torch.no_grad():
+                    for parameter in far_field_parameters:
+                        parameter.clamp_(max=MAX_FAR_FIELD_PARAMETER)
+                for state, log_gain in gains:
+                    _use_gain(state, log_gain)
+                errors.append({layer: float(e.detach()) for layer, e in layer_errors.items()})
+                tokens += int(batch["input_ids"].numel())
+                logger.debug("transfer step %d: summed relative error %.4f", step + 1, float(loss.detach()))
+        finally:
+            TRANSFER_HOOK.reset(token)
     finally:
-        TRANSFER_HOOK.reset(token)
         for parameter in frozen:
             parameter.requires_grad_(True)
         model.train(was_training)
