@@ -275,6 +275,20 @@ def test_another_attn_implementation_than_the_saved_one_runs_its_own_method(save
     assert [r.getMessage() for r in caplog.records if f"settings of the {method[saved]!r} method" in r.getMessage()]
 
 
+@pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
+def test_a_mask_that_does_not_cover_the_inputs_is_refused_by_shape(implementation, tmp_path):
+    """A padding mask of another batch size, shorter than the sequence or of one dimension: one message naming its
+    shape and the inputs', for every method (the sparse method ran a shorter one silently)."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, implementation, **SHORT_WINDOW[implementation])
+    ids = _ids(2, 24)
+    for shape in [(1, 24), (3, 24), (2, 20), (24,)]:
+        mask = torch.ones(shape, dtype=torch.long)
+        mask[..., :2] = 0
+        with pytest.raises(ValueError, match=rf"attention_mask has shape \({shape[0]},.*2 sequence\(s\) of 24 tokens"):
+            model(ids, attention_mask=mask)
+
+
 def test_settings_that_are_not_a_dict_are_refused(tmp_path):
     _, folder = _source(DECODERS["llama"], tmp_path)
     model = _load(folder, "performer", **{})

@@ -73,6 +73,13 @@ def performer_mask(*, attention_mask=None, kv_length: int, local_size: int | Non
         return sdpa_mask(attention_mask=attention_mask, kv_length=kv_length, local_size=local_size, **kwargs)
     if attention_mask is None:
         return None
+    batch_size = kwargs.get("batch_size", attention_mask.shape[0])
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] < kv_length:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}, but the inputs are {batch_size} sequence(s) of "
+            f"{kv_length} tokens (earlier and new ones): Performer attention takes the tokenizer's (batch, length) "
+            "padding mask covering every token."
+        )
     mask = attention_mask[:, -kv_length:]  # (B, P + L)
     return None if bool(mask.all()) else mask
 
