@@ -180,6 +180,22 @@ def test_extend_positions_rejects_shrinking():
         extend_positions(torch.zeros(10, 4), 8, offset=0)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"max_position_embeddings": "128"}, "max_position_embeddings is a number of tokens, got str '128'"),
+        ({"max_position_embeddings": 100.0}, "max_position_embeddings is a number of tokens, got float"),
+        ({"nb_features": "64"}, "invalid Performer settings: ValueError: nb_features must be int, got str '64'"),
+        ({"local_window": 8.5}, "local_window must be int, got float 8.5"),
+    ],
+)
+def test_settings_of_the_wrong_type_are_refused_by_name(overrides, message, sources, tmp_path):
+    folder, _ = sources["bert-mlm"]
+    with pytest.raises(ConversionError, match=message):
+        convert(folder, tmp_path / "out", fidelity=False, **overrides)
+    assert not (tmp_path / "out").exists()
+
+
 def test_legacy_pytorch_bin_checkpoint(sources, tmp_path):
     """An old-style .bin: LayerNorm gamma/beta names, tied decoder weights saved twice, buffers."""
     case = next(c for c in CASES if c.name == "bert-mlm")

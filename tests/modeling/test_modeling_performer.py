@@ -414,6 +414,17 @@ def test_bf16_autocast_training_step_is_finite():
         ({"causal_chunk_size": 0}, "causal_chunk_size must be a positive integer"),
         ({"feature_redraw_interval": 0}, "feature_redraw_interval"),
         ({"position_offset": -1}, "position_offset"),
+        ({"nb_features": "256"}, "nb_features must be int, got str '256'"),
+        ({"nb_features": True}, "nb_features must be int, got bool"),
+        ({"is_decoder": "yes"}, "is_decoder must be bool, got str"),
+        ({"hidden_dropout_prob": 3.0}, "hidden_dropout_prob is a probability, between 0 and 1"),
+        ({"hidden_act": "gelux"}, "hidden_act='gelux' is not an activation of transformers"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
+        ({"attention_method": "hybrid", "far_field_gain": float("nan")}, "far_field_gain must be positive and finite"),
+        (
+            {"attention_method": "hybrid", "attention_kernel": "softmax_opt", "far_field_parameter": float("nan")},
+            "far_field_parameter \\(FAVOR\\+\\+'s A\\) must be finite",
+        ),
     ],
 )
 def test_config_validation_names_the_problem(overrides, message):

@@ -121,8 +121,12 @@ def performer_config(
         source = checkpoint.config
         fields.update(id2label=dict(source.id2label), label2id=dict(source.label2id), problem_type=source.problem_type)
     overrides = dict(overrides)
-    if overrides.get("max_position_embeddings") is not None:
-        overrides["max_position_embeddings"] += fields["position_offset"]
+    if (tokens := overrides.get("max_position_embeddings")) is not None:
+        if not isinstance(tokens, int) or isinstance(tokens, bool):
+            raise ConversionError(
+                f"max_position_embeddings is a number of tokens, got {type(tokens).__name__} {tokens!r}."
+            )
+        overrides["max_position_embeddings"] = tokens + fields["position_offset"]
     method = _method(method, overrides)
     causal = is_causal(checkpoint)
     direction = "causal" if causal else "bidirectional"

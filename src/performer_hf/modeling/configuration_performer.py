@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import field
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
 
 from .attention_methods import ATTENTION_METHODS, infer_method
 from .far_fields import FAR_FIELDS
@@ -15,6 +17,10 @@ from .favor_projection import COUPLINGS, ROW_NORMS
 from .sparse_spec import SparseSpec
 
 LAYER_NORM_POSITIONS = ("post", "pre")
+
+
+# the plain annotations of PerformerConfig's fields and the Python types each accepts (bool is not an int here)
+_PLAIN_TYPES = {"int": (int,), "float": (float, int), "str": (str,), "bool": (bool,)}
 
 
 @strict
@@ -273,6 +279,10 @@ class PerformerConfig(PreTrainedConfig):
 
     def validate_architecture(self):
         """Part of `@strict` validation: reject settings the model cannot be built with."""
+        self._validate_types()
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}.")
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
@@ -301,6 +311,13 @@ class PerformerConfig(PreTrainedConfig):
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}.")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} is a probability, between 0 and 1; got {getattr(self, name)}.")
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(
+                f"hidden_act={self.hidden_act!r} is not an activation of transformers; choose one of {sorted(ACT2FN)}."
+            )
         if self.type_vocab_size < 0 or self.position_offset < 0:
             raise ValueError("type_vocab_size and position_offset must be >= 0.")
         if self.exact_max_length < 0:
@@ -327,6 +344,20 @@ class PerformerConfig(PreTrainedConfig):
                 f"got {self.feature_redraw_interval}."
             )
         self.check_attention_settings()
+
+    def _validate_types(self):
+        """Each field this class declares with plain types (int, float, str, bool, or None) holds one of them: a
+        string where a number belongs would fail later, deep inside a comparison, without the field's name."""
+        for name, annotation in type(self).__annotations__.items():
+            kinds = [kind.strip() for kind in str(annotation).split("|")]
+            if not set(kinds) <= {*_PLAIN_TYPES, "None"}:  # lists, literals: their validators read them
+                continue
+            value = getattr(self, name)
+            if value is None and "None" in kinds:
+                continue
+            allowed = tuple(kind for name_ in kinds if name_ != "None" for kind in _PLAIN_TYPES[name_])
+            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+                raise ValueError(f"{name} must be {' or '.join(kinds)}, got {type(value).__name__} {value!r}.")
 
     def check_attention_settings(self):
         """Refuse attention settings the method cannot run, or fields it would ignore. Part of `@strict`
@@ -390,7 +421,10 @@ class PerformerConfig(PreTrainedConfig):
                     f"far_field_parameter is FAVOR++'s A and only applies to attention_kernel='softmax_opt' "
                     f"(got attention_kernel={self.attention_kernel!r}); set it to None."
                 )
-            largest = max(self._per_head_values("far_field_parameter"))
+            values = self._per_head_values("far_field_parameter")
+            if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+                raise ValueError(f"far_field_parameter (FAVOR++'s A) must be finite numbers; got {values}.")
+            largest = max(values)
             if largest >= 0.125:
                 raise ValueError(
                     f"far_field_parameter (FAVOR++'s A) must be below 1/8 (finite variance); got {largest}."
@@ -410,10 +444,11 @@ class PerformerConfig(PreTrainedConfig):
     def _validate_far_field_gain(self):
         if self.far_field_gain is None:
             return
-        if min(self._per_head_values("far_field_gain")) <= 0:
+        values = self._per_head_values("far_field_gain")
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values) or min(values) <= 0:
             raise ValueError(
-                f"far_field_gain must be positive (a factor on the far-field kernel); got {self.far_field_gain}. "
-                "Use None for 1."
+                "far_field_gain must be positive and finite (a factor on the far-field kernel); got "
+                f"{self.far_field_gain}. Use None for 1."
             )
 
     def _per_head_values(self, name: str) -> list[float]:
