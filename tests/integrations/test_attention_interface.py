@@ -289,6 +289,21 @@ def test_a_mask_that_does_not_cover_the_inputs_is_refused_by_shape(implementatio
             model(ids, attention_mask=mask)
 
 
+def test_a_cache_of_another_batch_or_another_method_is_refused(tmp_path):
+    """A PerformerCache filled with two sequences and given one (a cache kept from another batch), or built from
+    another method's config: one message naming the fix, not a size mismatch from inside the method."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    hybrid = _load(folder, "performer_hybrid", **SHORT_WINDOW["performer_hybrid"])
+    favor = _load(folder, "performer")
+    cache = PerformerCache(hybrid.config)
+    with torch.no_grad():
+        hybrid(_ids(2, 20), use_cache=True, **{CACHE_KEYWORD: cache})
+        with pytest.raises(ValueError, match=r"holds the state of 2 sequence\(s\), but this call has 1"):
+            hybrid(_ids(1, 1), use_cache=True, **{CACHE_KEYWORD: cache})
+        with pytest.raises(ValueError, match="is a HybridCacheLayer, but this model's attention there is the 'favor'"):
+            favor(_ids(2, 1), use_cache=True, **{CACHE_KEYWORD: cache})
+
+
 def test_settings_that_are_not_a_dict_are_refused(tmp_path):
     _, folder = _source(DECODERS["llama"], tmp_path)
     model = _load(folder, "performer", **{})

@@ -139,6 +139,13 @@ def test_an_output_folder_that_would_replace_the_source_is_refused(where, tmp_pa
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["source"]
 
 
+def test_an_output_folder_under_a_file_is_refused_in_one_line(tmp_path, capsys):
+    _save_source("LlamaForCausalLM", tmp_path / "source")
+    (tmp_path / "afile").write_text("x")
+    assert main(["convert", str(tmp_path / "source"), str(tmp_path / "afile" / "sub"), "-q"]) == 1
+    assert "afile is a file, not a folder" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

@@ -16,10 +16,12 @@ from .errors import ConversionError
 
 
 def check_output_dir(output_dir: Path, overwrite: bool, source: Path | None = None) -> None:
-    """Refuse an output that is a file, the ``source`` folder or a folder holding it (replacing it would delete the
-    source, even with ``overwrite``), or a non-empty folder unless ``overwrite``."""
+    """Refuse an output that is a file or lies under one, the ``source`` folder or a folder holding it (replacing it
+    would delete the source, even with ``overwrite``), or a non-empty folder unless ``overwrite``."""
     if output_dir.exists() and not output_dir.is_dir():
         raise ConversionError(f"output {output_dir} exists and is not a folder.")
+    if blocking := next((parent for parent in output_dir.parents if parent.is_file()), None):
+        raise ConversionError(f"output folder {output_dir} cannot be made: {blocking} is a file, not a folder.")
     if source is not None and (replaced := output_replaces_source(output_dir, source)):
         raise ConversionError(replaced)
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:

@@ -113,6 +113,8 @@ def _performer_attention(implementation: str):
         causal = kwargs.get("is_causal", getattr(module, "is_causal", False))
         state = method_state(module, implementation, causal, query)
         layer_cache = getattr(key, "performer_cache_layer", None)
+        if layer_cache is not None:
+            _check_cache_layer(layer_cache, state.attention_method, module.layer_idx, query.shape[0])
         # tokens attended before this call: held in a key/value cache (the keys passed) or in the method's state
         past = key.shape[2] - query.shape[2] + (0 if layer_cache is None else layer_cache.get_seq_length())
         head_dim = query.shape[-1]
@@ -170,6 +172,23 @@ def _own_attention(module, query, key, value, attention_mask, scaling, dropout, 
             key.shape[2] - query.shape[2],
         )
     return context, weights
+
+
+def _check_cache_layer(layer_cache, method: str, layer_idx: int, batch_size: int) -> None:
+    """Refuse a method cache layer that is not this method's (a ``PerformerCache`` built for another model), or
+    that holds the state of another number of sequences (a cache kept from another batch)."""
+    expected = ATTENTION_METHODS[method].cache_layer
+    if expected is None or not isinstance(layer_cache, expected):
+        raise ValueError(
+            f"the cache's layer {layer_idx} is a {type(layer_cache).__name__}, but this model's attention there is the "
+            f"{method!r} method: build the cache from this model's config, PerformerCache(model.config)."
+        )
+    held = layer_cache.held_batch_size()
+    if held is not None and held != batch_size:
+        raise ValueError(
+            f"the cache holds the state of {held} sequence(s), but this call has {batch_size}: a cache continues the "
+            "batch it was filled with; start a new PerformerCache(model.config) for another batch."
+        )
 
 
 def _starts_own_state(state, query: Tensor, key: Tensor, causal: bool) -> bool:

@@ -88,6 +88,12 @@ class _BatchFirstState:
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._select(lambda state: state[indices])
 
+    def held_batch_size(self) -> int | None:
+        """How many sequences the state holds (None before the first token)."""
+        state = self.get_state()
+        tensors = [] if state is None else [t for t in state if torch.is_tensor(t)]
+        return tensors[0].shape[0] if tensors else None
+
 
 class FavorCacheLayer(_BatchFirstState, LinearAttentionLayer, CacheLayerMixin):
     """One layer's recurrent FAVOR+ state: ``kv`` (B, H, m, d + 1) and ``shift`` (B, H), kept in float32.
