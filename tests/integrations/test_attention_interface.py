@@ -326,6 +326,23 @@ def test_exact_mode_matches_the_source(arch, tmp_path):
         torch.testing.assert_close(model(ids, attention_mask=mask).logits[1], expected[1], atol=1e-5, rtol=1e-5)
 
 
+def test_exact_mode_keeps_a_sliding_window_the_source_has(tmp_path):
+    """A Mistral whose sliding_window is shorter than its input: exact mode attends within it as the source does
+    (forward, left padding and greedy decoding with a cache), so that its parity check holds past the window."""
+    config = transformers.MistralConfig(**{**DECODERS["mistral"].to_dict(), "sliding_window": 8})
+    source, folder = _source(config, tmp_path)
+    model = _load(folder, "performer", attention_kernel="exact")
+    ids = _ids(2, 24)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, source(ids).logits, atol=1e-5, rtol=1e-5)
+        expected = source(ids, attention_mask=mask).logits
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits[0, 3:], expected[0, 3:], atol=1e-5, rtol=1e-5)
+    options = dict(max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(ids[1:], **options), source.generate(ids[1:], **options))
+
+
 @pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
 def test_save_and_load_reproduce_the_outputs_without_being_told(arch, implementation, tmp_path):

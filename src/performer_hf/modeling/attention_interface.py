@@ -141,7 +141,10 @@ def _performer_attention(implementation: str):
         if transfer is not None:
             context = transfer(state, query, key, value, key_mask, causal)
         elif state.attention_method == "exact":
-            context, _ = softmax_attention(query, key, value, key_mask, causal, dropout if module.training else 0.0)
+            window = kwargs.get("sliding_window")  # Mistral's, where its config names one
+            context, _ = softmax_attention(
+                query, key, value, key_mask, causal, dropout if module.training else 0.0, window=window
+            )
         elif layer_cache is not None or key.shape[2] == query.shape[2] or grouped_kv:
             context, _ = state.attend(state, query, key, value, key_mask, causal, layer_cache)  # (B, H, Lq, D)
         else:  # a key/value cache: the method over every key, the past queries as placeholders

@@ -18,13 +18,16 @@ def exact_attention(module: nn.Module, q, k, v, key_mask, causal, layer_cache=No
     return softmax_attention(q, k, v, key_mask, causal, dropout, output_attentions)
 
 
-def softmax_attention(q, k, v, key_mask, causal, dropout=0.0, output_attentions=False):
+def softmax_attention(q, k, v, key_mask, causal, dropout=0.0, output_attentions=False, window=None):
     """Softmax attention of q (B, H, Lq, D) over k, v (B, H, Lk, D), the last Lq keys being the queries'
     own: SDPA's fused kernels, its causal path when nothing is masked. -> (context, weights or None).
-    Without ``output_attentions``, k and v may have fewer heads (grouped-query attention, read in place)."""
+    Without ``output_attentions``, k and v may have fewer heads (grouped-query attention, read in place).
+    ``window`` (causal): each query sees only the last ``window`` keys up to itself (a sliding-window model's,
+    such as Mistral's ``sliding_window``); None: every earlier key."""
     q_len, k_len = q.shape[2], k.shape[2]
     grouped = q.shape[1] != k.shape[1]
-    if causal and key_mask is None and q_len in (1, k_len) and not output_attentions:
+    windowed = causal and window is not None and k_len > window  # some key is out of some query's window
+    if causal and key_mask is None and q_len in (1, k_len) and not output_attentions and not windowed:
         # SDPA's fused causal path: no (L, L) mask in memory (one query, the last, sees every key: no mask at all)
         fused = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=q_len > 1, enable_gqa=grouped)
         return fused, None
@@ -34,6 +37,8 @@ def softmax_attention(q, k, v, key_mask, causal, dropout=0.0, output_attentions=
     if causal:
         past = k_len - q_len  # query i sits at position past + i and sees keys j <= past + i
         tril = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=past)  # (Lq, Lk)
+        if windowed:  # key j is in the window of query i (at past + i) while j > past + i - window
+            tril = tril.triu(diagonal=past - window + 1)
         visible = tril if visible is None else visible & tril
         own = torch.arange(k_len, device=q.device) == torch.arange(past, k_len, device=q.device)[:, None]
         visible = visible | own  # a query always sees itself: no empty rows (left padding)
