@@ -2,6 +2,7 @@
 the class and the weights are kept, the config names the attention, exact mode reproduces the source."""
 
 import json
+import logging
 import random
 
 import pytest
@@ -137,6 +138,17 @@ def test_an_output_folder_that_would_replace_the_source_is_refused(where, tmp_pa
     assert sorted(p.name for p in (tmp_path / "models" / "source").iterdir()) == before
     assert (tmp_path / "models" / "source" / "NOTES.md").read_text() == "mine"
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["source"]
+
+
+def test_staging_folders_left_by_a_killed_conversion_are_named_not_deleted(tmp_path, caplog):
+    """A conversion killed before it could remove its staging folder leaves it beside the output: the next one to the
+    same output names it in a warning (another run may still be writing it, so it stays)."""
+    _save_source("LlamaForCausalLM", tmp_path / "source")
+    (tmp_path / ".out.tmp-killed").mkdir()
+    with caplog.at_level(logging.WARNING, logger="performer_hf.conversion"):
+        performer_hf.convert(tmp_path / "source", tmp_path / "out", fidelity=False)
+    assert any(".out.tmp-killed" in record.getMessage() for record in caplog.records)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.tmp-killed", "out", "source"]
 
 
 def test_an_output_folder_under_a_file_is_refused_in_one_line(tmp_path, capsys):

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import logging
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from .fidelity import FidelityReport, measure_fidelity, sample_batch
 from .in_place import IN_PLACE_ARCHITECTURES, TransferSettings, convert_in_place
 from .mapping import POSITION_TABLE, MappingResult, extend_positions, map_weights
 from .model_card import CardSource, build_model_card, source_license
-from .output_folder import check_output_dir, publish
+from .output_folder import check_output_dir, publish, staging_folder
 from .sentence_pipeline import copy_sentence_pipeline
 from .source import SourceCheckpoint, load_weights, read_source, resolve_source, source_architecture
 from .tokenizer_files import copy_tokenizer, tokenizer_files
@@ -427,8 +426,7 @@ def convert(
             )
 
     base_model = base_model or repo_id or folder.name
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    staging = staging_folder(output_dir)
     try:
         model.save_pretrained(staging)
         positions = config.max_position_embeddings - config.position_offset

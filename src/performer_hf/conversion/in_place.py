@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from ..modeling.attention_settings import (
 )
 from .errors import ConversionError, one_line
 from .model_card import build_in_place_card, source_license
-from .output_folder import publish
+from .output_folder import publish, staging_folder
 from .tokenizer_files import tokenizer_files
 
 logger = logging.getLogger(__name__)
@@ -254,8 +253,7 @@ def convert_in_place(
         model(_sample_ids(model.config, 8))  # resolves and records the settings in the config
     transferred = _transfer(model, folder, transfer) if transfer is not None else None
     measured = in_place_fidelity(folder, row, model) if fidelity else None
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    staging = staging_folder(output_dir)
     try:
         ship_remote_code(model).save_pretrained(staging)  # with the code that loads it without performer_hf
         copied = tokenizer_files(folder) + [name for name in GENERATION_FILES if (folder / name).is_file()]

@@ -6,6 +6,7 @@ The converter and the zoo builder write into a staging folder beside the output 
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -13,6 +14,8 @@ from pathlib import Path
 from performer_hf_cli import output_replaces_source
 
 from .errors import ConversionError
+
+logger = logging.getLogger(__name__)
 
 
 def check_output_dir(output_dir: Path, overwrite: bool, source: Path | None = None) -> None:
@@ -26,6 +29,23 @@ def check_output_dir(output_dir: Path, overwrite: bool, source: Path | None = No
         raise ConversionError(replaced)
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
         raise ConversionError(f"output folder {output_dir} exists and is not empty; pass --overwrite to replace it.")
+
+
+def staging_folder(output_dir: Path) -> Path:
+    """A new empty folder beside ``output_dir`` to write it in (:func:`publish` moves it into place). Staging folders
+    of earlier runs for the same output (a process killed before it could remove its own) are named in a warning:
+    another run may still be writing one, so they are not deleted here."""
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{output_dir.name}.tmp-"
+    if leftovers := sorted(path.name for path in output_dir.parent.glob(f"{prefix}*") if path.is_dir()):
+        logger.warning(
+            "%s holds staging folders of earlier conversions to %s that did not finish (%s): delete them if no "
+            "conversion is running there.",
+            output_dir.parent,
+            output_dir.name,
+            ", ".join(leftovers),
+        )
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=output_dir.parent))
 
 
 def publish(staging: Path, output_dir: Path) -> None:

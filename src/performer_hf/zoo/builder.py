@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from ..conversion import ConversionError, TransferSettings, convert
-from ..conversion.output_folder import check_output_dir, publish
+from ..conversion.output_folder import check_output_dir, publish, staging_folder
 from ..conversion.sentence_pipeline import sentence_pipeline_files
 from ..conversion.source import resolve_source
 from ..training.arguments import TrainingInputError
@@ -244,8 +244,7 @@ def build(name: str, output_dir: str | Path, *, overwrite: bool = False, quick: 
     entry = get_entry(name, quick=quick)
     output_dir = Path(output_dir).expanduser().absolute()
     check_output_dir(output_dir, overwrite)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    staging = staging_folder(output_dir)
     try:
         with tempfile.TemporaryDirectory(prefix=f"performer-zoo-{name}-") as work:
             logger.info("building %s%s", name, " (quick)" if quick else "")
