@@ -399,6 +399,42 @@ def test_bf16_autocast_training_step_is_finite():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
+def test_inputs_and_labels_of_the_wrong_shape_or_kind_are_refused_by_name():
+    """Labels that do not match the logits (another length or batch, floats) gave a loss silently (the tokens were
+    scored against the wrong rows) or failed inside torch; an unbatched input failed with an IndexError; a GPT-2
+    conversion (no token type embeddings) ignored token_type_ids, which its source adds."""
+    ids = random_ids(2, 10)
+    mlm = tiny_model(PerformerForMaskedLM)
+    clm = tiny_model(PerformerForCausalLM)
+    cases = [
+        (lambda: mlm(input_ids=ids, labels=ids[:, :9]), r"labels must be integer token ids of shape \(2, 10\)"),
+        (lambda: mlm(input_ids=ids, labels=ids.float()), r"got torch.float32 labels of shape \(2, 10\)"),
+        (lambda: clm(input_ids=ids, labels=ids[:1]), r"labels must be token ids of shape \(2, 10\) .* got \(1, 10\)"),
+        (lambda: clm(input_ids=ids, labels=ids.reshape(-1)), r"got \(20,\)"),
+        (lambda: clm(input_ids=ids[0]), r"input_ids must be a batch: \(batch, length\), got shape \(10,\)"),
+        (
+            lambda: tiny_model(PerformerForCausalLM, type_vocab_size=0)(input_ids=ids, token_type_ids=ids * 0),
+            "no token type embeddings",
+        ),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    torch.testing.assert_close(mlm(input_ids=ids, labels=ids.int()).loss, mlm(input_ids=ids, labels=ids).loss)
+
+
+def test_classification_labels_that_fit_no_problem_type_are_refused_before_it_is_recorded():
+    model = tiny_model(PerformerForSequenceClassification, num_labels=3)
+    ids = random_ids(2, 10)
+    with pytest.raises(ValueError, match=r"multi_label_classification with num_labels=3 are numbers of shape \(2, 3\)"):
+        model(input_ids=ids, labels=torch.tensor([0.0, 2.0]))
+    assert model.config.problem_type is None  # a refused call records nothing
+    with pytest.raises(ValueError, match=r"class ids \(integers\) of shape \(2,\), got torch.int64 labels of shape"):
+        model(input_ids=ids, labels=torch.tensor([0, 2, 1]))
+    loss = model(input_ids=ids, labels=torch.tensor([0, 2], dtype=torch.int32)).loss
+    assert model.config.problem_type == "single_label_classification" and torch.isfinite(loss)
+
+
 # ---------------------------------------------------------------- configuration
 
 

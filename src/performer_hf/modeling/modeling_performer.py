@@ -175,6 +175,17 @@ class PerformerModel(PerformerPreTrainedModel):
         cache = _cache_argument(cache, past_key_values, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if input_ids is not None and input_ids.dim() != 2 or inputs_embeds is not None and inputs_embeds.dim() != 3:
+            given = ("input_ids", input_ids) if input_ids is not None else ("inputs_embeds", inputs_embeds)
+            raise ValueError(
+                f"{given[0]} must be a batch: (batch, length){'' if input_ids is not None else ' x hidden'}, got shape "
+                f"{tuple(given[1].shape)} (one sequence: unsqueeze(0))."
+            )
+        if token_type_ids is not None and not self.config.type_vocab_size:
+            raise ValueError(
+                "this model has no token type embeddings (type_vocab_size=0, as a GPT-2 conversion): leave "
+                "token_type_ids out (GPT-2 added the word embeddings of token_type_ids; its conversion does not)."
+            )
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
@@ -385,6 +396,11 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None or shift_labels is not None:
             targets = shift_labels if shift_labels is not None else labels
+            tokens = tuple(outputs.last_hidden_state.shape[:2])  # (B, L)
+            if tuple(targets.shape) != tokens:
+                raise ValueError(
+                    f"labels must be token ids of shape {tokens} (one per input token), got {tuple(targets.shape)}."
+                )
             if logits.shape[1] != targets.shape[1]:
                 raise ValueError(f"labels need logits for every position; got logits_to_keep={logits_to_keep}.")
             if shift_labels is None:  # the labels move, not the logits: a slice of them would be copied whole
@@ -401,18 +417,32 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
 
 
 def _classification_loss(config: PerformerConfig, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The HF convention: regression for one label, single- or multi-label classification otherwise."""
-    if config.problem_type is None:
-        if config.num_labels == 1:
-            config.problem_type = "regression"
-        elif labels.dtype in (torch.long, torch.int):
-            config.problem_type = "single_label_classification"
-        else:
-            config.problem_type = "multi_label_classification"
-    if config.problem_type == "regression":
+    """The HF convention: regression for one label, single- or multi-label classification otherwise (recorded in
+    ``config.problem_type`` at the first loss, from the labels' dtype). Labels that fit none are refused, before
+    anything is recorded: (B,) class ids, (B, num_labels) floats (multi-label) or (B,) numbers (regression)."""
+    batch, classes = logits.shape[0], config.num_labels
+    integer = not (labels.is_floating_point() or labels.is_complex())
+    problem = config.problem_type
+    if problem is None:
+        problem = "single_label_classification" if integer else "multi_label_classification"
+        problem = "regression" if classes == 1 else problem
+    expected = {
+        "regression": ((batch,), (batch, 1)),
+        "single_label_classification": ((batch,),),
+        "multi_label_classification": ((batch, classes),),
+    }[problem]
+    if tuple(labels.shape) not in expected or (problem == "single_label_classification" and not integer):
+        kind = "class ids (integers)" if problem == "single_label_classification" else "numbers"
+        raise ValueError(
+            f"labels for {problem} with num_labels={classes} are {kind} of shape "
+            f"{' or '.join(str(shape) for shape in expected)}, got {labels.dtype} labels of shape "
+            f"{tuple(labels.shape)}."
+        )
+    config.problem_type = problem
+    if problem == "regression":
         return F.mse_loss(logits.squeeze(-1).float(), labels.float().view(-1))
-    if config.problem_type == "single_label_classification":
-        return F.cross_entropy(logits.view(-1, config.num_labels).float(), labels.view(-1))
+    if problem == "single_label_classification":
+        return F.cross_entropy(logits.view(-1, classes).float(), labels.view(-1).long())
     return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
 
 

@@ -100,7 +100,12 @@ def token_cross_entropy(logits: Tensor, labels: Tensor, num_items_in_batch=None)
     exact. Equal to ``F.cross_entropy(logits.float(), labels)``; the memory it needs beyond the logits and their
     gradient is one chunk of rows. Logits that are the first columns of wider rows (the heads' padded product:
     :func:`.padded_rows`) are read in those rows, which get the gradient whole, zero beyond the logits."""
-    labels = labels.to(logits.device).reshape(-1)
+    if labels.shape != logits.shape[:-1] or labels.is_floating_point() or labels.is_complex():
+        raise ValueError(
+            f"labels must be integer token ids of shape {tuple(logits.shape[:-1])} (one per logits row, -100 where "
+            f"not scored), got {labels.dtype} labels of shape {tuple(labels.shape)}."
+        )
+    labels = labels.to(logits.device, torch.long).reshape(-1)
     total = _CrossEntropySum.apply(padded_rows(logits), labels, logits.shape[-1])
     if num_items_in_batch is None:
         return total / (labels != IGNORE_INDEX).sum()
