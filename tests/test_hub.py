@@ -25,6 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
+import huggingface_hub
 import pytest
 import torch
 from huggingface_hub import HfApi, ModelCard, ModelCardData
@@ -211,6 +212,8 @@ def test_push_uploads_a_folder_converted_in_place_with_its_code(tmp_path, fake_h
             ),
             "has no auto_map",
         ),
+        (lambda f: (f / "config.json").write_text("{not json"), "config.json is not valid JSON"),
+        (lambda f: (f / "config.json").write_text("[1, 2]"), "config.json holds a list, not a config"),
     ],
 )
 def test_push_refuses_an_incomplete_checkpoint(tmp_path, fake_hub, capsys, damage, message):
@@ -222,6 +225,20 @@ def test_push_refuses_an_incomplete_checkpoint(tmp_path, fake_hub, capsys, damag
     assert main(["push", str(folder), "org/tiny-performer"]) == 1
     assert message in capsys.readouterr().err
     assert fake_hub.repos == [] and fake_hub.commits == []  # nothing sent
+
+
+def test_a_hub_that_cannot_be_reached_ends_the_push_in_one_line(tmp_path, monkeypatch, capsys):
+    """Offline (HF_HUB_OFFLINE), or a refusal (not logged in, no write access): a PushError naming the checks, and the
+    command line's one error line, not huggingface_hub's traceback."""
+    folder = tmp_path / "tiny"
+    _tiny_checkpoint(folder)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(PushError, match="the Hub did not take 'org/tiny-performer' .*logged in"):
+        push_to_hub(folder, "org/tiny-performer")
+    assert main(["push", str(folder), "org/tiny-performer"]) == 1
+    err = capsys.readouterr().err
+    assert "the Hub did not take" in err and "Traceback" not in err
 
 
 def test_transformers_push_to_hub_uploads_the_remote_code(tmp_path, fake_hub):

@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
 from .conversion import ConversionError
 from .conversion.sentence_pipeline import sentence_pipeline_files
@@ -23,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 
 class PushError(ValueError):
-    """The folder is not a complete Performer checkpoint; the message names what is missing and the fix."""
+    """The folder is not a complete Performer checkpoint, or the Hub did not take it; the message names the cause and
+    the fix."""
 
 
 # how a folder converted in place gets its code and attention back
@@ -76,7 +78,12 @@ def checkpoint_files(folder: str | Path) -> list[str]:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise PushError(f"{folder} has no config.json; save the model with save_pretrained first.")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise PushError(f"{config_path} is not valid JSON ({error}); save the model again.") from None
+    if not isinstance(config, dict):
+        raise PushError(f"{config_path} holds a {type(config).__name__}, not a config; save the model again.")
     in_place = CONFIG_ATTRIBUTE in config  # a transformers class with Performer attention settings
     if config.get("model_type") != "performer" and not in_place:
         raise PushError(
@@ -141,16 +148,25 @@ def push_to_hub(
         The ``huggingface_hub.CommitInfo`` of the commit (its ``commit_url`` names it).
 
     Raises:
-        PushError: ``folder`` is not a complete Performer checkpoint (the message names the fix).
+        PushError: ``folder`` is not a complete Performer checkpoint, or the Hub refused the upload or could not be
+            reached (the message names the fix).
     """
     folder = Path(folder)
     files = checkpoint_files(folder)
     api = HfApi(token=token)
-    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-    if revision is not None and not create_pr:
-        api.create_branch(repo_id, branch=revision, exist_ok=True)
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name in files]
-    logger.info("uploading %d files to %s: %s", len(files), repo_id, ", ".join(files))
-    return api.create_commit(
-        repo_id, operations=operations, commit_message=commit_message, revision=revision, create_pr=create_pr
-    )
+    try:
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        if revision is not None and not create_pr:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name in files]
+        logger.info("uploading %d files to %s: %s", len(files), repo_id, ", ".join(files))
+        return api.create_commit(
+            repo_id, operations=operations, commit_message=commit_message, revision=revision, create_pr=create_pr
+        )
+    except (HfHubHTTPError, OfflineModeIsEnabled, OSError) as error:  # the Hub refused, or could not be reached
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        raise PushError(
+            f"the Hub did not take {repo_id!r} ({type(error).__name__}: {first_line}): check the network, that "
+            "HF_HUB_OFFLINE is not set, and that you are logged in (huggingface-cli login, or token=...) with write "
+            "access to the repository."
+        ) from error
