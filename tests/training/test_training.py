@@ -795,6 +795,8 @@ def _write(path: Path, text: str) -> str:
         ("too_long", "exceeds the model's 64 positions"),
         ("bad_override", "not a PerformerConfig field"),
         ("missing_model", "--model_name_or_path .* does not exist"),
+        ("output_is_the_model", "--output_dir: the folder .* is the source .*: writing it would replace the source"),
+        ("bad_override_value", "Invalid Performer config: .*nb_features must be int, got str 'abc'"),
     ],
 )
 def test_bad_input_stops_before_training(assets, tmp_path, case, message):
@@ -816,9 +818,19 @@ def test_bad_input_stops_before_training(assets, tmp_path, case, message):
         argv[argv.index("--config_overrides") + 1] = "hidden_layers=3"
     elif case == "missing_model":
         argv += ["--model_name_or_path", str(tmp_path / "no-such-model")]
+    elif case == "output_is_the_model":
+        out.mkdir()
+        (out / "model.safetensors").write_text("the model trained on")
+        argv += ["--model_name_or_path", str(out)]
+    elif case == "bad_override_value":
+        argv[argv.index("--config_overrides") + 1] = "nb_features=abc"
     with pytest.raises(TrainingInputError, match=message):
         train_language_model("mlm", argv)
-    assert not (out / "train_log.jsonl").exists() and not (out / "model.safetensors").exists()
+    assert not (out / "train_log.jsonl").exists()
+    if case == "output_is_the_model":
+        assert (out / "model.safetensors").read_text() == "the model trained on"
+    else:
+        assert not (out / "model.safetensors").exists()
 
 
 def test_bad_classification_input_and_cli_message(assets, tmp_path, capsys):
@@ -939,6 +951,10 @@ def test_lora_on_a_llama_with_performer_attention_trains_only_adapters(assets, t
             disabled = model(ids).logits
     assert torch.equal(disabled, base) and not torch.allclose(adapted, base)
     assert math.isfinite(metrics["eval_loss"])
+    # the card names the Performer attention the model runs, with its settings (it said "its own attention")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "model with Performer attention (`attn_implementation='performer_hybrid'`): hybrid attention" in card
+    assert "## Attention settings" in card and "layer_norm_position" not in card and "its own attention" not in card
 
 
 def test_lora_resume_reproduces_uninterrupted_losses(assets, tiny_llama_performer, tmp_path):

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from transformers import SchedulerType
+
+from performer_hf_cli import output_replaces_source
 
 TASKS = ("mlm", "clm", "classification")
 
@@ -255,6 +258,10 @@ def validate_args(args: argparse.Namespace, task: str) -> None:
         # Hub ids look like 'name' or 'org/name'; anything path-like must exist locally.
         if value is not None and value.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(value)):
             raise TrainingInputError(f"--{flag} {value!r} does not exist.")
+    for flag in ("model_name_or_path", "convert_from"):
+        start = getattr(args, flag)
+        if start is not None and (replaced := output_replaces_source(Path(args.output_dir), Path(start).expanduser())):
+            raise TrainingInputError(f"--output_dir: {replaced.replace('output folder', 'the folder', 1)}")
     if args.tokenizer_name is None and args.model_name_or_path is None and args.convert_from is None:
         raise TrainingInputError("Training from scratch needs a tokenizer: pass --tokenizer_name (a folder or Hub id).")
 

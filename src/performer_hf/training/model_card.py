@@ -14,6 +14,8 @@ import os
 from huggingface_hub import ModelCard, ModelCardData
 
 from ..attention_card import method_description, method_lines
+from ..conversion.in_place import IN_PLACE_ARCHITECTURES
+from ..modeling.attention_settings import IMPLEMENTATIONS, head_shape, method_config
 from ..modeling.configuration_performer import PerformerConfig
 
 logger = logging.getLogger(__name__)
@@ -81,6 +83,19 @@ def _attention_section(config: PerformerConfig) -> list[str]:
     ]
 
 
+def _in_place_method(config, task: str) -> PerformerConfig | None:
+    """The attention settings of a transformers model loaded with a Performer ``attn_implementation`` (a decoder
+    converted in place, causal whatever its head; or an encoder), as a ``PerformerConfig``; None for a model with its
+    own attention."""
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in IMPLEMENTATIONS:
+        return None
+    text_config = config.get_text_config()
+    decoders = {row.model_type for row in IN_PLACE_ARCHITECTURES.values()}
+    causal = task == "clm" or text_config.model_type in decoders
+    return method_config(text_config, implementation, causal, *head_shape(text_config))
+
+
 def build_model_card(
     task: str,
     config,
@@ -98,12 +113,13 @@ def build_model_card(
     scratch); ``starting_folder`` is where it was loaded from, whose card metadata is inherited.
     """
     performer = isinstance(config, PerformerConfig)
+    method = config if performer else _in_place_method(config, task)  # its attention settings
     inherited = starting_card_metadata(starting_folder)
     hub_id = started_from if started_from and not os.path.isdir(started_from) else None
     card_data = ModelCardData(
         library_name="transformers",
         pipeline_tag=TASK_PIPELINES[task],
-        tags=["performer", "favor+", "linear-attention", "performer-hf"] if performer else ["performer-hf"],
+        tags=["performer", "favor+", "linear-attention", "performer-hf"] if method else ["performer-hf"],
         base_model=inherited.get("base_model") or hub_id,
         license=inherited.get("license"),
     )
@@ -112,8 +128,9 @@ def build_model_card(
         "hidden_size": config.hidden_size,
         "num_attention_heads": config.num_attention_heads,
         "max_position_embeddings": config.max_position_embeddings,
-        "layer_norm_position": getattr(config, "layer_norm_position", "post"),
     }
+    if performer:
+        architecture["layer_norm_position"] = config.layer_norm_position
     setup = {key: args.get(key) for key in SETUP_FIELDS}
     setup["optimizer_steps"] = metrics.get("train_steps")
     rows = [
@@ -131,6 +148,9 @@ def build_model_card(
         (
             f"A Performer with {method_description(config)}"
             if performer
+            else f"A transformers `{config.model_type}` model with Performer attention "
+            f"(`attn_implementation={config._attn_implementation!r}`): {method_description(method)}"
+            if method
             else f"A transformers `{config.model_type}` model (its own attention; no Performer attention)"
         )
         + f", trained with `training/run_{task}.py` of performer-hf.",
@@ -138,7 +158,7 @@ def build_model_card(
         f"- started from: {started_from or 'random initialisation (trained from scratch)'}",
         f"- training data: {data_source}",
         "",
-        *(_attention_section(config) if performer else []),
+        *(_attention_section(method) if method else []),
         "## Architecture",
         "",
         "```json",
@@ -160,13 +180,13 @@ def build_model_card(
         "## Usage",
         "",
         "```python",
-        *(["import performer_hf  # registers the Performer classes with the Auto* factories"] if performer else []),
+        *(["import performer_hf  # registers the Performer classes and attention with transformers"] if method else []),
         "from transformers import AutoModel",
         "",
         'model = AutoModel.from_pretrained("path/to/this/folder")',
         *(
             ['# without performer-hf: AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=True)']
-            if performer
+            if method
             else []
         ),
         "```",

@@ -128,6 +128,18 @@ def load_model(
             )
         except OSError as error:
             raise TrainingInputError(f"Could not load a model from {args.model_name_or_path!r}: {error}") from error
+        except (ValueError, TypeError, RuntimeError, StrictDataclassError) as error:  # what the overrides ask for
+            cause = error.__cause__ if isinstance(error, StrictDataclassError) and error.__cause__ else error
+            problem = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
+            if not args.config_overrides:
+                message = f"Could not load a model from {args.model_name_or_path!r}: {problem}"
+                raise TrainingInputError(message) from error
+            raise TrainingInputError(
+                f"Could not load {args.model_name_or_path!r} with --config_overrides {args.config_overrides!r} "
+                f"({problem}). A model converted in place (Llama & co.) takes its attention settings in "
+                "config.performer_attention, not as config fields; a Performer cannot change a field its weights fix "
+                "(nb_features: the saved projections)."
+            ) from error
     else:
         config = PerformerConfig.from_pretrained(args.config_name) if args.config_name else PerformerConfig()
         values = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id}
@@ -137,7 +149,7 @@ def load_model(
         try:
             config.validate()
         except StrictDataclassError as error:
-            raise TrainingInputError(f"Invalid Performer config: {error}") from error
+            raise TrainingInputError(f"Invalid Performer config: {error.__cause__ or error}") from error
         logger.info("Training a new Performer from scratch")
         model = auto_class.from_config(config)
 
