@@ -357,6 +357,16 @@ def test_projections_are_seeded_buffers_and_redraw_is_deterministic():
     assert not any(torch.equal(x, y) for x, y in zip(_projections(a), redrawn, strict=True))
     other_seed = tiny_model(projection_seed=7)
     assert not torch.equal(_projections(other_seed)[0], first[0])
+    a.redraw_projections(seed=torch.tensor(4))  # a step counter kept as a tensor: the same draw as the number
+    b.redraw_projections(seed=4)
+    assert all(torch.equal(x, y) for x, y in zip(_projections(a), _projections(b), strict=True))
+    time_seed = 1_700_000_000_000_000  # a microsecond timestamp: past 2**63 / 1_000_003
+    a.redraw_projections(seed=time_seed)
+    b.redraw_projections(seed=time_seed)
+    assert all(torch.equal(x, y) for x, y in zip(_projections(a), _projections(b), strict=True))
+    for bad in (None, "3", 1.5, -1):
+        with pytest.raises(ValueError, match="redraw_projections takes a whole number >= 0 as seed"):
+            a.redraw_projections(seed=bad)
 
 
 def test_forward_never_redraws():

@@ -91,9 +91,13 @@ class PerformerPreTrainedModel(PreTrainedModel):
         Training code calls this every ``config.feature_redraw_interval`` optimizer steps with the
         step as seed; ``forward`` never redraws.
         """
+        if isinstance(seed, torch.Tensor) and seed.numel() == 1 and not seed.is_floating_point():
+            seed = int(seed)
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"redraw_projections takes a whole number >= 0 as seed (e.g. the step), got {seed!r}.")
         for module in self.modules():
-            if isinstance(module, PerformerAttention):
-                module.redraw_projection(seed * 1_000_003 + module.layer_idx)
+            if isinstance(module, PerformerAttention):  # a generator seed is below 2**63
+                module.redraw_projection((seed * 1_000_003 + module.layer_idx) % 2**63)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``PreTrainedModel.save_pretrained`` (safetensors + config + the modeling code), with every
