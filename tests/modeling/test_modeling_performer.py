@@ -433,6 +433,20 @@ def test_inputs_and_labels_of_the_wrong_shape_or_kind_are_refused_by_name():
     torch.testing.assert_close(mlm(input_ids=ids, labels=ids.int()).loss, mlm(input_ids=ids, labels=ids).loss)
 
 
+@pytest.mark.parametrize(
+    "model_class", [PerformerModel, PerformerForMaskedLM, PerformerForCausalLM, PerformerForSequenceClassification]
+)
+def test_config_return_dict_false_gives_tuples_as_the_argument_does(model_class):
+    model = tiny_model(model_class)
+    ids = random_ids(2, 10)
+    with torch.no_grad():
+        expected = model(input_ids=ids, return_dict=False)
+        model.config.return_dict = False
+        given = model(input_ids=ids)
+    assert isinstance(expected, tuple) and isinstance(given, tuple)
+    torch.testing.assert_close(given[0], expected[0], rtol=0, atol=0)
+
+
 def test_classification_labels_that_fit_no_problem_type_are_refused_before_it_is_recorded():
     model = tiny_model(PerformerForSequenceClassification, num_labels=3)
     ids = random_ids(2, 10)

@@ -287,7 +287,7 @@ class _BidirectionalHead(PerformerPreTrainedModel):
         output = self.output_class(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
-        return output if return_dict is not False else output.to_tuple()
+        return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
 
 class PerformerForMaskedLM(_BidirectionalHead):
@@ -417,7 +417,7 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
             **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
-        return output if return_dict is not False else output.to_tuple()
+        return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
 
 def _classification_loss(config: PerformerConfig, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -529,7 +529,7 @@ class PerformerForQuestionAnswering(_BidirectionalHead):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
-        return output if return_dict is not False else output.to_tuple()
+        return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
 
 # The Auto class of each model class: `import performer_hf` registers them. Remote code: `save_pretrained`
