@@ -241,6 +241,25 @@ def test_a_hub_that_cannot_be_reached_ends_the_push_in_one_line(tmp_path, monkey
     assert "the Hub did not take" in err and "Traceback" not in err
 
 
+def test_a_gpt2_loaded_with_performer_attention_is_sent_to_the_converter(tmp_path, fake_hub):
+    """A transformers GPT-2 loaded with a Performer attn_implementation cannot carry the code that loads it: push and
+    ship_remote_code say to convert its checkpoint (it becomes a Performer-family model), not to call each other."""
+    import transformers
+
+    import performer_hf
+
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2", attn_implementation="performer")
+    model(torch.randint(0, 64, (1, 8)))  # records the attention settings
+    model.save_pretrained(tmp_path / "saved")
+    with pytest.raises(PushError, match="GPT2LMHeadModel with Performer attention settings.*performer_hf.convert"):
+        push_to_hub(tmp_path / "saved", "org/gpt2")
+    with pytest.raises(ValueError, match="convert its checkpoint with performer_hf.convert"):
+        performer_hf.ship_remote_code(model)
+    assert fake_hub.repos == []
+
+
 def test_transformers_push_to_hub_uploads_the_remote_code(tmp_path, fake_hub):
     """``model.push_to_hub`` / ``tokenizer.push_to_hub`` of transformers work for Performers as they are."""
     model = _tiny_checkpoint(tmp_path / "tiny")

@@ -19,6 +19,7 @@ from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from .conversion import ConversionError
 from .conversion.sentence_pipeline import sentence_pipeline_files
 from .modeling.attention_settings import CONFIG_ATTRIBUTE, IMPLEMENTATIONS
+from .modeling.modeling_in_place import IN_PLACE_CLASSES
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,13 @@ def checkpoint_files(folder: str | Path) -> list[str]:
         raise PushError(
             f"{config_path} has model_type {config.get('model_type')!r} and no {CONFIG_ATTRIBUTE}: neither a "
             "Performer nor a model converted in place."
+        )
+    if in_place and not set(config.get("architectures") or ()) & set(IN_PLACE_CLASSES):
+        raise PushError(
+            f"{config_path} is a {', '.join(config.get('architectures') or ['model'])} with Performer attention "
+            f"settings, which cannot carry the code that loads it (only {', '.join(IN_PLACE_CLASSES)} can): "
+            "convert its source checkpoint with performer_hf.convert (BERT, RoBERTa and GPT-2 become "
+            "Performer-family models, which do)."
         )
     if in_place and config.get("attn_implementation") not in IMPLEMENTATIONS:
         raise PushError(

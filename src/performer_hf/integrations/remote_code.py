@@ -34,7 +34,8 @@ def ship_remote_code(model: PreTrainedModel) -> PreTrainedModel:
     if shipped is None or not isinstance(model, shipped.__bases__[-1]):  # the transformers class
         raise ValueError(
             f"ship_remote_code takes a model of the architectures converted in place ({', '.join(IN_PLACE_CLASSES)}), "
-            f"got a {type(model).__module__}.{type(model).__name__}. Performer-family models ship their code already."
+            f"got a {type(model).__module__}.{type(model).__name__}. Performer-family models ship their code already; "
+            "a BERT, RoBERTa or GPT-2 model is published as one: convert its checkpoint with performer_hf.convert."
         )
     implementation = model.config._attn_implementation
     if implementation not in IMPLEMENTATIONS:
