@@ -770,6 +770,9 @@ def test_trainer_callback_interval_defaults_unwrapping_and_errors(tmp_path, redr
     with pytest.raises(ValueError, match="attention_kernel='exact'"):
         run_steps(PerformerRedrawCallback(interval=2), _tiny_performer(attention_kernel="exact"))
     run_steps(PerformerRedrawCallback(), _tiny_performer(attention_kernel="exact"))  # nothing to redraw: fine
+    polynomial = _tiny_performer(attention_method="hybrid", attention_kernel="poly2", local_window=3)
+    with pytest.raises(ValueError, match="attention_kernel='poly2'\\) reads no random features"):
+        run_steps(PerformerRedrawCallback(interval=2), polynomial)
     with pytest.raises(ValueError, match="needs a Performer model"):
         run_steps(PerformerRedrawCallback(interval=2), torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="interval=-1"):
@@ -797,6 +800,7 @@ def _write(path: Path, text: str) -> str:
         ("missing_model", "--model_name_or_path .* does not exist"),
         ("output_is_the_model", "--output_dir: the folder .* is the source .*: writing it would replace the source"),
         ("bad_override_value", "Invalid Performer config: .*nb_features must be int, got str 'abc'"),
+        ("redraw_without_features", "--feature_redraw_interval: .*attention_kernel='exact'\\) reads no random"),
     ],
 )
 def test_bad_input_stops_before_training(assets, tmp_path, case, message):
@@ -824,6 +828,9 @@ def test_bad_input_stops_before_training(assets, tmp_path, case, message):
         argv += ["--model_name_or_path", str(out)]
     elif case == "bad_override_value":
         argv[argv.index("--config_overrides") + 1] = "nb_features=abc"
+    elif case == "redraw_without_features":
+        argv[argv.index("--config_overrides") + 1] += ",attention_kernel=exact"
+        argv += ["--feature_redraw_interval", "1"]
     with pytest.raises(TrainingInputError, match=message):
         train_language_model("mlm", argv)
     assert not (out / "train_log.jsonl").exists()

@@ -18,6 +18,8 @@ import logging
 import torch
 from transformers import PreTrainedModel, TrainerCallback
 
+from ..attention_card import uses_projection
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,6 +37,16 @@ def redraw_seed(step: int) -> int:
 def redraw_features(model: torch.nn.Module, step: int) -> None:
     """Redraw every layer's projection from ``step`` (``model`` unwrapped from DDP / FSDP)."""
     model.redraw_projections(redraw_seed(step))
+
+
+def check_redraw(config, interval: int | None) -> None:
+    """Refuse a redraw schedule for a Performer whose attention reads no random features (exact attention, the
+    deterministic polynomial far fields, the sparse method): redrawing would change nothing."""
+    if interval and not uses_projection(config):
+        raise ValueError(
+            f"a feature redraw every {interval} steps, but this Performer's attention ({config.attention_method}, "
+            f"attention_kernel={config.attention_kernel!r}) reads no random features: drop the redraw (interval 0)."
+        )
 
 
 def redraw_if_due(model: torch.nn.Module, step: int, interval: int | None) -> bool:
@@ -98,7 +110,7 @@ class PerformerRedrawCallback(TrainerCallback):
             used is written to ``config.feature_redraw_interval``, so the saved config records it.
 
     Raises ``ValueError`` at the start of training when the model is not a Performer, or when it
-    would redraw a model with ``attention_kernel="exact"`` (which has no random features).
+    would redraw a model whose attention reads no random features (:func:`check_redraw`).
 
     Example::
 
@@ -116,11 +128,7 @@ class PerformerRedrawCallback(TrainerCallback):
         """Find the Performer in the Trainer's model and settle the interval."""
         performer = find_performer(model)
         interval = performer.config.feature_redraw_interval if self.interval is None else self.interval
-        if interval and performer.config.attention_kernel == "exact":
-            raise ValueError(
-                f"PerformerRedrawCallback would redraw every {interval} steps, but the model uses "
-                "attention_kernel='exact', which has no random features; remove the callback or pass interval=0."
-            )
+        check_redraw(performer.config, interval)
         performer.config.feature_redraw_interval = interval or None
         self._performer, self._active_interval = performer, interval
         if interval:

@@ -34,7 +34,7 @@ from ..modeling.configuration_performer import PerformerConfig
 from .arguments import TrainingInputError
 from .checkpointing import find_latest_checkpoint, load_checkpoint, resume_position, save_checkpoint
 from .model_card import build_model_card, write_model_card
-from .redraw import projection_checksum, redraw_if_due
+from .redraw import check_redraw, projection_checksum, redraw_if_due
 from .tracking import select_trackers
 
 logger = get_logger(__name__)
@@ -216,6 +216,10 @@ def run_training(
     redraw_interval = None
     if isinstance(model.config, PerformerConfig):  # other models (a baseline such as BigBird) have no features
         redraw_interval = args.feature_redraw_interval or model.config.feature_redraw_interval
+        try:
+            check_redraw(model.config, args.feature_redraw_interval)
+        except ValueError as error:
+            raise TrainingInputError(f"--feature_redraw_interval: {error}") from None
         model.config.feature_redraw_interval = redraw_interval
     elif args.feature_redraw_interval:
         raise TrainingInputError(
