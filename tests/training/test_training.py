@@ -450,7 +450,7 @@ def test_classification_trains_a_transformers_baseline(assets, tmp_path):
     card = (out / "README.md").read_text()
     assert "# BigBird for classification" in card and "Attention settings" not in card
     assert "import performer_hf" not in card
-    with pytest.raises(TrainingInputError, match="this big_bird model has none"):
+    with pytest.raises(TrainingInputError, match="this big_bird model has none to redraw"):
         train_classifier([*argv[:-5], "--output_dir", str(tmp_path / "redrawn"), "--feature_redraw_interval", "2"])
 
 

@@ -223,8 +223,9 @@ def run_training(
         model.config.feature_redraw_interval = redraw_interval
     elif args.feature_redraw_interval:
         raise TrainingInputError(
-            f"--feature_redraw_interval redraws a Performer's random features; this {model.config.model_type} "
-            "model has none. Drop the argument."
+            f"--feature_redraw_interval redraws the random features of a Performer-family model; this "
+            f"{model.config.model_type} model has none to redraw (with Performer attention, its features are fixed "
+            "by projection_seed). Drop the argument."
         )
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
