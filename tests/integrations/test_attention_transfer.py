@@ -81,6 +81,11 @@ def test_a_transferred_model_saves_reloads_and_decodes_exactly(tmp_path):
         full = again(generated.sequences).logits
     for step, logits in enumerate(generated.logits):
         torch.testing.assert_close(logits[0], full[0, 23 + step], atol=1e-5, rtol=1e-5)
+    # the trained tensors are read at the first forward: a folder moved before it is named, with the fix
+    moved = AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    (tmp_path / "again").rename(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="cannot be read now .*load the model again from where its folder is"):
+        moved(ids)
 
 
 def test_transfer_refuses_inputs_the_window_covers_and_models_without_performer_attention(tmp_path):

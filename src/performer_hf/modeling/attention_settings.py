@@ -217,7 +217,14 @@ _LEARNED_KEY = re.compile(rf"\.(?P<layer>\d+)\.(?:[^.]+\.)*?{LEARNED_SUBMODULE}\
 
 
 def _checkpoint_tensors(config, layer_idx: int) -> dict[str, torch.Tensor]:
-    tensors = _checkpoint_tensors_of(str(config._name_or_path), layer_idx)
+    try:
+        tensors = _checkpoint_tensors_of(str(config._name_or_path), layer_idx)
+    except OSError as error:  # the folder moved or deleted since loading, or a Hub id out of reach
+        raise ValueError(
+            f"this model's trained attention parameters are read from its checkpoint at the first forward, and "
+            f"{config._name_or_path!r} cannot be read now ({type(error).__name__}): load the model again from where "
+            "its folder is (or keep the folder until the model has run once)."
+        ) from error
     if not tensors:
         raise ValueError(
             f"config.{LEARNED_ATTRIBUTE} says this model's attention parameters were trained, but its checkpoint "
