@@ -17,6 +17,7 @@ from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
 from .conversion import ConversionError
+from .conversion.errors import one_line
 from .conversion.sentence_pipeline import sentence_pipeline_files
 from .modeling.attention_settings import CONFIG_ATTRIBUTE, IMPLEMENTATIONS
 from .modeling.modeling_in_place import IN_PLACE_CLASSES
@@ -172,9 +173,8 @@ def push_to_hub(
             repo_id, operations=operations, commit_message=commit_message, revision=revision, create_pr=create_pr
         )
     except (HfHubHTTPError, OfflineModeIsEnabled, OSError) as error:  # the Hub refused, or could not be reached
-        first_line = (str(error).strip().splitlines() or [""])[0]
         raise PushError(
-            f"the Hub did not take {repo_id!r} ({type(error).__name__}: {first_line}): check the network, that "
+            f"the Hub did not take {repo_id!r} ({one_line(error)}): check the network, that "
             "HF_HUB_OFFLINE is not set, and that you are logged in (huggingface-cli login, or token=...) with write "
             "access to the repository."
         ) from error

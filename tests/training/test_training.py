@@ -798,7 +798,7 @@ def _write(path: Path, text: str) -> str:
         ("too_long", "exceeds the model's 64 positions"),
         ("bad_override", "not a PerformerConfig field"),
         ("missing_model", "--model_name_or_path .* does not exist"),
-        ("output_is_the_model", "--output_dir: the folder .* is the source .*: writing it would replace the source"),
+        ("output_is_the_model", "--output_dir: output folder .* is the source .*: writing it would replace the source"),
         ("bad_override_value", "Invalid Performer config: .*nb_features must be int, got str 'abc'"),
         ("redraw_without_features", "--feature_redraw_interval: .*attention_kernel='exact'\\) reads no random"),
     ],

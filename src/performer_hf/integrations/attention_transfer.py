@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,32 @@ class TransferReport:
             "relative_error_first": self.error_first,
             "relative_error_last": self.error_last,
         }
+
+
+@contextmanager
+def _frozen(model: nn.Module):
+    """``model`` in eval mode with its own parameters frozen; both as they were on exit, however it comes."""
+    was_training = model.training
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    model.eval()
+    for parameter in trainable:
+        parameter.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for parameter in trainable:
+            parameter.requires_grad_(True)
+        model.train(was_training)
+
+
+@contextmanager
+def _hooked(hook):
+    """Performer attention calls ``hook`` in place of the method (``TRANSFER_HOOK``) within the block."""
+    token = TRANSFER_HOOK.set(hook)
+    try:
+        yield
+    finally:
+        TRANSFER_HOOK.reset(token)
 
 
 def _states(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
@@ -178,12 +205,7 @@ def transfer_attention(
             "each batch is a dict of the model's inputs ({'input_ids': ..., 'attention_mask': ...}, as text_batches() "
             f"gives them), got a {type(next(b for b in batches if not isinstance(b, Mapping))).__name__}."
         )
-    was_training = model.training
-    model.eval()
-    frozen = [p for p in model.parameters() if p.requires_grad]
-    for parameter in frozen:
-        parameter.requires_grad_(False)
-    try:  # the model's own parameters and mode come back however this ends
+    with _frozen(model):  # the model's own parameters and mode come back however this ends
         with torch.no_grad():
             model(**batches[0])  # builds every layer's method state
         states = _states(model)
@@ -227,8 +249,7 @@ def transfer_attention(
             return target
 
         start, tokens = time.perf_counter(), 0
-        token = TRANSFER_HOOK.set(match_softmax)
-        try:
+        with _hooked(match_softmax):
             for step in tqdm(range(steps), desc="attention transfer", disable=not progress):
                 batch = batches[step % len(batches)]
                 layer_errors.clear()
@@ -250,12 +271,6 @@ def transfer_attention(
                 errors.append({layer: float(e.detach()) for layer, e in layer_errors.items()})
                 tokens += int(batch["input_ids"].numel())
                 logger.debug("transfer step %d: summed relative error %.4f", step + 1, float(loss.detach()))
-        finally:
-            TRANSFER_HOOK.reset(token)
-    finally:
-        for parameter in frozen:
-            parameter.requires_grad_(True)
-        model.train(was_training)
     _record(model, states, learned)
     span = max(1, min(window, len(errors) // 2))  # the first and last spans never overlap
     report = TransferReport(
@@ -285,11 +300,8 @@ def _centre_on_the_source(model: nn.Module, batch: dict[str, torch.Tensor], stat
         means[state.layer_idx] = fixed_centres(q.float(), k.float(), key_mask)  # (H, d) each
         return softmax_attention(q, k, v, key_mask, causal)[0]
 
-    token = TRANSFER_HOOK.set(record_means)
-    try:
+    with _hooked(record_means):
         model(**batch)
-    finally:
-        TRANSFER_HOOK.reset(token)
     for state in centred:
         query_mean, key_mean = means[state.layer_idx]
         state.query_center.copy_(query_mean)

@@ -355,7 +355,7 @@ class PerformerConfig(PreTrainedConfig):
             value = getattr(self, name)
             if value is None and "None" in kinds:
                 continue
-            allowed = tuple(kind for name_ in kinds if name_ != "None" for kind in _PLAIN_TYPES[name_])
+            allowed = tuple(python_type for kind in kinds if kind != "None" for python_type in _PLAIN_TYPES[kind])
             if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
                 raise ValueError(f"{name} must be {' or '.join(kinds)}, got {type(value).__name__} {value!r}.")
 

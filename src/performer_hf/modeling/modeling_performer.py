@@ -73,6 +73,11 @@ class PerformerPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["PerformerLayer"]
 
+    def _returned(self, output, return_dict: bool | None):
+        """``output``, or its tuple where ``return_dict`` (default: the config's) is False (the transformers
+        convention)."""
+        return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -287,7 +292,7 @@ class _BidirectionalHead(PerformerPreTrainedModel):
         output = self.output_class(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
-        return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
+        return self._returned(output, return_dict)
 
 
 class PerformerForMaskedLM(_BidirectionalHead):
@@ -417,7 +422,7 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
             **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
-        return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
+        return self._returned(output, return_dict)
 
 
 def _classification_loss(config: PerformerConfig, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -529,7 +534,7 @@ class PerformerForQuestionAnswering(_BidirectionalHead):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
-        return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
+        return self._returned(output, return_dict)
 
 
 # The Auto class of each model class: `import performer_hf` registers them. Remote code: `save_pretrained`

@@ -261,7 +261,7 @@ def validate_args(args: argparse.Namespace, task: str) -> None:
     for flag in ("model_name_or_path", "convert_from"):
         start = getattr(args, flag)
         if start is not None and (replaced := output_replaces_source(Path(args.output_dir), Path(start).expanduser())):
-            raise TrainingInputError(f"--output_dir: {replaced.replace('output folder', 'the folder', 1)}")
+            raise TrainingInputError(f"--output_dir: {replaced}")
     if args.tokenizer_name is None and args.model_name_or_path is None and args.convert_from is None:
         raise TrainingInputError("Training from scratch needs a tokenizer: pass --tokenizer_name (a folder or Hub id).")
 

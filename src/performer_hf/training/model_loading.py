@@ -14,6 +14,7 @@ import os
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..conversion.errors import one_line
 from ..integrations.remote_code import ship_remote_code
 from ..modeling.attention_settings import IMPLEMENTATIONS
 from ..modeling.configuration_performer import PerformerConfig
@@ -130,7 +131,7 @@ def load_model(
             raise TrainingInputError(f"Could not load a model from {args.model_name_or_path!r}: {error}") from error
         except (ValueError, TypeError, RuntimeError, StrictDataclassError) as error:  # what the overrides ask for
             cause = error.__cause__ if isinstance(error, StrictDataclassError) and error.__cause__ else error
-            problem = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
+            problem = one_line(cause)
             if not args.config_overrides:
                 message = f"Could not load a model from {args.model_name_or_path!r}: {problem}"
                 raise TrainingInputError(message) from error
