@@ -412,7 +412,8 @@ def test_bf16_autocast_training_step_is_finite():
 def test_inputs_and_labels_of_the_wrong_shape_or_kind_are_refused_by_name():
     """Labels that do not match the logits (another length or batch, floats) gave a loss silently (the tokens were
     scored against the wrong rows) or failed inside torch; an unbatched input failed with an IndexError; a GPT-2
-    conversion (no token type embeddings) ignored token_type_ids, which its source adds."""
+    conversion (no token type embeddings) ignored token_type_ids, which its source adds; an input without tokens failed
+    inside FAVOR+'s and the hybrid's kernels (a division by zero, a reshape)."""
     ids = random_ids(2, 10)
     mlm = tiny_model(PerformerForMaskedLM)
     clm = tiny_model(PerformerForCausalLM)
@@ -422,6 +423,8 @@ def test_inputs_and_labels_of_the_wrong_shape_or_kind_are_refused_by_name():
         (lambda: clm(input_ids=ids, labels=ids[:1]), r"labels must be token ids of shape \(2, 10\) .* got \(1, 10\)"),
         (lambda: clm(input_ids=ids, labels=ids.reshape(-1)), r"got \(20,\)"),
         (lambda: clm(input_ids=ids[0]), r"input_ids must be a batch: \(batch, length\), got shape \(10,\)"),
+        (lambda: clm(input_ids=ids[:, :0]), r"input_ids of shape \(2, 0\) hold no token"),  # failed in FAVOR+
+        (lambda: mlm(inputs_embeds=torch.zeros(0, 10, 32)), r"inputs_embeds of shape \(0, 10, 32\) hold no token"),
         (
             lambda: tiny_model(PerformerForCausalLM, type_vocab_size=0)(input_ids=ids, token_type_ids=ids * 0),
             "no token type embeddings",

@@ -190,6 +190,12 @@ class PerformerModel(PerformerPreTrainedModel):
                 f"{given[0]} must be a batch: (batch, length){'' if input_ids is not None else ' x hidden'}, got shape "
                 f"{tuple(given[1].shape)} (one sequence: unsqueeze(0))."
             )
+        given_shape = (input_ids if input_ids is not None else inputs_embeds).shape
+        if 0 in given_shape[:2]:
+            raise ValueError(
+                f"{'input_ids' if input_ids is not None else 'inputs_embeds'} of shape {tuple(given_shape)} hold no "
+                "token: pass at least one sequence of at least one token."
+            )
         if token_type_ids is not None and not self.config.type_vocab_size:
             raise ValueError(
                 "this model has no token type embeddings (type_vocab_size=0, as a GPT-2 conversion): leave "
@@ -217,7 +223,7 @@ class PerformerModel(PerformerPreTrainedModel):
             self._check_cache(cache)
         past_length = cache.get_seq_length() if cache is not None else 0
 
-        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        length = given_shape[1]
         key_mask = None if attention_mask is None else attention_mask.to(torch.bool)  # (B, P + L)
         if key_mask is not None and (key_mask.dim() != 2 or key_mask.shape[1] != past_length + length):
             raise ValueError(
