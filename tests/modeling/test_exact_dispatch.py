@@ -64,11 +64,11 @@ def test_inputs_up_to_exact_max_length_get_exact_attention_with_its_gradients(me
 
 @pytest.mark.parametrize("method", sorted(APPROXIMATIONS))
 def test_longer_inputs_run_the_method_itself(method):
-    # one token over the threshold: bit-identical to the same model without exact dispatch
+    # the padded row's real tokens one over the threshold: bit-identical to the same model without exact dispatch
     model = random_centres(tiny_model(PerformerModel, exact_max_length=23, **APPROXIMATIONS[method]))
     plain = random_centres(tiny_model(PerformerModel, **APPROXIMATIONS[method]))
     plain.load_state_dict(model.state_dict())
-    ids, mask = _padded_batch(24)
+    ids, mask = _padded_batch(29)
     dispatched = model(ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(dispatched, plain(ids, attention_mask=mask).last_hidden_state, rtol=0, atol=0)
     twin = _exact_twin(model, PerformerModel)
@@ -207,3 +207,32 @@ def test_covers_is_true_only_where_the_hybrid_is_exact_attention(causal):
                 assert error.abs().max() < 1e-12, (spec, length)
             else:
                 assert error.abs().max() > 1e-8, f"{spec}: {length} tokens are exact too, covers() is too narrow"
+
+
+@pytest.mark.parametrize("method", sorted(APPROXIMATIONS))
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_a_padded_row_gets_the_attention_it_gets_alone_whatever_it_is_batched_with(method, padding):
+    """The crossover counts a row's real tokens, not the batch's padded length: a short row batched with a long one
+    (as pipelines and sentence encoders batch) took the approximation, and differed from itself alone."""
+    settings = {**APPROXIMATIONS[method], "routed_blocks": 1} if method == "hybrid" else APPROXIMATIONS[method]
+    model = random_centres(tiny_model(PerformerModel, exact_max_length=16, **settings))  # (a support < 16 keys)
+    with torch.no_grad():  # larger logits: the approximation's error shows
+        for name, parameter in model.named_parameters():
+            if ".query." in name or ".key." in name:
+                parameter.mul_(8)
+    short, long = random_ids(batch=1, length=16, seed=1), random_ids(batch=1, length=40, seed=2)
+    ids = torch.zeros(3, 40, dtype=torch.long)
+    mask = torch.zeros(3, 40, dtype=torch.long)
+    pad = 24 if padding == "left" else 0
+    ids[0, pad : pad + 16], mask[0, pad : pad + 16] = short[0], 1
+    ids[1], mask[1] = long[0], 1
+    ids[2, pad : pad + 16], mask[2, pad : pad + 16] = short[0], 1  # two short rows
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+        alone = {name: model(row).last_hidden_state[0] for name, row in (("short", short), ("long", long))}
+    for row in (0, 2):
+        torch.testing.assert_close(batched[row][mask[row].bool()], alone["short"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batched[1], alone["long"], rtol=1e-5, atol=1e-5)
+    every_row_short = model(ids[[0, 2]], attention_mask=mask[[0, 2]], position_ids=position_ids[[0, 2]])
+    torch.testing.assert_close(every_row_short.last_hidden_state[0][mask[0].bool()], alone["short"])

@@ -1,12 +1,15 @@
 """Exact softmax attention as an attention method (``attention_method="exact"``), and the exact dispatch the
-approximate methods share (:func:`exact_is_enough`): below the crossover length, and where the hybrid's support
-covers every key, they compute softmax attention with SDPA instead."""
+approximate methods share (:func:`exact_or_approximate`): below the crossover length, and where the hybrid's support
+covers every key, they compute softmax attention with SDPA instead; in a padded batch, per row, by its real length."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 def exact_attention(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None, output_attentions=False):
@@ -70,3 +73,56 @@ def exact_is_enough(module: nn.Module, q: torch.Tensor, causal: bool, layer_cach
         return True
     spec = getattr(module, "hybrid_spec", None)
     return spec is not None and spec.covers(length, causal)
+
+
+# per padding mask (the model passes one tensor to every layer): its rows' real lengths and the span of their real
+# tokens, read once per forward rather than once per layer (on a GPU each read waits for the device)
+_ROW_SPANS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def exact_or_approximate(
+    approximate: Callable[..., torch.Tensor], module: nn.Module, q, k, v, key_mask, causal, layer_cache=None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output of an approximate method's call (``approximate(q, k, v, key_mask)`` -> (B, H, L, D)), or exact
+    softmax attention where :func:`exact_is_enough`. In a padded bidirectional batch longer than the crossover, the
+    rows whose real tokens are few enough take exact attention as they would alone, the others the method: a row's
+    output does not depend on the rows it is batched with (a pipeline's or a sentence encoder's batches pad every
+    row to the longest). -> (context, None)."""
+    if exact_is_enough(module, q, causal, layer_cache):
+        return softmax_attention(q, k, v, key_mask, causal)
+    if causal or layer_cache is not None or key_mask is None or torch.compiler.is_compiling():
+        return approximate(q, k, v, key_mask), None
+    lengths, firsts, lasts = _row_spans(key_mask)
+    limit = exact_max_length(module, q.device)
+    short = [row for row, length in enumerate(lengths) if length <= limit]
+    if not short:
+        return approximate(q, k, v, key_mask), None
+    long = [row for row, length in enumerate(lengths) if length > limit]
+    # the short rows' keys outside the span of their real tokens are padding: left out, as the mask would leave them
+    lo, hi = min(firsts[row] for row in short), max(lasts[row] for row in short) + 1
+    if lo >= hi:  # no real token in any short row: every key is padding
+        lo, hi = 0, k.shape[2]
+    if not long:
+        return softmax_attention(q, k[:, :, lo:hi], v[:, :, lo:hi], key_mask[:, lo:hi], causal=False)
+    rows = torch.tensor(short, device=q.device)
+    exact, _ = softmax_attention(q[rows], k[rows, :, lo:hi], v[rows, :, lo:hi], key_mask[rows, lo:hi], causal=False)
+    context = exact.new_empty(*q.shape[:3], v.shape[-1])  # (B, H, L, D)
+    context[rows] = exact
+    others = torch.tensor(long, device=q.device)
+    context[others] = approximate(q[others], k[others], v[others], key_mask[others]).to(exact.dtype)
+    return context, None
+
+
+def _row_spans(key_mask: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+    """The real tokens of each row of ``key_mask`` (B, L): their count, the first's and the last's index (-1 where
+    the row has none), read once per mask."""
+    spans = _ROW_SPANS.get(key_mask)
+    if spans is None:
+        length = key_mask.shape[1]
+        real = key_mask.bool()
+        counts = real.sum(dim=1)  # (B,)
+        firsts = torch.where(counts > 0, real.int().argmax(dim=1), length)  # (B,)
+        lasts = torch.where(counts > 0, length - 1 - real.flip(1).int().argmax(dim=1), -1)  # (B,)
+        spans = tuple(torch.stack([counts, firsts, lasts]).tolist())
+        _ROW_SPANS[key_mask] = spans
+    return spans

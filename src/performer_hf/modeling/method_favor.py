@@ -3,20 +3,26 @@ random projection, and its constant-size decoding state in a :class:`.FavorCache
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from .device_compile import call_compiled_attention, compiles, decode_step
 from .favor_attention import favor_attention
-from .method_exact import exact_is_enough, softmax_attention
+from .method_exact import exact_or_approximate
 
 
 def favor_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None, output_attentions=False):
     """FAVOR+ (:func:`.favor_attention`) with ``module.projection``; with ``layer_cache``, its
     constant-size :class:`FavorCacheLayer` state holds every earlier token."""
+    approximate = functools.partial(_favor, module, causal=causal, layer_cache=layer_cache)
+    return exact_or_approximate(approximate, module, q, k, v, key_mask, causal, layer_cache)
+
+
+def _favor(module: nn.Module, q, k, v, key_mask, causal, layer_cache) -> torch.Tensor:
+    """FAVOR+'s context (B, H, L, D), updating ``layer_cache``'s state."""
     length = q.shape[2]
-    if exact_is_enough(module, q, causal, layer_cache):
-        return softmax_attention(q, k, v, key_mask, causal)
     new_key_mask = None if key_mask is None else key_mask[:, -length:]  # (B, L): past keys live in the state
     kwargs = {
         "causal": causal,
@@ -28,7 +34,7 @@ def favor_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None,
     # exponentials and prefix sums to bf16/fp16.
     with torch.autocast(q.device.type, enabled=False):
         if layer_cache is None:  # compiled on CUDA (device_compile)
-            return call_compiled_attention(favor_attention, q, k, v, module.projection, **kwargs), None
+            return call_compiled_attention(favor_attention, q, k, v, module.projection, **kwargs)
         if causal and layer_cache.get_state() is None and compiles(q.device):
             # a prefill, compiled with its state: the keys that pad it to its bucket have no features, so the state
             # after them is the state after the prompt
@@ -44,4 +50,4 @@ def favor_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None,
                 q, k, v, module.projection, initial_state=layer_cache.get_state(), return_state=True, **kwargs
             )
     layer_cache.update_state(state, num_new_tokens=length)
-    return context, None
+    return context

@@ -4,6 +4,7 @@ support and a linear far field elsewhere (:func:`.hybrid_attention`), its consta
 
 from __future__ import annotations
 
+import functools
 import statistics
 from typing import Any
 
@@ -14,7 +15,7 @@ from .device_compile import call_compiled, call_compiled_attention, compiles, de
 from .far_fields import get_far_field
 from .favor_hybrid import hybrid_attention, hybrid_prefill_state
 from .hybrid_spec import HybridSpec, HybridState
-from .method_exact import exact_is_enough, softmax_attention
+from .method_exact import exact_or_approximate, softmax_attention
 
 Tensor = torch.Tensor
 
@@ -42,9 +43,8 @@ def hybrid_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None
         )
     if causal and module.exact_max_length:
         return _causal_exact_prefix(module, q, k, v, key_mask, layer_cache)
-    if exact_is_enough(module, q, causal, layer_cache):
-        return softmax_attention(q, k, v, key_mask, causal)
-    return _hybrid(module, q, k, v, key_mask, causal, layer_cache), None
+    approximate = functools.partial(_hybrid, module, causal=causal, layer_cache=layer_cache)
+    return exact_or_approximate(approximate, module, q, k, v, key_mask, causal, layer_cache)
 
 
 def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None, after=None) -> Tensor:
