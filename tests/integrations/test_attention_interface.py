@@ -215,11 +215,33 @@ def test_plain_generate_decodes_from_the_methods_own_state(arch, method, tmp_pat
     assert sizes[0] == sizes[1] > 0
 
 
+@pytest.mark.parametrize("method", OWN_STATE)
+def test_a_cache_continues_its_own_sequence_after_another_was_prefilled(method, tmp_path):
+    """The state kept by a first forward goes to the cache that forward filled, not to the next one of the same
+    length: a sequence continued after another was prefilled (a second user's prompt, a batch scored in between)
+    decoded from the other's state (|diff| 0.43 to its own forward) or was refused by batch size."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    implementation, settings, _ = OWN_STATE[method]
+    model = _load(folder, implementation, **settings)
+    first, second, token = _ids(1, 40, seed=1), _ids(1, 40, seed=2), _ids(1, 1, seed=3)
+    with torch.no_grad():
+        cache = model(first, use_cache=True)[CACHE_KEYWORD]
+        expected = model(token, use_cache=True, **{CACHE_KEYWORD: cache}).logits[:, -1]  # continued at once
+        for between in (second, _ids(4, 40, seed=4)):  # another sequence of the same length; a batch scored
+            cache = model(first, use_cache=True)[CACHE_KEYWORD]
+            kept = model(between, use_cache=True)  # its cache kept as well
+            continued = model(token, use_cache=True, **{CACHE_KEYWORD: cache}).logits[:, -1]
+            torch.testing.assert_close(continued, expected, rtol=0, atol=0)
+            assert type(cache.layers[0]).__name__ == OWN_STATE[method][2]
+            assert kept[CACHE_KEYWORD].get_seq_length() == 40
+
+
 @pytest.mark.parametrize("method", ["favor", "hybrid", "sparse, latest ranking"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_a_forward_told_use_cache_false_keeps_no_state(arch, method, tmp_path):
-    """A first forward without gradients keeps the method's state for the next call (what plain generate() adopts):
-    not when told use_cache=False, so that an evaluation holds no state between calls; the outputs are the same.
+    """A first forward without gradients keeps the method's state for the cache it fills (what plain generate()
+    adopts), while that cache lives: not when told use_cache=False, so that an evaluation holds no state between
+    calls; the outputs are the same.
     (Gemma3's and GPT-2's layers do not pass use_cache on to attention: their state is kept, as before.)"""
     _, folder = _source(DECODERS[arch], tmp_path)
     implementation, settings, _ = OWN_STATE[method]
@@ -227,13 +249,16 @@ def test_a_forward_told_use_cache_false_keeps_no_state(arch, method, tmp_path):
     ids = _ids(2, 40)
 
     def kept_layers():
-        return [module for module in model.modules() if "_performer_pending_cache_layer" in module.__dict__]
+        return [module for module in model.modules() if module.__dict__.get("_performer_pending_cache_layers")]
 
     with torch.no_grad():
         uncached = model(ids, use_cache=False).logits
         assert kept_layers() == []
-        cached = model(ids, use_cache=True).logits
+        output = model(ids, use_cache=True)  # its cache stands for the state kept
     assert len(kept_layers()) > 0
+    cached = output.logits
+    del output
+    assert kept_layers() == []  # nothing kept once the cache it stands for is gone
     torch.testing.assert_close(uncached, cached, rtol=0, atol=0)
 
 

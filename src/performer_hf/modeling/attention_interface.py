@@ -111,6 +111,7 @@ def _performer_attention(implementation: str):
         if keeps_own_attention(module.config, module.layer_idx):
             return _own_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
         causal = kwargs.get("is_causal", getattr(module, "is_causal", False))
+        cached_keys = key  # as the caller's cache layer returned them (B, H_kv, Lk, D)
         state = method_state(module, implementation, causal, query)
         layer_cache = getattr(key, "performer_cache_layer", None)
         if layer_cache is not None:
@@ -137,7 +138,7 @@ def _performer_attention(implementation: str):
             # the model was told use_cache=False (the architectures that pass it on to attention say so)
             layer_cache = ATTENTION_METHODS[state.attention_method].cache_layer()
             layer_cache.update(key, value)
-            adopt_on_next_call(module, layer_cache)
+            adopt_on_next_call(module, layer_cache, cached_keys)
         if transfer is not None:
             context = transfer(state, query, key, value, key_mask, causal)
         elif state.attention_method == "exact":

@@ -19,9 +19,11 @@ before.
 
 from __future__ import annotations
 
+import weakref
+
 import transformers
 from packaging.version import Version
-from torch import nn
+from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from .attention_methods import ATTENTION_METHODS
@@ -57,32 +59,46 @@ class PerformerCache(Cache):
         super().__init__(layers=layers)
 
 
-_PENDING_LAYER = "_performer_pending_cache_layer"  # module attributes: the layer handed over, the hook
+_PENDING_LAYERS = "_performer_pending_cache_layers"  # module attributes: the layers handed over, the hook
 _ADOPTION_HOOK = "_performer_adoption_hook"
 
 
-def adopt_on_next_call(module: nn.Module, layer: CacheLayerMixin) -> None:
+def adopt_on_next_call(module: nn.Module, layer: CacheLayerMixin, keys: Tensor) -> None:
     """Hand ``layer`` (the method's own cache layer, holding the state of the keys this call of attention ``module``
-    read) to the caller's cache: when the module's next call gets a cache whose layer for it is a plain (or
-    sliding-window) key/value layer holding the same tokens (what ``generate()`` builds by default), ``layer``
-    takes its place before the call runs, so that decoding reads the method's state. Other caches (none, a
-    ``PerformerCache``, a static cache) are left as they are, and the layer is dropped."""
-    module.__dict__[_PENDING_LAYER] = layer
+    read) to the caller's cache: when a later call of the module gets a cache whose layer for it is the plain (or
+    sliding-window) key/value layer that returned ``keys`` (B, H, L, D) to this call (what ``generate()`` builds by
+    default), ``layer`` takes its place before the call runs, so that decoding reads the method's state. Each
+    sequence's cache gets its own state (a second prompt prefilled before the first is continued, a batch scored
+    in between); other caches (a ``PerformerCache``, a static cache, a copy) are left as they are. A layer is
+    dropped with the keys it stands for (the caller's cache)."""
+    pending = module.__dict__.setdefault(_PENDING_LAYERS, {})  # {id(keys): (weakref(keys), layer)}
+    key_id = id(keys)
+
+    def forget(_, pending=pending, key_id=key_id) -> None:
+        pending.pop(key_id, None)
+
+    pending[key_id] = (weakref.ref(keys, forget), layer)
     if _ADOPTION_HOOK not in module.__dict__:  # a pre-hook: the running call has passed its hooks already
         module.__dict__[_ADOPTION_HOOK] = module.register_forward_pre_hook(_adopt_pending_layer, with_kwargs=True)
 
 
 def _adopt_pending_layer(module: nn.Module, args, kwargs) -> None:
-    layer = module.__dict__.pop(_PENDING_LAYER, None)
+    pending = module.__dict__.get(_PENDING_LAYERS)
     cache = kwargs.get(CACHE_KEYWORD)
-    if layer is None or not isinstance(cache, Cache) or module.layer_idx >= len(cache.layers):
+    if not pending or not isinstance(cache, Cache) or module.layer_idx >= len(cache.layers):
         return
     current = cache.layers[module.layer_idx]
     # a sliding-window layer too (Mistral's config may name a window): the method, not the window, decides what the
     # layer reads
-    plain = type(current) in (DynamicLayer, DynamicSlidingWindowLayer)
-    if plain and current.get_seq_length() == layer.get_seq_length():
-        cache.layers[module.layer_idx] = layer
+    if type(current) not in (DynamicLayer, DynamicSlidingWindowLayer):
+        return
+    held = getattr(current, "keys", None)  # the keys a plain layer returned; a sliding-window layer's, a view of them
+    for keys in (held, getattr(held, "_base", None)):
+        entry = None if keys is None else pending.get(id(keys))
+        if entry is not None and entry[0]() is keys and current.get_seq_length() == entry[1].get_seq_length():
+            del pending[id(keys)]
+            cache.layers[module.layer_idx] = entry[1]
+            return
 
 
 __all__ = ["CACHE_KEYWORD", "PerformerCache"]
