@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer
 
 from performer_hf.favor import FavorState, favor_attention
@@ -238,3 +238,15 @@ def test_cached_decoding_equals_a_full_forward_at_every_generated_position(metho
         return
     cached = torch.stack(out.logits, 1)  # (3, 8, vocab): the logits that chose tokens 9 .. 16
     torch.testing.assert_close(cached, full[:, 8:-1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_a_static_cache_is_refused_by_name(method):
+    """generate(cache_implementation="static") failed inside transformers (KeyError: 'favor_attention'), and a
+    static cache passed to exact attention inside the model."""
+    model = tiny_model(**METHODS[method])
+    with pytest.raises(ValueError, match=r"static \(fixed-size\) cache \(cache_implementation='static'\)"):
+        model.generate(random_ids(1, 10), max_new_tokens=4, do_sample=False, cache_implementation="static")
+    cache = StaticCache(config=tiny_model(**METHODS["exact"]).config, max_cache_len=32)
+    with pytest.raises(ValueError, match=r"static \(fixed-size\) cache \(StaticLayer\)"), torch.no_grad():
+        model(random_ids(1, 10), use_cache=True, cache=cache)

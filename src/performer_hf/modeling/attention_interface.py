@@ -46,8 +46,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_methods import ATTENTION_METHODS
 from .attention_settings import IMPLEMENTATIONS, keeps_own_attention, method_state
+from .cache_performer import static_cache_refusal
 from .implied_attention import implied_attention
-from .interface_cache import adopt_on_next_call
+from .interface_cache import CACHE_KEYWORD, adopt_on_next_call
 from .method_exact import softmax_attention
 
 Tensor = torch.Tensor
@@ -71,6 +72,16 @@ def performer_mask(*, attention_mask=None, kv_length: int, local_size: int | Non
     config = kwargs["config"]
     if local_size is not None and _mixes_sliding_layers(config):
         return sdpa_mask(attention_mask=attention_mask, kv_length=kv_length, local_size=local_size, **kwargs)
+    q_offset, q_length, kv_offset = kwargs.get("q_offset"), kwargs.get("q_length"), kwargs.get("kv_offset", 0)
+    if q_offset is not None and q_length is not None and kv_offset + kv_length != int(q_offset) + q_length:
+        # keys the cache does not place right after the earlier ones: a static cache's empty slots
+        raise ValueError(
+            static_cache_refusal(
+                f"{kv_length} key slots for {int(q_offset)} earlier and {q_length} new tokens",
+                "Leave cache_implementation unset (generate() builds the cache), or pass "
+                f"{CACHE_KEYWORD}=PerformerCache(model.config) (performer_hf).",
+            )
+        )
     if attention_mask is None:
         return None
     batch_size = kwargs.get("batch_size", attention_mask.shape[0])

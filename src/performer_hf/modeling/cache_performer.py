@@ -19,7 +19,7 @@ and the first ``num_global_tokens`` ones, still constant in the context length.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, CacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, CacheLayerMixin, LinearAttentionLayer, StaticLayer
 
 from .favor_attention import FavorState
 from .hybrid_spec import HybridState
@@ -29,6 +29,22 @@ from .sparse_spec import SparseState
 _REGISTERED_BEFORE = {
     name: DYNAMIC_LAYER_TYPE_MAPPING.get(name) for name in ("favor_attention", "hybrid_attention", "sparse_attention")
 }
+
+
+def static_cache_refusal(what: str, fix: str) -> str:
+    """The refusal of a static (fixed-size) cache, ``what`` naming it, ``fix`` what to pass instead."""
+    return (
+        f"Performer attention cannot decode from a static (fixed-size) cache ({what}): its methods keep a state of "
+        "their own, and exact attention a key/value cache that grows, where a static one holds empty slots its "
+        f"attention would read. {fix}"
+    )
+
+
+def check_no_static_layers(layers, fix: str) -> None:
+    """Refuse a cache holding static (fixed-size) layers (:func:`static_cache_refusal`)."""
+    static = sorted({type(layer).__name__ for layer in layers if isinstance(layer, StaticLayer)})
+    if static:
+        raise ValueError(static_cache_refusal(", ".join(static), fix))
 
 
 def held_bytes(value) -> int:

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.modeling_outputs import (
     BaseModelOutputWithPoolingAndCrossAttentions,
     CausalLMOutputWithCrossAttentions,
@@ -28,6 +29,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput, logging
 
 from .attention_methods import ATTENTION_METHODS
+from .cache_performer import check_no_static_layers, static_cache_refusal
 from .configuration_performer import PerformerConfig
 from .layers_performer import (
     PerformerAttention,
@@ -137,6 +139,7 @@ class PerformerModel(PerformerPreTrainedModel):
                 f"cache must be a transformers Cache, got {type(cache).__name__}: "
                 "pass DynamicCache(config=model.config) (what generate builds)."
             )
+        check_no_static_layers(cache.layers, "Leave cache_implementation unset: generate() builds the cache.")
         expected = ATTENTION_METHODS[self.config.attention_method].cache_layer
         if expected is None:  # a key/value cache: any transformers Cache
             return
@@ -353,6 +356,16 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
         # a recurrent state cannot be rolled back to check draft tokens (assisted generation)
         self._is_stateful = config.attention_kernel != "exact"
         self.post_init()
+
+    def _prepare_cache_for_generation(self, generation_config, *args, **kwargs):
+        if generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS:
+            raise ValueError(
+                static_cache_refusal(
+                    f"cache_implementation={generation_config.cache_implementation!r}",
+                    "Leave cache_implementation unset: generate() builds the cache.",
+                )
+            )
+        return super()._prepare_cache_for_generation(generation_config, *args, **kwargs)
 
     def get_output_embeddings(self):
         return self.lm_head
