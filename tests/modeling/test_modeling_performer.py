@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from transformers import (
     AutoConfig,
@@ -217,9 +218,14 @@ def test_a_cache_passed_to_a_bidirectional_model_raises_and_use_cache_is_ignored
     assert getattr(model(input_ids=random_ids(), use_cache=True), CACHE_FIELD) is None  # as transformers' encoders
 
 
-def test_attention_mask_of_the_wrong_length_raises():
-    with pytest.raises(ValueError, match="attention_mask must be 2D"):
+def test_attention_mask_of_the_wrong_length_or_batch_raises():
+    """A mask of one row for a batch of two was broadcast to every row by exact attention (row 1 masked with row 0's
+    mask) and refused inside FAVOR+ under an internal name."""
+    with pytest.raises(ValueError, match=r"attention_mask must be 2D .* = \(2, 5\) .* got \(2, 6\)"):
         tiny_model()(input_ids=random_ids(2, 5), attention_mask=torch.ones(2, 6))
+    for method in METHODS:
+        with pytest.raises(ValueError, match=r"attention_mask must be 2D .* = \(2, 5\) .* got \(1, 5\)"):
+            tiny_model(PerformerModel, **METHODS[method])(input_ids=random_ids(2, 5), attention_mask=torch.ones(1, 5))
 
 
 # ---------------------------------------------------------------- padding and causality
@@ -413,7 +419,8 @@ def test_inputs_and_labels_of_the_wrong_shape_or_kind_are_refused_by_name():
     """Labels that do not match the logits (another length or batch, floats) gave a loss silently (the tokens were
     scored against the wrong rows) or failed inside torch; an unbatched input failed with an IndexError; a GPT-2
     conversion (no token type embeddings) ignored token_type_ids, which its source adds; an input without tokens failed
-    inside FAVOR+'s and the hybrid's kernels (a division by zero, a reshape)."""
+    inside FAVOR+'s and the hybrid's kernels (a division by zero, a reshape); a negative position id or a token type
+    past the table, with an IndexError inside torch."""
     ids = random_ids(2, 10)
     mlm = tiny_model(PerformerForMaskedLM)
     clm = tiny_model(PerformerForCausalLM)
@@ -425,6 +432,9 @@ def test_inputs_and_labels_of_the_wrong_shape_or_kind_are_refused_by_name():
         (lambda: clm(input_ids=ids[0]), r"input_ids must be a batch: \(batch, length\), got shape \(10,\)"),
         (lambda: clm(input_ids=ids[:, :0]), r"input_ids of shape \(2, 0\) hold no token"),  # failed in FAVOR+
         (lambda: mlm(inputs_embeds=torch.zeros(0, 10, 32)), r"inputs_embeds of shape \(0, 10, 32\) hold no token"),
+        (lambda: mlm(input_ids=ids, position_ids=ids * 0 + 64), r"Position id 64 is out of range: .*=64"),
+        (lambda: mlm(input_ids=ids, position_ids=ids * 0 - 1), r"Position id -1 is negative"),  # an IndexError
+        (lambda: mlm(input_ids=ids, token_type_ids=ids * 0 + 2), r"token_type_ids hold 2, .* type_vocab_size=2"),
         (
             lambda: tiny_model(PerformerForCausalLM, type_vocab_size=0)(input_ids=ids, token_type_ids=ids * 0),
             "no token type embeddings",
@@ -456,10 +466,30 @@ def test_classification_labels_that_fit_no_problem_type_are_refused_before_it_is
     with pytest.raises(ValueError, match=r"multi_label_classification with num_labels=3 are numbers of shape \(2, 3\)"):
         model(input_ids=ids, labels=torch.tensor([0.0, 2.0]))
     assert model.config.problem_type is None  # a refused call records nothing
-    with pytest.raises(ValueError, match=r"class ids \(integers\) of shape \(2,\), got torch.int64 labels of shape"):
+    with pytest.raises(ValueError, match=r"class ids \(integers\) of shape \(2,\) or \(2, 1\), got torch.int64"):
         model(input_ids=ids, labels=torch.tensor([0, 2, 1]))
     loss = model(input_ids=ids, labels=torch.tensor([0, 2], dtype=torch.int32)).loss
     assert model.config.problem_type == "single_label_classification" and torch.isfinite(loss)
+
+
+def test_classification_losses_take_the_label_shapes_of_transformers_heads():
+    """Regression over several labels takes (B, num_labels) targets (they were refused, and (B,) ones broadcast
+    against the logits or failed inside torch); class ids may come as (B, 1), as transformers' heads flatten them."""
+    ids = random_ids(4, 10)
+    model = tiny_model(PerformerForSequenceClassification, num_labels=3, problem_type="regression")
+    targets = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    output = model(input_ids=ids, labels=targets)
+    torch.testing.assert_close(output.loss, F.mse_loss(output.logits, targets))
+    with pytest.raises(ValueError, match=r"regression with num_labels=3 are numbers of shape \(4, 3\), got"):
+        model(input_ids=ids, labels=targets[:, 0])
+    single = tiny_model(PerformerForSequenceClassification, num_labels=3)
+    classes = torch.tensor([[0], [2], [1], [1]])
+    output = single(input_ids=ids, labels=classes)
+    torch.testing.assert_close(output.loss, F.cross_entropy(output.logits, classes.view(-1)))
+    scalar = tiny_model(PerformerForSequenceClassification, num_labels=1)
+    values = torch.randn(4, 1, generator=torch.Generator().manual_seed(1))
+    output = scalar(input_ids=ids, labels=values)
+    torch.testing.assert_close(output.loss, F.mse_loss(output.logits, values))
 
 
 # ---------------------------------------------------------------- configuration

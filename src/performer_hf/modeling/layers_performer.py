@@ -47,11 +47,27 @@ class PerformerEmbeddings(nn.Module):
         start = past_length + self.position_offset
         return torch.arange(start, start + length, device=device).expand(batch, length)
 
-    def _check_position(self, largest_id: int) -> None:
+    def _check_position(self, largest_id: int, smallest_id: int = 0) -> None:
         if largest_id >= self.max_positions:
             raise ValueError(
                 f"Position id {largest_id} is out of range: this model has max_position_embeddings="
                 f"{self.max_positions}. Shorten the input, or convert with a larger --max-position-embeddings."
+            )
+        if smallest_id < 0:
+            raise ValueError(
+                f"Position id {smallest_id} is negative: position_ids count from 0 (a packing collator's or a "
+                "padding's -1 needs clamping to 0 where the attention mask leaves the token out)."
+            )
+
+    def _check_token_types(self, token_type_ids: torch.Tensor) -> None:
+        if not token_type_ids.numel() or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            return
+        smallest, largest = (int(bound) for bound in torch.aminmax(token_type_ids))
+        types = self.token_type_embeddings.num_embeddings
+        if smallest < 0 or largest >= types:
+            raise ValueError(
+                f"token_type_ids hold {smallest if smallest < 0 else largest}, out of range: this model has "
+                f"type_vocab_size={types} (ids 0 to {types - 1})."
             )
 
     def forward(
@@ -65,11 +81,14 @@ class PerformerEmbeddings(nn.Module):
             self._check_position(past_length + length + self.position_offset - 1)
             position_ids = self.make_position_ids(input_ids, batch, length, past_length, inputs_embeds.device)
         elif position_ids.numel() and not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
-            self._check_position(int(position_ids.max()))  # data-dependent: skipped while tracing
+            smallest, largest = torch.aminmax(position_ids)  # data-dependent: skipped while tracing
+            self._check_position(int(largest), int(smallest))
         embeddings = inputs_embeds + self.position_embeddings(position_ids)
         if self.token_type_embeddings is not None:
             if token_type_ids is None:
                 token_type_ids = torch.zeros_like(position_ids)
+            else:
+                self._check_token_types(token_type_ids)
             embeddings = embeddings + self.token_type_embeddings(token_type_ids)
         if self.LayerNorm is not None:
             embeddings = self.LayerNorm(embeddings)

@@ -228,9 +228,10 @@ class PerformerModel(PerformerPreTrainedModel):
 
         length = given_shape[1]
         key_mask = None if attention_mask is None else attention_mask.to(torch.bool)  # (B, P + L)
-        if key_mask is not None and (key_mask.dim() != 2 or key_mask.shape[1] != past_length + length):
+        batch = given_shape[0]
+        if key_mask is not None and tuple(key_mask.shape) != (batch, past_length + length):
             raise ValueError(
-                f"attention_mask must be 2D (batch, past + new tokens) = (batch, {past_length + length}) with 1 for "
+                f"attention_mask must be 2D (batch, past + new tokens) = ({batch}, {past_length + length}) with 1 for "
                 f"real tokens; got {tuple(key_mask.shape)}."
             )
         if key_mask is not None and not torch.compiler.is_compiling() and bool(key_mask.all()):
@@ -447,7 +448,8 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
 def _classification_loss(config: PerformerConfig, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The HF convention: regression for one label, single- or multi-label classification otherwise (recorded in
     ``config.problem_type`` at the first loss, from the labels' dtype). Labels that fit none are refused, before
-    anything is recorded: (B,) class ids, (B, num_labels) floats (multi-label) or (B,) numbers (regression)."""
+    anything is recorded: (B,) or (B, 1) class ids, (B, num_labels) floats (multi-label), or numbers (regression:
+    (B,) or (B, 1) for one label, (B, num_labels) for several)."""
     batch, classes = logits.shape[0], config.num_labels
     integer = not (labels.is_floating_point() or labels.is_complex())
     problem = config.problem_type
@@ -455,8 +457,8 @@ def _classification_loss(config: PerformerConfig, logits: torch.Tensor, labels: 
         problem = "single_label_classification" if integer else "multi_label_classification"
         problem = "regression" if classes == 1 else problem
     expected = {
-        "regression": ((batch,), (batch, 1)),
-        "single_label_classification": ((batch,),),
+        "regression": ((batch,), (batch, 1)) if classes == 1 else ((batch, classes),),
+        "single_label_classification": ((batch,), (batch, 1)),
         "multi_label_classification": ((batch, classes),),
     }[problem]
     if tuple(labels.shape) not in expected or (problem == "single_label_classification" and not integer):
@@ -468,7 +470,7 @@ def _classification_loss(config: PerformerConfig, logits: torch.Tensor, labels: 
         )
     config.problem_type = problem
     if problem == "regression":
-        return F.mse_loss(logits.squeeze(-1).float(), labels.float().view(-1))
+        return F.mse_loss(logits.float().view(batch, -1), labels.float().view(batch, -1))
     if problem == "single_label_classification":
         return F.cross_entropy(logits.view(-1, classes).float(), labels.view(-1).long())
     return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
