@@ -3,6 +3,7 @@
 padding, cached generation against a full forward, constant cache bytes, exact-mode parity with the
 source model, and save / load."""
 
+import copy
 import logging
 
 import pytest
@@ -234,6 +235,48 @@ def test_a_cache_continues_its_own_sequence_after_another_was_prefilled(method, 
             torch.testing.assert_close(continued, expected, rtol=0, atol=0)
             assert type(cache.layers[0]).__name__ == OWN_STATE[method][2]
             assert kept[CACHE_KEYWORD].get_seq_length() == 40
+
+
+@pytest.mark.parametrize("method", OWN_STATE)
+def test_copies_of_a_prompts_cache_each_decode_from_the_methods_state(method, tmp_path):
+    """transformers' prefix-cache recipe (a prompt's cache, copy.deepcopy of it per question) decodes every question
+    from the method's state, as a PerformerCache filled with the prompt does; bounded sparse decoding refused it (a
+    plain cache). The state cannot be cropped (assisted decoding's rollback): refused by name."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    implementation, settings, layer_class = OWN_STATE[method]
+    model = _load(folder, implementation, **settings)
+    prompt = _ids(1, 40)
+    options = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        prompt_cache = model(prompt, use_cache=True)[CACHE_KEYWORD]
+    for seed in (2, 3):
+        question = torch.cat([prompt, _ids(1, 6, seed=seed)], dim=1)
+        performer_cache = PerformerCache(model.config)
+        with torch.no_grad():
+            model(prompt, use_cache=True, **{CACHE_KEYWORD: performer_cache})
+        expected = model.generate(question, **options, **{CACHE_KEYWORD: performer_cache})
+        given = model.generate(question, **options, **{CACHE_KEYWORD: copy.deepcopy(prompt_cache)})
+        assert torch.equal(given.sequences, expected.sequences)
+        for ours, theirs in zip(given.logits, expected.logits, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        assert type(given[CACHE_KEYWORD].layers[0]).__name__ == layer_class
+    with pytest.raises(ValueError, match=f"the {layer_class} holds a decoding state .* cropped from 49 back to 45"):
+        given[CACHE_KEYWORD].crop(45)
+    given[CACHE_KEYWORD].crop(49)  # nothing to give back: a no-op
+
+
+def test_a_reset_favor_cache_serves_another_batch_size(tmp_path):
+    """FavorCacheLayer.reset kept its state buffers: a reset cache of one sequence failed inside transformers'
+    cache for two."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, "performer")
+    cache = PerformerCache(model.config)
+    with torch.no_grad():
+        model(_ids(1, 20), use_cache=True, **{CACHE_KEYWORD: cache})
+        cache.reset()
+        given = model(_ids(2, 20), use_cache=True, **{CACHE_KEYWORD: cache}).logits
+        expected = model(_ids(2, 20), use_cache=True, **{CACHE_KEYWORD: PerformerCache(model.config)}).logits
+    torch.testing.assert_close(given, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)

@@ -104,6 +104,20 @@ class _BatchFirstState:
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._select(lambda state: state[indices])
 
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens (a negative one: drop that many), as assisted decoding rolls back
+        rejected draft tokens: refused past the tokens held, since the method's state sums or selects from every
+        earlier token and cannot give one back."""
+        length = self.get_seq_length()
+        keep = max_length if max_length >= 0 else length + max_length
+        if keep >= length:
+            return
+        raise ValueError(
+            f"the {type(self).__name__} holds a decoding state built from every earlier token, which cannot be "
+            f"cropped from {length} back to {keep} tokens (assisted or prompt-lookup decoding rolls back draft "
+            "tokens): generate without an assistant or prompt lookup, or with attention_kernel='exact'."
+        )
+
     def held_batch_size(self) -> int | None:
         """How many sequences the state holds (None before the first token)."""
         state = self.get_state()
@@ -159,6 +173,8 @@ class FavorCacheLayer(_BatchFirstState, LinearAttentionLayer, CacheLayerMixin):
 
     def reset(self) -> None:
         super().reset()
+        for slot in (_KV, _SHIFT):  # the next sequences may be another batch: new buffers at their first state
+            self.is_recurrent_states_initialized[slot] = False
         self.cumulative_length = 0
 
     def _select(self, index_fn) -> None:

@@ -19,8 +19,10 @@ before.
 
 from __future__ import annotations
 
+import copy
 import weakref
 
+import torch
 import transformers
 from packaging.version import Version
 from torch import Tensor, nn
@@ -69,8 +71,9 @@ def adopt_on_next_call(module: nn.Module, layer: CacheLayerMixin, keys: Tensor) 
     sliding-window) key/value layer that returned ``keys`` (B, H, L, D) to this call (what ``generate()`` builds by
     default), ``layer`` takes its place before the call runs, so that decoding reads the method's state. Each
     sequence's cache gets its own state (a second prompt prefilled before the first is continued, a batch scored
-    in between); other caches (a ``PerformerCache``, a static cache, a copy) are left as they are. A layer is
-    dropped with the keys it stands for (the caller's cache)."""
+    in between), and a copy of a plain cache holding the same keys a copy of it (``copy.deepcopy`` of a prompt's
+    cache); other caches (a ``PerformerCache``, a static cache) are left as they are. A layer is dropped with the
+    keys it stands for (the caller's cache)."""
     pending = module.__dict__.setdefault(_PENDING_LAYERS, {})  # {id(keys): (weakref(keys), layer)}
     key_id = id(keys)
 
@@ -90,14 +93,21 @@ def _adopt_pending_layer(module: nn.Module, args, kwargs) -> None:
     current = cache.layers[module.layer_idx]
     # a sliding-window layer too (Mistral's config may name a window): the method, not the window, decides what the
     # layer reads
-    if type(current) not in (DynamicLayer, DynamicSlidingWindowLayer):
+    if type(current) not in (DynamicLayer, DynamicSlidingWindowLayer) or getattr(current, "keys", None) is None:
         return
-    held = getattr(current, "keys", None)  # the keys a plain layer returned; a sliding-window layer's, a view of them
-    for keys in (held, getattr(held, "_base", None)):
-        entry = None if keys is None else pending.get(id(keys))
-        if entry is not None and entry[0]() is keys and current.get_seq_length() == entry[1].get_seq_length():
-            del pending[id(keys)]
-            cache.layers[module.layer_idx] = entry[1]
+    held = current.keys  # the keys a plain layer returned; a sliding-window layer's, a view of their end
+    for key_id, (reference, layer) in list(pending.items()):
+        keys = reference()
+        if keys is None or layer.get_seq_length() != current.get_seq_length():
+            continue
+        if keys is held or keys is held._base:  # the cache that call filled
+            del pending[key_id]
+            cache.layers[module.layer_idx] = layer
+            return
+        if type(current) is DynamicLayer and held.shape == keys.shape and torch.equal(held, keys):
+            # a copy of that cache (transformers' prefix-cache recipe: copy.deepcopy of a prompt's cache per
+            # question): a copy of the state, the state kept for the next copy
+            cache.layers[module.layer_idx] = copy.deepcopy(layer)
             return
 
 
