@@ -280,6 +280,33 @@ def test_a_reset_favor_cache_serves_another_batch_size(tmp_path):
 
 
 @pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
+def test_mistrals_sliding_window_cache_keeps_every_key_that_performer_attention_reads(implementation, tmp_path):
+    """Mistral's sliding_window makes DynamicCache build sliding-window layers, which drop all but the last
+    window - 1 keys: where the method's state was not adopted (a prompt prefilled with gradients enabled, a copy of
+    a prompt's cache), Performer attention read those few keys as the whole past (|diff| 0.18-0.72). The layers now
+    keep every key, the first call's too; a cache whose keys are gone (filled by the source) is refused."""
+    config = transformers.MistralConfig(**{**DECODERS["mistral"].to_dict(), "sliding_window": 6})
+    source, folder = _source(config, tmp_path)
+    settings = {**SHORT_WINDOW[implementation], "select_budget": 0} if implementation == "performer_sparse" else {}
+    model = _load(folder, implementation, **(settings or SHORT_WINDOW[implementation]))
+    prompt, token = _ids(1, 30), _ids(1, 1, seed=2)
+    with torch.no_grad():
+        expected = model(torch.cat([prompt, token], dim=1)).logits[:, -1]
+    for prefill in range(2):  # the model's first call ever, then a later one
+        cache = model(prompt, use_cache=True)[CACHE_KEYWORD]  # gradients enabled: no method state kept
+        with torch.no_grad():
+            continued = model(token, use_cache=True, **{CACHE_KEYWORD: cache}).logits[:, -1]
+        torch.testing.assert_close(continued, expected, rtol=1e-4, atol=1e-5, msg=f"prefill {prefill}")
+    with torch.no_grad():
+        truncated = source(prompt, use_cache=True)[CACHE_KEYWORD]
+        source(token, use_cache=True, **{CACHE_KEYWORD: truncated})  # its update drops the keys for good
+        fresh = _load(folder, implementation, **(settings or SHORT_WINDOW[implementation]))
+        for attention in (model, fresh):  # watching its caches, or at its first call
+            with pytest.raises(ValueError, match=r"kept only the last 5 of 31 keys \(.* sliding_window=6\)"):
+                attention(_ids(1, 1, seed=3), use_cache=True, **{CACHE_KEYWORD: truncated})
+
+
+@pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
 def test_a_static_cache_is_refused_by_name(implementation, tmp_path):
     """A static cache's empty slots were read as keys (queries aligned to its end saw the next position's key):
     wrong tokens for every method, exact mode included (|diff| 0.61-0.73 to the uncached logits)."""

@@ -38,7 +38,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..modeling.attention_interface import TRANSFER_HOOK
-from ..modeling.attention_settings import CONFIG_ATTRIBUTE, LEARNED_ATTRIBUTE, LEARNED_SUBMODULE, mark_current
+from ..modeling.attention_settings import (
+    CONFIG_ATTRIBUTE,
+    LEARNED_ATTRIBUTE,
+    LEARNED_SUBMODULE,
+    METHOD_STATE_ATTRIBUTE,
+    mark_current,
+)
 from ..modeling.far_fields import get_far_field
 from ..modeling.favor_hybrid import fixed_centres
 from ..modeling.method_exact import softmax_attention
@@ -104,9 +110,7 @@ def _hooked(hook):
 
 def _states(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     """(attention module, its method state) for every module that has run Performer attention."""
-    return [
-        (m, m.__dict__["_performer_method_state"]) for m in model.modules() if "_performer_method_state" in m.__dict__
-    ]
+    return [(m, m.__dict__[METHOD_STATE_ATTRIBUTE]) for m in model.modules() if METHOD_STATE_ATTRIBUTE in m.__dict__]
 
 
 def _as_parameter(state: nn.Module, name: str) -> nn.Parameter:

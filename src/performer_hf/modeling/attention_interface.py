@@ -48,7 +48,7 @@ from .attention_methods import ATTENTION_METHODS
 from .attention_settings import IMPLEMENTATIONS, keeps_own_attention, method_state
 from .cache_performer import static_cache_refusal
 from .implied_attention import implied_attention
-from .interface_cache import CACHE_KEYWORD, adopt_on_next_call
+from .interface_cache import CACHE_KEYWORD, adopt_on_next_call, dropped_keys_refusal, watch_caches
 from .method_exact import softmax_attention
 
 Tensor = torch.Tensor
@@ -124,6 +124,8 @@ def _performer_attention(implementation: str):
         causal = kwargs.get("is_causal", getattr(module, "is_causal", False))
         cached_keys = key  # as the caller's cache layer returned them (B, H_kv, Lk, D)
         state = method_state(module, implementation, causal, query)
+        if causal:
+            watch_caches(module)
         layer_cache = getattr(key, "performer_cache_layer", None)
         if layer_cache is not None:
             _check_cache_layer(layer_cache, state.attention_method, module.layer_idx, query.shape[0])
@@ -150,6 +152,8 @@ def _performer_attention(implementation: str):
             layer_cache = ATTENTION_METHODS[state.attention_method].cache_layer()
             layer_cache.update(key, value)
             adopt_on_next_call(module, layer_cache, cached_keys)
+        if layer_cache is None and state.attention_method != "exact" and key.shape[2] > query.shape[2]:
+            _check_no_dropped_keys(module, key, query, kwargs)
         if transfer is not None:
             context = transfer(state, query, key, value, key_mask, causal)
         elif state.attention_method == "exact":
@@ -204,6 +208,19 @@ def _check_cache_layer(layer_cache, method: str, layer_idx: int, batch_size: int
             f"the cache holds the state of {held} sequence(s), but this call has {batch_size}: a cache continues the "
             "batch it was filled with; start a new PerformerCache(model.config) for another batch."
         )
+
+
+def _check_no_dropped_keys(module: nn.Module, key: Tensor, query: Tensor, kwargs: dict) -> None:
+    """Refuse the keys of a sliding-window key/value layer that dropped some (Mistral's ``sliding_window``): the
+    new queries' positions lie past the keys it returned. Its layers keep every key from a model's first call with
+    them on (:func:`.watch_caches`); this is the first call's check."""
+    window, positions = kwargs.get("sliding_window"), kwargs.get("position_ids")
+    if window is None or positions is None or torch.compiler.is_compiling():
+        return
+    total = int(positions[:, -1].max()) + 1  # left padding only lowers the positions
+    if total > key.shape[2]:
+        kept = key.shape[2] - query.shape[2]
+        raise ValueError(dropped_keys_refusal(module.layer_idx, kept, total - query.shape[2], window))
 
 
 def _starts_own_state(state, query: Tensor, key: Tensor, causal: bool) -> bool:

@@ -147,6 +147,9 @@ def mark_current(state: AttentionMethodState, config, implementation: str, causa
     state.performer_settings = copy.deepcopy(getattr(config, CONFIG_ATTRIBUTE, None))
 
 
+METHOD_STATE_ATTRIBUTE = "_performer_method_state"  # where an attention module keeps its method's state
+
+
 def method_state(module: nn.Module, implementation: str, causal: bool, query: torch.Tensor) -> AttentionMethodState:
     """The :class:`AttentionMethodState` kept beside ``module`` (built on first use, rebuilt when the settings,
     the head shapes or the implementation change), on ``query``'s device. A model whose attention parameters
@@ -154,7 +157,7 @@ def method_state(module: nn.Module, implementation: str, causal: bool, query: to
     submodule ``performer_attention``, whose tensors the checkpoint holds."""
     num_heads, head_dim = query.shape[1], query.shape[-1]
     config = module.config
-    state = module.__dict__.get("_performer_method_state")
+    state = module.__dict__.get(METHOD_STATE_ATTRIBUTE)
     if state is None or not is_current(state, config, implementation, causal, num_heads, head_dim):
         built = method_config(config, implementation, causal, num_heads, head_dim)
         with torch.device("cpu"):
@@ -176,7 +179,7 @@ def method_state(module: nn.Module, implementation: str, causal: bool, query: to
             module.add_module(LEARNED_SUBMODULE, state)  # so that save_pretrained keeps the learned tensors
         mark_current(state, config, implementation, causal)
         # otherwise a plain attribute, not a submodule: the model's state dict stays the source's
-        module.__dict__["_performer_method_state"] = state
+        module.__dict__[METHOD_STATE_ATTRIBUTE] = state
         logger.debug("layer %d: %s attention, %s", module.layer_idx, implementation, built.attention_method)
     if state.projection.device != query.device:
         state.to(query.device)

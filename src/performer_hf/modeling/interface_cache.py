@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from .attention_methods import ATTENTION_METHODS
-from .attention_settings import IMPLEMENTATIONS, head_shape, keeps_own_attention, method_config
+from .attention_settings import IMPLEMENTATIONS, METHOD_STATE_ATTRIBUTE, head_shape, keeps_own_attention, method_config
 
 CACHE_KEYWORD = "cache" if Version(transformers.__version__) >= Version("5.24.0") else "past_key_values"
 
@@ -62,7 +62,14 @@ class PerformerCache(Cache):
 
 
 _PENDING_LAYERS = "_performer_pending_cache_layers"  # module attributes: the layers handed over, the hook
-_ADOPTION_HOOK = "_performer_adoption_hook"
+_CACHE_HOOK = "_performer_cache_hook"
+
+
+def watch_caches(module: nn.Module) -> None:
+    """From its next call on, prepare the caller's cache layer before Performer attention ``module`` runs
+    (:func:`_prepare_cache_layer`): a forward pre-hook (the running call has passed its hooks already)."""
+    if _CACHE_HOOK not in module.__dict__:
+        module.__dict__[_CACHE_HOOK] = module.register_forward_pre_hook(_prepare_cache_layer, with_kwargs=True)
 
 
 def adopt_on_next_call(module: nn.Module, layer: CacheLayerMixin, keys: Tensor) -> None:
@@ -71,9 +78,9 @@ def adopt_on_next_call(module: nn.Module, layer: CacheLayerMixin, keys: Tensor) 
     sliding-window) key/value layer that returned ``keys`` (B, H, L, D) to this call (what ``generate()`` builds by
     default), ``layer`` takes its place before the call runs, so that decoding reads the method's state. Each
     sequence's cache gets its own state (a second prompt prefilled before the first is continued, a batch scored
-    in between), and a copy of a plain cache holding the same keys a copy of it (``copy.deepcopy`` of a prompt's
-    cache); other caches (a ``PerformerCache``, a static cache) are left as they are. A layer is dropped with the
-    keys it stands for (the caller's cache)."""
+    in between), and a copy of a key/value cache holding the same keys a copy of it (``copy.deepcopy`` of a
+    prompt's cache); other caches (a ``PerformerCache``, a static cache) are left as they are. A layer is dropped
+    with the keys it stands for (the caller's cache)."""
     pending = module.__dict__.setdefault(_PENDING_LAYERS, {})  # {id(keys): (weakref(keys), layer)}
     key_id = id(keys)
 
@@ -81,19 +88,27 @@ def adopt_on_next_call(module: nn.Module, layer: CacheLayerMixin, keys: Tensor) 
         pending.pop(key_id, None)
 
     pending[key_id] = (weakref.ref(keys, forget), layer)
-    if _ADOPTION_HOOK not in module.__dict__:  # a pre-hook: the running call has passed its hooks already
-        module.__dict__[_ADOPTION_HOOK] = module.register_forward_pre_hook(_adopt_pending_layer, with_kwargs=True)
+    watch_caches(module)
 
 
-def _adopt_pending_layer(module: nn.Module, args, kwargs) -> None:
-    pending = module.__dict__.get(_PENDING_LAYERS)
+def _prepare_cache_layer(module: nn.Module, args, kwargs) -> None:
+    """Before a call of Performer attention ``module`` with a cache: the method's state in the place of the key/value
+    layer it stands for (:func:`adopt_on_next_call`), and a sliding-window key/value layer made one that keeps
+    every key (:func:`_keep_every_key`)."""
     cache = kwargs.get(CACHE_KEYWORD)
-    if not pending or not isinstance(cache, Cache) or module.layer_idx >= len(cache.layers):
+    if not isinstance(cache, Cache) or module.layer_idx >= len(cache.layers):
         return
+    _adopt_pending_layer(module, cache)
+    _keep_every_key(module, cache)
+
+
+def _adopt_pending_layer(module: nn.Module, cache: Cache) -> None:
+    pending = module.__dict__.get(_PENDING_LAYERS)
     current = cache.layers[module.layer_idx]
     # a sliding-window layer too (Mistral's config may name a window): the method, not the window, decides what the
     # layer reads
-    if type(current) not in (DynamicLayer, DynamicSlidingWindowLayer) or getattr(current, "keys", None) is None:
+    plain = type(current) in (DynamicLayer, DynamicSlidingWindowLayer)
+    if not pending or not plain or getattr(current, "keys", None) is None:
         return
     held = current.keys  # the keys a plain layer returned; a sliding-window layer's, a view of their end
     for key_id, (reference, layer) in list(pending.items()):
@@ -104,11 +119,45 @@ def _adopt_pending_layer(module: nn.Module, args, kwargs) -> None:
             del pending[key_id]
             cache.layers[module.layer_idx] = layer
             return
-        if type(current) is DynamicLayer and held.shape == keys.shape and torch.equal(held, keys):
+        if held.shape[:-2] == keys.shape[:-2] and torch.equal(held, keys[..., keys.shape[-2] - held.shape[-2] :, :]):
             # a copy of that cache (transformers' prefix-cache recipe: copy.deepcopy of a prompt's cache per
-            # question): a copy of the state, the state kept for the next copy
+            # question), holding the same keys (a sliding-window layer: the same last keys, of a sequence of the
+            # same length): a copy of the state, the state kept for the next copy
             cache.layers[module.layer_idx] = copy.deepcopy(layer)
             return
+
+
+def dropped_keys_refusal(layer_idx: int, kept: int, total: int, window: int) -> str:
+    """The refusal of a sliding-window cache layer that dropped keys Performer attention reads."""
+    return (
+        f"this cache's layer {layer_idx} is a sliding-window layer that kept only the last {kept} of {total} keys "
+        f"(the config names sliding_window={window}), but Performer attention reads every earlier key: let the "
+        "model or generate() build the cache (Performer attention makes its layers keep every key), or pass "
+        f"{CACHE_KEYWORD}=PerformerCache(model.config) (performer_hf)."
+    )
+
+
+def _keep_every_key(module: nn.Module, cache: Cache) -> None:
+    """Replace a sliding-window key/value layer (a Mistral config's ``sliding_window`` has ``DynamicCache`` build
+    them) by a plain one holding the same keys, so that it keeps every key: Performer attention reads the whole
+    context, where the window's layer drops all but its last ``sliding_window - 1`` keys (exact attention, which
+    honours the window, keeps it). After a first call, the keys it dropped are still the tensors its window is a
+    view of; a layer that dropped keys for good (filled by the source model, or a copy) is refused."""
+    current = cache.layers[module.layer_idx]
+    state = module.__dict__.get(METHOD_STATE_ATTRIBUTE)
+    if type(current) is not DynamicSlidingWindowLayer or state is None or state.attention_method == "exact":
+        return
+    every = DynamicLayer()
+    if current.is_initialized:
+        keys, values = current.keys, current.values  # (B, H, n, D)
+        if keys.shape[-2] < current.cumulative_length:  # the window's view of a first call's keys, or lost keys
+            keys, values = keys._base, values._base
+            if keys is None or values is None or keys.shape[-2] != current.cumulative_length:
+                kept, total = current.keys.shape[-2], current.cumulative_length
+                raise ValueError(dropped_keys_refusal(module.layer_idx, kept, total, current.sliding_window))
+        every.lazy_initialization(keys, values)
+        every.keys, every.values = keys, values
+    cache.layers[module.layer_idx] = every
 
 
 __all__ = ["CACHE_KEYWORD", "PerformerCache"]
