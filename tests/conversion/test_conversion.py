@@ -5,7 +5,9 @@ real all-MiniLM-L6-v2."""
 
 from __future__ import annotations
 
+import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -245,6 +247,36 @@ def test_untied_decoder_that_differs_is_a_mismatch(sources, tmp_path):
     with pytest.raises(ConversionError, match="tied weights"):
         convert(broken, tmp_path / "out", fidelity=False)
     assert not (tmp_path / "out").exists()
+
+
+UNTIED_MLM = [
+    ("bert-mlm", "cls.predictions.bias", "cls.predictions.decoder.bias"),
+    ("roberta-mlm", "lm_head.bias", "lm_head.decoder.bias"),
+    ("bert-pretraining", "cls.predictions.bias", "cls.predictions.decoder.bias"),
+]
+
+
+@pytest.mark.parametrize(("name", "unused", "added"), UNTIED_MLM, ids=[row[0] for row in UNTIED_MLM])
+def test_untied_mlm_head_keeps_the_output_bias_its_forward_adds(name, unused, added, tmp_path):
+    """transformers 5 saves an untied masked-LM head with two output biases; finetuning moves only the decoder's,
+    the one its forward adds, so the two differ and the conversion must take that one, not refuse the checkpoint."""
+    case = next(c for c in CASES if c.name == name)
+    untied = replace(case, config=copy.deepcopy(case.config))
+    untied.config.tie_word_embeddings = False
+    source = save_source(untied, tmp_path / "source")
+    head = source.get_submodule(added.rsplit(".", 2)[0])
+    with torch.no_grad():
+        head.decoder.bias.add_(torch.randn_like(head.decoder.bias))  # as a finetune moves it
+    source.save_pretrained(tmp_path / "source")
+    weights = load_file(tmp_path / "source" / "model.safetensors")
+    assert not torch.equal(weights[unused], weights[added])
+    out = convert(tmp_path / "source", tmp_path / "out", attention_kernel="exact", fidelity=False)
+    model = case.auto.from_pretrained(out).eval()
+    batch = padded_batch(case)
+    mask = batch["attention_mask"].bool()
+    torch.testing.assert_close(outputs(model, batch)[mask], outputs(source, batch)[mask], atol=1e-4, rtol=0)
+    report = json.loads((out / "conversion_report.json").read_text())
+    assert report["used"][added] == ["lm_head.bias"] and "unused when untied" in report["dropped"][unused]
 
 
 def test_tables_cover_every_supported_architecture_and_mapping_doc_is_current():

@@ -5,7 +5,9 @@ Everything a conversion needs to know about a source family lives in one :class:
 :class:`Rule` per source tensor name (after the base-model prefix, e.g. ``"bert."``, is stripped).
 A rule either fills Performer tensors (``copy``, ``transpose`` for GPT-2's Conv1D, ``split_qkv``
 for GPT-2's fused ``c_attn``), drops a tensor for a stated reason (buffers, the NSP head), or checks
-that a tensor an old checkpoint saved twice equals the one it is tied to.
+that a tensor an old checkpoint saved twice equals the one it is tied to. Where a checkpoint with untied
+output embeddings holds two candidates for one target (the MLM heads' output biases), the one the source's
+forward reads fills it and the other is dropped.
 
 Templates use ``{i}`` for a layer index and ``{p}`` for ``weight`` / ``bias``.
 """
@@ -37,9 +39,10 @@ class Rule:
             (``note`` says why); ``tied`` checks it equals ``tied_to`` (a source template) when the
             weights are tied, and otherwise copies it to ``targets``.
         targets: Performer state-dict name templates (three for ``split_qkv``: query, key, value).
-        note: the reason a tensor is dropped or tied, shown in the conversion report.
+        note: the reason a tensor is dropped, tied or superseded, shown in the conversion report.
         tied_to: for ``tied``: the source name it duplicates.
-        always_tied: for ``tied``: tied whatever ``tie_word_embeddings`` says (MLM decoder biases).
+        superseded_by: a source name that, when the weights are untied and the checkpoint holds it, fills
+            ``targets`` instead of this tensor (which the source's forward then does not read; it is dropped).
     """
 
     source: str
@@ -47,7 +50,7 @@ class Rule:
     targets: tuple[str, ...] = ()
     note: str = ""
     tied_to: str = ""
-    always_tied: bool = False
+    superseded_by: str = ""
 
     @property
     def pattern(self) -> re.Pattern:
@@ -112,7 +115,14 @@ _POOLER_DROP = Rule("pooler.dense.{p}", DROP, note="pooler: unused by this head"
 _BERT_MLM = (
     Rule("cls.predictions.transform.dense.{p}", COPY, ("lm_head.dense.{p}",)),
     Rule("cls.predictions.transform.LayerNorm.{p}", COPY, ("lm_head.layer_norm.{p}",)),
-    Rule("cls.predictions.bias", COPY, ("lm_head.bias",)),
+    # untied (transformers 5), the head keeps two output biases and its forward adds the decoder's
+    Rule(
+        "cls.predictions.bias",
+        COPY,
+        ("lm_head.bias",),
+        "unused when untied: the forward adds cls.predictions.decoder.bias",
+        superseded_by="cls.predictions.decoder.bias",
+    ),
     Rule(
         "cls.predictions.decoder.weight",
         TIED,
@@ -120,13 +130,7 @@ _BERT_MLM = (
         "tied output embeddings",
         tied_to="embeddings.word_embeddings.weight",
     ),
-    Rule(
-        "cls.predictions.decoder.bias",
-        TIED,
-        note="duplicate of cls.predictions.bias",
-        tied_to="cls.predictions.bias",
-        always_tied=True,
-    ),
+    Rule("cls.predictions.decoder.bias", TIED, ("lm_head.bias",), "tied output bias", tied_to="cls.predictions.bias"),
     _POOLER_DROP,
 )
 _BERT_NSP = Rule("cls.seq_relationship.{p}", DROP, note="next-sentence-prediction head (pre-training only)")
@@ -135,7 +139,13 @@ _SEQUENCE_CLASSIFIER = (Rule("classifier.{p}", COPY, ("classifier.{p}",)),)
 _ROBERTA_MLM = (
     Rule("lm_head.dense.{p}", COPY, ("lm_head.dense.{p}",)),
     Rule("lm_head.layer_norm.{p}", COPY, ("lm_head.layer_norm.{p}",)),
-    Rule("lm_head.bias", COPY, ("lm_head.bias",)),
+    Rule(
+        "lm_head.bias",
+        COPY,
+        ("lm_head.bias",),
+        "unused when untied: the forward adds lm_head.decoder.bias",
+        superseded_by="lm_head.decoder.bias",
+    ),
     Rule(
         "lm_head.decoder.weight",
         TIED,
@@ -143,7 +153,7 @@ _ROBERTA_MLM = (
         "tied output embeddings",
         tied_to="embeddings.word_embeddings.weight",
     ),
-    Rule("lm_head.decoder.bias", TIED, note="duplicate of lm_head.bias", tied_to="lm_head.bias", always_tied=True),
+    Rule("lm_head.decoder.bias", TIED, ("lm_head.bias",), "tied output bias", tied_to="lm_head.bias"),
     _POOLER_DROP,
 )
 # RoBERTa's classification head is dense + tanh on <s>, then out_proj: exactly BERT's pooler + classifier.
@@ -360,6 +370,11 @@ class MappingResult:
         self.used = {source: [name.removeprefix(prefix) for name in targets] for source, targets in self.used.items()}
 
 
+def _superseded(rule: Rule, match: re.Match, names: dict[str, str]) -> bool:
+    """Whether the checkpoint holds the tensor that fills ``rule``'s targets instead when untied."""
+    return bool(rule.superseded_by) and _fill(rule.superseded_by, match.groupdict()) in names
+
+
 def map_weights(
     source: dict[str, torch.Tensor], family: Family, architecture: str, hidden_size: int, tie_word_embeddings: bool
 ) -> MappingResult:
@@ -386,7 +401,10 @@ def map_weights(
         if rule.action == DROP:
             result.dropped[original] = rule.note
             continue
-        if rule.action == TIED and (rule.always_tied or tie_word_embeddings):
+        if not tie_word_embeddings and _superseded(rule, match, normalized):
+            result.dropped[original] = rule.note
+            continue
+        if rule.action == TIED and tie_word_embeddings:
             twin_name = _fill(rule.tied_to, match.groupdict())
             twin = source.get(normalized.get(twin_name, ""))
             if twin is None or twin.shape != tensor.shape or not torch.equal(twin, tensor):
@@ -440,7 +458,9 @@ def rules_markdown() -> str:
 def _rule_row(rule: Rule) -> str:
     detail = ", ".join(f"`{t}`" for t in rule.targets)
     if rule.action == TIED:
-        detail = f"{detail + ' if untied; ' if detail and not rule.always_tied else ''}must equal `{rule.tied_to}`"
+        detail = f"{detail + ' if untied; ' if detail else ''}must equal `{rule.tied_to}`"
+    elif rule.superseded_by:
+        detail = f"{detail}; dropped if untied and `{rule.superseded_by}` is present (the one the forward adds)"
     elif rule.action == DROP:
         detail = rule.note
     return f"| `{rule.source}` | {rule.action} | {detail} |"
