@@ -227,6 +227,32 @@ def test_push_refuses_an_incomplete_checkpoint(tmp_path, fake_hub, capsys, damag
     assert fake_hub.repos == [] and fake_hub.commits == []  # nothing sent
 
 
+@pytest.mark.parametrize(
+    ("repo_id", "cause"),
+    [
+        ("bad repo id!!", "must use alphanumeric chars"),
+        ("a/b/c", "must be in the form 'repo_name' or 'namespace/repo_name'"),
+        ("org/name.git", "cannot end by '.git'"),
+    ],
+)
+def test_a_malformed_repo_id_ends_the_push_in_one_line_before_anything_is_sent(
+    tmp_path, fake_hub, capsys, repo_id, cause
+):
+    """A repository id the Hub would not take: a PushError naming huggingface_hub's rule and the form to pass, and the
+    command line's one error line, before any request; not huggingface_hub's HFValidationError traceback."""
+    folder = tmp_path / "tiny"
+    _tiny_checkpoint(folder)
+    capsys.readouterr()  # the checkpoint's progress bars
+    message = f"{repo_id!r} is not a Hub repository id (HFValidationError: Repo"
+    with pytest.raises(PushError, match=re.escape(message) + ".*" + re.escape(cause)) as raised:
+        push_to_hub(folder, repo_id)
+    assert str(raised.value).endswith('pass one of the form "org/name".') and "\n" not in str(raised.value)
+    assert main(["push", str(folder), repo_id]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"performer-hf: error: {message}") and err.count("\n") == 1
+    assert fake_hub.repos == [] and fake_hub.commits == []  # nothing sent
+
+
 def test_a_hub_that_cannot_be_reached_ends_the_push_in_one_line(tmp_path, monkeypatch, capsys):
     """Offline (HF_HUB_OFFLINE), or a refusal (not logged in, no write access): a PushError naming the checks, and the
     command line's one error line, not huggingface_hub's traceback."""

@@ -14,7 +14,8 @@ import logging
 from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi
-from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
+from huggingface_hub.utils import validate_repo_id
 
 from .conversion import ConversionError
 from .conversion.errors import one_line
@@ -129,6 +130,17 @@ def checkpoint_files(folder: str | Path) -> list[str]:
     return sorted(top_level.union(pipeline))
 
 
+def check_repo_id(repo_id: str) -> None:
+    """Refuse, with a PushError, a repository id the Hub would not take (huggingface_hub's own rules), before anything
+    is read or sent."""
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise PushError(
+            f'{repo_id!r} is not a Hub repository id ({one_line(error)}); pass one of the form "org/name".'
+        ) from None
+
+
 def push_to_hub(
     folder: str | Path,
     repo_id: str,
@@ -157,9 +169,10 @@ def push_to_hub(
         The ``huggingface_hub.CommitInfo`` of the commit (its ``commit_url`` names it).
 
     Raises:
-        PushError: ``folder`` is not a complete Performer checkpoint, or the Hub refused the upload or could not be
-            reached (the message names the fix).
+        PushError: ``repo_id`` is not a Hub repository id, ``folder`` is not a complete Performer checkpoint, or the
+            Hub refused the upload or could not be reached (the message names the fix).
     """
+    check_repo_id(repo_id)
     folder = Path(folder)
     files = checkpoint_files(folder)
     api = HfApi(token=token)
