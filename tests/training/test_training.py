@@ -986,6 +986,75 @@ def test_lora_on_a_performer_adapts_its_attention_projections(assets, tmp_path):
     assert {name.split(".")[-3] for name in adapter} == {"query", "key", "value", "output"}
 
 
+# every attention projection of each architecture in LORA_TARGET_MODULES, written out: (per-layer prefix, names)
+_LLAMA_ATTENTION = ("model.layers.{i}.self_attn", ("q_proj", "k_proj", "v_proj", "o_proj"))
+_BERT_ATTENTION = ("self.query", "self.key", "self.value", "output.dense")
+ATTENTION_PROJECTIONS = {
+    "performer": ("performer.encoder.layer.{i}.attention", ("query", "key", "value", "output")),
+    "llama": _LLAMA_ATTENTION,
+    "mistral": _LLAMA_ATTENTION,
+    "qwen2": _LLAMA_ATTENTION,
+    "qwen3": _LLAMA_ATTENTION,
+    "gemma3_text": _LLAMA_ATTENTION,
+    "gpt2": ("transformer.h.{i}.attn", ("c_attn", "c_proj")),
+    "bert": ("bert.encoder.layer.{i}.attention", _BERT_ATTENTION),
+    "roberta": ("roberta.encoder.layer.{i}.attention", _BERT_ATTENTION),
+}
+
+
+def _tiny_model_of_type(model_type: str, folder: Path) -> torch.nn.Module:
+    """A tiny 2-layer model of ``model_type`` as the training scripts get it: a Performer converted from a GPT-2 and
+    the decoders converted in place by performer_hf, GPT-2 / BERT / RoBERTa loaded with Performer attention."""
+    import transformers
+
+    from performer_hf import convert
+
+    tiny = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+    gpt2 = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    converted = {
+        "performer": gpt2,
+        "llama": transformers.LlamaConfig(**tiny, num_key_value_heads=2),
+        "mistral": transformers.MistralConfig(**tiny, num_key_value_heads=2),
+        "qwen2": transformers.Qwen2Config(**tiny, num_key_value_heads=2),
+        "qwen3": transformers.Qwen3Config(**tiny, num_key_value_heads=2, head_dim=8),
+        "gemma3_text": transformers.Gemma3TextConfig(**tiny, num_key_value_heads=2, head_dim=8),
+    }
+    if model_type in converted:
+        transformers.AutoModelForCausalLM.from_config(converted[model_type]).save_pretrained(folder / "source")
+        out = convert(folder / "source", folder / "converted", fidelity=False)
+        return transformers.AutoModelForCausalLM.from_pretrained(out)
+    loaded = {
+        "gpt2": (transformers.AutoModelForCausalLM, gpt2),
+        "bert": (transformers.AutoModelForMaskedLM, transformers.BertConfig(**tiny)),
+        "roberta": (transformers.AutoModelForMaskedLM, transformers.RobertaConfig(**tiny)),
+    }
+    auto, config = loaded[model_type]
+    return auto.from_config(config, attn_implementation="performer")
+
+
+def test_lora_target_modules_cover_every_architecture_listed():
+    from performer_hf.training.lora import LORA_TARGET_MODULES
+
+    assert set(LORA_TARGET_MODULES) == set(ATTENTION_PROJECTIONS)
+
+
+@pytest.mark.parametrize("model_type", sorted(ATTENTION_PROJECTIONS))
+def test_lora_adapts_exactly_the_attention_projections(model_type, tmp_path):
+    """The table's default targets, through the scripts' apply_lora, adapt every attention projection (query, key,
+    value, output) and nothing else: peft matches names by suffix, so GPT-2's ``c_proj`` also took each MLP's."""
+    from argparse import Namespace
+
+    from performer_hf.training.lora import apply_lora
+
+    model = _tiny_model_of_type(model_type, tmp_path)
+    assert model.config.model_type == model_type
+    args = Namespace(lora_r=2, lora_alpha=None, lora_dropout=0.0, lora_target_modules=None)
+    wrapped = apply_lora(model, args, "clm" if model_type not in ("bert", "roberta") else "mlm")
+    adapted = {name.removeprefix("base_model.model.") for name, m in wrapped.named_modules() if hasattr(m, "lora_A")}
+    prefix, projections = ATTENTION_PROJECTIONS[model_type]
+    assert adapted == {f"{prefix.format(i=i)}.{name}" for i in range(2) for name in projections}
+
+
 def test_a_cpu_launch_that_asked_for_several_processes_stops_with_the_command_to_type(tmp_path, monkeypatch):
     """`accelerate launch --cpu --num_processes 2` runs one process with MASTER_ADDR set and no WORLD_SIZE: the run
     stops before anything is written and names `--multi_gpu`; a plain `--cpu` launch (one process) trains."""

@@ -2,9 +2,10 @@
 
 :data:`LORA_TARGET_MODULES` is the one table of the modules LoRA adapts, per ``model_type``: the attention's
 query, key, value and output projections of the Performer family and of the architectures that
-``performer_hf.integrations`` gives Performer attention. The rest of the model is frozen; the run saves the
-adapter (``adapter_config.json``, ``adapter_model.safetensors``), which ``PeftModel.from_pretrained(base,
-folder)`` puts back on the base model.
+``performer_hf.integrations`` gives Performer attention (peft matches a name as a suffix after a ``.``, so a name
+that another module shares is qualified by its parent: GPT-2's ``attn.c_proj``, not each MLP's ``mlp.c_proj``). The
+rest of the model is frozen; the run saves the adapter (``adapter_config.json``, ``adapter_model.safetensors``),
+which ``PeftModel.from_pretrained(base, folder)`` puts back on the base model.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ LORA_TARGET_MODULES: dict[str, list[str]] = {
     "qwen2": _LLAMA_STYLE,
     "qwen3": _LLAMA_STYLE,
     "gemma3_text": _LLAMA_STYLE,
-    "gpt2": ["c_attn", "c_proj"],
+    "gpt2": ["attn.c_attn", "attn.c_proj"],
     "bert": ["query", "key", "value", "attention.output.dense"],
     "roberta": ["query", "key", "value", "attention.output.dense"],
 }
