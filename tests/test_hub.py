@@ -212,6 +212,12 @@ def test_push_uploads_a_folder_converted_in_place_with_its_code(tmp_path, fake_h
             ),
             "has no auto_map",
         ),
+        (
+            lambda f: (f / "config.json").write_text(
+                json.dumps({**json.loads((f / "config.json").read_text()), "performer_learned_attention": True})
+            ),
+            "but its weights hold no 'performer_attention' tensors",  # a transferred model saved before it ran
+        ),
         (lambda f: (f / "config.json").write_text("{not json"), "config.json is not valid JSON"),
         (lambda f: (f / "config.json").write_text("[1, 2]"), "config.json holds a list, not a config"),
     ],

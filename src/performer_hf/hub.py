@@ -20,7 +20,7 @@ from huggingface_hub.utils import validate_repo_id
 from .conversion import ConversionError
 from .conversion.errors import one_line
 from .conversion.sentence_pipeline import sentence_pipeline_files
-from .modeling.attention_settings import CONFIG_ATTRIBUTE, IMPLEMENTATIONS
+from .modeling.attention_settings import CONFIG_ATTRIBUTE, IMPLEMENTATIONS, LEARNED_ATTRIBUTE, LEARNED_SUBMODULE
 from .modeling.modeling_in_place import IN_PLACE_CLASSES
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,19 @@ def remote_code_files(folder: Path, config: dict) -> list[str]:
     return sorted(found)
 
 
+def _holds_learned_tensors(folder: Path) -> bool:
+    """Whether the safetensors weights in ``folder`` hold attention transfer's trained tensors."""
+    from safetensors import safe_open
+
+    index = folder / WEIGHT_FILES[1]
+    if index.is_file():
+        names = json.loads(index.read_text()).get("weight_map", {})
+    else:
+        with safe_open(folder / WEIGHT_FILES[0], framework="pt") as handle:
+            names = list(handle.keys())
+    return any(f".{LEARNED_SUBMODULE}." in name for name in names)
+
+
 def checkpoint_files(folder: str | Path) -> list[str]:
     """The files of a Performer checkpoint folder to upload, as ``/``-separated paths relative to it: the
     top-level files and the module folders of a sentence-transformers pipeline (``1_Pooling/`` ...; see
@@ -113,6 +126,13 @@ def checkpoint_files(folder: str | Path) -> list[str]:
         )
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
         raise PushError(f"{folder} has no weights ({' or '.join(WEIGHT_FILES)}); save the model with safetensors.")
+    if config.get(LEARNED_ATTRIBUTE) and not _holds_learned_tensors(folder):
+        raise PushError(
+            f"{config_path} says attention transfer trained this model's attention ({LEARNED_ATTRIBUTE}), but its "
+            f"weights hold no '{LEARNED_SUBMODULE}' tensors (a copy saved before it read them, at its first forward): "
+            "load the folder it was copied from, call performer_hf.ship_remote_code(model) (which reads them) and "
+            "save it again."
+        )
     remote_code_files(folder, config)
     if not (folder / "README.md").is_file():
         logger.warning("%s has no README.md: the Hub repo will have no model card", folder)

@@ -140,3 +140,37 @@ def test_transfer_starts_the_centres_at_the_sources_mean_query_and_key(tmp_path)
         torch.testing.assert_close(learned.query_center, query.mean(dim=(0, 2)) * scale, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(learned.key_center, key.mean(dim=(0, 2)) * scale, atol=1e-5, rtol=1e-5)
     assert len(captured) == 2 and learned.query_center.abs().max() > 0
+
+
+def test_trained_tensors_reach_every_copy_and_only_their_own_checkpoints_model(tmp_path, caplog):
+    """A transferred model saved before its first forward kept no trained tensors (ship_remote_code, the README's
+    fix, and a trust_remote_code load, saved again: the copy failed at its first forward); one loaded from a
+    subfolder read the root checkpoint's tensors silently; one loaded with another method failed inside torch."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    trained = {}
+    for name, steps in (("root", 2), ("root/later", 6)):  # two transfers, the second in a subfolder of the first
+        model = _load(folder, "performer_hybrid", local_window=8)
+        performer_hf.transfer_attention(model, _batches(), steps=steps, learning_rate=1e-2, progress=False)
+        with torch.no_grad():
+            trained[name] = model(_ids(1, 40, seed=4)).logits
+        performer_hf.ship_remote_code(model).save_pretrained(tmp_path / name)
+    assert not torch.equal(trained["root"], trained["root/later"])
+
+    def logits(model):
+        with torch.no_grad():
+            return model(_ids(1, 40, seed=4)).logits
+
+    not_run = AutoModelForCausalLM.from_pretrained(tmp_path / "root/later")  # the source's class
+    performer_hf.ship_remote_code(not_run).save_pretrained(tmp_path / "shipped")
+    remote = AutoModelForCausalLM.from_pretrained(tmp_path / "shipped", trust_remote_code=True)
+    remote.save_pretrained(tmp_path / "again")  # the folder's class, saved before it runs
+    for copy in ("shipped", "again"):
+        assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(tmp_path / copy).eval()), trained["root/later"])
+    from_subfolder = AutoModelForCausalLM.from_pretrained(tmp_path / "root", subfolder="later", trust_remote_code=True)
+    assert torch.equal(logits(from_subfolder.eval()), trained["root/later"])
+    with pytest.raises(ValueError, match="is not the one it was loaded from .* trust_remote_code=True"):
+        logits(AutoModelForCausalLM.from_pretrained(tmp_path / "root", subfolder="later").eval())
+    other = AutoModelForCausalLM.from_pretrained(tmp_path / "root/later", attn_implementation="performer").eval()
+    with caplog.at_level("WARNING"):
+        assert torch.isfinite(logits(other)).all()
+    assert "are another method's than the 'favor' it runs now" in caplog.text

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedModel
 
-from ..modeling.attention_settings import IMPLEMENTATIONS
+from ..modeling.attention_settings import IMPLEMENTATIONS, attach_learned_attention
 from ..modeling.modeling_in_place import IN_PLACE_CLASSES, record_attention
 
 
@@ -17,7 +17,8 @@ def ship_remote_code(model: PreTrainedModel) -> PreTrainedModel:
 
     ``model``'s class becomes the subclass of the same name in :mod:`performer_hf.modeling.modeling_in_place`, which
     adds nothing but the registration; its attention settings are recorded in its config now (as at its first
-    forward), so that a model saved before running carries them too.
+    forward), and a model trained with attention transfer reads its trained tensors now, so that a model saved
+    before running carries them too.
 
     Args:
         model: a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or
@@ -44,5 +45,6 @@ def ship_remote_code(model: PreTrainedModel) -> PreTrainedModel:
             f"load it with attn_implementation in {sorted(IMPLEMENTATIONS)} (or convert it with performer_hf.convert)."
         )
     record_attention(model.config)
+    attach_learned_attention(model, read=True)  # a model trained with attention transfer that has not run yet
     model.__class__ = shipped
     return model

@@ -175,8 +175,19 @@ def method_state(module: nn.Module, implementation: str, causal: bool, query: to
                     )
             else:
                 tensors = learned.state_dict()
-            state.load_state_dict(tensors)
-            module.add_module(LEARNED_SUBMODULE, state)  # so that save_pretrained keeps the learned tensors
+            if _fits(state, tensors):
+                if learned is None:
+                    _check_same_checkpoint(config)
+                state.load_state_dict(tensors)
+                module.add_module(LEARNED_SUBMODULE, state)  # so that save_pretrained keeps the learned tensors
+            elif module.layer_idx == 0:  # once per model, not per layer
+                logger.warning(
+                    "this model's trained attention tensors (%s) are another method's than the %r it runs now "
+                    "(attn_implementation=%r): it runs that method's own preset without them",
+                    ", ".join(sorted(tensors)),
+                    built.attention_method,
+                    implementation,
+                )
         mark_current(state, config, implementation, causal)
         # otherwise a plain attribute, not a submodule: the model's state dict stays the source's
         module.__dict__[METHOD_STATE_ATTRIBUTE] = state
@@ -184,6 +195,41 @@ def method_state(module: nn.Module, implementation: str, causal: bool, query: to
     if state.projection.device != query.device:
         state.to(query.device)
     return state
+
+
+def attach_learned_attention(model: nn.Module, read: bool) -> None:
+    """Give each Performer attention module of a model trained with attention transfer
+    (``config.performer_learned_attention``) its learned tensors' submodule ``performer_attention`` now rather than
+    at its first forward: built from the settings (``read=False``, at construction: ``from_pretrained`` then loads
+    the checkpoint's tensors into it as into any weights, from wherever it loads those, a subfolder or a revision
+    too), or read from the checkpoint the model was loaded from (``read=True``: before a model that has not run is
+    saved). Nothing for other models, for modules that have it, or for another method's tensors (the first
+    forward warns)."""
+    for module in model.modules():
+        config, layer_idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
+        if config is None or layer_idx is None or not type(module).__name__.endswith("Attention"):
+            continue
+        implementation = getattr(config, "_attn_implementation", None)
+        if not getattr(config, LEARNED_ATTRIBUTE, False) or LEARNED_SUBMODULE in module._modules:
+            continue
+        if implementation not in IMPLEMENTATIONS or keeps_own_attention(config, layer_idx):
+            continue
+        with torch.device("cpu"):
+            state = AttentionMethodState(method_config(config, implementation, True, *head_shape(config)), layer_idx)
+        if read:
+            tensors = _checkpoint_tensors(config, layer_idx)
+            if not _fits(state, tensors):
+                continue
+            _check_same_checkpoint(config)
+            state.load_state_dict(tensors)
+        module.add_module(LEARNED_SUBMODULE, state)
+
+
+def _fits(state: AttentionMethodState, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether ``tensors`` are ``state``'s own: the same names and shapes (a trained hybrid's centres do not fit the
+    FAVOR+ state of a model loaded with another attn_implementation)."""
+    own = state.state_dict()
+    return own.keys() == tensors.keys() and all(own[name].shape == tensors[name].shape for name in own)
 
 
 LEARNED_ATTRIBUTE = "performer_learned_attention"
@@ -217,6 +263,28 @@ def _checkpoint_tensors_of(path: str, layer_idx: int) -> dict[str, torch.Tensor]
 
 
 _LEARNED_KEY = re.compile(rf"\.(?P<layer>\d+)\.(?:[^.]+\.)*?{LEARNED_SUBMODULE}\.(?P<name>\w+)$")
+
+
+# the settings attention transfer trains beside the tensors: a checkpoint whose config holds others is another one
+_TRAINED_SETTINGS = ("far_field_parameter", "far_field_gain")
+
+
+def _check_same_checkpoint(config) -> None:
+    """Refuse to read the trained tensors from a checkpoint at ``config._name_or_path`` whose trained settings are not
+    the model's: transformers records the path alone, so a model loaded from a subfolder or another revision of
+    it would run with the tensors of the checkpoint at the path's root, or of its main revision."""
+    from transformers.utils import cached_file
+
+    with open(cached_file(str(config._name_or_path), "config.json")) as handle:
+        saved = json.load(handle).get(CONFIG_ATTRIBUTE) or {}
+    own = getattr(config, CONFIG_ATTRIBUTE, None) or {}
+    if any(name in saved and name in own and saved[name] != own[name] for name in _TRAINED_SETTINGS):
+        raise ValueError(
+            f"this model's trained attention tensors are read from its checkpoint at the first forward, but the "
+            f"checkpoint at {config._name_or_path!r} is not the one it was loaded from (another subfolder or "
+            "revision: its trained settings differ). Load it with trust_remote_code=True (the folder's class loads "
+            "the trained tensors with the weights), or from the checkpoint folder's own path."
+        )
 
 
 def _checkpoint_tensors(config, layer_idx: int) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ the PyTorch paths, with the same outputs).
 import transformers
 
 from .attention_interface import register_attention_implementations
-from .attention_settings import IMPLEMENTATIONS, resolved_settings
+from .attention_settings import IMPLEMENTATIONS, attach_learned_attention, resolved_settings
 
 register_attention_implementations(replace=False)
 
@@ -28,11 +28,13 @@ def record_attention(config) -> None:
 
 
 class _RecordsItsAttention:
-    """Records the config's Performer attention on construction (:func:`record_attention`)."""
+    """Records the config's Performer attention on construction (:func:`record_attention`), and declares the
+    tensors attention transfer trained, so that ``from_pretrained`` loads them with the other weights."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         record_attention(config)
+        attach_learned_attention(self, read=False)
 
 
 class LlamaForCausalLM(_RecordsItsAttention, transformers.LlamaForCausalLM):
