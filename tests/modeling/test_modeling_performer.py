@@ -543,3 +543,14 @@ def test_config_json_round_trip(tmp_path):
     assert reloaded.layer_types == ["favor_attention"] * LAYERS
     assert tiny_config(attention_kernel="exact").layer_types == ["full_attention"] * LAYERS
     assert "layer_types" not in json.loads(config.to_json_string())  # derived, not stored
+
+
+def test_a_performer_attn_implementation_is_refused_by_the_family_which_runs_its_configs(tmp_path):
+    """attn_implementation='performer_hybrid' on a Performer-family folder ran its config's FAVOR+ silently, while
+    config._attn_implementation said 'performer_hybrid'."""
+    tiny_model(PerformerForCausalLM).save_pretrained(tmp_path)
+    for implementation in ("performer", "performer_hybrid", "performer_sparse"):
+        with pytest.raises(ValueError, match=f"attn_implementation='{implementation}' gives transformers models"):
+            PerformerForCausalLM.from_pretrained(tmp_path, attn_implementation=implementation)
+    exact = PerformerForCausalLM.from_pretrained(tmp_path, attention_kernel="exact")  # the fix the message names
+    assert exact.config.attention_kernel == "exact"

@@ -29,6 +29,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput, logging
 
 from .attention_methods import ATTENTION_METHODS
+from .attention_settings import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from .cache_performer import check_no_static_layers, static_cache_refusal
 from .configuration_performer import PerformerConfig
 from .layers_performer import (
@@ -74,6 +75,19 @@ class PerformerPreTrainedModel(PreTrainedModel):
     base_model_prefix = "performer"
     supports_gradient_checkpointing = True
     _no_split_modules = ["PerformerLayer"]
+
+    def post_init(self):
+        super().post_init()
+        implementation = self.config._attn_implementation
+        if implementation in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"attn_implementation={implementation!r} gives transformers models (Llama, BERT, ...) Performer "
+                f"attention; a {type(self).__name__} runs the attention its config names "
+                f"(attention_method={self.config.attention_method!r}, attention_kernel="
+                f"{self.config.attention_kernel!r}). Leave attn_implementation out, and set those fields to run "
+                "another (e.g. from_pretrained(folder, attention_kernel='exact'), or convert the source with "
+                "method='hybrid')."
+            )
 
     def _returned(self, output, return_dict: bool | None):
         """``output``, or its tuple where ``return_dict`` (default: the config's) is False (the transformers
