@@ -1083,3 +1083,20 @@ def test_a_cpu_launch_that_asked_for_several_processes_stops_with_the_command_to
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+def test_the_trainers_label_smoothing_shifts_a_performer_decoders_labels(tmp_path):
+    """The Trainer shifts the labels of its label smoothing for the class names in transformers' causal-LM table,
+    which AutoModelForCausalLM.register leaves out: PerformerForCausalLM scored each token against itself."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    from performer_hf import PerformerForCausalLM
+    from tests.tiny_models import random_ids, tiny_model
+
+    model = tiny_model(PerformerForCausalLM)
+    ids = random_ids(2, 12)
+    args = TrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=0.1, report_to=[], use_cpu=True)
+    with torch.no_grad():
+        loss = Trainer(model=model, args=args).compute_loss(model, {"input_ids": ids, "labels": ids.clone()})
+        expected = LabelSmoother(0.1)(model(input_ids=ids), ids, shift_labels=True)
+    torch.testing.assert_close(loss, expected)
