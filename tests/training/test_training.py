@@ -38,7 +38,7 @@ from transformers import (
 from performer_hf import PerformerConfig, PerformerForMaskedLM, PerformerPreTrainedModel
 from performer_hf.training import PerformerRedrawCallback
 from performer_hf.training.arguments import TrainingInputError
-from performer_hf.training.checkpointing import find_latest_checkpoint, resume_position
+from performer_hf.training.checkpointing import find_latest_checkpoint, load_checkpoint, resume_position
 from performer_hf.training.classification import train_classifier
 from performer_hf.training.collators import ReproducibleMaskingCollator
 from performer_hf.training.data import build_label_mapping, group_into_blocks
@@ -222,6 +222,23 @@ def test_latest_checkpoint_and_resume_position(tmp_path):
     assert resume_position({"epoch": 1, "batches_in_epoch": 2}, batches_per_epoch=6) == (1, 2)
     with pytest.raises(TrainingInputError, match="no checkpoint found"):
         find_latest_checkpoint(str(tmp_path / "step_20"))
+
+
+def test_a_checkpoint_resumes_only_with_its_batching_and_model(tmp_path):
+    """A run resumed with another batch size skipped that many batches of the new size (other examples, silently);
+    a checkpoint of another model failed with torch's state-dict error."""
+
+    class Accelerator:
+        def load_state(self, path):
+            raise RuntimeError("Error(s) in loading state_dict for PerformerForMaskedLM:\n\tsize mismatch")
+
+    state = {"completed_steps": 2, "epoch": 0, "batches_in_epoch": 2, "per_device_train_batch_size": 4}
+    (tmp_path / "trainer_state.json").write_text(json.dumps({**state, "num_processes": 1}))
+    batching = {"per_device_train_batch_size": 8, "num_processes": 1}
+    with pytest.raises(TrainingInputError, match="written with per_device_train_batch_size=4, which this run changes"):
+        load_checkpoint(Accelerator(), str(tmp_path), batching)
+    with pytest.raises(TrainingInputError, match="does not fit this model .*size mismatch.*: resume with the model"):
+        load_checkpoint(Accelerator(), str(tmp_path), {**batching, "per_device_train_batch_size": 4})
 
 
 def _masking_blocks(tokenizer, count: int, length: int = 64) -> list[dict]:
@@ -794,6 +811,7 @@ def _write(path: Path, text: str) -> str:
         ("missing_file", "does not exist"),
         ("empty_file", "is empty"),
         ("blank_lines", "fewer than one block"),
+        ("header_only_csv", "The training data .* has no examples"),  # a datasets ValueError inside its reader
         ("unknown_column", "'body' is not a column"),
         ("too_long", "exceeds the model's 64 positions"),
         ("bad_override", "not a PerformerConfig field"),
@@ -811,6 +829,8 @@ def test_bad_input_stops_before_training(assets, tmp_path, case, message):
         argv[train_file] = str(tmp_path / "nope.txt")
     elif case == "empty_file":
         argv[train_file] = _write(tmp_path / "empty.txt", "")
+    elif case == "header_only_csv":
+        argv[train_file] = _write(tmp_path / "header.csv", "text\n")
     elif case == "blank_lines":
         argv[train_file] = _write(tmp_path / "blank.txt", "\n  \n\n" * 50)
     elif case == "unknown_column":
@@ -856,6 +876,26 @@ def test_bad_classification_input_and_cli_message(assets, tmp_path, capsys):
     ]
     with pytest.raises(TrainingInputError, match="'category' is not a column.*sentence"):
         train_classifier(argv)
+    rows = list(csv.DictReader((root / "train.csv").open()))
+    rows[3]["sentence"] = ""  # an empty cell reads as None: it failed inside the tokenizer, in Dataset.map
+    with (tmp_path / "holes.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    holes = [*argv[:1], str(tmp_path / "holes.csv"), *argv[2:]]
+    holes[holes.index("--label_column_name") + 1] = "topic"
+    with pytest.raises(TrainingInputError, match=r"Column 'sentence' of the validation data has 1 empty .* \(rows 3\)"):
+        train_classifier(holes)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    # a pretrained table that --config_overrides resizes was drawn anew (ignore_mismatched_sizes, meant for the head)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(assets["tokenizer"])
+    config = PerformerConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+    PerformerForMaskedLM(config).save_pretrained(tmp_path / "pretrained")
+    resized = [*argv, "--model_name_or_path", str(tmp_path / "pretrained"), "--config_overrides"]
+    resized[resized.index("--label_column_name") + 1] = "topic"
+    with pytest.raises(TrainingInputError, match="position_embeddings.weight do not fit .* only the task head may"):
+        train_classifier([*resized, "max_position_embeddings=1024"])
+    AcceleratorState._reset_state(reset_partial_state=True)
     AcceleratorState._reset_state(reset_partial_state=True)
     # The console entry prints one error line and exits non-zero.
     with pytest.raises(SystemExit) as exit_info:

@@ -52,10 +52,30 @@ def find_latest_checkpoint(output_dir: str) -> str:
     return max(candidates)[1]
 
 
-def load_checkpoint(accelerator, path: str) -> dict:
-    """Restore everything ``save_checkpoint`` saved; returns the trainer state."""
+def batching(args, accelerator) -> dict:
+    """What a checkpoint's count of batches is in: the batch per device and the number of processes."""
+    return {"per_device_train_batch_size": args.per_device_train_batch_size, "num_processes": accelerator.num_processes}
+
+
+def load_checkpoint(accelerator, path: str, current_batching: dict) -> dict:
+    """Restore everything ``save_checkpoint`` saved; returns the trainer state. Refuses a checkpoint of other
+    batching (its batches of the epoch are another count of examples: the resumed run would skip others) and one
+    of another model."""
     state = read_trainer_state(path)
-    accelerator.load_state(path)
+    other = {name: state[name] for name, value in current_batching.items() if state.get(name, value) != value}
+    if other:
+        saved = ", ".join(f"{name}={value}" for name, value in other.items())
+        raise TrainingInputError(
+            f"the checkpoint {path!r} was written with {saved}, which this run changes: its position in the epoch "
+            "counts batches of that size, so resuming would skip other examples. Resume with the same batching."
+        )
+    try:
+        accelerator.load_state(path)
+    except RuntimeError as error:  # its weights (or optimizer state) do not fit this model
+        raise TrainingInputError(
+            f"the checkpoint {path!r} does not fit this model ({' '.join(str(error).split())[:300]}): resume with "
+            "the model and --config_overrides it was trained with."
+        ) from None
     return state
 
 

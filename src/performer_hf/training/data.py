@@ -60,6 +60,10 @@ def load_raw_datasets(args: argparse.Namespace) -> DatasetDict:
     except (DatasetGenerationError, DatasetNotFoundError, ConnectionError) as error:
         cause = error.__cause__ or error
         raise TrainingInputError(f"Could not read the data of {_describe_source(args)}: {cause}") from error
+    except ValueError as error:  # a held-out split of no data: the file has no examples
+        if "corresponds to no data" not in str(error):
+            raise
+        raise TrainingInputError(f"The training data ({_describe_source(args)}) has no examples.") from error
 
     if len(raw["train"]) == 0:
         raise TrainingInputError(f"The training data ({_describe_source(args)}) has no examples.")
@@ -252,6 +256,14 @@ def classification_datasets(
         check_column(raw["train"], pair_column, "--text_pair_column_name")
     for split, dataset in raw.items():
         check_column(dataset, text_column, "--text_column_name")
+        for column in (text_column, pair_column) if pair_column else (text_column,):
+            missing = [row for row, text in enumerate(dataset[column]) if not isinstance(text, str)]
+            if missing:
+                rows = ", ".join(str(row) for row in missing[:5]) + (" ..." if len(missing) > 5 else "")
+                raise TrainingInputError(
+                    f"Column {column!r} of the {split} data has {len(missing)} empty or non-text cell(s) (rows "
+                    f"{rows}); fill or drop those rows."
+                )
         unseen = {str(value) for value in label_values(dataset, label_column)} - set(label2id)
         if unseen:
             raise TrainingInputError(

@@ -121,12 +121,14 @@ def load_model(
         model = auto_class.from_pretrained(source, **config_kwargs, **load_options)
     elif args.model_name_or_path is not None:
         try:
-            model = auto_class.from_pretrained(
+            model, loading = auto_class.from_pretrained(
                 args.model_name_or_path,
                 trust_remote_code=args.trust_remote_code,
+                output_loading_info=True,
                 **{**overrides, **config_kwargs},
                 **load_options,
             )
+            _check_only_the_head_is_new(model, loading, args)
         except OSError as error:
             raise TrainingInputError(f"Could not load a model from {args.model_name_or_path!r}: {error}") from error
         except (ValueError, TypeError, RuntimeError, StrictDataclassError) as error:  # what the overrides ask for
@@ -166,6 +168,27 @@ def load_model(
     if args.lora_r is not None:
         model = apply_lora(model, args, task)
     return model
+
+
+def _check_only_the_head_is_new(model: PreTrainedModel, loading: dict, args: argparse.Namespace) -> None:
+    """Refuse a checkpoint whose pretrained weights (not only the task head's) changed shape and would be drawn
+    anew: ``ignore_mismatched_sizes`` serves a classifier with another number of labels, and applied to the whole
+    model it replaced the position table or the projections that ``--config_overrides`` resized."""
+    head = _head_prefixes(model)
+    mismatched = [entry[0] if isinstance(entry, tuple) else entry for entry in loading.get("mismatched_keys") or ()]
+    body = sorted(key for key in mismatched if not key.startswith(head))
+    if body:
+        raise ValueError(
+            f"the checkpoint's {', '.join(body[:3])}{' ...' if len(body) > 3 else ''} do not fit the model's shapes, "
+            "and only the task head may be drawn anew"
+        )
+
+
+def _head_prefixes(model: PreTrainedModel) -> tuple[str, ...]:
+    """The names of the task head's modules (what a classifier's new head replaces): the top-level children
+    other than the base model."""
+    base = getattr(model, "base_model_prefix", "")
+    return tuple(f"{name}." for name, _ in model.named_children() if name != base)
 
 
 def usable_positions(config) -> int:

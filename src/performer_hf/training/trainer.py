@@ -16,7 +16,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
@@ -32,7 +32,7 @@ from transformers import get_scheduler
 from ..cpu_memory import retain_freed_memory
 from ..modeling.configuration_performer import PerformerConfig
 from .arguments import TrainingInputError
-from .checkpointing import find_latest_checkpoint, load_checkpoint, resume_position, save_checkpoint
+from .checkpointing import batching, find_latest_checkpoint, load_checkpoint, resume_position, save_checkpoint
 from .model_card import build_model_card, write_model_card
 from .redraw import check_redraw, projection_checksum, redraw_if_due
 from .tracking import select_trackers
@@ -186,14 +186,20 @@ def _evaluate(model, dataloader, accelerator: Accelerator, task: TrainingTask) -
 
 @dataclass
 class _Progress:
-    """Position of the run; what ``trainer_state.json`` stores."""
+    """Position of the run; what ``trainer_state.json`` stores (with the batching its batch count is in)."""
 
     completed_steps: int = 0
     epoch: int = 0
     batches_in_epoch: int = 0
+    batching: dict = field(default_factory=dict)
 
     def state(self) -> dict:
-        return {"completed_steps": self.completed_steps, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+        position = {
+            "completed_steps": self.completed_steps,
+            "epoch": self.epoch,
+            "batches_in_epoch": self.batches_in_epoch,
+        }
+        return {**position, **self.batching}
 
 
 @dataclass(frozen=True)
@@ -281,13 +287,13 @@ def run_training(
         redraw_interval,
     )
 
-    progress = _Progress()
+    progress = _Progress(batching=batching(args, accelerator))
     if args.resume_from_checkpoint:
         path = args.resume_from_checkpoint
         if path == "latest":
             path = find_latest_checkpoint(args.output_dir)
         logger.info("Resuming from checkpoint %s", path)
-        state = load_checkpoint(accelerator, path)
+        state = load_checkpoint(accelerator, path, progress.batching)
         progress.completed_steps = state["completed_steps"]
         progress.epoch, progress.batches_in_epoch = resume_position(state, plan.batches_per_epoch)
 
