@@ -6,6 +6,7 @@ import sys
 
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
+from ..modeling.token_loss import IGNORE_INDEX
 from .arguments import TrainingInputError, parse_args
 from .collators import ReproducibleMaskingCollator, causal_lm_collate
 from .data import language_modeling_datasets, load_raw_datasets
@@ -22,6 +23,7 @@ def _task(name: str) -> TrainingTask:
         name=name,
         batch_statistics=lambda outputs, batch: token_statistics(outputs.logits, batch["labels"], shift=shift),
         compute_metrics=language_modeling_metrics,
+        loss_items=lambda batch: (batch["labels"][:, int(shift) :] != IGNORE_INDEX).sum(),  # the labelled tokens
     )
 
 

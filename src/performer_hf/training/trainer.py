@@ -24,7 +24,7 @@ import torch
 import transformers
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
-from accelerate.utils import get_int_from_env, parse_flag_from_env, set_seed
+from accelerate.utils import DistributedType, get_int_from_env, parse_flag_from_env, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -48,11 +48,14 @@ class TrainingTask:
 
     ``batch_statistics(outputs, batch)`` returns per-example tensors (first dimension = batch) that
     are gathered across processes; ``compute_metrics`` reduces their concatenation to floats.
+    ``loss_items(batch)`` counts what the batch's mean loss averages over (its labelled tokens; by default its
+    examples), so that an optimizer step weighs its micro-batches and processes by it.
     """
 
     name: str
     batch_statistics: Callable[[object, dict], dict[str, torch.Tensor]]
     compute_metrics: Callable[..., dict]
+    loss_items: Callable[[dict], torch.Tensor] = lambda batch: torch.tensor(len(batch["labels"]))
 
 
 def create_accelerator(args: argparse.Namespace) -> Accelerator:
@@ -202,6 +205,41 @@ class _Progress:
         return {**position, **self.batching}
 
 
+class _StepWindow:
+    """The micro-batches of one optimizer step (its gradient accumulation window, on every process), weighed by
+    what each one's mean loss averages over: the step's gradient is that of the mean over all of them, as one
+    batch of the same examples gives (each micro-batch's mean weighed alike gave a masked-LM micro-batch with few
+    masked tokens as much weight as one with many, and a short last window of an epoch half its weight). Its
+    micro-batches backpropagate their loss sums (times the accumulation steps and processes that Accelerate and
+    DDP divide by); :meth:`close` divides the gradients by the window's count. Under DeepSpeed, which owns the
+    gradients, each micro-batch's mean weighs alike (``reweigh=False``)."""
+
+    def __init__(self, accelerator: Accelerator, reweigh: bool):
+        self.accelerator, self.reweigh = accelerator, reweigh
+        self.totals = []  # this process's (items, loss sum) per micro-batch of the window, on the device
+
+    def weighed(self, loss: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        """What to backpropagate for a micro-batch's mean ``loss`` over ``items`` items (no device sync)."""
+        items = items.to(device=loss.device, dtype=torch.float64)
+        self.totals.append(torch.stack([items, loss.detach().double() * items]))
+        if not self.reweigh:
+            return loss
+        return (
+            loss * items.to(loss.dtype) * self.accelerator.gradient_accumulation_steps * self.accelerator.num_processes
+        )
+
+    def close(self, model) -> float:
+        """At the window's optimizer step: the gradients divided by its count (every process's), and its mean
+        loss."""
+        count, loss_sum = self.accelerator.reduce(torch.stack(self.totals).sum(dim=0), reduction="sum").tolist()
+        if self.reweigh:
+            for parameter in model.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.div_(max(count, 1.0))
+        self.totals = []
+        return loss_sum / max(count, 1.0)
+
+
 @dataclass(frozen=True)
 class TrainingData:
     """What a run trains and evaluates on: the tokenized splits, a collator for each, and where the text came
@@ -317,20 +355,21 @@ def run_training(
         active = train_dataloader
         if progress.batches_in_epoch:
             active = accelerator.skip_first_batches(train_dataloader, progress.batches_in_epoch)
-        step_losses = []
+        window = _StepWindow(accelerator, reweigh=accelerator.distributed_type != DistributedType.DEEPSPEED)
         tick = time.perf_counter()
         for batch in active:
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
-                accelerator.backward(loss)
+                accelerator.backward(window.weighed(loss, task.loss_items(batch)))
                 grad_norm = None
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                if accelerator.sync_gradients:
+                    train_loss = window.close(model)
+                    if args.max_grad_norm > 0:
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad()
             progress.batches_in_epoch += 1
-            step_losses.append(loss.detach().float())
             if not accelerator.sync_gradients:
                 continue
 
@@ -341,8 +380,6 @@ def run_training(
             step_seconds = time.perf_counter() - tick
             if step != first_step:
                 timed_seconds, timed_steps = timed_seconds + step_seconds, timed_steps + 1
-            train_loss = accelerator.reduce(torch.stack(step_losses).mean(), reduction="mean").item()
-            step_losses = []
             progress_bar.set_postfix(loss=f"{train_loss:.4f}")
             if redrawn:
                 logger.info(
