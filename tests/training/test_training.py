@@ -224,6 +224,19 @@ def test_latest_checkpoint_and_resume_position(tmp_path):
         find_latest_checkpoint(str(tmp_path / "step_20"))
 
 
+def test_a_new_run_into_a_previous_runs_folder_is_refused_or_starts_over(assets, tmp_path):
+    """A new run into an --output_dir of a previous one appended to its log and kept its checkpoints, which
+    --resume_from_checkpoint latest then picked over the new run's."""
+    out = tmp_path / "out"
+    train_language_model("mlm", lm_args(assets, out, "--checkpointing_steps", "2", steps=4))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with pytest.raises(TrainingInputError, match=r"holds a previous run \(step_2, step_4, train_log.jsonl\)"):
+        train_language_model("mlm", lm_args(assets, out, steps=2))
+    train_language_model("mlm", lm_args(assets, out, "--overwrite_output_dir", steps=2))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert sorted(train_losses(out)) == [1, 2] and not (out / "step_4").exists()
+
+
 def test_a_checkpoint_resumes_only_with_its_batching_and_model(tmp_path):
     """A run resumed with another batch size skipped that many batches of the new size (other examples, silently);
     a checkpoint of another model failed with torch's state-dict error."""
@@ -1113,6 +1126,8 @@ def test_a_cpu_launch_that_asked_for_several_processes_stops_with_the_command_to
         report_to="none",
         with_tracking=False,
         seed=0,
+        overwrite_output_dir=False,
+        resume_from_checkpoint=None,
     )
     with pytest.raises(TrainingInputError, match="--multi_gpu --num_processes N"):
         create_accelerator(args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 from transformers import SchedulerType
@@ -22,6 +23,8 @@ TASKS = ("mlm", "clm", "classification")
 DATA_FILE_BUILDERS = {"txt": "text", "text": "text", "json": "json", "jsonl": "json", "csv": "csv"}
 
 REPORT_TO_JSON = "json"
+LOG_FILE = "train_log.jsonl"  # the JSON tracker's records of a run
+CHECKPOINT_NAME = re.compile(r"^(step|epoch)_\d+$")  # the folders --checkpointing_steps writes
 
 
 class TrainingInputError(ValueError):
@@ -172,6 +175,11 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("run")
     group.add_argument("--output_dir", required=True, help="Where checkpoints, logs and the final model go.")
     group.add_argument(
+        "--overwrite_output_dir",
+        action="store_true",
+        help="Start over in an --output_dir that holds a previous run: its log and checkpoints are removed.",
+    )
+    group.add_argument(
         "--checkpointing_steps",
         help="Save a resumable checkpoint every N optimizer steps, or 'epoch' at the end of every epoch.",
     )
@@ -273,6 +281,13 @@ def validate_args(args: argparse.Namespace, task: str) -> None:
                 f"--checkpointing_steps must be a positive number of steps or 'epoch', got "
                 f"{args.checkpointing_steps!r}."
             )
+    previous = previous_run(args.output_dir)
+    if previous and args.resume_from_checkpoint is None and not args.overwrite_output_dir:
+        raise TrainingInputError(
+            f"--output_dir {args.output_dir!r} holds a previous run ({', '.join(previous[:3])}): a new run would "
+            "append to its log, and 'latest' would resume its checkpoints. Pass --resume_from_checkpoint latest to "
+            "continue it, --overwrite_output_dir to start over there, or another --output_dir."
+        )
     if args.resume_from_checkpoint not in (None, "latest") and not os.path.isdir(args.resume_from_checkpoint):
         raise TrainingInputError(
             f"--resume_from_checkpoint {args.resume_from_checkpoint!r} is not a folder; pass a checkpoint folder "
@@ -283,6 +298,13 @@ def validate_args(args: argparse.Namespace, task: str) -> None:
     lora_options = [flag for flag in ("lora_alpha", "lora_target_modules") if getattr(args, flag) is not None]
     if args.lora_r is None and (lora_options or args.lora_dropout):
         raise TrainingInputError(f"--{(lora_options or ['lora_dropout'])[0]} needs --lora_r (the LoRA rank).")
+
+
+def previous_run(output_dir: str) -> list[str]:
+    """What a previous run left in ``output_dir`` besides its final model: its log and checkpoint folders."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(name for name in os.listdir(output_dir) if name == LOG_FILE or CHECKPOINT_NAME.match(name))
 
 
 def parse_args(task: str, argv: list[str] | None = None) -> argparse.Namespace:

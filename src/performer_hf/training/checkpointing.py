@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
+import shutil
 
-from .arguments import TrainingInputError
+from .arguments import CHECKPOINT_NAME, LOG_FILE, TrainingInputError, previous_run
 
 TRAINER_STATE_FILE = "trainer_state.json"
-_CHECKPOINT_NAME = re.compile(r"^(step|epoch)_\d+$")
 
 
 def save_checkpoint(accelerator, path: str, state: dict) -> None:
@@ -26,6 +25,16 @@ def save_checkpoint(accelerator, path: str, state: dict) -> None:
         with open(os.path.join(path, TRAINER_STATE_FILE), "w") as handle:
             json.dump(state, handle, indent=2)
     accelerator.wait_for_everyone()
+
+
+def clear_previous_run(output_dir: str) -> None:
+    """Remove a previous run's log and checkpoint folders from ``output_dir`` (``--overwrite_output_dir``)."""
+    for name in previous_run(output_dir):
+        path = os.path.join(output_dir, name)
+        if name == LOG_FILE:
+            os.remove(path)
+        else:
+            shutil.rmtree(path)
 
 
 def read_trainer_state(path: str) -> dict:
@@ -45,7 +54,7 @@ def find_latest_checkpoint(output_dir: str) -> str:
     if os.path.isdir(output_dir):
         for name in os.listdir(output_dir):
             path = os.path.join(output_dir, name)
-            if _CHECKPOINT_NAME.match(name) and os.path.isfile(os.path.join(path, TRAINER_STATE_FILE)):
+            if CHECKPOINT_NAME.match(name) and os.path.isfile(os.path.join(path, TRAINER_STATE_FILE)):
                 candidates.append((read_trainer_state(path)["completed_steps"], path))
     if not candidates:
         raise TrainingInputError(f"--resume_from_checkpoint latest: no checkpoint found in {output_dir!r}.")

@@ -7,9 +7,7 @@ import os
 
 from accelerate.tracking import GeneralTracker
 
-from .arguments import REPORT_TO_JSON
-
-LOG_FILE = "train_log.jsonl"
+from .arguments import LOG_FILE, REPORT_TO_JSON
 
 
 class JSONLinesTracker(GeneralTracker):

@@ -32,7 +32,14 @@ from transformers import get_scheduler
 from ..cpu_memory import retain_freed_memory
 from ..modeling.configuration_performer import PerformerConfig
 from .arguments import TrainingInputError
-from .checkpointing import batching, find_latest_checkpoint, load_checkpoint, resume_position, save_checkpoint
+from .checkpointing import (
+    batching,
+    clear_previous_run,
+    find_latest_checkpoint,
+    load_checkpoint,
+    resume_position,
+    save_checkpoint,
+)
 from .model_card import build_model_card, write_model_card
 from .redraw import check_redraw, projection_checksum, redraw_if_due
 from .tracking import select_trackers
@@ -82,6 +89,10 @@ def create_accelerator(args: argparse.Namespace) -> Accelerator:
         project_dir=args.output_dir,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
     )
+    if args.overwrite_output_dir and args.resume_from_checkpoint is None:
+        if accelerator.is_main_process:
+            clear_previous_run(args.output_dir)
+        accelerator.wait_for_everyone()
     if launched > 1 and accelerator.num_processes == 1:
         raise TrainingInputError(
             f"{launched} processes were launched but Accelerate set up {accelerator.num_processes}; each would "
