@@ -889,6 +889,14 @@ def test_bad_classification_input_and_cli_message(assets, tmp_path, capsys):
     ]
     with pytest.raises(TrainingInputError, match="'category' is not a column.*sentence"):
         train_classifier(argv)
+    same = [
+        *argv[: argv.index("--label_column_name")],
+        "--label_column_name",
+        "sentence",
+        *argv[argv.index("--text_column_name") :],
+    ]
+    with pytest.raises(TrainingInputError, match="--text_column_name and --label_column_name both name 'sentence'"):
+        train_classifier(same)  # it trained on the labels' text
     rows = list(csv.DictReader((root / "train.csv").open()))
     rows[3]["sentence"] = ""  # an empty cell reads as None: it failed inside the tokenizer, in Dataset.map
     with (tmp_path / "holes.csv").open("w", newline="") as handle:

@@ -273,6 +273,14 @@ def validate_args(args: argparse.Namespace, task: str) -> None:
     if args.tokenizer_name is None and args.model_name_or_path is None and args.convert_from is None:
         raise TrainingInputError("Training from scratch needs a tokenizer: pass --tokenizer_name (a folder or Hub id).")
 
+    if task == "classification":
+        texts = {"--text_column_name": args.text_column_name, "--text_pair_column_name": args.text_pair_column_name}
+        for flag, column in texts.items():
+            if column is not None and column == args.label_column_name:
+                raise TrainingInputError(
+                    f"{flag} and --label_column_name both name {column!r}: the model would read its labels. Name the "
+                    "column of the text."
+                )
     if task == "mlm" and not 0.0 < args.mlm_probability < 1.0:
         raise TrainingInputError(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}.")
     if args.checkpointing_steps is not None and args.checkpointing_steps != "epoch":
