@@ -5,6 +5,7 @@ source model, and save / load."""
 
 import copy
 import logging
+import pickle
 
 import pytest
 import torch
@@ -304,6 +305,48 @@ def test_mistrals_sliding_window_cache_keeps_every_key_that_performer_attention_
         for attention in (model, fresh):  # watching its caches, or at its first call
             with pytest.raises(ValueError, match=r"kept only the last 5 of 31 keys \(.* sliding_window=6\)"):
                 attention(_ids(1, 1, seed=3), use_cache=True, **{CACHE_KEYWORD: truncated})
+
+
+@pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
+def test_decoding_continues_across_gradient_modes_copies_and_pickles(implementation, tmp_path):
+    """A prefill under inference_mode then decoding under no_grad (FAVOR+ wrote into inference tensors), a no-grad
+    prefill then a step with gradients (the sparse state grew with cat(out=) under autograd), a pickle of the model
+    while a prefill's cache lives (its kept states held weak references), and a prompt of the same tokens padded
+    otherwise (it took a copy of the other prompt's state): each continues as the full forward does."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, implementation, **SHORT_WINDOW[implementation])
+    prompt, token = _ids(1, 30), _ids(1, 1, seed=2)
+    with torch.no_grad():
+        expected = model(torch.cat([prompt, token], dim=1)).logits[:, -1]
+    with torch.inference_mode():
+        cache = model(prompt, use_cache=True)[CACHE_KEYWORD]
+    with torch.no_grad():
+        torch.testing.assert_close(model(token, **{CACHE_KEYWORD: cache}).logits[:, -1], expected)
+        cache = model(prompt, use_cache=True)[CACHE_KEYWORD]
+        copy.deepcopy(model)
+        pickle.loads(pickle.dumps(model))
+    torch.testing.assert_close(model(token, **{CACHE_KEYWORD: cache}).logits[:, -1].detach(), expected)
+    padded = torch.ones_like(prompt)
+    padded[0, 26:] = 0  # the same tokens, the last four padding
+    with torch.no_grad():
+        kept = model(prompt, use_cache=True)[CACHE_KEYWORD]  # noqa: F841 (its state stays pending while it lives)
+        cache = model(prompt, attention_mask=padded, use_cache=True)[CACHE_KEYWORD]
+        mask = torch.cat([padded, torch.ones_like(token)], dim=1)
+        given = model(token, attention_mask=mask, position_ids=torch.tensor([[26]]), **{CACHE_KEYWORD: cache})
+        ids, positions = torch.cat([prompt, token], dim=1), torch.cat([torch.arange(30), torch.tensor([26])])[None]
+        reference = model(ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[:, -1]
+    torch.testing.assert_close(given.logits[:, -1], reference, rtol=1e-4, atol=1e-5)
+
+
+def test_the_sparse_method_compiles_with_its_decoding_state(tmp_path):
+    """A no-grad forward of the sparse method (the default conversion) under torch.compile failed on its state's
+    storage check (a FakeTensor has no storage)."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, "performer_sparse", **SPARSE)
+    compiled = torch.compile(model, backend="aot_eager")
+    ids = _ids(2, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits)
 
 
 @pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)

@@ -236,3 +236,18 @@ def test_a_padded_row_gets_the_attention_it_gets_alone_whatever_it_is_batched_wi
     torch.testing.assert_close(batched[1], alone["long"], rtol=1e-5, atol=1e-5)
     every_row_short = model(ids[[0, 2]], attention_mask=mask[[0, 2]], position_ids=position_ids[[0, 2]])
     torch.testing.assert_close(every_row_short.last_hidden_state[0][mask[0].bool()], alone["short"])
+
+
+def test_a_mask_edited_in_place_is_read_again():
+    """The rows' real lengths are read once per mask: a bool mask edited in place between calls (a reused buffer)
+    kept the first call's decision."""
+    model = random_centres(tiny_model(PerformerModel, exact_max_length=16, **APPROXIMATIONS["favor"]))
+    ids = random_ids(batch=2, length=40)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[0, 30:] = False
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+        mask[1, 12:] = False  # row 1 now short: exact attention, as alone
+        reused = model(ids, attention_mask=mask).last_hidden_state[1, :12]
+        alone = model(ids[1:, :12]).last_hidden_state[0]
+    torch.testing.assert_close(reused, alone, rtol=1e-5, atol=1e-5)

@@ -151,7 +151,7 @@ def _performer_attention(implementation: str):
             # the model was told use_cache=False (the architectures that pass it on to attention say so)
             layer_cache = ATTENTION_METHODS[state.attention_method].cache_layer()
             layer_cache.update(key, value)
-            adopt_on_next_call(module, layer_cache, cached_keys)
+            adopt_on_next_call(module, layer_cache, cached_keys, key_mask)
         if layer_cache is None and state.attention_method != "exact" and key.shape[2] > query.shape[2]:
             _check_no_dropped_keys(module, key, query, kwargs)
         if transfer is not None:

@@ -151,6 +151,10 @@ class FavorCacheLayer(_BatchFirstState, LinearAttentionLayer, CacheLayerMixin):
 
     def update_state(self, state: FavorState, num_new_tokens: int) -> FavorState:
         """Store the state after ``num_new_tokens`` more tokens; returns the stored state."""
+        for slot in (_KV, _SHIFT):  # buffers made under torch.inference_mode cannot be written outside it: new ones
+            held = self.recurrent_states[slot] if self.is_recurrent_states_initialized[slot] else None
+            if held is not None and held.is_inference() and not torch.is_inference_mode_enabled():
+                self.is_recurrent_states_initialized[slot] = False
         kv = self.update_recurrent_state(state.kv.detach(), _KV)
         shift = self.update_recurrent_state(state.shift.detach(), _SHIFT)
         self.has_previous_state[_KV] = self.has_previous_state[_SHIFT] = True

@@ -65,6 +65,7 @@ _PENDING_LAYERS = "_performer_pending_cache_layers"  # module attributes: the la
 _CACHE_HOOK = "_performer_cache_hook"
 
 
+@torch.compiler.disable
 def watch_caches(module: nn.Module) -> None:
     """From its next call on, prepare the caller's cache layer before Performer attention ``module`` runs
     (:func:`_prepare_cache_layer`): a forward pre-hook (the running call has passed its hooks already)."""
@@ -72,7 +73,16 @@ def watch_caches(module: nn.Module) -> None:
         module.__dict__[_CACHE_HOOK] = module.register_forward_pre_hook(_prepare_cache_layer, with_kwargs=True)
 
 
-def adopt_on_next_call(module: nn.Module, layer: CacheLayerMixin, keys: Tensor) -> None:
+class _PendingLayers(dict):
+    """{id(keys): (weakref(keys), the method's layer, the keys' padding mask)} of an attention module: the states
+    kept for caches that live elsewhere, which a copy or a pickle of the model does not carry."""
+
+    def __reduce__(self):
+        return (_PendingLayers, ())
+
+
+@torch.compiler.disable  # its entries change at every call: traced, each call's guards would compile anew
+def adopt_on_next_call(module: nn.Module, layer: CacheLayerMixin, keys: Tensor, mask: Tensor | None) -> None:
     """Hand ``layer`` (the method's own cache layer, holding the state of the keys this call of attention ``module``
     read) to the caller's cache: when a later call of the module gets a cache whose layer for it is the plain (or
     sliding-window) key/value layer that returned ``keys`` (B, H, L, D) to this call (what ``generate()`` builds by
@@ -81,13 +91,13 @@ def adopt_on_next_call(module: nn.Module, layer: CacheLayerMixin, keys: Tensor) 
     in between), and a copy of a key/value cache holding the same keys a copy of it (``copy.deepcopy`` of a
     prompt's cache); other caches (a ``PerformerCache``, a static cache) are left as they are. A layer is dropped
     with the keys it stands for (the caller's cache)."""
-    pending = module.__dict__.setdefault(_PENDING_LAYERS, {})  # {id(keys): (weakref(keys), layer)}
+    pending = module.__dict__.setdefault(_PENDING_LAYERS, _PendingLayers())
     key_id = id(keys)
 
     def forget(_, pending=pending, key_id=key_id) -> None:
         pending.pop(key_id, None)
 
-    pending[key_id] = (weakref.ref(keys, forget), layer)
+    pending[key_id] = (weakref.ref(keys, forget), layer, mask)
     watch_caches(module)
 
 
@@ -98,11 +108,11 @@ def _prepare_cache_layer(module: nn.Module, args, kwargs) -> None:
     cache = kwargs.get(CACHE_KEYWORD)
     if not isinstance(cache, Cache) or module.layer_idx >= len(cache.layers):
         return
-    _adopt_pending_layer(module, cache)
+    _adopt_pending_layer(module, cache, kwargs.get("attention_mask"))
     _keep_every_key(module, cache)
 
 
-def _adopt_pending_layer(module: nn.Module, cache: Cache) -> None:
+def _adopt_pending_layer(module: nn.Module, cache: Cache, mask: Tensor | None) -> None:
     pending = module.__dict__.get(_PENDING_LAYERS)
     current = cache.layers[module.layer_idx]
     # a sliding-window layer too (Mistral's config may name a window): the method, not the window, decides what the
@@ -111,20 +121,34 @@ def _adopt_pending_layer(module: nn.Module, cache: Cache) -> None:
     if not pending or not plain or getattr(current, "keys", None) is None:
         return
     held = current.keys  # the keys a plain layer returned; a sliding-window layer's, a view of their end
-    for key_id, (reference, layer) in list(pending.items()):
-        keys = reference()
-        if keys is None or layer.get_seq_length() != current.get_seq_length():
-            continue
+    entries = [(key_id, reference(), layer, kept) for key_id, (reference, layer, kept) in list(pending.items())]
+    entries = [
+        entry for entry in entries if entry[1] is not None and entry[2].get_seq_length() == current.get_seq_length()
+    ]
+    for key_id, keys, layer, _ in entries:
         if keys is held or keys is held._base:  # the cache that call filled
             del pending[key_id]
             cache.layers[module.layer_idx] = layer
             return
-        if held.shape[:-2] == keys.shape[:-2] and torch.equal(held, keys[..., keys.shape[-2] - held.shape[-2] :, :]):
+    for _, keys, layer, kept in entries:
+        same_keys = held.shape[:-2] == keys.shape[:-2] and torch.equal(
+            held, keys[..., keys.shape[-2] - held.shape[-2] :, :]
+        )
+        if same_keys and _same_padding(kept, mask, keys.shape[-2]):
             # a copy of that cache (transformers' prefix-cache recipe: copy.deepcopy of a prompt's cache per
             # question), holding the same keys (a sliding-window layer: the same last keys, of a sequence of the
-            # same length): a copy of the state, the state kept for the next copy
+            # same length) of tokens padded alike: a copy of the state, the state kept for the next copy
             cache.layers[module.layer_idx] = copy.deepcopy(layer)
             return
+
+
+def _same_padding(kept: Tensor | None, mask: Tensor | None, past: int) -> bool:
+    """Whether the padding mask ``kept`` (B, past) of a cached prompt (None: no padding) is that of the first
+    ``past`` keys of ``mask`` (B, past + new) of the call that continues it."""
+    if mask is None or mask.dim() != 2:
+        return kept is None or bool(kept.all())
+    earlier = mask[:, :past].bool()
+    return bool(earlier.all()) if kept is None else earlier.shape == kept.shape and torch.equal(earlier, kept.bool())
 
 
 def dropped_keys_refusal(layer_idx: int, kept: int, total: int, window: int) -> str:

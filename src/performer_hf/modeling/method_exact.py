@@ -76,7 +76,8 @@ def exact_is_enough(module: nn.Module, q: torch.Tensor, causal: bool, layer_cach
 
 
 # per padding mask (the model passes one tensor to every layer): its rows' real lengths and the span of their real
-# tokens, read once per forward rather than once per layer (on a GPU each read waits for the device)
+# tokens, read once per forward rather than once per layer (on a GPU each read waits for the device), with the
+# mask's version (a mask edited in place is read again)
 _ROW_SPANS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -115,14 +116,14 @@ def exact_or_approximate(
 
 def _row_spans(key_mask: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
     """The real tokens of each row of ``key_mask`` (B, L): their count, the first's and the last's index (-1 where
-    the row has none), read once per mask."""
-    spans = _ROW_SPANS.get(key_mask)
-    if spans is None:
+    the row has none), read once per mask and version."""
+    version, spans = _ROW_SPANS.get(key_mask, (None, None))
+    if version != key_mask._version:  # first read, or the mask was edited in place since
         length = key_mask.shape[1]
         real = key_mask.bool()
         counts = real.sum(dim=1)  # (B,)
         firsts = torch.where(counts > 0, real.int().argmax(dim=1), length)  # (B,)
         lasts = torch.where(counts > 0, length - 1 - real.flip(1).int().argmax(dim=1), -1)  # (B,)
         spans = tuple(torch.stack([counts, firsts, lasts]).tolist())
-        _ROW_SPANS[key_mask] = spans
+        _ROW_SPANS[key_mask] = (key_mask._version, spans)
     return spans

@@ -133,12 +133,14 @@ def sparse_attention(
     new_mask = key_padding_mask
     if new_mask is None:
         new_mask = torch.ones(B, k.shape[2], dtype=torch.bool, device=k.device)
+    # the state's buffers grow in place: not with tensors autograd tracks, nor while traced (no storages there)
+    tracked = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+    in_place = grow_in_place and not tracked and not torch.compiler.is_compiling()
     given = state is None
     if given:  # the keys are stored as given: positions 0 ... P + L - 1
         state = SparseState.empty(k, v, block)
         keys, values, key_mask = k, v, new_mask
     else:
-        in_place = grow_in_place and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
         keys = _append_rows(state.keys, k.to(state.keys.dtype), in_place)  # (B, Hkv, R, D): positions start...end-1
         values = _append_rows(state.values, v.to(state.values.dtype), in_place)
         key_mask = _append_rows(state.key_mask, new_mask, in_place)  # (B, R)
@@ -175,8 +177,8 @@ def sparse_attention(
         return context
     drop = pushed * block - start
     if drop or given:  # views of the caller's keys or of more rows than kept: the state takes its own
-        keys, values = _kept(keys[:, :, drop:], grow_in_place), _kept(values[:, :, drop:], grow_in_place)
-        key_mask, mass = _kept(key_mask[:, drop:], grow_in_place), _kept(mass[:, :, drop // block :], False)
+        keys, values = _kept(keys[:, :, drop:], in_place), _kept(values[:, :, drop:], in_place)
+        key_mask, mass = _kept(key_mask[:, drop:], in_place), _kept(mass[:, :, drop // block :], False)
     new_state = SparseState(
         keys,
         values,
@@ -233,6 +235,8 @@ def _kept(rows: Tensor, spare: bool) -> Tensor:
     """A tensor as a state keeps it: as it is when it is a view of a buffer of ours or holds its storage alone;
     else copied (into a buffer with spare rows when ``spare``), so that the state does not keep alive more than it
     reads (the caller's keys, rows dropped from the front)."""
+    if torch.compiler.is_compiling():  # traced: no storages to compare
+        return rows.clone(memory_format=torch.contiguous_format)
     if getattr(rows._base, "_sparse_rows_buffer", False) or rows.untyped_storage().nbytes() == rows.nbytes:
         return rows
     return _rows_buffer(rows) if spare else rows.clone(memory_format=torch.contiguous_format)
