@@ -618,3 +618,19 @@ def test_output_attentions_is_refused_above_its_length(tmp_path):
     model = _load(folder, "performer")
     with pytest.raises(ValueError, match="at most 1024 tokens.*this input has 1030"):
         model(_ids(1, 1030), output_attentions=True, use_cache=False)
+
+
+def test_a_forward_on_the_meta_device_leaves_no_empty_method_state(tmp_path):
+    """The method state lives beside the module: a forward on "meta" inputs (shape inference) moved it to "meta"
+    for good, and the model restored with to_empty and load_state_dict failed at every forward ("Cannot copy out
+    of meta tensor")."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, "performer_sparse", **SPARSE)
+    weights = copy.deepcopy(model.state_dict())
+    ids = _ids(1, 20)
+    with torch.no_grad():
+        model.to("meta")(ids.to("meta"))
+        model.to_empty(device="cpu").load_state_dict(weights)
+        model(ids, use_cache=False)
+    state = model.model.layers[0].self_attn.__dict__["_performer_method_state"]
+    assert state.projection.device.type == "cpu"

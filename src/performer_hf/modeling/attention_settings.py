@@ -158,7 +158,8 @@ def method_state(module: nn.Module, implementation: str, causal: bool, query: to
     num_heads, head_dim = query.shape[1], query.shape[-1]
     config = module.config
     state = module.__dict__.get(METHOD_STATE_ATTRIBUTE)
-    if state is None or not is_current(state, config, implementation, causal, num_heads, head_dim):
+    emptied = state is not None and state.projection.is_meta and not query.is_meta  # a forward on "meta" took it
+    if state is None or emptied or not is_current(state, config, implementation, causal, num_heads, head_dim):
         built = method_config(config, implementation, causal, num_heads, head_dim)
         with torch.device("cpu"):
             state = AttentionMethodState(built, module.layer_idx)
