@@ -363,6 +363,8 @@ def test_mlm_trains_redraws_on_schedule_and_saves(assets, tmp_path):
     assert (out / "tokenizer.json").is_file()
     card = (out / "README.md").read_text()
     assert "performer" in card and "nb_features" in card and "eval_loss" in card
+    # the batch one optimizer step trains on: per device x processes x accumulation
+    assert '"num_processes": 1' in card and '"total_train_batch_size": 8' in card
 
 
 def test_clm_trains_and_saves(assets, tmp_path):

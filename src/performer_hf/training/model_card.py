@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 
 from huggingface_hub import ModelCard, ModelCardData
@@ -37,6 +38,7 @@ SETUP_FIELDS = (
     "lr_scheduler_type",
     "num_warmup_steps",
     "per_device_train_batch_size",
+    "num_processes",
     "gradient_accumulation_steps",
     "max_grad_norm",
     "weight_decay",
@@ -132,6 +134,9 @@ def build_model_card(
     if performer:
         architecture["layer_norm_position"] = config.layer_norm_position
     setup = {key: args.get(key) for key in SETUP_FIELDS}
+    factors = [setup[key] for key in ("per_device_train_batch_size", "num_processes", "gradient_accumulation_steps")]
+    if all(isinstance(factor, int) for factor in factors):  # what one optimizer step trains on
+        setup["total_train_batch_size"] = math.prod(factors)
     setup["optimizer_steps"] = metrics.get("train_steps")
     rows = [
         f"| {name} | {value:.4g} |" if isinstance(value, float) else f"| {name} | {value} |"

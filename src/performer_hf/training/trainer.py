@@ -474,7 +474,7 @@ def _save_final(args, task: TrainingTask, accelerator: Accelerator, model, token
         args.model_name_or_path or args.convert_from,
         data_source,
         metrics,
-        _config_for_trackers(args),
+        {**_config_for_trackers(args), "num_processes": accelerator.num_processes},
         starting_folder=unwrapped.config._name_or_path or None,
     )
     write_model_card(args.output_dir, card)
