@@ -251,3 +251,9 @@ def test_a_mask_edited_in_place_is_read_again():
         reused = model(ids, attention_mask=mask).last_hidden_state[1, :12]
         alone = model(ids[1:, :12]).last_hidden_state[0]
     torch.testing.assert_close(reused, alone, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():  # an inference tensor has no version counter (sentence-transformers encodes so)
+        mask = mask.clone()
+        mask[1, 12:] = True
+        model(ids, attention_mask=mask)
+        mask[1, 12:] = False
+        torch.testing.assert_close(model(ids, attention_mask=mask).last_hidden_state[1, :12], alone)

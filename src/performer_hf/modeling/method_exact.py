@@ -117,13 +117,15 @@ def exact_or_approximate(
 def _row_spans(key_mask: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
     """The real tokens of each row of ``key_mask`` (B, L): their count, the first's and the last's index (-1 where
     the row has none), read once per mask and version."""
+    # an inference tensor has no version counter: read each time
+    current = None if key_mask.is_inference() else key_mask._version
     version, spans = _ROW_SPANS.get(key_mask, (None, None))
-    if version != key_mask._version:  # first read, or the mask was edited in place since
+    if current is None or version != current:  # first read, or the mask was edited in place since
         length = key_mask.shape[1]
         real = key_mask.bool()
         counts = real.sum(dim=1)  # (B,)
         firsts = torch.where(counts > 0, real.int().argmax(dim=1), length)  # (B,)
         lasts = torch.where(counts > 0, length - 1 - real.flip(1).int().argmax(dim=1), -1)  # (B,)
         spans = tuple(torch.stack([counts, firsts, lasts]).tolist())
-        _ROW_SPANS[key_mask] = (key_mask._version, spans)
+        _ROW_SPANS[key_mask] = (current, spans)
     return spans
