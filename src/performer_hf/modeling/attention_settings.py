@@ -163,29 +163,11 @@ def method_state(module: nn.Module, implementation: str, causal: bool, query: to
         built = method_config(config, implementation, causal, num_heads, head_dim)
         with torch.device("cpu"):
             state = AttentionMethodState(built, module.layer_idx)
-        if getattr(config, LEARNED_ATTRIBUTE, False):
-            learned = module._modules.get(LEARNED_SUBMODULE)
-            if learned is None:
-                tensors = _checkpoint_tensors(config, module.layer_idx)
-                if config._name_or_path not in _REPORTED_CHECKPOINTS:  # once per checkpoint, not per layer
-                    _REPORTED_CHECKPOINTS.add(config._name_or_path)
-                    logger.info(
-                        "read the trained Performer attention tensors from %s (transformers' load report lists them "
-                        "as unexpected keys: the model class does not declare them)",
-                        config._name_or_path,
-                    )
-            else:
-                tensors = learned.state_dict()
-            if _fits(state, tensors):
-                if learned is None:
-                    _check_same_checkpoint(config)
-                state.load_state_dict(tensors)
-                module.add_module(LEARNED_SUBMODULE, state)  # so that save_pretrained keeps the learned tensors
-            elif module.layer_idx == 0:  # once per model, not per layer
+        if getattr(config, LEARNED_ATTRIBUTE, False) and not _take_learned_tensors(module, state):
+            if module.layer_idx == 0:  # once per model, not per layer
                 logger.warning(
-                    "this model's trained attention tensors (%s) are another method's than the %r it runs now "
+                    "this model's trained attention tensors are another method's than the %r it runs now "
                     "(attn_implementation=%r): it runs that method's own preset without them",
-                    ", ".join(sorted(tensors)),
                     built.attention_method,
                     implementation,
                 )
@@ -218,12 +200,34 @@ def attach_learned_attention(model: nn.Module, read: bool) -> None:
         with torch.device("cpu"):
             state = AttentionMethodState(method_config(config, implementation, True, *head_shape(config)), layer_idx)
         if read:
-            tensors = _checkpoint_tensors(config, layer_idx)
-            if not _fits(state, tensors):
-                continue
-            _check_same_checkpoint(config)
-            state.load_state_dict(tensors)
-        module.add_module(LEARNED_SUBMODULE, state)
+            _take_learned_tensors(module, state)
+        else:
+            module.add_module(LEARNED_SUBMODULE, state)
+
+
+def _take_learned_tensors(module: nn.Module, state: AttentionMethodState) -> bool:
+    """Load ``state`` with ``module``'s trained tensors (its ``performer_attention`` submodule's, else those of the
+    checkpoint it was loaded from) and make it that submodule, so that ``save_pretrained`` keeps them. False, with
+    ``state`` untouched, where they are another method's."""
+    config, learned = module.config, module._modules.get(LEARNED_SUBMODULE)
+    if learned is not None:
+        tensors = learned.state_dict()
+    else:
+        tensors = _checkpoint_tensors(config, module.layer_idx)
+        if config._name_or_path not in _REPORTED_CHECKPOINTS:  # once per checkpoint, not per layer
+            _REPORTED_CHECKPOINTS.add(config._name_or_path)
+            logger.info(
+                "read the trained Performer attention tensors from %s (transformers' load report lists them as "
+                "unexpected keys: the model class does not declare them)",
+                config._name_or_path,
+            )
+    if not _fits(state, tensors):
+        return False
+    if learned is None:
+        _check_same_checkpoint(config)
+    state.load_state_dict(tensors)
+    module.add_module(LEARNED_SUBMODULE, state)
+    return True
 
 
 def _fits(state: AttentionMethodState, tensors: dict[str, torch.Tensor]) -> bool:

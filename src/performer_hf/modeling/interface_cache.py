@@ -65,12 +65,16 @@ _PENDING_LAYERS = "_performer_pending_cache_layers"  # module attributes: the la
 _CACHE_HOOK = "_performer_cache_hook"
 
 
-@torch.compiler.disable
 def watch_caches(module: nn.Module) -> None:
     """From its next call on, prepare the caller's cache layer before Performer attention ``module`` runs
     (:func:`_prepare_cache_layer`): a forward pre-hook (the running call has passed its hooks already)."""
     if _CACHE_HOOK not in module.__dict__:
-        module.__dict__[_CACHE_HOOK] = module.register_forward_pre_hook(_prepare_cache_layer, with_kwargs=True)
+        _register_cache_hook(module)
+
+
+@torch.compiler.disable  # once per module: not traced (a hook's handle is no graph value)
+def _register_cache_hook(module: nn.Module) -> None:
+    module.__dict__[_CACHE_HOOK] = module.register_forward_pre_hook(_prepare_cache_layer, with_kwargs=True)
 
 
 class _PendingLayers(dict):

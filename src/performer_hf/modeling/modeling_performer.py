@@ -201,17 +201,16 @@ class PerformerModel(PerformerPreTrainedModel):
         cache = _cache_argument(cache, past_key_values, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        if input_ids is not None and input_ids.dim() != 2 or inputs_embeds is not None and inputs_embeds.dim() != 3:
-            given = ("input_ids", input_ids) if input_ids is not None else ("inputs_embeds", inputs_embeds)
+        name, given = ("input_ids", input_ids) if input_ids is not None else ("inputs_embeds", inputs_embeds)
+        if given.dim() != (2 if input_ids is not None else 3):
             raise ValueError(
-                f"{given[0]} must be a batch: (batch, length){'' if input_ids is not None else ' x hidden'}, got shape "
-                f"{tuple(given[1].shape)} (one sequence: unsqueeze(0))."
+                f"{name} must be a batch: (batch, length){'' if input_ids is not None else ' x hidden'}, got shape "
+                f"{tuple(given.shape)} (one sequence: unsqueeze(0))."
             )
-        given_shape = (input_ids if input_ids is not None else inputs_embeds).shape
-        if 0 in given_shape[:2]:
+        batch, length = given.shape[:2]
+        if not batch or not length:
             raise ValueError(
-                f"{'input_ids' if input_ids is not None else 'inputs_embeds'} of shape {tuple(given_shape)} hold no "
-                "token: pass at least one sequence of at least one token."
+                f"{name} of shape {tuple(given.shape)} hold no token: pass at least one sequence of at least one token."
             )
         if token_type_ids is not None and not self.config.type_vocab_size:
             raise ValueError(
@@ -240,9 +239,7 @@ class PerformerModel(PerformerPreTrainedModel):
             self._check_cache(cache)
         past_length = cache.get_seq_length() if cache is not None else 0
 
-        length = given_shape[1]
         key_mask = None if attention_mask is None else attention_mask.to(torch.bool)  # (B, P + L)
-        batch = given_shape[0]
         if key_mask is not None and tuple(key_mask.shape) != (batch, past_length + length):
             raise ValueError(
                 f"attention_mask must be 2D (batch, past + new tokens) = ({batch}, {past_length + length}) with 1 for "

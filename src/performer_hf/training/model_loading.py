@@ -128,7 +128,7 @@ def load_model(
                 **{**overrides, **config_kwargs},
                 **load_options,
             )
-            _check_only_the_head_is_new(model, loading, args)
+            _check_only_the_head_is_new(model, loading)
         except OSError as error:
             raise TrainingInputError(f"Could not load a model from {args.model_name_or_path!r}: {error}") from error
         except (ValueError, TypeError, RuntimeError, StrictDataclassError) as error:  # what the overrides ask for
@@ -170,7 +170,7 @@ def load_model(
     return model
 
 
-def _check_only_the_head_is_new(model: PreTrainedModel, loading: dict, args: argparse.Namespace) -> None:
+def _check_only_the_head_is_new(model: PreTrainedModel, loading: dict) -> None:
     """Refuse a checkpoint whose pretrained weights (not only the task head's) changed shape and would be drawn
     anew: ``ignore_mismatched_sizes`` serves a classifier with another number of labels, and applied to the whole
     model it replaced the position table or the projections that ``--config_overrides`` resized."""
