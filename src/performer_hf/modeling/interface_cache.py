@@ -72,9 +72,10 @@ def watch_caches(module: nn.Module) -> None:
         _register_cache_hook(module)
 
 
-@torch.compiler.disable  # once per module: not traced (a hook's handle is no graph value)
+@torch.compiler.disable  # once per module: not traced
 def _register_cache_hook(module: nn.Module) -> None:
-    module.__dict__[_CACHE_HOOK] = module.register_forward_pre_hook(_prepare_cache_layer, with_kwargs=True)
+    module.register_forward_pre_hook(_prepare_cache_layer, with_kwargs=True)
+    module.__dict__[_CACHE_HOOK] = True  # a plain flag, which tracing reads without a graph break (a handle breaks)
 
 
 class _PendingLayers(dict):
