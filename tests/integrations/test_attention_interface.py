@@ -180,7 +180,11 @@ def test_sparse_keeps_grouped_keys_and_a_budget_bounds_its_cache(arch, tmp_path)
 OWN_STATE = {
     "favor": ("performer", {}, "FavorCacheLayer"),
     "hybrid": ("performer_hybrid", {"local_window": 8}, "HybridCacheLayer"),
-    "sparse, window ranking": ("performer_sparse", {**SPARSE, "select_budget": 3}, "SparseCacheLayer"),
+    "sparse, window ranking": (
+        "performer_sparse",
+        {**SPARSE, "select_budget": 3, "select_ranking": "window"},
+        "SparseCacheLayer",
+    ),
     "sparse, latest ranking": (
         "performer_sparse",
         {**SPARSE, "select_budget": 3, "select_ranking": "latest"},
@@ -264,6 +268,55 @@ def test_copies_of_a_prompts_cache_each_decode_from_the_methods_state(method, tm
     with pytest.raises(ValueError, match=f"the {layer_class} holds a decoding state .* cropped from 49 back to 45"):
         given[CACHE_KEYWORD].crop(45)
     given[CACHE_KEYWORD].crop(49)  # nothing to give back: a no-op
+
+
+@pytest.mark.parametrize("method", OWN_STATE)
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_beam_search_decodes_from_the_methods_state(arch, method, tmp_path):
+    """Beam search reorders the cache between the prompt and the first token (a reordered copy of every key): the
+    state kept for the freed keys went nowhere, so bounded sparse decoding was refused and FAVOR+ and the hybrid ran
+    over every cached key at each step (114-190x the source's step at 4K tokens); a fresh Mistral's sliding-window
+    layers were refused. The state now follows the keys' rows: beam search decodes as with a PerformerCache, at the
+    model's first call and later ones, and, where cached decoding is a full forward's, as without a cache."""
+    config = DECODERS[arch]
+    if arch == "mistral":  # a window shorter than the prompt: its cache layers drop keys
+        config = transformers.MistralConfig(**{**config.to_dict(), "sliding_window": 6})
+    _, folder = _source(config, tmp_path)
+    implementation, settings, layer_class = OWN_STATE[method]
+    model = _load(folder, implementation, **settings)
+    prompt = _ids(2, 30)
+    options = dict(max_new_tokens=6, num_beams=3, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    for call in ("first", "later"):
+        plain = model.generate(prompt, **options)
+        given = model.generate(prompt, **options, **{CACHE_KEYWORD: PerformerCache(model.config)})
+        assert torch.equal(plain.sequences, given.sequences), call
+        torch.testing.assert_close(plain.sequences_scores, given.sequences_scores, rtol=0, atol=0)
+        assert {type(layer).__name__ for layer in plain[CACHE_KEYWORD].layers} == {layer_class}
+    if method != "sparse, latest ranking":  # whose decoding reads only what the prompt's end chose
+        uncached = model.generate(prompt, **options, use_cache=False)
+        assert torch.equal(plain.sequences, uncached.sequences)
+        torch.testing.assert_close(plain.sequences_scores, uncached.sequences_scores, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_key_digests_find_each_rows_keys_and_nothing_else(dtype):
+    """The rows of a reordered copy of some keys (beam search's) are matched to the rows holding the same keys, in
+    any batch; keys that differ in one value of one position, or hold other positions, are not."""
+    from performer_hf.modeling.interface_cache import _key_digests, _matching_rows
+
+    keys = torch.randn(4, 3, 37, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    keys[2] = keys[0]  # two rows alike (a prompt expanded to beams)
+    digests = _key_digests(keys, {37, 5})
+    order = torch.tensor([3, 1, 1, 2, 0])
+    rows = _matching_rows(keys.index_select(0, order), digests)
+    assert torch.equal(keys[rows], keys[order])
+    tail = keys[..., -5:, :].clone()  # what a sliding-window layer keeps
+    assert torch.equal(keys[_matching_rows(tail, digests), :, -5:], tail)
+    changed = keys.clone()
+    changed[1, 2, 20, 7] = changed[1, 2, 20, 7] * 1.5 + 1
+    assert _matching_rows(changed, digests) is None
+    assert _matching_rows(keys[..., 1:, :], digests) is None  # 36 positions: not a tail that was digested
+    assert _matching_rows(keys.flip(2), digests) is None  # the same keys at other positions
 
 
 def test_a_reset_favor_cache_serves_another_batch_size(tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from typing import NamedTuple
 
 import torch
 import transformers
@@ -78,9 +79,22 @@ def _register_cache_hook(module: nn.Module) -> None:
     module.__dict__[_CACHE_HOOK] = True  # a plain flag, which tracing reads without a graph break (a handle breaks)
 
 
+class _Pending(NamedTuple):
+    """A state kept for a cache that lives elsewhere: the method's layer, the padding mask (B, L) of the keys it read
+    (None: no padding), and their digests by tail length (:func:`_key_digests`)."""
+
+    layer: CacheLayerMixin
+    mask: Tensor | None
+    digests: dict[int, Tensor]
+
+
 class _PendingLayers(dict):
-    """{id(keys): (weakref(keys), the method's layer, the keys' padding mask)} of an attention module: the states
-    kept for caches that live elsewhere, which a copy or a pickle of the model does not carry."""
+    """{id(keys): (weakref(keys), :class:`_Pending`)} of an attention module: the states kept for caches that live
+    elsewhere, which a copy or a pickle of the model does not carry; and ``orphan``, the last one whose keys were
+    freed, until the module's next call (beam search's ``reorder_cache`` replaces a cache's keys by a reordered copy
+    before the first decoding step)."""
+
+    orphan: _Pending | None = None
 
     def __reduce__(self):
         return (_PendingLayers, ())
@@ -95,14 +109,22 @@ def adopt_on_next_call(module: nn.Module, layer: CacheLayerMixin, keys: Tensor, 
     sequence's cache gets its own state (a second prompt prefilled before the first is continued, a batch scored
     in between), and a copy of a key/value cache holding the same keys a copy of it (``copy.deepcopy`` of a
     prompt's cache); other caches (a ``PerformerCache``, a static cache) are left as they are. A layer is dropped
-    with the keys it stands for (the caller's cache)."""
+    with the keys it stands for (the caller's cache), or, when the cache lives on with other keys, goes to the
+    module's next call, whose cache takes it if its keys are rows of the freed ones (beam search reorders the cache
+    between the prompt and the first token; :func:`_key_digests` recognizes the rows): the state's rows follow."""
     pending = module.__dict__.setdefault(_PENDING_LAYERS, _PendingLayers())
     key_id = id(keys)
 
     def forget(_, pending=pending, key_id=key_id) -> None:
-        pending.pop(key_id, None)
+        entry = pending.pop(key_id, None)
+        if entry is not None:
+            pending.orphan = entry[1]
 
-    pending[key_id] = (weakref.ref(keys, forget), layer, mask)
+    tails = {keys.shape[-2]}
+    window = getattr(module.config, "sliding_window", None)
+    if isinstance(window, int) and 1 < window <= keys.shape[-2]:
+        tails.add(window - 1)  # what a sliding-window key/value layer keeps of them
+    pending[key_id] = (weakref.ref(keys, forget), _Pending(layer, mask, _key_digests(keys, tails)))
     watch_caches(module)
 
 
@@ -110,41 +132,114 @@ def _prepare_cache_layer(module: nn.Module, args, kwargs) -> None:
     """Before a call of Performer attention ``module`` with a cache: the method's state in the place of the key/value
     layer it stands for (:func:`adopt_on_next_call`), and a sliding-window key/value layer made one that keeps
     every key (:func:`_keep_every_key`)."""
+    pending = module.__dict__.get(_PENDING_LAYERS)
+    orphan = None
+    if pending is not None:  # the freed keys' state goes to this call at most
+        orphan, pending.orphan = pending.orphan, None
     cache = kwargs.get(CACHE_KEYWORD)
     if not isinstance(cache, Cache) or module.layer_idx >= len(cache.layers):
         return
-    _adopt_pending_layer(module, cache, kwargs.get("attention_mask"))
+    if pending is not None:
+        _adopt_pending_layer(module, pending, orphan, cache, kwargs.get("attention_mask"))
     _keep_every_key(module, cache)
 
 
-def _adopt_pending_layer(module: nn.Module, cache: Cache, mask: Tensor | None) -> None:
-    pending = module.__dict__.get(_PENDING_LAYERS)
+def _adopt_pending_layer(
+    module: nn.Module, pending: _PendingLayers, orphan: _Pending | None, cache: Cache, mask: Tensor | None
+) -> None:
     current = cache.layers[module.layer_idx]
     # a sliding-window layer too (Mistral's config may name a window): the method, not the window, decides what the
     # layer reads
     plain = type(current) in (DynamicLayer, DynamicSlidingWindowLayer)
-    if not pending or not plain or getattr(current, "keys", None) is None:
+    if not plain or getattr(current, "keys", None) is None:
         return
     held = current.keys  # the keys a plain layer returned; a sliding-window layer's, a view of their end
-    entries = [(key_id, reference(), layer, kept) for key_id, (reference, layer, kept) in list(pending.items())]
-    entries = [
-        entry for entry in entries if entry[1] is not None and entry[2].get_seq_length() == current.get_seq_length()
-    ]
-    for key_id, keys, layer, _ in entries:
+    length = current.get_seq_length()
+    entries = [(key_id, reference(), kept) for key_id, (reference, kept) in list(pending.items())]
+    entries = [entry for entry in entries if entry[1] is not None and entry[2].layer.get_seq_length() == length]
+    for key_id, keys, kept in entries:
         if keys is held or keys is held._base:  # the cache that call filled
             del pending[key_id]
-            cache.layers[module.layer_idx] = layer
+            cache.layers[module.layer_idx] = kept.layer
             return
-    for _, keys, layer, kept in entries:
+    for _, keys, kept in entries:
         same_keys = held.shape[:-2] == keys.shape[:-2] and torch.equal(
             held, keys[..., keys.shape[-2] - held.shape[-2] :, :]
         )
-        if same_keys and _same_padding(kept, mask, keys.shape[-2]):
+        if same_keys and _same_padding(kept.mask, mask, keys.shape[-2]):
             # a copy of that cache (transformers' prefix-cache recipe: copy.deepcopy of a prompt's cache per
             # question), holding the same keys (a sliding-window layer: the same last keys, of a sequence of the
             # same length) of tokens padded alike: a copy of the state, the state kept for the next copy
-            cache.layers[module.layer_idx] = copy.deepcopy(layer)
+            cache.layers[module.layer_idx] = copy.deepcopy(kept.layer)
             return
+    if orphan is not None and orphan.layer.get_seq_length() == length:
+        rows = _matching_rows(held, orphan.digests)
+        kept_mask = None if orphan.mask is None or rows is None else orphan.mask[rows.to(orphan.mask.device)]
+        if rows is not None and _same_padding(kept_mask, mask, length):
+            # the cache whose keys were freed, reordered (beam search): the state's rows as the keys' rows
+            orphan.layer.batch_select_indices(rows)
+            cache.layers[module.layer_idx] = orphan.layer
+
+
+_MODULUS = 2_147_483_647  # a prime below 2**31: the digests' products stay below 2**62, exact in int64
+_HEAD_DIM_CHUNK = 256  # the bits (< 2**31) times weights < 2**23, summed over as many dimensions: below 2**63
+_POSITION_CHUNK = 2048  # positions digested at once (bounds the int64 copies of the bits)
+
+
+def _key_digests(keys: Tensor, tails) -> dict[int, Tensor]:
+    """Two digests of the bits of each row's last ``n`` keys of ``keys`` (B, H, L, D), for each ``n`` of
+    ``tails``: {n: (B, 2) int64}. Integer arithmetic modulo a prime, so equal keys give equal digests whatever the
+    batch around them or the order of the sums; other keys, the same ones with probability about 2**-62."""
+    terms = torch.cat([_position_terms(chunk) for chunk in keys.detach().split(_POSITION_CHUNK, dim=2)], dim=1)
+    return {n: _digest(terms[:, terms.shape[1] - n :]) for n in tails}  # terms: (B, L, 2)
+
+
+def _matching_rows(held: Tensor, digests: dict[int, Tensor]) -> Tensor | None:
+    """For each row of ``held`` (B', H, n, D), the row of the keys that ``digests`` (:func:`_key_digests`) stand for
+    that holds the same keys, (B',) int64; None when some row has none."""
+    n = held.shape[-2]
+    if n not in digests:
+        return None
+    ours = _digest(torch.cat([_position_terms(chunk) for chunk in held.detach().split(_POSITION_CHUNK, dim=2)], 1))
+    same = (ours[:, None, :] == digests[n].to(ours.device)[None]).all(dim=-1)  # (B', B)
+    if not bool(same.any(dim=1).all()):
+        return None
+    return same.to(torch.int8).argmax(dim=1)
+
+
+def _position_terms(keys: Tensor) -> Tensor:
+    """(B, L, 2) int64 in [0, P): two digests of each position's keys (B, H, L, D) over its heads, from their bits."""
+    B, H, L, D = keys.shape
+    integer = {2: torch.int16, 4: torch.int32, 8: torch.int64}[keys.element_size()]
+    bits = keys.view(integer).to(torch.int64)  # (B, H, L, D), |bits| < 2**31 for 2- and 4-byte keys
+    if keys.element_size() == 8:
+        bits = bits.remainder(_MODULUS)
+    weights = _weights((2, H, 1, D + 1), keys.device)  # per head: per dimension, then the head's (the last)
+    terms = []
+    for per_dimension, per_head in zip(weights[..., :D], weights[..., D], strict=True):  # (H, 1, D), (H, 1)
+        heads = sum(  # (B, H, L): over the dimensions, a chunk at a time
+            (part * weight).sum(dim=-1).remainder(_MODULUS)
+            for part, weight in zip(
+                bits.split(_HEAD_DIM_CHUNK, -1), per_dimension.split(_HEAD_DIM_CHUNK, -1), strict=True
+            )
+        )
+        mixed = (heads.remainder(_MODULUS) * per_head).remainder(_MODULUS)
+        terms.append(mixed.sum(dim=1).remainder(_MODULUS))  # (B, L)
+    return torch.stack(terms, dim=-1)
+
+
+def _digest(terms: Tensor) -> Tensor:
+    """(B, n, 2) position terms -> (B, 2): each weighted by its distance from the last position, summed mod P."""
+    n = terms.shape[1]
+    from_end = torch.arange(n - 1, -1, -1, device=terms.device, dtype=torch.int64)[:, None]  # (n, 1)
+    position_weights = (from_end * torch.tensor([1_000_003, 998_244_353], device=terms.device) + 12_345) % _MODULUS
+    return (terms * position_weights).remainder(_MODULUS).sum(dim=1).remainder(_MODULUS)
+
+
+def _weights(shape, device) -> Tensor:
+    """Fixed pseudo-random weights in [1, 2**23), the same at every call."""
+    generator = torch.Generator().manual_seed(20261130)
+    return torch.randint(1, 2**23, shape, generator=generator, dtype=torch.int64).to(device)
 
 
 def _same_padding(kept: Tensor | None, mask: Tensor | None, past: int) -> bool:
