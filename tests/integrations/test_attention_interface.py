@@ -517,6 +517,20 @@ def test_settings_that_are_not_a_dict_are_refused(tmp_path):
         model(_ids(1, 8))
 
 
+def test_favor_settings_with_the_hybrids_fields_are_refused_not_run_as_the_hybrid(tmp_path):
+    """attn_implementation='performer' with performer_attention={'local_window': 5}: the first call ran the hybrid
+    in layer 0 (its fields selected it) and FAVOR+ in layer 1 (the hybrid's settings, recorded meanwhile, gave way to
+    the name's preset), the second FAVOR+ throughout (|diff| 5.4e-3 between the two calls). Refused in one line."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, "performer", local_window=5)
+    with pytest.raises(ValueError, match="local_window is not read by .* attn_implementation='performer_hybrid'"):
+        model(_ids(1, 20))
+    exact = _load(folder, "performer", attention_kernel="exact")  # exact attention, under any name
+    with torch.no_grad():
+        exact(_ids(1, 20))
+    assert exact.config.performer_attention["attention_method"] == "exact"
+
+
 # every architecture, and a Mistral whose sliding_window is shorter than the input (exact mode attends within it, as
 # the source does, so that the converter's parity check holds past the window)
 EXACT_CASES = {

@@ -105,6 +105,16 @@ def test_fields_the_architecture_fixes_are_refused_before_anything_is_written(tm
     assert [p.name for p in tmp_path.iterdir()] == ["source"]
 
 
+@pytest.mark.parametrize("field", [{"local_window": 5}, {"far_field_gain": 0.5}])
+def test_a_favor_conversion_given_the_hybrids_fields_is_refused_with_the_fix(field, tmp_path):
+    """convert(method='favor', local_window=5) wrote the FAVOR+ preset without the window, and the model ran the
+    hybrid in its first layer and FAVOR+ after it at its first call (FAVOR+ everywhere from its second)."""
+    _save_source("LlamaForCausalLM", tmp_path / "source")
+    with pytest.raises(ConversionError, match=f"{next(iter(field))} is not read by .* convert with method='hybrid'"):
+        performer_hf.convert(tmp_path / "source", tmp_path / "out", method="favor", fidelity=False, **field)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_tokenizer_of_vocabulary_and_merges_files_is_copied_whole(tmp_path):
     """A byte-level BPE tokenizer saved as vocab.json + merges.txt (no tokenizer.json, as older Qwen2 and GPT-2
     folders ship it) reaches the converted folder whole: it encodes text as the source's does."""

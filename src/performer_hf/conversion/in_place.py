@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from ..modeling.attention_settings import (
     ATTENTION_FIELDS,
     CONFIG_ATTRIBUTE,
     IMPLEMENTATION_OF_METHOD,
+    METHOD_OF_IMPLEMENTATION,
     head_shape,
     method_config,
 )
@@ -117,7 +119,12 @@ def _attention_settings(folder: Path, implementation: str, overrides: dict[str, 
     try:
         method_config(config, implementation, True, *head_shape(config))
     except (ValueError, TypeError, StrictDataclassError) as error:  # strict validation wraps the ValueError
-        raise ConversionError(f"invalid attention settings: {one_line(error.__cause__ or error)}") from None
+        reason = re.sub(  # the converter's method names the method
+            r"load the model with attn_implementation='(\w+)'",
+            lambda match: f"convert with method={METHOD_OF_IMPLEMENTATION.get(match[1])!r}",
+            one_line(error.__cause__ or error),
+        )
+        raise ConversionError(f"invalid attention settings: {reason}") from None
     return overrides
 
 

@@ -22,9 +22,10 @@ import re
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 
-from .attention_methods import ATTENTION_FIELDS, ATTENTION_METHODS, infer_method, preset_under
+from .attention_methods import ATTENTION_FIELDS, ATTENTION_METHODS, preset_under
 from .configuration_performer import PerformerConfig
 from .layers_performer import AttentionMethodState
 
@@ -38,7 +39,7 @@ _DEFAULTS = {name: getattr(PerformerConfig(), name) for name in ATTENTION_FIELDS
 # FAVOR+ (PerformerConfig's defaults). "performer_hybrid": the converter's hybrid presets, except that causal
 # models get no exact prefix (exact_max_length=0), so that their decoding state is constant from the first
 # token, and FAVOR++'s A is 0 (plain positive features) with zero centres until calibrated. Settings that do
-# not name their attention_method take the one their fields select (attention_methods.infer_method).
+# not name their attention_method take the name's.
 # "performer_sparse": the sparse method (causal only), whose decoding state stays per key/value head.
 IMPLEMENTATIONS: dict[str, dict[str, dict[str, Any]]] = {
     "performer": ATTENTION_METHODS["favor"].presets,
@@ -91,11 +92,13 @@ def resolved_settings(config, implementation: str, causal: bool) -> dict[str, An
             "bidirectionally. Use attn_implementation='performer_hybrid' for encoders."
         )
     preset = preset_under(IMPLEMENTATIONS[implementation][direction], given)
-    # every field explicit, so that a later release's defaults cannot change a saved model; settings saved before
-    # attention_method existed keep the method their fields selected
+    # every field explicit, so that a later release's defaults cannot change a saved model
     settings = {**_DEFAULTS, **preset, **given}
     if "attention_method" not in given and "attention_method" not in preset:
-        settings["attention_method"] = infer_method(settings)
+        # the implementation's method (or exact attention, under any name): fields it does not read are refused
+        # with the fix (PerformerConfig), not read as another method's
+        exact = settings.get("attention_kernel") == "exact"
+        settings["attention_method"] = "exact" if exact else METHOD_OF_IMPLEMENTATION[implementation]
     if given != settings:
         setattr(config, CONFIG_ATTRIBUTE, settings)
     if getattr(config, "attn_implementation", None) != implementation:
@@ -121,14 +124,23 @@ def method_config(config, implementation: str, causal: bool, num_heads: int, hea
     """A ``PerformerConfig`` that carries only the attention method for a model with these head shapes (its
     validation checks the settings)."""
     settings = resolved_settings(config, implementation, causal)
-    return PerformerConfig(
-        hidden_size=num_heads * head_dim,
-        num_attention_heads=num_heads,
-        num_hidden_layers=config.get_text_config().num_hidden_layers,
-        is_decoder=causal,
-        attention_probs_dropout_prob=0.0,
-        **settings,
-    )
+    try:
+        return PerformerConfig(
+            hidden_size=num_heads * head_dim,
+            num_attention_heads=num_heads,
+            num_hidden_layers=config.get_text_config().num_hidden_layers,
+            is_decoder=causal,
+            attention_probs_dropout_prob=0.0,
+            **settings,
+        )
+    except (ValueError, StrictDataclassError) as error:  # the validation's own reason, without its traceback
+        # here the attn_implementation names the method, not a field
+        reason = re.sub(
+            r"set attention_method='(\w+)'",
+            lambda match: f"load the model with attn_implementation={IMPLEMENTATION_OF_METHOD.get(match[1])!r}",
+            str(error.__cause__ or error),
+        )
+        raise ValueError(f"config.{CONFIG_ATTRIBUTE} under attn_implementation={implementation!r}: {reason}") from None
 
 
 def is_current(
