@@ -118,6 +118,34 @@ def test_one_decoding_step_matches_the_reference_and_the_block_walk(spec):
         torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("spec", KEEP_ALL.values(), ids=KEEP_ALL)
+def test_a_decoding_step_reads_strided_queries(spec):
+    """GPT-2's queries are a strided view of its fused projection: the compiled float32 step refused a batch of two
+    ("takes a contiguous float32 q") in generate() with select_budget=0."""
+    q, k, v, _ = (t.float() for t in _inputs())
+    mask = torch.arange(70)[None] >= torch.tensor([[0], [11]])
+    fused = torch.cat([q, q], dim=-1)  # (B, H, L, 2D): q is every other block of columns of it
+    strided = fused[:, :, -1:, : q.shape[-1]]
+    assert not strided.reshape(2, 2, 2, -1).is_contiguous()
+    expected = reference_sparse(q.double(), k.double(), v.double(), spec, mask)[:, :, -1:]
+    torch.testing.assert_close(sparse_attention(strided, k, v, spec, mask).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_window_ranking_counts_the_attention_of_real_queries_only():
+    """A left-padded row's pads see only themselves: each padding block received a block's worth of attention and
+    won places in a bounded pool ranked by the window (2 of 3 in this row, |diff| 4.10 to the row alone). Padded by
+    whole blocks, without global tokens (which go by position), the row now equals itself alone."""
+    spec = SparseSpec(local_window=4, num_global_tokens=0, block_size=4, select_blocks=2, budget=3, ranking="window")
+    q, k, v, _ = _inputs(batch=1, heads=2, kv_heads=1, length=80, dim=16)
+    pads = 24
+    padded = [torch.cat([torch.randn_like(t[:, :, :pads]), t], dim=2) for t in (q, k, v)]
+    mask = torch.arange(80 + pads)[None] >= pads
+    alone, alone_state = sparse_attention(q, k, v, spec, return_state=True)
+    context, state = sparse_attention(*padded, spec, mask, return_state=True)
+    torch.testing.assert_close(context[:, :, pads:], alone)
+    assert bool(state.pool_mask.any(dim=-1).all()) and torch.equal(state.pool_keys, alone_state.pool_keys)
+
+
 LATEST = SparseSpec(local_window=8, num_global_tokens=2, block_size=4, select_blocks=2, budget=3, ranking="latest")
 LATEST_KEEP_ALL = SparseSpec(local_window=8, num_global_tokens=2, block_size=4, select_blocks=2)
 

@@ -371,8 +371,9 @@ class _BlockWalk:
             (keys[:, :, window_lo:window_hi], values[:, :, window_lo:window_hi], window_visible[:, None]),
         ]
         context, window_probs, chosen, lse = _attend(queries, parts, candidates, spec)
-        if self.by_window:  # the attention the window's keys received, for the pool's ranking
-            received = window_probs.sum(dim=(2, 3))  # (B, Hkv, Kw)
+        if self.by_window:  # the attention the window's keys received from real queries, for the pool's ranking
+            real = key_mask[:, q_lo - start : q_hi - start, None].to(window_probs.dtype)  # (B, nq, 1): a pad's own
+            received = (window_probs * real[:, None, None]).sum(dim=(2, 3))  # (B, Hkv, Kw)
             ids = torch.arange(window_lo, window_hi, device=keys.device) // block
             self.mass.index_add_(2, ids, received.to(self.mass.dtype))
         return context.flatten(1, 2), chosen, lse  # (B, H, nq, Dv), (B, Hkv, nq, N), (B, Hkv, G, nq)
@@ -397,7 +398,8 @@ def _decode_step(q: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | Non
         runs = [_run(keys, values, key_mask, lo, hi) for lo, hi in ((0, outside), (0, window_lo), (window_lo, T))]
         geometry = [block, spec.select_blocks, spec.num_global_tokens]  # global tokens are not selectable
         runs = [t for run in runs for t in run]
-        context = kernels.sparse_decode_step(q.reshape(B, Hkv, G, D), runs, geometry, torch.empty(0))  # no scores
+        queries = q.reshape(B, Hkv, G, D).contiguous()  # a view of a fused projection's (GPT-2's) may be strided
+        context = kernels.sparse_decode_step(queries, runs, geometry, torch.empty(0))  # no scores
         return context.view(B, H, 1, Dv)
     logits = q.view(B, Hkv, G, D) @ keys.transpose(-1, -2) * D**-0.5  # (B, Hkv, G, T)
     if key_mask is not None:
