@@ -42,6 +42,8 @@ def reference_sparse(q, k, v, spec, key_mask=None):
                     logits = (k[b, h] @ q[b, head, p]) * D**-0.5
                     probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
                     out[b, head, p] = probs @ v[b, h]
+                    if not real[b, p]:  # a pad's attention (to itself) ranks nothing
+                        continue
                     window = probs[window_start : p + 1]
                     for offset, prob in enumerate(window):
                         mass[b, h, (window_start + offset) // block] += prob
