@@ -236,6 +236,23 @@ def test_sharded_safetensors_checkpoint(sources, tmp_path):
     torch.testing.assert_close(outputs(model, batch)[mask], outputs(source, batch)[mask], atol=1e-4, rtol=0)
 
 
+def test_a_gpt2_keeps_its_generation_config(sources, tmp_path):
+    """The source's generation_config.json (its decoding defaults) was rebuilt from the model config: in exact mode,
+    with equal logits, generate() with no arguments repeated one token where the source did not."""
+    _, source = sources["gpt2-lm"]
+    source = copy.deepcopy(source)
+    source.generation_config = transformers.GenerationConfig(
+        max_new_tokens=12, no_repeat_ngram_size=2, repetition_penalty=1.3, pad_token_id=0, bos_token_id=0
+    )
+    source.save_pretrained(tmp_path / "source")
+    out = convert(tmp_path / "source", tmp_path / "out", attention_kernel="exact", fidelity=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    for name in ("max_new_tokens", "no_repeat_ngram_size", "repetition_penalty", "pad_token_id"):
+        assert getattr(model.generation_config, name) == getattr(source.generation_config, name), name
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(model.generate(prompt), source.eval().generate(prompt))
+
+
 def test_untied_decoder_that_differs_is_a_mismatch(sources, tmp_path):
     folder, _ = sources["gpt2-lm"]
     state = dict(load_file(folder / "model.safetensors"))

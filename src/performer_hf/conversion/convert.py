@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
+from transformers import GenerationConfig
+from transformers.utils import GENERATION_CONFIG_NAME as GENERATION_CONFIG
 
 from ..attention_card import uses_projection
 from ..modeling import modeling_performer
@@ -426,6 +428,8 @@ def convert(
             )
 
     base_model = base_model or repo_id or folder.name
+    if model.can_generate() and (folder / GENERATION_CONFIG).is_file():  # the source's decoding defaults
+        model.generation_config = GenerationConfig.from_pretrained(folder)
     staging = staging_folder(output_dir)
     try:
         model.save_pretrained(staging)
