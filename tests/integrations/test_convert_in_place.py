@@ -4,6 +4,7 @@ the class and the weights are kept, the config names the attention, exact mode r
 import json
 import logging
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,6 +167,16 @@ def test_an_output_folder_under_a_file_is_refused_in_one_line(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert main(["convert", str(tmp_path / "source"), str(tmp_path / "afile" / "sub"), "-q"]) == 1
     assert "afile is a file, not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, which takes no new folder")
+def test_an_output_folder_that_cannot_be_made_is_refused_in_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    """The conversion ran whole (about 2 minutes for SmolLM2) before a traceback from making its staging folder."""
+    _save_source("LlamaForCausalLM", tmp_path / "source")
+    monkeypatch.setattr("performer_hf.conversion.in_place._load", lambda *args, **kwargs: pytest.fail("loaded"))
+    assert main(["convert", str(tmp_path / "source"), "/proc/performer-hf-test/out", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "output folder /proc/performer-hf-test/out cannot be written" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize(

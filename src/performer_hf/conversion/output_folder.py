@@ -29,6 +29,20 @@ def check_output_dir(output_dir: Path, overwrite: bool, source: Path | None = No
         raise ConversionError(replaced)
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
         raise ConversionError(f"output folder {output_dir} exists and is not empty; pass --overwrite to replace it.")
+    _check_writable(output_dir)
+
+
+def _check_writable(output_dir: Path) -> None:
+    """Refuse, before any work, an output whose nearest existing folder takes no new folder (read-only, another
+    user's, a system tree): the staging folder is made there."""
+    nearest = next(folder for folder in output_dir.absolute().parents if folder.exists())
+    try:
+        Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.probe-", dir=nearest)).rmdir()
+    except OSError as error:
+        raise ConversionError(
+            f"output folder {output_dir} cannot be written ({error.strerror or error} in {nearest}): choose a "
+            "writable location."
+        ) from None
 
 
 def staging_folder(output_dir: Path) -> Path:
