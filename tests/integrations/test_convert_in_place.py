@@ -4,6 +4,7 @@ the class and the weights are kept, the config names the attention, exact mode r
 import json
 import logging
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,34 @@ def test_an_output_folder_under_a_file_is_refused_in_one_line(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert main(["convert", str(tmp_path / "source"), str(tmp_path / "afile" / "sub"), "-q"]) == 1
     assert "afile is a file, not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("defect", ["a tensor missing", "a layer more in config.json", "another intermediate_size"])
+@pytest.mark.parametrize("fidelity", [True, False])
+def test_weights_that_do_not_match_the_config_are_refused_by_name(defect, fidelity, tmp_path):
+    """Without the fidelity check, a missing tensor (or a layer config.json adds) was written drawn at random, the
+    model 'converted'; with it, the difference was blamed on the adapter ('please report it'); tensors of other
+    shapes ended in a transformers traceback."""
+    from safetensors.torch import save_file
+
+    source = tmp_path / "source"
+    _save_source("LlamaForCausalLM", source)
+    config = json.loads((source / "config.json").read_text())
+    if defect == "a tensor missing":
+        weights = load_file(source / "model.safetensors")
+        del weights["model.layers.1.mlp.down_proj.weight"]
+        save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
+        expected = "tensors missing: model.layers.1.mlp.down_proj.weight"
+    elif defect == "a layer more in config.json":
+        config["num_hidden_layers"] += 1
+        expected = "tensors missing: model.layers.2."
+    else:
+        config["intermediate_size"] += 32
+        expected = "tensors of other shapes: model.layers.0.mlp.down_proj.weight [64, 96] where config.json makes"
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=f"do not match its config.json \\({re.escape(expected)}"):
+        performer_hf.convert(source, tmp_path / "out", fidelity=fidelity)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, which takes no new folder")

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError
 
 from ..data_assets import python_docs, python_docstrings
 from ..integrations.attention_transfer import text_batches, transfer_attention
@@ -133,6 +134,8 @@ def _load(folder: Path, row: InPlace, implementation: str, settings: dict[str, A
     checkpoint's own dtype unless ``dtype`` says otherwise."""
     from transformers import AutoConfig
 
+    from .source import weight_files  # (source reads the in-place architectures)
+
     config = AutoConfig.from_pretrained(folder)
     if config.model_type != row.model_type:
         raise ConversionError(
@@ -142,7 +145,28 @@ def _load(folder: Path, row: InPlace, implementation: str, settings: dict[str, A
     if implementation is not None:
         setattr(config, CONFIG_ATTRIBUTE, settings)
         kwargs["attn_implementation"] = implementation
-    return _auto_class(row).from_pretrained(folder, **kwargs).eval()
+    weight_files(folder)  # a folder without its weights, or a shard index naming missing files, in one line
+    try:  # tensors of other shapes are reported with the rest below
+        model, loading = _auto_class(row).from_pretrained(
+            folder, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+        )
+    except (OSError, RuntimeError, ValueError, SafetensorError) as error:  # unreadable or truncated files
+        raise ConversionError(f"cannot load {folder}: {one_line(error)}") from None
+    wrong = {
+        "missing": sorted(loading["missing_keys"]),
+        "unexpected": sorted(loading["unexpected_keys"]),
+        "of other shapes": [  # (name, the checkpoint's shape, the config's)
+            f"{name} {list(saved)} where config.json makes {list(expected)}"
+            for name, saved, expected in sorted(loading["mismatched_keys"])
+        ],
+    }
+    if any(wrong.values()):  # new weights drawn at random, or the checkpoint's own left out: not the source model
+        found = "; ".join(f"tensors {kind}: {', '.join(names[:3])}" for kind, names in wrong.items() if names)
+        raise ConversionError(
+            f"the weights in {folder} do not match its config.json ({found}): convert a checkpoint whose weights and "
+            "config were saved together (model.save_pretrained)."
+        )
+    return model.eval()
 
 
 def _sample_ids(config, length: int = 64) -> torch.Tensor:

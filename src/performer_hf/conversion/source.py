@@ -106,7 +106,9 @@ def read_source(folder: Path, repo_id: str | None) -> SourceCheckpoint:
     return SourceCheckpoint(folder, repo_id, config, architecture, family)
 
 
-def _weight_files(folder: Path) -> list[Path]:
+def weight_files(folder: Path) -> list[Path]:
+    """The checkpoint's weight files in ``folder`` (one file, or the shards its index names), refused in one line
+    where there are none or shards are missing."""
     for single, index in ((SAFETENSORS_FILE, SAFETENSORS_INDEX), (PYTORCH_FILE, PYTORCH_INDEX)):
         if (folder / single).is_file():
             return [folder / single]
@@ -130,7 +132,7 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
-    for file in _weight_files(folder):
+    for file in weight_files(folder):
         try:
             if file.suffix == ".safetensors":
                 part = load_file(file)
