@@ -188,12 +188,20 @@ def test_push_uploads_a_folder_converted_in_place_with_its_code(tmp_path, fake_h
         PushError, match=re.escape("but attn_implementation None, so it would load with") + ".*" + re.escape(fix)
     ):
         push_to_hub(reloaded, "org/llama-performer")
-    model(torch.tensor([[1, 2, 3]]))  # its first forward records the attention
-    model.save_pretrained(reloaded)
-    assert "auto_map" in json.loads((reloaded / "config.json").read_text())
-    with pytest.raises(
+    with pytest.raises(  # saved before its first forward: the folder's auto_map, without the code
         PushError, match=re.escape("lacks remote-code files ['modeling_in_place.py']") + ".*" + re.escape(fix)
     ):
+        config = json.loads((reloaded / "config.json").read_text())
+        (reloaded / "config.json").write_text(json.dumps({**config, "attn_implementation": "performer_sparse"}))
+        push_to_hub(reloaded, "org/llama-performer")
+    model(torch.tensor([[1, 2, 3]]))  # its first forward records the attention, and drops the auto_map
+    model.save_pretrained(reloaded)  # (which named code this class does not write)
+    assert "auto_map" not in json.loads((reloaded / "config.json").read_text())
+    assert (
+        AutoModelForCausalLM.from_pretrained(reloaded, trust_remote_code=True).config._attn_implementation
+        == "performer_sparse"
+    )
+    with pytest.raises(PushError, match=re.escape("has no auto_map") + ".*" + re.escape(fix)):
         push_to_hub(reloaded, "org/llama-performer")
     AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).save_pretrained(reloaded)
     push_to_hub(reloaded, "org/llama-performer")

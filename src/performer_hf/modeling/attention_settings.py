@@ -104,7 +104,25 @@ def resolved_settings(config, implementation: str, causal: bool) -> dict[str, An
     if getattr(config, "attn_implementation", None) != implementation:
         # a plain attribute: saved to config.json, where transformers reads it back as the implementation
         config.attn_implementation = implementation
+    _drop_shipped_class(config)
     return settings
+
+
+SHIPPED_MODULE = "modeling_in_place"  # the module a converted folder's code names in config.json's auto_map
+
+
+def _drop_shipped_class(config) -> None:
+    """Remove the ``auto_map`` entries that name a converted folder's shipped class (kept in the config of a model
+    loaded from the folder as transformers' own class): that class's ``save_pretrained`` writes no code, so they would
+    name files its folder lacks (``trust_remote_code=True`` then fails there). The shipped class, whose
+    ``save_pretrained`` writes its code, names itself again as it saves."""
+    auto_map = getattr(config, "auto_map", None)
+    if isinstance(auto_map, dict) and any(str(name).startswith(f"{SHIPPED_MODULE}.") for name in auto_map.values()):
+        kept = {auto: name for auto, name in auto_map.items() if not str(name).startswith(f"{SHIPPED_MODULE}.")}
+        if kept:
+            config.auto_map = kept
+        else:
+            del config.auto_map
 
 
 def keeps_own_attention(config, layer_idx: int) -> bool:
