@@ -375,6 +375,29 @@ def test_projections_are_seeded_buffers_and_redraw_is_deterministic():
             a.redraw_projections(seed=bad)
 
 
+@pytest.mark.parametrize("auto", [False, True], ids=["class", "AutoModel"])
+def test_loading_with_other_feature_settings_draws_the_features_they_name(auto, tmp_path):
+    """from_pretrained(folder, projection_seed=5) named seed 5 in the config but ran (and saved) the checkpoint's
+    seed-0 features: |diff| 1.87 to a model drawn with seed 5 on the real MiniLM. The features are drawn from the
+    settings given; the same settings, or a model whose features training redrew, keep the checkpoint's; another
+    nb_features is refused with the fix."""
+    from transformers import AutoModelForCausalLM
+
+    load = AutoModelForCausalLM.from_pretrained if auto else PerformerForCausalLM.from_pretrained
+    saved = tiny_model()
+    saved.redraw_projections(seed=11)  # as training does: features no seed of the config draws
+    saved.save_pretrained(tmp_path)
+    for settings in ({}, {"projection_seed": saved.config.projection_seed}):
+        kept = load(tmp_path, **settings)
+        assert all(torch.equal(x, y) for x, y in zip(_projections(kept), _projections(saved), strict=True))
+    for settings in ({"projection_seed": 5}, {"feature_coupling": "iid"}, {"feature_row_norms": "sqrt_d"}):
+        drawn = load(tmp_path, **settings)
+        expected = _projections(tiny_model(**settings))
+        assert all(torch.equal(x, y) for x, y in zip(_projections(drawn), expected, strict=True)), settings
+    with pytest.raises(ValueError, match="nb_features=8 differs from the checkpoint's 16: .* Convert the source"):
+        load(tmp_path, nb_features=8)
+
+
 def test_forward_never_redraws():
     model = tiny_model(feature_redraw_interval=1)
     before = _projections(model)

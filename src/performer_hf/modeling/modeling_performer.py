@@ -89,6 +89,41 @@ class PerformerPreTrainedModel(PreTrainedModel):
                 "method='hybrid')."
             )
 
+    # the fields the random features are drawn with, saved with the weights (the ``projection`` buffers)
+    _PROJECTION_FIELDS = ("projection_seed", "feature_coupling", "feature_row_norms", "nb_features")
+    _HUB_ARGUMENTS = ("cache_dir", "force_download", "proxies", "token", "revision", "subfolder", "local_files_only")
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """``PreTrainedModel.from_pretrained``. The random features are saved with the weights: given here (or in the
+        ``config`` given), a ``projection_seed``, ``feature_coupling`` or ``feature_row_norms`` other than the
+        checkpoint's draws them anew from the settings given (with the checkpoint's features the config would name a
+        draw the model does not run); another ``nb_features`` is refused (the checkpoint's features have their
+        shape) unless ``ignore_mismatched_sizes``."""
+        given = kwargs.get("config")  # AutoModel passes the config it built, with the settings given applied
+        asked = {name: getattr(given, name) for name in cls._PROJECTION_FIELDS if isinstance(given, PerformerConfig)}
+        asked.update({name: kwargs[name] for name in cls._PROJECTION_FIELDS if name in kwargs})
+        changed = {}
+        if asked and pretrained_model_name_or_path is not None:  # (None: weights given as a state dict)
+            hub = {name: kwargs[name] for name in cls._HUB_ARGUMENTS if name in kwargs}
+            saved, _ = cls.config_class.get_config_dict(pretrained_model_name_or_path, **hub)
+            saved = {name: saved.get(name, getattr(cls.config_class(), name)) for name in asked}
+            changed = {name: value for name, value in asked.items() if value != saved[name]}
+        if "nb_features" in changed and not kwargs.get("ignore_mismatched_sizes"):
+            raise ValueError(
+                f"nb_features={changed['nb_features']} differs from the checkpoint's {saved['nb_features']}: its "
+                "random features are saved with its weights, in their shape. Convert the source again with "
+                "nb_features set, or load the checkpoint as saved."
+            )
+        model = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        if changed:
+            logger.info("random features drawn anew with %s (the checkpoint's were drawn otherwise)", changed)
+            with torch.no_grad():
+                for module in model.modules():
+                    if isinstance(module, PerformerAttention):
+                        module.redraw_projection(model.config.projection_seed + module.layer_idx)
+        return model
+
     def _returned(self, output, return_dict: bool | None):
         """``output``, or its tuple where ``return_dict`` (default: the config's) is False (the transformers
         convention)."""
