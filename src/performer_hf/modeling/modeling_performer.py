@@ -124,6 +124,23 @@ class PerformerPreTrainedModel(PreTrainedModel):
                         module.redraw_projection(model.config.projection_seed + module.layer_idx)
         return model
 
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        """A family model runs the attention its config names, whatever ``attn_implementation`` says: "eager" (what
+        transformers records for it anyway) is taken with a warning, other names (transformers' kernels) are refused,
+        each naming the fix; the Performer names are refused by :meth:`post_init`."""
+        fix = "set attention_kernel='exact' for exact softmax attention (through SDPA), or leave it out"
+        if attn_implementation == "eager":
+            logger.warning(
+                f"attn_implementation='eager' does not change a {type(self).__name__}'s attention (its config's "
+                f"attention_method and attention_kernel decide it): {fix}."
+            )
+        elif attn_implementation is not None and attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"a {type(self).__name__} runs the attention its config names (attention_method, attention_kernel), "
+                f"not attn_implementation={attn_implementation!r}: {fix}."
+            )
+        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
+
     def _returned(self, output, return_dict: bool | None):
         """``output``, or its tuple where ``return_dict`` (default: the config's) is False (the transformers
         convention)."""
@@ -266,7 +283,7 @@ class PerformerModel(PerformerPreTrainedModel):
             use_cache = self.config.use_cache and not self.training
         if (use_cache or cache is not None) and self.encoder.gradient_checkpointing and self.training:
             # the backward replay of a checkpointed layer would update the cache a second time
-            logger.warning_once("A cache is incompatible with gradient checkpointing in training; not using one.")
+            logger.warning("A cache is incompatible with gradient checkpointing in training; not using one.")
             use_cache, cache = False, None
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
