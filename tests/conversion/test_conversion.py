@@ -236,6 +236,38 @@ def test_sharded_safetensors_checkpoint(sources, tmp_path):
     torch.testing.assert_close(outputs(model, batch)[mask], outputs(source, batch)[mask], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["bert-mlm", "gpt2-lm"])
+def test_a_bfloat16_checkpoint_stays_bfloat16(name, sources, tmp_path):
+    """BERT / RoBERTa / GPT-2 conversions wrote float32 whatever the source (a bf16 GPT-2 of 64 kB became 144 kB) and
+    ignored dtype=; the models converted in place kept theirs. Every source tensor is kept in its dtype, bit for bit;
+    the random features stay float32 (as a cast model keeps them); dtype= chooses."""
+    case = next(c for c in CASES if c.name == name)
+    _, source = sources[name]
+    copy.deepcopy(source).to(torch.bfloat16).save_pretrained(tmp_path / "source")
+    stored = load_file(tmp_path / "source" / "model.safetensors")
+    out = convert(tmp_path / "source", tmp_path / "out", attention_kernel="exact", fidelity=False)
+    written = load_file(out / "model.safetensors")
+    report = json.loads((out / "conversion_report.json").read_text())
+    for tensor_name, tensor in written.items():
+        expected = torch.float32 if tensor_name.endswith("attention.projection") else torch.bfloat16
+        assert tensor.dtype == expected, tensor_name
+    if name == "bert-mlm":  # every tensor used as it is stored (GPT-2 splits and transposes some)
+        kept = [stored[source_name] for source_name in report["used"]]
+        assert all(any(torch.equal(t, w) for w in written.values() if w.shape == t.shape) for t in kept)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    batch = padded_batch(case)
+    mask = batch["attention_mask"].bool()
+    model, source16 = case.auto.from_pretrained(out).eval(), copy.deepcopy(source).to(torch.bfloat16)
+    expected, got = outputs(source16, batch), outputs(model, batch)
+    if got.dim() == 3:
+        expected, got = expected[mask], got[mask]
+    torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=0)
+    widened = convert(
+        tmp_path / "source", tmp_path / "float32", attention_kernel="exact", fidelity=False, dtype="float32"
+    )
+    assert {t.dtype for t in load_file(widened / "model.safetensors").values()} == {torch.float32}
+
+
 def test_a_gpt2_keeps_its_generation_config(sources, tmp_path):
     """The source's generation_config.json (its decoding defaults) was rebuilt from the model config: in exact mode,
     with equal logits, generate() with no arguments repeated one token where the source did not."""

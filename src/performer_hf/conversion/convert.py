@@ -28,7 +28,15 @@ from .mapping import POSITION_TABLE, MappingResult, extend_positions, map_weight
 from .model_card import CardSource, build_model_card, source_license
 from .output_folder import check_output_dir, publish, staging_folder
 from .sentence_pipeline import copy_sentence_pipeline
-from .source import SourceCheckpoint, load_weights, read_source, resolve_source, source_architecture
+from .source import (
+    SourceCheckpoint,
+    as_float32,
+    read_source,
+    read_tensors,
+    resolve_source,
+    source_architecture,
+    stored_dtype,
+)
 from .tokenizer_files import copy_tokenizer, tokenizer_files
 
 logger = logging.getLogger(__name__)
@@ -69,6 +77,17 @@ DEFAULT_IN_PLACE_METHOD = "sparse"
 
 def _overridable_fields() -> list[str]:
     return sorted({f.name for f in dataclasses.fields(PerformerConfig)} - FIXED_BY_SOURCE)
+
+
+def _saved_dtype(asked, stored: torch.dtype) -> torch.dtype:
+    """The dtype the converted weights are saved in: ``dtype`` where given (a ``torch.dtype`` or its name), else the
+    source checkpoint's (the conversion computes in float32)."""
+    if asked is None or asked == "auto":
+        return stored
+    dtype = getattr(torch, asked.removeprefix("torch."), None) if isinstance(asked, str) else asked
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ConversionError(f"dtype={asked!r}: the weights are saved in float32, bfloat16 or float16.")
+    return dtype
 
 
 def _method(method: str | None, overrides: dict[str, Any], default: str = DEFAULT_METHOD) -> str:
@@ -381,7 +400,10 @@ def convert(
     head = checkpoint.family.heads[checkpoint.architecture]
     config = performer_config(checkpoint, overrides, method)
 
-    weights = load_weights(folder)
+    stored = read_tensors(folder)
+    saved_dtype = _saved_dtype(overrides.get("dtype"), stored_dtype(stored))
+    weights = as_float32(stored)
+    del stored
     mapping = map_weights(
         weights, checkpoint.family, checkpoint.architecture, config.hidden_size, config.tie_word_embeddings
     )
@@ -428,6 +450,7 @@ def convert(
             )
 
     base_model = base_model or repo_id or folder.name
+    model.to(saved_dtype)  # the random-feature projections stay float32 (PerformerAttention._apply)
     if model.can_generate() and (folder / GENERATION_CONFIG).is_file():  # the source's decoding defaults
         model.generation_config = GenerationConfig.from_pretrained(folder)
     staging = staging_folder(output_dir)

@@ -128,6 +128,25 @@ def weight_files(folder: Path) -> list[Path]:
 
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint in ``folder``, as float32 (integer buffers kept as they are)."""
+    return as_float32(read_tensors(folder))
+
+
+def as_float32(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with the floating ones in float32 (the conversion's arithmetic: position tables, splits)."""
+    return {name: t.float() if t.is_floating_point() else t for name, t in tensors.items()}
+
+
+def stored_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:
+    """The floating dtype that holds most of the values of a checkpoint's ``tensors`` (float32 without any)."""
+    counts: dict[torch.dtype, int] = {}
+    for tensor in tensors.values():
+        if tensor.is_floating_point():
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint in ``folder``, as stored."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -149,4 +168,4 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
         tensors.update(part)
     if not tensors:
         raise ConversionError(f"the weights in {folder} are empty.")
-    return {name: t.float() if t.is_floating_point() else t for name, t in tensors.items()}
+    return tensors
