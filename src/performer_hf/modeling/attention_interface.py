@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextvars import ContextVar
+from functools import partial
 
 import torch
 from torch import nn
@@ -50,6 +51,7 @@ from .cache_performer import static_cache_refusal
 from .implied_attention import implied_attention
 from .interface_cache import CACHE_KEYWORD, adopt_on_next_call, dropped_keys_refusal, watch_caches
 from .method_exact import softmax_attention
+from .sink_order import sinks_first
 
 Tensor = torch.Tensor
 
@@ -154,6 +156,9 @@ def _performer_attention(implementation: str):
             adopt_on_next_call(module, layer_cache, cached_keys, key_mask)
         if layer_cache is None and state.attention_method != "exact" and key.shape[2] > query.shape[2]:
             _check_no_dropped_keys(module, key, query, kwargs)
+        attend = partial(state.attend, state)
+        if causal and key_mask is not None and key.shape[2] == key_mask.shape[1]:  # keys from the first on
+            attend = sinks_first(attend, _global_tokens(state), key_mask, query.shape[2])
         if transfer is not None:
             context = transfer(state, query, key, value, key_mask, causal)
         elif state.attention_method == "exact":
@@ -162,14 +167,12 @@ def _performer_attention(implementation: str):
                 query, key, value, key_mask, causal, dropout if module.training else 0.0, window=window
             )
         elif layer_cache is not None or key.shape[2] == query.shape[2] or grouped_kv:
-            context, _ = state.attend(state, query, key, value, key_mask, causal, layer_cache)  # (B, H, Lq, D)
+            context, _ = attend(query, key, value, key_mask, causal, layer_cache)  # (B, H, Lq, D)
         else:  # a key/value cache: the method over every key, the past queries as placeholders
-            context = _over_cached_keys(state, query, key, value, key_mask, causal)
+            context = _over_cached_keys(attend, query, key, value, key_mask, causal)
         weights = None
         if kwargs.get("output_attentions"):  # the matrix the method implies (B, H, Lq, Lk): identity values
-            weights = implied_attention(
-                lambda values: state.attend(state, query, key, values, key_mask, causal)[0], value, past
-            )
+            weights = implied_attention(lambda values: attend(query, key, values, key_mask, causal)[0], value, past)
         return context.transpose(1, 2).contiguous(), weights
 
     attention.__name__ = attention.__qualname__ = f"{implementation}_attention"
@@ -232,16 +235,23 @@ def _starts_own_state(state, query: Tensor, key: Tensor, causal: bool) -> bool:
     return causal and method.cache_layer is not None and key.shape[2] == query.shape[2] and not torch.is_grad_enabled()
 
 
-def _over_cached_keys(state, query: Tensor, key: Tensor, value: Tensor, key_mask, causal: bool) -> Tensor:
-    """The method's output for the Lq new queries over the P + Lq keys of a key/value cache (B, H, Lq, D):
-    causal attention's output at a position depends only on the keys up to it, so the past queries' values
-    do not matter."""
+def _over_cached_keys(attend, query: Tensor, key: Tensor, value: Tensor, key_mask, causal: bool) -> Tensor:
+    """The method's output (``attend(q, k, v, key_mask, causal)``) for the Lq new queries over the P + Lq keys of a
+    key/value cache (B, H, Lq, D): causal attention's output at a position depends only on the keys up to it, so the
+    past queries' values do not matter."""
     if not causal:
         raise ValueError("Performer attention over cached keys is causal only (a decoder's key/value cache).")
     past = key.shape[2] - query.shape[2]
     padded = torch.cat([query.new_zeros(*query.shape[:2], past, query.shape[-1]), query], dim=2)  # (B, H, Lk, D)
-    context, _ = state.attend(state, padded, key, value, key_mask, causal)
+    context, _ = attend(padded, key, value, key_mask, causal)
     return context[:, :, past:]
+
+
+def _global_tokens(state) -> int:
+    """How many first keys the layer's method reads exactly for every query (the hybrid's and the sparse method's
+    global tokens; none for FAVOR+ and exact attention)."""
+    spec = getattr(state, "sparse_spec", None) or getattr(state, "hybrid_spec", None)
+    return 0 if spec is None or state.attention_method not in ("hybrid", "sparse") else spec.num_global_tokens
 
 
 ATTENTION_FUNCTIONS = {name: _performer_attention(name) for name in IMPLEMENTATIONS}

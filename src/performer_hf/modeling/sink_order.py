@@ -1,0 +1,73 @@
+"""Global tokens of left-padded rows: the first real keys, not the first positions.
+
+The hybrid and sparse methods read their first ``num_global_tokens`` keys exactly for every query (attention
+sinks) and choose them by position. A left-padded row (what batched ``generate()`` builds) starts with pads, so it
+lost its sinks: SmolLM2 with the in-place hybrid (window 64, one global token), a 150-token row after 150 pads,
+scored its tokens at loss 4.691 where the row alone scores 4.110 (logits 29.3 apart). Causal attention depends on
+the order of the keys only through what comes before each query, so a row's first real keys can move in front of
+its pads: :func:`sinks_first` calls a method with each row's keys in that order, which gives the method the row's
+own global tokens, and its queries' outputs in their places. The rest keeps its positions (window and blocks go
+by position, as they do on each row alone, a whole number of pads apart).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+Tensor = torch.Tensor
+
+# key_mask -> (its version, the order or None): one host read per mask (every layer of a forward shares it)
+_ORDERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def sinks_first(attend: Callable, count: int, key_mask: Tensor | None, query_length: int) -> Callable:
+    """``attend(q, k, v, key_mask, *args)`` (-> (context, ...)) over keys whose left-padded rows have their first
+    ``count`` real keys moved in front of the pads, where the ``key_mask`` (B, Lk) covers every key from the first
+    and the moved keys lie before the call's ``query_length`` queries, or the queries move with them (they are the
+    keys' own tokens); ``attend`` itself otherwise."""
+    if not count or key_mask is None or torch.compiler.is_compiling():
+        return attend
+    order = _order(key_mask, count)
+    if order is None:
+        return attend
+    length = key_mask.shape[1]
+    whole = query_length == length  # the queries are the keys' tokens: they move alike
+    if not whole and not bool(
+        (order[:, length - query_length :] == torch.arange(length - query_length, length, device=order.device)).all()
+    ):
+        return attend  # a row whose first real keys come after the earliest query: left as it is
+
+    def attend_in_order(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *args, **kwargs):
+        keys = order[:, None, :, None]  # (B, 1, Lk, 1)
+        k, v = k.gather(2, keys.expand_as(k)), v.gather(2, keys.expand_as(v))
+        if whole:
+            q = q.gather(2, keys.expand_as(q))
+        context, *rest = attend(q, k, v, mask.gather(1, order), *args, **kwargs)
+        if whole:  # each query's output back in its place
+            back = order.argsort(dim=1)[:, None, :, None]
+            context = context.gather(2, back.expand_as(context))
+        return (context, *rest)
+
+    return attend_in_order
+
+
+def _order(key_mask: Tensor, count: int) -> Tensor | None:
+    """(B, Lk) int64: each row's first ``min(count, its real keys)`` real keys (from its first real position on), then
+    its pads and the rest in order; None when no row starts with a pad."""
+    current = None if key_mask.is_inference() else key_mask._version
+    version, order = _ORDERS.get(key_mask, (None, None))
+    if current is not None and version == current:
+        return order
+    real = key_mask.bool()
+    order = None
+    if not bool(real[:, 0].all()):
+        B, length = real.shape
+        pads = real.int().argmax(dim=1)[:, None]  # (B, 1): the first real key's position (0 for an empty row)
+        moved = real.sum(dim=1, keepdim=True).clamp(max=count)  # (B, 1)
+        i = torch.arange(length, device=real.device)[None]  # (1, Lk)
+        order = torch.where(i < moved, pads + i, torch.where(i < pads + moved, i - moved, i))
+    _ORDERS[key_mask] = (current, order)
+    return order
