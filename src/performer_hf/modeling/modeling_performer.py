@@ -125,19 +125,15 @@ class PerformerPreTrainedModel(PreTrainedModel):
         return model
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
-        """A family model runs the attention its config names, whatever ``attn_implementation`` says: "eager" (what
-        transformers records for it anyway) is taken with a warning, other names (transformers' kernels) are refused,
-        each naming the fix; the Performer names are refused by :meth:`post_init`."""
-        fix = "set attention_kernel='exact' for exact softmax attention (through SDPA), or leave it out"
-        if attn_implementation == "eager":
-            logger.warning(
-                f"attn_implementation='eager' does not change a {type(self).__name__}'s attention (its config's "
-                f"attention_method and attention_kernel decide it): {fix}."
-            )
-        elif attn_implementation is not None and attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+        """A family model runs the attention its config names, whatever ``attn_implementation`` says: transformers'
+        kernels ("sdpa", flash attention) are refused naming the fix; "eager" is what transformers records for the
+        family itself (its heads' base model is checked with it), so it passes; the Performer names are refused by
+        :meth:`post_init`."""
+        if attn_implementation not in (None, "eager", *ATTENTION_IMPLEMENTATIONS):
             raise ValueError(
                 f"a {type(self).__name__} runs the attention its config names (attention_method, attention_kernel), "
-                f"not attn_implementation={attn_implementation!r}: {fix}."
+                f"not attn_implementation={attn_implementation!r}: set attention_kernel='exact' for exact softmax "
+                "attention (through SDPA), or leave it out."
             )
         return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
 
