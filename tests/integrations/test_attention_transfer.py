@@ -115,6 +115,66 @@ def test_a_refused_transfer_leaves_the_model_as_it_was(tmp_path):
         assert model.training and [p.requires_grad for p in model.parameters()] == trainable
 
 
+@pytest.mark.parametrize("implementation", ["performer", "performer_hybrid"])
+def test_a_transfer_stopped_midway_leaves_the_model_as_it_was_and_can_be_retried(implementation, tmp_path):
+    """A transfer refused after its first forward (inputs the window covers), diverged (a learning rate of 3: NaN
+    gains, the model's logits NaN, reported as done) or interrupted had moved the centres and made parameters of
+    the learnable tensors: the logits moved (6.5e-4) and the next, correct call failed with KeyError: 'projection'."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, implementation, **SHORT_WINDOW[implementation])
+    probe = _ids(1, 48, seed=9)
+    with torch.no_grad():
+        before = model(probe).logits
+    stops = [
+        ([{"input_ids": _ids(2, 6)}], {}, ValueError, "no layer's approximation was in use"),
+        (_batches(), {"learning_rate": 1e6, "steps": 4}, ValueError, "diverged at step .* lower learning_rate"),
+        (_batches(), {"learning_rate": -0.01}, ValueError, "learning_rate must be a finite number >= 0"),
+        (_batches(), {"steps": 2.5}, ValueError, "steps must be a whole number >= 1"),
+    ]
+    if implementation == "performer":  # no window, and its projection alone learns (a large step does not
+        # diverge): an interruption instead
+        stops[:2] = [(_batches(), {"steps": 2, "interrupt": True}, KeyboardInterrupt, "")]
+    for batches, options, error, message in stops:
+        options = {"steps": 2, **options}
+        if options.pop("interrupt", False):
+            calls = []
+
+            def interrupt(module, args, output, calls=calls):
+                calls.append(1)
+                if len(calls) == 3:  # during the second step
+                    raise KeyboardInterrupt
+
+            handle = model.model.layers[0].register_forward_hook(interrupt)
+        with pytest.raises(error, match=message):
+            performer_hf.transfer_attention(model, batches, progress=False, **options)
+        if error is KeyboardInterrupt:
+            handle.remove()
+        with torch.no_grad():
+            torch.testing.assert_close(model(probe).logits, before, rtol=0, atol=0)
+    report = performer_hf.transfer_attention(model, _batches(), steps=2, progress=False)  # the retry
+    assert report.steps == 2
+
+
+def test_the_transfer_teacher_is_the_sources_attention_within_mistrals_window(tmp_path):
+    """The teacher ran softmax over every key where Mistral attends within its window (logits 0.262 from the source
+    at 48 tokens and a window of 16): every layer trained towards another model than the source."""
+    from performer_hf.integrations.attention_transfer import _hooked
+    from performer_hf.modeling.method_exact import softmax_attention
+
+    config = type(DECODERS["mistral"])(**{**DECODERS["mistral"].to_dict(), "sliding_window": 16})
+    source, folder = _source(config, tmp_path)
+    model = _load(folder, "performer_hybrid", **SHORT_WINDOW["performer_hybrid"])
+    ids = _ids(1, 48)
+
+    def teacher(state, attend, q, k, v, key_mask, causal, window):
+        return softmax_attention(q, k, v, key_mask, causal, window=window)[0]
+
+    with torch.no_grad(), _hooked(teacher):
+        taught = model(ids).logits
+    with torch.no_grad():
+        torch.testing.assert_close(taught, source(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_transfer_starts_the_centres_at_the_sources_mean_query_and_key(tmp_path):
     """Independent reference: the rotated queries and keys the source's own attention receives, captured by an
     attention function that then runs SDPA."""

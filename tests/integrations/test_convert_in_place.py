@@ -295,14 +295,25 @@ def _load_zero_shot(tmp_path):
     return AutoModelForCausalLM.from_pretrained(out).eval()
 
 
+def test_a_transfer_without_the_sources_tokenizer_is_refused_before_loading(tmp_path, monkeypatch):
+    """A folder without tokenizer files converts (fidelity falls back to random ids), but transfer tokenizes its
+    text: after loading the model, a 40-line traceback from AutoTokenizer."""
+    _save_source("LlamaForCausalLM", tmp_path / "source")
+    monkeypatch.setattr("performer_hf.conversion.in_place._load", lambda *args, **kwargs: pytest.fail("loaded"))
+    with pytest.raises(ConversionError, match="tokenizer, and .* has none: add its tokenizer files"):
+        performer_hf.convert(tmp_path / "source", tmp_path / "out", method="hybrid", transfer=TransferSettings(2))
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_transfer_requests_are_refused_before_anything_is_written(tmp_path):
     _save_source("LlamaForCausalLM", tmp_path / "source")
     text_file = _transfer_text(tmp_path / "text.txt", words=20)
     _save_tokenizer(tmp_path / "source", text_file.read_text())
     with pytest.raises(ConversionError, match="is not a file"):
         TransferSettings(2, tmp_path / "missing.txt")
-    with pytest.raises(ConversionError, match="positive whole number"):
-        TransferSettings(-1)
+    for steps in (-1, True):
+        with pytest.raises(ConversionError, match="positive whole number"):
+            TransferSettings(steps)
     with pytest.raises(ConversionError, match="at least 2"):
         TransferSettings(2, length=1)
     cases = [

@@ -77,7 +77,7 @@ class TransferSettings:
     length: int = 1024
 
     def __post_init__(self):
-        if not isinstance(self.steps, int) or self.steps < 1:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ConversionError(f"transfer steps must be a positive whole number, got {self.steps!r}.")
         if not isinstance(self.length, int) or self.length < 2:
             raise ConversionError(f"the transfer length must be a number of tokens of at least 2, got {self.length!r}.")
@@ -194,7 +194,7 @@ def _fidelity_ids(folder: Path, config, length: int) -> tuple[torch.Tensor, str]
     from transformers import AutoTokenizer
 
     length = min(length, getattr(config.get_text_config(), "max_position_embeddings", length))
-    if any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if _has_tokenizer(folder):
         tokenizer = AutoTokenizer.from_pretrained(folder)
         ids = tokenizer("\n\n".join(python_docs()), return_tensors="pt").input_ids[:, :length]
         if ids.shape[1] > 1:
@@ -243,11 +243,18 @@ def in_place_fidelity(folder: Path, row: InPlace, model) -> dict:
     }
 
 
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
 def _transfer(model, folder: Path, transfer: TransferSettings) -> dict:
     """Run attention transfer on ``model`` (see :class:`TransferSettings`); returns its record for the report."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as error:
+        raise ConversionError(f"attention transfer needs the source's tokenizer: {one_line(error)}") from None
     try:
         batches = text_batches(tokenizer, transfer.texts(), transfer.length, transfer.steps)
         report = transfer_attention(model, batches, transfer.steps)
@@ -273,6 +280,11 @@ def convert_in_place(
     row = IN_PLACE_ARCHITECTURES[architecture]
     implementation = IMPLEMENTATION_OF_METHOD[method]
     settings = _attention_settings(folder, implementation, overrides)
+    if transfer is not None and not _has_tokenizer(folder):
+        raise ConversionError(
+            f"attention transfer tokenizes its text with the source's tokenizer, and {folder} has none: add its "
+            "tokenizer files, or leave out --transfer-steps."
+        )
     parity = exact_parity(folder, row, implementation) if fidelity else None
     if parity is not None and parity > PARITY_TOLERANCE:
         raise ConversionError(

@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from math import inf
 
 import torch
 from torch import nn
@@ -199,8 +200,10 @@ def transfer_attention(
     Returns:
         A :class:`TransferReport`.
     """
-    if steps < 1:
-        raise ValueError(f"steps must be a positive number, got {steps}.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a whole number >= 1, got {steps!r}.")
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, int | float) or not 0 <= learning_rate < inf:
+        raise ValueError(f"learning_rate must be a finite number >= 0, got {learning_rate!r}.")
     batches = list(batches)
     if not batches:
         raise ValueError("no batches to train on.")
@@ -224,57 +227,8 @@ def transfer_attention(
                 f"attention transfer trains the far field's parts, and the {untrainable[0]!r} method has none: load "
                 "the model with attn_implementation='performer_hybrid' (or 'performer') to transfer."
             )
-        _centre_on_the_source(model, batches[0], states)
-        learned = [_learnable(state) for _, state in states]
-        gains = [
-            (state, parameters["far_field_log_gain"])
-            for (_, state), parameters in zip(states, learned, strict=True)
-            if "far_field_log_gain" in parameters
-        ]
-        tensors = [p for parameters in learned for name, p in parameters.items() if name != "far_field_log_gain"]
-        optimizer = torch.optim.Adam(
-            [
-                {"params": tensors},
-                {"params": [log_gain for _, log_gain in gains], "lr": learning_rate * GAIN_LEARNING_RATE_FACTOR},
-            ],
-            lr=learning_rate,
-        )
-        far_field_parameters = [
-            parameters["far_field_parameter"] for parameters in learned if "far_field_parameter" in parameters
-        ]
-        errors: list[dict[int, float]] = []
-        layer_errors: dict[int, torch.Tensor] = {}
-
-        def match_softmax(state, q, k, v, key_mask, causal):
-            with torch.no_grad():
-                target, _ = softmax_attention(q, k, v, key_mask, causal)  # (B, H, L, D): the source's attention
-            prediction, _ = state.attend(state, q, k, v, key_mask, causal)
-            layer_errors[state.layer_idx] = _relative_error(prediction, target, key_mask)
-            return target
-
-        start, tokens = time.perf_counter(), 0
-        with _hooked(match_softmax):
-            for step in tqdm(range(steps), desc="attention transfer", disable=not progress):
-                batch = batches[step % len(batches)]
-                layer_errors.clear()
-                model(**batch)
-                loss = torch.stack(list(layer_errors.values())).sum()
-                if not loss.requires_grad:
-                    raise ValueError(
-                        "no layer's approximation was in use (the inputs are within the hybrid's exact window, or "
-                        "attention_kernel is 'exact'): train on longer inputs."
-                    )
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                with torch.no_grad():
-                    for parameter in far_field_parameters:
-                        parameter.clamp_(max=MAX_FAR_FIELD_PARAMETER)
-                for state, log_gain in gains:
-                    _use_gain(state, log_gain)
-                errors.append({layer: float(e.detach()) for layer, e in layer_errors.items()})
-                tokens += int(batch["input_ids"].numel())
-                logger.debug("transfer step %d: summed relative error %.4f", step + 1, float(loss.detach()))
+        with _restored_on_failure(states):  # a refused, diverged or interrupted transfer leaves them as they were
+            learned, errors, tokens, start = _train(model, batches, steps, learning_rate, progress, states)
     _record(model, states, learned)
     span = max(1, min(window, len(errors) // 2))  # the first and last spans never overlap
     report = TransferReport(
@@ -291,6 +245,100 @@ def transfer_attention(
     return report
 
 
+def _train(model: nn.Module, batches: list, steps: int, learning_rate: float, progress: bool, states):
+    """:func:`transfer_attention`'s optimisation: returns the learned tensors per state, the per-step errors, the
+    tokens read and the start time."""
+    _centre_on_the_source(model, batches[0], states)
+    learned = [_learnable(state) for _, state in states]
+    gains = [
+        (state, parameters["far_field_log_gain"])
+        for (_, state), parameters in zip(states, learned, strict=True)
+        if "far_field_log_gain" in parameters
+    ]
+    tensors = [p for parameters in learned for name, p in parameters.items() if name != "far_field_log_gain"]
+    optimizer = torch.optim.Adam(
+        [
+            {"params": tensors},
+            {"params": [log_gain for _, log_gain in gains], "lr": learning_rate * GAIN_LEARNING_RATE_FACTOR},
+        ],
+        lr=learning_rate,
+    )
+    far_field_parameters = [
+        parameters["far_field_parameter"] for parameters in learned if "far_field_parameter" in parameters
+    ]
+    errors: list[dict[int, float]] = []
+    layer_errors: dict[int, torch.Tensor] = {}
+
+    def match_softmax(state, attend, q, k, v, key_mask, causal, window):
+        with torch.no_grad():  # (B, H, L, D): the source's attention (within Mistral's window, where it has one)
+            target, _ = softmax_attention(q, k, v, key_mask, causal, window=window)
+        prediction, _ = attend(q, k, v, key_mask, causal)  # the method as the model runs it
+        layer_errors[state.layer_idx] = _relative_error(prediction, target, key_mask)
+        return target
+
+    start, tokens = time.perf_counter(), 0
+    with _hooked(match_softmax):
+        for step in tqdm(range(steps), desc="attention transfer", disable=not progress):
+            batch = batches[step % len(batches)]
+            layer_errors.clear()
+            model(**batch)
+            loss = torch.stack(list(layer_errors.values())).sum()
+            if not loss.requires_grad:
+                raise ValueError(
+                    "no layer's approximation was in use (the inputs are within the hybrid's exact window, or "
+                    "attention_kernel is 'exact'): train on longer inputs."
+                )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            with torch.no_grad():
+                for parameter in far_field_parameters:
+                    parameter.clamp_(max=MAX_FAR_FIELD_PARAMETER)
+            used_gains = [log_gain.exp() for _, log_gain in gains]  # a gain of 0 or inf stops the far field
+            if not all(bool(torch.isfinite(t).all()) for t in (loss, *tensors, *used_gains)) or not all(
+                bool((gain > 0).all()) for gain in used_gains
+            ):
+                raise ValueError(
+                    f"attention transfer diverged at step {step + 1} (a loss or a learned tensor is not finite): "
+                    f"lower learning_rate (it was {learning_rate})."
+                )
+            for state, log_gain in gains:
+                _use_gain(state, log_gain)
+            errors.append({layer: float(e.detach()) for layer, e in layer_errors.items()})
+            tokens += int(batch["input_ids"].numel())
+            logger.debug("transfer step %d: summed relative error %.4f", step + 1, float(loss.detach()))
+    return learned, errors, tokens, start
+
+
+_RESTORED_BUFFERS = ("projection", "query_center", "key_center")  # what the transfer may turn into parameters
+_RESTORED_VALUES = ("far_field_parameter", "far_field_gain")  # and the plain values it replaces
+
+
+@contextmanager
+def _restored_on_failure(states):
+    """The states' learnable tensors and values as they were, should the block raise (a refusal, a diverged loss, an
+    interruption): a retry starts from the model the user had."""
+    saved = [
+        (
+            state,
+            {name: state._buffers[name].clone() for name in _RESTORED_BUFFERS if state._buffers.get(name) is not None},
+            {name: getattr(state, name) for name in _RESTORED_VALUES if hasattr(state, name)},
+        )
+        for _, state in states
+    ]
+    try:
+        yield
+    except BaseException:
+        for state, buffers, values in saved:
+            for name, tensor in buffers.items():
+                state._parameters.pop(name, None)
+                state.register_buffer(name, tensor, persistent=True)
+            for name, value in values.items():
+                state._parameters.pop(name, None)
+                setattr(state, name, value)
+        raise
+
+
 @torch.no_grad()
 def _centre_on_the_source(model: nn.Module, batch: dict[str, torch.Tensor], states) -> None:
     """Start the hybrid's fixed centres at the source's mean scaled query and key per head on ``batch``
@@ -300,9 +348,9 @@ def _centre_on_the_source(model: nn.Module, batch: dict[str, torch.Tensor], stat
         return
     means = {}
 
-    def record_means(state, q, k, v, key_mask, causal):
+    def record_means(state, attend, q, k, v, key_mask, causal, window):
         means[state.layer_idx] = fixed_centres(q.float(), k.float(), key_mask)  # (H, d) each
-        return softmax_attention(q, k, v, key_mask, causal)[0]
+        return softmax_attention(q, k, v, key_mask, causal, window=window)[0]
 
     with _hooked(record_means):
         model(**batch)

@@ -57,8 +57,10 @@ Tensor = torch.Tensor
 
 
 # Set by attention transfer (``attention_transfer.py``) while it trains the methods' parameters: called as
-# ``hook(state, q, k, v, key_mask, causal)`` on the prepared inputs, it returns the context (B, H, L, D) the
-# model continues with (the source's own attention, so every layer learns from the source's inputs).
+# ``hook(state, attend, q, k, v, key_mask, causal, window)`` on the prepared inputs (``attend(q, k, v, key_mask,
+# causal)``: the method as the model runs it; ``window``: the model's sliding window, or None), it returns the
+# context (B, H, L, D) the model continues with (the source's own attention, so every layer learns from the
+# source's inputs).
 TRANSFER_HOOK: ContextVar[Callable | None] = ContextVar("performer_transfer_hook", default=None)
 
 
@@ -160,7 +162,7 @@ def _performer_attention(implementation: str):
         if causal and key_mask is not None and key.shape[2] == key_mask.shape[1]:  # keys from the first on
             attend = sinks_first(attend, _global_tokens(state), key_mask, query.shape[2])
         if transfer is not None:
-            context = transfer(state, query, key, value, key_mask, causal)
+            context = transfer(state, attend, query, key, value, key_mask, causal, kwargs.get("sliding_window"))
         elif state.attention_method == "exact":
             window = kwargs.get("sliding_window")  # Mistral's, where its config names one
             context, _ = softmax_attention(
