@@ -307,6 +307,22 @@ def test_beam_search_decodes_from_the_methods_state(arch, method, tmp_path):
         torch.testing.assert_close(plain.sequences_scores, uncached.sequences_scores, rtol=1e-5, atol=1e-5)
 
 
+def test_beam_search_refuses_sliding_window_rows_it_cannot_tell_apart(tmp_path):
+    """A Mistral whose window (6) is shorter than the prompts keeps only their last 5 keys before beam search
+    reorders them: two prompts ending alike (layer 0's keys are the tokens' at their positions) gave one row the
+    other's state, other tokens and scores without a word. Refused with the fix, which decodes as each row alone."""
+    config = transformers.MistralConfig(**{**DECODERS["mistral"].to_dict(), "sliding_window": 6})
+    _, folder = _source(config, tmp_path)
+    model = _load(folder, "performer")
+    prompts = torch.cat([_ids(2, 22), _ids(1, 8, seed=5).expand(2, 8)], dim=1)  # the same last 8 tokens
+    options = dict(max_new_tokens=4, num_beams=3, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    with pytest.raises(ValueError, match="share those keys but not the earlier ones.*PerformerCache"):
+        model.generate(prompts, **options)
+    given = model.generate(prompts, **options, **{CACHE_KEYWORD: PerformerCache(model.config)})
+    alone = model.generate(prompts[1:], **options, **{CACHE_KEYWORD: PerformerCache(model.config)})
+    assert torch.equal(given.sequences[1], alone.sequences[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_key_digests_find_each_rows_keys_and_nothing_else(dtype):
     """The rows of a reordered copy of some keys (beam search's) are matched to the rows holding the same keys, in

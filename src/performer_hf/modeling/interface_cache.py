@@ -196,7 +196,9 @@ def _key_digests(keys: Tensor, tails) -> dict[int, Tensor]:
 
 def _matching_rows(held: Tensor, digests: dict[int, Tensor]) -> Tensor | None:
     """For each row of ``held`` (B', H, n, D), the row of the keys that ``digests`` (:func:`_key_digests`) stand for
-    that holds the same keys, (B',) int64; None when some row has none."""
+    that holds the same keys, (B',) int64; None when some row has none. ``held`` may be the tail of those keys (a
+    sliding-window layer keeps its last ones): rows alike there but not before it are refused (ValueError), as the
+    state of either could be the other's."""
     n = held.shape[-2]
     if n not in digests:
         return None
@@ -204,7 +206,16 @@ def _matching_rows(held: Tensor, digests: dict[int, Tensor]) -> Tensor | None:
     same = (ours[:, None, :] == digests[n].to(ours.device)[None]).all(dim=-1)  # (B', B)
     if not bool(same.any(dim=1).all()):
         return None
-    return same.to(torch.int8).argmax(dim=1)
+    rows = same.to(torch.int8).argmax(dim=1)
+    whole = digests[max(digests)].to(ours.device)  # (B, 2): the rows' whole keys
+    if n < max(digests) and not bool(((whole[None] == whole[rows][:, None]).all(dim=-1) | ~same).all()):
+        raise ValueError(
+            f"the cache was reordered (beam search) after its sliding-window layers had dropped all but the last {n} "
+            "keys, and some prompts of the batch share those keys but not the earlier ones, so the method's decoding "
+            f"state cannot be told apart: pass {CACHE_KEYWORD}=PerformerCache(model.config) (performer_hf), whose "
+            "layers hold the state from the first token."
+        )
+    return rows
 
 
 def _position_terms(keys: Tensor) -> Tensor:
