@@ -27,18 +27,24 @@ def sinks_first(attend: Callable, count: int, key_mask: Tensor | None, query_len
     """``attend(q, k, v, key_mask, *args)`` (-> (context, ...)) over keys whose left-padded rows have their first
     ``count`` real keys moved in front of the pads, where the ``key_mask`` (B, Lk) covers every key from the first
     and the moved keys lie before the call's ``query_length`` queries, or the queries move with them (they are the
-    keys' own tokens); ``attend`` itself otherwise."""
-    if not count or key_mask is None or torch.compiler.is_compiling():
-        return attend
-    order = _order(key_mask, count)
-    if order is None:
+    keys' own tokens); ``attend`` itself otherwise. Traced (``torch.compile``), a call whose queries are its keys'
+    tokens takes the order whatever the padding (the identity for a row that starts with a real token: no host
+    read); a call after cached keys is left as it is."""
+    if not count or key_mask is None:
         return attend
     length = key_mask.shape[1]
     whole = query_length == length  # the queries are the keys' tokens: they move alike
-    if not whole and not bool(
-        (order[:, length - query_length :] == torch.arange(length - query_length, length, device=order.device)).all()
-    ):
-        return attend  # a row whose first real keys come after the earliest query: left as it is
+    if torch.compiler.is_compiling():
+        if not whole:
+            return attend
+        order = _order_of(key_mask.bool(), count)
+    else:
+        order = _order(key_mask, count)
+        if order is None:
+            return attend
+        after = torch.arange(length - query_length, length, device=order.device)
+        if not whole and not bool((order[:, length - query_length :] == after).all()):
+            return attend  # a row whose first real keys come after the earliest query: left as it is
 
     def attend_in_order(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *args, **kwargs):
         keys = order[:, None, :, None]  # (B, 1, Lk, 1)
@@ -55,19 +61,22 @@ def sinks_first(attend: Callable, count: int, key_mask: Tensor | None, query_len
 
 
 def _order(key_mask: Tensor, count: int) -> Tensor | None:
-    """(B, Lk) int64: each row's first ``min(count, its real keys)`` real keys (from its first real position on), then
-    its pads and the rest in order; None when no row starts with a pad."""
+    """:func:`_order_of` the mask, None when no row starts with a pad; read once per mask and version."""
     current = None if key_mask.is_inference() else key_mask._version
     version, order = _ORDERS.get(key_mask, (None, None))
     if current is not None and version == current:
         return order
     real = key_mask.bool()
-    order = None
-    if not bool(real[:, 0].all()):
-        B, length = real.shape
-        pads = real.int().argmax(dim=1)[:, None]  # (B, 1): the first real key's position (0 for an empty row)
-        moved = real.sum(dim=1, keepdim=True).clamp(max=count)  # (B, 1)
-        i = torch.arange(length, device=real.device)[None]  # (1, Lk)
-        order = torch.where(i < moved, pads + i, torch.where(i < pads + moved, i - moved, i))
+    order = None if bool(real[:, 0].all()) else _order_of(real, count)
     _ORDERS[key_mask] = (current, order)
     return order
+
+
+def _order_of(real: Tensor, count: int) -> Tensor:
+    """(B, Lk) int64: each row of ``real`` (B, Lk) bool in the order that puts its first ``min(count, its real
+    keys)`` real keys (from its first real position on) in front, then its pads and the rest."""
+    length = real.shape[1]
+    pads = real.int().argmax(dim=1)[:, None]  # (B, 1): the first real key's position (0 for an empty row)
+    moved = real.sum(dim=1, keepdim=True).clamp(max=count)  # (B, 1)
+    i = torch.arange(length, device=real.device)[None]  # (1, Lk)
+    return torch.where(i < moved, pads + i, torch.where(i < pads + moved, i - moved, i))
