@@ -202,6 +202,26 @@ def test_transfer_starts_the_centres_at_the_sources_mean_query_and_key(tmp_path)
     assert len(captured) == 2 and learned.query_center.abs().max() > 0
 
 
+@pytest.mark.parametrize("root", ["transferred", "untransferred"])
+def test_a_favor_transfer_in_a_subfolder_does_not_run_its_roots_tensors(root, tmp_path):
+    """FAVOR+ transfer trains the projection alone, and the subfolder check compared the far field's settings: a
+    model loaded from a subfolder ran the root's tensors (3.6e-3 from its own logits), or, under an untransferred
+    root, was told to save again. Each transfer's config records a digest of its tensors."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    for name, steps in (("root", 2), ("root/later", 6)):
+        model = _load(folder, "performer")
+        if name == "root/later" or root == "transferred":
+            performer_hf.transfer_attention(model, _batches(), steps=steps, learning_rate=1e-2, progress=False)
+        performer_hf.ship_remote_code(model).save_pretrained(tmp_path / name)
+    with pytest.raises(ValueError, match="is not the one it was loaded from .* trust_remote_code=True"):
+        with torch.no_grad():
+            AutoModelForCausalLM.from_pretrained(tmp_path / "root", subfolder="later")(_ids(1, 40))
+    with torch.no_grad():  # from its own path, the same model loads its own tensors
+        own = AutoModelForCausalLM.from_pretrained(tmp_path / "root/later")(_ids(1, 40)).logits
+        remote = AutoModelForCausalLM.from_pretrained(tmp_path / "root", subfolder="later", trust_remote_code=True)
+        torch.testing.assert_close(remote(_ids(1, 40)).logits, own, rtol=0, atol=0)
+
+
 def test_trained_tensors_reach_every_copy_and_only_their_own_checkpoints_model(tmp_path, caplog):
     """A transferred model saved before its first forward kept no trained tensors (ship_remote_code, the README's
     fix, and a trust_remote_code load, saved again: the copy failed at its first forward); one loaded from a

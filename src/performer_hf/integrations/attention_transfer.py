@@ -42,8 +42,10 @@ from ..modeling.attention_interface import TRANSFER_HOOK
 from ..modeling.attention_settings import (
     CONFIG_ATTRIBUTE,
     LEARNED_ATTRIBUTE,
+    LEARNED_DIGEST_ATTRIBUTE,
     LEARNED_SUBMODULE,
     METHOD_STATE_ATTRIBUTE,
+    learned_digest,
     mark_current,
 )
 from ..modeling.far_fields import get_far_field
@@ -391,6 +393,7 @@ def _record(model: nn.Module, states, learned: list[dict[str, nn.Parameter]]) ->
                 settings[field] = [per_layer[field].get(i, _row(default, neutral, i, heads)) for i in layers]
         setattr(config, CONFIG_ATTRIBUTE, settings)
     setattr(config, LEARNED_ATTRIBUTE, True)
+    setattr(config, LEARNED_DIGEST_ATTRIBUTE, learned_digest([state for _, state in states]))
     for _, state in states:  # the settings changed on purpose: keep the learned states
         mark_current(state, config, config._attn_implementation, state.performer_key[1])
 

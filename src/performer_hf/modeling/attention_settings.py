@@ -16,6 +16,7 @@ it (not a submodule: the model's weights stay the source's): the random projecti
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import re
@@ -268,6 +269,20 @@ def _fits(state: AttentionMethodState, tensors: dict[str, torch.Tensor]) -> bool
 
 
 LEARNED_ATTRIBUTE = "performer_learned_attention"
+LEARNED_DIGEST_ATTRIBUTE = "performer_learned_digest"  # which trained tensors the config goes with
+
+
+def learned_digest(states) -> str:
+    """A digest of the trained tensors of ``states`` (method states, any order): the config records it, so that a
+    checkpoint's tensors are known to be the ones its config was saved with."""
+    digest = hashlib.sha256()
+    for state in sorted(states, key=lambda state: state.layer_idx):
+        for name, tensor in sorted(state.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().to("cpu", torch.float32).contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 _REPORTED_CHECKPOINTS: set[str] = set()
 LEARNED_SUBMODULE = "performer_attention"
 
@@ -310,15 +325,20 @@ def _check_same_checkpoint(config) -> None:
     it would run with the tensors of the checkpoint at the path's root, or of its main revision."""
     from transformers.utils import cached_file
 
-    with open(cached_file(str(config._name_or_path), "config.json")) as handle:
-        saved = json.load(handle).get(CONFIG_ATTRIBUTE) or {}
-    own = getattr(config, CONFIG_ATTRIBUTE, None) or {}
-    if any(name in saved and name in own and saved[name] != own[name] for name in _TRAINED_SETTINGS):
+    try:
+        with open(cached_file(str(config._name_or_path), "config.json")) as handle:
+            checkpoint = json.load(handle)
+    except (OSError, ValueError):  # out of reach now: reading its tensors says so
+        return
+    saved, own = checkpoint.get(CONFIG_ATTRIBUTE) or {}, getattr(config, CONFIG_ATTRIBUTE, None) or {}
+    digest = getattr(config, LEARNED_DIGEST_ATTRIBUTE, None)  # (configs saved before it: the settings alone)
+    other_tensors = digest is not None and checkpoint.get(LEARNED_DIGEST_ATTRIBUTE) != digest
+    if other_tensors or any(name in saved and name in own and saved[name] != own[name] for name in _TRAINED_SETTINGS):
         raise ValueError(
             f"this model's trained attention tensors are read from its checkpoint at the first forward, but the "
             f"checkpoint at {config._name_or_path!r} is not the one it was loaded from (another subfolder or "
-            "revision: its trained settings differ). Load it with trust_remote_code=True (the folder's class loads "
-            "the trained tensors with the weights), or from the checkpoint folder's own path."
+            "revision: its trained tensors or settings differ). Load it with trust_remote_code=True (the folder's "
+            "class loads the trained tensors with the weights), or from the checkpoint folder's own path."
         )
 
 
@@ -332,6 +352,7 @@ def _checkpoint_tensors(config, layer_idx: int) -> dict[str, torch.Tensor]:
             "its folder is (or keep the folder until the model has run once)."
         ) from error
     if not tensors:
+        _check_same_checkpoint(config)  # a subfolder's model under an untransferred root: that says so
         raise ValueError(
             f"config.{LEARNED_ATTRIBUTE} says this model's attention parameters were trained, but its checkpoint "
             f"({config._name_or_path!r}) holds no '{LEARNED_SUBMODULE}' tensors. Save the model with save_pretrained "
