@@ -106,6 +106,19 @@ def test_decoder_forward_is_finite_causal_and_ignores_padding(arch, implementati
     torch.testing.assert_close(padded[0], logits[0], atol=1e-5, rtol=1e-5)
 
 
+def _assert_the_padded_row_is_itself_alone(padded_model, model, ids, pads: int) -> torch.Tensor:
+    """``padded_model``'s logits for row 1 of ``ids`` left-padded by ``pads`` (positions counted from its first real
+    token, as generate counts them) against ``model``'s for the row alone; returns the padding mask."""
+    mask = torch.ones_like(ids)
+    mask[1, :pads] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        padded = padded_model(ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        alone = model(ids[1:, pads:], use_cache=False).logits
+    torch.testing.assert_close(padded[1, pads:], alone[0], atol=1e-5, rtol=1e-5)
+    return mask
+
+
 @pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
 @pytest.mark.parametrize("arch", list(DECODERS))
 def test_a_left_padded_row_computes_what_it_does_alone(arch, implementation, tmp_path):
@@ -117,13 +130,7 @@ def test_a_left_padded_row_computes_what_it_does_alone(arch, implementation, tmp
     _, folder = _source(DECODERS[arch], tmp_path)
     model = _load(folder, implementation, **SHORT_WINDOW[implementation])
     ids, pads = _ids(2, 48), 8
-    mask = torch.ones_like(ids)
-    mask[1, :pads] = 0
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        padded = model(ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-        alone = model(ids[1:, pads:], use_cache=False).logits
-    torch.testing.assert_close(padded[1, pads:], alone[0], atol=1e-5, rtol=1e-5)
+    mask = _assert_the_padded_row_is_itself_alone(model, model, ids, pads)
     options = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
     batch = model.generate(ids, attention_mask=mask, **options)
     single = model.generate(ids[1:, pads:], **options)
@@ -433,15 +440,7 @@ def test_a_compiled_model_gives_left_padded_rows_their_own_global_tokens(impleme
     outputs other than eager ones (the hybrid 4.7e-3, the sparse method 7.9e-2 from the row alone)."""
     _, folder = _source(DECODERS["llama"], tmp_path)
     model = _load(folder, implementation, **{**SHORT_WINDOW[implementation], "num_global_tokens": 4})
-    compiled = torch.compile(model, backend="aot_eager")
-    ids, pads = _ids(2, 40), 8
-    mask = torch.ones_like(ids)
-    mask[1, :pads] = 0
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        padded = compiled(ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-        alone = model(ids[1:, pads:], use_cache=False).logits
-    torch.testing.assert_close(padded[1, pads:], alone[0], atol=1e-5, rtol=1e-5)
+    _assert_the_padded_row_is_itself_alone(torch.compile(model, backend="aot_eager"), model, _ids(2, 40), 8)
 
 
 @pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
