@@ -622,6 +622,12 @@ def markdown(payload: dict) -> str:
             else "## Peak extra resident memory (MB: what a step needed beyond the resident set at its start)",
             "",
         ]
+        if s["device"] != "cuda":  # the arms share one process: a later one's peak hides in what an earlier one freed
+            lines += [
+                "Every arm ran in this one process, so an arm's peak can hide in the heap an earlier arm left: these "
+                "figures are not comparable between arms (`speed.py` and `long_context.py` measure each arm alone).",
+                "",
+            ]
         for kind in s["models"]:
             for mode in modes:
                 lines += [
