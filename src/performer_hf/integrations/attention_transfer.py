@@ -297,9 +297,9 @@ def _train(model: nn.Module, batches: list, steps: int, learning_rate: float, pr
                 for parameter in far_field_parameters:
                     parameter.clamp_(max=MAX_FAR_FIELD_PARAMETER)
             used_gains = [log_gain.exp() for _, log_gain in gains]  # a gain of 0 or inf stops the far field
-            if not all(bool(torch.isfinite(t).all()) for t in (loss, *tensors, *used_gains)) or not all(
-                bool((gain > 0).all()) for gain in used_gains
-            ):
+            healthy = [torch.isfinite(t).all() for t in (loss, *tensors, *used_gains)]
+            healthy += [(gain > 0).all() for gain in used_gains]
+            if not bool(torch.stack(healthy).all()):  # one read of the device per step
                 raise ValueError(
                     f"attention transfer diverged at step {step + 1} (a loss or a learned tensor is not finite): "
                     f"lower learning_rate (it was {learning_rate})."

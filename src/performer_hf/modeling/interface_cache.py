@@ -20,6 +20,7 @@ before.
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from typing import NamedTuple
 
@@ -190,8 +191,8 @@ def _key_digests(keys: Tensor, tails) -> dict[int, Tensor]:
     """Two digests of the bits of each row's last ``n`` keys of ``keys`` (B, H, L, D), for each ``n`` of
     ``tails``: {n: (B, 2) int64}. Integer arithmetic modulo a prime, so equal keys give equal digests whatever the
     batch around them or the order of the sums; other keys, the same ones with probability about 2**-62."""
-    terms = torch.cat([_position_terms(chunk) for chunk in keys.detach().split(_POSITION_CHUNK, dim=2)], dim=1)
-    return {n: _digest(terms[:, terms.shape[1] - n :]) for n in tails}  # terms: (B, L, 2)
+    terms = _position_terms(keys)  # (B, L, 2)
+    return {n: _digest(terms[:, terms.shape[1] - n :]) for n in tails}
 
 
 def _matching_rows(held: Tensor, digests: dict[int, Tensor]) -> Tensor | None:
@@ -202,7 +203,7 @@ def _matching_rows(held: Tensor, digests: dict[int, Tensor]) -> Tensor | None:
     n = held.shape[-2]
     if n not in digests:
         return None
-    ours = _digest(torch.cat([_position_terms(chunk) for chunk in held.detach().split(_POSITION_CHUNK, dim=2)], 1))
+    ours = _digest(_position_terms(held))
     same = (ours[:, None, :] == digests[n].to(ours.device)[None]).all(dim=-1)  # (B', B)
     if not bool(same.any(dim=1).all()):
         return None
@@ -219,7 +220,14 @@ def _matching_rows(held: Tensor, digests: dict[int, Tensor]) -> Tensor | None:
 
 
 def _position_terms(keys: Tensor) -> Tensor:
-    """(B, L, 2) int64 in [0, P): two digests of each position's keys (B, H, L, D) over its heads, from their bits."""
+    """(B, L, 2) int64 in [0, P): two digests of each position's keys (B, H, L, D) over its heads, from their bits,
+    ``_POSITION_CHUNK`` positions at a time."""
+    chunks = keys.detach().split(_POSITION_CHUNK, dim=2)
+    return torch.cat([_chunk_terms(chunk) for chunk in chunks], dim=1)
+
+
+def _chunk_terms(keys: Tensor) -> Tensor:
+    """:func:`_position_terms` of keys (B, H, L, D) at once."""
     B, H, L, D = keys.shape
     integer = {2: torch.int16, 4: torch.int32, 8: torch.int64}[keys.element_size()]
     bits = keys.view(integer).to(torch.int64)  # (B, H, L, D), |bits| < 2**31 for 2- and 4-byte keys
@@ -247,8 +255,9 @@ def _digest(terms: Tensor) -> Tensor:
     return (terms * position_weights).remainder(_MODULUS).sum(dim=1).remainder(_MODULUS)
 
 
-def _weights(shape, device) -> Tensor:
-    """Fixed pseudo-random weights in [1, 2**23), the same at every call."""
+@functools.cache
+def _weights(shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """Fixed pseudo-random weights in [1, 2**23), the same at every call (drawn once per shape and device)."""
     generator = torch.Generator().manual_seed(20261130)
     return torch.randint(1, 2**23, shape, generator=generator, dtype=torch.int64).to(device)
 

@@ -5,6 +5,7 @@ covers every key, they compute softmax attention with SDPA instead; in a padded 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -75,9 +76,7 @@ def exact_is_enough(module: nn.Module, q: torch.Tensor, causal: bool, layer_cach
     return spec is not None and spec.covers(length, causal)
 
 
-# per padding mask (the model passes one tensor to every layer): its rows' real lengths and the span of their real
-# tokens, read once per forward rather than once per layer (on a GPU each read waits for the device), with the
-# mask's version (a mask edited in place is read again)
+# per padding mask: its rows' real lengths and the span of their real tokens (:func:`read_per_mask`)
 _ROW_SPANS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -114,18 +113,28 @@ def exact_or_approximate(
     return context, None
 
 
+def read_per_mask(store: WeakIdKeyDictionary, key_mask: torch.Tensor, read: Callable[[torch.Tensor], Any]) -> Any:
+    """``read(key_mask)``, kept in ``store`` for that mask tensor and its version (a mask edited in place is read
+    again; an inference tensor, which has no version counter, each time): the model passes one mask to every layer,
+    so a forward reads it once, not once per layer (on a GPU each read waits for the device)."""
+    current = None if key_mask.is_inference() else key_mask._version
+    version, value = store.get(key_mask, (None, None))
+    if current is None or version != current:
+        value = read(key_mask)
+        store[key_mask] = (current, value)
+    return value
+
+
 def _row_spans(key_mask: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
     """The real tokens of each row of ``key_mask`` (B, L): their count, the first's and the last's index (-1 where
     the row has none), read once per mask and version."""
-    # an inference tensor has no version counter: read each time
-    current = None if key_mask.is_inference() else key_mask._version
-    version, spans = _ROW_SPANS.get(key_mask, (None, None))
-    if current is None or version != current:  # first read, or the mask was edited in place since
-        length = key_mask.shape[1]
-        real = key_mask.bool()
-        counts = real.sum(dim=1)  # (B,)
-        firsts = torch.where(counts > 0, real.int().argmax(dim=1), length)  # (B,)
-        lasts = torch.where(counts > 0, length - 1 - real.flip(1).int().argmax(dim=1), -1)  # (B,)
-        spans = tuple(torch.stack([counts, firsts, lasts]).tolist())
-        _ROW_SPANS[key_mask] = (current, spans)
-    return spans
+    return read_per_mask(_ROW_SPANS, key_mask, _read_row_spans)
+
+
+def _read_row_spans(key_mask: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+    length = key_mask.shape[1]
+    real = key_mask.bool()
+    counts = real.sum(dim=1)  # (B,)
+    firsts = torch.where(counts > 0, real.int().argmax(dim=1), length)  # (B,)
+    lasts = torch.where(counts > 0, length - 1 - real.flip(1).int().argmax(dim=1), -1)  # (B,)
+    return tuple(torch.stack([counts, firsts, lasts]).tolist())

@@ -44,8 +44,8 @@ def sparse_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None
             "filled with gradients enabled or by another model, a quantized cache, or assisted / prompt-lookup "
             "decoding's (which keeps keys to roll back draft tokens; the method's state cannot give tokens back). "
             "Fill the cache under torch.no_grad() and continue with the one that call returned (plain generate() "
-            "does), pass "
-            "cache=PerformerCache(model.config) (performer_hf), or set select_budget=0 and select_blocks > 0."
+            "does), pass cache=PerformerCache(model.config) (performer_hf), or set select_budget=0 and "
+            "select_blocks > 0."
         )
     return sparse_attention(q, k, v, spec, key_mask), None  # a key/value cache's keys are read in place
 

@@ -107,7 +107,8 @@ class PerformerPreTrainedModel(PreTrainedModel):
         if asked and pretrained_model_name_or_path is not None:  # (None: weights given as a state dict)
             hub = {name: kwargs[name] for name in cls._HUB_ARGUMENTS if name in kwargs}
             saved, _ = cls.config_class.get_config_dict(pretrained_model_name_or_path, **hub)
-            saved = {name: saved.get(name, getattr(cls.config_class(), name)) for name in asked}
+            defaults = cls.config_class()
+            saved = {name: saved.get(name, getattr(defaults, name)) for name in asked}
             changed = {name: value for name, value in asked.items() if value != saved[name]}
         if "nb_features" in changed and not kwargs.get("ignore_mismatched_sizes"):
             raise ValueError(
@@ -279,7 +280,7 @@ class PerformerModel(PerformerPreTrainedModel):
             use_cache = self.config.use_cache and not self.training
         if (use_cache or cache is not None) and self.encoder.gradient_checkpointing and self.training:
             # the backward replay of a checkpointed layer would update the cache a second time
-            logger.warning("A cache is incompatible with gradient checkpointing in training; not using one.")
+            logger.warning_once("A cache is incompatible with gradient checkpointing in training; not using one.")
             use_cache, cache = False, None
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)

@@ -17,9 +17,11 @@ from collections.abc import Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .method_exact import read_per_mask
+
 Tensor = torch.Tensor
 
-# key_mask -> (its version, the order or None): one host read per mask (every layer of a forward shares it)
+# per padding mask: {count: the order or None} (:func:`.read_per_mask`: one host read per forward, not per layer)
 _ORDERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -61,15 +63,12 @@ def sinks_first(attend: Callable, count: int, key_mask: Tensor | None, query_len
 
 
 def _order(key_mask: Tensor, count: int) -> Tensor | None:
-    """:func:`_order_of` the mask, None when no row starts with a pad; read once per mask and version."""
-    current = None if key_mask.is_inference() else key_mask._version
-    version, order = _ORDERS.get(key_mask, (None, None))
-    if current is not None and version == current:
-        return order
-    real = key_mask.bool()
-    order = None if bool(real[:, 0].all()) else _order_of(real, count)
-    _ORDERS[key_mask] = (current, order)
-    return order
+    """:func:`_order_of` the mask, None when no row starts with a pad; read once per mask, version and count."""
+    orders = read_per_mask(_ORDERS, key_mask, lambda mask: {})  # count -> order, for this version of the mask
+    if count not in orders:
+        real = key_mask.bool()
+        orders[count] = None if bool(real[:, 0].all()) else _order_of(real, count)
+    return orders[count]
 
 
 def _order_of(real: Tensor, count: int) -> Tensor:
