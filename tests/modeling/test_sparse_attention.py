@@ -350,6 +350,37 @@ def test_bfloat16_runs_and_stays_close_to_float32():
     torch.testing.assert_close(out.float(), expected, rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "pytorch"])
+def test_float32_with_logits_hundreds_apart_matches_the_reference(monkeypatch, compiled):
+    """Logits about 100 apart from head to head (|q . k| / sqrt(d) up to ~400): a head whose largest logit lies in a
+    block its group did not choose had every exponential of its support under that logit vanish (0 / 0: NaN, and
+    NaN gradients), and a group ranked under one shift lost the blocks of its lower head (another head's blocks
+    6.2 apart in a decoding step). Float32, in the compiled kernels and in PyTorch: a whole call, one decoding step
+    on a key/value cache, a prefill then decoding with a state, and the gradients, against the float64 reference."""
+    if not compiled:
+        monkeypatch.setattr(sparse_attention_module, "_cpu_kernels", lambda *tensors: None)
+    spec = SPECS["window+globals+select"]
+    q, k, v, mask = _inputs()
+    q, k, v = (q * 5).float(), (k * 5).float(), v.float()
+    expected = reference_sparse(q.double(), k.double(), v.double(), spec, mask).float()
+    real = mask[:, None, :, None]
+    close = {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(sparse_attention(q, k, v, spec, mask) * real, expected * real, **close)
+    steps = [sparse_attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], spec, mask[:, : t + 1])
+             for t in range(40, 61)]  # fmt: skip
+    torch.testing.assert_close(torch.cat(steps, dim=2) * real[:, :, 40:61], expected[:, :, 40:61] * real[:, :, 40:61])
+    contexts, state = [], None
+    for lo, hi in [(0, 30), *((t, t + 1) for t in range(30, 61))]:
+        part = (t[:, :, lo:hi] for t in (q, k, v))
+        context, state = sparse_attention(*part, spec, mask[:, lo:hi], state=state, return_state=True)
+        contexts.append(context)
+    torch.testing.assert_close(torch.cat(contexts, dim=2) * real[:, :, :61], expected[:, :, :61] * real[:, :, :61])
+    ours, theirs = (_gradients(f, spec, q, k, v, mask) for f in (sparse_attention, reference_sparse))
+    for got, want in zip(ours, theirs, strict=True):
+        scale = want.abs().max()
+        torch.testing.assert_close(got / scale, want / scale, **close)
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

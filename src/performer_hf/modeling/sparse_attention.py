@@ -499,21 +499,27 @@ def _attend_forward(queries: Tensor, parts, candidates, spec: SparseSpec):
             logits.append(part.masked_fill_(~visible[:, :, None], NEG_INF))
             values.append(part_values)
     window = len(logits) - 1  # the window, never empty (every query sees itself), is the last part read whole
-    pool_keys, pool_values, pool_mask = candidates
-    selecting = pool_keys.shape[2] and spec.select_blocks
-    if selecting:
-        part = (flat @ pool_keys.transpose(-1, -2)).unflatten(2, (G, nq))  # (B, Hkv, G, nq, N * block)
-        logits.append(_hide(part, pool_mask[:, :, None, None]))
-    # one softmax over every part: a shared maximum per query and head, each part's exponentials and values
+    # one softmax over what each query reads: a shared shift per query and head, the largest of its logits there (not
+    # over every candidate: a head whose largest logit lies in a block its group did not choose would see every
+    # exponential of its support vanish, 0 / 0), each part's exponentials and values
     peak = logits[0].amax(dim=-1, keepdim=True)
     for part in logits[1:]:
         peak = torch.maximum(peak, part.amax(dim=-1, keepdim=True))  # (B, Hkv, G, nq, 1)
     dtype = torch.promote_types(peak.dtype, torch.float32)
     peak = peak.to(dtype)
-    weights = [part.to(dtype).sub_(peak).exp_() for part in logits]  # in place where part is in dtype already
+    pool_keys, pool_values, pool_mask = candidates
     chosen = queries.new_empty(0, dtype=torch.bool)
+    selecting = pool_keys.shape[2] and spec.select_blocks
     if selecting:
-        weights[-1], pool_values, chosen = _selected(weights[-1], peak, pool_values, spec)
+        pool_logits = (flat @ pool_keys.transpose(-1, -2)).unflatten(2, (G, nq))  # (B, Hkv, G, nq, N * block)
+        pool_logits = _hide(pool_logits, pool_mask[:, :, None, None]).to(dtype)
+        pool_weights, block_peak, pool_values, chosen = _selected(pool_logits, pool_values, spec)
+        peak = torch.maximum(peak, block_peak.amax(dim=-1, keepdim=True))
+        shift = block_peak.sub_(peak).exp_()  # (B, Hkv, G, nq, U): each block's exponentials under the query's shift
+        pool_weights = pool_weights.unflatten(-1, (-1, spec.block_size)).mul_(shift[..., None]).flatten(-2)
+    weights = [part.to(dtype).sub_(peak).exp_() for part in logits]  # in place where part is in dtype already
+    if selecting:
+        weights.append(pool_weights)
         values.append(pool_values)
     total = sum(weight.sum(dim=-1, keepdim=True) for weight in weights)  # >= 1: every query sees itself
     pairs = zip(weights, values, strict=True)
@@ -555,25 +561,32 @@ def _hide(logits: Tensor, visible: Tensor) -> Tensor:
     return logits
 
 
-def _selected(weights: Tensor, peak: Tensor, values: Tensor, spec: SparseSpec):
-    """The pool's exponentials (B, Hkv, G, nq, N * block) kept on each query's ``select_blocks`` blocks of most
-    attention (the exponentials' sum over a block's keys and the query heads of the group, brought under one shift:
-    the order of the log-sum-exp of the logits), with the values (B, Hkv, N * block, Dv), only of the blocks some
-    query chose, and the choice (B, Hkv, nq, N) (every block, when there are no more than ``select_blocks``)."""
-    blocks = weights.unflatten(-1, (-1, spec.block_size))  # (B, Hkv, G, nq, N, block)
-    B, Hkv, _, nq, N, _ = blocks.shape
+def _selected(logits: Tensor, values: Tensor, spec: SparseSpec):
+    """The pool's logits (B, Hkv, G, nq, N * block) -> each query's ``select_blocks`` blocks of most attention (the
+    log-sum-exp of a block's logits over its keys and the query heads of the group). Returns the exponentials of the
+    blocks read, each under its own largest logit (in place of the logits), (B, Hkv, G, nq, U * block); those largest
+    logits (B, Hkv, G, nq, U), -inf where the query did not choose the block (or it hides every key); their values
+    (B, Hkv, U * block, Dv); and the choice (B, Hkv, nq, N) (every block, when there are no more than
+    ``select_blocks``). U: the blocks some query chose (:func:`_union`), or all N."""
+    blocks = logits.unflatten(-1, (-1, spec.block_size))  # (B, Hkv, G, nq, N, block)
+    B, Hkv, G, nq, N, block = blocks.shape
+    block_peak = blocks.amax(dim=-1)  # (B, Hkv, G, nq, N), -inf where every key is hidden
+    finite = torch.finfo(blocks.dtype).min  # a block of hidden keys: exp(-inf - min) = 0, not exp(-inf + inf)
+    weights = blocks.sub_(block_peak.clamp_min(finite)[..., None]).exp_()  # (B, Hkv, G, nq, N, block)
     if N <= spec.select_blocks:
-        return weights, values, torch.ones(B, Hkv, nq, N, dtype=torch.bool, device=weights.device)
-    heads = (peak - peak.amax(dim=2, keepdim=True)).exp()  # (B, Hkv, G, nq, 1): each head's shift against the top
-    score = (blocks.sum(dim=-1) * heads).sum(dim=2)  # (B, Hkv, nq, N)
+        every = torch.ones(B, Hkv, nq, N, dtype=torch.bool, device=blocks.device)
+        return weights.flatten(-2), block_peak, values, every
+    # in log space: under one shift, the blocks of a head whose logits lie far below another head's would all be 0
+    score = (block_peak + weights.sum(dim=-1).log()).logsumexp(dim=2)  # (B, Hkv, nq, N)
     top = score.topk(spec.select_blocks, dim=-1).indices
     chosen = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True)  # (B, Hkv, nq, N)
     union = _union(chosen)
     if union is not None:  # (B, Hkv, U)
-        blocks = blocks.gather(4, union[:, :, None, None, :, None].expand(*blocks.shape[:4], -1, blocks.shape[-1]))
-        values = _gather_blocks(values.unflatten(2, (-1, spec.block_size)), union).flatten(2, 3)
-    chosen_there = chosen if union is None else _chosen_at(chosen, union)
-    return blocks.mul_(chosen_there[:, :, None, :, :, None]).flatten(-2), values, chosen
+        weights = weights.gather(4, union[:, :, None, None, :, None].expand(B, Hkv, G, nq, -1, block))
+        block_peak = block_peak.gather(4, union[:, :, None, None, :].expand(B, Hkv, G, nq, -1))
+        values = _gather_blocks(values.unflatten(2, (-1, block)), union).flatten(2, 3)
+    chosen_there = chosen if union is None else _chosen_at(chosen, union)  # (B, Hkv, nq, U)
+    return weights.flatten(-2), block_peak.masked_fill_(~chosen_there[:, :, None], NEG_INF), values, chosen
 
 
 def _union(chosen: Tensor) -> Tensor | None:

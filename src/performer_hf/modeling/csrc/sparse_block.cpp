@@ -3,7 +3,7 @@
 // global tokens, then its window), from the logits the caller formed, and over the candidate blocks of most
 // attention. The candidates' logits are formed here, a tile of key blocks at a time, so that a tile's product, its
 // maxima and exponentials stay in cache: each block keeps its largest logit, its exponentials under it and their sum.
-// The blocks are ranked by those sums over the query heads of a key/value head (under one shift); then only the
+// The blocks are ranked by their log-sum-exp over the query heads of a key/value head; then only the
 // chosen blocks' exponentials and values are read, each value row once for the group's heads. The PyTorch version
 // writes every candidate's logits, passes over them once per step and reads every candidate's values (a matrix
 // product with zeros where no query chose).
@@ -268,19 +268,49 @@ std::vector<at::Tensor> sparse_block_attend_within(std::vector<at::Tensor> logit
 
   at::parallel_for(0, B * Hkv * nq, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float*> rows(G);
-    std::vector<float> peak(G), total(G), acc(G * Dv), score(N), factor(G), ones(G, 1.0f);
+    std::vector<float> peak(G), total(G), acc(G * Dv), score(N), top(N), factor(G), ones(G, 1.0f);
     std::vector<int64_t> order(N);
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t bh = i / nq, q = i % nq, b = bh / Hkv, h = bh % Hkv;
-      // the hidden keys' logits -inf, then each head's largest logit over every run and candidate block
+      // the hidden keys' logits -inf, then each head's largest logit over the runs
       std::fill(peak.begin(), peak.end(), kHidden);
       for (const BlockRun& run : runs) {
         for (int64_t g = 0; g < G; ++g) rows[g] = run.row(bh, g, q, nq, G);
         hide(rows.data(), G, run.visible(b, h, q), run.keys);
         for (int64_t g = 0; g < G; ++g) peak[g] = row_max(rows[g], run.keys, peak[g]);
       }
-      for (int64_t g = 0; g < G && selecting; ++g)
-        peak[g] = row_max(maxima + ((bh * G + g) * nq + q) * N, N, peak[g]);
+      int64_t kept = 0;
+      if (selecting) {  // the blocks of largest log-sum-exp over their keys and the group's heads
+        // in log space: under one shift, the blocks of a head whose logits lie far below another head's would be 0
+        std::fill(top.begin(), top.end(), kHidden);
+        std::fill(score.begin(), score.end(), 0.0f);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* block_top = maxima + ((bh * G + g) * nq + q) * N;
+          for (int64_t n = 0; n < N; ++n) top[n] = std::max(top[n], block_top[n]);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = (bh * G + g) * nq + q;
+          for (int64_t n = 0; n < N; ++n)  // a block hidden to every head: exp(-inf - -inf), not read below
+            score[n] += sums[r * N + n] * exp_approx(maxima[r * N + n] - top[n]);
+        }
+        for (int64_t n = 0; n < N; ++n) {
+          score[n] = top[n] == kHidden ? kHidden : top[n] + std::log(score[n]);
+          order[n] = n;
+        }
+        kept = N;
+        if (N > select) {  // the select_blocks of largest score
+          std::nth_element(order.begin(), order.begin() + select, order.end(),
+                           [&](int64_t x, int64_t y) { return score[x] > score[y]; });
+          kept = select;
+          std::sort(order.begin(), order.begin() + kept);  // block order: the values read forwards
+        }
+        bool* chose = choice + i * N;
+        std::fill(chose, chose + N, false);
+        for (int64_t j = 0; j < kept; ++j) {  // each head's shift: its largest logit over what it reads
+          chose[order[j]] = true;
+          for (int64_t g = 0; g < G; ++g) peak[g] = std::max(peak[g], maxima[((bh * G + g) * nq + q) * N + order[j]]);
+        }
+      }
       // the runs read whole: their exponentials in place of the logits, summed, and their values weighed
       std::fill(total.begin(), total.end(), 0.0f);
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -291,35 +321,15 @@ std::vector<at::Tensor> sparse_block_attend_within(std::vector<at::Tensor> logit
         }
         weigh_values(runs[r], b, h, rows.data(), ones.data(), G, 0, runs[r].keys, Dv, acc.data());
       }
-      if (selecting) {  // each block's exponentials under the head's peak: exp(block max - peak) times its own
-        const float top = *std::max_element(peak.begin(), peak.end());
-        std::fill(score.begin(), score.end(), 0.0f);
+      for (int64_t g = 0; g < G && selecting; ++g) rows[g] = cand->row(bh, g, q, nq, G);
+      for (int64_t j = 0; j < kept; ++j) {  // the chosen blocks: exp(block max - peak) times their own exponentials
+        const int64_t n = order[j];
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = (bh * G + g) * nq + q;
-          rows[g] = cand->row(bh, g, q, nq, G);
-          for (int64_t n = 0; n < N; ++n)  // the sums over the group's heads under the largest peak
-            score[n] += sums[r * N + n] * exp_approx(maxima[r * N + n] - top);
+          factor[g] = exp_approx(maxima[r * N + n] - peak[g]);  // 0 for a block with every key hidden
+          total[g] += sums[r * N + n] * factor[g];
         }
-        for (int64_t n = 0; n < N; ++n) order[n] = n;
-        int64_t kept = N;
-        if (N > select) {  // the select_blocks of largest score
-          std::nth_element(order.begin(), order.begin() + select, order.end(),
-                           [&](int64_t x, int64_t y) { return score[x] > score[y]; });
-          kept = select;
-          std::sort(order.begin(), order.begin() + kept);  // block order: the values read forwards
-        }
-        bool* chose = choice + i * N;
-        std::fill(chose, chose + N, false);
-        for (int64_t j = 0; j < kept; ++j) {
-          const int64_t n = order[j];
-          chose[n] = true;
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t r = (bh * G + g) * nq + q;
-            factor[g] = exp_approx(maxima[r * N + n] - peak[g]);  // 0 for a block with every key hidden
-            total[g] += sums[r * N + n] * factor[g];
-          }
-          weigh_values(*cand, b, h, rows.data(), factor.data(), G, n * block, (n + 1) * block, Dv, acc.data());
-        }
+        weigh_values(*cand, b, h, rows.data(), factor.data(), G, n * block, (n + 1) * block, Dv, acc.data());
       }
       for (int64_t g = 0; g < G; ++g) {
         float* dst = out + ((bh * G + g) * nq + q) * Dv;

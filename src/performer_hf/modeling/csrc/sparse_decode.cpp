@@ -99,30 +99,39 @@ void run_logits(const float* queries, const Run& run, int64_t b, int64_t h, int6
 }
 
 // The candidate blocks a query group reads: every one when there are at most `select`, else the `select` of most
-// attention (their exponentials summed over their selectable keys, from `skip` on, and the G heads, under one
-// shift). cand: the (G, C) candidate logits, with row stride K.
+// attention (the log-sum-exp of their logits over their selectable keys, from `skip` on, and the G heads: in log
+// space, for under one shift the blocks of a head whose logits lie far below another head's would all be 0).
+// cand: the (G, C) candidate logits, with row stride K.
 std::vector<int64_t> selected_blocks(const float* cand, int64_t G, int64_t K, int64_t C, int64_t block, int64_t skip,
                                      int64_t select) {
   const int64_t N = C / block;
   std::vector<int64_t> blocks(N);
   for (int64_t n = 0; n < N; ++n) blocks[n] = n;
   if (N <= select) return blocks;
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t g = 0; g < G; ++g) {
-    const float* row = cand + g * K;
-#pragma omp simd reduction(max : top)
-    for (int64_t t = skip; t < C; ++t) top = std::max(top, row[t]);
-  }
-  std::vector<float> score(N, 0.0f);
-  for (int64_t g = 0; g < G && std::isfinite(top); ++g) {  // every key hidden: every score 0
-    const float* row = cand + g * K;
-    for (int64_t n = 0; n < N; ++n) {
-      float sum = 0.0f;
-      const int64_t stop = (n + 1) * block;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = std::max(n * block, skip); t < stop; ++t) sum += exp_approx(row[t] - top);
-      score[n] += sum;
+  constexpr float kHidden = -std::numeric_limits<float>::infinity();
+  std::vector<float> score(N), maxima(G);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t start = std::max(n * block, skip), stop = (n + 1) * block;
+    float top = kHidden;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* row = cand + g * K;
+      float peak = kHidden;
+#pragma omp simd reduction(max : peak)
+      for (int64_t t = start; t < stop; ++t) peak = std::max(peak, row[t]);
+      maxima[g] = peak;
+      top = std::max(top, peak);
     }
+    float sum = 0.0f;
+    for (int64_t g = 0; g < G; ++g) {
+      const float peak = maxima[g];
+      if (peak == kHidden) continue;  // the head sees no key of the block
+      const float* row = cand + g * K;
+      float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+      for (int64_t t = start; t < stop; ++t) part += exp_approx(row[t] - peak);
+      sum += part * exp_approx(peak - top);
+    }
+    score[n] = top == kHidden ? kHidden : top + std::log(sum);  // every key hidden: -inf
   }
   std::nth_element(blocks.begin(), blocks.begin() + select, blocks.end(),
                    [&](int64_t a, int64_t b) { return score[a] > score[b]; });
