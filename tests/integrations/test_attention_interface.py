@@ -139,6 +139,31 @@ def test_a_left_padded_row_computes_what_it_does_alone(arch, implementation, tmp
         torch.testing.assert_close(ours[1], theirs[0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "performer"])
+@pytest.mark.parametrize("implementation", ["performer_hybrid", "performer_sparse"])
+def test_a_chunked_prefill_refuses_a_row_whose_padding_fills_the_first_chunk(implementation, cache, tmp_path):
+    """generate(prefill_chunk_size=...) on a left-padded batch: a row whose padding fills the first chunk had pads
+    for its global tokens (attention sinks), cached before its first real token came. It is refused, naming the
+    fix; padding within the first chunk prefills in chunks what one call does (same tokens, logits 1e-4 apart)."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, implementation, **SHORT_WINDOW[implementation])
+    ids = _ids(2, 40)
+    options = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+    def generate(pads, **chunking):
+        mask = torch.ones_like(ids)
+        mask[1, :pads] = 0
+        caches = {CACHE_KEYWORD: PerformerCache(model.config)} if cache == "performer" else {}
+        return model.generate(ids, attention_mask=mask, **options, **caches, **chunking)
+
+    with pytest.raises(ValueError, match=r"Row 1 .* 17 padding tokens.*prefill_chunk_size=None"):
+        generate(17, prefill_chunk_size=16)
+    chunked, whole = generate(9, prefill_chunk_size=16), generate(9)
+    assert torch.equal(chunked.sequences, whole.sequences)
+    for ours, theirs in zip(chunked.logits, whole.logits, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
 @pytest.mark.parametrize("arch", list(DECODERS))
 def test_cached_generation_equals_a_full_forward(arch, implementation, tmp_path):

@@ -159,8 +159,8 @@ def _performer_attention(implementation: str):
         if layer_cache is None and state.attention_method != "exact" and key.shape[2] > query.shape[2]:
             _check_no_dropped_keys(module, key, query, kwargs)
         attend = partial(state.attend, state)
-        if causal and key_mask is not None and key.shape[2] == key_mask.shape[1]:  # keys from the first on
-            attend = sinks_first(attend, _global_tokens(state), key_mask, query.shape[2])
+        if causal:
+            attend = sinks_first(attend, _global_tokens(state), key_mask, query.shape[2], key.shape[2])
         if transfer is not None:
             context = transfer(state, attend, query, key, value, key_mask, causal, kwargs.get("sliding_window"))
         elif state.attention_method == "exact":

@@ -92,7 +92,7 @@ def exact_or_approximate(
         return softmax_attention(q, k, v, key_mask, causal)
     if causal or layer_cache is not None or key_mask is None or torch.compiler.is_compiling():
         return approximate(q, k, v, key_mask), None
-    lengths, firsts, lasts = _row_spans(key_mask)
+    lengths, firsts, lasts = row_spans(key_mask)
     limit = exact_max_length(module, q.device)
     short = [row for row, length in enumerate(lengths) if length <= limit]
     if not short:
@@ -125,7 +125,7 @@ def read_per_mask(store: WeakIdKeyDictionary, key_mask: torch.Tensor, read: Call
     return value
 
 
-def _row_spans(key_mask: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+def row_spans(key_mask: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
     """The real tokens of each row of ``key_mask`` (B, L): their count, the first's and the last's index (-1 where
     the row has none), read once per mask and version."""
     return read_per_mask(_ROW_SPANS, key_mask, _read_row_spans)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .method_exact import read_per_mask
+from .method_exact import read_per_mask, row_spans
 
 Tensor = torch.Tensor
 
@@ -25,13 +25,14 @@ Tensor = torch.Tensor
 _ORDERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def sinks_first(attend: Callable, count: int, key_mask: Tensor | None, query_length: int) -> Callable:
+def sinks_first(attend: Callable, count: int, key_mask: Tensor | None, query_length: int, key_length: int) -> Callable:
     """``attend(q, k, v, key_mask, *args)`` (-> (context, ...)) over keys whose left-padded rows have their first
-    ``count`` real keys moved in front of the pads, where the ``key_mask`` (B, Lk) covers every key from the first
-    and the moved keys lie before the call's ``query_length`` queries, or the queries move with them (they are the
-    keys' own tokens); ``attend`` itself otherwise. Traced (``torch.compile``), a call whose queries are its keys'
-    tokens takes the order whatever the padding (the identity for a row that starts with a real token: no host
-    read); a call after cached keys is left as it is."""
+    ``count`` real keys moved in front of the pads, where the ``key_length`` keys given are those the ``key_mask``
+    (B, Lk) covers, from the first, and the moved keys lie before the call's ``query_length`` queries, or the queries
+    move with them (they are the keys' own tokens); ``attend`` itself otherwise. Traced (``torch.compile``), a call
+    whose queries are its keys' tokens takes the order whatever the padding (the identity for a row that starts with
+    a real token: no host read); a call after cached keys is left as it is, and, eager, refused where a row's first
+    real key comes in it (its global tokens, cached before, were pads)."""
     if not count or key_mask is None:
         return attend
     length = key_mask.shape[1]
@@ -41,12 +42,11 @@ def sinks_first(attend: Callable, count: int, key_mask: Tensor | None, query_len
             return attend
         order = _order_of(key_mask.bool(), count)
     else:
-        order = _order(key_mask, count)
+        if not whole:
+            _check_sinks_cached(key_mask, count, length - query_length)
+        order = _order(key_mask, count) if key_length == length else None
         if order is None:
             return attend
-        after = torch.arange(length - query_length, length, device=order.device)
-        if not whole and not bool((order[:, length - query_length :] == after).all()):
-            return attend  # a row whose first real keys come after the earliest query: left as it is
 
     def attend_in_order(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *args, **kwargs):
         keys = order[:, None, :, None]  # (B, 1, Lk, 1)
@@ -60,6 +60,24 @@ def sinks_first(attend: Callable, count: int, key_mask: Tensor | None, query_len
         return (context, *rest)
 
     return attend_in_order
+
+
+def _check_sinks_cached(key_mask: Tensor, count: int, cached: int) -> None:
+    """Refuse a call of several queries after ``cached`` keys (key_mask (B, Lk) covers them and the call's) in which
+    a row that starts with padding has its first real key: its global tokens were cached as pads. (A row whose first
+    real key was cached keeps it as its first global token; the later ones, as alone, are read in the window.)"""
+    if key_mask.shape[1] - cached < 2:
+        return  # a decoding step: a row of padding alone, given its first token, has nothing better
+    counts, firsts, _ = row_spans(key_mask)
+    for row, (real, first) in enumerate(zip(counts, firsts, strict=True)):
+        if real and 0 < cached <= first:
+            raise ValueError(
+                f"Row {row} of the batch starts with {first} padding tokens, and {cached} keys were cached before "
+                f"this call: its first real token comes after the cache, so its {count} global tokens (the "
+                "attention sinks of the hybrid and sparse methods, read exactly for every query) would be padding. "
+                "A left-padded batch prefilled in chunks does this (generate() with prefill_chunk_size): prefill it "
+                f"in one call (prefill_chunk_size=None), or in chunks longer than the longest padding plus {count}."
+            )
 
 
 def _order(key_mask: Tensor, count: int) -> Tensor | None:
