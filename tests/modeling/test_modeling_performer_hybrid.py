@@ -269,6 +269,53 @@ def test_right_padding_does_not_change_the_real_tokens():
     torch.testing.assert_close(batched[1, :17], alone[0], rtol=1e-5, atol=1e-5)
 
 
+@torch.no_grad()
+def test_a_left_padded_causal_row_reads_its_first_real_tokens_as_global_tokens():
+    """Batched generate() pads on the left: the causal hybrid's global tokens went by position, so a padded row's
+    were pads and its first real tokens joined the far field (here attention outputs 0.008 apart, 48x relative, where
+    the row alone reads them exactly). They are its global tokens now: the row computes what it does alone,
+    its implied attention weights too (output_attentions), and a converted GPT-2's batched generation equals each
+    prompt's alone."""
+    config = tiny_config(**{**CAUSAL, "num_global_tokens": 2, "exact_max_length": 0})
+    attention = random_centres(PerformerForCausalLM(config)).performer.encoder.layer[0].attention.eval()
+    states = torch.randn(2, 60, HIDDEN, generator=torch.Generator().manual_seed(0)) * 4
+    pads = 13
+    mask = torch.ones(2, 60, dtype=torch.bool)
+    mask[1, :pads] = False
+    padded, padded_weights = attention(states, mask, causal=True, output_attentions=True)
+    alone, alone_weights = attention(states[1:, pads:], None, causal=True, output_attentions=True)
+    torch.testing.assert_close(padded[1, pads:], alone[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(padded_weights[1, :, pads:, pads:], alone_weights[0], rtol=1e-5, atol=1e-5)
+    assert not padded_weights[1, :, pads:, :pads].any()  # no weight on the pads
+    model = hybrid_model(PerformerForCausalLM, **{**CAUSAL, "num_global_tokens": 2, "exact_max_length": 0})
+    ids = random_ids(2, 40, seed=4)
+    ids[1, :pads] = 0
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    batch = model.generate(ids, attention_mask=(ids != 0).long(), **options)
+    single = model.generate(ids[1:, pads:], **options)
+    assert torch.equal(batch.sequences[1, pads:], single.sequences[0])
+    for ours, theirs in zip(batch.logits, single.logits, strict=True):
+        torch.testing.assert_close(ours[1], theirs[0], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_left_padded_row_after_an_exact_prefix_reads_its_first_real_tokens_as_global_tokens():
+    """With an exact prefix (``exact_max_length=20``: the first 20 positions attend exactly), the hybrid after it
+    starts from the prefix's state, whose global tokens went by position: a row padded by 5 read pads (outputs
+    0.001-0.003 from the row alone at every later position). They are its first real tokens now: the row's outputs
+    equal its outputs alone, except at the 5 positions the prefix, by position, covers alone and not padded."""
+    config = tiny_config(**{**CAUSAL, "num_global_tokens": 2, "exact_max_length": 20})
+    attention = random_centres(PerformerForCausalLM(config)).performer.encoder.layer[0].attention.eval()
+    states = torch.randn(2, 60, HIDDEN, generator=torch.Generator().manual_seed(0)) * 4
+    pads = 5
+    mask = torch.ones(2, 60, dtype=torch.bool)
+    mask[1, :pads] = False
+    padded = attention(states, mask, causal=True)[0][1, pads:]
+    alone = attention(states[1:, pads:], None, causal=True)[0][0]
+    same = torch.cat([torch.arange(20 - pads), torch.arange(20, 60 - pads)])  # not 15 ... 19: exact alone only
+    torch.testing.assert_close(padded[same], alone[same], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [CAUSAL, {**CAUSAL, "attention_kernel": "softmax_opt", "far_field_parameter": PER_LAYER_A, "nb_features": 24}],

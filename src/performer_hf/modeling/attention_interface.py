@@ -160,7 +160,7 @@ def _performer_attention(implementation: str):
             _check_no_dropped_keys(module, key, query, kwargs)
         attend = partial(state.attend, state)
         if causal:
-            attend = sinks_first(attend, _global_tokens(state), key_mask, query.shape[2], key.shape[2])
+            attend = sinks_first(attend, state.sinks_moved_per_call, key_mask, query.shape[2], key.shape[2])
         if transfer is not None:
             context = transfer(state, attend, query, key, value, key_mask, causal, kwargs.get("sliding_window"))
         elif state.attention_method == "exact":
@@ -247,13 +247,6 @@ def _over_cached_keys(attend, query: Tensor, key: Tensor, value: Tensor, key_mas
     padded = torch.cat([query.new_zeros(*query.shape[:2], past, query.shape[-1]), query], dim=2)  # (B, H, Lk, D)
     context, _ = attend(padded, key, value, key_mask, causal)
     return context[:, :, past:]
-
-
-def _global_tokens(state) -> int:
-    """How many first keys the layer's method reads exactly for every query (the hybrid's and the sparse method's
-    global tokens; none for FAVOR+ and exact attention)."""
-    spec = getattr(state, "sparse_spec", None) or getattr(state, "hybrid_spec", None)
-    return 0 if spec is None or state.attention_method not in ("hybrid", "sparse") else spec.num_global_tokens
 
 
 ATTENTION_FUNCTIONS = {name: _performer_attention(name) for name in IMPLEMENTATIONS}

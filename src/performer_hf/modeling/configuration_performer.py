@@ -84,9 +84,8 @@ class PerformerConfig(PreTrainedConfig):
       before, the rest after; causal: the query and the `w - 1` before). `0`: no window.
     - `num_global_tokens`: the first `g` tokens are exact keys for every query (and, bidirectionally,
       attend exactly to everything): BigBird's global tokens, where pretrained encoders park mass.
-      Window and global tokens go by position, padding included: a left-padded row (batched
-      generation) has pads in its first positions, so its outputs can differ slightly from the same
-      prompt alone (with right padding they are the same).
+      Causal, a left-padded row's (batched generation) global tokens are its first real tokens, as
+      alone; windows go by position (the same real keys).
     - `routed_blocks`: bidirectional only: each block of `query_block_size` queries also computes
       exactly its `routed_blocks` best key blocks of `route_block_size` keys (by the mean logit
       between the blocks). Causal models must keep it `0` (routing reads future tokens).

@@ -6,6 +6,8 @@ so the Hub's remote-code loader can copy this file next to a checkpoint.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
@@ -16,6 +18,7 @@ from .attention_methods import ATTENTION_METHODS
 from .configuration_performer import PerformerConfig
 from .favor_projection import draw_projection
 from .implied_attention import implied_attention
+from .sink_order import sinks_first
 from .vocabulary_projection import plain_linear, vocabulary_logits
 
 
@@ -174,6 +177,18 @@ class AttentionMethodState(nn.Module):
         """Replace the random features by a fresh draw from ``seed``."""
         self.projection.copy_(self.draw_projection(seed))
 
+    @property
+    def sinks_moved_per_call(self) -> int:
+        """How many first real keys of each left-padded row a causal call moves in front of its pads
+        (:func:`.sinks_first`): the hybrid's and the sparse method's global tokens, read exactly for every query; none
+        for FAVOR+ and exact attention, nor for a hybrid with an exact prefix, which orders the prefix's keys itself
+        when its state is built (:func:`.method_hybrid._causal_exact_prefix`)."""
+        if self.attention_method == "sparse":
+            return self.sparse_spec.num_global_tokens
+        if self.attention_method == "hybrid" and not self.exact_max_length:
+            return self.hybrid_spec.num_global_tokens
+        return 0
+
 
 class PerformerAttention(AttentionMethodState):
     """Multi-head self-attention computed by FAVOR+, by hybrid attention (exact on a sparse support,
@@ -220,9 +235,12 @@ class PerformerAttention(AttentionMethodState):
         v = self._split_heads(self.value(hidden_states))
         layer_cache = None if cache is None else cache.layers[self.layer_idx]
         past = 0 if layer_cache is None else layer_cache.get_seq_length()
-        context, weights = self.attend(self, q, k, v, key_mask, causal, layer_cache, output_attentions)  # (B, H, L, D)
+        attend = partial(self.attend, self)
+        if causal:  # a left-padded row's global tokens: its first real tokens, as alone
+            attend = sinks_first(attend, self.sinks_moved_per_call, key_mask, q.shape[2], k.shape[2])
+        context, weights = attend(q, k, v, key_mask, causal, layer_cache, output_attentions)  # (B, H, L, D)
         if output_attentions and weights is None:  # linear attention: the matrix it implies, (B, H, L, L)
-            weights = implied_attention(lambda values: self.attend(self, q, k, values, key_mask, causal)[0], v, past)
+            weights = implied_attention(lambda values: attend(q, k, values, key_mask, causal)[0], v, past)
         batch, _, length, _ = context.shape
         context = context.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)  # (B, L, hidden)
         return self.output(context), weights

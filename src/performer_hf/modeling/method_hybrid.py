@@ -16,6 +16,7 @@ from .far_fields import get_far_field
 from .favor_hybrid import hybrid_attention, hybrid_prefill_state
 from .hybrid_spec import HybridSpec, HybridState
 from .method_exact import exact_or_approximate, softmax_attention
+from .sink_order import in_sink_order, sink_order
 
 Tensor = torch.Tensor
 
@@ -147,8 +148,15 @@ def _causal_exact_prefix(module: nn.Module, q, k, v, key_mask, layer_cache) -> t
         if layer_cache is not None:
             layer_cache.update_exact_prefix(k, v)
         return context, None
-    # The rest: the hybrid after the exact positions' state; with a cache, its state after them takes over.
-    after = _exact_prefix_state(module, k[:, :, :exact_end], v[:, :, :exact_end], key_mask)
+    # The rest: the hybrid after the exact positions' state; with a cache, its state after them takes over. A
+    # left-padded row's global tokens are its first real tokens of the prefix (the exact prefix itself is the same
+    # in any key order; a row padded past it keeps pads).
+    prefix_keys, prefix_values = k[:, :, :exact_end], v[:, :, :exact_end]
+    prefix_mask = None if key_mask is None else key_mask[:, :exact_end]
+    order = sink_order(prefix_mask, module.hybrid_spec.num_global_tokens)
+    if order is not None:
+        prefix_keys, prefix_values, prefix_mask = in_sink_order(order, prefix_keys, prefix_values, prefix_mask)
+    after = _exact_prefix_state(module, prefix_keys, prefix_values, prefix_mask)
     if layer_cache is not None:
         layer_cache.reset()
     rest = (t[:, :, exact_end - offset :] for t, offset in ((q, past), (k, 0), (v, 0)))

@@ -405,9 +405,9 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
     (``FavorCacheLayer``), so each new token costs the same whatever the context length. The
     prompt is prefilled with the chunked causal kernel. ``attention_kernel="exact"`` uses a
     key/value ``DynamicCache``. Left-padded batches work: ``generate`` derives the position ids from
-    the attention mask and padded keys are left out of the state. The causal hybrid's window, global token and exact
-    prefix go by position, so with it a left-padded row differs from itself alone (a 90-token prompt after 60 pads:
-    logits 0.12 apart with ``exact_max_length=0``; FAVOR+ and exact attention: the same).
+    the attention mask and padded keys are left out of the state. A left-padded row's global tokens (causal hybrid)
+    are its first real tokens, as alone; its window goes by position (the same real keys), and so does the exact
+    prefix (``exact_max_length``): a row padded by ``P`` attends exactly at ``P`` fewer of its positions.
     """
 
     _tied_weights_keys = {"lm_head.weight": "performer.embeddings.word_embeddings.weight"}

@@ -37,29 +37,46 @@ def sinks_first(attend: Callable, count: int, key_mask: Tensor | None, query_len
         return attend
     length = key_mask.shape[1]
     whole = query_length == length  # the queries are the keys' tokens: they move alike
-    if torch.compiler.is_compiling():
-        if not whole:
+    if not whole:
+        if torch.compiler.is_compiling():
             return attend
-        order = _order_of(key_mask.bool(), count)
-    else:
-        if not whole:
-            _check_sinks_cached(key_mask, count, length - query_length)
-        order = _order(key_mask, count) if key_length == length else None
-        if order is None:
-            return attend
+        _check_sinks_cached(key_mask, count, length - query_length)
+    order = sink_order(key_mask, count) if key_length == length else None
+    if order is None:
+        return attend
+    after = torch.arange(length - query_length, length, device=order.device)
+    if not whole and not bool((order[:, length - query_length :] == after).all()):
+        return attend  # some of a row's first real keys cached, others here: moved, a query would see later ones
 
     def attend_in_order(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *args, **kwargs):
-        keys = order[:, None, :, None]  # (B, 1, Lk, 1)
-        k, v = k.gather(2, keys.expand_as(k)), v.gather(2, keys.expand_as(v))
+        k, v, mask = in_sink_order(order, k, v, mask)
         if whole:
-            q = q.gather(2, keys.expand_as(q))
-        context, *rest = attend(q, k, v, mask.gather(1, order), *args, **kwargs)
+            (q,) = in_sink_order(order, q)
+        context, *rest = attend(q, k, v, mask, *args, **kwargs)
         if whole:  # each query's output back in its place
             back = order.argsort(dim=1)[:, None, :, None]
             context = context.gather(2, back.expand_as(context))
         return (context, *rest)
 
     return attend_in_order
+
+
+def sink_order(key_mask: Tensor | None, count: int) -> Tensor | None:
+    """(B, Lk) int64: the order of the keys that ``key_mask`` (B, Lk) covers, from the first, which puts each
+    left-padded row's first ``count`` real keys in front of its pads; None where no row starts with a pad (or none
+    is needed). Traced, the order whatever the padding (no host read)."""
+    if not count or key_mask is None:
+        return None
+    if torch.compiler.is_compiling():
+        return _order_of(key_mask.bool(), count)
+    return _order(key_mask, count)
+
+
+def in_sink_order(order: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """Each tensor, (B, H, Lk, D) or a mask (B, Lk), with its keys in ``order`` (B, Lk) (:func:`sink_order`)."""
+    return tuple(
+        t.gather(1, order) if t.dim() == 2 else t.gather(2, order[:, None, :, None].expand_as(t)) for t in tensors
+    )
 
 
 def _check_sinks_cached(key_mask: Tensor, count: int, cached: int) -> None:
