@@ -286,8 +286,9 @@ def test_a_cache_continues_its_own_sequence_after_another_was_prefilled(method, 
 @pytest.mark.parametrize("method", OWN_STATE)
 def test_copies_of_a_prompts_cache_each_decode_from_the_methods_state(method, tmp_path):
     """transformers' prefix-cache recipe (a prompt's cache, copy.deepcopy of it per question) decodes every question
-    from the method's state, as a PerformerCache filled with the prompt does; bounded sparse decoding refused it (a
-    plain cache). The state cannot be cropped (assisted decoding's rollback): refused by name."""
+    from the method's state, as a PerformerCache filled with the prompt does, the copies made before or after the
+    original continues; bounded sparse decoding refused it (a plain cache). The state cannot be cropped (assisted
+    decoding's rollback): refused by name."""
     _, folder = _source(DECODERS["llama"], tmp_path)
     implementation, settings, layer_class = OWN_STATE[method]
     model = _load(folder, implementation, **settings)
@@ -306,6 +307,15 @@ def test_copies_of_a_prompts_cache_each_decode_from_the_methods_state(method, tm
         for ours, theirs in zip(given.logits, expected.logits, strict=True):
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
         assert type(given[CACHE_KEYWORD].layers[0]).__name__ == layer_class
+    # a copy made before the original continues, continued after it (which takes and advances the state): the copy
+    # decodes from the state as it was when it was made (bounded sparse decoding refused it: a plain cache)
+    copied = copy.deepcopy(prompt_cache)
+    model.generate(torch.cat([prompt, _ids(1, 6, seed=4)], dim=1), **options, **{CACHE_KEYWORD: prompt_cache})
+    assert type(prompt_cache.layers[0]).__name__ == layer_class
+    late = model.generate(question, **options, **{CACHE_KEYWORD: copied})
+    assert torch.equal(late.sequences, expected.sequences)
+    for ours, theirs in zip(late.logits, expected.logits, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=f"the {layer_class} holds a decoding state .* cropped from 49 back to 45"):
         given[CACHE_KEYWORD].crop(45)
     given[CACHE_KEYWORD].crop(49)  # nothing to give back: a no-op

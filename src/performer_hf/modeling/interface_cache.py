@@ -89,6 +89,26 @@ class _Pending(NamedTuple):
     digests: dict[int, Tensor]
 
 
+class _CopiedWithKeys:
+    """A kept state, carried by the keys it stands for (an attribute of the tensor): a deep copy of the keys (what
+    ``copy.deepcopy`` of a prompt's cache makes of them) carries a deep copy of the state as it is then, the copy's
+    own, which its cache takes at its next call (:func:`_adopt_pending_layer`) whether or not the original cache was
+    continued first (which takes, and advances, the state itself). A pickle carries nothing."""
+
+    def __init__(self, kept: _Pending | None = None):
+        self.kept = kept
+
+    def __deepcopy__(self, memo) -> _CopiedWithKeys:
+        kept = self.kept
+        return _CopiedWithKeys(None if kept is None else kept._replace(layer=copy.deepcopy(kept.layer, memo)))
+
+    def __reduce__(self):
+        return (_CopiedWithKeys, ())
+
+
+_COPIED_WITH_KEYS = "_performer_state_for_copies"  # the attribute of the keys tensor
+
+
 class _PendingLayers(dict):
     """{id(keys): (weakref(keys), :class:`_Pending`)} of an attention module: the states kept for caches that live
     elsewhere, which a copy or a pickle of the model does not carry; and ``orphan``, the last one whose keys were
@@ -108,11 +128,13 @@ def adopt_on_next_call(module: nn.Module, layer: CacheLayerMixin, keys: Tensor, 
     sliding-window) key/value layer that returned ``keys`` (B, H, L, D) to this call (what ``generate()`` builds by
     default), ``layer`` takes its place before the call runs, so that decoding reads the method's state. Each
     sequence's cache gets its own state (a second prompt prefilled before the first is continued, a batch scored
-    in between), and a copy of a key/value cache holding the same keys a copy of it (``copy.deepcopy`` of a
-    prompt's cache); other caches (a ``PerformerCache``, a static cache) are left as they are. A layer is dropped
-    with the keys it stands for (the caller's cache), or, when the cache lives on with other keys, goes to the
-    module's next call, whose cache takes it if its keys are rows of the freed ones (beam search reorders the cache
-    between the prompt and the first token; :func:`_key_digests` recognizes the rows): the state's rows follow."""
+    in between), and a deep copy of the key/value cache a copy of it (``copy.deepcopy`` of a prompt's cache: the
+    state as it was when the copy was made, whether the copy or the original continues first; a copy made otherwise,
+    holding the same keys, a copy of the state while the original has not continued); other caches (a
+    ``PerformerCache``, a static cache) are left as they are. A layer is dropped with the keys it stands for (the
+    caller's cache), or, when the cache lives on with other keys, goes to the module's next call, whose cache takes
+    it if its keys are rows of the freed ones (beam search reorders the cache between the prompt and the first
+    token; :func:`_key_digests` recognizes the rows): the state's rows follow."""
     pending = module.__dict__.setdefault(_PENDING_LAYERS, _PendingLayers())
     key_id = id(keys)
 
@@ -125,7 +147,9 @@ def adopt_on_next_call(module: nn.Module, layer: CacheLayerMixin, keys: Tensor, 
     window = getattr(module.config, "sliding_window", None)
     if isinstance(window, int) and 1 < window <= keys.shape[-2]:
         tails.add(window - 1)  # what a sliding-window key/value layer keeps of them
-    pending[key_id] = (weakref.ref(keys, forget), _Pending(layer, mask, _key_digests(keys, tails)))
+    kept = _Pending(layer, mask, _key_digests(keys, tails))
+    pending[key_id] = (weakref.ref(keys, forget), kept)
+    setattr(keys, _COPIED_WITH_KEYS, _CopiedWithKeys(kept))
     watch_caches(module)
 
 
@@ -161,16 +185,23 @@ def _adopt_pending_layer(
     for key_id, keys, kept in entries:
         if keys is held or keys is held._base:  # the cache that call filled
             del pending[key_id]
+            delattr(keys, _COPIED_WITH_KEYS)
             cache.layers[module.layer_idx] = kept.layer
+            return
+    copied = getattr(held, _COPIED_WITH_KEYS, None)  # a deep copy of that cache's keys: its own copy of the state
+    if copied is not None and copied.kept is not None and copied.kept.layer.get_seq_length() == length:
+        if _same_padding(copied.kept.mask, mask, length):
+            delattr(held, _COPIED_WITH_KEYS)
+            cache.layers[module.layer_idx] = copied.kept.layer
             return
     for _, keys, kept in entries:
         same_keys = held.shape[:-2] == keys.shape[:-2] and torch.equal(
             held, keys[..., keys.shape[-2] - held.shape[-2] :, :]
         )
         if same_keys and _same_padding(kept.mask, mask, keys.shape[-2]):
-            # a copy of that cache (transformers' prefix-cache recipe: copy.deepcopy of a prompt's cache per
-            # question), holding the same keys (a sliding-window layer: the same last keys, of a sequence of the
-            # same length) of tokens padded alike: a copy of the state, the state kept for the next copy
+            # a copy of that cache that did not carry the state (a sliding-window layer's copy, a view of the last
+            # keys), holding the same keys (a sliding-window layer: the same last keys, of a sequence of the same
+            # length) of tokens padded alike: a copy of the state, the state kept for the next copy
             cache.layers[module.layer_idx] = copy.deepcopy(kept.layer)
             return
     if orphan is not None and orphan.layer.get_seq_length() == length:
