@@ -93,7 +93,8 @@ class _CopiedWithKeys:
     """A kept state, carried by the keys it stands for (an attribute of the tensor): a deep copy of the keys (what
     ``copy.deepcopy`` of a prompt's cache makes of them) carries a deep copy of the state as it is then, the copy's
     own, which its cache takes at its next call (:func:`_adopt_pending_layer`) whether or not the original cache was
-    continued first (which takes, and advances, the state itself). A pickle carries nothing."""
+    continued first (which takes, and advances, the state itself). A pickle carries an empty set, which
+    ``torch.load(weights_only=True)`` reads (and a machine without performer-hf)."""
 
     def __init__(self, kept: _Pending | None = None):
         self.kept = kept
@@ -103,7 +104,7 @@ class _CopiedWithKeys:
         return _CopiedWithKeys(None if kept is None else kept._replace(layer=copy.deepcopy(kept.layer, memo)))
 
     def __reduce__(self):
-        return (_CopiedWithKeys, ())
+        return (set, ())
 
 
 _COPIED_WITH_KEYS = "_performer_state_for_copies"  # the attribute of the keys tensor
@@ -188,11 +189,11 @@ def _adopt_pending_layer(
             delattr(keys, _COPIED_WITH_KEYS)
             cache.layers[module.layer_idx] = kept.layer
             return
-    copied = getattr(held, _COPIED_WITH_KEYS, None)  # a deep copy of that cache's keys: its own copy of the state
-    if copied is not None and copied.kept is not None and copied.kept.layer.get_seq_length() == length:
-        if _same_padding(copied.kept.mask, mask, length):
+    copied = getattr(getattr(held, _COPIED_WITH_KEYS, None), "kept", None)  # a deep copy of that cache's keys: a
+    if copied is not None and copied.layer.get_seq_length() == length:  # copy of the state, its own
+        if _same_padding(copied.mask, mask, length):
             delattr(held, _COPIED_WITH_KEYS)
-            cache.layers[module.layer_idx] = copied.kept.layer
+            cache.layers[module.layer_idx] = copied.layer
             return
     for _, keys, kept in entries:
         same_keys = held.shape[:-2] == keys.shape[:-2] and torch.equal(

@@ -31,8 +31,8 @@ def sinks_first(attend: Callable, count: int, key_mask: Tensor | None, query_len
     (B, Lk) covers, from the first, and the moved keys lie before the call's ``query_length`` queries, or the queries
     move with them (they are the keys' own tokens); ``attend`` itself otherwise. Traced (``torch.compile``), a call
     whose queries are its keys' tokens takes the order whatever the padding (the identity for a row that starts with
-    a real token: no host read); a call after cached keys is left as it is, and, eager, refused where a row's first
-    real key comes in it (its global tokens, cached before, were pads)."""
+    a real token: no host read); a call after cached keys is left as it is, and, eager, refused where some of a
+    padded row's first ``count`` real keys come in it (its global tokens, cached before, were pads)."""
     if not count or key_mask is None:
         return attend
     length = key_mask.shape[1]
@@ -81,16 +81,16 @@ def in_sink_order(order: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
 
 def _check_sinks_cached(key_mask: Tensor, count: int, cached: int) -> None:
     """Refuse a call of several queries after ``cached`` keys (key_mask (B, Lk) covers them and the call's) in which
-    a row that starts with padding has its first real key: its global tokens were cached as pads. (A row whose first
-    real key was cached keeps it as its first global token; the later ones, as alone, are read in the window.)"""
+    a row that starts with padding has some of its first ``count`` real keys: its global tokens were cached, some or
+    all of them pads, and the cache cannot take them back."""
     if key_mask.shape[1] - cached < 2:
-        return  # a decoding step: a row of padding alone, given its first token, has nothing better
+        return  # a decoding step: a row shorter than its global tokens reads its later ones in the window
     counts, firsts, _ = row_spans(key_mask)
     for row, (real, first) in enumerate(zip(counts, firsts, strict=True)):
-        if real and 0 < cached <= first:
+        if 0 < first and first + min(count, real) > cached:
             raise ValueError(
                 f"Row {row} of the batch starts with {first} padding tokens, and {cached} keys were cached before "
-                f"this call: its first real token comes after the cache, so its {count} global tokens (the "
+                f"this call: some of its first {count} real tokens come after the cache, so its global tokens (the "
                 "attention sinks of the hybrid and sparse methods, read exactly for every query) would be padding. "
                 "A left-padded batch prefilled in chunks does this (generate() with prefill_chunk_size): prefill it "
                 f"in one call (prefill_chunk_size=None), or in chunks longer than the longest padding plus {count}."
