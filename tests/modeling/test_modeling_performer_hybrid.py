@@ -269,6 +269,17 @@ def test_right_padding_does_not_change_the_real_tokens():
     torch.testing.assert_close(batched[1, :17], alone[0], rtol=1e-5, atol=1e-5)
 
 
+def _left_padded_attention(exact_max_length: int, pads: int):
+    """Layer 0's attention of a tiny causal hybrid with 2 global tokens (random centres), inputs of 4x unit scale
+    (2, 60, hidden) and their mask, row 1 left-padded by ``pads``."""
+    config = tiny_config(**{**CAUSAL, "num_global_tokens": 2, "exact_max_length": exact_max_length})
+    attention = random_centres(PerformerForCausalLM(config)).performer.encoder.layer[0].attention.eval()
+    states = torch.randn(2, 60, HIDDEN, generator=torch.Generator().manual_seed(0)) * 4
+    mask = torch.ones(2, 60, dtype=torch.bool)
+    mask[1, :pads] = False
+    return attention, states, mask
+
+
 @torch.no_grad()
 def test_a_left_padded_causal_row_reads_its_first_real_tokens_as_global_tokens():
     """Batched generate() pads on the left: the causal hybrid's global tokens went by position, so a padded row's
@@ -276,12 +287,8 @@ def test_a_left_padded_causal_row_reads_its_first_real_tokens_as_global_tokens()
     the row alone reads them exactly). They are its global tokens now: the row computes what it does alone,
     its implied attention weights too (output_attentions), and a converted GPT-2's batched generation equals each
     prompt's alone."""
-    config = tiny_config(**{**CAUSAL, "num_global_tokens": 2, "exact_max_length": 0})
-    attention = random_centres(PerformerForCausalLM(config)).performer.encoder.layer[0].attention.eval()
-    states = torch.randn(2, 60, HIDDEN, generator=torch.Generator().manual_seed(0)) * 4
     pads = 13
-    mask = torch.ones(2, 60, dtype=torch.bool)
-    mask[1, :pads] = False
+    attention, states, mask = _left_padded_attention(exact_max_length=0, pads=pads)
     padded, padded_weights = attention(states, mask, causal=True, output_attentions=True)
     alone, alone_weights = attention(states[1:, pads:], None, causal=True, output_attentions=True)
     torch.testing.assert_close(padded[1, pads:], alone[0], rtol=1e-5, atol=1e-5)
@@ -304,12 +311,8 @@ def test_a_left_padded_row_after_an_exact_prefix_reads_its_first_real_tokens_as_
     starts from the prefix's state, whose global tokens went by position: a row padded by 5 read pads (outputs
     0.001-0.003 from the row alone at every later position). They are its first real tokens now: the row's outputs
     equal its outputs alone, except at the 5 positions the prefix, by position, covers alone and not padded."""
-    config = tiny_config(**{**CAUSAL, "num_global_tokens": 2, "exact_max_length": 20})
-    attention = random_centres(PerformerForCausalLM(config)).performer.encoder.layer[0].attention.eval()
-    states = torch.randn(2, 60, HIDDEN, generator=torch.Generator().manual_seed(0)) * 4
     pads = 5
-    mask = torch.ones(2, 60, dtype=torch.bool)
-    mask[1, :pads] = False
+    attention, states, mask = _left_padded_attention(exact_max_length=20, pads=pads)
     padded = attention(states, mask, causal=True)[0][1, pads:]
     alone = attention(states[1:, pads:], None, causal=True)[0][0]
     same = torch.cat([torch.arange(20 - pads), torch.arange(20, 60 - pads)])  # not 15 ... 19: exact alone only
