@@ -96,12 +96,11 @@ class _CopiedWithKeys:
     continued first (which takes, and advances, the state itself). A pickle carries an empty set, which
     ``torch.load(weights_only=True)`` reads (and a machine without performer-hf)."""
 
-    def __init__(self, kept: _Pending | None = None):
+    def __init__(self, kept: _Pending):
         self.kept = kept
 
     def __deepcopy__(self, memo) -> _CopiedWithKeys:
-        kept = self.kept
-        return _CopiedWithKeys(None if kept is None else kept._replace(layer=copy.deepcopy(kept.layer, memo)))
+        return _CopiedWithKeys(self.kept._replace(layer=copy.deepcopy(self.kept.layer, memo)))
 
     def __reduce__(self):
         return (set, ())
