@@ -28,8 +28,9 @@ _ORDERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def sinks_first(attend: Callable, count: int, key_mask: Tensor | None, query_length: int, key_length: int) -> Callable:
     """``attend(q, k, v, key_mask, *args)`` (-> (context, ...)) over keys whose left-padded rows have their first
     ``count`` real keys moved in front of the pads, where the ``key_length`` keys given are those the ``key_mask``
-    (B, Lk) covers, from the first, and the moved keys lie before the call's ``query_length`` queries, or the queries
-    move with them (they are the keys' own tokens); ``attend`` itself otherwise. Traced (``torch.compile``), a call
+    (B, Lk) covers, from the first, and the moved keys lie before the call's ``query_length`` queries (a decoding
+    step moves its row's cached real keys, fewer than ``count``, and keeps its own last), or the queries move with
+    them (they are the keys' own tokens); ``attend`` itself otherwise. Traced (``torch.compile``), a call
     whose queries are its keys' tokens takes the order whatever the padding (the identity for a row that starts with
     a real token: no host read); a call after cached keys is left as it is, and, eager, refused where some of a
     padded row's first ``count`` real keys come in it (its global tokens, cached before, were pads)."""
@@ -41,12 +42,11 @@ def sinks_first(attend: Callable, count: int, key_mask: Tensor | None, query_len
         if torch.compiler.is_compiling():
             return attend
         _check_sinks_cached(key_mask, count, length - query_length)
-    order = sink_order(key_mask, count) if key_length == length else None
+    # the call's own keys stay in place after cached ones (a decoding step's query sees itself last); after the
+    # check, a call of several queries has each padded row's first real keys cached
+    order = sink_order(key_mask, count, in_place=0 if whole else query_length) if key_length == length else None
     if order is None:
         return attend
-    after = torch.arange(length - query_length, length, device=order.device)
-    if not whole and not bool((order[:, length - query_length :] == after).all()):
-        return attend  # some of a row's first real keys cached, others here: moved, a query would see later ones
 
     def attend_in_order(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *args, **kwargs):
         k, v, mask = in_sink_order(order, k, v, mask)
@@ -61,15 +61,16 @@ def sinks_first(attend: Callable, count: int, key_mask: Tensor | None, query_len
     return attend_in_order
 
 
-def sink_order(key_mask: Tensor | None, count: int) -> Tensor | None:
+def sink_order(key_mask: Tensor | None, count: int, in_place: int = 0) -> Tensor | None:
     """(B, Lk) int64: the order of the keys that ``key_mask`` (B, Lk) covers, from the first, which puts each
-    left-padded row's first ``count`` real keys in front of its pads; None where no row starts with a pad (or none
-    is needed). Traced, the order whatever the padding (no host read)."""
+    left-padded row's first ``count`` real keys in front of its pads, leaving the last ``in_place`` keys where they
+    are; None where no row starts with a pad (or none is needed). Traced, the order whatever the padding (no host
+    read)."""
     if not count or key_mask is None:
         return None
     if torch.compiler.is_compiling():
-        return _order_of(key_mask.bool(), count)
-    return _order(key_mask, count)
+        return _order_of(key_mask.bool(), count, in_place)
+    return _order(key_mask, count, in_place)
 
 
 def in_sink_order(order: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
@@ -87,7 +88,7 @@ def _check_sinks_cached(key_mask: Tensor, count: int, cached: int) -> None:
         return  # a decoding step: a row shorter than its global tokens reads its later ones in the window
     counts, firsts, _ = row_spans(key_mask)
     for row, (real, first) in enumerate(zip(counts, firsts, strict=True)):
-        if 0 < first and first + min(count, real) > cached:
+        if real and 0 < first and first + min(count, real) > cached:
             raise ValueError(
                 f"Row {row} of the batch starts with {first} padding tokens, and {cached} keys were cached before "
                 f"this call: some of its first {count} real tokens come after the cache, so its global tokens (the "
@@ -97,20 +98,22 @@ def _check_sinks_cached(key_mask: Tensor, count: int, cached: int) -> None:
             )
 
 
-def _order(key_mask: Tensor, count: int) -> Tensor | None:
-    """:func:`_order_of` the mask, None when no row starts with a pad; read once per mask, version and count."""
-    orders = read_per_mask(_ORDERS, key_mask, lambda mask: {})  # count -> order, for this version of the mask
-    if count not in orders:
+def _order(key_mask: Tensor, count: int, in_place: int) -> Tensor | None:
+    """:func:`_order_of` the mask, None when no row starts with a pad; read once per mask, version, count and
+    ``in_place``."""
+    orders = read_per_mask(_ORDERS, key_mask, lambda mask: {})  # (count, in_place) -> order, for this mask version
+    if (count, in_place) not in orders:
         real = key_mask.bool()
-        orders[count] = None if bool(real[:, 0].all()) else _order_of(real, count)
-    return orders[count]
+        orders[count, in_place] = None if bool(real[:, 0].all()) else _order_of(real, count, in_place)
+    return orders[count, in_place]
 
 
-def _order_of(real: Tensor, count: int) -> Tensor:
-    """(B, Lk) int64: each row of ``real`` (B, Lk) bool in the order that puts its first ``min(count, its real
-    keys)`` real keys (from its first real position on) in front, then its pads and the rest."""
+def _order_of(real: Tensor, count: int, in_place: int = 0) -> Tensor:
+    """(B, Lk) int64: each row of ``real`` (B, Lk) bool in the order that puts its first ``count`` real keys (or
+    fewer: those before its last ``in_place`` keys) in front, then its pads and the rest."""
     length = real.shape[1]
-    pads = real.int().argmax(dim=1)[:, None]  # (B, 1): the first real key's position (0 for an empty row)
-    moved = real.sum(dim=1, keepdim=True).clamp(max=count)  # (B, 1)
+    ordered = real[:, : length - in_place]  # (B, Lk - in_place): the keys that may move
+    pads = ordered.int().argmax(dim=1)[:, None]  # (B, 1): the first real key's position (0 for none)
+    moved = ordered.sum(dim=1, keepdim=True).clamp(max=count)  # (B, 1)
     i = torch.arange(length, device=real.device)[None]  # (1, Lk)
     return torch.where(i < moved, pads + i, torch.where(i < pads + moved, i - moved, i))

@@ -1,0 +1,35 @@
+"""The order that gives left-padded rows their own global tokens (:mod:`performer_hf.modeling.sink_order`), against
+the order written out row by row, and the refusal of a chunked prefill that cached pads as global tokens."""
+
+import pytest
+import torch
+
+from performer_hf.modeling.sink_order import sink_order, sinks_first
+
+
+def _written_out(row: list[int], count: int, in_place: int) -> list[int]:
+    """One row's order: its first ``count`` real keys among all but the last ``in_place`` first, then the rest."""
+    movable = len(row) - in_place
+    first = [i for i in range(movable) if row[i]][:count]
+    return first + [i for i in range(len(row)) if i not in first]
+
+
+@pytest.mark.parametrize("in_place", [0, 1, 3])
+def test_the_order_moves_each_rows_first_real_keys_in_front(in_place):
+    rows = [[1] * 10, [0] * 8 + [1] * 2, [0] * 3 + [1] * 7, [0] * 10, [0] * 9 + [1]]
+    mask = torch.tensor(rows)
+    order = sink_order(mask, 4, in_place=in_place)
+    assert order.tolist() == [_written_out(row, 4, in_place) for row in rows]
+    assert sink_order(torch.ones(2, 10, dtype=torch.long), 4) is None  # no row starts with a pad
+
+
+def test_a_chunked_prefill_is_refused_only_for_rows_whose_global_tokens_were_not_all_cached():
+    def attend(q, k, v, mask):
+        return (q,)
+
+    cached = 6
+    mask = torch.tensor([[0] * 5 + [1] * 5, [0] * 10, [1] * 10])  # row 0: 2 of its 4 first real keys come later
+    with pytest.raises(ValueError, match=r"Row 0 of the batch starts with 5 padding tokens, and 6 keys were cached"):
+        sinks_first(attend, 4, mask, 10 - cached, 10)
+    sinks_first(attend, 4, mask[1:], 10 - cached, 10)  # a row of pads only has no global tokens to lose
+    sinks_first(attend, 1, mask, 10 - cached, 10)  # row 0's one global token was cached
