@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from performer_hf.favor import FAR_FIELDS, FEATURE_MAPS, exact_attention, feature_map
+from performer_hf.favor import FAR_FIELDS, FEATURE_MAPS, draw_projection, exact_attention, feature_map, hybrid_attention
 from performer_hf.modeling.favor_optimal import optimal_log_features, optimal_parameter, pair_statistic
 
 # the polynomial far fields, kappa(u, w) = 1 + t + c t^2 with t = u . w: their coefficient c
@@ -35,6 +35,40 @@ def random_qkv(batch=2, heads=2, length=45, head_dim=8, scale=1.0, seed=0):
 def right_padding(batch, length, real=(45, 31)):
     """(batch, length) bool key mask with ``real`` leading real positions per row, the rest padded."""
     return torch.arange(length)[None, :] < torch.tensor(real)[:, None]
+
+
+def rows_within_one_window(head_dim=16, own_logit=-30.0, seed=0):
+    """Float32 q, k, v (2, 2, 40, head_dim) and a key padding mask (2, 40) whose rows keep few real keys, all
+    within 3 of each other (row 0: position 17 alone, its own logit ``own_logit``; row 1: positions
+    15-18), and the softmax over each row's real keys (2, 2, 40, head_dim), float64, zero at pads: what hybrid
+    attention with ``local_window >= 7`` computes there, its far field holding nothing."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 2, 40, head_dim, generator=g, dtype=torch.float64) for _ in range(3))
+    own_q, own_k = q[0, :, 17], k[0, :, 17]  # (2, d): move the key along the query to the given logit
+    logit = (own_q * own_k).sum(-1, keepdim=True) * head_dim**-0.5
+    k[0, :, 17] = own_k + (own_logit - logit) * head_dim**0.5 * own_q / own_q.square().sum(-1, keepdim=True)
+    mask = torch.zeros(2, 40, dtype=torch.bool)
+    mask[0, 17], mask[1, 15:19] = True, True
+    logits = (q @ k.transpose(-2, -1) * head_dim**-0.5).masked_fill(~mask[:, None, None, :], float("-inf"))
+    expected = (logits.softmax(-1) @ v) * mask[:, None, :, None]
+    return q.float(), k.float(), v.float(), mask, expected
+
+
+def assert_rows_within_one_window_are_their_softmax(far_field: str, head_dim: int, own_logit: float) -> None:
+    """Bidirectional hybrid attention (window 7) on :func:`rows_within_one_window`: each real row's output and the
+    gradients of q, k and v are the softmax's over the row's keys (float32 within 1e-5 / 1e-4)."""
+    q, k, v, mask, expected = rows_within_one_window(head_dim, own_logit)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    W = draw_projection(32, head_dim, generator=torch.Generator().manual_seed(1))
+    real = mask[:, None, :, None]
+    out = hybrid_attention(q, k, v, W, far_field=far_field, local_window=7, key_padding_mask=mask) * real
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    logits = (q @ k.transpose(-2, -1) * head_dim**-0.5).masked_fill(~mask[:, None, None, :], float("-inf"))
+    softmax = (logits.softmax(-1).nan_to_num(0.0) @ v) * real
+    for ours, theirs in zip(grads, torch.autograd.grad(softmax.sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(ours.double(), theirs, rtol=1e-4, atol=1e-4)
 
 
 def _routed_support(x, y, mask, block_q, block_k, left, right, nb_routed, group_size):

@@ -13,7 +13,14 @@ from performer_hf.modeling.favor_hybrid import hybrid_attention
 from performer_hf.modeling.hybrid_keys import Keys, pad_keys
 from performer_hf.modeling.hybrid_routing import group_bounds, key_blocks, query_blocks, route
 
-from ..hybrid_reference import CONFIGS, QUADRATIC, random_qkv, reference, right_padding
+from ..hybrid_reference import (
+    CONFIGS,
+    QUADRATIC,
+    assert_rows_within_one_window_are_their_softmax,
+    random_qkv,
+    reference,
+    right_padding,
+)
 
 
 def test_the_kernel_builds_on_this_machine():
@@ -161,6 +168,17 @@ def test_kernel_gradients_match_pytorch_in_float32(value_dim, monkeypatch):
         grads.append(torch.autograd.grad((out * keep * probe).sum(), inputs))
     for fused, plain in zip(*grads, strict=True):
         torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("far_field", sorted(QUADRATIC))
+@pytest.mark.parametrize("head_dim,own_logit", [(8, -30.0), (64, -8.0)])
+def test_a_row_whose_support_holds_all_its_keys_is_their_softmax(far_field, head_dim, own_logit, monkeypatch):
+    """As tests/modeling/test_favor_hybrid.py checks in PyTorch: the kernel took the rounding of its sums over every
+    key minus those on the support as the far field (poly2, a lone token at logit -30: outputs 5.9 from its value);
+    it is none there now."""
+    calls = _spy_on_kernel(monkeypatch)
+    assert_rows_within_one_window_are_their_softmax(far_field, head_dim, own_logit)
+    assert len(calls) == 1
 
 
 def test_the_far_state_is_the_state_accelerators_build_from_features(monkeypatch):

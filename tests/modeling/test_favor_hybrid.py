@@ -7,7 +7,14 @@ import performer_hf.modeling.slabs as slabs_module
 from performer_hf.favor import FAR_FIELDS, HybridSpec, draw_projection, exact_attention, hybrid_attention
 from performer_hf.modeling import far_field_polynomial, hybrid_routing
 
-from ..hybrid_reference import CONFIGS, QUADRATIC, random_qkv, reference, right_padding
+from ..hybrid_reference import (
+    CONFIGS,
+    QUADRATIC,
+    assert_rows_within_one_window_are_their_softmax,
+    random_qkv,
+    reference,
+    right_padding,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -245,6 +252,16 @@ def test_float32_large_norms_stay_finite_and_close():
         ref = reference(q, k, v, W, far_field=far_field, center=True, **config)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out.double(), ref, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("far_field", sorted(FAR_FIELDS))
+@pytest.mark.parametrize("head_dim,own_logit", [(8, -30.0), (64, -8.0)])
+def test_a_row_whose_support_holds_all_its_keys_is_their_softmax(far_field, head_dim, own_logit):
+    """Bidirectionally the far field outside a query's support is its sum over every key minus its sum on the
+    support. Where the support holds every key, that is rounding: it was taken as the far field (poly2, a lone token
+    at logit -30: kernel 196 against an exact weight of 1e-13, outputs 2 from its value in float32). Such rows are
+    the softmax over their keys, and so are their gradients."""
+    assert_rows_within_one_window_are_their_softmax(far_field, head_dim, own_logit)
 
 
 def test_hybrid_beats_plain_favor_on_peaked_local_attention():

@@ -128,7 +128,7 @@ def lagged_far_field(call: HybridCall, state: HybridState | None, with_state: bo
         qf, scale = ctx.features(u, call.rq)  # (B, H, L, D), (B, H, L, 1)
         previous = None if state is None else (state.far_kv, state.far_shift)
         far_sum, shifts, *final = causal_far_sums(qf, rows.feats, rows.klog, rows.values1, spec.chunk_size, previous)
-    far = FarQueries(None, call.rq, scale + call.log_gain, shifts.unsqueeze(-1), far_sum, excludes_support=True)
+    far = FarQueries(None, call.rq, scale + call.log_gain, shifts.unsqueeze(-1), far_sum, None, excludes_support=True)
     return far, leaving.add_to(tuple(final), leaving.read, leaving.count) if with_state else None
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .hybrid_far_field import FarQueries
+from .hybrid_far_field import FarQueries, complement_floor
 from .hybrid_keys import pad_keys
 from .hybrid_routing import group_bounds, key_blocks, query_blocks, route_scores, route_width
 from .slabs import slabs
@@ -60,13 +60,14 @@ def _routes(kernels, selection) -> Tensor:
 
 def support_inputs(selection, far: FarQueries) -> tuple[list[Tensor], list[int]]:
     """The fused support sums' inputs (the CPU kernels' and :mod:`.hybrid_triton`'s), routes aside: x, rq, q_scale,
-    far_sum, key_shift, y, values1, klog, mask (see :class:`_SupportSums`), and the geometry ``[left, right,
-    nb_global, block_q, block_k]``. ``selection``: a :class:`.Selection`."""
+    far_sum, key_shift, y, values1, klog, mask, far_floor (see :class:`_SupportSums`), and the geometry ``[left,
+    right, nb_global, block_q, block_k]``. ``selection``: a :class:`.Selection`."""
     x, keys, spec = selection.x, selection.keys, selection.spec
     B, H, L, _ = x.shape
     geometry = [selection.left, selection.right, selection.nb_global, spec.query_block_size, spec.route_block_size]
     rq, q_scale, klog = (t.expand(B, H, L, 1).reshape(B, H, L) for t in (far.rq, far.scale, keys.klog))
-    tensors = [x, rq, q_scale, far.far_sum, far.key_shift[:, :, 0, 0], keys.y, keys.values1, klog, keys.mask]
+    far_floor = complement_floor(far.rounding[..., 0])  # (B, H, L)
+    tensors = [x, rq, q_scale, far.far_sum, far.key_shift[:, :, 0, 0], keys.y, keys.values1, klog, keys.mask, far_floor]
     return [t.contiguous() for t in tensors], geometry
 
 
@@ -84,12 +85,14 @@ class _SupportSums(torch.autograd.Function):
     which cancels it.
 
     tensors: x (B, H, L, d); rq, q_scale (B, H, L); far_sum (B, H, L, dv + 1); key_shift (B, H); y (B, H, L, d);
-    values1 (B, H, L, dv + 1); klog (B, H, L); mask (B, L); routes (B, H, N, t)."""
+    values1 (B, H, L, dv + 1); klog (B, H, L); mask (B, L); far_floor (B, H, L), the far mass at or below which
+    the far field outside the support is rounding (:func:`.complement_floor`); routes (B, H, N, t)."""
 
     @staticmethod
     def forward(ctx, kernels, settings, *tensors):
-        x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes = tensors
-        inputs = [x, rq, q_scale, far_sum, key_shift, y.transpose(-2, -1).contiguous(), values1, klog, mask, routes]
+        x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, far_floor, routes = tensors
+        y_t = y.transpose(-2, -1).contiguous()
+        inputs = [x, rq, q_scale, far_sum, key_shift, y_t, values1, klog, mask, routes, far_floor]
         ctx.save_for_backward(*inputs)
         ctx.kernels, ctx.settings = kernels, settings
         return kernels.hybrid_support_sums(inputs, *settings)  # (B, H, L, dv + 1)
@@ -100,7 +103,7 @@ class _SupportSums(torch.autograd.Function):
         d_x, d_rq, d_q_scale, d_far_sum, d_y, d_values1, d_klog = ctx.kernels.hybrid_support_sums_backward(
             grad.contiguous(), list(ctx.saved_tensors), *ctx.settings
         )
-        return None, None, d_x, d_rq, d_q_scale, d_far_sum, None, d_y, d_values1, d_klog, None, None
+        return None, None, d_x, d_rq, d_q_scale, d_far_sum, None, d_y, d_values1, d_klog, None, None, None
 
 
 class _FarState(torch.autograd.Function):

@@ -67,9 +67,16 @@ def merge(*parts: PartialSums) -> Tensor:
 
 def divide(sums: Tensor) -> Tensor:
     """(..., dv + 1) numerator | denominator -> (..., dv); 0 where nothing was visible, with zero gradients there (a
-    clamped denominator would send them the gradient times ``1 / tiny``: NaN through the far field's features)."""
+    clamped denominator would send them the gradient times ``1 / tiny``: NaN through the far field's features).
+
+    The denominator's gradient is ``-(grad . out) / denominator``, formed without squaring it: a float32 denominator
+    below about 1e-19 squares to 0, and a query whose output the loss ignores (a pad: gradient 0) then sent
+    ``0 / 0`` = NaN to every key."""
     numerator, denominator = sums[..., :-1], sums[..., -1:]
-    return numerator / torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+    denominator = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+    fixed = denominator.detach()
+    out = numerator / fixed
+    return out - out.detach() * ((denominator - fixed) / fixed)  # the second term: 0, with the gradient above
 
 
 def global_rows(x: Tensor, keys: Keys, out: Tensor, num_global_tokens: int) -> Tensor:

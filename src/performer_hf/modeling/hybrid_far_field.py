@@ -19,6 +19,31 @@ from .hybrid_keys import Keys
 
 Tensor = torch.Tensor
 
+# The far field outside a query's support is its sum over every key minus its sum on the support. A remainder
+# within rounding of the first is taken as no mass at all: a row whose support holds all its keys (poly2 at logit
+# -30: kernel 196 on an exact weight of 1e-13) otherwise took the rounding residue as its far field (outputs 2-5 from
+# the value in float32). Rounding a sum of n terms leaves about sqrt(n) eps times the sum of their magnitudes; the
+# far sum adds keys x features terms in two stages (FarQueries.rounding: sqrt(keys + features) times a bound on
+# the magnitudes). Residues measured on single-key rows (head_dim 16-128, centred or not) stayed within 1.4 eps
+# times it: COMPLEMENT_ULPS of margin on that.
+COMPLEMENT_ULPS = 4
+
+
+def complement_floor(rounding: Tensor) -> Tensor:
+    """The far field's mass at or below which its remainder outside the support is rounding: ``rounding`` (...),
+    the far sum's rounding scale (:attr:`FarQueries.rounding`), times ``COMPLEMENT_ULPS * eps``."""
+    return rounding.detach() * (COMPLEMENT_ULPS * torch.finfo(rounding.dtype).eps)
+
+
+def outside_support(far_sum: Tensor, on_support: Tensor, rounding: Tensor, shift: Tensor) -> PartialSums:
+    """The far field's sums (..., dv + 1) over the keys outside the support relative to ``exp(shift)`` (..., 1),
+    from those over every key and those on the support: none (with the lowest shift, which a merge passes over)
+    where the remaining mass is within rounding (:func:`complement_floor`)."""
+    rest = far_sum - on_support
+    outside = rest[..., -1:] > complement_floor(rounding)  # (..., 1)
+    lowest = torch.finfo(shift.dtype).min
+    return PartialSums(torch.where(outside, rest, torch.zeros_like(rest)), shift.masked_fill(~outside, lowest))
+
 
 class FarQueries(NamedTuple):
     """The far field as the queries see it, each (B, H, L, X) or split into query blocks alike."""
@@ -28,12 +53,16 @@ class FarQueries(NamedTuple):
     scale: Tensor  # log of each query's far-field factor: its feature scale or centering weight, plus the gain
     key_shift: Tensor  # the keys' shift
     far_sum: Tensor  # kernel sums relative to exp(scale + key_shift)
+    # far_sum's mass's rounding scale (its rounding error is a small multiple of eps times it): sqrt(terms added)
+    # times a bound on their magnitudes, relative to the same shift; None where far_sum leaves out the support
+    rounding: Tensor | None
     excludes_support: bool  # whether far_sum leaves out the support already
 
     def split(self, split_fn) -> list[FarQueries]:
         """The same for each slab of query blocks: ``split_fn`` maps a (B, H, L, X) tensor to its slabs."""
         parts = [None if t is None else split_fn(t) for t in self[:-1]]
-        parts = [[None] * len(parts[-1]) if p is None else p for p in parts]
+        count = len(parts[4])  # far_sum's slabs
+        parts = [[None] * count if p is None else p for p in parts]
         return [FarQueries(*slab, self.excludes_support) for slab in zip(*parts, strict=True)]
 
     def complement(self, logits: list[Tensor], sets: list[CandidateSet], quadratic: float | None) -> PartialSums:
@@ -45,9 +74,7 @@ class FarQueries(NamedTuple):
         on_support = 0
         for lg, candidates in zip(logits, sets, strict=True):
             on_support = on_support + self._kernel(lg, candidates, quadratic) @ candidates.keys[1]
-        values = self.far_sum[..., :-1] - on_support[..., :-1]
-        mass = (self.far_sum[..., -1:] - on_support[..., -1:]).clamp_min(0.0)  # not negative through rounding
-        return PartialSums(torch.cat([values, mass], dim=-1), shift)
+        return outside_support(self.far_sum, on_support, self.rounding, shift)
 
     def _kernel(self, logits: Tensor, candidates: CandidateSet, quadratic: float | None) -> Tensor:
         """The kernel between each query and its support's keys, relative to ``exp(scale + key_shift)`` (0 off the
@@ -76,21 +103,37 @@ class BidirectionalFar:
         self.shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
         weighted = keys.values1 * torch.exp(keys.klog - self.shift)  # (B, H, S, dv + 1); padded keys -> 0
         self.u, self.rq, self.log_gain, self.polynomial = call.x - call.ctx.a, call.rq, call.log_gain, polynomial
+        self.quadratic = far.quadratic
         if far.quadratic is not None:
-            self.state = polynomial[0](keys.y - call.ctx.c, weighted, far.quadratic)
+            w = keys.y - call.ctx.c  # (B, H, S, d)
+            self.state = polynomial[0](w, weighted, far.quadratic)
+            # the key weights' moments in |w| (B, H, 3, 1): the terms of 1 + t + c2 t^2 are at most
+            # 1, |u| |w| and c2 |u|^2 |w|^2 in magnitude (Cauchy-Schwarz)
+            norms = w.detach().norm(dim=-1, keepdim=True)  # (B, H, S, 1)
+            mass = weighted[..., -1:].detach()
+            self.moments = torch.cat([mass, norms * mass, norms.square() * mass], dim=-1).sum(dim=2)[..., None]
             self.qf = None
+            features = 1 + w.shape[-1] * (w.shape[-1] + 3) // 2  # [1, u, (u_a u_b)_{a <= b}]
         else:
             self.state = keys.feats.transpose(-2, -1) @ weighted  # (B, H, D, dv + 1)
             self.qf, self.q_scale = call.ctx.features(self.u, self.rq)  # (B, H, L, D), (B, H, L, 1)
+            features = self.qf.shape[-1]
+        self.terms = (keys.y.shape[2] + features) ** 0.5  # sqrt(n) of the far sums' two stages of sums
 
     def queries(self) -> FarQueries:
         """The far field as every query sees it (whole sequence)."""
         key_shift = self.shift.expand(*self.rq.shape[:3], 1)
         if self.qf is None:
             far_sum = self.polynomial[1](self.u, self.state)
-            return FarQueries(None, self.rq, self.rq + self.log_gain, key_shift, far_sum, excludes_support=False)
+            size = self.u.detach().norm(dim=-1, keepdim=True)  # (B, H, L, 1)
+            powers = torch.cat([torch.ones_like(size), size, self.quadratic * size.square()], dim=-1)
+            rounding = (powers @ self.moments) * self.terms  # (B, H, L, 1)
+            scale = self.rq + self.log_gain
+            return FarQueries(None, self.rq, scale, key_shift, far_sum, rounding, excludes_support=False)
         scale = self.q_scale + self.log_gain
-        return FarQueries(self.qf, self.rq, scale, key_shift, self.qf @ self.state, excludes_support=False)
+        far_sum = self.qf @ self.state  # positive terms: its mass is their magnitude
+        rounding = far_sum[..., -1:] * self.terms
+        return FarQueries(self.qf, self.rq, scale, key_shift, far_sum, rounding, excludes_support=False)
 
 
 def causal_far_sums(qf, kf, klog, v1, chunk_size: int, state: tuple[Tensor, Tensor] | None):

@@ -38,7 +38,7 @@ from .device_compile import compile_settings
 from .far_field_polynomial import POLYNOMIAL
 from .far_field_triton import padded_width
 from .hybrid_exact import PartialSums, merge
-from .hybrid_far_field import FarQueries
+from .hybrid_far_field import FarQueries, outside_support
 from .hybrid_keys import Keys, cat_keys, pad_keys, slice_keys
 from .hybrid_selection import Selection
 
@@ -328,9 +328,7 @@ class FlexBackend:
         )
         on_support = on_support[..., : dv + 1].float() * torch.exp(support_lse)[..., None]
         on_support = on_support.nan_to_num(0.0)  # a query without support: nothing to leave out
-        values = far.far_sum[..., :dv] - on_support[..., :dv]
-        mass = (far.far_sum[..., dv:] - on_support[..., dv:]).clamp_min(0.0)  # not negative through rounding
-        return PartialSums(torch.cat([values, mass], dim=-1), far.scale + far.key_shift)
+        return outside_support(far.far_sum, on_support, far.rounding, far.scale + far.key_shift)
 
 
 def _ones_column(out: Tensor, lse: Tensor) -> Tensor:

@@ -126,30 +126,34 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         return n, bh, bh // H, q_start, rows, live, x, rq, key_shift, far_scale
 
     @triton.jit
-    def _backward_terms(GRAD, FAR, SHIFT, KMASS, bh, rows, live, far_scale, L, D1, EP: tl.constexpr):
+    def _outside(FAR, FLOOR, kernel_mass, bh, rows, live, L, D1):
+        # Whether each query's far field outside its support counts: its sums over every key minus the kernel's mass
+        # on the support (BQ,) above the floor of rounding (hybrid_far_field.complement_floor); the far mass (BQ,)
+        far_mass = tl.load(FAR + (bh * L + rows) * D1 + D1 - 1, mask=live, other=0.0)
+        floor = tl.load(FLOOR + bh * L + rows, mask=live, other=0.0)
+        return live & (far_mass - kernel_mass > floor), far_mass
+
+    @triton.jit
+    def _backward_terms(GRAD, FAR, FLOOR, SHIFT, KMASS, bh, rows, live, far_scale, L, D1, EP: tl.constexpr):
         # What a query block's backward reads besides its queries: the gradient of its sums (BQ, EP) and of its mass
-        # (BQ,), its shift, the far field's weight exp(far scale - shift), the far field's sums and mass, which of the
-        # far and the kernel's mass the output took (torch.maximum's gradient: all to the larger, half each on a
-        # tie), and the kernel mass's gradient (BQ,)
+        # (BQ,), its shift, the far field's weight exp(far scale - shift) (0 where it does not count), and the far
+        # field's sums and mass
         cols = tl.arange(0, EP)
         shift = tl.load(SHIFT + bh * L + rows, mask=live, other=0.0)
         kernel_mass = tl.load(KMASS + bh * L + rows, mask=live, other=0.0)
-        far_weight = tl.where(live, tl.exp(far_scale - shift), 0.0)
+        outside, far_mass = _outside(FAR, FLOOR, kernel_mass, bh, rows, live, L, D1)
+        far_weight = tl.where(outside, tl.exp(far_scale - shift), 0.0)
         row_base = (bh * L + rows) * D1
         out_rows = row_base[:, None] + cols[None, :]
         keep = live[:, None] & (cols < D1 - 1)[None, :]
         grad = tl.load(GRAD + out_rows, mask=keep, other=0.0)  # (BQ, EP), and the mass's (BQ,) apart
         grad_mass = tl.load(GRAD + row_base + D1 - 1, mask=live, other=0.0)
         far = tl.load(FAR + out_rows, mask=keep, other=0.0)
-        far_mass = tl.load(FAR + row_base + D1 - 1, mask=live, other=0.0)
-        to_far = tl.where(far_mass > kernel_mass, 1.0, tl.where(far_mass == kernel_mass, 0.5, 0.0))
-        d_mass = far_weight * grad_mass * (1.0 - to_far)
-        return shift, kernel_mass, far_weight, grad, grad_mass, far, far_mass, to_far, d_mass
+        return shift, far_weight, grad, grad_mass, far, far_mass
 
     @triton.jit
     def _pair_gradients(
-        logits, active, t, pair, kexp, v, v_mass, shift, far_weight, grad, grad_mass, d_mass, c2,
-        PRECISION: tl.constexpr,
+        logits, active, t, pair, kexp, v, v_mass, shift, far_weight, grad, grad_mass, c2, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # For a chunk's (query, candidate) pairs, with the per-query shift held constant (it cancels in the division):
         # the weights the sums applied to the values, the gradients of those weights, of the logits, of the far
@@ -158,7 +162,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         exact = tl.where(active, tl.exp(tl.minimum(logits - shift[:, None], 0.0)), 0.0)
         weights = exact - far_weight[:, None] * pair  # (BQ, CH): what the sums applied to the values
         d_weights = tl.dot(grad, tl.trans(v), input_precision=PRECISION) + grad_mass[:, None] * v_mass[None, :]
-        d_pair = d_mass[:, None] - far_weight[:, None] * d_weights
+        d_pair = -far_weight[:, None] * d_weights
         d_t = tl.where(active, d_pair * kexp[None, :] * (1.0 + 2.0 * c2 * t), 0.0)
         d_logits = d_weights * exact + d_t
         return pair, weights, d_weights, d_logits, d_pair, d_t
@@ -166,7 +170,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
     @triton.jit
     def _backward_step(
         x, rows, live, rq, pos, valid, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
-        shift, far_weight, grad, grad_mass, d_mass, D: tl.constexpr, EP: tl.constexpr, PRECISION: tl.constexpr,
+        shift, far_weight, grad, grad_mass, D: tl.constexpr, EP: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # A chunk of candidates for a query block in backward: its keys (CH, D), the far field's values on the
         # support, and :func:`_pair_gradients`'
@@ -175,8 +179,8 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             D, EP, PRECISION,
         )  # fmt: skip
         pair, weights, d_weights, d_logits, d_pair, d_t = _pair_gradients(
-            logits, active & live[:, None], t, pair, kexp, v, v_mass, shift, far_weight, grad, grad_mass, d_mass,
-            c2, PRECISION,
+            logits, active & live[:, None], t, pair, kexp, v, v_mass, shift, far_weight, grad, grad_mass, c2,
+            PRECISION,
         )  # fmt: skip
         return y, pair, weights, d_weights, d_logits, d_pair, d_t
 
@@ -202,7 +206,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
 
     @triton.jit
     def _forward_kernel(
-        X, RQ, QSCALE, FAR, KSHIFT, Y, V1, KLOG, MASK, ROUTES, OUT, SHIFT, KMASS,
+        X, RQ, QSCALE, FAR, KSHIFT, Y, V1, KLOG, MASK, ROUTES, FLOOR, OUT, SHIFT, KMASS,
         H, L, N, R, D1, block_q, width, nb_global, left, right, c2,
         D: tl.constexpr, EP: tl.constexpr, BQ: tl.constexpr, BLOCK_K: tl.constexpr, CH: tl.constexpr,
         PRECISION: tl.constexpr,
@@ -211,7 +215,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             X, RQ, QSCALE, KSHIFT, H, L, block_q, D, BQ
         )
         cols = tl.arange(0, EP)
-        shift = far_scale  # the running shift: the far field's scale, then the largest exact logit above it
+        shift = tl.full((BQ,), -3.0e38, tl.float32)  # the running shift: the largest exact logit so far (finite)
         exact = tl.zeros((BQ, EP), dtype=tl.float32)  # softmax's sums [numerator, mass], relative to shift
         exact_mass = tl.zeros((BQ,), dtype=tl.float32)
         kernel = tl.zeros((BQ, EP), dtype=tl.float32)  # the far field's sums on the support, relative to its scale
@@ -233,19 +237,23 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             kernel += tl.dot(pair, v, input_precision=PRECISION)
             kernel_mass += tl.sum(pair * v_mass[None, :], axis=1)
             shift = new_shift
-        far_weight = tl.exp(far_scale - shift)  # (BQ,)
+        tl.store(KMASS + bh * L + rows, kernel_mass, mask=live)
+        # the far field counts where what remains outside the support is above rounding: then the shift takes its
+        # scale too
+        outside, far_mass = _outside(FAR, FLOOR, kernel_mass, bh, rows, live, L, D1)
+        final = tl.where(outside, tl.maximum(far_scale, shift), shift)
+        exact, exact_mass = exact * tl.exp(shift - final)[:, None], exact_mass * tl.exp(shift - final)
+        far_weight = tl.where(outside, tl.exp(far_scale - final), 0.0)  # (BQ,)
         row_base = (bh * L + rows) * D1
         keep = live[:, None] & (cols < D1 - 1)[None, :]
         far = tl.load(FAR + row_base[:, None] + cols[None, :], mask=keep, other=0.0)
-        far_mass = tl.maximum(tl.load(FAR + row_base + D1 - 1, mask=live, other=0.0), kernel_mass)  # not negative
         tl.store(OUT + row_base[:, None] + cols[None, :], exact + far_weight[:, None] * (far - kernel), mask=keep)
         tl.store(OUT + row_base + D1 - 1, exact_mass + far_weight * (far_mass - kernel_mass), mask=live)
-        tl.store(SHIFT + bh * L + rows, shift, mask=live)
-        tl.store(KMASS + bh * L + rows, kernel_mass, mask=live)
+        tl.store(SHIFT + bh * L + rows, final, mask=live)
 
     @triton.jit
     def _backward_kernel(
-        GRAD, X, RQ, QSCALE, FAR, KSHIFT, Y, V1, KLOG, MASK, ROUTES, SHIFT, KMASS,
+        GRAD, X, RQ, QSCALE, FAR, KSHIFT, Y, V1, KLOG, MASK, ROUTES, FLOOR, SHIFT, KMASS,
         DX, DRQ, DQSCALE, DFAR, DY, DV1, DKLOG,
         H, L, N, R, D1, block_q, width, nb_global, left, right, c2,
         D: tl.constexpr, EP: tl.constexpr, BQ: tl.constexpr, BLOCK_K: tl.constexpr, CH: tl.constexpr,
@@ -258,15 +266,15 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             X, RQ, QSCALE, KSHIFT, H, L, block_q, D, BQ
         )
         dims, cols = tl.arange(0, D), tl.arange(0, EP)
-        shift, kernel_mass, far_weight, grad, grad_mass, far, far_mass, to_far, d_mass = _backward_terms(
-            GRAD, FAR, SHIFT, KMASS, bh, rows, live, far_scale, L, D1, EP
+        shift, far_weight, grad, grad_mass, far, far_mass = _backward_terms(
+            GRAD, FAR, FLOOR, SHIFT, KMASS, bh, rows, live, far_scale, L, D1, EP
         )
-        # out = sums + far_weight [far values, max(far mass, kernel mass)]
+        # out = sums + far_weight [far values, far mass]
         row_base = (bh * L + rows) * D1
         keep = live[:, None] & (cols < D1 - 1)[None, :]
         tl.store(DFAR + row_base[:, None] + cols[None, :], far_weight[:, None] * grad, mask=keep)
-        tl.store(DFAR + row_base + D1 - 1, far_weight * grad_mass * to_far, mask=live)
-        d_far_weight = tl.sum(far * grad, axis=1) + tl.maximum(far_mass, kernel_mass) * grad_mass
+        tl.store(DFAR + row_base + D1 - 1, far_weight * grad_mass, mask=live)
+        d_far_weight = tl.sum(far * grad, axis=1) + far_mass * grad_mass
         d_x = tl.zeros((BQ, D), dtype=tl.float32)
         d_rq = tl.zeros((BQ,), dtype=tl.float32)
         for step in range(0, width + nb_global + R * BLOCK_K, CH):
@@ -275,7 +283,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             )
             y, pair, weights, d_weights, d_logits, d_pair, d_t = _backward_step(
                 x, rows, live, rq, pos, valid, candidate, is_window, bh, Y, V1, KLOG, key_shift, L, D1, left, right, c2,
-                shift, far_weight, grad, grad_mass, d_mass, D, EP, PRECISION,
+                shift, far_weight, grad, grad_mass, D, EP, PRECISION,
             )  # fmt: skip
             d_far_weight -= tl.sum(d_weights * pair, axis=1)
             d_rq -= tl.sum(d_t, axis=1)
@@ -292,7 +300,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
 
     @triton.jit
     def _routed_backward_kernel(
-        GRAD, X, RQ, QSCALE, FAR, KSHIFT, Y, V1, KLOG, MASK, SHIFT, KMASS, PIECES, CHOOSERS, DY, DV1, DKLOG,
+        GRAD, X, RQ, QSCALE, FAR, KSHIFT, Y, V1, KLOG, MASK, FLOOR, SHIFT, KMASS, PIECES, CHOOSERS, DY, DV1, DKLOG,
         H, L, NKB, D1, block_q, nb_global, left, right, c2,
         D: tl.constexpr, EP: tl.constexpr, BQ: tl.constexpr, BLOCK_K: tl.constexpr, KT: tl.constexpr,
         PRECISION: tl.constexpr,
@@ -320,12 +328,12 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             q_start, rows, live, x, rq, key_shift, far_scale = _query_rows(
                 X, RQ, QSCALE, KSHIFT, n, bh, L, block_q, D, BQ
             )
-            shift, _, far_weight, grad, grad_mass, _, _, _, d_mass = _backward_terms(
-                GRAD, FAR, SHIFT, KMASS, bh, rows, live, far_scale, L, D1, EP
+            shift, far_weight, grad, grad_mass, _, _ = _backward_terms(
+                GRAD, FAR, FLOOR, SHIFT, KMASS, bh, rows, live, far_scale, L, D1, EP
             )
             _, pair, weights, _, d_logits, d_pair, d_t = _backward_step(
                 x, rows, live, rq, pos, candidate, candidate, routed, bh, Y, V1, KLOG, key_shift, L, D1, left, right,
-                c2, shift, far_weight, grad, grad_mass, d_mass, D, EP, PRECISION,
+                c2, shift, far_weight, grad, grad_mass, D, EP, PRECISION,
             )  # fmt: skip
             shares = _key_shares(x, grad, grad_mass, pair, weights, d_logits, d_pair, d_t, PRECISION)
             d_klog, d_y, d_v, d_v_mass = d_klog + shares[0], d_y + shares[1], d_v + shares[2], d_v_mass + shares[3]
@@ -357,12 +365,13 @@ def _launch(kernel, grid: tuple, args: tuple, settings: dict) -> None:
 
 def _forward(
     x: Tensor, rq: Tensor, q_scale: Tensor, far_sum: Tensor, key_shift: Tensor, y: Tensor, values1: Tensor,
-    klog: Tensor, mask: Tensor, routes: Tensor, geometry: list[int], quadratic: float, precision: str,
+    klog: Tensor, mask: Tensor, far_floor: Tensor, routes: Tensor, geometry: list[int], quadratic: float,
+    precision: str,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The sums (B, H, L, D1), each query's shift and the kernel's mass on its support (B, H, L). Inputs as
     :func:`support_sums` gives them (y untransposed, routes int32)."""
-    x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes = contiguous_rows(
-        x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes
+    x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, far_floor, routes = contiguous_rows(
+        x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, far_floor, routes
     )
     left, right, nb_global, block_q, block_k = geometry
     B, H, L, _ = x.shape
@@ -371,7 +380,7 @@ def _forward(
     shift, kernel_mass = (x.new_empty(B, H, L) for _ in range(2))
     width = block_q + left + right if right >= 0 else 0
     args = (
-        x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, out, shift, kernel_mass,
+        x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, far_floor, out, shift, kernel_mass,
         H, L, N, R, D1, block_q, width, nb_global, left, right, quadratic,
     )  # fmt: skip
     _launch(_forward_kernel, (N, B * H), args, {**_settings(x, D1, block_q, block_k, precision), "num_stages": STAGES})
@@ -380,13 +389,13 @@ def _forward(
 
 def _backward(
     grad: Tensor, x: Tensor, rq: Tensor, q_scale: Tensor, far_sum: Tensor, key_shift: Tensor, y: Tensor,
-    values1: Tensor, klog: Tensor, mask: Tensor, routes: Tensor, shift: Tensor, kernel_mass: Tensor,
-    geometry: list[int], quadratic: float, precision: str,
+    values1: Tensor, klog: Tensor, mask: Tensor, far_floor: Tensor, routes: Tensor, shift: Tensor,
+    kernel_mass: Tensor, geometry: list[int], quadratic: float, precision: str,
 ) -> list[Tensor]:  # fmt: skip
     """The gradients of x, rq, q_scale, far_sum, y, values1 and klog."""
-    tensors = (grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, shift, kernel_mass)
-    grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, shift, kernel_mass = contiguous_rows(
-        *tensors
+    tensors = (grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, far_floor, routes, shift, kernel_mass)
+    grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, far_floor, routes, shift, kernel_mass = (
+        contiguous_rows(*tensors)
     )
     left, right, nb_global, block_q, block_k = geometry
     B, H, L, _ = x.shape
@@ -395,7 +404,7 @@ def _backward(
     d_y, d_values1, d_klog = (torch.zeros_like(t) for t in (y, values1, klog))  # added into atomically
     width = block_q + left + right if right >= 0 else 0
     args = (
-        grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, shift, kernel_mass,
+        grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, far_floor, shift, kernel_mass,
         d_x, d_rq, d_q_scale, d_far, d_y, d_values1, d_klog,
         H, L, N, R, D1, block_q, width, nb_global, left, right, quadratic,
     )  # fmt: skip
@@ -404,7 +413,8 @@ def _backward(
     if R:
         pieces, choosers = routed_pieces(routes, -(-L // block_k))
         args = (
-            grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, shift, kernel_mass, pieces, choosers,
+            grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, far_floor, shift, kernel_mass, pieces,
+            choosers,
             d_y, d_values1, d_klog, H, L, -(-L // block_k), D1, block_q, nb_global, left, right, quadratic,
         )  # fmt: skip
         _routed_launch(pieces.shape[0], args, {**settings, "KT": padded_width(block_k)})
@@ -455,7 +465,7 @@ def _register() -> None:
     backward = library.custom_op("performer_hf::hybrid_support_sums_backward", mutates_args=())(_backward)
 
     @forward.register_fake
-    def _(x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, geometry, quadratic, precision):
+    def _(x, rq, q_scale, far_sum, *rest):
         return far_sum.new_empty(far_sum.shape), x.new_empty(x.shape[:3]), x.new_empty(x.shape[:3])
 
     @backward.register_fake
@@ -467,12 +477,14 @@ def _register() -> None:
         ctx.save_for_backward(*tensors, *output[1:])
 
     def gradients(ctx, grad, _d_shift, _d_kernel_mass):
-        x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, shift, kernel_mass = ctx.saved_tensors
+        x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, far_floor, routes, shift, kernel_mass = (
+            ctx.saved_tensors
+        )
         d_x, d_rq, d_q_scale, d_far, d_y, d_values1, d_klog = torch.ops.performer_hf.hybrid_support_sums_backward(
-            grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes, shift, kernel_mass,
+            grad, x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, far_floor, routes, shift, kernel_mass,
             ctx.geometry, ctx.quadratic, ctx.precision,
         )  # fmt: skip
-        return d_x, d_rq, d_q_scale, d_far, None, d_y, d_values1, d_klog, None, None, None, None, None
+        return d_x, d_rq, d_q_scale, d_far, None, d_y, d_values1, d_klog, None, None, None, None, None, None
 
     library.register_autograd("performer_hf::hybrid_support_sums", gradients, setup_context=setup_context)
 
@@ -483,15 +495,16 @@ if triton is not None:
 
 def support_sums(
     x: Tensor, rq: Tensor, q_scale: Tensor, far_sum: Tensor, key_shift: Tensor, y: Tensor, values1: Tensor,
-    klog: Tensor, mask: Tensor, routes: Tensor, geometry: list[int], quadratic: float, precision: str = "pytorch",
+    klog: Tensor, mask: Tensor, far_floor: Tensor, routes: Tensor, geometry: list[int], quadratic: float,
+    precision: str = "pytorch",
 ) -> Tensor:  # fmt: skip
     """Bidirectional hybrid attention's merged sums (B, H, L, D1) relative to a per-query shift, as the CPU kernels'
-    ``hybrid_support_sums``: x, y (B, H, L, d); rq, q_scale, klog (B, H, L); far_sum, values1 (B, H, L, D1);
-    key_shift (B, H); mask (B, L) bool; routes (B, H, N, R) the routed key blocks of each query block (-1: none);
-    geometry ``[left, right, nb_global, block_q, block_k]``; quadratic the polynomial's ``c2``. Float32, the matrix
-    products in ``precision`` (:func:`.far_field_triton.float32_precision`)."""
+    ``hybrid_support_sums``: x, y (B, H, L, d); rq, q_scale, klog, far_floor (B, H, L); far_sum, values1 (B, H, L,
+    D1); key_shift (B, H); mask (B, L) bool; routes (B, H, N, R) the routed key blocks of each query block (-1:
+    none); geometry ``[left, right, nb_global, block_q, block_k]``; quadratic the polynomial's ``c2``. Float32, the
+    matrix products in ``precision`` (:func:`.far_field_triton.float32_precision`)."""
     out, _, _ = torch.ops.performer_hf.hybrid_support_sums(
-        x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, routes.to(torch.int32), [int(g) for g in geometry],
-        float(quadratic), precision,
+        x, rq, q_scale, far_sum, key_shift, y, values1, klog, mask, far_floor, routes.to(torch.int32),
+        [int(g) for g in geometry], float(quadratic), precision,
     )  # fmt: skip
     return out

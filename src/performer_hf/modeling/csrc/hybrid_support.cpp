@@ -20,6 +20,7 @@ struct Inputs {
   const T* klog;      // (B, H, L) key centering log-weights (any value for padded keys)
   const bool* mask;   // (B, L) real keys
   const int64_t* routed;  // (B, H, N, R) routed key blocks of each query block, -1 for none
+  const T* far_floor; // (B, H, L) the far mass at or below which what remains outside the support is rounding
   T* out;             // (B, H, L, D1) numerator | mass relative to a per-query shift
   int64_t B, H, L, d, D1, N, R;
   int64_t left, right, num_global, block_q, block_k;
@@ -45,8 +46,9 @@ struct Workspace {
   std::vector<T> queries;   // (kQueries, d)
   std::vector<T> logits, active, weights;  // (kQueries, Cp)
   std::vector<T> sums;      // (kQueries, W)
+  std::vector<T> t, pair;   // (kQueries, Cp): (x_i - a) . (y_j - c) and the kernel's values on the support
   // backward only
-  std::vector<T> t, pair, exact, d_weights, d_logits;  // (kQueries, Cp)
+  std::vector<T> exact, d_weights, d_logits;  // (kQueries, Cp)
   std::vector<T> grad;             // (kQueries, D1) the output gradients of a query tile
   std::vector<T> values_t;         // (D1, Cp) the packed values, transposed
   std::vector<T> d_keys_t, d_values, d_klog;            // (d, Cp), (Cp, D1), (Cp,): a block's key gradients
@@ -108,10 +110,11 @@ int64_t pack_candidates(const Inputs<T>& in, int64_t bh, int64_t n, Workspace<T>
 }
 
 // The exact logits of kQueries queries from i0 against the packed candidates, and per query: which candidates
-// are in its support (`active`), the far field's weight exp(far_scale - shift) and the shift itself.
+// are in its support (`active`), the kernel's values there (`pair`) and their mass, its largest logit and the far
+// field's scale (query scale plus key shift).
 template <typename T>
 void tile_support(const Inputs<T>& in, int64_t bh, int64_t i0, int64_t count, int64_t Cp, Workspace<T>& ws,
-                  T* far_weight, T* shift) {
+                  T* max_logits, T* far_scale, T* kernel_mass) {
   std::fill(ws.queries.begin(), ws.queries.end(), T(0));
   std::memcpy(ws.queries.data(), in.x + (bh * in.L + i0) * in.d, count * in.d * sizeof(T));
   tile_logits(ws.queries.data(), in.d, ws.keys_t.data(), Cp, ws.logits.data());
@@ -120,20 +123,35 @@ void tile_support(const Inputs<T>& in, int64_t bh, int64_t i0, int64_t count, in
   constexpr T kLowest = -std::numeric_limits<T>::max();
   for (int64_t q = 0; q < kQueries; ++q) {
     const T* logits = ws.logits.data() + q * Cp;
-    T* active = ws.active.data() + q * Cp;
+    T *active = ws.active.data() + q * Cp, *t = ws.t.data() + q * Cp, *pair = ws.pair.data() + q * Cp;
     const T i = static_cast<T>(i0 + q);
-    T max_logit = kLowest;
-#pragma omp simd reduction(max : max_logit)
+    const T rq = q < count ? in.rq[bh * in.L + i0 + q] : T(0);
+    T max_logit = kLowest, mass = 0;
+#pragma omp simd reduction(max : max_logit) reduction(+ : mass)
     for (int64_t c = 0; c < Cp; ++c) {
       const T gap = i - position[c];
       const T inside = (gap >= -right && gap <= left) ? T(1) : T(0);
       active[c] = inside == windowed[c] ? T(1) : T(0);
       max_logit = std::max(max_logit, active[c] != T(0) ? logits[c] : kLowest);
+      t[c] = active[c] * (logits[c] - rq - ws.klog[c]);  // (x_i - a) . (y_j - c)
+      pair[c] = active[c] * (T(1) + t[c] + in.quadratic * t[c] * t[c]) * ws.kexp[c];
+      mass += pair[c];
     }
-    const T far_scale = (q < count ? in.q_scale[bh * in.L + i0 + q] : T(0)) + in.key_shift[bh];
-    shift[q] = std::max(far_scale, max_logit);
-    far_weight[q] = exp_approx(far_scale - shift[q]);
+    max_logits[q] = max_logit;
+    far_scale[q] = (q < count ? in.q_scale[bh * in.L + i0 + q] : T(0)) + in.key_shift[bh];
+    kernel_mass[q] = mass;
   }
+}
+
+// A query's shift and the far field's weight exp(far_scale - shift) in its sums: the far field outside its support
+// (its sums over every key minus the kernel's mass on the support) counts only above the floor of rounding; else the
+// weight is 0 and the shift the largest exact logit alone.
+template <typename T>
+void far_part(const Inputs<T>& in, int64_t row, bool live, T max_logit, T far_scale, T kernel_mass, T& shift,
+              T& far_weight) {
+  const bool outside = live && in.far_sum[row * in.D1 + in.D1 - 1] - kernel_mass > in.far_floor[row];
+  shift = outside ? std::max(far_scale, max_logit) : max_logit;
+  far_weight = outside ? exp_approx(far_scale - shift) : T(0);
 }
 
 template <typename T, int64_t W>
@@ -141,36 +159,29 @@ void query_block(const Inputs<T>& in, int64_t bh, int64_t n, Workspace<T>& ws) {
   const int64_t L = in.L, D1 = in.D1;
   const int64_t q_start = n * in.block_q, q_end = std::min(L, q_start + in.block_q);
   const int64_t Cp = pack_candidates<T, W>(in, bh, n, ws);
-  const T *klog = ws.klog.data(), *kexp = ws.kexp.data();
+  for (auto* tile : {&ws.t, &ws.pair}) tile->resize(kQueries * Cp);
 
-  // kQueries queries at a time: exact logits, shift, exact weights minus the kernel values, sums
+  // kQueries queries at a time: exact logits, kernel values, shift, exact weights minus the kernel values, sums
   for (int64_t i0 = q_start; i0 < q_end; i0 += kQueries) {
     const int64_t count = std::min(kQueries, q_end - i0);
-    T far_weight[kQueries], shift[kQueries], kernel_mass[kQueries] = {};
-    tile_support(in, bh, i0, count, Cp, ws, far_weight, shift);
+    T max_logit[kQueries], far_scale[kQueries], kernel_mass[kQueries], shift[kQueries], far_weight[kQueries];
+    tile_support(in, bh, i0, count, Cp, ws, max_logit, far_scale, kernel_mass);
     for (int64_t q = 0; q < kQueries; ++q) {
-      const T* logits = ws.logits.data() + q * Cp;
-      const T* active = ws.active.data() + q * Cp;
+      far_part(in, bh * L + i0 + q, q < count, max_logit[q], far_scale[q], kernel_mass[q], shift[q], far_weight[q]);
+      const T *logits = ws.logits.data() + q * Cp, *active = ws.active.data() + q * Cp;
+      const T* pair = ws.pair.data() + q * Cp;
       T* weights = ws.weights.data() + q * Cp;
-      const T rq = q < count ? in.rq[bh * L + i0 + q] : T(0);
-      T mass = 0;
-#pragma omp simd reduction(+ : mass)
+#pragma omp simd
       for (int64_t c = 0; c < Cp; ++c) {
-        const T t = active[c] * (logits[c] - rq - klog[c]);  // (x_i - a) . (y_j - c)
-        const T pair = active[c] * (T(1) + t + in.quadratic * t * t) * kexp[c];
-        weights[c] = active[c] * exp_approx(std::min(logits[c] - shift[q], T(0))) - far_weight[q] * pair;
-        mass += pair;
+        weights[c] = active[c] * exp_approx(std::min(logits[c] - shift[q], T(0))) - far_weight[q] * pair[c];
       }
-      kernel_mass[q] = mass;
     }
     tile_values<T, W>(ws.weights.data(), Cp, ws.values.data(), ws.sums.data());
     for (int64_t q = 0; q < count; ++q) {
       T* out = in.out + (bh * L + i0 + q) * D1;
       const T* far_sum = in.far_sum + (bh * L + i0 + q) * D1;
       const T* sums = ws.sums.data() + q * W;
-      for (int64_t e = 0; e < D1 - 1; ++e) out[e] = sums[e] + far_weight[q] * far_sum[e];
-      // the far mass (all keys minus the support) cannot be negative
-      out[D1 - 1] = sums[D1 - 1] + far_weight[q] * std::max(far_sum[D1 - 1], kernel_mass[q]);
+      for (int64_t e = 0; e < D1; ++e) out[e] = sums[e] + far_weight[q] * far_sum[e];
     }
   }
 }
@@ -188,7 +199,7 @@ void query_block_backward(const Inputs<T>& in, const Gradients<T>& g, int64_t bh
   const int64_t L = in.L, d = in.d, D1 = in.D1;
   const int64_t q_start = n * in.block_q, q_end = std::min(L, q_start + in.block_q);
   const int64_t Cp = pack_candidates<T, W>(in, bh, n, ws);
-  const T *klog = ws.klog.data(), *kexp = ws.kexp.data(), *values = ws.values.data();
+  const T *kexp = ws.kexp.data(), *values = ws.values.data();
   for (auto* tile : {&ws.t, &ws.pair, &ws.exact, &ws.d_weights, &ws.d_logits}) tile->resize(kQueries * Cp);
   ws.grad.resize(kQueries * D1);
   ws.values_t.resize(D1 * Cp);  // the packed values transposed, (D1, Cp)
@@ -200,42 +211,34 @@ void query_block_backward(const Inputs<T>& in, const Gradients<T>& g, int64_t bh
   ws.d_klog.assign(Cp, T(0));
   for (int64_t i0 = q_start; i0 < q_end; i0 += kQueries) {
     const int64_t count = std::min(kQueries, q_end - i0);
-    T far_weight[kQueries], shift[kQueries];
-    tile_support(in, bh, i0, count, Cp, ws, far_weight, shift);
+    T max_logit[kQueries], far_scale[kQueries], kernel_mass[kQueries];
+    tile_support(in, bh, i0, count, Cp, ws, max_logit, far_scale, kernel_mass);
     std::fill(ws.grad.begin(), ws.grad.end(), T(0));
     std::memcpy(ws.grad.data(), g.grad_out + (bh * L + i0) * D1, count * D1 * sizeof(T));
     // d loss / d weights (kQueries, Cp) = grad (kQueries, D1) @ values^T (D1, Cp)
     tile_logits(ws.grad.data(), D1, ws.values_t.data(), Cp, ws.d_weights.data());
     for (int64_t q = 0; q < count; ++q) {
+      const int64_t row = bh * L + i0 + q;
+      T shift, far_weight;
+      far_part(in, row, true, max_logit[q], far_scale[q], kernel_mass[q], shift, far_weight);
       const T* logits = ws.logits.data() + q * Cp;
       const T* active = ws.active.data() + q * Cp;
-      T *t = ws.t.data() + q * Cp, *pair = ws.pair.data() + q * Cp, *exact = ws.exact.data() + q * Cp;
-      T* weights = ws.weights.data() + q * Cp;
+      const T *t = ws.t.data() + q * Cp, *pair = ws.pair.data() + q * Cp;
+      T *exact = ws.exact.data() + q * Cp, *weights = ws.weights.data() + q * Cp;
       const T* d_weights = ws.d_weights.data() + q * Cp;
       const T* grad = ws.grad.data() + q * D1;
-      const T rq = in.rq[bh * L + i0 + q];
-      T mass = 0;
-#pragma omp simd reduction(+ : mass)
+#pragma omp simd
       for (int64_t c = 0; c < Cp; ++c) {  // the forward's weights
-        t[c] = active[c] * (logits[c] - rq - klog[c]);
-        pair[c] = active[c] * (T(1) + t[c] + in.quadratic * t[c] * t[c]) * kexp[c];
-        exact[c] = active[c] * exp_approx(std::min(logits[c] - shift[q], T(0)));
-        weights[c] = exact[c] - far_weight[q] * pair[c];
-        mass += pair[c];
+        exact[c] = active[c] * exp_approx(std::min(logits[c] - shift, T(0)));
+        weights[c] = exact[c] - far_weight * pair[c];
       }
-      // out = sums + far_weight * [far_sum values, max(far mass, kernel mass)]
-      const int64_t row = bh * L + i0 + q;
+      // out = sums + far_weight * far_sum
       const T* far_sum = in.far_sum + row * D1;
-      const T far_mass = far_sum[D1 - 1], g_mass = grad[D1 - 1];
-      // torch.maximum's gradient: all to the larger one, half each on a tie
-      const T to_far = far_mass > mass ? T(1) : (far_mass == mass ? T(0.5) : T(0));
-      T d_far_weight = g_mass * std::max(far_mass, mass);
-      for (int64_t e = 0; e < D1 - 1; ++e) {
+      T d_far_weight = 0;
+      for (int64_t e = 0; e < D1; ++e) {
         d_far_weight += grad[e] * far_sum[e];
-        g.far_sum[row * D1 + e] = far_weight[q] * grad[e];
+        g.far_sum[row * D1 + e] = far_weight * grad[e];
       }
-      g.far_sum[row * D1 + D1 - 1] = far_weight[q] * g_mass * to_far;
-      const T d_mass = far_weight[q] * g_mass * (T(1) - to_far);
       // weights = exact - far_weight * pair; pair = active (1 + t + c2 t^2) kexp; t = logit - rq - klog
       T* d_logits = ws.d_logits.data() + q * Cp;
       T* d_klog = ws.d_klog.data();
@@ -243,14 +246,14 @@ void query_block_backward(const Inputs<T>& in, const Gradients<T>& g, int64_t bh
 #pragma omp simd reduction(+ : d_far_weight, d_rq)
       for (int64_t c = 0; c < Cp; ++c) {
         d_far_weight -= d_weights[c] * pair[c];
-        const T d_pair = d_mass - far_weight[q] * d_weights[c];
+        const T d_pair = -far_weight * d_weights[c];
         const T d_t = d_pair * active[c] * kexp[c] * (T(1) + T(2) * in.quadratic * t[c]);
         d_logits[c] = d_weights[c] * exact[c] + d_t;
         d_rq -= d_t;
         d_klog[c] += d_pair * pair[c] - d_t;  // pair is proportional to exp(klog)
       }
       g.rq[row] = d_rq;
-      g.q_scale[row] = d_far_weight * far_weight[q];  // far_weight = exp(q_scale + key_shift - shift)
+      g.q_scale[row] = d_far_weight * far_weight;  // far_weight = exp(q_scale + key_shift - shift)
       // d x_i = sum_c d_logits_c y_c
       T* d_x = g.x + row * d;
       for (int64_t e = 0; e < d; ++e) {
@@ -315,18 +318,19 @@ void run_backward(const Inputs<T>& in, const Gradients<T>& g) {
 }  // namespace
 
 
-// The Inputs of the tensors (x, rq, q_scale, far_sum, key_shift, y_t, values1, klog, mask, routed) and the geometry
+// The Inputs of the tensors (x, rq, q_scale, far_sum, key_shift, y_t, values1, klog, mask, routed, far_floor) and
+// the geometry
 // (left, right, num_global, block_q, block_k); every tensor contiguous, on the CPU, in one dtype.
 template <typename T>
 Inputs<T> make_inputs(const std::vector<at::Tensor>& t, const std::vector<int64_t>& geometry, double quadratic,
                       T* out) {
-  TORCH_CHECK(t.size() == 10 && geometry.size() == 5, "hybrid_support_sums: 10 tensors and 5 settings");
+  TORCH_CHECK(t.size() == 11 && geometry.size() == 5, "hybrid_support_sums: 11 tensors and 5 settings");
   const at::Tensor &x = t[0], &values1 = t[6], &routed = t[9];
   TORCH_CHECK(x.dim() == 4 && values1.dim() == 4 && routed.dim() == 4, "hybrid_support_sums: bad ranks");
   TORCH_CHECK(values1.size(3) <= kMaxWidth, "hybrid_support_sums: value width above ", kMaxWidth);
   return {x.data_ptr<T>(), t[1].data_ptr<T>(), t[2].data_ptr<T>(), t[3].data_ptr<T>(), t[4].data_ptr<T>(),
           t[5].data_ptr<T>(), values1.data_ptr<T>(), t[7].data_ptr<T>(), t[8].data_ptr<bool>(),
-          routed.data_ptr<int64_t>(), out, x.size(0), x.size(1), x.size(2), x.size(3), values1.size(3),
+          routed.data_ptr<int64_t>(), t[10].data_ptr<T>(), out, x.size(0), x.size(1), x.size(2), x.size(3), values1.size(3),
           routed.size(2), routed.size(3), geometry[0], geometry[1], geometry[2], geometry[3], geometry[4],
           static_cast<T>(quadratic)};
 }
