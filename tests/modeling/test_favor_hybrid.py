@@ -264,6 +264,29 @@ def test_a_row_whose_support_holds_all_its_keys_is_their_softmax(far_field, head
     assert_rows_within_one_window_are_their_softmax(far_field, head_dim, own_logit)
 
 
+@pytest.mark.parametrize("far_field", sorted(set(FAR_FIELDS) - set(QUADRATIC)))
+@pytest.mark.parametrize("seed", [2, 4])
+def test_bidirectional_random_features_hold_at_logits_near_100_in_float32(far_field, seed):
+    """A bidirectional random-feature far field summed every key under one shift, the largest key's: at logits
+    near 100 (FAVOR++ fits A = -17 there) a query's features could all fall on keys 1e-60 below it, 0 in float32,
+    which left rows 0 (2.2 from the reference) and NaN gradients. Each feature keeps its own largest key now: the
+    float32 outputs are the float64 reference's, the gradients the float64 method's."""
+    q, k, v = (t * scale for t, scale in zip(random_qkv(seed=seed), (10.0, 10.0, 1.0), strict=True))
+    W = _projection()
+    kwargs = dict(far_field=far_field, local_window=5)
+    expected = reference(q, k, v, W, **kwargs)
+    inputs = [t.float().requires_grad_() for t in (q, k, v)]
+    out = hybrid_attention(*inputs, W.float(), **kwargs)
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-4 * v.abs().max().item())
+    probe = torch.randn(expected.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    grads = torch.autograd.grad((out * probe.float()).sum(), inputs)
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    expected_grads = torch.autograd.grad((hybrid_attention(*inputs, W, **kwargs) * probe).sum(), inputs)
+    for ours, theirs in zip(grads, expected_grads, strict=True):
+        assert torch.isfinite(ours).all()
+        torch.testing.assert_close(ours.double(), theirs, rtol=0, atol=1e-3 * theirs.abs().max().item())
+
+
 def test_hybrid_beats_plain_favor_on_peaked_local_attention():
     # Attention concentrated on neighbours (a "previous token" head): the window takes the peaks.
     L, d = 128, 16

@@ -51,7 +51,7 @@ from .hybrid_backends import choose_backend
 from .hybrid_causal import decoding_step, extra_keys, lagged_far_field, next_state, prefill_far_state
 from .hybrid_exact import divide, global_rows
 from .hybrid_far_field import BidirectionalFar
-from .hybrid_keys import FarContext, HybridCall, key_side, slice_keys
+from .hybrid_keys import FarContext, HybridCall, key_side, keys_by_feature, slice_keys
 from .hybrid_selection import ExtraKeys, Selection
 from .hybrid_spec import HybridSpec, HybridState
 
@@ -149,7 +149,12 @@ def _prepare(q, k, v, projection, spec: HybridSpec, causal: bool, options: dict,
     ctx = FarContext(root, a, c, far, projection, parameter, dtype, exp_form)
     # Causal: the support's keys need no far-field features (the far field never holds them); bidirectional: the
     # random-feature far fields subtract their kernel on the support.
-    keys = key_side(k, v, mask, ctx, with_features=not causal and far.quadratic is None) if with_keys else None
+    keys = None
+    if with_keys and not causal and far.quadratic is None:
+        keys, key_log = keys_by_feature(k, v, mask, ctx)
+        ctx = ctx._replace(key_log=key_log)
+    elif with_keys:
+        keys = key_side(k, v, mask, ctx, with_features=False)
     log_gain = _log_gain(options["far_field_gain"], x)  # (.., H or 1, 1, 1)
     return HybridCall(k, v, mask, x, x @ c.transpose(-2, -1), keys, ctx, log_gain, spec, padding is not None)
 

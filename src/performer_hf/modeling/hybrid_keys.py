@@ -28,24 +28,49 @@ class FarContext(NamedTuple):
     parameter: Tensor | None  # FAVOR++'s A, (B, H), or None
     dtype: torch.dtype
     exp_form: tuple[Tensor, Tensor | None] | None = None  # an exponential far field's (directions, bias), once a call
+    # bidirectional random features: each feature's largest log over the keys (B, H, 1, D), by which the keys'
+    # features are normalised feature by feature (:func:`features_by_column`) and which the queries' carry
+    key_log: Tensor | None = None
 
     def features(self, u: Tensor, row_log: Tensor) -> tuple[Tensor, Tensor]:
         """Far-field features of centred rows u (B, H, L, d) as (normalised features, per-row log scale).
 
-        Returns ``feats`` (B, H, L, D) with ``phi(u) * exp(row_log) = feats * exp(scale)`` and
-        ``scale`` (B, H, L, 1): the row max of the log-features (so that ``|feats| <= 1`` for the
-        exponential kernels; polynomial kernels keep their base features as they are).
+        Returns ``feats`` (B, H, L, D) with ``phi(u) * exp(row_log) = feats * exp(scale)`` (times ``exp(key_log)``
+        feature by feature, where the keys' features are normalised by it) and ``scale`` (B, H, L, 1): the row max
+        of the log-features (so that ``|feats| <= 1`` for the exponential kernels; polynomial kernels keep their
+        base features as they are).
         """
-        if self.exp_form is not None:
-            base, log = None, exp_log_features(u, *self.exp_form)  # as far.features, the form computed once
-        else:
-            base, log = self.far.features(u, self.projection, self.parameter)
+        base, log = self._features(u)
+        if self.key_log is not None:
+            row_log = row_log + self.key_log if log is None else row_log  # (.., 1, 1): base features alone
         if log is None:
             return base, row_log
         log = log + row_log
+        if self.key_log is not None:
+            log = log + self.key_log
         scale = log.detach().amax(dim=-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)  # (B, H, L, 1), 0 where not finite
         feats = torch.exp(log - scale)
         return (feats if base is None else base * feats), scale
+
+    def features_by_column(self, u: Tensor, row_log: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Far-field features of centred keys u (B, H, S, d) whose mask (B, S) holds the real ones, normalised
+        feature by feature: ``feats`` (B, H, S, D) = ``phi(u) * exp(row_log) / exp(key_log)`` (<= 1 for the
+        exponential kernels), zero for padded keys, and ``key_log`` (B, H, 1, D), each feature's largest log over the
+        real keys ((B, H, 1, 1) for base features alone). Each feature's sum over the keys then keeps its largest
+        term at 1, whichever keys and queries it weighs most: with one shift for all (the largest key's), a query's
+        features could all fall on keys 1e-60 below it, 0 in float32."""
+        base, log = self._features(u)
+        log = row_log if log is None else log + row_log  # (B, H, S, D or 1)
+        log = log.masked_fill(~mask[:, None, :, None], NEG_INF)
+        key_log = log.detach().amax(dim=2, keepdim=True).nan_to_num(0.0, 0.0, 0.0)  # 0 where no key
+        feats = torch.exp(log - key_log)
+        return (feats if base is None else base * feats), key_log
+
+    def _features(self, u: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """The far field's (base, log) features of u (:data:`.FarFeatureFn`)."""
+        if self.exp_form is not None:
+            return None, exp_log_features(u, *self.exp_form)  # as far.features, the form computed once
+        return self.far.features(u, self.projection, self.parameter)
 
 
 class Keys(NamedTuple):
@@ -68,6 +93,17 @@ def key_rows(k: Tensor, v: Tensor, mask: Tensor, ctx: FarContext) -> tuple[Tenso
     y = k.to(ctx.dtype) * ctx.root
     values1 = F.pad(v.to(ctx.dtype), (0, 1), value=1.0) * mask[:, None, :, None]
     return y, values1
+
+
+def keys_by_feature(k, v, mask, ctx: FarContext) -> tuple[Keys, Tensor]:
+    """Keys (B, H, S, d), values (B, H, S, dv) and their mask (B, S) prepared for the support and a bidirectional
+    random-feature far field: their features normalised feature by feature (:meth:`FarContext.features_by_column`),
+    so ``klog`` is 0 (-inf for padded keys); and ``key_log`` (B, H, 1, D), which the queries' features carry."""
+    y, values1 = key_rows(k, v, mask, ctx)
+    u = y - ctx.c
+    feats, key_log = ctx.features_by_column(u, u @ ctx.a.transpose(-2, -1), mask)
+    klog = torch.zeros_like(y[..., :1]).masked_fill(~mask[:, None, :, None], NEG_INF)  # (B, H, S, 1)
+    return Keys(y, values1, klog, mask, feats), key_log
 
 
 def key_side(k, v, mask, ctx: FarContext, with_features: bool) -> Keys:
