@@ -33,12 +33,12 @@ SUPPORT_FORWARD = {
     **_rows("X RQ QSCALE FAR KSHIFT Y V1 KLOG"),
     "MASK": "*i1",
     "ROUTES": "*i32",
-    **_rows("OUT SHIFT KMASS"),
+    **_rows("FLOOR OUT SHIFT KMASS"),
 }
 SUPPORT_ROUTED = {
     **_rows("GRAD X RQ QSCALE FAR KSHIFT Y V1 KLOG"),
     "MASK": "*i1",
-    **_rows("SHIFT KMASS"),
+    **_rows("FLOOR SHIFT KMASS"),
     "PIECES": "*i32",
     "CHOOSERS": "*i32",
     **_rows("DY DV1 DKLOG"),
@@ -48,7 +48,7 @@ SUPPORT_BACKWARD = {
     **_rows("GRAD X RQ QSCALE FAR KSHIFT Y V1 KLOG"),
     "MASK": "*i1",
     "ROUTES": "*i32",
-    **_rows("SHIFT KMASS DX DRQ DQSCALE DFAR DY DV1 DKLOG"),
+    **_rows("FLOOR SHIFT KMASS DX DRQ DQSCALE DFAR DY DV1 DKLOG"),
 }
 
 
