@@ -167,30 +167,34 @@ def test_a_chunked_prefill_refuses_a_row_whose_padding_fills_the_first_chunk(imp
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("implementation", ["performer_hybrid", "performer_sparse"])
-def test_a_decoding_step_on_a_key_value_cache_gives_each_padded_row_its_own_global_tokens(implementation, tmp_path):
+def test_a_decoding_step_on_a_key_value_cache_gives_each_padded_row_its_own_global_tokens(
+    implementation, compiled, tmp_path
+):
     """A decoding step over a plain key/value cache (filled with gradients enabled: no method state) on a left-padded
     batch in which one row has fewer real tokens than global tokens. That row's sinks would include the step's own
     token, so the whole batch was left unordered and another padded row read pads as sinks (1.5e-3 from the row
-    alone with the hybrid, 0.11 with the sparse method). The step's own token stays last (the sparse step reads its
-    last key as the query's own); each row's step now equals the row alone (1e-5)."""
+    alone with the hybrid, 0.11 with the sparse method); compiled, no step was ordered. The step's own token stays
+    last (the sparse step reads its last key as the query's own); each row's step, eager or compiled, now equals
+    the row alone, eager (1e-5)."""
     _, folder = _source(DECODERS["llama"], tmp_path)
     every_block = {"select_budget": 0} if implementation == "performer_sparse" else {}
     model = _load(folder, implementation, **{**SHORT_WINDOW[implementation], "num_global_tokens": 4, **every_block})
     ids, step, pads = _ids(3, 40), _ids(3, 1, seed=2), (0, 38, 8)  # row 1: 2 real tokens, row 2: 32
 
-    def prefill_then_step(ids, mask, step) -> torch.Tensor:
+    def prefill_then_step(ids, mask, step, stepper=model) -> torch.Tensor:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.enable_grad():
             cache = model(ids, attention_mask=mask, position_ids=positions, use_cache=True)[CACHE_KEYWORD]
         mask, positions = torch.cat([mask, torch.ones_like(step)], dim=1), positions[:, -1:] + 1
         with torch.no_grad():
-            return model(step, attention_mask=mask, position_ids=positions, **{CACHE_KEYWORD: cache}).logits[:, -1]
+            return stepper(step, attention_mask=mask, position_ids=positions, **{CACHE_KEYWORD: cache}).logits[:, -1]
 
     mask = torch.ones_like(ids)
     for row, count in enumerate(pads):
         mask[row, :count] = 0
-    batch = prefill_then_step(ids, mask, step)
+    batch = prefill_then_step(ids, mask, step, torch.compile(model, backend="aot_eager") if compiled else model)
     for row, count in enumerate(pads):
         alone = prefill_then_step(ids[row : row + 1, count:], mask[row : row + 1, count:], step[row : row + 1])
         torch.testing.assert_close(batch[row], alone[0], atol=1e-5, rtol=1e-5)

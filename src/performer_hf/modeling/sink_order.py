@@ -30,17 +30,16 @@ def sinks_first(attend: Callable, count: int, key_mask: Tensor | None, query_len
     ``count`` real keys moved in front of the pads, where the ``key_length`` keys given are those the ``key_mask``
     (B, Lk) covers, from the first, and the moved keys lie before the call's ``query_length`` queries (a decoding
     step moves its row's cached real keys, fewer than ``count``, and keeps its own last), or the queries move with
-    them (they are the keys' own tokens); ``attend`` itself otherwise. Traced (``torch.compile``), a call
-    whose queries are its keys' tokens takes the order whatever the padding (the identity for a row that starts with
-    a real token: no host read); a call after cached keys is left as it is, and, eager, refused where some of a
-    padded row's first ``count`` real keys come in it (its global tokens, cached before, were pads)."""
+    them (they are the keys' own tokens); ``attend`` itself otherwise. Traced (``torch.compile``), every call takes
+    the order whatever the padding (the identity for a row that starts with a real token: no host read). A call of
+    several queries after cached keys is refused, eager, where some of a padded row's first ``count`` real keys come
+    in it (its global tokens, cached before, were pads); traced it cannot be, and that row keeps the order of its
+    cached keys alone."""
     if not count or key_mask is None:
         return attend
     length = key_mask.shape[1]
     whole = query_length == length  # the queries are the keys' tokens: they move alike
-    if not whole:
-        if torch.compiler.is_compiling():
-            return attend
+    if not whole and not torch.compiler.is_compiling():  # traced, the check's host read would break the graph
         _check_sinks_cached(key_mask, count, length - query_length)
     # the call's own keys stay in place after cached ones (a decoding step's query sees itself last); after the
     # check, a call of several queries has each padded row's first real keys cached
