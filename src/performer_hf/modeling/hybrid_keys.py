@@ -41,13 +41,12 @@ class FarContext(NamedTuple):
         base features as they are).
         """
         base, log = self._features(u)
-        if self.key_log is not None:
-            row_log = row_log + self.key_log if log is None else row_log  # (.., 1, 1): base features alone
+        if self.key_log is not None:  # (.., 1, D), or (.., 1, 1) for base features alone
+            row_log = row_log + self.key_log if log is None else row_log
+            log = None if log is None else log + self.key_log
         if log is None:
             return base, row_log
         log = log + row_log
-        if self.key_log is not None:
-            log = log + self.key_log
         scale = log.detach().amax(dim=-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)  # (B, H, L, 1), 0 where not finite
         feats = torch.exp(log - scale)
         return (feats if base is None else base * feats), scale

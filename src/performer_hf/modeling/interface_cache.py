@@ -188,8 +188,9 @@ def _adopt_pending_layer(
             delattr(keys, _COPIED_WITH_KEYS)
             cache.layers[module.layer_idx] = kept.layer
             return
-    copied = getattr(getattr(held, _COPIED_WITH_KEYS, None), "kept", None)  # a deep copy of that cache's keys: a
-    if copied is not None and copied.layer.get_seq_length() == length:  # copy of the state, its own
+    # a deep copy of that cache's keys carries its own copy of the state
+    copied = getattr(getattr(held, _COPIED_WITH_KEYS, None), "kept", None)
+    if copied is not None and copied.layer.get_seq_length() == length:
         if _same_padding(copied.mask, mask, length):
             delattr(held, _COPIED_WITH_KEYS)
             cache.layers[module.layer_idx] = copied.layer
