@@ -11,6 +11,7 @@ import pickle
 import pytest
 import torch
 import transformers
+from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
 
 import performer_hf
@@ -198,6 +199,39 @@ def test_a_decoding_step_on_a_key_value_cache_gives_each_padded_row_its_own_glob
     for row, count in enumerate(pads):
         alone = prefill_then_step(ids[row : row + 1, count:], mask[row : row + 1, count:], step[row : row + 1])
         torch.testing.assert_close(batch[row], alone[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "implementation,settings",
+    [
+        ("performer_hybrid", {}),  # a constant-size state, as FAVOR+'s (handed over alike)
+        ("performer_sparse", {}),  # a budget: the bounded state
+        ("performer_sparse", {"select_budget": 0}),  # every block kept: decoding reads the key/value cache
+    ],
+    ids=["hybrid", "sparse", "sparse, every block"],
+)
+def test_a_compiled_model_decodes_from_its_prompts_cache_as_eager(implementation, settings, tmp_path):
+    """torch.compile of a converted model, a prompt without gradients (the method keeps its state for the cache the
+    model returns), then greedy decoding steps on that cache: the first step failed while traced (the state's hand-over
+    deletes an attribute of the cached keys, which a fake tensor lacks: TorchRuntimeError). Each step's logits now
+    equal the eager model's (1e-5), for a first prompt and a second; the second prompt's steps compile nothing anew
+    (the steps were cut into graphs around host reads: 6 graph breaks a step before)."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, implementation, **{**SHORT_WINDOW[implementation], **settings})
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    with torch.no_grad():
+        for seed in (0, 1):
+            prompt = _ids(1, 24, seed=seed)
+            ours, theirs = compiled(prompt, use_cache=True), model(prompt, use_cache=True)
+            torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-5, rtol=1e-5)
+            graphs = counter.frame_count
+            for _ in range(3):
+                token = theirs.logits[:, -1:].argmax(dim=-1)
+                ours = compiled(token, use_cache=True, **{CACHE_KEYWORD: ours[CACHE_KEYWORD]})
+                theirs = model(token, use_cache=True, **{CACHE_KEYWORD: theirs[CACHE_KEYWORD]})
+                torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == graphs, f"the second prompt's steps compiled {counter.frame_count - graphs} graphs"
 
 
 @pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)

@@ -157,26 +157,31 @@ def _prepare_cache_layer(module: nn.Module, args, kwargs) -> None:
     """Before a call of Performer attention ``module`` with a cache: the method's state in the place of the key/value
     layer it stands for (:func:`adopt_on_next_call`), and a sliding-window key/value layer made one that keeps
     every key (:func:`_keep_every_key`)."""
-    pending = module.__dict__.get(_PENDING_LAYERS)
-    orphan = None
-    if pending is not None:  # the freed keys' state goes to this call at most
-        orphan, pending.orphan = pending.orphan, None
     cache = kwargs.get(CACHE_KEYWORD)
+    held = isinstance(cache, Cache) and module.layer_idx < len(cache.layers)
+    layer = cache.layers[module.layer_idx] if held else None
+    pending = module.__dict__.get(_PENDING_LAYERS)
+    # (traced, a guard on how many are pending and on the layer's type: a compiled decoding step that reads the state
+    # it adopted has no call to run eagerly)
+    if pending is not None and (pending or pending.orphan is not None or _plain(layer)):
+        _adopt_pending_layer(module, pending, cache, kwargs.get("attention_mask"))
+    if layer is not None:
+        _keep_every_key(module, cache)
+
+
+def _plain(layer: CacheLayerMixin | None) -> bool:
+    """Whether ``layer`` is a key/value layer holding keys, whose place a kept state may take: a sliding-window layer
+    too (Mistral's config may name a window; the method, not the window, decides what the layer reads)."""
+    return type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) and getattr(layer, "keys", None) is not None
+
+
+@torch.compiler.disable  # it edits the cache and the keys' attributes: a compiled model's call runs it eagerly
+def _adopt_pending_layer(module: nn.Module, pending: _PendingLayers, cache, mask: Tensor | None) -> None:
+    orphan, pending.orphan = pending.orphan, None  # the freed keys' state goes to this call at most
     if not isinstance(cache, Cache) or module.layer_idx >= len(cache.layers):
         return
-    if pending is not None:
-        _adopt_pending_layer(module, pending, orphan, cache, kwargs.get("attention_mask"))
-    _keep_every_key(module, cache)
-
-
-def _adopt_pending_layer(
-    module: nn.Module, pending: _PendingLayers, orphan: _Pending | None, cache: Cache, mask: Tensor | None
-) -> None:
     current = cache.layers[module.layer_idx]
-    # a sliding-window layer too (Mistral's config may name a window): the method, not the window, decides what the
-    # layer reads
-    plain = type(current) in (DynamicLayer, DynamicSlidingWindowLayer)
-    if not plain or getattr(current, "keys", None) is None:
+    if not _plain(current):
         return
     held = current.keys  # the keys a plain layer returned; a sliding-window layer's, a view of their end
     length = current.get_seq_length()

@@ -32,9 +32,11 @@ def softmax_attention(q, k, v, key_mask, causal, dropout=0.0, output_attentions=
     grouped = q.shape[1] != k.shape[1]
     windowed = causal and window is not None and k_len > window  # some key is out of some query's window
     if causal and key_mask is None and q_len in (1, k_len) and not output_attentions and not windowed:
-        # SDPA's fused causal path: no (L, L) mask in memory (one query, the last, sees every key: no mask at all)
-        fused = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=q_len > 1, enable_gqa=grouped)
-        return fused, None
+        # SDPA's fused causal path: no (L, L) mask in memory (one query, the last, sees every key: no mask at all;
+        # a branch, not is_causal=q_len > 1, which traced with a dynamic length is no bool)
+        if q_len == 1:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, enable_gqa=grouped), None
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped), None
     visible = None
     if key_mask is not None:
         visible = key_mask[:, None, None, :]  # (B, 1, 1, Lk)

@@ -156,7 +156,9 @@ def sparse_attention(
     pooled_step = L == 1 and spec.bounded and not (spec.budget and spec.ranking == "window")
     kernels = _cpu_kernels(q, keys, values) if pooled_step else None
     if L == 1 and not spec.bounded:  # a decoding step with every key kept (start is 0): one pass over them
-        context = _decode_step(q, keys, values, None if bool(key_mask.all()) else key_mask, spec)
+        # (traced, the mask as it is: the host read of whether it hides a key would break the graph)
+        every_key = not torch.compiler.is_compiling() and bool(key_mask.all())
+        context = _decode_step(q, keys, values, None if every_key else key_mask, spec)
         pool, pushed, mass = _Pool(state), start // block, state.mass
     elif kernels is not None:  # a bounded decoding step, compiled (without the "window" ranking)
         globals_ = (global_keys, global_values, global_mask)
@@ -465,8 +467,9 @@ def _pooled_decode_step(q, keys, values, key_mask, globals_, state: SparseState,
 
 def _cpu_kernels(*tensors: Tensor):
     """The compiled kernels when they serve these tensors: float32 on the CPU, no gradient to record (a decoding step;
-    a block of queries, whose forward runs without one)."""
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+    a block of queries, whose forward runs without one), not traced (torch.compile fuses the PyTorch form into its
+    graph, where a call of the kernels would break it)."""
+    if torch.compiler.is_compiling() or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
         return None
     return None if _records_gradient(*tensors) else hybrid_kernels()
 
@@ -551,8 +554,8 @@ def _attend_compiled(kernels, flat: Tensor, parts, candidates, spec: SparseSpec,
 def _hide(logits: Tensor, visible: Tensor) -> Tensor:
     """logits (..., K), -inf written in place where visible (broadcastable to them) is False. On a CPU only over the
     span of columns that hide some key (a pool's hidden keys are the global tokens and padding: mostly a prefix),
-    which the host reads; elsewhere over every column, without waiting for the device."""
-    if logits.device.type != "cpu":
+    which the host reads; elsewhere (and traced) over every column, without waiting for the device."""
+    if logits.device.type != "cpu" or torch.compiler.is_compiling():
         return logits.masked_fill_(~visible, NEG_INF)
     hidden = (~visible).flatten(0, -2).any(dim=0).nonzero()  # (n, 1): the columns that hide a key
     if hidden.numel():
@@ -594,9 +597,9 @@ def _union(chosen: Tensor) -> Tensor | None:
     :data:`GATHERED_SHARE` of them; None for all of them. Gathering most blocks copies more than reading them all
     costs (the whole 6-layer Llama of ``benchmarks/model_speed.py`` at 8K tokens, whose unions hold 88-100% of the
     blocks, infers 1.11x faster reading them all). On a CPU only: U is read on the host, which on a GPU would wait for
-    the device at every call (once per layer and token while decoding); there every block stays, its weights zero
-    where no query chose it."""
-    if chosen.device.type != "cpu":
+    the device at every call (once per layer and token while decoding); there (and traced, where the read would break
+    the graph) every block stays, its weights zero where no query chose it."""
+    if chosen.device.type != "cpu" or torch.compiler.is_compiling():
         return None
     union = chosen.any(dim=2)  # (B, Hkv, N)
     count = int(union.sum(dim=-1).max())
