@@ -158,31 +158,31 @@ def _prepare_cache_layer(module: nn.Module, args, kwargs) -> None:
     layer it stands for (:func:`adopt_on_next_call`), and a sliding-window key/value layer made one that keeps
     every key (:func:`_keep_every_key`)."""
     cache = kwargs.get(CACHE_KEYWORD)
-    held = isinstance(cache, Cache) and module.layer_idx < len(cache.layers)
-    layer = cache.layers[module.layer_idx] if held else None
+    if not isinstance(cache, Cache) or module.layer_idx >= len(cache.layers):
+        cache = None  # no cache layer for this module
     pending = module.__dict__.get(_PENDING_LAYERS)
     # (traced, a guard on how many are pending and on the layer's type: a compiled decoding step that reads the state
     # it adopted has no call to run eagerly)
-    if pending is not None and (pending or pending.orphan is not None or _plain(layer)):
+    if pending is not None and (pending or pending.orphan is not None or _plain(cache, module.layer_idx)):
         _adopt_pending_layer(module, pending, cache, kwargs.get("attention_mask"))
-    if layer is not None:
+    if cache is not None:
         _keep_every_key(module, cache)
 
 
-def _plain(layer: CacheLayerMixin | None) -> bool:
-    """Whether ``layer`` is a key/value layer holding keys, whose place a kept state may take: a sliding-window layer
-    too (Mistral's config may name a window; the method, not the window, decides what the layer reads)."""
+def _plain(cache: Cache | None, layer_idx: int) -> bool:
+    """Whether the cache's layer ``layer_idx`` is a key/value layer holding keys, whose place a kept state may take: a
+    sliding-window layer too (Mistral's config may name a window; the method, not the window, decides what the layer
+    reads). None: no cache layer."""
+    layer = None if cache is None else cache.layers[layer_idx]
     return type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) and getattr(layer, "keys", None) is not None
 
 
 @torch.compiler.disable  # it edits the cache and the keys' attributes: a compiled model's call runs it eagerly
-def _adopt_pending_layer(module: nn.Module, pending: _PendingLayers, cache, mask: Tensor | None) -> None:
+def _adopt_pending_layer(module: nn.Module, pending: _PendingLayers, cache: Cache | None, mask: Tensor | None) -> None:
     orphan, pending.orphan = pending.orphan, None  # the freed keys' state goes to this call at most
-    if not isinstance(cache, Cache) or module.layer_idx >= len(cache.layers):
+    if not _plain(cache, module.layer_idx):
         return
     current = cache.layers[module.layer_idx]
-    if not _plain(current):
-        return
     held = current.keys  # the keys a plain layer returned; a sliding-window layer's, a view of their end
     length = current.get_seq_length()
     entries = [(key_id, reference(), kept) for key_id, (reference, kept) in list(pending.items())]

@@ -551,11 +551,17 @@ def _attend_compiled(kernels, flat: Tensor, parts, candidates, spec: SparseSpec,
     return context.unflatten(2, (G, nq)), window_probs.unflatten(2, (G, nq)), chosen, lse.unflatten(2, (G, nq))
 
 
+def _reads_on_host(tensor: Tensor) -> bool:
+    """Whether a value of ``tensor`` read on the host may steer the work: on a CPU, where nothing waits for a device,
+    and not traced (a read breaks the graph)."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def _hide(logits: Tensor, visible: Tensor) -> Tensor:
     """logits (..., K), -inf written in place where visible (broadcastable to them) is False. On a CPU only over the
     span of columns that hide some key (a pool's hidden keys are the global tokens and padding: mostly a prefix),
     which the host reads; elsewhere (and traced) over every column, without waiting for the device."""
-    if logits.device.type != "cpu" or torch.compiler.is_compiling():
+    if not _reads_on_host(logits):
         return logits.masked_fill_(~visible, NEG_INF)
     hidden = (~visible).flatten(0, -2).any(dim=0).nonzero()  # (n, 1): the columns that hide a key
     if hidden.numel():
@@ -599,7 +605,7 @@ def _union(chosen: Tensor) -> Tensor | None:
     blocks, infers 1.11x faster reading them all). On a CPU only: U is read on the host, which on a GPU would wait for
     the device at every call (once per layer and token while decoding); there (and traced, where the read would break
     the graph) every block stays, its weights zero where no query chose it."""
-    if chosen.device.type != "cpu" or torch.compiler.is_compiling():
+    if not _reads_on_host(chosen):
         return None
     union = chosen.any(dim=2)  # (B, Hkv, N)
     count = int(union.sum(dim=-1).max())
