@@ -158,7 +158,7 @@ def test_a_transfer_stopped_midway_leaves_the_model_as_it_was_and_can_be_retried
 def test_the_transfer_teacher_is_the_sources_attention_within_mistrals_window(tmp_path):
     """The teacher ran softmax over every key where Mistral attends within its window (logits 0.262 from the source
     at 48 tokens and a window of 16): every layer trained towards another model than the source."""
-    from performer_hf.integrations.attention_transfer import _hooked
+    from performer_hf.modeling.attention_interface import transfer_hooked
     from performer_hf.modeling.method_exact import softmax_attention
 
     config = type(DECODERS["mistral"])(**{**DECODERS["mistral"].to_dict(), "sliding_window": 16})
@@ -169,7 +169,7 @@ def test_the_transfer_teacher_is_the_sources_attention_within_mistrals_window(tm
     def teacher(state, attend, q, k, v, key_mask, causal, window):
         return softmax_attention(q, k, v, key_mask, causal, window=window)[0]
 
-    with torch.no_grad(), _hooked(teacher):
+    with torch.no_grad(), transfer_hooked(teacher):
         taught = model(ids).logits
     with torch.no_grad():
         torch.testing.assert_close(taught, source(ids).logits, rtol=1e-5, atol=1e-5)

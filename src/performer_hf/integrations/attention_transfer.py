@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..modeling.attention_interface import TRANSFER_HOOK
+from ..modeling.attention_interface import transfer_hooked
 from ..modeling.attention_settings import (
     CONFIG_ATTRIBUTE,
     LEARNED_ATTRIBUTE,
@@ -99,16 +99,6 @@ def _frozen(model: nn.Module):
         for parameter in trainable:
             parameter.requires_grad_(True)
         model.train(was_training)
-
-
-@contextmanager
-def _hooked(hook):
-    """Performer attention calls ``hook`` in place of the method (``TRANSFER_HOOK``) within the block."""
-    token = TRANSFER_HOOK.set(hook)
-    try:
-        yield
-    finally:
-        TRANSFER_HOOK.reset(token)
 
 
 def _states(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
@@ -279,7 +269,7 @@ def _train(model: nn.Module, batches: list, steps: int, learning_rate: float, pr
         return target
 
     start, tokens = time.perf_counter(), 0
-    with _hooked(match_softmax):
+    with transfer_hooked(match_softmax):
         for step in tqdm(range(steps), desc="attention transfer", disable=not progress):
             batch = batches[step % len(batches)]
             layer_errors.clear()
@@ -354,7 +344,7 @@ def _centre_on_the_source(model: nn.Module, batch: dict[str, torch.Tensor], stat
         means[state.layer_idx] = fixed_centres(q.float(), k.float(), key_mask)  # (H, d) each
         return softmax_attention(q, k, v, key_mask, causal, window=window)[0]
 
-    with _hooked(record_means):
+    with transfer_hooked(record_means):
         model(**batch)
     for state in centred:
         query_mean, key_mean = means[state.layer_idx]

@@ -36,6 +36,7 @@ What the adapter does around those methods:
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import partial
 
@@ -62,6 +63,26 @@ Tensor = torch.Tensor
 # context (B, H, L, D) the model continues with (the source's own attention, so every layer learns from the
 # source's inputs).
 TRANSFER_HOOK: ContextVar[Callable | None] = ContextVar("performer_transfer_hook", default=None)
+# how many ``transfer_hooked`` blocks are open, in any thread: while none is, attention does not read the hook
+# (torch.compile of torch 2.11 cannot trace ``ContextVar.get``: a graph break at every call; it guards on an int)
+_open_transfer_blocks = 0
+
+
+@contextmanager
+def transfer_hooked(hook: Callable):
+    """Performer attention calls ``hook`` in place of the method (``TRANSFER_HOOK``) within the block."""
+    global _open_transfer_blocks
+    token = TRANSFER_HOOK.set(hook)
+    _open_transfer_blocks += 1
+    try:
+        yield
+    finally:
+        _open_transfer_blocks -= 1
+        TRANSFER_HOOK.reset(token)
+
+
+def _transfer_hook() -> Callable | None:
+    return TRANSFER_HOOK.get() if _open_transfer_blocks else None
 
 
 def _mixes_sliding_layers(config) -> bool:
@@ -139,7 +160,7 @@ def _performer_attention(implementation: str):
         if scaling is not None and scaling != head_dim**-0.5:
             query = query * (scaling * head_dim**0.5)  # the methods scale q.k by head_dim ** -0.5
         groups = query.shape[1] // key.shape[1]
-        transfer = TRANSFER_HOOK.get()
+        transfer = _transfer_hook()
         grouped_kv = ATTENTION_METHODS[state.attention_method].grouped_kv and transfer is None
         if groups > 1 and not grouped_kv:  # grouped-query attention: each key/value head serves `groups` query heads
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (B, H, Lk, D)

@@ -162,8 +162,8 @@ def _prepare_cache_layer(module: nn.Module, args, kwargs) -> None:
         cache = None  # no cache layer for this module
     pending = module.__dict__.get(_PENDING_LAYERS)
     # (traced, a guard on how many are pending and on the layer's type: a compiled decoding step that reads the state
-    # it adopted has no call to run eagerly)
-    if pending is not None and (pending or pending.orphan is not None or _plain(cache, module.layer_idx)):
+    # it adopted has no call to run eagerly; ``len``, as torch 2.11 cannot trace the truth of a dict subclass)
+    if pending is not None and (len(pending) > 0 or pending.orphan is not None or _plain(cache, module.layer_idx)):
         _adopt_pending_layer(module, pending, cache, kwargs.get("attention_mask"))
     if cache is not None:
         _keep_every_key(module, cache)
