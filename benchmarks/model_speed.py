@@ -96,13 +96,15 @@ PART_MODES = {"model": MODES, "attention": ("forward_backward", "forward"), "dec
 WARM_TOKENS = 3  # decoded before the timing: a compiled step's first graph, then its graph with dynamic sizes
 LAYERS, HIDDEN, HEADS = 6, 384, 12
 TILED = dict(local_window=257, routed_blocks=16, route_block_size=64, query_block_size=128, route_group_size=0)
+QUICK_VOCABULARY = 1024  # a quick run's models: the embeddings, the head and its optimizer steps ran 3x the rest
 
 
 # ---- models --------------------------------------------------------------------------------------
 
 
-def source_model(kind: str, positions: int, attention_dropout: float = 0.1):
-    """A source model of ``kind`` with random weights (seeded) and ``positions`` positions, SDPA attention."""
+def source_model(kind: str, positions: int, attention_dropout: float = 0.1, vocabulary: int | None = None):
+    """A source model of ``kind`` with random weights (seeded) and ``positions`` positions, SDPA attention; its
+    tokenizer's vocabulary size unless ``vocabulary`` is given."""
     from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -113,7 +115,7 @@ def source_model(kind: str, positions: int, attention_dropout: float = 0.1):
             intermediate_size=1536,
             num_attention_heads=9,
             num_key_value_heads=3,
-            vocab_size=49152,
+            vocab_size=vocabulary or 49152,
             max_position_embeddings=positions,
             tie_word_embeddings=True,
         )
@@ -126,10 +128,16 @@ def source_model(kind: str, positions: int, attention_dropout: float = 0.1):
             intermediate_size=4 * HIDDEN,
             max_position_embeddings=positions,
             attention_probs_dropout_prob=attention_dropout,
+            vocab_size=vocabulary or 30522,
         )
         return BertForMaskedLM._from_config(config, attn_implementation="sdpa")
     config = GPT2Config(
-        n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, n_positions=positions, attn_pdrop=attention_dropout
+        n_layer=LAYERS,
+        n_embd=HIDDEN,
+        n_head=HEADS,
+        n_positions=positions,
+        attn_pdrop=attention_dropout,
+        vocab_size=vocabulary or 50257,
     )
     return GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
 
@@ -166,14 +174,22 @@ def baseline_model(folder: str, class_name: str, checkpoint: Path):
     return model_class.from_pretrained(checkpoint, config=model_class.config_class.from_dict(known))
 
 
-def build_models(kind: str, positions: int, arms: list[str], workdir: Path, baseline: str | None = None) -> dict:
+def build_models(
+    kind: str,
+    positions: int,
+    arms: list[str],
+    workdir: Path,
+    baseline: str | None = None,
+    vocabulary: int | None = None,
+) -> dict:
     """Every arm's model of ``kind`` (float32, CPU, train mode): the source, and its conversions (and, with
-    ``baseline``, each conversion run by the baseline's modeling code as ``baseline:<arm>``)."""
+    ``baseline``, each conversion run by the baseline's modeling code as ``baseline:<arm>``); ``vocabulary``: see
+    :func:`source_model`."""
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     from performer_hf import convert
 
-    source = source_model(kind, positions)
+    source = source_model(kind, positions, vocabulary=vocabulary)
     folder = workdir / f"{kind}-source"
     source.save_pretrained(folder)
     models = {}
@@ -188,7 +204,8 @@ def build_models(kind: str, positions: int, arms: list[str], workdir: Path, base
             logger.info("the tiled support routes key blocks, which causal models cannot: run on the encoder only")
             continue
         if arm in SOURCE_ARMS:
-            models[arm] = source_model(kind, positions, attention_dropout=0.0 if arm == "sdpa_fused" else 0.1)
+            dropout = 0.0 if arm == "sdpa_fused" else 0.1
+            models[arm] = source_model(kind, positions, attention_dropout=dropout, vocabulary=vocabulary)
             continue
         settings = {
             "exact": {"method": "hybrid", "exact_max_length": 1 << 30, "accelerator_exact_max_length": 1 << 30},
@@ -364,11 +381,15 @@ def time_arms(steps: dict[str, Step], reps: int) -> dict[str, dict]:
     return records
 
 
+def _vocabulary(args) -> int | None:
+    return QUICK_VOCABULARY if args.quick else None
+
+
 def measure_models(args, workdir: Path) -> list[dict]:
     results = []
     dtype = getattr(torch, args.dtype)
     for kind in args.models:
-        models = build_models(kind, max(args.lengths), args.arms, workdir, args.baseline)
+        models = build_models(kind, max(args.lengths), args.arms, workdir, args.baseline, _vocabulary(args))
         for model in models.values():
             model.to(device=args.device, dtype=dtype)
         start = time.monotonic()
@@ -416,7 +437,7 @@ def measure_decode(args, workdir: Path) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     for kind in args.models:
         positions = max(args.lengths) + WARM_TOKENS + args.reps + 2  # the prompt and every decoded token
-        models = build_models(kind, positions, args.arms, workdir, args.baseline)
+        models = build_models(kind, positions, args.arms, workdir, args.baseline, _vocabulary(args))
         for model in models.values():
             model.to(device=args.device, dtype=dtype)
         for length in args.lengths:
@@ -706,7 +727,9 @@ def plot(payload: dict):
 
 
 def main(argv=None) -> dict:
-    parser = harness.parser(__doc__, quick="L = 128, 1 run each, arms sdpa hybrid favor bound", threads=2)
+    parser = harness.parser(
+        __doc__, quick="L = 128, 1 run each, arms sdpa hybrid favor bound, vocabularies of 1,024", threads=2
+    )
     parser.add_argument("--part", choices=tuple(PART_MODES), default="model")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

@@ -31,7 +31,7 @@ Writes speed.json, speed.png and speed.md to --out-dir (tables of times, ratios,
 issue-2 floors at L = 8192).
 
     python benchmarks/speed.py                 # full run: L = 1K .. 32K (tens of minutes on 2 cores)
-    python benchmarks/speed.py --quick         # smoke test: L = 256, FAVOR+ and SDPA; 1 repetition
+    python benchmarks/speed.py --quick         # smoke test: L = 256, FAVOR+ and SDPA; 1 repetition; one memory probe
 """
 
 from __future__ import annotations
@@ -185,7 +185,9 @@ def run_benchmark(args) -> list[dict]:
                     rec["skipped"] = f"length above the method's cap of {cap}"
                 elif (name, mode) in stopped:
                     rec["skipped"] = stopped[(name, mode)]
-                if rec["skipped"] is None and not args.no_memory:
+                # a quick run probes the first configuration's memory alone (each probe: a fresh process, 9 s)
+                probed = any("memory_probe" in other for other in records.values())
+                if rec["skipped"] is None and not args.no_memory and not (args.quick and probed):
                     mem = measure_memory(name, length, mode, args)
                     if mem["ok"]:
                         rec["peak_mb"] = mem["peak_mb"]
@@ -370,7 +372,7 @@ def measure(args) -> dict:
     """Every (method, length, mode): times, peak memory or why it was skipped; and the floors."""
     if args.quick:
         args.lengths, args.reps = [256], 1
-        # a Performer arm and the baseline: each configuration is a fresh subprocess (about 5 s each)
+        # a Performer arm and the baseline
         args.methods = [name for name in args.methods if name in ("favor", "sdpa")]
     results = run_benchmark(args)
     return {
@@ -399,7 +401,7 @@ def measure(args) -> dict:
 def main(argv=None) -> dict:
     parser = harness.parser(
         __doc__,
-        quick="L = 256, 1 run each: FAVOR+ and SDPA",
+        quick="L = 256, 1 run each: FAVOR+ and SDPA; the first configuration's memory",
         threads=0,
     )
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
