@@ -18,8 +18,16 @@ if WORKERS:
     threads = max(1, (os.cpu_count() or 1) // WORKERS)
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
-# the studies' longest smoke runs (tests/test_studies.py; about 70 to 180 s each on one thread), in that order
-LONGEST_STUDIES = ("llm_linearization", "model_speed", "long_context_retrieval", "long_documents", "compat_sentiment")
+# the studies' longest smoke runs (tests/test_studies.py; about 25 to 60 s each on one thread), in that order
+LONGEST_STUDIES = (
+    "llm_linearization",
+    "long_documents",
+    "long_context_retrieval",
+    "routing_granularity",
+    "compat_sentiment",
+    "approximation_quality",
+    "model_speed",
+)
 
 
 def pytest_collection_modifyitems(config, items):
