@@ -35,6 +35,7 @@ What the adapter does around those methods:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -64,8 +65,10 @@ Tensor = torch.Tensor
 # source's inputs).
 TRANSFER_HOOK: ContextVar[Callable | None] = ContextVar("performer_transfer_hook", default=None)
 # how many ``transfer_hooked`` blocks are open, in any thread: while none is, attention does not read the hook
-# (torch.compile of torch 2.11 cannot trace ``ContextVar.get``: a graph break at every call; it guards on an int)
+# (torch.compile of torch 2.11 cannot trace ``ContextVar.get``: a graph break at every call; it guards on an int).
+# Counted under a lock: a count lost to two threads' ``+=`` would hide an open block's hook
 _open_transfer_blocks = 0
+_transfer_blocks_lock = threading.Lock()
 
 
 @contextmanager
@@ -73,11 +76,13 @@ def transfer_hooked(hook: Callable):
     """Performer attention calls ``hook`` in place of the method (``TRANSFER_HOOK``) within the block."""
     global _open_transfer_blocks
     token = TRANSFER_HOOK.set(hook)
-    _open_transfer_blocks += 1
+    with _transfer_blocks_lock:
+        _open_transfer_blocks += 1
     try:
         yield
     finally:
-        _open_transfer_blocks -= 1
+        with _transfer_blocks_lock:
+            _open_transfer_blocks -= 1
         TRANSFER_HOOK.reset(token)
 
 
