@@ -563,3 +563,23 @@ def test_a_causal_query_that_sees_no_key_gets_zero_output_and_gradients(far_fiel
     alone_grads = torch.autograd.grad((alone * probe[9:]).sum(), cut)
     for grad, want in zip(grads, alone_grads, strict=True):
         torch.testing.assert_close(grad[1:, :, 9:], want, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("far_field", sorted(FAR_FIELDS))
+def test_causal_far_field_across_many_chunks_matches_dense_reference(far_field):
+    """Chunks of 2 over 45 positions: the chunk scan's start states come from more than one group of SCAN_GROUP
+    chunks, and each query's far field, value and gradient are still the dense reference's."""
+    from performer_hf.modeling.causal_scan import SCAN_GROUP
+
+    q, k, v = (t.requires_grad_() for t in random_qkv())
+    assert -(-q.shape[2] // 2) > SCAN_GROUP  # 23 chunks: two groups, the second partial
+    W = _projection()
+    kwargs = _kwargs(far_field, True, dict(local_window=3, num_global_tokens=1))
+    centres = {"query_center": torch.randn(2, 8) * 0.3, "key_center": torch.randn(2, 8) * 0.3}
+    fast = hybrid_attention(q, k, v, W, chunk_size=2, **centres, **kwargs)
+    ref = reference(q, k, v, W, **centres, **kwargs)
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-10)
+    probe = torch.randn_like(ref)
+    g_fast = torch.autograd.grad((fast * probe).sum(), (q, k, v))
+    g_ref = torch.autograd.grad((ref * probe).sum(), (q, k, v))
+    torch.testing.assert_close(g_fast, g_ref, rtol=1e-8, atol=1e-9)

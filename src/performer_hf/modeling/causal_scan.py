@@ -13,11 +13,13 @@ stored features to query ``i``, and the state carries its own scale.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from .compiled_lengths import needs_padding, padded, spans
 
 Tensor = torch.Tensor
 
 EMPTY_SHIFT = -1e30  # the log-scale of "no key seen yet": finite, so that differences of shifts stay defined
+SCAN_GROUP = 16  # chunks whose start states one matrix product gives (its cost: SCAN_GROUP m (d + 1) per chunk)
 
 
 def causal_scan(
@@ -43,9 +45,9 @@ def causal_scan(
     shift = qf.new_full((B, H), EMPTY_SHIFT) if shift is None else shift.to(qf.dtype)
     C = min(chunk_size, L)
     N = -(-L // C)
-    if pad := N * C - L:
-        qf, kf, v1 = (F.pad(t, (0, 0, 0, pad)) for t in (qf, kf, v1))
-        shifts = None if shifts is None else F.pad(shifts, (0, pad), mode="replicate")
+    if needs_padding(pad := N * C - L):
+        qf, kf, v1 = (padded(t, (0, 0, 0, pad)) for t in (qf, kf, v1))
+        shifts = None if shifts is None else padded(shifts, (0, pad), mode="replicate")
     qc, kc, vc = qf.view(B, H, N, C, m), kf.view(B, H, N, C, m), v1.view(B, H, N, C, d1)
 
     # Inside each chunk: exact masked products (autograd does not save the product's output, so it
@@ -70,16 +72,20 @@ def causal_scan(
     to_chunk_end = torch.exp(sc - chunk_shift.unsqueeze(-1)).unsqueeze(-1)  # (B, H, N, C, 1)
     chunk_kv = kc.transpose(-2, -1) @ (vc * to_chunk_end)  # (B, H, N, m, d1)
 
-    # Exclusive scan over chunks: the state each chunk starts from, and its scale.
-    # (unbind, not indexing: the backward of each index would write a full-size zero gradient)
-    starts, start_shifts = [], []
-    for chunk_kv_n, chunk_shift_n in zip(chunk_kv.unbind(2), chunk_shift.unbind(2), strict=True):
-        starts.append(kv)
-        start_shifts.append(shift)
-        kv = kv * torch.exp(shift - chunk_shift_n)[..., None, None] + chunk_kv_n
-        shift = chunk_shift_n
-    start_kv = torch.stack(starts, dim=2)  # (B, H, N, m, d1)
-    start_shift = torch.stack(start_shifts, dim=2)  # (B, H, N)
+    # Exclusive scan over chunks: the state each chunk starts from, and its scale (the scale at the end of the
+    # chunk before). A group of SCAN_GROUP chunks at a time, each one (G + 1) x (G + 1) matrix product
+    # (scan_weights): a Python loop over the chunks would pin a compiled graph to one length and launch
+    # a few kernels per chunk. (split, not indexing: the backward of each slice would write a full-size zero
+    # gradient)
+    start_shift = torch.cat([shift.unsqueeze(-1), chunk_shift[..., :-1]], dim=-1)  # (B, H, N)
+    groups = [stop - begin for begin, stop in spans(N, SCAN_GROUP)]
+    starts = []
+    for group_kv, group_shift in zip(chunk_kv.split(groups, dim=2), chunk_shift.split(groups, dim=2), strict=True):
+        weights = scan_weights(torch.cat([shift.unsqueeze(-1), group_shift], dim=-1))  # (B, H, G + 1, G + 1)
+        group_starts, kv = scan_forward(weights, kv, group_kv)  # (B, H, G, m, d1), (B, H, m, d1)
+        starts.append(group_starts)
+        shift = group_shift[..., -1]
+    start_kv = torch.cat(starts, dim=2)  # (B, H, N, m, d1)
 
     # Across chunks: each query reads its chunk's start state, rescaled to its own scale.
     to_query = torch.exp(start_shift.unsqueeze(-1) - sc).unsqueeze(-1)  # (B, H, N, C, 1)
@@ -104,8 +110,9 @@ def scan_forward(weights: Tensor, state: Tensor, summaries: Tensor) -> tuple[Ten
     """state (B, H, m', d + 1), summaries (B, H, G, m', d + 1) -> (start of each chunk, state after)."""
     B, H, G = summaries.shape[:3]
     flat, state_flat = summaries.view(B, H, G, -1), state.reshape(B, H, 1, -1)
-    starts = (weights[:, :, :G, 1:] @ flat).addcmul_(weights[:, :, :G, :1], state_flat)
-    after = (weights[:, :, G:, 1:] @ flat).addcmul_(weights[:, :, G:, :1], state_flat)
+    # (rows by their place from the end, not by G: an index of a compiled graph's dynamic size pins it)
+    starts = (weights[:, :, :-1, 1:] @ flat).addcmul_(weights[:, :, :-1, :1], state_flat)
+    after = (weights[:, :, -1:, 1:] @ flat).addcmul_(weights[:, :, -1:, :1], state_flat)
     return starts.view(summaries.shape), after.view(state.shape)
 
 
@@ -113,8 +120,8 @@ def scan_backward(weights: Tensor, start_grads: Tensor, after_grad: Tensor) -> t
     """The adjoint of scan_forward: -> (gradients of the summaries, gradient of the entering state)."""
     B, H, G = start_grads.shape[:3]
     flat, after_flat = start_grads.view(B, H, G, -1), after_grad.reshape(B, H, 1, -1)
-    summary_grads = (weights[:, :, :G, 1:].transpose(-2, -1) @ flat).addcmul_(
-        weights[:, :, G, 1:].unsqueeze(-1), after_flat
+    summary_grads = (weights[:, :, :-1, 1:].transpose(-2, -1) @ flat).addcmul_(
+        weights[:, :, -1, 1:].unsqueeze(-1), after_flat
     )
-    state_grad = (weights[:, :, :G, 0].unsqueeze(-2) @ flat).addcmul_(weights[:, :, G:, 0:1], after_flat)
+    state_grad = (weights[:, :, :-1, 0].unsqueeze(-2) @ flat).addcmul_(weights[:, :, -1:, 0:1], after_flat)
     return summary_grads.view(start_grads.shape), state_grad.view(after_grad.shape)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .causal_scan import EMPTY_SHIFT, scan_backward, scan_forward, scan_weights
+from .compiled_lengths import needs_padding, padded, spans
 from .favor_exp_triton import bidirectional_exp_sums as triton_bidirectional_exp_sums
 from .favor_exp_triton import causal_exp_sums as triton_causal_exp_sums
 from .favor_exp_triton import exp_key_state as triton_exp_key_state
@@ -109,11 +110,6 @@ def _exp_directions_grad(g: Tensor, x: Tensor, directions: Tensor) -> Tensor:
     return (g.transpose(-2, -1) @ x).sum_to_size(directions.shape)  # per head
 
 
-def _spans(length: int, size: int) -> list[tuple[int, int]]:
-    """(start, stop) ranges of ``size`` positions covering ``range(length)``."""
-    return [(start, min(start + size, length)) for start in range(0, length, size)]
-
-
 def _slab_size(batch_heads: int, width: int, device: torch.device, chunk: int = 1) -> int:
     """Positions per slab: one (B, H, S, m') buffer holds about the device's ``"features"`` budget of
     entries (:mod:`.slabs`), and a causal slab at most ``max_slab_chunks(device)`` chunks."""
@@ -141,14 +137,14 @@ class _BidirectionalExp(torch.autograd.Function):
         m = directions.shape[0]
         kv = q.new_zeros(B, H, m, v1.shape[-1])
         shift = q.new_full((B, H, 1, 1), EMPTY_SHIFT)  # online max over all real keys
-        for a, b in _spans(Lk, slab):
+        for a, b in spans(Lk, slab):
             log_phi = exp_log_features(k[:, :, a:b], directions, keep=None if keep is None else keep[:, :, a:b])
             new_shift = torch.maximum(shift, log_phi.amax(dim=(-2, -1), keepdim=True))
             kv.mul_(torch.exp(shift - new_shift))
             kv.add_(log_phi.sub_(new_shift).exp_().transpose(-2, -1) @ v1[:, :, a:b])
             shift = new_shift
         out1 = q.new_empty(*q.shape[:-1], v1.shape[-1])
-        for a, b in _spans(q.shape[2], slab):
+        for a, b in spans(q.shape[2], slab):
             phi_q, _ = _exp_query_features(q[:, :, a:b], directions)
             if stabilizer:
                 phi_q.add_(stabilizer)
@@ -166,7 +162,7 @@ class _BidirectionalExp(torch.autograd.Function):
         grad_q, grad_k, grad_v1 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v1)
         grad_kv = torch.zeros_like(kv)
         grad_directions = torch.zeros_like(directions) if want_directions else None
-        for a, b in _spans(q.shape[2], slab):
+        for a, b in spans(q.shape[2], slab):
             x, g1 = q[:, :, a:b], grad_out1[:, :, a:b]
             phi, _ = _exp_query_features(x, directions)  # without the stabilizer
             g = g1 @ kv.transpose(-2, -1)  # (B, H, S, m'): d loss / d phi
@@ -175,7 +171,7 @@ class _BidirectionalExp(torch.autograd.Function):
             grad_q[:, :, a:b] = _exp_input_grad(g, x, directions)
             if want_directions:
                 grad_directions.add_(_exp_directions_grad(g, x, directions))
-        for a, b in _spans(k.shape[2], slab):
+        for a, b in spans(k.shape[2], slab):
             x, v1_slab = k[:, :, a:b], v1[:, :, a:b]
             phi = exp_log_features(x, directions, keep=None if keep is None else keep[:, :, a:b]).sub_(shift).exp_()
             grad_v1[:, :, a:b] = phi @ grad_kv
@@ -220,7 +216,7 @@ class _CausalExp(torch.autograd.Function):
         starts = []  # per slab (B, H, G, m', d + 1): the state each chunk starts from
         future = ~torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
         kv, prev = kv0, shift0
-        for a, b in _spans(L, slab):
+        for a, b in spans(L, slab):
             G = (b - a) // C
             xq = q[:, :, a:b]
             phi_q, top = _exp_query_features(xq, directions, bias)
@@ -280,7 +276,7 @@ class _CausalExp(torch.autograd.Function):
         future = ~torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
         # each slab's chunk start states, from the last slab back (not popped: traced, torch 2.11's dynamo holds
         # them as a tuple, whose pop broke the graph)
-        for (a, b), chunk_starts in zip(reversed(_spans(L, slab)), reversed(starts), strict=True):
+        for (a, b), chunk_starts in zip(reversed(spans(L, slab)), reversed(starts), strict=True):
             G = (b - a) // C
             xq, xk = q[:, :, a:b], k[:, :, a:b]
             phi_q, _ = _exp_query_features(xq, directions, bias)  # without the stabilizer
@@ -337,9 +333,9 @@ class _CausalExp(torch.autograd.Function):
 def pad_to_chunks(tensors: list[Tensor | None], mask: Tensor | None, length: int, chunk: int):
     """Pad the sequence axis (2) of ``tensors`` to a multiple of ``chunk`` with keys that are masked out."""
     pad = -(-length // chunk) * chunk - length
-    if not pad:
+    if not needs_padding(pad):
         return tensors, mask
-    tensors = [None if t is None else F.pad(t, (0, 0, 0, pad)) for t in tensors]
+    tensors = [None if t is None else padded(t, (0, 0, 0, pad)) for t in tensors]
     mask = torch.ones(tensors[0].shape[0], length, dtype=torch.bool, device=tensors[0].device) if mask is None else mask
     return tensors, F.pad(mask, (0, pad), value=False)
 

@@ -13,6 +13,8 @@ import itertools
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .compiled_lengths import spans
+
 # Elements of one slab's largest temporary, by device type ("cpu", or any accelerator) and use:
 #   blocks    hybrid attention's query blocks (B, H, n, block_q, C, X) and routing scores
 #   far       the polynomial far field's (B, H, rows, X) temporaries (outer products on a CPU, features elsewhere)
@@ -45,7 +47,7 @@ def slab_sizes(length: int, per_row: int, use: str, device: torch.device | str) 
     ``Tensor.split``. (Split, not index, tensors that need gradients: the backward of each slice writes a
     zero gradient of the full tensor, which makes a slab loop quadratic in time.)"""
     rows = max(1, slab_elements(device, use) // max(1, per_row))
-    return [min(rows, length - start) for start in range(0, length, rows)]
+    return [stop - start for start, stop in spans(length, rows)]
 
 
 def slabs(length: int, per_row: int, use: str, device: torch.device | str) -> list[slice]:

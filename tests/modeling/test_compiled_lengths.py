@@ -1,0 +1,78 @@
+"""One compiled graph for many input lengths (:mod:`performer_hf.modeling.compiled_lengths`): a whole model under
+``torch.compile`` compiles a graph per slab count, not per length, and its outputs and gradients are eager's."""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from performer_hf import PerformerForCausalLM, PerformerForMaskedLM
+from performer_hf.modeling.compiled_lengths import padded, spans
+
+from ..tiny_models import METHODS, VOCAB, tiny_model
+
+# lengths that are and are not multiples of the causal chunk (8), all in one slab of the causal scan (16 chunks) and
+# under the rows where the vocabulary projection pads its weight (a branch)
+LENGTHS = [16, 32, 47, 90, 120]
+
+
+@pytest.mark.parametrize("length,size", [(0, 4), (1, 4), (4, 4), (5, 4), (17, 4), (16, 16)])
+def test_spans_cover_every_position_once_in_order(length, size):
+    cover = spans(length, size)
+    assert [position for start, stop in cover for position in range(start, stop)] == list(range(length))
+    assert all(0 < stop - start <= size for start, stop in cover)
+
+
+def test_padded_is_contiguous_when_compiled_even_with_nothing_to_pad():
+    """A pad of 0 returns a copy with its input's strides; a graph traced with a symbolic pad expects a contiguous
+    tensor and fails at its next view ("view size is not compatible") without the copy."""
+    x = torch.randn(2, 5, 3, 4).transpose(1, 2)  # (2, 3, 5, 4), not contiguous
+
+    @torch.compile(backend="aot_eager", dynamic=True)
+    def pad_and_view(x):
+        pad = -x.shape[2] % 5  # 0 at run time, symbolic in the graph
+        return padded(x, (0, 0, 0, pad)).view(x.shape[0], -1)
+
+    torch.testing.assert_close(pad_and_view(x), x.reshape(2, -1))
+
+
+def _compiles_per_length(model, train: bool) -> list[int]:
+    """Frames compiled at each of LENGTHS by ``torch.compile(model)``, whose outputs (and, training, gradients) are
+    checked against eager."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")  # runs the traced graph, with its views, as traced
+    compiled = torch.compile(model, backend=counter)
+    embeddings = model.get_input_embeddings().weight
+    frames = []
+    for length in LENGTHS:
+        ids = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
+        before = counter.frame_count
+        with torch.set_grad_enabled(train):
+            labels = ids if train else None
+            expected, got = model(ids, labels=labels), compiled(ids, labels=labels)
+        torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
+        if train:
+            expected_grad, grad = (torch.autograd.grad(out.loss, [embeddings])[0] for out in (expected, got))
+            torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6)
+        frames.append(counter.frame_count - before)
+    return frames
+
+
+def test_a_compiled_favor_model_trains_at_new_lengths_without_compiling():
+    """Before, ``range(0, length, size)`` in the slab loops pinned every graph to its length: a graph per length,
+    and past torch's limit of 8 the model ran eagerly. Now the first length compiles a static graph, the second a
+    graph with a symbolic length, and the next lengths reuse it."""
+    model = tiny_model(PerformerForMaskedLM, max_position_embeddings=128, num_hidden_layers=1, **METHODS["favor"])
+    model.train()
+    frames = _compiles_per_length(model, train=True)
+    assert frames[0] > 0 and frames[1] > 0 and frames[2:] == [0] * (len(LENGTHS) - 2), frames
+
+
+def test_a_compiled_causal_favor_model_reads_new_lengths_without_compiling():
+    """The causal scan also looped over every chunk (a graph per chunk count): it now scans groups of chunks. (The
+    first length that is not a multiple of the chunk compiles once more: aot_autograd guards on whether the padded
+    output's slice is contiguous.)"""
+    model = tiny_model(
+        PerformerForCausalLM, max_position_embeddings=128, causal_chunk_size=8, num_hidden_layers=1, **METHODS["favor"]
+    )
+    frames = _compiles_per_length(model, train=False)
+    assert frames[0] > 0 and frames[1] > 0 and frames[3:] == [0] * (len(LENGTHS) - 3), frames
