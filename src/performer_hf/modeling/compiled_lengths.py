@@ -10,7 +10,7 @@ its exact value. Where attention cuts a sequence into pieces:
   with input tensor's size and stride").
 
 Outside a compiled graph these are the plain operations. Code that a backend cannot yet compile for a symbolic length
-pins it (:func:`pinned_length`).
+pins it (:func:`pin_length`).
 """
 
 import torch
@@ -38,10 +38,8 @@ def padded(t: torch.Tensor, pad: tuple[int, ...], **kwargs) -> torch.Tensor:
     return F.pad(t.clone(memory_format=torch.contiguous_format) if torch.compiler.is_compiling() else t, pad, **kwargs)
 
 
-def pinned_length(length: int) -> int:
-    """``length``, made a constant of a compiled graph: the graph is guarded on its exact value (one graph per
-    length). Outside a compiled graph, ``length``."""
-    if not torch.compiler.is_compiling():
-        return length
-    (pinned,) = range(length, length + 1)  # dynamo iterates a range over its concrete values: a guard on the length
-    return pinned
+def pin_length(length: int) -> None:
+    """Make ``length`` a constant of the graph being compiled: the graph is guarded on its exact value (one graph per
+    length). Nothing outside a compiled graph."""
+    if torch.compiler.is_compiling():
+        (_,) = range(length, length + 1)  # dynamo iterates a range over its concrete values: a guard on the length

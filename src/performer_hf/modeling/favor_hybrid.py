@@ -44,7 +44,7 @@ from collections.abc import Callable
 
 import torch
 
-from .compiled_lengths import pinned_length
+from .compiled_lengths import pin_length
 from .far_fields import FarField, get_far_field
 from .favor_attention import check_attention_inputs
 from .favor_optimal import optimal_parameter, pair_statistic
@@ -257,7 +257,7 @@ def hybrid_attention(
     _check(q, k, v, projection, get_far_field(spec.far_field), key_padding_mask)
     # Compiled, one graph per length: with a symbolic length, inductor mispredicts the strides of the hybrid's block
     # temporaries (an AssertionError in a compiled model's backward, torch 2.15)
-    pinned_length(q.shape[2])
+    pin_length(q.shape[2])
     stateful = initial_state is not None or return_state
     spec.check_direction(causal, query_center is not None and key_center is not None, stateful)
     options = {
