@@ -305,18 +305,60 @@ def test_a_left_padded_causal_row_reads_its_first_real_tokens_as_global_tokens()
         torch.testing.assert_close(ours[1], theirs[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("pads", [5, 19, 25, 40], ids=["prefix holds its globals", "one", "none", "row short"])
 @torch.no_grad()
-def test_a_left_padded_row_after_an_exact_prefix_reads_its_first_real_tokens_as_global_tokens():
+def test_a_left_padded_row_after_an_exact_prefix_reads_its_first_real_tokens_as_global_tokens(pads):
     """With an exact prefix (``exact_max_length=20``: the first 20 positions attend exactly), the hybrid after it
     starts from the prefix's state, whose global tokens went by position: a row padded by 5 read pads (outputs
-    0.001-0.003 from the row alone at every later position). They are its first real tokens now: the row's outputs
-    equal its outputs alone, except at the 5 positions the prefix, by position, covers alone and not padded."""
-    pads = 5
+    0.001-0.003 from the row alone at every later position). A row padded past the prefix (its 2 global tokens not
+    in it, or one) read pads even after the prefix's keys were ordered (outputs 0.001 and 0.005 apart, 1% and 4% of
+    their scale). They are its first real tokens now: the row's outputs equal its outputs alone wherever both take
+    the same rule (the prefix goes by position: alone, a row's first 20 tokens attend exactly), and at its global
+    tokens, which attend exactly either way."""
     attention, states, mask = _left_padded_attention(exact_max_length=20, pads=pads)
     padded = attention(states, mask, causal=True)[0][1, pads:]
     alone = attention(states[1:, pads:], None, causal=True)[0][0]
-    same = torch.cat([torch.arange(20 - pads), torch.arange(20, 60 - pads)])  # not 15 ... 19: exact alone only
+    same = [i for i in range(60 - pads) if i < 2 or (i < 20) == (pads + i < 20)]
     torch.testing.assert_close(padded[same], alone[same], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_row_padded_past_the_exact_prefix_decodes_as_its_whole_sequence_reads():
+    """generate() of a left-padded batch whose short row is padded past the exact prefix: the prefill moves that row's
+    global tokens into the prefix, and the cache built after it decodes what a full forward of the generated
+    sequences reads (each step's logits), so the order stays the call's own."""
+    model = hybrid_model(PerformerForCausalLM, **{**CAUSAL, "num_global_tokens": 2, "exact_max_length": 20})
+    ids = random_ids(2, 40, seed=4)
+    ids[1, :25] = 0
+    out = model.generate(
+        ids,
+        attention_mask=(ids != 0).long(),
+        max_new_tokens=5,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    sequences = out.sequences
+    mask = (sequences != 0).long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers a left-padded row's tokens
+    full = model(sequences, attention_mask=mask, position_ids=positions, use_cache=False).logits  # (2, 45, vocab)
+    for step, logits in enumerate(out.logits):
+        torch.testing.assert_close(logits, full[:, 39 + step], rtol=1e-4, atol=1e-4)
+
+
+def test_a_chunked_prefill_past_the_exact_prefix_is_refused_where_a_row_lost_its_global_tokens():
+    """A prefill in chunks whose first chunk, the exact prefix, holds none of a padded row's global tokens cannot give
+    them back to its state: refused, naming the fix; with the row's tokens in the prefix it runs."""
+    model = hybrid_model(PerformerForCausalLM, **{**CAUSAL, "num_global_tokens": 2, "exact_max_length": 20})
+    ids = random_ids(2, 40, seed=4)
+    options = dict(max_new_tokens=2, do_sample=False, pad_token_id=0, prefill_chunk_size=20)
+    ids[1, :25] = 0
+    with pytest.raises(ValueError, match=r"Row 1 .* 25 padding tokens.*exact prefix.*prefill_chunk_size=None"):
+        model.generate(ids, attention_mask=(ids != 0).long(), **options)
+    ids[1, :10] = 0
+    ids[1, 10:25] = random_ids(1, 15, seed=5)
+    model.generate(ids, attention_mask=(ids != 0).long(), **options)
 
 
 @pytest.mark.parametrize(

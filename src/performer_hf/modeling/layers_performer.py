@@ -181,8 +181,8 @@ class AttentionMethodState(nn.Module):
     def sinks_moved_per_call(self) -> int:
         """How many first real keys of each left-padded row a causal call moves in front of its pads
         (:func:`.sinks_first`): the hybrid's and the sparse method's global tokens, read exactly for every query; none
-        for FAVOR+ and exact attention, nor for a hybrid with an exact prefix, which orders the prefix's keys itself
-        when its state is built (:func:`.method_hybrid._causal_exact_prefix`)."""
+        for FAVOR+ and exact attention, nor for a hybrid with an exact prefix, which orders its keys itself where a
+        call passes the prefix (:func:`.method_hybrid._causal_exact_prefix`)."""
         if self.attention_method == "sparse":
             return self.sparse_spec.num_global_tokens
         if self.attention_method == "hybrid" and not self.exact_max_length:

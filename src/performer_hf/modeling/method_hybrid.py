@@ -16,7 +16,7 @@ from .far_fields import get_far_field
 from .favor_hybrid import hybrid_attention, hybrid_prefill_state
 from .hybrid_spec import HybridSpec, HybridState
 from .method_exact import exact_or_approximate, softmax_attention
-from .sink_order import in_sink_order, sink_order
+from .sink_order import check_sinks_in_place, in_sink_order, sink_order, sinks_first
 
 Tensor = torch.Tensor
 
@@ -132,7 +132,12 @@ def _causal_exact_prefix(module: nn.Module, q, k, v, key_mask, layer_cache) -> t
     The rule is by position, so that cached decoding equals a full forward: queries at positions below T see
     every earlier key exactly (the cache layer keeps their keys and values until then); from position T on, the
     hybrid itself, after the state of the first T positions (the cache layer switches to its constant-size state
-    when the sequence passes T)."""
+    when the sequence passes T).
+
+    A left-padded row's global tokens are its first real tokens. A call from the first position that passes T moves
+    them in front of the row's pads (:func:`.sinks_first`; a row padded past T would otherwise start the hybrid with
+    pads as its global tokens); a later call orders the exact prefix's keys when it builds the state from them, and
+    is refused (eager) where a padded row's first real tokens come after the prefix."""
     T = module.exact_max_length
     past = 0 if layer_cache is None else layer_cache.get_seq_length()
     prefix = None if layer_cache is None else layer_cache.get_exact_prefix()  # (B, H, P, D) keys, values
@@ -142,15 +147,29 @@ def _causal_exact_prefix(module: nn.Module, q, k, v, key_mask, layer_cache) -> t
         k, v = torch.cat([prefix[0], k], dim=2), torch.cat([prefix[1], v], dim=2)  # (B, H, P + L, D)
     total = k.shape[2]
     exact_end = max(past, min(T, total))  # queries before it attend exactly
+    attend = functools.partial(_exact_then_hybrid, module, layer_cache=layer_cache, past=past, exact_end=exact_end)
+    count = module.hybrid_spec.num_global_tokens
+    if exact_end < total and not past:  # (exact attention alone does not depend on the keys' order)
+        attend = sinks_first(attend, count, key_mask, total, total)
+    elif exact_end < total and key_mask is not None and not torch.compiler.is_compiling():  # (traced: no host read)
+        check_sinks_in_place(key_mask[:, :total], count, exact_end)
+    return attend(q, k, v, key_mask)
+
+
+def _exact_then_hybrid(module: nn.Module, q, k, v, key_mask, layer_cache, past: int, exact_end: int):
+    """:func:`_causal_exact_prefix`'s attention of the queries after the ``past`` cached positions, over keys and
+    values (B, H, total, D) from the first position: exact before ``exact_end``, the hybrid after the exact
+    positions' state from there on. -> (context (B, H, total - past, D), None)"""
+    total = k.shape[2]
     visible = None if key_mask is None else key_mask[:, :exact_end]
     context, _ = softmax_attention(q[:, :, : exact_end - past], k[:, :, :exact_end], v[:, :, :exact_end], visible, True)
     if exact_end == total:
         if layer_cache is not None:
             layer_cache.update_exact_prefix(k, v)
         return context, None
-    # The rest: the hybrid after the exact positions' state; with a cache, its state after them takes over. A
-    # left-padded row's global tokens are its first real tokens of the prefix (the exact prefix itself is the same
-    # in any key order; a row padded past it keeps pads).
+    # The rest: the hybrid after the exact positions' state; with a cache, its state after them takes over. Its
+    # global tokens are each row's first real tokens of the prefix (the exact prefix itself is the same in any key
+    # order).
     prefix_keys, prefix_values = k[:, :, :exact_end], v[:, :, :exact_end]
     prefix_mask = None if key_mask is None else key_mask[:, :exact_end]
     order = sink_order(prefix_mask, module.hybrid_spec.num_global_tokens)

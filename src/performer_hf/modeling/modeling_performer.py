@@ -408,7 +408,8 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
     the attention mask and padded keys are left out of the state. A left-padded row's global tokens (causal hybrid)
     are its first real tokens, as alone; its window goes by position (the same real keys), and so does the exact
     prefix (``exact_max_length``): a row padded by ``P`` attends exactly at ``P`` fewer of its positions, and one
-    whose global tokens are not all within the prefix keeps pads for the others (its state is built there).
+    padded past it gets its first real tokens as global tokens all the same (a prefill in chunks that cannot give
+    them is refused, naming the fix).
     """
 
     _tied_weights_keys = {"lm_head.weight": "performer.embeddings.word_embeddings.weight"}

@@ -40,7 +40,7 @@ def sinks_first(attend: Callable, count: int, key_mask: Tensor | None, query_len
     length = key_mask.shape[1]
     whole = query_length == length  # the queries are the keys' tokens: they move alike
     if not whole and not torch.compiler.is_compiling():  # traced, the check's host read would break the graph
-        _check_sinks_cached(key_mask, count, length - query_length)
+        check_sinks_in_place(key_mask, count, length - query_length)
     # the call's own keys stay in place after cached ones (a decoding step's query sees itself last); after the
     # check, a call of several queries has each padded row's first real keys cached
     order = sink_order(key_mask, count, in_place=0 if whole else query_length) if key_length == length else None
@@ -79,21 +79,23 @@ def in_sink_order(order: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
     )
 
 
-def _check_sinks_cached(key_mask: Tensor, count: int, cached: int) -> None:
-    """Refuse a call of several queries after ``cached`` keys (key_mask (B, Lk) covers them and the call's) in which
-    a row that starts with padding has some of its first ``count`` real keys: its global tokens were cached, some or
-    all of them pads, and the cache cannot take them back."""
-    if key_mask.shape[1] - cached < 2:
+def check_sinks_in_place(key_mask: Tensor, count: int, fixed: int) -> None:
+    """Refuse a call of several queries whose global tokens were fixed by the first ``fixed`` keys (those cached
+    before it, or a causal hybrid's exact prefix), where a row of ``key_mask`` (B, Lk: the fixed keys and the call's)
+    that starts with padding has some of its first ``count`` real keys after them: its global tokens would be pads,
+    and the cache cannot take them back."""
+    if key_mask.shape[1] - fixed < 2:
         return  # a decoding step: a row shorter than its global tokens reads its later ones in the window
     counts, firsts, _ = row_spans(key_mask)
     for row, (real, first) in enumerate(zip(counts, firsts, strict=True)):
-        if real and 0 < first and first + min(count, real) > cached:
+        if real and 0 < first and first + min(count, real) > fixed:
             raise ValueError(
-                f"Row {row} of the batch starts with {first} padding tokens, and {cached} keys were cached before "
-                f"this call: some of its first {count} real tokens come after the cache, so its global tokens (the "
-                "attention sinks of the hybrid and sparse methods, read exactly for every query) would be padding. "
-                "A left-padded batch prefilled in chunks does this (generate() with prefill_chunk_size): prefill it "
-                f"in one call (prefill_chunk_size=None), or in chunks longer than the longest padding plus {count}."
+                f"Row {row} of the batch starts with {first} padding tokens, and its global tokens (the attention "
+                f"sinks of the hybrid and sparse methods, read exactly for every query) were fixed by its first "
+                f"{fixed} positions (cached before this call, or a causal hybrid's exact prefix): some of its first "
+                f"{count} real tokens come after them, so its global tokens would be padding. A left-padded batch "
+                "prefilled in chunks does this (generate() with prefill_chunk_size): prefill it in one call "
+                f"(prefill_chunk_size=None), or in chunks longer than the longest padding plus {count}."
             )
 
 
