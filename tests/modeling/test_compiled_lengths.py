@@ -76,3 +76,29 @@ def test_a_compiled_causal_favor_model_reads_new_lengths_without_compiling():
     )
     frames = _compiles_per_length(model, train=False)
     assert frames[0] > 0 and frames[1] > 0 and frames[3:] == [0] * (len(LENGTHS) - 3), frames
+
+
+def test_a_bidirectional_favor_model_exports_one_program_for_every_length(monkeypatch):
+    """``torch.export`` with a dynamic length: the slab loops take the whole sequence in one piece and the vocabulary
+    product its rows unpadded (a branch on the row count, which guarded the length to under 128 at a batch of 2); the
+    exported program's logits equal eager's, which here cuts 37 and 130 tokens into slabs of 16."""
+    from performer_hf.modeling import slabs as slabs_module
+
+    monkeypatch.setitem(slabs_module.SLAB_ELEMENTS["cpu"], "features", 2 * 4 * 16 * 16)  # 16 positions per slab
+    model = tiny_model(PerformerForMaskedLM, max_position_embeddings=256, **METHODS["favor"])
+
+    class Logits(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids).logits
+
+    length = torch.export.Dim("length", min=2, max=256)
+    example = torch.randint(1, VOCAB, (2, 37), generator=torch.Generator().manual_seed(0))
+    program = torch.export.export(Logits(model), (example,), dynamic_shapes={"ids": {1: length}})
+    for tokens in (5, 37, 130):
+        ids = torch.randint(1, VOCAB, (2, tokens), generator=torch.Generator().manual_seed(tokens))
+        with torch.no_grad():
+            torch.testing.assert_close(program.module()(ids), model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

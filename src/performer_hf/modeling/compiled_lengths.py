@@ -9,8 +9,10 @@ its exact value. Where attention cuts a sequence into pieces:
   graph, traced with a symbolic pad, expects a contiguous tensor and its later views fail ("view size is not compatible
   with input tensor's size and stride").
 
-Outside a compiled graph these are the plain operations. Code that a backend cannot yet compile for a symbolic length
-pins it (:func:`pin_length`).
+An exported program (``torch.export`` with a dynamic length) must hold for every length: there a sequence is one
+piece (memory still linear in its length). So far a bidirectional FAVOR+ model exports so; the causal chunk views
+still guard on the chunk count. Outside a compiled graph these are the plain operations. Code that a backend cannot
+yet compile for a symbolic length pins it (:func:`pin_length`).
 """
 
 import torch
@@ -19,7 +21,9 @@ import torch.nn.functional as F
 
 def spans(length: int, size: int) -> list[tuple[int, int]]:
     """(start, stop) ranges of ``size`` positions covering ``range(length)`` (a compiled graph is guarded on their
-    number)."""
+    number); one range under ``torch.export``, whose program holds for every length of its range."""
+    if torch.compiler.is_exporting():  # one graph for every length: the whole range in one piece
+        return [(0, length)]
     count = (length + size - 1) // size
     if count == 0:
         return []

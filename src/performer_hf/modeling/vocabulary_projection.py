@@ -34,7 +34,10 @@ MIN_ROWS = 256  # rows (tokens): a GPU's product is compute-bound from about her
 
 def alignment_for(hidden: Tensor) -> int:
     """The row length the logits of ``hidden`` (..., hidden_size) are padded to a multiple of: :data:`ALIGNMENT`
-    for at least :data:`MIN_ROWS` rows, else 1 (no padding)."""
+    for at least :data:`MIN_ROWS` rows, else 1 (no padding); 1 in a graph being exported, which holds for every
+    length (the exported program's runtime picks its own kernels)."""
+    if torch.compiler.is_exporting():
+        return 1
     rows = hidden.numel() // max(hidden.shape[-1], 1)
     return ALIGNMENT if rows >= MIN_ROWS else 1
 
