@@ -142,6 +142,18 @@ def test_a_left_padded_row_computes_what_it_does_alone(arch, implementation, tmp
         torch.testing.assert_close(ours[1], theirs[0], atol=1e-4, rtol=1e-4)
 
 
+def test_a_row_padded_past_the_exact_prefix_reads_its_own_global_tokens(tmp_path):
+    """With an exact prefix (``exact_max_length``: the first 16 positions exact), a row padded past it (by 20) started
+    the hybrid with pads as its global tokens: logits 0.004 from what it computes alone without a prefix. Its first
+    real tokens move into the prefix now, so it computes just that (its 2 global tokens attend exactly either way),
+    through both layers."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    settings = {"local_window": 8, "num_global_tokens": 2}
+    with_prefix = _load(folder, "performer_hybrid", **settings, exact_max_length=16)
+    without = _load(folder, "performer_hybrid", **settings, exact_max_length=0)
+    _assert_the_padded_row_is_itself_alone(with_prefix, without, _ids(2, 48), pads=20)
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "performer"])
 @pytest.mark.parametrize("implementation", ["performer_hybrid", "performer_sparse"])
 def test_a_chunked_prefill_refuses_a_row_whose_padding_fills_the_first_chunk(implementation, cache, tmp_path):
