@@ -8,7 +8,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from performer_hf import PerformerForCausalLM, PerformerForMaskedLM
 from performer_hf.modeling.compiled_lengths import padded, spans
 
-from ..tiny_models import METHODS, VOCAB, tiny_model
+from ..tiny_models import HYBRID_BIDIRECTIONAL, METHODS, VOCAB, random_centres, tiny_model
 
 # lengths that are and are not multiples of the causal chunk (8), all in one slab of the causal scan (16 chunks) and
 # under the rows where the vocabulary projection pads its weight (a branch)
@@ -76,6 +76,21 @@ def test_a_compiled_causal_favor_model_reads_new_lengths_without_compiling():
     )
     frames = _compiles_per_length(model, train=False)
     assert frames[0] > 0 and frames[1] > 0 and frames[3:] == [0] * (len(LENGTHS) - 3), frames
+
+
+def test_a_compiled_hybrid_model_trains_at_new_lengths_with_few_graphs():
+    """The hybrid was pinned to one graph per length: with a symbolic length its padded query blocks failed their
+    views (a pad of 0 kept its input's strides), and inductor mispredicted a causal block temporary's strides in
+    backward (max / min in the leaving keys' count). On a CPU a bidirectional hybrid now compiles a graph with a
+    symbolic length, which later lengths reuse but for one branch (query blocks that the window's keys fill or
+    not). (A causal one compiles a graph per count of scan groups, as FAVOR+ does, and per alignment: about one per
+    length at these lengths, with 4-position chunks.)"""
+    model = random_centres(
+        tiny_model(PerformerForMaskedLM, max_position_embeddings=128, num_hidden_layers=1, **HYBRID_BIDIRECTIONAL)
+    )
+    model.train()
+    frames = _compiles_per_length(model, train=True)
+    assert frames[0] > 0 and frames[1] > 0 and sum(frames[2:]) <= 1, frames
 
 
 def test_a_bidirectional_favor_model_exports_one_program_for_every_length(monkeypatch):

@@ -7,12 +7,15 @@ its exact value. Where attention cuts a sequence into pieces:
 - padding to a multiple always runs inside a graph (:func:`needs_padding`), so that aligned and unaligned lengths share
   it, and its output is contiguous there (:func:`padded`): a pad of 0 returns a copy with its input's strides, where the
   graph, traced with a symbolic pad, expects a contiguous tensor and its later views fail ("view size is not compatible
-  with input tensor's size and stride").
+  with input tensor's size and stride");
+- sizes derived from the length are sums, with branches rather than ``max`` / ``min`` where it matters
+  (:class:`.hybrid_causal.LeavingKeys`): inductor could not prove ``max(0, min(L - 4, L - 3)) + 4`` equal to ``L``, and
+  in a compiled causal hybrid's backward mispredicted a block temporary's strides (an AssertionError, torch 2.15).
 
 An exported program (``torch.export`` with a dynamic length) must hold for every length: there a sequence is one
 piece (memory still linear in its length). So far a bidirectional FAVOR+ model exports so; the causal chunk views
-still guard on the chunk count. Outside a compiled graph these are the plain operations. Code that a backend cannot
-yet compile for a symbolic length pins it (:func:`pin_length`).
+still guard on the chunk count. Outside a compiled graph these are the plain operations. What has not yet run
+compiled with a symbolic length pins it (:func:`pin_length`: the hybrid on a GPU).
 """
 
 import torch

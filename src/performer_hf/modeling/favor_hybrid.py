@@ -255,9 +255,8 @@ def hybrid_attention(
     elif settings:  # a model passes its spec alone: no copy (and no re-validation) per layer and call
         spec = dataclasses.replace(spec, **settings)
     _check(q, k, v, projection, get_far_field(spec.far_field), key_padding_mask)
-    # Compiled, one graph per length: with a symbolic length, inductor mispredicts the strides of the hybrid's block
-    # temporaries (an AssertionError in a compiled model's backward, torch 2.15)
-    pin_length(q.shape[2])
+    if q.device.type != "cpu":  # compiled on a GPU, one graph per length: not yet run there with a symbolic length
+        pin_length(q.shape[2])
     stateful = initial_state is not None or return_state
     spec.check_direction(causal, query_center is not None and key_center is not None, stateful)
     options = {

@@ -40,8 +40,11 @@ class LeavingKeys:
         self.window, self.length = call.spec.local_window, call.k.shape[2]
         self.buffered = 0 if state is None else state.keys.shape[2]  # positions start - buffered, ..., start - 1
         self.start = 0 if state is None else state.length  # the position of this call's first token
-        self.count = max(0, self.buffered + self.length - max(self.window - 1, 0))
-        self.read = max(0, min(self.count, self.length - self.window + self.buffered))
+        # (branches, not max / min: with a symbolic length a compiled graph's sizes then stay plain sums, where
+        # inductor could not prove max(0, min(L - w, L - w + 1)) + w equal to L)
+        reach = self.buffered + self.length - self.window  # leaving keys this call's queries read, where positive
+        self.read = reach if reach > 0 else 0
+        self.count = (reach + 1 if reach >= 0 else 0) if self.window else self.read
 
     def keys(self, first: int, stop: int, features: bool) -> Keys:
         """The leaving keys ``[first, stop)`` (with far-field features when ``features``; otherwise ``klog`` is the

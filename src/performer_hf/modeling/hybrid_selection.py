@@ -14,8 +14,8 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
+from .compiled_lengths import padded
 from .hybrid_exact import CandidateSet
 from .hybrid_keys import Keys, cat_keys, pad_keys, slice_keys
 from .hybrid_routing import gather_blocks, key_blocks, route, route_width
@@ -51,7 +51,7 @@ class QueryBlocking:
 
     def blocked(self, t: Tensor) -> list[Tensor]:
         """(B, H, L, X) -> slabs of (B, H, n, block_q, X)."""
-        return self.by_slab(F.pad(t, (0, 0, 0, self.pad)).view(self.B, self.H, self.N, self.block_q, -1))
+        return self.by_slab(padded(t, (0, 0, 0, self.pad)).view(self.B, self.H, self.N, self.block_q, -1))
 
     def positions(self, first_block: int, count: int, offset: int) -> Tensor:
         """(count, block_q, 1) the absolute positions of the queries of blocks ``first_block ...``."""
@@ -161,8 +161,8 @@ class Selection:
         (B, H), N, block_q, block_k = self.x.shape[:2], blocking.N, spec.query_block_size, spec.route_block_size
         blocks = key_blocks(pad_keys(keys, 0, -keys.y.shape[2] % block_k), block_k, spec.route_group_size)
         sizes = slab_sizes(N, B * H * route_width(blocks, spec.routed_blocks), "blocks", self.x.device)
-        xq = F.pad(self.x, (0, 0, 0, blocking.pad)).view(B, H, N, block_q, -1).split(sizes, dim=2)
-        q_mask = F.pad(keys.mask, (0, blocking.pad), value=False).view(B, N, block_q).split(sizes, dim=1)
+        xq = padded(self.x, (0, 0, 0, blocking.pad)).view(B, H, N, block_q, -1).split(sizes, dim=2)
+        q_mask = padded(keys.mask, (0, blocking.pad), value=False).view(B, N, block_q).split(sizes, dim=1)
         starts = itertools.accumulate(sizes[:-1], initial=0)  # each slab's first query block
         routes = [
             route(xq_s, q_mask_s, blocks, first, block_k, self.left, self.right, spec.routed_blocks)
