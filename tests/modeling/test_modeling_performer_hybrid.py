@@ -347,14 +347,20 @@ def test_a_row_padded_past_the_exact_prefix_decodes_as_its_whole_sequence_reads(
         torch.testing.assert_close(logits, full[:, 39 + step], rtol=1e-4, atol=1e-4)
 
 
-def test_a_chunked_prefill_past_the_exact_prefix_is_refused_where_a_row_lost_its_global_tokens():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_chunked_prefill_past_the_exact_prefix_is_refused_where_a_row_lost_its_global_tokens(compiled):
     """A prefill in chunks whose first chunk, the exact prefix, holds none of a padded row's global tokens cannot give
-    them back to its state: refused, naming the fix; with the row's tokens in the prefix it runs."""
+    them back to its state: refused, naming the fix (compiled too: before, the traced check was skipped and the row
+    went on with pads as its global tokens); with the row's tokens in the prefix it runs."""
     model = hybrid_model(PerformerForCausalLM, **{**CAUSAL, "num_global_tokens": 2, "exact_max_length": 20})
+    if compiled:
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, backend="aot_eager")
     ids = random_ids(2, 40, seed=4)
     options = dict(max_new_tokens=2, do_sample=False, pad_token_id=0, prefill_chunk_size=20)
     ids[1, :25] = 0
-    with pytest.raises(ValueError, match=r"Row 1 .* 25 padding tokens.*exact prefix.*prefill_chunk_size=None"):
+    refusal = r"Row 1 .* 25 padding tokens" if not compiled else r"A row .* padding tokens"
+    with pytest.raises((RuntimeError, ValueError), match=rf"{refusal}.*exact prefix.*prefill_chunk_size=None"):
         model.generate(ids, attention_mask=(ids != 0).long(), **options)
     ids[1, :10] = 0
     ids[1, 10:25] = random_ids(1, 15, seed=5)

@@ -33,3 +33,25 @@ def test_a_chunked_prefill_is_refused_only_for_rows_whose_global_tokens_were_not
         sinks_first(attend, 4, mask, 10 - cached, 10)
     sinks_first(attend, 4, mask[1:], 10 - cached, 10)  # a row of pads only has no global tokens to lose
     sinks_first(attend, 1, mask, 10 - cached, 10)  # row 0's one global token was cached
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_a_compiled_chunked_prefill_is_refused_in_the_graph(backend):
+    """Traced (torch.compile, whole graph), the refusal cannot read the mask on the host: it was skipped, and a row
+    whose global tokens were pads went on with them. It is an assertion in the graph that raises the same advice,
+    for the rows the eager rule refuses and no others."""
+    torch._dynamo.reset()
+
+    def attend(q, k, v, mask):
+        return (q * 2,)
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def prefill_chunk(q, k, mask):
+        return sinks_first(attend, 4, mask, q.shape[2], k.shape[2])(q, k, k, mask)[0]
+
+    q, k = torch.ones(3, 1, 4, 2), torch.ones(3, 1, 10, 2)  # the call's 4 queries after 6 cached keys
+    refused = torch.tensor([[0] * 5 + [1] * 5, [0] * 10, [1] * 10])  # row 0: 2 of its 4 first real keys come later
+    with pytest.raises(RuntimeError, match=r"starts with padding tokens.*fixed by its first 6 positions.*=None"):
+        prefill_chunk(q, k, refused)
+    accepted = torch.tensor([[0] * 2 + [1] * 8, [0] * 10, [1] * 10])  # row 0's 4 global tokens were cached
+    torch.testing.assert_close(prefill_chunk(q, k, accepted), q * 2)

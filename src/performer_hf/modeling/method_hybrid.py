@@ -137,7 +137,7 @@ def _causal_exact_prefix(module: nn.Module, q, k, v, key_mask, layer_cache) -> t
     A left-padded row's global tokens are its first real tokens. A call from the first position that passes T moves
     them in front of the row's pads (:func:`.sinks_first`; a row padded past T would otherwise start the hybrid with
     pads as its global tokens); a later call orders the exact prefix's keys when it builds the state from them, and
-    is refused (eager) where a padded row's first real tokens come after the prefix."""
+    is refused where a padded row's first real tokens come after the prefix."""
     T = module.exact_max_length
     past = 0 if layer_cache is None else layer_cache.get_seq_length()
     prefix = None if layer_cache is None else layer_cache.get_exact_prefix()  # (B, H, P, D) keys, values
@@ -151,7 +151,7 @@ def _causal_exact_prefix(module: nn.Module, q, k, v, key_mask, layer_cache) -> t
     count = module.hybrid_spec.num_global_tokens
     if exact_end < total and not past:  # (exact attention alone does not depend on the keys' order)
         attend = sinks_first(attend, count, key_mask, total, total)
-    elif exact_end < total and key_mask is not None and not torch.compiler.is_compiling():  # (traced: no host read)
+    elif exact_end < total and key_mask is not None:
         check_sinks_in_place(key_mask[:, :total], count, exact_end)
     return attend(q, k, v, key_mask)
 

@@ -32,14 +32,13 @@ def sinks_first(attend: Callable, count: int, key_mask: Tensor | None, query_len
     step moves its row's cached real keys, fewer than ``count``, and keeps its own last), or the queries move with
     them (they are the keys' own tokens); ``attend`` itself otherwise. Traced (``torch.compile``), every call takes
     the order whatever the padding (the identity for a row that starts with a real token: no host read). A call of
-    several queries after cached keys is refused, eager, where some of a padded row's first ``count`` real keys come
-    in it (its global tokens, cached before, were pads); traced it cannot be, and that row keeps the order of its
-    cached keys alone."""
+    several queries after cached keys is refused where some of a padded row's first ``count`` real keys come in it
+    (its global tokens, cached before, were pads): :func:`check_sinks_in_place`."""
     if not count or key_mask is None:
         return attend
     length = key_mask.shape[1]
     whole = query_length == length  # the queries are the keys' tokens: they move alike
-    if not whole and not torch.compiler.is_compiling():  # traced, the check's host read would break the graph
+    if not whole:
         check_sinks_in_place(key_mask, count, length - query_length)
     # the call's own keys stay in place after cached ones (a decoding step's query sees itself last); after the
     # check, a call of several queries has each padded row's first real keys cached
@@ -83,20 +82,40 @@ def check_sinks_in_place(key_mask: Tensor, count: int, fixed: int) -> None:
     """Refuse a call of several queries whose global tokens were fixed by the first ``fixed`` keys (those cached
     before it, or a causal hybrid's exact prefix), where a row of ``key_mask`` (B, Lk: the fixed keys and the call's)
     that starts with padding has some of its first ``count`` real keys after them: its global tokens would be pads,
-    and the cache cannot take them back."""
+    and the cache cannot take them back. Traced (``torch.compile``), the refusal is an assertion in the graph
+    (``torch._assert_async``: no host read, no graph break), raised with the same advice on a CPU; Triton kernels on
+    a GPU keep device assertions only in debug builds."""
     if key_mask.shape[1] - fixed < 2:
         return  # a decoding step: a row shorter than its global tokens reads its later ones in the window
+    if torch.compiler.is_compiling():
+        torch._assert_async(
+            ~_loses_sinks(key_mask, count, fixed).any(), _refusal("A row", "padding tokens", fixed, count)
+        )
+        return
     counts, firsts, _ = row_spans(key_mask)
     for row, (real, first) in enumerate(zip(counts, firsts, strict=True)):
         if real and 0 < first and first + min(count, real) > fixed:
-            raise ValueError(
-                f"Row {row} of the batch starts with {first} padding tokens, and its global tokens (the attention "
-                f"sinks of the hybrid and sparse methods, read exactly for every query) were fixed by its first "
-                f"{fixed} positions (cached before this call, or a causal hybrid's exact prefix): some of its first "
-                f"{count} real tokens come after them, so its global tokens would be padding. A left-padded batch "
-                "prefilled in chunks does this (generate() with prefill_chunk_size): prefill it in one call "
-                f"(prefill_chunk_size=None), or in chunks longer than the longest padding plus {count}."
-            )
+            raise ValueError(_refusal(f"Row {row}", f"{first} padding tokens", fixed, count))
+
+
+def _loses_sinks(key_mask: Tensor, count: int, fixed: int) -> Tensor:
+    """(B,) bool: the rows of ``key_mask`` (B, Lk) that start with padding and have some of their first ``count`` real
+    keys after the first ``fixed`` (:func:`check_sinks_in_place`'s rule, on the device)."""
+    real = key_mask.bool()
+    counts = real.sum(dim=1)  # (B,)
+    firsts = real.int().argmax(dim=1)  # (B,): 0 for a row of pads only, which has no global tokens to lose
+    return (firsts > 0) & (firsts + counts.clamp(max=count) > fixed)
+
+
+def _refusal(row: str, padding: str, fixed: int, count: int) -> str:
+    return (
+        f"{row} of the batch starts with {padding}, and its global tokens (the attention sinks of the hybrid and "
+        f"sparse methods, read exactly for every query) were fixed by its first {fixed} positions (cached before this "
+        f"call, or a causal hybrid's exact prefix): some of its first {count} real tokens come after them, so its "
+        "global tokens would be padding. A left-padded batch prefilled in chunks does this (generate() with "
+        "prefill_chunk_size): prefill it in one call (prefill_chunk_size=None), or in chunks longer than the longest "
+        f"padding plus {count}."
+    )
 
 
 def _order(key_mask: Tensor, count: int, in_place: int) -> Tensor | None:
