@@ -154,15 +154,23 @@ def test_a_row_padded_past_the_exact_prefix_reads_its_own_global_tokens(tmp_path
     _assert_the_padded_row_is_itself_alone(with_prefix, without, _ids(2, 48), pads=20)
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "performer"])
+@pytest.mark.parametrize(
+    "cache, compiled",
+    [("dynamic", False), ("performer", False), ("dynamic", True)],
+    ids=["dynamic", "performer", "compiled"],
+)
 @pytest.mark.parametrize("implementation", ["performer_hybrid", "performer_sparse"])
-def test_a_chunked_prefill_refuses_a_row_whose_padding_fills_the_first_chunk(implementation, cache, tmp_path):
+def test_a_chunked_prefill_refuses_a_row_whose_padding_fills_the_first_chunk(implementation, cache, compiled, tmp_path):
     """generate(prefill_chunk_size=...) on a left-padded batch: a row whose first chunk did not hold its first 4 real
     tokens had pads for (some of) its global tokens (attention sinks), cached before they came (13 pads, chunks of
-    16: logits 0.04 from the row alone, other tokens). It is refused, naming the fix; padding that leaves them in
-    the first chunk prefills in chunks what one call does (same tokens, logits 1e-4 apart)."""
+    16: logits 0.04 from the row alone, other tokens). It is refused, naming the fix, compiled too (where before the
+    traced check was skipped); padding that leaves them in the first chunk prefills in chunks what one call does
+    (same tokens, logits 1e-4 apart)."""
     _, folder = _source(DECODERS["llama"], tmp_path)
     model = _load(folder, implementation, **{**SHORT_WINDOW[implementation], "num_global_tokens": 4})
+    if compiled:
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, backend="aot_eager")
     ids = _ids(2, 40)
     options = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
 
@@ -173,7 +181,8 @@ def test_a_chunked_prefill_refuses_a_row_whose_padding_fills_the_first_chunk(imp
         return model.generate(ids, attention_mask=mask, **options, **caches, **chunking)
 
     for pads in (17, 13):  # every global token after the first chunk, or some of them
-        with pytest.raises(ValueError, match=rf"Row 1 .* {pads} padding tokens.*prefill_chunk_size=None"):
+        refusal = rf"(Row 1 .* {pads}|A row .*) padding tokens"  # (traced, the graph's assertion names no row)
+        with pytest.raises((RuntimeError, ValueError), match=rf"{refusal}.*prefill_chunk_size=None"):
             generate(pads, prefill_chunk_size=16)
     chunked, whole = generate(12, prefill_chunk_size=16), generate(12)
     assert torch.equal(chunked.sequences, whole.sequences)
@@ -212,6 +221,27 @@ def test_a_decoding_step_on_a_key_value_cache_gives_each_padded_row_its_own_glob
     for row, count in enumerate(pads):
         alone = prefill_then_step(ids[row : row + 1, count:], mask[row : row + 1, count:], step[row : row + 1])
         torch.testing.assert_close(batch[row], alone[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
+def test_a_model_with_a_padding_mask_compiles_into_one_graph(implementation, tmp_path):
+    """torch.compile(fullgraph=True) of a converted model called with the tokenizer's attention_mask (scoring or
+    training a padded batch): the mask function read the mask on the host to pass None where nothing is padded, a
+    graph break at every forward, which fullgraph refuses. Traced, it passes the mask as it is: one graph, whose
+    logits equal eager's (1e-5) for a padded batch and an unpadded one."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, implementation, **SHORT_WINDOW[implementation])
+    ids = _ids(2, 40)
+    padded = torch.ones_like(ids)
+    padded[1, :9] = 0
+    with torch.no_grad():
+        model(ids, use_cache=False)  # builds each layer's method state (eagerly: drawing the features is no graph)
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        for mask in (padded, torch.ones_like(ids)):
+            ours = compiled(ids, attention_mask=mask, use_cache=False).logits
+            theirs = model(ids, attention_mask=mask, use_cache=False).logits
+            real = mask.bool()
+            torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

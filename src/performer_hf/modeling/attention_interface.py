@@ -97,8 +97,9 @@ def _mixes_sliding_layers(config) -> bool:
 
 def performer_mask(*, attention_mask=None, kv_length: int, local_size: int | None = None, **kwargs):
     """The mask function of every name: the 2D ``(B, kv_length)`` bool padding mask (True: a real token) for
-    Performer layers, None when nothing is padded; SDPA's 4D mask for the sliding layers that keep their own
-    attention (``local_size`` is the window the sliding mask builders pass)."""
+    Performer layers, None when nothing is padded (eager; traced, the mask as given: no host read, no graph break);
+    SDPA's 4D mask for the sliding layers that keep their own attention (``local_size`` is the window the sliding
+    mask builders pass)."""
     config = kwargs["config"]
     if local_size is not None and _mixes_sliding_layers(config):
         return sdpa_mask(attention_mask=attention_mask, kv_length=kv_length, local_size=local_size, **kwargs)
@@ -122,6 +123,8 @@ def performer_mask(*, attention_mask=None, kv_length: int, local_size: int | Non
             "padding mask covering every token."
         )
     mask = attention_mask[:, -kv_length:]  # (B, P + L)
+    if torch.compiler.is_compiling():  # traced: the mask as it is (a host read of its padding would break the graph)
+        return mask
     return None if bool(mask.all()) else mask
 
 

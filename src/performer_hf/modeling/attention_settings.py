@@ -191,23 +191,33 @@ def method_state(module: nn.Module, implementation: str, causal: bool, query: to
     state = module.__dict__.get(METHOD_STATE_ATTRIBUTE)
     emptied = state is not None and state.projection.is_meta and not query.is_meta  # a forward on "meta" took it
     if state is None or emptied or not is_current(state, config, implementation, causal, num_heads, head_dim):
-        built = method_config(config, implementation, causal, num_heads, head_dim)
-        with torch.device("cpu"):
-            state = AttentionMethodState(built, module.layer_idx)
-        if getattr(config, LEARNED_ATTRIBUTE, False) and not _take_learned_tensors(module, state):
-            if module.layer_idx == 0:  # once per model, not per layer
-                logger.warning(
-                    "this model's trained attention tensors are another method's than the %r it runs now "
-                    "(attn_implementation=%r): it runs that method's own preset without them",
-                    built.attention_method,
-                    implementation,
-                )
-        mark_current(state, config, implementation, causal)
-        # otherwise a plain attribute, not a submodule: the model's state dict stays the source's
-        module.__dict__[METHOD_STATE_ATTRIBUTE] = state
-        logger.debug("layer %d: %s attention, %s", module.layer_idx, implementation, built.attention_method)
+        state = _build_state(module, implementation, causal, num_heads, head_dim)
     if state.projection.device != query.device:
         state.to(query.device)
+    return state
+
+
+@torch.compiler.disable  # traced, building (the features' draw, host reads) broke the graph a dozen times a layer
+def _build_state(
+    module: nn.Module, implementation: str, causal: bool, num_heads: int, head_dim: int
+) -> AttentionMethodState:
+    """A new :class:`AttentionMethodState` for ``module`` (see :func:`method_state`), kept beside it."""
+    config = module.config
+    built = method_config(config, implementation, causal, num_heads, head_dim)
+    with torch.device("cpu"):
+        state = AttentionMethodState(built, module.layer_idx)
+    if getattr(config, LEARNED_ATTRIBUTE, False) and not _take_learned_tensors(module, state):
+        if module.layer_idx == 0:  # once per model, not per layer
+            logger.warning(
+                "this model's trained attention tensors are another method's than the %r it runs now "
+                "(attn_implementation=%r): it runs that method's own preset without them",
+                built.attention_method,
+                implementation,
+            )
+    mark_current(state, config, implementation, causal)
+    # otherwise a plain attribute, not a submodule: the model's state dict stays the source's
+    module.__dict__[METHOD_STATE_ATTRIBUTE] = state
+    logger.debug("layer %d: %s attention, %s", module.layer_idx, implementation, built.attention_method)
     return state
 
 
