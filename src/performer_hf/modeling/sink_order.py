@@ -83,8 +83,9 @@ def check_sinks_in_place(key_mask: Tensor, count: int, fixed: int) -> None:
     before it, or a causal hybrid's exact prefix), where a row of ``key_mask`` (B, Lk: the fixed keys and the call's)
     that starts with padding has some of its first ``count`` real keys after them: its global tokens would be pads,
     and the cache cannot take them back. Traced (``torch.compile``), the refusal is an assertion in the graph
-    (``torch._assert_async``: no host read, no graph break), raised with the same advice on a CPU; Triton kernels on
-    a GPU keep device assertions only in debug builds."""
+    (``torch._assert_async``: no host read, no graph break), raised with the same advice on a CPU; on CUDA a device
+    assertion (inductor keeps them by default, on NVIDIA GPUs; untested here: no GPU), which ends the
+    process's CUDA context."""
     if key_mask.shape[1] - fixed < 2:
         return  # a decoding step: a row shorter than its global tokens reads its later ones in the window
     if torch.compiler.is_compiling():
