@@ -3,6 +3,7 @@ the order written out row by row, and the refusal of a chunked prefill that cach
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from performer_hf.modeling.sink_order import sink_order, sinks_first
 
@@ -39,19 +40,27 @@ def test_a_chunked_prefill_is_refused_only_for_rows_whose_global_tokens_were_not
 def test_a_compiled_chunked_prefill_is_refused_in_the_graph(backend):
     """Traced (torch.compile, whole graph), the refusal cannot read the mask on the host: it was skipped, and a row
     whose global tokens were pads went on with them. It is an assertion in the graph that raises the same advice,
-    for the rows the eager rule refuses and no others."""
+    for the rows the eager rule refuses and no others; chunks after more cached keys share one dynamic graph (the
+    message names no length, which would pin the graph to it)."""
     torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
 
     def attend(q, k, v, mask):
         return (q * 2,)
 
-    @torch.compile(backend=backend, fullgraph=True)
+    @torch.compile(backend=counter, fullgraph=True)
     def prefill_chunk(q, k, mask):
         return sinks_first(attend, 4, mask, q.shape[2], k.shape[2])(q, k, k, mask)[0]
 
-    q, k = torch.ones(3, 1, 4, 2), torch.ones(3, 1, 10, 2)  # the call's 4 queries after 6 cached keys
-    refused = torch.tensor([[0] * 5 + [1] * 5, [0] * 10, [1] * 10])  # row 0: 2 of its 4 first real keys come later
-    with pytest.raises(RuntimeError, match=r"starts with padding tokens.*fixed by its first 6 positions.*=None"):
-        prefill_chunk(q, k, refused)
-    accepted = torch.tensor([[0] * 2 + [1] * 8, [0] * 10, [1] * 10])  # row 0's 4 global tokens were cached
-    torch.testing.assert_close(prefill_chunk(q, k, accepted), q * 2)
+    q = torch.ones(3, 1, 4, 2)  # the call's 4 queries
+    for cached in (6, 10, 14):
+        k = torch.ones(3, 1, cached + 4, 2)
+        refused = torch.ones(3, cached + 4, dtype=torch.long)
+        refused[0, : cached - 1] = 0  # row 0: 3 of its 4 first real keys come in this call
+        refused[1] = 0  # a row of pads only has no global tokens to lose
+        with pytest.raises(RuntimeError, match=r"starts with padding tokens.*fixed by its first positions.*=None"):
+            prefill_chunk(q, k, refused)
+        accepted = refused.clone()
+        accepted[0, cached - 4 :] = 1  # row 0's 4 global tokens were cached
+        torch.testing.assert_close(prefill_chunk(q, k, accepted), q * 2)
+    assert counter.frame_count <= 2  # the first length's graph, then one dynamic graph

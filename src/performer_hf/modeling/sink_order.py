@@ -89,14 +89,14 @@ def check_sinks_in_place(key_mask: Tensor, count: int, fixed: int) -> None:
     if key_mask.shape[1] - fixed < 2:
         return  # a decoding step: a row shorter than its global tokens reads its later ones in the window
     if torch.compiler.is_compiling():
-        torch._assert_async(
-            ~_loses_sinks(key_mask, count, fixed).any(), _refusal("A row", "padding tokens", fixed, count)
-        )
+        # (the message names no length: formatting a dynamic one would pin the graph to it)
+        message = _refusal("A row", "padding tokens", "positions", count)
+        torch._assert_async(~_loses_sinks(key_mask, count, fixed).any(), message)
         return
     counts, firsts, _ = row_spans(key_mask)
     for row, (real, first) in enumerate(zip(counts, firsts, strict=True)):
         if real and 0 < first and first + min(count, real) > fixed:
-            raise ValueError(_refusal(f"Row {row}", f"{first} padding tokens", fixed, count))
+            raise ValueError(_refusal(f"Row {row}", f"{first} padding tokens", f"{fixed} positions", count))
 
 
 def _loses_sinks(key_mask: Tensor, count: int, fixed: int) -> Tensor:
@@ -108,10 +108,10 @@ def _loses_sinks(key_mask: Tensor, count: int, fixed: int) -> Tensor:
     return (firsts > 0) & (firsts + counts.clamp(max=count) > fixed)
 
 
-def _refusal(row: str, padding: str, fixed: int, count: int) -> str:
+def _refusal(row: str, padding: str, fixed: str, count: int) -> str:
     return (
         f"{row} of the batch starts with {padding}, and its global tokens (the attention sinks of the hybrid and "
-        f"sparse methods, read exactly for every query) were fixed by its first {fixed} positions (cached before this "
+        f"sparse methods, read exactly for every query) were fixed by its first {fixed} (cached before this "
         f"call, or a causal hybrid's exact prefix): some of its first {count} real tokens come after them, so its "
         "global tokens would be padding. A left-padded batch prefilled in chunks does this (generate() with "
         "prefill_chunk_size): prefill it in one call (prefill_chunk_size=None), or in chunks longer than the longest "
