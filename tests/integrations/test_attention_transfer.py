@@ -133,7 +133,7 @@ def test_a_transfer_stopped_midway_leaves_the_model_as_it_was_and_can_be_retried
     ]
     if implementation == "performer":  # no window, and its projection alone learns (a large step does not
         # diverge): an interruption instead
-        stops[:2] = [(_batches(), {"steps": 2, "interrupt": True}, KeyboardInterrupt, "")]
+        stops[:2] = [(_batches(), {"steps": 2, "interrupt": True}, KeyboardInterrupt, None)]  # (no message)
     for batches, options, error, message in stops:
         options = {"steps": 2, **options}
         if options.pop("interrupt", False):
