@@ -29,15 +29,20 @@ Peak memory, one probe for every study (:class:`PeakMemory`): the extra resident
 at its peak, ``VmHWM - VmRSS`` read at the block's start, after resetting the kernel's resident-set
 high-water mark (``echo 5 > /proc/self/clear_refs``) there. It counts what the block allocated and
 touched (activations, saved tensors, gradients, the allocator's scratch), not what was resident before
-it. Run it in a fresh process (:func:`in_fresh_process`) so that no earlier work's freed but still
-resident heap hides in the figure. Where ``clear_refs`` is unavailable the probe falls back to the
-growth of ``ru_maxrss`` over the block, which can only under-report, and says so in ``method``.
+it. Memory that earlier work freed but the heap kept resident would hide part of the block's peak (the block reuses
+it without the resident set growing): run the probe in a fresh process (:func:`in_fresh_process`), or give that
+memory back to the system first (``PeakMemory(release_freed=True)``: glibc's ``malloc_trim``, after which pages the
+block touches count again, measured on the whole-model steps of ``model_speed.py``). Where ``clear_refs`` is
+unavailable the probe falls back to the growth of ``ru_maxrss`` over the block, which can only under-report, and says
+so in ``method``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import ctypes.util
 import json
 import logging
 import os
@@ -150,14 +155,33 @@ def _max_resident_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
+def release_freed_memory() -> bool:
+    """Give the free memory of every heap arena back to the system (glibc ``malloc_trim(0)``), so that a block's
+    reuse of it counts in its resident set again. False where the C library has no ``malloc_trim`` (not glibc)."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 class PeakMemory:
     """Context manager: the extra resident memory a block needed at its peak (the module docstring says how).
+
+    ``release_freed``: first give the heap's free memory back to the system (:func:`release_freed_memory`), so that
+    none of the block's peak hides in what earlier work freed.
 
     After the block: ``before`` (resident bytes at its start), ``peak`` (the high-water mark during it),
     ``extra = peak - before`` and ``method`` (the probe that ran).
     """
 
+    def __init__(self, release_freed: bool = False):
+        self.release_freed = release_freed
+
     def __enter__(self) -> PeakMemory:
+        released = self.release_freed and release_freed_memory()
         try:
             Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
         except OSError:
@@ -166,6 +190,8 @@ class PeakMemory:
         else:
             self.method = "VmHWM after clear_refs"
             self.before = _status_bytes("VmRSS")
+        if released:
+            self.method += ", freed heap memory released first (malloc_trim)"
         return self
 
     def __exit__(self, *exc_info) -> None:

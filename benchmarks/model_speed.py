@@ -48,11 +48,13 @@ Timing: for every L, each arm's model is built once; a warm-up run, then ``--rep
 (arm after arm, round after round, the order reversed every other round) so that a change of load, or a cost
 left by the arm before, hits every arm alike; the median is
 reported, with ratios source / Performer (> 1: the Performer is faster). CUDA runs are synchronised
-before the clock is read. Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` over the step
-(weights and optimizer state included); on a CPU, the extra resident memory at the step's peak
-(``harness.PeakMemory``: ``VmHWM - VmRSS`` after resetting the high-water mark; in one process, so memory
-an earlier arm left resident can hide part of a later one's). An arm whose median passes
-``--time-cap`` seconds, or that runs out of memory, is skipped at longer lengths, and says so.
+before the clock is read. Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` over the timed steps
+(weights and optimizer state included); on a CPU, the extra resident memory at the peak of one more step after the
+timed ones (``harness.PeakMemory``: ``VmHWM - VmRSS`` after resetting the high-water mark), untimed, with the heap's
+free memory first given back to the system (``malloc_trim``): without that, a step reused what an earlier arm had
+freed and its figure depended on the arms before it (encoder training at 2K: the hybrid's 258 MB alone, 83 MB
+after the unfused source; with it 471 and 446 MB). An arm whose median passes ``--time-cap`` seconds, or that runs
+out of memory, is skipped at longer lengths, and says so.
 
 Every timed configuration's output (the logits, or the training loss) is checked once, in its warm-up run, for NaN and
 inf. ``--check`` first compares every arm's outputs at 6,144 tokens (past the conversions' exact dispatch) with the same
@@ -265,18 +267,23 @@ class Step:
     def __init__(self, work, device: str):
         self.work, self.device, self.finite = work, device, None
 
-    def timed(self) -> tuple[float, float]:
-        """Seconds of one run and its peak memory in MB: on CUDA the peak allocated memory, on a CPU the extra
-        resident memory at the peak (:class:`harness.PeakMemory`)."""
+    def timed(self) -> tuple[float, float | None]:
+        """Seconds of one run, and on CUDA its peak allocated memory in MB (None on a CPU: :meth:`peak_resident`)."""
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         synchronize(self.device)
-        with harness.PeakMemory() as memory:
-            start = time.perf_counter()
+        start = time.perf_counter()
+        self.work()
+        synchronize(self.device)
+        seconds = time.perf_counter() - start
+        return seconds, torch.cuda.max_memory_allocated() / 2**20 if self.device == "cuda" else None
+
+    def peak_resident(self) -> float:
+        """One more run, untimed, on a CPU: the extra resident memory at its peak in MB, with the heap's free memory
+        first given back to the system, so that no part of it hides in what an earlier arm freed."""
+        with harness.PeakMemory(release_freed=True) as memory:
             self.work()
-            synchronize(self.device)
-            seconds = time.perf_counter() - start
-        return seconds, (torch.cuda.max_memory_allocated() if self.device == "cuda" else memory.extra) / 2**20
+        return memory.extra / 2**20
 
 
 def model_step(arm: str, model, mode: str, inputs: dict, device: str) -> Step:
@@ -375,9 +382,11 @@ def time_arms(steps: dict[str, Step], reps: int) -> dict[str, dict]:
                 logger.info("warm-up of %s: %.1f s", arm, seconds)
             if peak is not None:
                 records[arm]["peak_mb"] = max(records[arm]["peak_mb"] or 0.0, peak)
-    for arm in live:
+    for arm, step in live.items():
         records[arm]["median_s"] = statistics.median(records[arm]["times_s"])
-        records[arm]["finite"] = steps[arm].finite
+        records[arm]["finite"] = step.finite
+        if step.device != "cuda":
+            records[arm]["peak_mb"] = step.peak_resident()
     return records
 
 
@@ -580,6 +589,8 @@ def measure(args) -> dict:
     if args.device == "cpu" and "flash" in args.arms:
         args.arms = [a for a in args.arms if a != "flash"]
     payload = {"settings": {k: v for k, v in vars(args).items() if k != "out_dir"}}
+    if args.device == "cpu":  # how the CPU peaks were taken (results written before say nothing: in one process)
+        payload["settings"]["memory_probe"] = "released"
     if args.device == "cuda":
         payload["settings"]["gpu"] = torch.cuda.get_device_name()
         payload["settings"]["cuda"] = torch.version.cuda
@@ -643,10 +654,14 @@ def markdown(payload: dict) -> str:
             else "## Peak extra resident memory (MB: what a step needed beyond the resident set at its start)",
             "",
         ]
-        if s["device"] != "cuda":  # the arms share one process: a later one's peak hides in what an earlier one freed
+        if s["device"] != "cuda":
             lines += [
-                "Every arm ran in this one process, so an arm's peak can hide in the heap an earlier arm left: these "
-                "figures are not comparable between arms (`speed.py` and `long_context.py` measure each arm alone).",
+                "One more step after the timed ones, untimed, with the heap's free memory first given back to the "
+                "system (`malloc_trim`), so that no arm's peak hides in what an arm before it freed."
+                if s.get("memory_probe") == "released"
+                else "Every arm ran in this one process, so an arm's peak can hide in the heap an earlier arm left: "
+                "these figures are not comparable between arms (`speed.py` and `long_context.py` measure each arm "
+                "alone).",
                 "",
             ]
         for kind in s["models"]:
