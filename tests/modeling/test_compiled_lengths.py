@@ -117,3 +117,42 @@ def test_a_bidirectional_favor_model_exports_one_program_for_every_length(monkey
         ids = torch.randint(1, VOCAB, (2, tokens), generator=torch.Generator().manual_seed(tokens))
         with torch.no_grad():
             torch.testing.assert_close(program.module()(ids), model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+class _Logits(torch.nn.Module):
+    """A model's logits alone, without a cache: what ``torch.export`` traces."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize(
+    "method,shortest",
+    [
+        ({"attention_kernel": "softmax"}, 2),  # the exponential scan (favor_exp)
+        ({"attention_kernel": "relu"}, 2),  # the generic one (causal_scan)
+        # the window (4) and the global token cover inputs of up to 5 tokens, which take exact attention, and the
+        # keys leaving the window branch on the length below 6
+        (METHODS["hybrid"], 6),
+    ],
+    ids=["favor", "favor-relu", "hybrid"],
+)
+def test_a_causal_model_exports_one_program_for_every_length(method, shortest):
+    """The causal chunk count was a function of the length (``ceil(L / C)`` chunks of ``C = min(chunk, L)``), and the
+    chunk views and the slice back to ``L`` positions guarded on ``N == 1``, ``N * C == L`` and divisibility facts it
+    could not prove for every length. Exported, the count is read at run time (:func:`.chunking`): the program's
+    logits equal eager's at lengths shorter than a chunk (8), one chunk, and not a multiple of it, where eager cuts 130
+    tokens into 2 slabs (of at most 16 chunks) and its scan groups."""
+    model = tiny_model(PerformerForCausalLM, max_position_embeddings=256, causal_chunk_size=8, **method)
+    length = torch.export.Dim("length", min=shortest, max=256)
+    example = torch.randint(1, VOCAB, (2, 37), generator=torch.Generator().manual_seed(0))
+    program = torch.export.export(_Logits(model), (example,), dynamic_shapes={"ids": {1: length}})
+    for tokens in [tokens for tokens in (2, 3, 6, 8, 37, 130) if tokens >= shortest]:
+        ids = torch.randint(1, VOCAB, (2, tokens), generator=torch.Generator().manual_seed(tokens))
+        with torch.no_grad():
+            expected = model(input_ids=ids, use_cache=False).logits
+            torch.testing.assert_close(program.module()(ids), expected, rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .compiled_lengths import needs_padding, padded, spans
+from .compiled_lengths import chunking, needs_padding, padded, spans
 
 Tensor = torch.Tensor
 
@@ -23,7 +23,14 @@ SCAN_GROUP = 16  # chunks whose start states one matrix product gives (its cost:
 
 
 def causal_scan(
-    qf: Tensor, kf: Tensor, v1: Tensor, shifts: Tensor | None, chunk_size: int, kv: Tensor | None, shift: Tensor | None
+    qf: Tensor,
+    kf: Tensor,
+    v1: Tensor,
+    shifts: Tensor | None,
+    chunk_size: int,
+    kv: Tensor | None,
+    shift: Tensor | None,
+    chunks: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Chunked causal sums of feature products.
 
@@ -34,6 +41,8 @@ def causal_scan(
             an exponential (a plain prefix sum).
         chunk_size: positions per chunk; the tail is padded with zero keys.
         kv, shift: the state before position 0, (B, H, m, d1) relative to ``exp(shift)`` (B, H); None: empty.
+        chunks: the chunk count where the caller padded ``L`` to ``chunks * chunk_size`` itself (:func:`.chunking`);
+            None: the scan's own.
 
     Returns:
         The sums (B, H, L, d1), query ``i``'s relative to ``exp(shifts[i])``, and the state after the last
@@ -43,8 +52,7 @@ def causal_scan(
     d1 = v1.shape[-1]
     kv = qf.new_zeros(B, H, m, d1) if kv is None else kv.to(qf.dtype)
     shift = qf.new_full((B, H), EMPTY_SHIFT) if shift is None else shift.to(qf.dtype)
-    C = min(chunk_size, L)
-    N = -(-L // C)
+    C, N = chunking(L, chunk_size) if chunks is None else (chunk_size, chunks)
     if needs_padding(pad := N * C - L):
         qf, kf, v1 = (padded(t, (0, 0, 0, pad)) for t in (qf, kf, v1))
         shifts = None if shifts is None else padded(shifts, (0, pad), mode="replicate")

@@ -12,10 +12,12 @@ its exact value. Where attention cuts a sequence into pieces:
   (:class:`.hybrid_causal.LeavingKeys`): inductor could not prove ``max(0, min(L - 4, L - 3)) + 4`` equal to ``L``, and
   in a compiled causal hybrid's backward mispredicted a block temporary's strides (an AssertionError, torch 2.15).
 
-An exported program (``torch.export`` with a dynamic length) must hold for every length: there a sequence is one
-piece (memory still linear in its length). So far a bidirectional FAVOR+ model exports so; the causal chunk views
-still guard on the chunk count. Outside a compiled graph these are the plain operations. What has not yet run
-compiled with a symbolic length pins it (:func:`pin_length`: the hybrid on a GPU).
+An exported program (``torch.export`` with a dynamic length) must hold for every length: there a slab loop takes the
+sequence in one piece (memory still linear in its length), and a count of chunks or query blocks is read at run time
+(:func:`chunking`), with at least one padded position. A bidirectional and a causal FAVOR+ model export
+so, and a causal hybrid for inputs longer than its window and global tokens (shorter ones take exact attention, and
+its leaving keys branch on the length). Outside a compiled graph these are the plain operations. What has not yet
+run compiled with a symbolic length pins it (:func:`pin_length`: the hybrid on a GPU).
 """
 
 import torch
@@ -43,6 +45,23 @@ def padded(t: torch.Tensor, pad: tuple[int, ...], **kwargs) -> torch.Tensor:
     """``F.pad(t, pad, **kwargs)``, contiguous inside a compiled graph whatever the pad's run-time value."""
     # (a clone, not .contiguous(): whether a slice is contiguous can depend on the length, a guard)
     return F.pad(t.clone(memory_format=torch.contiguous_format) if torch.compiler.is_compiling() else t, pad, **kwargs)
+
+
+def chunking(length: int, chunk: int) -> tuple[int, int]:
+    """(C, N): ``N`` chunks of ``C`` positions that cover ``length`` (a pad of ``N * C - length``): ``C = min(chunk,
+    length)`` and the fewest chunks. Under ``torch.export``, ``C = chunk`` and ``N = max(length // C + 1, 2)``, an
+    unbacked size (one the program reads at run time) that the shape environment knows only by ``N >= 2`` and ``N * C
+    > length``: with ``N`` a function of the length, the chunk views and the slice back to ``length`` positions guarded
+    on ``N == 1``, ``N * C == length`` and divisibility facts about floor divisions that it could not prove for every
+    length."""
+    if not torch.compiler.is_exporting():
+        size = min(chunk, length)
+        return size, -(-length // size)
+    # (a CPU scalar: a device tensor's .item() would wait for the device)
+    count = torch.full((), length // chunk + 1, dtype=torch.int64, device="cpu").clamp_min(2).item()
+    torch._check(count >= 2)
+    torch._check(count * chunk > length)
+    return chunk, count
 
 
 def pin_length(length: int) -> None:

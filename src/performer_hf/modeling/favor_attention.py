@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from .causal_scan import EMPTY_SHIFT, causal_scan
+from .compiled_lengths import chunking
 from .far_field_triton import float32_precision
 from .favor_exp import (
     DEFAULT_CHUNK_SIZE,
@@ -163,23 +164,23 @@ def _causal(
         scan = causal_exp_sums(q, ScanKeys(k, v1, mask=mask), features, chunk_size, state, precision)
         return scan.sums, FavorState(scan.kv, scan.shift)
     L = q.shape[2]
-    C = min(chunk_size, L)
-    (q, k, v1), mask = pad_to_chunks([q, k, v1], mask, L, C)
+    C, N = chunking(L, chunk_size)
+    (q, k, v1), mask = pad_to_chunks([q, k, v1], mask, L, C, N)
     keep = None if mask is None else mask[:, None, :, None]  # (B, 1, N * C, 1)
-    out1, state = _causal_generic(q, k, v1, projection, kernel, keep, C, state)
+    out1, state = _causal_generic(q, k, v1, projection, kernel, keep, C, N, state)
     return out1[:, :, :L], state
 
 
-def _causal_generic(q, k, v1, projection, kernel, keep, C, state):
-    """The chunked scan (:func:`.causal_scan`) for any feature map, through autograd (lengths already a
-    multiple of C)."""
+def _causal_generic(q, k, v1, projection, kernel, keep, C, N, state):
+    """The chunked scan (:func:`.causal_scan`) for any feature map, through autograd (lengths already N chunks of
+    C)."""
     B, H = q.shape[:2]
     prev_kv, prev_shift = (None, q.new_full((B, H), EMPTY_SHIFT)) if state is None else state
     stabilizer = get_feature_map(kernel).query_stabilizer
     qf, _ = _features(q, projection, kernel, keep=None, shift_of=_row_shift, stabilizer=stabilizer)
     kf, shifts = _features(k, projection, kernel, keep=keep, shift_of=_running_shift(prev_shift.to(q.dtype)))
     shifts = None if shifts is None else shifts.view(B, H, -1)  # (B, H, L)
-    out, kv, shift = causal_scan(qf, kf, v1, shifts, C, prev_kv, prev_shift)
+    out, kv, shift = causal_scan(qf, kf, v1, shifts, C, prev_kv, prev_shift, chunks=N)
     return out, FavorState(kv=kv, shift=shift)
 
 

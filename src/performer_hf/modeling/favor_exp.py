@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .causal_scan import EMPTY_SHIFT, scan_backward, scan_forward, scan_weights
-from .compiled_lengths import needs_padding, padded, spans
+from .compiled_lengths import chunking, needs_padding, padded, spans
 from .favor_exp_triton import bidirectional_exp_sums as triton_bidirectional_exp_sums
 from .favor_exp_triton import causal_exp_sums as triton_causal_exp_sums
 from .favor_exp_triton import exp_key_state as triton_exp_key_state
@@ -330,9 +330,10 @@ class _CausalExp(torch.autograd.Function):
         return None, grad_q, grad_k, grad_v1, grad_directions, grad_bias, grad_row, state_grad, None, None
 
 
-def pad_to_chunks(tensors: list[Tensor | None], mask: Tensor | None, length: int, chunk: int):
-    """Pad the sequence axis (2) of ``tensors`` to a multiple of ``chunk`` with keys that are masked out."""
-    pad = -(-length // chunk) * chunk - length
+def pad_to_chunks(tensors: list[Tensor | None], mask: Tensor | None, length: int, chunk: int, count: int):
+    """Pad the sequence axis (2) of ``tensors`` to ``count`` chunks of ``chunk`` (:func:`.chunking`) with keys that are
+    masked out."""
+    pad = count * chunk - length
     if not needs_padding(pad):
         return tensors, mask
     tensors = [None if t is None else padded(t, (0, 0, 0, pad)) for t in tensors]
@@ -415,8 +416,8 @@ def causal_exp_sums(
         args = (keys.row, keys.mask, state, precision)
         return ScanResult(*triton_causal_exp_sums(q, keys.k, keys.v1, directions, bias, stabilizer, *args))
     B, H, L, _ = q.shape
-    C = min(chunk_size, L)
-    (q, k, v1, key_row), mask = pad_to_chunks([q, keys.k, keys.v1, keys.row], keys.mask, L, C)
+    C, N = chunking(L, chunk_size)
+    (q, k, v1, key_row), mask = pad_to_chunks([q, keys.k, keys.v1, keys.row], keys.mask, L, C, N)
     keep = None if mask is None else mask[:, None, :, None]  # (B, 1, N * C, 1)
     if state is None:
         kv0 = q.new_zeros(B, H, features.directions.shape[-2], v1.shape[-1])

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from .compiled_lengths import padded
+from .compiled_lengths import chunking, padded
 from .hybrid_exact import CandidateSet
 from .hybrid_keys import Keys, cat_keys, pad_keys, slice_keys
 from .hybrid_routing import gather_blocks, key_blocks, route, route_width
@@ -40,8 +40,12 @@ class QueryBlocking:
     def __init__(self, x: Tensor, period: int, block_q: int, per_block: int):
         self.B, self.H, self.L = x.shape[:3]
         self.block_q, self.device = block_q, x.device
-        self.pad = -(-self.L // period) * period - self.L
-        self.N = (self.L + self.pad) // block_q
+        if torch.compiler.is_exporting():  # a count the program reads at run time (see chunking)
+            period, periods = chunking(self.L, period)
+            self.pad, self.N = periods * period - self.L, periods * (period // block_q)
+        else:
+            self.pad = -(-self.L // period) * period - self.L
+            self.N = (self.L + self.pad) // block_q
         self.sizes = slab_sizes(self.N, per_block, "blocks", x.device)  # query blocks per slab
         self.starts = list(itertools.accumulate(self.sizes[:-1], initial=0))  # each slab's first query block
 
