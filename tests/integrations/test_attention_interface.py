@@ -906,3 +906,56 @@ def test_a_forward_on_the_meta_device_leaves_no_empty_method_state(tmp_path):
         model(ids, use_cache=False)
     state = model.model.layers[0].self_attn.__dict__["_performer_method_state"]
     assert state.projection.device.type == "cpu"
+
+
+class _Logits(torch.nn.Module):
+    """A model's logits alone, without a cache: what ``torch.export`` traces."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
+def test_torch_export_of_a_model_converted_in_place_reproduces_it_and_leaves_it_whole(implementation, tmp_path):
+    """The method state (the features' projection) is built at the first forward: under ``torch.export`` that one ran
+    on fake tensors (shapes without data), and the state kept beside each module held them. The exported program's
+    logits were NaN, and so were the model's own from then on."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, implementation, **SHORT_WINDOW[implementation])
+    ids = _ids(2, 24)
+    program = torch.export.export(_Logits(model), (ids,))
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+        fresh = _load(folder, implementation, **SHORT_WINDOW[implementation])(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(expected, fresh)  # the model as loaded
+    torch.testing.assert_close(program.module()(ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_export_of_favor_in_place_holds_for_every_length(tmp_path):
+    """FAVOR+ in place (``performer``) exports one program for a dynamic length (the causal chunk count is read at run
+    time, :func:`performer_hf.modeling.compiled_lengths.chunking`): its logits equal eager's at lengths shorter than a
+    chunk and not a multiple of one. Where the source itself does not export so (torch 2.11 with transformers 5.23: a
+    guard of its own), the conversion refuses too, loudly."""
+    source, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, "performer")
+    length = torch.export.Dim("length", min=2, max=512)
+
+    def export(model):
+        return torch.export.export(_Logits(model), (_ids(2, 37),), dynamic_shapes={"ids": {1: length}})
+
+    try:
+        export(source)
+    except torch._dynamo.exc.UserError:
+        with pytest.raises(torch._dynamo.exc.UserError, match="Constraints violated"):
+            export(model)
+        return
+    program = export(model)
+    for tokens in (2, 9, 37, 300):
+        ids = _ids(2, tokens, seed=tokens)
+        with torch.no_grad():
+            expected = model(input_ids=ids, use_cache=False).logits
+        torch.testing.assert_close(program.module()(ids), expected, rtol=1e-5, atol=1e-5)

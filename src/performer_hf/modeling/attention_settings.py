@@ -15,6 +15,7 @@ it (not a submodule: the model's weights stay the source's): the random projecti
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -191,10 +192,25 @@ def method_state(module: nn.Module, implementation: str, causal: bool, query: to
     state = module.__dict__.get(METHOD_STATE_ATTRIBUTE)
     emptied = state is not None and state.projection.is_meta and not query.is_meta  # a forward on "meta" took it
     if state is None or emptied or not is_current(state, config, implementation, causal, num_heads, head_dim):
-        state = _build_state(module, implementation, causal, num_heads, head_dim)
+        with _real_tensors():
+            state = _build_state(module, implementation, causal, num_heads, head_dim)
     if state.projection.device != query.device:
         state.to(query.device)
     return state
+
+
+def _real_tensors() -> contextlib.AbstractContextManager:
+    """Where a state is built while ``torch.export`` traces the model: tensors made there are fake (shapes without
+    data), and a state of fake tensors kept beside the module left every later call computing on garbage (an
+    in-place Llama: NaN logits from the exported program and from eager calls after it). Built with fake tensors off,
+    its tensors are real, and the exported program holds them as constants."""
+    if not torch.compiler.is_exporting():
+        return contextlib.nullcontext()
+    # (no public form, torch 2.11 to 2.15: with the fake mode alone off, the tracing mode recorded the draw into the
+    # program, which then drew features anew at every call)
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 @torch.compiler.disable  # traced, building (the features' draw, host reads) broke the graph a dozen times a layer
