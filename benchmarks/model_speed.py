@@ -215,9 +215,10 @@ def build_models(
             "bound": {"method": "favor"},
             "tiled": {"method": "hybrid", **TILED},
         }
-        out = convert(
-            folder, workdir / f"{kind}-{arm}", fidelity=False, overwrite=True, **settings.get(arm, {"method": arm})
-        )
+        arm_settings = settings.get(arm, {"method": arm})
+        if kind != "encoder":  # causal models have one exact prefix on every device: the setting is refused there
+            arm_settings.pop("accelerator_exact_max_length", None)
+        out = convert(folder, workdir / f"{kind}-{arm}", fidelity=False, overwrite=True, **arm_settings)
         auto = AutoModelForMaskedLM if kind == "encoder" else AutoModelForCausalLM
         models[arm] = auto.from_pretrained(out)
         if baseline and kind != "llama" and arm != "bound":
