@@ -959,3 +959,17 @@ def test_torch_export_of_favor_in_place_holds_for_every_length(tmp_path):
         with torch.no_grad():
             expected = model(input_ids=ids, use_cache=False).logits
         torch.testing.assert_close(program.module()(ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_strict_torch_export_names_the_first_forward_it_needs(tmp_path):
+    """Under ``torch.export(strict=True)`` dynamo traces the build of the method state, which it cannot: the refusal
+    says what to do, and after one forward the strict program reproduces the model."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, "performer")
+    ids = _ids(2, 24)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="call the model once before exporting"):
+        torch.export.export(_Logits(model), (ids,), strict=True)
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+    program = torch.export.export(_Logits(model), (ids,), strict=True)
+    torch.testing.assert_close(program.module()(ids), expected, rtol=1e-5, atol=1e-5)

@@ -204,7 +204,8 @@ def _real_tensors() -> contextlib.AbstractContextManager:
     data), and a state of fake tensors kept beside the module left every later call computing on garbage (an
     in-place Llama: NaN logits from the exported program and from eager calls after it). Built with fake tensors off,
     its tensors are real, and the exported program holds them as constants."""
-    if not torch.compiler.is_exporting():
+    # (under torch.export(strict=True) dynamo traces instead, and refuses the build, which it cannot trace, by name)
+    if not torch.compiler.is_exporting() or torch.compiler.is_dynamo_compiling():
         return contextlib.nullcontext()
     # (no public form, torch 2.11 to 2.15: with the fake mode alone off, the tracing mode recorded the draw into the
     # program, which then drew features anew at every call)
@@ -213,7 +214,11 @@ def _real_tensors() -> contextlib.AbstractContextManager:
     return _disable_current_modes()
 
 
-@torch.compiler.disable  # traced, building (the features' draw, host reads) broke the graph a dozen times a layer
+# traced, building (the features' draw, host reads) broke the graph a dozen times a layer
+@torch.compiler.disable(
+    reason="the attention method's state (its random features) is built at the first forward: under "
+    "torch.export(strict=True), call the model once before exporting, or export with strict=False (the default)"
+)
 def _build_state(
     module: nn.Module, implementation: str, causal: bool, num_heads: int, head_dim: int
 ) -> AttentionMethodState:
