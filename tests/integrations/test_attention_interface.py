@@ -952,7 +952,7 @@ def test_torch_export_of_favor_in_place_holds_for_every_length(tmp_path):
     except torch._dynamo.exc.UserError:
         with pytest.raises(torch._dynamo.exc.UserError, match="Constraints violated"):
             export(model)
-        return
+        pytest.skip("the source Llama does not export with a dynamic length here (its conversion refuses too)")
     program = export(model)
     for tokens in (2, 9, 37, 300):
         ids = _ids(2, tokens, seed=tokens)

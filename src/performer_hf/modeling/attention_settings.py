@@ -195,15 +195,16 @@ def method_state(module: nn.Module, implementation: str, causal: bool, query: to
         with _real_tensors():
             state = _build_state(module, implementation, causal, num_heads, head_dim)
     if state.projection.device != query.device:
-        state.to(query.device)
+        with _real_tensors():
+            state.to(query.device)
     return state
 
 
 def _real_tensors() -> contextlib.AbstractContextManager:
-    """Where a state is built while ``torch.export`` traces the model: tensors made there are fake (shapes without
-    data), and a state of fake tensors kept beside the module left every later call computing on garbage (an
-    in-place Llama: NaN logits from the exported program and from eager calls after it). Built with fake tensors off,
-    its tensors are real, and the exported program holds them as constants."""
+    """Where a state is built or moved to another device while ``torch.export`` traces the model: tensors made there
+    are fake (shapes without data), and a state of fake tensors kept beside the module left every later call computing
+    on garbage (an in-place Llama: NaN logits from the exported program and from eager calls after it). Built with
+    fake tensors off, its tensors are real, and the exported program holds them as constants."""
     # (under torch.export(strict=True) dynamo traces instead, and refuses the build, which it cannot trace, by name)
     if not torch.compiler.is_exporting() or torch.compiler.is_dynamo_compiling():
         return contextlib.nullcontext()

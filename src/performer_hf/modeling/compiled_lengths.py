@@ -53,7 +53,8 @@ def chunking(length: int, chunk: int) -> tuple[int, int]:
     unbacked size (one the program reads at run time) that the shape environment knows only by ``N >= 2`` and ``N * C
     > length``: with ``N`` a function of the length, the chunk views and the slice back to ``length`` positions guarded
     on ``N == 1``, ``N * C == length`` and divisibility facts about floor divisions that it could not prove for every
-    length."""
+    length. (An export with a static length reads it so too, and pads by 1 to ``chunk`` positions: masked keys, the
+    same sums.)"""
     if not torch.compiler.is_exporting():
         size = min(chunk, length)
         return size, -(-length // size)
