@@ -47,6 +47,13 @@ def padded(t: torch.Tensor, pad: tuple[int, ...], **kwargs) -> torch.Tensor:
     return F.pad(t.clone(memory_format=torch.contiguous_format) if torch.compiler.is_compiling() else t, pad, **kwargs)
 
 
+def exporting() -> bool:
+    """Whether ``torch.export`` traces this call without dynamo (its default, non-strict): torch 2.11's dynamo answers
+    ``torch.compiler.is_exporting()`` True under ``torch.compile`` too, where a size read at run time (:func:`chunking`)
+    broke the graph."""
+    return torch.compiler.is_exporting() and not torch.compiler.is_dynamo_compiling()
+
+
 def chunking(length: int, chunk: int) -> tuple[int, int]:
     """(C, N): ``N`` chunks of ``C`` positions that cover ``length`` (a pad of ``N * C - length``): ``C = min(chunk,
     length)`` and the fewest chunks. Under ``torch.export``, ``C = chunk`` and ``N = max(length // C + 1, 2)``, an
@@ -54,8 +61,8 @@ def chunking(length: int, chunk: int) -> tuple[int, int]:
     > length``: with ``N`` a function of the length, the chunk views and the slice back to ``length`` positions guarded
     on ``N == 1``, ``N * C == length`` and divisibility facts about floor divisions that it could not prove for every
     length. (An export with a static length reads it so too, and pads by 1 to ``chunk`` positions: masked keys, the
-    same sums.)"""
-    if not torch.compiler.is_exporting():
+    same sums. ``torch.export(strict=True)`` traces with dynamo, which guards as before.)"""
+    if not exporting():
         size = min(chunk, length)
         return size, -(-length // size)
     # (a CPU scalar: a device tensor's .item() would wait for the device)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from .compiled_lengths import chunking, padded
+from .compiled_lengths import chunking, exporting, padded
 from .hybrid_exact import CandidateSet
 from .hybrid_keys import Keys, cat_keys, pad_keys, slice_keys
 from .hybrid_routing import gather_blocks, key_blocks, route, route_width
@@ -40,7 +40,7 @@ class QueryBlocking:
     def __init__(self, x: Tensor, period: int, block_q: int, per_block: int):
         self.B, self.H, self.L = x.shape[:3]
         self.block_q, self.device = block_q, x.device
-        if torch.compiler.is_exporting():  # a count the program reads at run time (see chunking)
+        if exporting():  # a count the program reads at run time (see chunking)
             period, periods = chunking(self.L, period)
             self.pad, self.N = periods * period - self.L, periods * (period // block_q)
         else:
