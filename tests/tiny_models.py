@@ -66,3 +66,14 @@ def random_centres(model):
 def random_ids(batch=2, length=11, seed=0) -> torch.Tensor:
     """(batch, length) token ids in [1, VOCAB): never the pad id 0."""
     return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+class Logits(torch.nn.Module):
+    """A model's logits alone, without a cache (``use_cache=False``): what the ``torch.export`` tests trace."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, use_cache=False).logits

@@ -19,6 +19,8 @@ import performer_hf
 from performer_hf import PerformerCache
 from performer_hf.integrations import CACHE_KEYWORD, held_bytes
 
+from ..tiny_models import Logits
+
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 VOCAB = 96
@@ -908,17 +910,6 @@ def test_a_forward_on_the_meta_device_leaves_no_empty_method_state(tmp_path):
     assert state.projection.device.type == "cpu"
 
 
-class _Logits(torch.nn.Module):
-    """A model's logits alone, without a cache: what ``torch.export`` traces."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids):
-        return self.model(input_ids=ids, use_cache=False).logits
-
-
 @pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
 def test_torch_export_of_a_model_converted_in_place_reproduces_it_and_leaves_it_whole(implementation, tmp_path):
     """The method state (the features' projection) is built at the first forward: under ``torch.export`` that one ran
@@ -927,7 +918,7 @@ def test_torch_export_of_a_model_converted_in_place_reproduces_it_and_leaves_it_
     _, folder = _source(DECODERS["llama"], tmp_path)
     model = _load(folder, implementation, **SHORT_WINDOW[implementation])
     ids = _ids(2, 24)
-    program = torch.export.export(_Logits(model), (ids,))
+    program = torch.export.export(Logits(model), (ids,))
     with torch.no_grad():
         expected = model(input_ids=ids, use_cache=False).logits
         fresh = _load(folder, implementation, **SHORT_WINDOW[implementation])(input_ids=ids, use_cache=False).logits
@@ -945,7 +936,7 @@ def test_torch_export_of_favor_in_place_holds_for_every_length(tmp_path):
     length = torch.export.Dim("length", min=2, max=512)
 
     def export(model):
-        return torch.export.export(_Logits(model), (_ids(2, 37),), dynamic_shapes={"ids": {1: length}})
+        return torch.export.export(Logits(model), (_ids(2, 37),), dynamic_shapes={"ids": {1: length}})
 
     try:
         export(source)
@@ -968,8 +959,8 @@ def test_strict_torch_export_names_the_first_forward_it_needs(tmp_path):
     model = _load(folder, "performer")
     ids = _ids(2, 24)
     with pytest.raises(torch._dynamo.exc.Unsupported, match="call the model once before exporting"):
-        torch.export.export(_Logits(model), (ids,), strict=True)
+        torch.export.export(Logits(model), (ids,), strict=True)
     with torch.no_grad():
         expected = model(input_ids=ids, use_cache=False).logits
-    program = torch.export.export(_Logits(model), (ids,), strict=True)
+    program = torch.export.export(Logits(model), (ids,), strict=True)
     torch.testing.assert_close(program.module()(ids), expected, rtol=1e-5, atol=1e-5)

@@ -12,6 +12,7 @@ import performer_hf
 from performer_hf import PerformerCache
 from performer_hf.integrations import CACHE_KEYWORD
 
+from ..tiny_models import Logits
 from .test_attention_interface import DECODERS, SHORT_WINDOW, _ids, _load, _source
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -260,8 +261,6 @@ def test_torch_export_of_a_transferred_model_keeps_its_trained_tensors(tmp_path)
     """A reloaded transferred model reads its trained tensors at its first forward: when that forward is the export's
     trace, the program and the model afterwards must run those tensors, not export's fake copies of them (or the
     preset's draw)."""
-    from .test_attention_interface import _Logits
-
     _, folder = _source(DECODERS["llama"], tmp_path)
     model = _load(folder, "performer")
     performer_hf.transfer_attention(model, _batches(), steps=3, learning_rate=1e-2, progress=False)
@@ -272,7 +271,7 @@ def test_torch_export_of_a_transferred_model_keeps_its_trained_tensors(tmp_path)
     assert (expected - preset).abs().max() > 1e-3  # the trained tensors change the logits
     model.save_pretrained(tmp_path / "transferred")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "transferred").eval()
-    program = torch.export.export(_Logits(reloaded), (ids,))  # the first forward
+    program = torch.export.export(Logits(reloaded), (ids,))  # the first forward
     torch.testing.assert_close(program.module()(ids), expected, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids, use_cache=False).logits, expected, rtol=1e-5, atol=1e-5)

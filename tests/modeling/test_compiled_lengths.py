@@ -8,7 +8,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from performer_hf import PerformerForCausalLM, PerformerForMaskedLM
 from performer_hf.modeling.compiled_lengths import padded, spans
 
-from ..tiny_models import HYBRID_BIDIRECTIONAL, METHODS, VOCAB, random_centres, tiny_model
+from ..tiny_models import HYBRID_BIDIRECTIONAL, METHODS, VOCAB, Logits, random_centres, tiny_model
 
 # lengths that are and are not multiples of the causal chunk (8), all in one slab of the causal scan (16 chunks) and
 # under the rows where the vocabulary projection pads its weight (a branch)
@@ -102,14 +102,6 @@ def test_a_bidirectional_favor_model_exports_one_program_for_every_length(monkey
     monkeypatch.setitem(slabs_module.SLAB_ELEMENTS["cpu"], "features", 2 * 4 * 16 * 16)  # 16 positions per slab
     model = tiny_model(PerformerForMaskedLM, max_position_embeddings=256, **METHODS["favor"])
 
-    class Logits(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids):
-            return self.model(input_ids=ids).logits
-
     length = torch.export.Dim("length", min=2, max=256)
     example = torch.randint(1, VOCAB, (2, 37), generator=torch.Generator().manual_seed(0))
     program = torch.export.export(Logits(model), (example,), dynamic_shapes={"ids": {1: length}})
@@ -117,17 +109,6 @@ def test_a_bidirectional_favor_model_exports_one_program_for_every_length(monkey
         ids = torch.randint(1, VOCAB, (2, tokens), generator=torch.Generator().manual_seed(tokens))
         with torch.no_grad():
             torch.testing.assert_close(program.module()(ids), model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
-
-
-class _Logits(torch.nn.Module):
-    """A model's logits alone, without a cache: what ``torch.export`` traces."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids):
-        return self.model(input_ids=ids, use_cache=False).logits
 
 
 @pytest.mark.parametrize(
@@ -150,7 +131,7 @@ def test_a_causal_model_exports_one_program_for_every_length(method, shortest):
     model = tiny_model(PerformerForCausalLM, max_position_embeddings=256, causal_chunk_size=8, **method)
     length = torch.export.Dim("length", min=shortest, max=256)
     example = torch.randint(1, VOCAB, (2, 37), generator=torch.Generator().manual_seed(0))
-    program = torch.export.export(_Logits(model), (example,), dynamic_shapes={"ids": {1: length}})
+    program = torch.export.export(Logits(model), (example,), dynamic_shapes={"ids": {1: length}})
     for tokens in [tokens for tokens in (2, 3, 6, 8, 37, 130) if tokens >= shortest]:
         ids = torch.randint(1, VOCAB, (2, tokens), generator=torch.Generator().manual_seed(tokens))
         with torch.no_grad():

@@ -28,6 +28,7 @@ from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 
 from .attention_methods import ATTENTION_FIELDS, ATTENTION_METHODS, preset_under
+from .compiled_lengths import exporting
 from .configuration_performer import PerformerConfig
 from .layers_performer import AttentionMethodState
 
@@ -191,11 +192,10 @@ def method_state(module: nn.Module, implementation: str, causal: bool, query: to
     config = module.config
     state = module.__dict__.get(METHOD_STATE_ATTRIBUTE)
     emptied = state is not None and state.projection.is_meta and not query.is_meta  # a forward on "meta" took it
-    if state is None or emptied or not is_current(state, config, implementation, causal, num_heads, head_dim):
-        with _real_tensors():
+    with _real_tensors():
+        if state is None or emptied or not is_current(state, config, implementation, causal, num_heads, head_dim):
             state = _build_state(module, implementation, causal, num_heads, head_dim)
-    if state.projection.device != query.device:
-        with _real_tensors():
+        if state.projection.device != query.device:
             state.to(query.device)
     return state
 
@@ -206,7 +206,7 @@ def _real_tensors() -> contextlib.AbstractContextManager:
     on garbage (an in-place Llama: NaN logits from the exported program and from eager calls after it). Built with
     fake tensors off, its tensors are real, and the exported program holds them as constants."""
     # (under torch.export(strict=True) dynamo traces instead, and refuses the build, which it cannot trace, by name)
-    if not torch.compiler.is_exporting() or torch.compiler.is_dynamo_compiling():
+    if not exporting():
         return contextlib.nullcontext()
     # (no public form, torch 2.11 to 2.15: with the fake mode alone off, the tracing mode recorded the draw into the
     # program, which then drew features anew at every call)
