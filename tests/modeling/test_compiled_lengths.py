@@ -6,7 +6,9 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from performer_hf import PerformerForCausalLM, PerformerForMaskedLM
+from performer_hf.modeling import token_loss
 from performer_hf.modeling.compiled_lengths import padded, spans
+from performer_hf.modeling.vocabulary_projection import ALIGNMENT, MIN_ROWS, alignment_for
 
 from ..tiny_models import HYBRID_BIDIRECTIONAL, METHODS, VOCAB, Logits, random_centres, tiny_model
 
@@ -33,6 +35,31 @@ def test_padded_is_contiguous_when_compiled_even_with_nothing_to_pad():
         return padded(x, (0, 0, 0, pad)).view(x.shape[0], -1)
 
     torch.testing.assert_close(pad_and_view(x), x.reshape(2, -1))
+
+
+class _ShapeDecisions(torch.nn.Module):
+    """The decisions a graph makes on its shapes, as a tensor: the pieces of a slab loop over 10 positions in 4s, the
+    token loss's chunks of ``logits``' rows, and the row length the vocabulary product pads ``logits``' rows to."""
+
+    def forward(self, logits):
+        return logits.new_tensor([len(spans(10, 4)), len(token_loss._chunks(logits)), alignment_for(logits)])
+
+
+def test_compiled_graphs_cut_and_pad_as_eager_does_and_exported_programs_do_not(monkeypatch):
+    """Under ``torch.compile`` slab loops cut as eagerly (memory), the token loss takes its rows in one fused pass
+    (its eager chunks, unrolled, made a compiled CPU training step at 16K tokens 1.9x slower) and the vocabulary
+    product is padded; an exported program, which holds for every length, takes one piece, unpadded. (torch 2.11's
+    dynamo answers ``torch.compiler.is_exporting()`` True under ``torch.compile`` too: one piece, unpadded, there.)"""
+    from performer_hf.modeling import slabs as slabs_module
+
+    monkeypatch.setitem(slabs_module.SLAB_ELEMENTS["cpu"], "loss", 64 * VOCAB)  # 64 rows per eager chunk
+    logits = torch.randn(MIN_ROWS, VOCAB)
+    eager = [3, MIN_ROWS // 64, ALIGNMENT]
+    assert _ShapeDecisions()(logits).tolist() == eager
+    torch._dynamo.reset()
+    compiled = torch.compile(_ShapeDecisions(), backend="eager", fullgraph=True)
+    assert compiled(logits).tolist() == [3, 1, ALIGNMENT]
+    assert torch.export.export(_ShapeDecisions(), (logits,)).module()(logits).tolist() == [1, 1, 1]
 
 
 def _compiles_per_length(model, train: bool) -> list[int]:

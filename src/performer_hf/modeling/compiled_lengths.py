@@ -27,7 +27,7 @@ import torch.nn.functional as F
 def spans(length: int, size: int) -> list[tuple[int, int]]:
     """(start, stop) ranges of ``size`` positions covering ``range(length)`` (a compiled graph is guarded on their
     number); one range under ``torch.export``, whose program holds for every length of its range."""
-    if torch.compiler.is_exporting():  # one graph for every length: the whole range in one piece
+    if exporting():  # one graph for every length: the whole range in one piece
         return [(0, length)]
     count = (length + size - 1) // size
     if count == 0:
@@ -50,7 +50,7 @@ def padded(t: torch.Tensor, pad: tuple[int, ...], **kwargs) -> torch.Tensor:
 def exporting() -> bool:
     """Whether ``torch.export`` traces this call without dynamo (its default, non-strict): torch 2.11's dynamo answers
     ``torch.compiler.is_exporting()`` True under ``torch.compile`` too, where a size read at run time (:func:`chunking`)
-    broke the graph."""
+    broke the graph, slab loops took one piece (memory) and the vocabulary product lost its padding."""
     return torch.compiler.is_exporting() and not torch.compiler.is_dynamo_compiling()
 
 

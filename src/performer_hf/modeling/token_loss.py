@@ -34,9 +34,10 @@ IGNORE_INDEX = -100  # labels of tokens that are not scored (transformers' conve
 
 
 def _chunks(logits: Tensor) -> list[slice]:
-    """Rows of logits (N, C) per chunk: all of them where the chunks run compiled (no chunk-sized temporary);
-    eagerly, cache-sized on a CPU (faster than one pass over all), large on a GPU."""
-    if compiles(logits.device):
+    """Rows of logits (N, C) per chunk: all of them where the chunks run compiled (no chunk-sized temporary), on
+    CUDA or in a graph being compiled (where a chunk loop would be unrolled); eagerly, cache-sized on a CPU (faster
+    than one pass over all), large on a GPU."""
+    if compiles(logits.device) or torch.compiler.is_compiling():
         return [slice(0, logits.shape[0])]
     return slabs(logits.shape[0], logits.shape[1], "loss", logits.device)
 

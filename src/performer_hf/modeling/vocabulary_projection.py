@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .compiled_lengths import exporting
+
 Tensor = torch.Tensor
 
 ALIGNMENT = 64  # words: a multiple of the 8 (16 bytes of bfloat16) that cuBLAS's vectorized kernels need
@@ -36,7 +38,7 @@ def alignment_for(hidden: Tensor) -> int:
     """The row length the logits of ``hidden`` (..., hidden_size) are padded to a multiple of: :data:`ALIGNMENT`
     for at least :data:`MIN_ROWS` rows, else 1 (no padding); 1 in a graph being exported, which holds for every
     length (the exported program's runtime picks its own kernels)."""
-    if torch.compiler.is_exporting():
+    if exporting():
         return 1
     rows = hidden.numel() // max(hidden.shape[-1], 1)
     return ALIGNMENT if rows >= MIN_ROWS else 1
