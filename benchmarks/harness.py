@@ -21,6 +21,10 @@ Shared flags (``python benchmarks/<name>.py --help`` lists each study's own):
                   $OMP_NUM_THREADS over them where it is set)
     --from-json   write the Markdown and the PNG again from this JSON (no measurement)
 
+A study may call :func:`checkpoint` with its payload so far (``model_speed.py`` does, after each configuration): the
+JSON and the Markdown are then written, marked partial, during the run, and a run stopped before its end (a time
+limit around it, the OOM killer) leaves what it measured; the finished run's files replace them.
+
 Every JSON holds ``environment``: ``{"machine": {...}, "load_average": {"before": [...], "after": [...]}}``,
 the machine as :func:`_machine` describes it and the 1-, 5- and 15-minute load averages when ``measure``
 starts and ends. Timings depend on what else runs on the machine: compare runs with the load in view.
@@ -63,7 +67,10 @@ PACKAGES = ("performer-hf", "transformers", "performer-pytorch")  # versions rec
 FRESH_PROCESS = "--fresh-process"  # first argument of a child started by in_fresh_process
 RESULT_MARK = "RESULT"  # precedes the child's JSON answer on its stdout
 ALLOCATORS = {False: "the system's (glibc defaults)", True: "glibc, freed memory retained (performer_hf.cpu_memory)"}
+PARTIAL_NOTE = "**Partial results**: the run stopped before its end; these are its last checkpoint's."
 logger = logging.getLogger("benchmarks.harness")
+# the study main() is measuring: name, out_dir, markdown, load_before, allocator (:func:`checkpoint`)
+_measuring: dict = {}
 
 
 def parser(doc: str, *, quick: str, threads: int | None = None) -> argparse.ArgumentParser:
@@ -249,26 +256,59 @@ def pyplot():
     return plt
 
 
-def _write(name: str, payload: dict, out_dir: Path, markdown: Callable, plot: Callable, *, with_json: bool) -> str:
-    """Write ``<out_dir>/<name>.json`` (if ``with_json``), ``.md`` and ``.png``; returns the Markdown.
+def _replace_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a temporary file renamed over it."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def _write(
+    name: str, payload: dict, out_dir: Path, markdown: Callable, plot: Callable | None, *, with_json: bool
+) -> str:
+    """Write ``<out_dir>/<name>.json`` (if ``with_json``), ``.md`` and ``.png`` (if ``plot``); returns the Markdown.
 
     The Markdown and the figure see the payload as the JSON holds it (dictionary keys are strings), whether
-    it was just measured or read back with ``--from-json``.
+    it was just measured or read back with ``--from-json``. A partial payload's Markdown says so under its title.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{name}.{ext}" for ext in ("json", "md", "png")]
     serialized = json.dumps(payload, indent=2, default=str) + "\n"
     if with_json:
-        paths[0].write_text(serialized)
+        _replace_text(paths[0], serialized)
     payload = json.loads(serialized)
     text = markdown(payload)
-    paths[1].write_text(text)
+    if payload.get("partial"):
+        title, _, rest = text.partition("\n")
+        text = f"{title}\n\n{PARTIAL_NOTE}\n{rest}"
+    _replace_text(paths[1], text)
+    if plot is None:
+        return text
     figure = plot(payload)
     figure.tight_layout()
     figure.savefig(paths[2], dpi=DPI)
     pyplot().close(figure)
     logger.info("wrote %s", ", ".join(str(path) for path in paths[not with_json :]))
     return text
+
+
+def _environment(load_before: list[float], allocator: str) -> dict:
+    return {
+        "machine": _machine(),
+        "load_average": {"before": load_before, "after": _load_average()},
+        "allocator": allocator,
+    }
+
+
+def checkpoint(payload: dict) -> None:
+    """Write the payload a study has measured so far as its JSON and Markdown, marked ``"partial": true`` (the
+    environment as it stands), so that a run stopped later leaves them; ``--from-json`` draws the figure. Nothing
+    outside :func:`main`'s measurement."""
+    if not _measuring:
+        return
+    study = _measuring
+    partial = {**payload, "environment": _environment(study["load_before"], study["allocator"]), "partial": True}
+    _write(study["name"], partial, study["out_dir"], study["markdown"], None, with_json=True)
 
 
 def main(
@@ -302,11 +342,13 @@ def main(
         payload = json.loads(from_json.read_text())
     else:
         before = _load_average()
-        payload = measure(args)
-        payload["environment"] = {
-            "machine": _machine(),
-            "load_average": {"before": before, "after": _load_average()},
-            "allocator": ALLOCATORS[retained],
-        }
+        _measuring.update(
+            name=name, out_dir=args.out_dir, markdown=markdown, load_before=before, allocator=ALLOCATORS[retained]
+        )
+        try:
+            payload = measure(args)
+        finally:
+            _measuring.clear()
+        payload["environment"] = _environment(before, ALLOCATORS[retained])
     print(_write(name, payload, args.out_dir, markdown, plot, with_json=from_json is None))
     return payload

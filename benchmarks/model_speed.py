@@ -54,7 +54,9 @@ timed ones (``harness.PeakMemory``: ``VmHWM - VmRSS`` after resetting the high-w
 free memory first given back to the system (``malloc_trim``): without that, a step reused what an earlier arm had
 freed and its figure depended on the arms before it (encoder training at 2K: the hybrid's 258 MB alone, 83 MB
 after the unfused source; with it 471 and 446 MB). An arm whose median passes ``--time-cap`` seconds, or that runs
-out of memory, is skipped at longer lengths, and says so.
+out of memory, is skipped at longer lengths, and says so. Each result is written as it comes (``harness.checkpoint``:
+the JSON and the Markdown, marked partial until the run ends), so that a run stopped by a time limit or the OOM
+killer leaves what it measured.
 
 Every timed configuration's output (the logits, or the training loss) is checked once, in its warm-up run, for NaN and
 inf. ``--check`` first compares every arm's outputs at 6,144 tokens (past the conversions' exact dispatch) with the same
@@ -82,6 +84,7 @@ import logging
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import harness
@@ -398,8 +401,7 @@ def _vocabulary(args) -> int | None:
     return QUICK_VOCABULARY if args.quick else None
 
 
-def measure_models(args, workdir: Path) -> list[dict]:
-    results = []
+def measure_models(args, workdir: Path, record: Callable[[dict], None]) -> None:
     dtype = getattr(torch, args.dtype)
     for kind in args.models:
         models = build_models(kind, max(args.lengths), args.arms, workdir, args.baseline, _vocabulary(args))
@@ -409,7 +411,7 @@ def measure_models(args, workdir: Path) -> list[dict]:
         stopped: dict[tuple[str, str], str] = {}
         for length in args.lengths:
             if args.budget and time.monotonic() - start > args.budget:
-                # the results so far are written, where a time limit around the run would lose them all
+                # (the results so far are written as they come; this ends the run inside a time limit around it)
                 stopped.update({(a, m): f"past the run's {args.budget:g} s budget" for a in args.arms for m in MODES})
             batch = max(1, args.batch_tokens // length) if args.batch_tokens else 1
             inputs = make_batch(kind, models[args.arms[0]].config.vocab_size, batch, length, args.device)
@@ -417,7 +419,7 @@ def measure_models(args, workdir: Path) -> list[dict]:
                 steps = {}
                 for arm, model in models.items():
                     if (arm, mode) in stopped:
-                        results.append(
+                        record(
                             {
                                 "model": kind,
                                 "arm": arm,
@@ -432,7 +434,7 @@ def measure_models(args, workdir: Path) -> list[dict]:
                 records = time_arms(steps, args.reps)
                 for arm, rec in records.items():
                     rec.update(model=kind, arm=arm, mode=mode, length=length, batch=batch)
-                    results.append(rec)
+                    record(rec)
                     if "skipped" in rec:
                         stopped[(arm, mode)] = f"skipped at a shorter length ({rec['skipped'][:60]})"
                     elif rec["median_s"] > args.time_cap:
@@ -442,11 +444,9 @@ def measure_models(args, workdir: Path) -> list[dict]:
                     )
                     logger.info("%-8s %-6s %-9s L=%-6d B=%-3d %s", kind, arm, mode, length, batch, shown)
         del models
-    return results
 
 
-def measure_decode(args, workdir: Path) -> list[dict]:
-    results = []
+def measure_decode(args, workdir: Path, record: Callable[[dict], None]) -> None:
     dtype = getattr(torch, args.dtype)
     for kind in args.models:
         positions = max(args.lengths) + WARM_TOKENS + args.reps + 2  # the prompt and every decoded token
@@ -458,13 +458,12 @@ def measure_decode(args, workdir: Path) -> list[dict]:
             steps = {arm: decode_step(arm, model, prompt["input_ids"], args.device) for arm, model in models.items()}
             for arm, rec in time_arms(steps, args.reps).items():
                 rec.update(model=kind, arm=arm, mode="decode", length=length, batch=1)
-                results.append(rec)
+                record(rec)
                 logger.info(
                     "decode %-8s %-6s L=%-6d %s", kind, arm, length, rec.get("skipped") or f"{rec['median_s']:.5f} s"
                 )
             del steps
         del models
-    return results
 
 
 class AttentionCall:
@@ -477,10 +476,9 @@ class AttentionCall:
         return self.module.attend(self.module, q, k, v, None, self.causal)[0]
 
 
-def measure_attention(args, workdir: Path) -> list[dict]:
+def measure_attention(args, workdir: Path, record: Callable[[dict], None]) -> None:
     import torch.nn.functional as F
 
-    results = []
     dtype = getattr(torch, args.dtype)
     for kind in args.models:
         if kind == "llama":
@@ -504,7 +502,7 @@ def measure_attention(args, workdir: Path) -> list[dict]:
                 steps = {arm: attention_step(arm, call, qkv, mode, args.device) for arm, call in calls.items()}
                 for arm, rec in time_arms(steps, args.reps).items():
                     rec.update(model=kind, arm=arm, mode=mode, length=length, batch=batch)
-                    results.append(rec)
+                    record(rec)
                     logger.info(
                         "attention %-8s %-6s %-16s L=%-6d %s",
                         kind,
@@ -513,7 +511,6 @@ def measure_attention(args, workdir: Path) -> list[dict]:
                         length,
                         rec.get("skipped") or f"{rec['median_s']:.4f} s",
                     )
-    return results
 
 
 def first_attention(model):
@@ -598,11 +595,18 @@ def measure(args) -> dict:
     if args.device == "cuda":
         payload["settings"]["gpu"] = torch.cuda.get_device_name()
         payload["settings"]["cuda"] = torch.version.cuda
+    payload["results"] = []
+
+    def record(rec: dict) -> None:  # each result written as it comes: a run stopped later keeps it
+        payload["results"].append(rec)
+        harness.checkpoint(payload)
+
     with tempfile.TemporaryDirectory() as workdir:
         if args.check:
             payload["agreement"] = measure_agreement(args, Path(workdir))
+            harness.checkpoint(payload)
         part = {"model": measure_models, "attention": measure_attention, "decode": measure_decode}[args.part]
-        payload["results"] = part(args, Path(workdir))
+        part(args, Path(workdir), record)
     return payload
 
 

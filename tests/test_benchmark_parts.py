@@ -58,3 +58,35 @@ def test_every_setting_arm_of_model_speed_converts(kind, model_speed, tmp_path):
     models = model_speed.build_models(kind, 64, arms, tmp_path, vocabulary=model_speed.QUICK_VOCABULARY)
     assert sorted(models) == sorted(arms)
     assert models["exact"].config.exact_max_length >= 1 << 30 and models["approximation"].config.exact_max_length == 0
+
+
+def test_model_speed_writes_each_result_as_it_comes(model_speed, tmp_path, monkeypatch):
+    """A run stopped part-way (here its second timing fails; on the device, a time limit or the OOM killer) leaves its
+    JSON and Markdown with the results measured before, marked partial; the finished run's files say nothing of it.
+    Before, the harness wrote only at the end: a stopped run left nothing."""
+    argv = ["--quick", "--models", "encoder", "--arms", "sdpa", "favor", "--out-dir", str(tmp_path)]
+    time_arms, calls = model_speed.time_arms, []
+
+    def stopped_at_the_second(steps, reps):
+        calls.append(sorted(steps))
+        if len(calls) == 2:
+            raise KeyboardInterrupt("stopped")  # (a time limit's SIGTERM ends the process where it stands)
+        return time_arms(steps, reps)
+
+    monkeypatch.setattr(model_speed, "time_arms", stopped_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        model_speed.main(argv)
+    partial = json.loads((tmp_path / "model_speed.json").read_text())
+    assert partial["partial"] is True and "load_average" in partial["environment"]
+    assert {(r["arm"], r["mode"]) for r in partial["results"]} == {("sdpa", "train"), ("favor", "train")}
+    assert all(r["median_s"] > 0 for r in partial["results"])
+    text = (tmp_path / "model_speed.md").read_text()
+    assert "Partial results" in text and "## encoder, train" in text
+    assert not (tmp_path / "model_speed.png").exists()  # the figure is drawn from the finished run (or --from-json)
+
+    monkeypatch.setattr(model_speed, "time_arms", time_arms)
+    model_speed.main(argv)
+    finished = json.loads((tmp_path / "model_speed.json").read_text())
+    assert "partial" not in finished and len(finished["results"]) == 4
+    assert "Partial results" not in (tmp_path / "model_speed.md").read_text()
+    assert (tmp_path / "model_speed.png").exists() and not list(tmp_path.glob("*.tmp"))
