@@ -302,11 +302,12 @@ def _environment(load_before: list[float], allocator: str) -> dict:
 
 def checkpoint(payload: dict) -> None:
     """Write the payload a study has measured so far as its JSON and Markdown, marked ``"partial": true`` (the
-    environment as it stands), so that a run stopped later leaves them; ``--from-json`` draws the figure. Nothing
-    outside :func:`main`'s measurement."""
+    environment as it stands), so that a run stopped later leaves them; an earlier run's figure is removed
+    (``--from-json`` draws the partial one). Nothing outside :func:`main`'s measurement."""
     if not _measuring:
         return
     study = _measuring
+    (study["out_dir"] / f"{study['name']}.png").unlink(missing_ok=True)
     partial = {**payload, "environment": _environment(study["load_before"], study["allocator"]), "partial": True}
     _write(study["name"], partial, study["out_dir"], study["markdown"], None, with_json=True)
 

@@ -2,6 +2,7 @@
 probe, and the model_speed.py arms that a quick run leaves out."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,7 +65,10 @@ def test_model_speed_writes_each_result_as_it_comes(model_speed, tmp_path, monke
     """A run stopped part-way (here its second timing fails; on the device, a time limit or the OOM killer) leaves its
     JSON and Markdown with the results measured before, marked partial; the finished run's files say nothing of it.
     Before, the harness wrote only at the end: a stopped run left nothing."""
+    import harness  # (on the path model_speed's fixture puts benchmarks/ on)
+
     argv = ["--quick", "--models", "encoder", "--arms", "sdpa", "favor", "--out-dir", str(tmp_path)]
+    (tmp_path / "model_speed.png").write_bytes(b"an earlier run's figure")
     time_arms, calls = model_speed.time_arms, []
 
     def stopped_at_the_second(steps, reps):
@@ -81,8 +85,12 @@ def test_model_speed_writes_each_result_as_it_comes(model_speed, tmp_path, monke
     assert {(r["arm"], r["mode"]) for r in partial["results"]} == {("sdpa", "train"), ("favor", "train")}
     assert all(r["median_s"] > 0 for r in partial["results"])
     text = (tmp_path / "model_speed.md").read_text()
-    assert "Partial results" in text and "## encoder, train" in text
-    assert not (tmp_path / "model_speed.png").exists()  # the figure is drawn from the finished run (or --from-json)
+    assert "Partial results" in text
+    train, inference = text.split("## encoder, train")[1].split("## encoder, inference")
+    assert re.search(r"\| 128 \| \d+ \| \d+\.\d+ \| \d+\.\d+ \|", train) and "| 128 | - |" not in train, text
+    assert "| 128 | 1 | - | - | - |" in inference, text  # not measured: no times
+    assert not (tmp_path / "model_speed.png").exists()  # the earlier figure is gone; the finished run draws its own
+    assert not harness._measuring  # the harness holds no study once the run has ended, even by an exception
 
     monkeypatch.setattr(model_speed, "time_arms", time_arms)
     model_speed.main(argv)

@@ -59,7 +59,9 @@ def test_compiled_graphs_cut_and_pad_as_eager_does_and_exported_programs_do_not(
     torch._dynamo.reset()
     compiled = torch.compile(_ShapeDecisions(), backend="eager", fullgraph=True)
     assert compiled(logits).tolist() == [3, 1, ALIGNMENT]
-    assert torch.export.export(_ShapeDecisions(), (logits,)).module()(logits).tolist() == [1, 1, 1]
+    for strict in (False, True):  # a strict export traces with dynamo, as torch.compile does
+        program = torch.export.export(_ShapeDecisions(), (logits,), strict=strict)
+        assert program.module()(logits).tolist() == [1, 1, 1], strict
 
 
 def _compiles_per_length(model, train: bool) -> list[int]:
@@ -120,10 +122,12 @@ def test_a_compiled_hybrid_model_trains_at_new_lengths_with_few_graphs():
     assert frames[0] > 0 and frames[1] > 0 and sum(frames[2:]) <= 1, frames
 
 
-def test_a_bidirectional_favor_model_exports_one_program_for_every_length(monkeypatch):
-    """``torch.export`` with a dynamic length: the slab loops take the whole sequence in one piece and the vocabulary
-    product its rows unpadded (a branch on the row count, which guarded the length to under 128 at a batch of 2); the
-    exported program's logits equal eager's, which here cuts 37 and 130 tokens into slabs of 16."""
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_a_bidirectional_favor_model_exports_one_program_for_every_length(monkeypatch, strict):
+    """``torch.export`` with a dynamic length, without dynamo or with it (``strict``, whose tracing torch 2.11 also
+    answers ``is_exporting()`` for under ``torch.compile``): the slab loops take the whole sequence in one piece and
+    the vocabulary product its rows unpadded (a branch on the row count, which guarded the length to under 128 at a
+    batch of 2); the exported program's logits equal eager's, which here cuts 37 and 130 tokens into slabs of 16."""
     from performer_hf.modeling import slabs as slabs_module
 
     monkeypatch.setitem(slabs_module.SLAB_ELEMENTS["cpu"], "features", 2 * 4 * 16 * 16)  # 16 positions per slab
@@ -131,7 +135,7 @@ def test_a_bidirectional_favor_model_exports_one_program_for_every_length(monkey
 
     length = torch.export.Dim("length", min=2, max=256)
     example = torch.randint(1, VOCAB, (2, 37), generator=torch.Generator().manual_seed(0))
-    program = torch.export.export(Logits(model), (example,), dynamic_shapes={"ids": {1: length}})
+    program = torch.export.export(Logits(model), (example,), dynamic_shapes={"ids": {1: length}}, strict=strict)
     for tokens in (5, 37, 130):
         ids = torch.randint(1, VOCAB, (2, tokens), generator=torch.Generator().manual_seed(tokens))
         with torch.no_grad():

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 def spans(length: int, size: int) -> list[tuple[int, int]]:
     """(start, stop) ranges of ``size`` positions covering ``range(length)`` (a compiled graph is guarded on their
     number); one range under ``torch.export``, whose program holds for every length of its range."""
-    if exporting():  # one graph for every length: the whole range in one piece
+    if exported():  # one graph for every length: the whole range in one piece
         return [(0, length)]
     count = (length + size - 1) // size
     if count == 0:
@@ -47,11 +47,19 @@ def padded(t: torch.Tensor, pad: tuple[int, ...], **kwargs) -> torch.Tensor:
     return F.pad(t.clone(memory_format=torch.contiguous_format) if torch.compiler.is_compiling() else t, pad, **kwargs)
 
 
+def exported() -> bool:
+    """Whether ``torch.export`` traces this call, with dynamo (``strict=True``) or without; not ``torch.compile``.
+    Export's own flag: torch 2.11's dynamo answers ``torch.compiler.is_exporting()`` True under ``torch.compile`` too,
+    where slab loops then took one piece and the vocabulary product lost its padding (a private name, set by export in
+    torch 2.11 to 2.15; where it is gone, ``is_exporting()``)."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
+
+
 def exporting() -> bool:
-    """Whether ``torch.export`` traces this call without dynamo (its default, non-strict): torch 2.11's dynamo answers
-    ``torch.compiler.is_exporting()`` True under ``torch.compile`` too, where a size read at run time (:func:`chunking`)
-    broke the graph, slab loops took one piece (memory) and the vocabulary product lost its padding."""
-    return torch.compiler.is_exporting() and not torch.compiler.is_dynamo_compiling()
+    """Whether ``torch.export`` traces this call without dynamo (its default, non-strict), where a size may be read at
+    run time (:func:`chunking`; under dynamo, that of ``torch.compile`` or of a strict export, it breaks the graph)."""
+    return exported() and not torch.compiler.is_dynamo_compiling()
 
 
 def chunking(length: int, chunk: int) -> tuple[int, int]:

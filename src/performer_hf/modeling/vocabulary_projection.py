@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .compiled_lengths import exporting
+from .compiled_lengths import exported
 
 Tensor = torch.Tensor
 
@@ -38,7 +38,7 @@ def alignment_for(hidden: Tensor) -> int:
     """The row length the logits of ``hidden`` (..., hidden_size) are padded to a multiple of: :data:`ALIGNMENT`
     for at least :data:`MIN_ROWS` rows, else 1 (no padding); 1 in a graph being exported, which holds for every
     length (the exported program's runtime picks its own kernels)."""
-    if exporting():
+    if exported():
         return 1
     rows = hidden.numel() // max(hidden.shape[-1], 1)
     return ALIGNMENT if rows >= MIN_ROWS else 1
