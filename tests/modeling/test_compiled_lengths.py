@@ -47,7 +47,7 @@ class _ShapeDecisions(torch.nn.Module):
 
 def test_compiled_graphs_cut_and_pad_as_eager_does_and_exported_programs_do_not(monkeypatch):
     """Under ``torch.compile`` slab loops cut as eagerly (memory), the token loss takes its rows in one fused pass
-    (its eager chunks, unrolled, made a compiled CPU training step at 16K tokens 1.9x slower) and the vocabulary
+    (its eager chunks, unrolled, made a compiled CPU training step at 16K tokens 1.4x-1.9x slower) and the vocabulary
     product is padded; an exported program, which holds for every length, takes one piece, unpadded. (torch 2.11's
     dynamo answers ``torch.compiler.is_exporting()`` True under ``torch.compile`` too: one piece, unpadded, there.)"""
     from performer_hf.modeling import slabs as slabs_module
