@@ -9,9 +9,9 @@
 #      CPU, then the whole models' training step and inference against the source held to flash attention, 32K
 #      first, then 128K (where the floors are), then 8K to 512 (16,384 tokens per batch; an arm that runs out of
 #      memory or past the time cap stops there, and a model starts no new length past its budget, so that it ends
-#      inside the time limit; each result is written as it comes, marked partial until the run ends): the encoder of the Performer family (results in family/) and
-#      its decoder (decoder/); each arm's warm-up (compilation) time is logged. Every timed output is checked
-#      for NaN and inf. Each length compiles the attention calls anew. Then benchmarks/profile_attention.py:
+#      inside the time limit; each result is written as it comes, marked partial until the run ends): the encoder
+#      of the Performer family (results in family/) and its decoder (decoder/); each arm's warm-up (compilation)
+#      time is logged. Every timed output is checked for NaN and inf. Each length compiles the attention calls anew. Then benchmarks/profile_attention.py:
 #      where the decoder's inference forward spends its device time at 32K tokens, by kernel (its cache's state
 #      included), for flash, plain FAVOR+ and the default conversion.
 #   2. tests: the tests marked ``cuda`` (skipped without a GPU): the Triton kernels (FAVOR+'s causal scan, which

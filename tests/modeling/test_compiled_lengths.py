@@ -48,8 +48,9 @@ class _ShapeDecisions(torch.nn.Module):
 def test_compiled_graphs_cut_and_pad_as_eager_does_and_exported_programs_do_not(monkeypatch):
     """Under ``torch.compile`` slab loops cut as eagerly (memory), the token loss takes its rows in one fused pass
     (its eager chunks, unrolled, made a compiled CPU training step at 16K tokens 1.4x-1.9x slower) and the vocabulary
-    product is padded; an exported program, which holds for every length, takes one piece, unpadded. (torch 2.11's
-    dynamo answers ``torch.compiler.is_exporting()`` True under ``torch.compile`` too: one piece, unpadded, there.)"""
+    product is padded; an exported program, strict or not, which holds for every length, takes one piece, unpadded.
+    (torch 2.11's dynamo answers ``torch.compiler.is_exporting()`` True under ``torch.compile`` too, which took
+    compiled graphs there in one piece, unpadded.)"""
     from performer_hf.modeling import slabs as slabs_module
 
     monkeypatch.setitem(slabs_module.SLAB_ELEMENTS["cpu"], "loss", 64 * VOCAB)  # 64 rows per eager chunk
@@ -124,8 +125,8 @@ def test_a_compiled_hybrid_model_trains_at_new_lengths_with_few_graphs():
 
 @pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
 def test_a_bidirectional_favor_model_exports_one_program_for_every_length(monkeypatch, strict):
-    """``torch.export`` with a dynamic length, without dynamo or with it (``strict``, whose tracing torch 2.11 also
-    answers ``is_exporting()`` for under ``torch.compile``): the slab loops take the whole sequence in one piece and
+    """``torch.export`` with a dynamic length, without dynamo or with it (``strict``: dynamo traces it, as it does
+    ``torch.compile``, whose slab loops cut by the length): the slab loops take the whole sequence in one piece and
     the vocabulary product its rows unpadded (a branch on the row count, which guarded the length to under 128 at a
     batch of 2); the exported program's logits equal eager's, which here cuts 37 and 130 tokens into slabs of 16."""
     from performer_hf.modeling import slabs as slabs_module
