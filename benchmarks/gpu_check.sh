@@ -12,8 +12,8 @@
 #      inside the time limit; each result is written as it comes, marked partial until the run ends): the encoder
 #      of the Performer family (results in family/) and its decoder (decoder/); each arm's warm-up (compilation)
 #      time is logged. Every timed output is checked for NaN and inf. Each length compiles the attention calls
-#      anew. Then benchmarks/profile_attention.py: where the decoder's inference forward spends its device time at 32K tokens, by kernel (its cache's state
-#      included), for flash, plain FAVOR+ and the default conversion.
+#      anew. Then benchmarks/profile_attention.py: where the decoder's inference forward spends its device time
+#      at 32K tokens, by kernel (its cache's state included), for flash, plain FAVOR+ and the default conversion.
 #   2. tests: the tests marked ``cuda`` (skipped without a GPU): the Triton kernels (FAVOR+'s causal scan, which
 #      also serves the decoder's far field, and bidirectional sums; the support sums), the compiled FlexAttention
 #      paths of the hybrid and the sparse prefill, and every compiled attention call against eager, forward and
