@@ -18,6 +18,7 @@ CONFIGS = [
     dict(local_window=7, num_global_tokens=1, routed_blocks=2, route_block_size=4, query_block_size=8),
     dict(local_window=3, routed_blocks=3, route_block_size=3, query_block_size=5),
     dict(local_window=1, routed_blocks=20, route_block_size=4, query_block_size=4),  # more blocks than qualify
+    dict(routed_blocks=2, route_block_size=4, query_block_size=4),  # no window: the own key block a candidate too
     # routing groups: 15 key blocks in 4 groups of 4 (the last partial), 3 kept; 12 blocks in 4 groups of 3, 2 kept
     dict(local_window=3, routed_blocks=3, route_block_size=3, route_group_size=4, query_block_size=5),
     dict(
@@ -83,7 +84,8 @@ def _routed_support(x, y, mask, block_q, block_k, left, right, nb_routed, group_
                 real_q = [i for i in range(q_lo, q_hi) if mask[b, i]]
                 mean_q = x[b, h, real_q].mean(0) if real_q else torch.zeros_like(x[b, h, 0])
 
-                span = (qb * block_q - left, qb * block_q + block_q - 1 + right)  # the query block's window span
+                # the query block's window span (right < 0: no window, no span)
+                span = (qb * block_q - left, qb * block_q + block_q - 1 + right if right >= 0 else -1)
 
                 def overlaps(kb, span=span):  # the key block meets the span
                     return kb * block_k <= span[1] and (kb + 1) * block_k - 1 >= span[0]

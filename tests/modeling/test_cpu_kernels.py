@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import performer_hf.modeling.cpu_kernels as cpu_kernels
+from performer_hf.favor import exact_attention
 from performer_hf.modeling import far_field_polynomial
 from performer_hf.modeling.favor_hybrid import hybrid_attention
 from performer_hf.modeling.hybrid_keys import Keys, pad_keys
@@ -60,6 +61,16 @@ def test_kernel_matches_dense_reference_in_float64(far_field, config, padded, mo
     if mask is not None:
         out, ref = out * mask[:, None, :, None], ref * mask[:, None, :, None]
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+
+
+def test_kernel_routing_every_key_block_without_a_window_is_softmax_attention(monkeypatch):
+    """The compiled kernels' routing without a window: the query block's own key block is a candidate too, so that
+    routing every block is exact softmax attention."""
+    calls = _spy_on_kernel(monkeypatch)
+    q, k, v = random_qkv(length=48, scale=2.0)
+    out = hybrid_attention(q, k, v, far_field="poly2", routed_blocks=12, route_block_size=4, query_block_size=4)
+    assert len(calls) == 1  # the kernel ran
+    torch.testing.assert_close(out, exact_attention(q, k, v), rtol=1e-9, atol=1e-10)
 
 
 def _long_inputs(length=700, heads=3, head_dim=16, value_dim=16, seed=0):

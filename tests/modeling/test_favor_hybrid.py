@@ -303,6 +303,21 @@ def test_hybrid_beats_plain_favor_on_peaked_local_attention():
     assert err(hybrid) < 0.3
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_routing_every_key_block_without_a_window_is_softmax_attention(padded):
+    """Without a window (``local_window=0``) every key block is a routing candidate, the query block's own too:
+    routing them all leaves the far field nothing, which is exact softmax attention. (The own block was left out as
+    if a window covered it: 5.0 from exact attention here.)"""
+    q, k, v = random_qkv(length=48, scale=2.0)
+    mask = right_padding(2, 48, real=(48, 31)) if padded else None
+    out = hybrid_attention(
+        q, k, v, far_field="poly2", routed_blocks=12, route_block_size=4, query_block_size=4, key_padding_mask=mask
+    )
+    want = exact_attention(q, k, v, key_padding_mask=mask)
+    real = 1.0 if mask is None else mask[:, None, :, None]
+    torch.testing.assert_close(out * real, want * real, rtol=1e-9, atol=1e-10)
+
+
 def test_routing_groups_choose_as_every_block_while_there_are_few_groups():
     # 45 tokens: 12 key blocks of 4. Groups of 4: 3 groups for 3 routed blocks, every block a candidate.
     # Groups of 1: the bound is the block's own score, the same ranking.

@@ -20,6 +20,7 @@ CASES = {
     # groups of 2 blocks, some inside a window span, which starts on a block's last key and ends on one's first
     "groups inside the window, its ends on blocks' ends": (512, 16, 16, 8, 2, 4, 9, 9, 0, 412),
     "groups of 5 (the last partial), a later slab, an asymmetric window": (1200, 32, 16, 8, 5, 6, 4, 3, 3, 1100),
+    "no window: each query block's own key blocks candidates too": (256, 16, 16, 8, 2, 3, 0, -1, 0, 200),
 }
 
 

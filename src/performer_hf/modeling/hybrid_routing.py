@@ -51,7 +51,7 @@ class QueryBlocks(NamedTuple):
 
     means: Tensor  # (B, H, n, d): the mean of each query block's real queries (0 where it has none)
     window_lo: Tensor  # (n, 1): the first key of each query block's window span
-    window_hi: Tensor  # (n, 1): its last key
+    window_hi: Tensor  # (n, 1): its last key; -1 without a window (``right < 0``): no key block meets the span
 
 
 def query_blocks(xq: Tensor, q_mask: Tensor, first_block: int, left: int, right: int) -> QueryBlocks:
@@ -61,7 +61,8 @@ def query_blocks(xq: Tensor, q_mask: Tensor, first_block: int, left: int, right:
     keep = q_mask[:, None, :, :, None].to(xq.dtype)  # (B, 1, n, bq, 1)
     means = (xq.detach() * keep).sum(3) / keep.sum(3).clamp_min(1)  # (B, H, n, d)
     start = ((torch.arange(n, device=xq.device) + first_block) * bq)[:, None]  # (n, 1)
-    return QueryBlocks(means, start - left, start + bq - 1 + right)
+    # (without a window, every key block is a candidate: the query block's own too)
+    return QueryBlocks(means, start - left, start + bq - 1 + right if right >= 0 else torch.full_like(start, -1))
 
 
 def group_bounds(queries: QueryBlocks, blocks: KeyBlocks, block_k: int, nb_groups: int) -> Tensor | None:

@@ -132,7 +132,8 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         q = tl.load(QMEANS + query_rows[:, None] * D + tl.arange(0, D)[None, :], mask=live[:, None], other=0.0)
         q_norm = tl.sqrt(tl.sum(q * q, axis=1))
         start = (rows + first_block) * block_q
-        lo, hi = start - left, start + block_q - 1 + right  # the query block's window span
+        # the query block's window span; without a window (right < 0) none, which no key block meets
+        lo, hi = start - left, tl.where(right >= 0, start + block_q - 1 + right, -1)
         groups = _best_groups(
             QMEANS, GMEANS, GRADII, GKEYS, bh, b, query_rows, live, q_norm, lo, hi, Ng, group_size, block_k,
             D, DC, QB, GT, T, TP,
