@@ -167,6 +167,21 @@ def test_output_attentions_exact_returns_weights():
     torch.testing.assert_close(out.logits, model(input_ids=ids).logits)  # same result as the SDPA path
 
 
+def test_output_attentions_leave_a_row_of_padding_only_as_it_is_without_them():
+    """Exact attention's weights for a row whose every token is padding: none (zero), and its outputs what SDPA's
+    path gives without weights (they were NaN: softmax over keys that are all masked)."""
+    model = tiny_model(PerformerForSequenceClassification, attention_kernel="exact")
+    ids, mask = random_ids(2, 7), torch.ones(2, 7, dtype=torch.long)
+    mask[0] = 0
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask).logits
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert plain.isfinite().all()
+    torch.testing.assert_close(out.logits, plain)
+    assert (out.attentions[0][0] == 0).all()
+    torch.testing.assert_close(out.attentions[0][1].sum(-1), torch.ones(HEADS, 7))
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("method", ["favor", "hybrid"])
 def test_output_attentions_of_linear_attention_is_the_matrix_it_implies(method, causal):

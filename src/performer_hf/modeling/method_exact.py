@@ -53,7 +53,10 @@ def softmax_attention(q, k, v, key_mask, causal, dropout=0.0, output_attentions=
     scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, Lq, Lk)
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
-    weights = scores.float().softmax(dim=-1).to(q.dtype)
+    weights = scores.float().softmax(dim=-1)
+    if visible is not None:  # a query that sees no key (a row of padding only): no weights, as SDPA gives it 0
+        weights = weights.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)
+    weights = weights.to(q.dtype)
     return F.dropout(weights, p=dropout, training=dropout > 0) @ v, weights
 
 
