@@ -569,6 +569,13 @@ def test_classification_losses_take_the_label_shapes_of_transformers_heads():
         ({"hidden_dropout_prob": 3.0}, "hidden_dropout_prob is a probability, between 0 and 1"),
         ({"hidden_act": "gelux"}, "hidden_act='gelux' is not an activation of transformers"),
         ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
+        ({"layer_norm_eps": -1e-5}, "layer_norm_eps must be a finite number >= 0"),
+        ({"layer_norm_eps": float("nan")}, "layer_norm_eps must be a finite number >= 0"),
+        ({"initializer_range": -0.02}, "initializer_range must be a finite number >= 0"),
+        ({"pad_token_id": VOCAB}, f"pad_token_id={VOCAB} is not a token of the vocabulary"),
+        ({"position_offset": 2, "pad_token_id": None}, "give pad_token_id, or set position_offset=0"),
+        ({"projection_seed": 2**64}, "layer i draws its features from projection_seed \\+ i"),
+        ({"problem_type": "ranking"}, "problem_type='ranking' is not supported"),
         ({"attention_method": "hybrid", "far_field_gain": float("nan")}, "far_field_gain must be positive and finite"),
         (
             {"attention_method": "hybrid", "attention_kernel": "softmax_opt", "far_field_parameter": float("nan")},
@@ -579,6 +586,27 @@ def test_classification_losses_take_the_label_shapes_of_transformers_heads():
 def test_config_validation_names_the_problem(overrides, message):
     with pytest.raises((ValueError, StrictDataclassClassValidationError), match=message):
         tiny_config(**overrides)
+
+
+def test_a_classifier_without_labels_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="got num_labels=0: give num_labels"):
+        tiny_model(PerformerForSequenceClassification, num_labels=0)
+
+
+def test_roberta_style_positions_are_checked_by_the_real_tokens_they_count():
+    """position_offset > 0 numbers real tokens only (padding takes pad_token_id's position): a padded batch whose
+    rows fit the table is read, though its padded length plus the offset would not (it was refused, naming a
+    position no token has); a row that does not fit is refused."""
+    model = tiny_model(PerformerModel, pad_token_id=1, position_offset=2, max_position_embeddings=10)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 1]])  # 8 real tokens (positions 2 ... 9), then a pad
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=(ids != 1).long()).last_hidden_state
+        positions = torch.tensor([[2, 3, 4, 5, 6, 7, 8, 9, 1]])
+        want = model(input_ids=ids, attention_mask=(ids != 1).long(), position_ids=positions).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    longer = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13]])  # 9 real tokens: position 10
+    with pytest.raises(ValueError, match="Position id 10 is out of range"):
+        model(input_ids=longer)
 
 
 def test_config_json_round_trip(tmp_path):

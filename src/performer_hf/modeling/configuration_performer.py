@@ -319,6 +319,7 @@ class PerformerConfig(PreTrainedConfig):
             )
         if self.type_vocab_size < 0 or self.position_offset < 0:
             raise ValueError("type_vocab_size and position_offset must be >= 0.")
+        self._validate_numbers()
         if self.exact_max_length < 0:
             raise ValueError(f"exact_max_length must be >= 0 tokens (0: never exact), got {self.exact_max_length}.")
         if self.accelerator_exact_max_length is not None and self.accelerator_exact_max_length < 0:
@@ -343,6 +344,32 @@ class PerformerConfig(PreTrainedConfig):
                 f"got {self.feature_redraw_interval}."
             )
         self.check_attention_settings()
+
+    def _validate_numbers(self):
+        """Numbers that would fail later, deep in torch, or give NaN outputs without an error."""
+        if not 0 <= self.layer_norm_eps < math.inf:  # (NaN fails the comparison too)
+            raise ValueError(f"layer_norm_eps must be a finite number >= 0 (e.g. 1e-12), got {self.layer_norm_eps}.")
+        if not 0 <= self.initializer_range < math.inf:
+            raise ValueError(f"initializer_range must be a finite number >= 0, got {self.initializer_range}.")
+        if self.pad_token_id is not None and not -self.vocab_size <= self.pad_token_id < self.vocab_size:
+            raise ValueError(
+                f"pad_token_id={self.pad_token_id} is not a token of the vocabulary (vocab_size={self.vocab_size}): "
+                "give the tokenizer's pad token id, or None."
+            )
+        if self.position_offset and self.pad_token_id is None:
+            raise ValueError(
+                f"position_offset={self.position_offset} numbers the real tokens RoBERTa's way, which tells them from "
+                "padding by pad_token_id: give pad_token_id, or set position_offset=0."
+            )
+        last_seed = self.projection_seed + self.num_hidden_layers - 1  # layer i draws from projection_seed + i
+        if not -(2**63) <= self.projection_seed or last_seed >= 2**64:
+            raise ValueError(
+                f"projection_seed={self.projection_seed}: layer i draws its features from projection_seed + i, a "
+                f"seed torch takes from -2**63 to 2**64 - 1; choose one from 0 to {2**64 - self.num_hidden_layers}."
+            )
+        problem_types = (None, "regression", "single_label_classification", "multi_label_classification")
+        if getattr(self, "problem_type", None) not in problem_types:
+            raise ValueError(f"problem_type={self.problem_type!r} is not supported; choose one of {problem_types}.")
 
     def _validate_types(self):
         """Each field this class declares with plain types (int, float, str, bool, or None) holds one of them: a

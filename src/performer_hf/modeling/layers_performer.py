@@ -22,6 +22,11 @@ from .sink_order import sinks_first
 from .vocabulary_projection import plain_linear, vocabulary_logits
 
 
+def _tracing() -> bool:
+    """Whether a graph is being compiled or exported: checks that read tensor values on the host are skipped."""
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
 class PerformerEmbeddings(nn.Module):
     """Word + learned absolute position (+ token type) embeddings; LayerNorm for post-LN models."""
 
@@ -63,7 +68,7 @@ class PerformerEmbeddings(nn.Module):
             )
 
     def _check_token_types(self, token_type_ids: torch.Tensor) -> None:
-        if not token_type_ids.numel() or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        if not token_type_ids.numel() or _tracing():
             return
         smallest, largest = (int(bound) for bound in torch.aminmax(token_type_ids))
         types = self.token_type_embeddings.num_embeddings
@@ -80,10 +85,16 @@ class PerformerEmbeddings(nn.Module):
             inputs_embeds = self.word_embeddings(input_ids)  # (B, L, hidden)
         batch, length = inputs_embeds.shape[:2]
         if position_ids is None:
-            # the largest derived id is past_length + length + position_offset - 1: a check on shapes only
-            self._check_position(past_length + length + self.position_offset - 1)
             position_ids = self.make_position_ids(input_ids, batch, length, past_length, inputs_embeds.device)
-        elif position_ids.numel() and not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+            # the largest derived id is at most past_length + length + position_offset - 1: a check on shapes only,
+            # unless that bound is out of range where RoBERTa-style ids count the real tokens alone (padding may
+            # take the rest): then the ids themselves (one host read, skipped while tracing)
+            largest = past_length + length + self.position_offset - 1
+            counts_real = self.position_offset > 0 and input_ids is not None
+            if largest >= self.max_positions and counts_real and not _tracing():
+                largest = int(position_ids.max())
+            self._check_position(largest)
+        elif position_ids.numel() and not _tracing():
             smallest, largest = torch.aminmax(position_ids)  # data-dependent: skipped while tracing
             self._check_position(int(largest), int(smallest))
         embeddings = inputs_embeds + self.position_embeddings(position_ids)

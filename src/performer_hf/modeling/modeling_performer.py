@@ -548,6 +548,11 @@ class _PerformerClassifier(_BidirectionalHead):
     pooled: bool
 
     def __init__(self, config: PerformerConfig):
+        if config.num_labels < 1:
+            raise ValueError(
+                f"{type(self).__name__} predicts num_labels classes (1: a regression), got num_labels="
+                f"{config.num_labels}: give num_labels (or id2label) in the config."
+            )
         super().__init__(config)
         self.num_labels = config.num_labels
         self.performer = PerformerModel(config, add_pooling_layer=self.pooled)
