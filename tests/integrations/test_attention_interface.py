@@ -804,6 +804,26 @@ def test_bert_encoder_is_bidirectional_and_ignores_padding(implementation, tmp_p
     torch.testing.assert_close(padded[1, :17], alone[0], atol=1e-5, rtol=1e-5)
 
 
+def test_bert_hybrid_reads_a_left_padded_rows_first_real_tokens_as_its_global_tokens(tmp_path):
+    """A left-padded row (position ids given as the row's own) computes what it does alone: its global tokens are
+    its first real tokens, not the pads in the first positions (5.7e-4 apart before)."""
+    _, folder = _source(_bert_config(), tmp_path, encoder=True)
+    settings = {"exact_max_length": 0, "local_window": 0, "num_global_tokens": 2, "routed_blocks": 0}
+    model = _load(folder, "performer_hybrid", encoder=True, **settings)
+    with torch.no_grad():  # logits 16x larger: attention far from uniform, where the far field is not exact
+        for layer in model.encoder.layer:
+            layer.attention.self.query.weight.mul_(4)
+            layer.attention.self.key.weight.mul_(4)
+    pads, ids = 9, _ids(2, 33)
+    mask = torch.ones_like(ids)
+    mask[1, :pads] = 0
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask, position_ids=positions).last_hidden_state
+        alone = model(ids[1:, pads:]).last_hidden_state
+    torch.testing.assert_close(padded[1, pads:], alone[0], atol=1e-5, rtol=1e-5)
+
+
 def test_bert_exact_mode_matches_the_source(tmp_path):
     source, folder = _source(_bert_config(), tmp_path, encoder=True)
     model = _load(folder, "performer", encoder=True, attention_kernel="exact")

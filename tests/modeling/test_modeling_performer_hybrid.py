@@ -269,6 +269,24 @@ def test_right_padding_does_not_change_the_real_tokens():
     torch.testing.assert_close(batched[1, :17], alone[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("far_field", ["poly2", "softmax_opt"])
+@torch.no_grad()
+def test_a_left_padded_bidirectional_row_reads_its_first_real_tokens_as_global_tokens(far_field):
+    """An encoder's left-padded row (position ids given as the row's own) computes what it does alone: its global
+    tokens, which attend to and are read by every token exactly, are its first real tokens, not the pads in the
+    first positions (0.6 apart before). (Routed blocks go by position, and their means hold the global tokens: with
+    routing, a left-padded row routes somewhat otherwise than alone.)"""
+    settings = {"attention_kernel": far_field, "center_features": True, "local_window": 5, "num_global_tokens": 2}
+    model = hybrid_model(PerformerModel, initializer_range=0.3, exact_max_length=0, **settings)
+    pads, ids = 8, random_ids(2, 41, seed=5)
+    mask = torch.ones_like(ids)
+    mask[1, :pads] = 0
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    padded = model(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+    alone = model(input_ids=ids[1:, pads:]).last_hidden_state
+    torch.testing.assert_close(padded[1, pads:], alone[0], rtol=1e-5, atol=1e-5)
+
+
 def _left_padded_attention(exact_max_length: int, pads: int):
     """Layer 0's attention of a tiny causal hybrid with 2 global tokens (random centres), inputs of 4x unit scale
     (2, 60, hidden) and their mask, row 1 left-padded by ``pads``."""

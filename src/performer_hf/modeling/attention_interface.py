@@ -188,8 +188,8 @@ def _performer_attention(implementation: str):
         if layer_cache is None and state.attention_method != "exact" and key.shape[2] > query.shape[2]:
             _check_no_dropped_keys(module, key, query, kwargs)
         attend = partial(state.attend, state)
-        if causal:
-            attend = sinks_first(attend, state.sinks_moved_per_call, key_mask, query.shape[2], key.shape[2])
+        # a left-padded row's global tokens: its first real tokens, as alone
+        attend = sinks_first(attend, state.sinks_moved_per_call(causal), key_mask, query.shape[2], key.shape[2])
         if transfer is not None:
             context = transfer(state, attend, query, key, value, key_mask, causal, kwargs.get("sliding_window"))
         elif state.attention_method == "exact":

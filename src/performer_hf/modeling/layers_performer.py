@@ -188,15 +188,15 @@ class AttentionMethodState(nn.Module):
         """Replace the random features by a fresh draw from ``seed``."""
         self.projection.copy_(self.draw_projection(seed))
 
-    @property
-    def sinks_moved_per_call(self) -> int:
-        """How many first real keys of each left-padded row a causal call moves in front of its pads
-        (:func:`.sinks_first`): the hybrid's and the sparse method's global tokens, read exactly for every query; none
-        for FAVOR+ and exact attention, nor for a hybrid with an exact prefix, which orders its keys itself where a
-        call passes the prefix (:func:`.method_hybrid._causal_exact_prefix`)."""
+    def sinks_moved_per_call(self, causal: bool) -> int:
+        """How many first real keys of each left-padded row a call moves in front of its pads
+        (:func:`.sinks_first`): the hybrid's and the sparse method's global tokens, read exactly for every query (and,
+        bidirectionally, the hybrid's global queries, which move with them); none for FAVOR+ and exact attention, nor
+        for a causal hybrid with an exact prefix, which orders its keys itself where a call passes the prefix
+        (:func:`.method_hybrid._causal_exact_prefix`)."""
         if self.attention_method == "sparse":
             return self.sparse_spec.num_global_tokens
-        if self.attention_method == "hybrid" and not self.exact_max_length:
+        if self.attention_method == "hybrid" and not (causal and self.exact_max_length):
             return self.hybrid_spec.num_global_tokens
         return 0
 
@@ -247,8 +247,8 @@ class PerformerAttention(AttentionMethodState):
         layer_cache = None if cache is None else cache.layers[self.layer_idx]
         past = 0 if layer_cache is None else layer_cache.get_seq_length()
         attend = partial(self.attend, self)
-        if causal:  # a left-padded row's global tokens: its first real tokens, as alone
-            attend = sinks_first(attend, self.sinks_moved_per_call, key_mask, q.shape[2], k.shape[2])
+        # a left-padded row's global tokens: its first real tokens, as alone
+        attend = sinks_first(attend, self.sinks_moved_per_call(causal), key_mask, q.shape[2], k.shape[2])
         context, weights = attend(q, k, v, key_mask, causal, layer_cache, output_attentions)  # (B, H, L, D)
         if output_attentions and weights is None:  # linear attention: the matrix it implies, (B, H, L, L)
             weights = implied_attention(lambda values: attend(q, k, values, key_mask, causal)[0], v, past)
