@@ -16,7 +16,7 @@ from .far_fields import get_far_field
 from .favor_hybrid import hybrid_attention, hybrid_prefill_state
 from .hybrid_spec import HybridSpec, HybridState
 from .method_exact import exact_or_approximate, softmax_attention
-from .sink_order import check_sinks_in_place, in_sink_order, sink_order, sinks_first
+from .sink_order import check_sinks_in_place, in_sink_order, sink_order, sinks_first, warn_of_short_padded_rows
 
 Tensor = torch.Tensor
 
@@ -59,6 +59,8 @@ def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None, afte
         if layer_cache is None:  # compiled on CUDA (device_compile)
             return call_compiled_attention(hybrid_attention, q, k, v, projection, spec, initial_state=after, **kwargs)
         state = layer_cache.get_state() if after is None else after
+        if state is None:  # a state from this call's tokens alone: its global tokens are fixed after them
+            warn_of_short_padded_rows(kwargs["key_padding_mask"], spec.num_global_tokens, "hybrid")
         if (after is not None or state is None) and compiles(q.device):  # a prefill: output compiled, state apart
             context = call_compiled_attention(
                 hybrid_attention, q, k, v, projection, spec, initial_state=after, **kwargs

@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from .method_exact import softmax_attention
+from .sink_order import warn_of_short_padded_rows
 from .sparse_attention import sparse_attention
 from .sparse_spec import SparseSpec
 
@@ -32,6 +33,8 @@ def sparse_method(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None
     if layer_cache is not None:
         new_mask = None if key_mask is None else key_mask[:, -length:]
         state = layer_cache.get_state()  # the cache layer keeps only the next state: it may grow in place
+        if state is None:  # a state from this call's tokens alone: its global tokens are fixed after them
+            warn_of_short_padded_rows(new_mask, spec.num_global_tokens, "sparse")
         context, state = sparse_attention(q, k, v, spec, new_mask, state, return_state=True, grow_in_place=True)
         layer_cache.update_state(state)
         return context, None

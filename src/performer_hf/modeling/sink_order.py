@@ -12,6 +12,8 @@ by position, as they do on each row alone, a whole number of pads apart).
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -20,6 +22,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .method_exact import read_per_mask, row_spans
 
 Tensor = torch.Tensor
+
+logger = logging.getLogger(__name__)
 
 # per padding mask: {count: the order or None} (:func:`.read_per_mask`: one host read per forward, not per layer)
 _ORDERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -97,6 +101,32 @@ def check_sinks_in_place(key_mask: Tensor, count: int, fixed: int) -> None:
     for row, (real, first) in enumerate(zip(counts, firsts, strict=True)):
         if real and 0 < first and first + min(count, real) > fixed:
             raise ValueError(_refusal(f"Row {row}", f"{first} padding tokens", f"{fixed} positions", count))
+
+
+def warn_of_short_padded_rows(key_mask: Tensor | None, count: int, method: str) -> None:
+    """Warn (once per method and count) where a decoding state is built from a call whose ``key_mask`` (B, L) has a
+    padded row of fewer than ``count`` real tokens. Alone, such a row's next tokens become its global tokens; the
+    state's global tokens are fixed after the call (by position), so once those tokens leave the window the row
+    decodes otherwise than alone and than a full forward over it (the key/value path, with gradients, moves them:
+    :func:`sinks_first`). Not while traced (no host read)."""
+    if not count or key_mask is None or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return
+    counts, _, _ = row_spans(key_mask)
+    if any(real < count and real < key_mask.shape[1] for real in counts):
+        _warn_short_rows(method, count)
+
+
+@functools.cache
+def _warn_short_rows(method: str, count: int) -> None:
+    logger.warning(
+        "A padded row of this batch has fewer real tokens than the %s method's num_global_tokens=%d: alone, its next "
+        "tokens would become its global tokens (read exactly by every later token), but the decoding state fixes them "
+        "after the prompt, so its generation differs from the prompt's alone once they leave the window. Batch such "
+        "short prompts apart, or give them at least %d tokens.",
+        method,
+        count,
+        count,
+    )
 
 
 def _loses_sinks(key_mask: Tensor, count: int, fixed: int) -> Tensor:
