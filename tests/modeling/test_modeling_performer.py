@@ -476,7 +476,8 @@ def test_inputs_and_labels_of_the_wrong_shape_or_kind_are_refused_by_name():
     scored against the wrong rows) or failed inside torch; an unbatched input failed with an IndexError; a GPT-2
     conversion (no token type embeddings) ignored token_type_ids, which its source adds; an input without tokens failed
     inside FAVOR+'s and the hybrid's kernels (a division by zero, a reshape); a negative position id or a token type
-    past the table, with an IndexError inside torch."""
+    past the table, with an IndexError inside torch; token type or position ids of another shape, or embeddings of
+    another width, with a broadcast error inside torch."""
     ids = random_ids(2, 10)
     mlm = tiny_model(PerformerForMaskedLM)
     clm = tiny_model(PerformerForCausalLM)
@@ -491,6 +492,9 @@ def test_inputs_and_labels_of_the_wrong_shape_or_kind_are_refused_by_name():
         (lambda: mlm(input_ids=ids, position_ids=ids * 0 + 64), r"Position id 64 is out of range: .*=64"),
         (lambda: mlm(input_ids=ids, position_ids=ids * 0 - 1), r"Position id -1 is negative"),  # an IndexError
         (lambda: mlm(input_ids=ids, token_type_ids=ids * 0 + 2), r"token_type_ids hold 2, .* type_vocab_size=2"),
+        (lambda: mlm(input_ids=ids, token_type_ids=ids[:, :9] * 0), r"token_type_ids must be \(2, 10\) like input_ids"),
+        (lambda: mlm(input_ids=ids, position_ids=ids[:, None]), r"position_ids must be \(2, 10\) like input_ids"),
+        (lambda: mlm(inputs_embeds=torch.zeros(2, 10, 31)), r"inputs_embeds must be \(batch, length, hidden_size=32\)"),
         (
             lambda: tiny_model(PerformerForCausalLM, type_vocab_size=0)(input_ids=ids, token_type_ids=ids * 0),
             "no token type embeddings",

@@ -261,6 +261,15 @@ class PerformerModel(PerformerPreTrainedModel):
             raise ValueError(
                 f"{name} of shape {tuple(given.shape)} hold no token: pass at least one sequence of at least one token."
             )
+        if inputs_embeds is not None and inputs_embeds.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"inputs_embeds must be (batch, length, hidden_size={self.config.hidden_size}), got shape "
+                f"{tuple(inputs_embeds.shape)}."
+            )
+        for extra, ids in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
+            # (batch, length), or one row for every sequence: (1, length) or (length,)
+            if ids is not None and tuple(ids.shape) not in ((batch, length), (1, length), (length,)):
+                raise ValueError(f"{extra} must be ({batch}, {length}) like {name}, got shape {tuple(ids.shape)}.")
         if token_type_ids is not None and not self.config.type_vocab_size:
             raise ValueError(
                 "this model has no token type embeddings (type_vocab_size=0, as a GPT-2 conversion): leave "
