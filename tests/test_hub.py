@@ -281,6 +281,24 @@ def test_a_hub_that_cannot_be_reached_ends_the_push_in_one_line(tmp_path, monkey
     assert "the Hub did not take" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("client", ["httpx", "httpx2"])
+def test_a_hub_without_network_ends_the_push_in_one_line(tmp_path, monkeypatch, capsys, client):
+    """No network (HF_HUB_OFFLINE unset): huggingface_hub's HTTP client (httpx under huggingface_hub 1.x, httpx2 under
+    2.x) raises its own connection error, not an OSError: a PushError too, not a traceback."""
+    module = pytest.importorskip(client, reason=f"{client} is the HTTP client of the other huggingface_hub major")
+    folder = tmp_path / "tiny"
+    _tiny_checkpoint(folder)
+
+    def unreachable(self, repo_id, **kwargs):
+        raise module.ConnectError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(HfApi, "create_repo", unreachable)
+    with pytest.raises(PushError, match="the Hub did not take 'org/tiny-performer' .*check the network"):
+        push_to_hub(folder, "org/tiny-performer")
+    assert main(["push", str(folder), "org/tiny-performer"]) == 1
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_a_gpt2_loaded_with_performer_attention_is_sent_to_the_converter(tmp_path, fake_hub):
     """A transformers GPT-2 loaded with a Performer attn_implementation cannot carry the code that loads it: push and
     ship_remote_code say to convert its checkpoint (it becomes a Performer-family model), not to call each other."""

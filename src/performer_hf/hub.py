@@ -9,6 +9,7 @@ after checking that it will load with ``trust_remote_code=True`` on a machine wi
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from pathlib import Path
@@ -24,6 +25,22 @@ from .modeling.attention_settings import CONFIG_ATTRIBUTE, IMPLEMENTATIONS, LEAR
 from .modeling.modeling_in_place import IN_PLACE_CLASSES
 
 logger = logging.getLogger(__name__)
+
+
+def _transport_errors() -> tuple[type[Exception], ...]:
+    """The HTTP client's errors of a request that got no answer (no network, a timeout): httpx's under
+    huggingface_hub 1.x, httpx2's under 2.x; neither is an ``OSError``."""
+    errors = []
+    for name in ("httpx", "httpx2"):
+        try:
+            errors.append(importlib.import_module(name).TransportError)
+        except ImportError:
+            continue
+    return tuple(errors)
+
+
+# what an upload raises where the Hub refused it or could not be reached
+HUB_ERRORS = (HfHubHTTPError, OfflineModeIsEnabled, OSError, *_transport_errors())
 
 
 class PushError(ValueError):
@@ -205,7 +222,7 @@ def push_to_hub(
         return api.create_commit(
             repo_id, operations=operations, commit_message=commit_message, revision=revision, create_pr=create_pr
         )
-    except (HfHubHTTPError, OfflineModeIsEnabled, OSError) as error:  # the Hub refused, or could not be reached
+    except HUB_ERRORS as error:  # the Hub refused, or could not be reached
         raise PushError(
             f"the Hub did not take {repo_id!r} ({one_line(error)}): check the network, that "
             "HF_HUB_OFFLINE is not set, and that you are logged in (huggingface-cli login, or token=...) with write "

@@ -431,6 +431,31 @@ def test_classification_learns_string_labels_and_pushes(assets, tmp_path):
     assert model.config.id2label == {0: "debugger", 1: "string-methods", 2: "typesmapping"}
 
 
+def test_a_push_that_cannot_happen_is_refused_before_training_or_named_after_it(assets, tmp_path, monkeypatch):
+    """--push_to_hub with HF_HUB_OFFLINE set is refused before training; a Hub that cannot be reached at the end
+    (after the model is saved) ends the run with a TrainingInputError naming the saved folder, not the HTTP
+    client's traceback (both ran the whole training, then raised from inside huggingface_hub)."""
+    import httpx
+    import huggingface_hub
+
+    push = ["--push_to_hub", "--hub_model_id", "someone/tiny"]
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(TrainingInputError, match="--push_to_hub with HF_HUB_OFFLINE set"):
+        train_language_model("mlm", lm_args(assets, tmp_path / "offline", *push, steps=1))
+    assert not (tmp_path / "offline").exists()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    unreachable = httpx.ConnectError("[Errno -3] Temporary failure in name resolution")
+    out = tmp_path / "unreachable"
+    with (
+        mock.patch("transformers.PreTrainedModel.push_to_hub", side_effect=unreachable),
+        pytest.raises(
+            TrainingInputError, match=f"the model is saved in {out}, but the Hub did not take 'someone/tiny'"
+        ),
+    ):
+        train_language_model("mlm", lm_args(assets, out, *push, steps=1))
+    assert (out / "model.safetensors").exists()
+
+
 def test_classification_trains_a_transformers_baseline(assets, tmp_path):
     """A model that is not a Performer (a tiny BigBird, the long-document baseline) trains through the same script:
     its positions are read from its own config, and its card has no Performer attention section."""
@@ -1034,19 +1059,63 @@ def test_lora_resume_reproduces_uninterrupted_losses(assets, tiny_llama_performe
     _assert_resume_reproduces(lambda a: train_language_model("clm", a), argv, tmp_path, 4)
 
 
-def test_lora_options_need_a_rank_and_known_modules(assets, tmp_path):
+def _masked_lm_base(assets, folder: Path) -> str:
+    """A tiny Performer masked LM trained one step into ``folder``: a pretrained base for LoRA."""
+    train_language_model("mlm", lm_args(assets, folder, steps=1))
+    return str(folder)
+
+
+def test_lora_options_need_a_rank_known_modules_a_pretrained_base_and_fixed_features(assets, tmp_path):
+    """LoRA saves its adapter alone: from scratch the base would be lost, and with feature redraws the base's
+    features (frozen, not in the adapter) would not be the trained ones; both are refused before training (the
+    first ran and saved an adapter with no base; the second restored the base's first features)."""
     with pytest.raises(TrainingInputError, match="--lora_alpha needs --lora_r"):
         train_language_model("clm", lm_args(assets, tmp_path / "a", "--lora_alpha", "8"))
+    with pytest.raises(TrainingInputError, match="--lora_r adapts a pretrained model .* Pass --model_name_or_path"):
+        train_language_model("mlm", lm_args(assets, tmp_path / "b", "--lora_r", "2"))
+    base = ["--model_name_or_path", _masked_lm_base(assets, tmp_path / "base")]
     with pytest.raises(TrainingInputError, match="LoRA could not be applied"):
-        train_language_model("mlm", lm_args(assets, tmp_path / "b", "--lora_r", "2", "--lora_target_modules", "nope"))
+        train_language_model(
+            "mlm", lm_args(assets, tmp_path / "c", *base, "--lora_r", "2", "--lora_target_modules", "x")
+        )
+    redraws = ["--lora_r", "2", "--feature_redraw_interval", "2"]
+    with pytest.raises(TrainingInputError, match="the redrawn features live in the frozen base model"):
+        train_language_model("mlm", lm_args(assets, tmp_path / "d", *base, *redraws))
+    assert not (tmp_path / "d" / "adapter_model.safetensors").exists()
 
 
 def test_lora_on_a_performer_adapts_its_attention_projections(assets, tmp_path):
     from safetensors.torch import load_file
 
-    train_language_model("mlm", lm_args(assets, tmp_path / "out", "--lora_r", "2", steps=2))
+    base = _masked_lm_base(assets, tmp_path / "base")
+    train_language_model(
+        "mlm", lm_args(assets, tmp_path / "out", "--model_name_or_path", base, "--lora_r", "2", steps=2)
+    )
     adapter = load_file(tmp_path / "out" / "adapter_model.safetensors")
     assert {name.split(".")[-3] for name in adapter} == {"query", "key", "value", "output"}
+
+
+def test_a_lora_classifier_from_a_masked_lm_is_given_back_by_its_adapter(assets, tmp_path):
+    """A masked LM has no pooler: the classifier's starts random, and trains and is saved with the adapter (it was
+    frozen and not saved, so the restored classifier depended on the torch seed)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    base = _masked_lm_base(assets, tmp_path / "base")
+    root, out = assets["root"], tmp_path / "classifier"
+    argv = ["--train_file", str(root / "train.csv"), "--validation_file", str(root / "dev.csv")]
+    argv += ["--text_column_name", "sentence", "--label_column_name", "topic", "--model_name_or_path", base]
+    argv += ["--max_seq_length", "32", "--max_train_steps", "2", "--lora_r", "2", "--output_dir", str(out)]
+    train_classifier(argv)
+    assert any(".pooler." in name for name in load_file(out / "adapter_model.safetensors"))
+    ids = torch.randint(5, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)  # the base's new head draws from it
+        model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=3)
+        with torch.no_grad():
+            logits.append(PeftModel.from_pretrained(model, out).eval()(input_ids=ids).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
 
 
 # every attention projection of each architecture in LORA_TARGET_MODULES, written out: (per-layer prefix, names)

@@ -13,6 +13,7 @@ import os
 import re
 from pathlib import Path
 
+import huggingface_hub
 from transformers import SchedulerType
 
 from performer_hf_cli import output_replaces_source
@@ -306,6 +307,17 @@ def validate_args(args: argparse.Namespace, task: str) -> None:
     lora_options = [flag for flag in ("lora_alpha", "lora_target_modules") if getattr(args, flag) is not None]
     if args.lora_r is None and (lora_options or args.lora_dropout):
         raise TrainingInputError(f"--{(lora_options or ['lora_dropout'])[0]} needs --lora_r (the LoRA rank).")
+    if args.lora_r is not None and args.model_name_or_path is None and args.convert_from is None:
+        raise TrainingInputError(
+            "--lora_r adapts a pretrained model and saves the adapter alone, without the base weights: a base built "
+            "from scratch would be lost. Pass --model_name_or_path or --convert_from, or train every weight (no "
+            "--lora_r)."
+        )
+    if args.push_to_hub and huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise TrainingInputError(
+            "--push_to_hub with HF_HUB_OFFLINE set: the run could not push its model at the end. Unset "
+            "HF_HUB_OFFLINE, or drop --push_to_hub (and push the output folder later)."
+        )
 
 
 def previous_run(output_dir: str) -> list[str]:

@@ -48,10 +48,18 @@ def target_modules(model: nn.Module, requested: list[str] | None) -> list[str]:
     return LORA_TARGET_MODULES[model_type]
 
 
+def _head_modules(model: nn.Module, task: str) -> list[str] | None:
+    """What a classifier trains and saves beside its ``classifier`` (peft's ``SEQ_CLS`` task keeps that one): its
+    pooler, which a masked LM's checkpoint does not have (it starts random), so that the adapter gives it back."""
+    if task != "classification":
+        return None
+    return ["pooler"] if any(name.split(".")[-1] == "pooler" for name, _ in model.named_modules()) else None
+
+
 def apply_lora(model: nn.Module, args: argparse.Namespace, task: str) -> nn.Module:
     """``model`` wrapped by ``peft.get_peft_model`` with a LoRA of rank ``args.lora_r`` (alpha
     ``args.lora_alpha``, default twice the rank; dropout ``args.lora_dropout``); classification keeps the new
-    head trainable (peft's ``SEQ_CLS`` task)."""
+    head trainable and saves it with the adapter (peft's ``SEQ_CLS`` task: the classifier; and the pooler)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as error:
@@ -64,6 +72,7 @@ def apply_lora(model: nn.Module, args: argparse.Namespace, task: str) -> nn.Modu
         lora_dropout=args.lora_dropout,
         target_modules=target_modules(model, args.lora_target_modules),
         task_type=TASK_TYPES[task],
+        modules_to_save=_head_modules(model, task),
     )
     try:
         wrapped = get_peft_model(model, config)

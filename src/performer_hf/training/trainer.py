@@ -29,7 +29,9 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from ..conversion.errors import one_line
 from ..cpu_memory import retain_freed_memory
+from ..hub import HUB_ERRORS
 from ..modeling.configuration_performer import PerformerConfig
 from .arguments import TrainingInputError
 from .checkpointing import (
@@ -275,6 +277,13 @@ def run_training(
             check_redraw(model.config, args.feature_redraw_interval)
         except ValueError as error:
             raise TrainingInputError(f"--feature_redraw_interval: {error}") from None
+        if redraw_interval and args.lora_r is not None:
+            raise TrainingInputError(
+                f"--lora_r with feature redraws (every {redraw_interval} steps): the redrawn features live in the "
+                "frozen base model, which the adapter is saved without, so the base and adapter would not give back "
+                "the trained model. Drop --feature_redraw_interval (a config that sets one: --config_overrides "
+                "feature_redraw_interval=None), or train every weight (no --lora_r)."
+            )
         model.config.feature_redraw_interval = redraw_interval
     elif args.feature_redraw_interval:
         raise TrainingInputError(
@@ -483,7 +492,14 @@ def _save_final(args, task: TrainingTask, accelerator: Accelerator, model, token
         from huggingface_hub import ModelCard
 
         repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
-        unwrapped.push_to_hub(repo_id, token=args.hub_token, commit_message="Upload Performer model")
-        tokenizer.push_to_hub(repo_id, token=args.hub_token, commit_message="Upload tokenizer")
-        ModelCard(card).push_to_hub(repo_id, token=args.hub_token, commit_message="Upload model card")
+        try:
+            unwrapped.push_to_hub(repo_id, token=args.hub_token, commit_message="Upload Performer model")
+            tokenizer.push_to_hub(repo_id, token=args.hub_token, commit_message="Upload tokenizer")
+            ModelCard(card).push_to_hub(repo_id, token=args.hub_token, commit_message="Upload model card")
+        except HUB_ERRORS as error:  # the Hub refused, or could not be reached: the run itself is saved
+            raise TrainingInputError(
+                f"the model is saved in {args.output_dir}, but the Hub did not take {repo_id!r} ({one_line(error)}): "
+                "check the network and that you are logged in (huggingface-cli login, or --hub_token) with write "
+                "access, then upload that folder (huggingface-cli upload)."
+            ) from error
         logger.info("Pushed the model, tokenizer and card to %s", repo_id)
