@@ -117,6 +117,17 @@ def test_a_favor_conversion_given_the_hybrids_fields_is_refused_with_the_fix(fie
     assert not (tmp_path / "out").exists()
 
 
+def test_a_folder_converted_already_is_refused_as_a_source(tmp_path):
+    """Re-converting a converted folder (to switch method) measured against the folder's own Performer attention as
+    if it were the source: a misleading parity failure from FAVOR+, a sparse model's perplexity reported as the
+    source's. Refused, naming the fix, before anything is written."""
+    _save_source("LlamaForCausalLM", tmp_path / "source")
+    converted = performer_hf.convert(tmp_path / "source", tmp_path / "favor", method="favor", fidelity=False)
+    with pytest.raises(ConversionError, match="was converted already .* Convert the original checkpoint"):
+        performer_hf.convert(converted, tmp_path / "out", method="hybrid", fidelity=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_tokenizer_of_vocabulary_and_merges_files_is_copied_whole(tmp_path):
     """A byte-level BPE tokenizer saved as vocab.json + merges.txt (no tokenizer.json, as older Qwen2 and GPT-2
     folders ship it) reaches the converted folder whole: it encodes text as the source's does."""

@@ -79,15 +79,24 @@ def _overridable_fields() -> list[str]:
     return sorted({f.name for f in dataclasses.fields(PerformerConfig)} - FIXED_BY_SOURCE)
 
 
+SAVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _asked_dtype(asked) -> torch.dtype | None:
+    """The ``dtype`` override (a ``torch.dtype`` or its name, with or without ``torch.``) as a dtype, None for the
+    source's ("auto" or not given); refused unless the weights can be saved in it."""
+    if asked is None or asked == "auto":
+        return None
+    dtype = getattr(torch, asked.removeprefix("torch."), None) if isinstance(asked, str) else asked
+    if dtype not in SAVED_DTYPES:
+        raise ConversionError(f"dtype={asked!r}: the weights are saved in float32, bfloat16 or float16.")
+    return dtype
+
+
 def _saved_dtype(asked, stored: torch.dtype) -> torch.dtype:
     """The dtype the converted weights are saved in: ``dtype`` where given (a ``torch.dtype`` or its name), else the
     source checkpoint's (the conversion computes in float32)."""
-    if asked is None or asked == "auto":
-        return stored
-    dtype = getattr(torch, asked.removeprefix("torch."), None) if isinstance(asked, str) else asked
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ConversionError(f"dtype={asked!r}: the weights are saved in float32, bfloat16 or float16.")
-    return dtype
+    return _asked_dtype(asked) or stored
 
 
 def _method(method: str | None, overrides: dict[str, Any], default: str = DEFAULT_METHOD) -> str:
@@ -141,6 +150,8 @@ def performer_config(
         source = checkpoint.config
         fields.update(id2label=dict(source.id2label), label2id=dict(source.label2id), problem_type=source.problem_type)
     overrides = dict(overrides)
+    if (dtype := _asked_dtype(overrides.get("dtype"))) is not None:  # the config takes its name
+        overrides["dtype"] = str(dtype).removeprefix("torch.")
     if (tokens := overrides.get("max_position_embeddings")) is not None:
         if not isinstance(tokens, int) or isinstance(tokens, bool):
             raise ConversionError(
@@ -161,7 +172,7 @@ def performer_config(
         merged["far_field_parameter"] = [[0.0] * fields["num_attention_heads"]] * fields["num_hidden_layers"]
     try:
         return PerformerConfig(**merged)
-    except (ValueError, TypeError, StrictDataclassError) as error:  # strict validation wraps the ValueError
+    except (ValueError, TypeError, AttributeError, StrictDataclassError) as error:  # strict validation wraps them
         raise ConversionError(f"invalid Performer settings: {one_line(error.__cause__ or error)}") from None
 
 

@@ -154,19 +154,24 @@ class FidelityReport:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def exact_dispatch_note(self) -> str:
+        """Where the model keeps exact attention for short inputs: that the figures are its approximation's (measured
+        on every input, :func:`approximation_only`), not what it computes on inputs as short as the sample's; else
+        ``""``."""
+        if not self.attention.get("exact_max_length"):
+            return ""
+        return (
+            f"the approximation on every input; the model keeps exact attention up to "
+            f"{self.attention['exact_max_length']} tokens"
+        )
+
     def format_table(self) -> str:
         """The report as a plain-text table."""
+        note = self.exact_dispatch_note()
         lines = [
             f"Fidelity on {self.num_sequences} sequences ({self.num_tokens} tokens) of {self.text}",
             *(["attention: " + ", ".join(f"{k}={v}" for k, v in self.attention.items())] if self.attention else []),
-            *(
-                [
-                    f"(the approximation on every input; the model keeps exact attention up to "
-                    f"{self.attention['exact_max_length']} tokens)"
-                ]
-                if self.attention.get("exact_max_length")
-                else []
-            ),
+            *([f"({note})"] if note else []),
             "layer | attention rel. error, same input | attention rel. error, propagated",
         ]
         for i, (local, propagated) in enumerate(

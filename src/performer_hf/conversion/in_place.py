@@ -105,7 +105,7 @@ def _auto_class(row: InPlace):
 
 def _attention_settings(folder: Path, implementation: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The attention fields given for ``folder``'s model, checked with its head shapes (as its first call would check
-    them) before any model is loaded."""
+    them) before any model is loaded; a folder converted already is refused."""
     from transformers import AutoConfig
 
     overrides = {name: value for name, value in overrides.items() if value is not None}
@@ -116,6 +116,13 @@ def _attention_settings(folder: Path, implementation: str, overrides: dict[str, 
             f"the attention fields can: {', '.join(ATTENTION_FIELDS)}."
         )
     config = AutoConfig.from_pretrained(folder)
+    if getattr(config, CONFIG_ATTRIBUTE, None) is not None:
+        raise ConversionError(
+            f"{folder} was converted already (its config.json holds {CONFIG_ATTRIBUTE}, attn_implementation="
+            f"{getattr(config, '_attn_implementation', None)!r}): a conversion starts from the source's own softmax "
+            "attention, which it measures against and which this folder no longer runs. Convert the original "
+            "checkpoint (its card names it) with the method you want."
+        )
     setattr(config, CONFIG_ATTRIBUTE, dict(overrides))
     try:
         method_config(config, implementation, True, *head_shape(config))

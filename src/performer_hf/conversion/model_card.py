@@ -131,9 +131,11 @@ def build_model_card(
     if report is None:
         lines.append("Not measured (conversion ran with the fidelity report switched off).")
     else:
+        note = report.exact_dispatch_note()
         lines += [
             f"Measured on {report.num_sequences} sequences ({report.num_tokens} tokens) of {report.text}, "
-            f"against {base_model} and against the same weights with exact softmax attention.",
+            f"against {base_model} and against the same weights with exact softmax attention"
+            + (f" ({note}, where it computes what the source does)." if note else "."),
             "",
             "| layer | attention rel. error (same input) | attention rel. error (propagated) |",
             "| --- | --- | --- |",
