@@ -527,6 +527,16 @@ def test_the_default_encoder_conversion_keeps_exact_attention_on_short_inputs(so
     )
 
 
+def test_a_gpt2_model_converts_to_a_performer_model_without_a_pooler(sources, tmp_path):
+    """GPT2Model has no pooler and its conversion none (MAPPING.md); loading it built a random one (a pooler_output
+    that changed from load to load, 0.35 apart), as a decoder's PerformerModel now does not."""
+    folder, _ = sources["gpt2-base"]
+    out = convert(folder, tmp_path / "out", fidelity=False)
+    model, loading = AutoModel.from_pretrained(out, output_loading_info=True)
+    assert model.pooler is None and not loading["missing_keys"]
+    assert model.eval()(torch.tensor([[5, 6, 7]])).pooler_output is None
+
+
 def test_a_causal_favor_conversion_refuses_exact_max_length(sources, tmp_path):
     folder, _ = sources["gpt2-lm"]
     with pytest.raises(ConversionError, match="exact_max_length=64 with is_decoder=True needs the hybrid method"):

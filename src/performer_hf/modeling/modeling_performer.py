@@ -181,12 +181,17 @@ class PerformerPreTrainedModel(PreTrainedModel):
 
 
 class PerformerModel(PerformerPreTrainedModel):
-    """The bare Performer: embeddings, blocks and (optionally) the pooler."""
+    """The bare Performer: embeddings, blocks and (optionally) the pooler.
 
-    def __init__(self, config: PerformerConfig, add_pooling_layer: bool = True):
+    ``add_pooling_layer``: by default an encoder's (BERT's first-token pooler), none for a decoder
+    (``config.is_decoder``, as GPT-2, whose conversion has none: ``from_pretrained`` then built a random one)."""
+
+    def __init__(self, config: PerformerConfig, add_pooling_layer: bool | None = None):
         super().__init__(config)
         self.embeddings = PerformerEmbeddings(config)
         self.encoder = PerformerEncoder(config)
+        if add_pooling_layer is None:
+            add_pooling_layer = not config.is_decoder
         self.pooler = PerformerPooler(config) if add_pooling_layer else None
         self.post_init()
 
