@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from .modeling.attention_methods import ATTENTION_METHODS
 from .modeling.configuration_performer import PerformerConfig
-from .modeling.far_fields import FAR_FIELDS
-from .modeling.favor_features import FEATURE_MAPS
+
+
+def reads_kernel(config: PerformerConfig) -> bool:
+    """Whether the config's method reads ``attention_kernel`` (FAVOR+'s feature map, the hybrid's far field): not
+    exact attention, nor the sparse method (exact softmax on its support, nothing read outside it)."""
+    return ATTENTION_METHODS[config.attention_method].kernels is not None
 
 
 def kernel_description(config: PerformerConfig) -> str:
@@ -14,17 +18,18 @@ def kernel_description(config: PerformerConfig) -> str:
     feature maps, the hybrid's far fields)."""
     if config.attention_method == "exact":
         return "exact softmax attention (no approximation)"
-    registry = FAR_FIELDS if config.attention_method == "hybrid" else FEATURE_MAPS
-    return registry[config.attention_kernel].description
+    if not reads_kernel(config):
+        return "none: exact softmax on the method's support, no kernel for the keys outside it"
+    return ATTENTION_METHODS[config.attention_method].kernels[config.attention_kernel].description
 
 
 def uses_projection(config: PerformerConfig) -> bool:
     """Whether the attention reads the random projection (``nb_features``, coupling, seed): not the deterministic
-    far fields, nor exact attention."""
-    if config.attention_method == "exact":
-        return False
-    registry = FAR_FIELDS if config.attention_method == "hybrid" else FEATURE_MAPS
-    return registry[config.attention_kernel].uses_projection
+    far fields, nor exact or sparse attention."""
+    return (
+        reads_kernel(config)
+        and ATTENTION_METHODS[config.attention_method].kernels[config.attention_kernel].uses_projection
+    )
 
 
 def method_lines(config: PerformerConfig) -> list[str]:

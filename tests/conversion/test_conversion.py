@@ -537,6 +537,19 @@ def test_a_gpt2_model_converts_to_a_performer_model_without_a_pooler(sources, tm
     assert model.eval()(torch.tensor([[5, 6, 7]])).pooler_output is None
 
 
+def test_a_sparse_conversion_card_and_report_state_the_sparse_settings(sources, tmp_path):
+    """The sparse method reads no kernel and no random features: its card listed FAVOR+'s ('attention kernel:
+    softmax', nb_features, coupling) and its report's settings left out the window and the selection."""
+    folder, _ = sources["gpt2-lm"]
+    out = convert(folder, tmp_path / "out", method="sparse", fidelity=False)
+    card = (out / "README.md").read_text()
+    assert "attention kernel" not in card and "nb_features" not in card and "feature coupling" not in card
+    assert "- global tokens (exact for every query): 4" in card
+    settings = json.loads((out / "conversion_report.json").read_text())["attention"]
+    assert "attention_kernel" not in settings and "nb_features" not in settings
+    assert {"local_window", "num_global_tokens", "select_blocks", "select_budget"} <= set(settings)
+
+
 def test_a_causal_favor_conversion_refuses_exact_max_length(sources, tmp_path):
     folder, _ = sources["gpt2-lm"]
     with pytest.raises(ConversionError, match="exact_max_length=64 with is_decoder=True needs the hybrid method"):

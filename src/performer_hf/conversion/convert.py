@@ -15,7 +15,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import GenerationConfig
 from transformers.utils import GENERATION_CONFIG_NAME as GENERATION_CONFIG
 
-from ..attention_card import uses_projection
+from ..attention_card import reads_kernel, uses_projection
 from ..modeling import modeling_performer
 from ..modeling.attention_methods import ATTENTION_METHODS, preset_under
 from ..modeling.configuration_performer import PerformerConfig
@@ -280,7 +280,7 @@ def fidelity_report(
 
 def attention_settings(config: PerformerConfig) -> dict[str, Any]:
     """The config fields that define the attention method (for the report and the card)."""
-    names = ["attention_kernel"]
+    names = ["attention_kernel"] if reads_kernel(config) or config.attention_method == "exact" else []
     if config.attention_method != "exact":
         if config.attention_method == "favor" or uses_projection(config):
             names += ["nb_features", "feature_coupling", "feature_row_norms"]
@@ -288,6 +288,9 @@ def attention_settings(config: PerformerConfig) -> dict[str, Any]:
             names += ["local_window", "num_global_tokens", "routed_blocks", "center_features"]
             if config.routed_blocks:
                 names += ["route_block_size", "query_block_size", "route_group_size"]
+        if config.attention_method == "sparse":
+            names += ["local_window", "num_global_tokens", "select_block_size", "select_blocks", "select_budget"]
+            names += ["select_ranking"]
         if config.exact_max_length:
             names.append("exact_max_length")
         if config.accelerator_exact_max_length is not None:

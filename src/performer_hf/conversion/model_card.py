@@ -9,7 +9,14 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from ..attention_card import kernel_description, method_description, method_lines, transfer_summary, uses_projection
+from ..attention_card import (
+    kernel_description,
+    method_description,
+    method_lines,
+    reads_kernel,
+    transfer_summary,
+    uses_projection,
+)
 from ..modeling.attention_methods import ATTENTION_METHODS
 from ..modeling.attention_settings import ATTENTION_FIELDS
 from .fidelity import FidelityReport
@@ -85,13 +92,16 @@ def build_model_card(
         "",
         "## Attention settings",
         "",
-        f"- attention kernel{' (far field)' if hybrid else ''}: `{config.attention_kernel}` "
-        f"({kernel_description(config)})",
-        f"- nb_features (random features per head): {config.nb_features}"
-        + ("" if uses_projection(config) else " (unused by this deterministic kernel)"),
-        f"- feature coupling: {coupling}, row norms `{config.feature_row_norms}`, seed {config.projection_seed}",
-        f"- redraw policy: {redraw}",
     ]
+    if reads_kernel(config) or config.attention_method == "exact":  # (the sparse method reads neither)
+        lines += [
+            f"- attention kernel{' (far field)' if hybrid else ''}: `{config.attention_kernel}` "
+            f"({kernel_description(config)})",
+            f"- nb_features (random features per head): {config.nb_features}"
+            + ("" if uses_projection(config) else " (unused by this deterministic kernel)"),
+            f"- feature coupling: {coupling}, row norms `{config.feature_row_norms}`, seed {config.projection_seed}",
+            f"- redraw policy: {redraw}",
+        ]
     lines += method_lines(config)
     lines += [
         f"- causal: {'yes' if config.is_decoder or target_class == 'PerformerForCausalLM' else 'no'}",
