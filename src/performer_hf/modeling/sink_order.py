@@ -7,7 +7,9 @@ scored its tokens at loss 4.691 where the row alone scores 4.110 (logits 29.3 ap
 the order of the keys only through what comes before each query, so a row's first real keys can move in front of
 its pads: :func:`sinks_first` calls a method with each row's keys in that order, which gives the method the row's
 own global tokens, and its queries' outputs in their places. The rest keeps its positions (window and blocks go
-by position, as they do on each row alone, a whole number of pads apart).
+by position, as they do on each row alone, a whole number of pads apart). Bidirectional calls move their queries
+with their keys (the hybrid's global tokens are its global queries too), which softmax over the other keys does
+not notice.
 """
 
 from __future__ import annotations
