@@ -13,6 +13,12 @@ def reads_kernel(config: PerformerConfig) -> bool:
     return ATTENTION_METHODS[config.attention_method].kernels is not None
 
 
+def states_kernel(config: PerformerConfig) -> bool:
+    """Whether a card and a report state ``attention_kernel`` and the random features' settings: every method that
+    reads a kernel, and exact attention (``attention_kernel="exact"`` names it); not the sparse method."""
+    return reads_kernel(config) or config.attention_method == "exact"
+
+
 def kernel_description(config: PerformerConfig) -> str:
     """What the config's ``attention_kernel`` computes, from the registry of its method's kernels (FAVOR+'s
     feature maps, the hybrid's far fields)."""

@@ -15,7 +15,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import GenerationConfig
 from transformers.utils import GENERATION_CONFIG_NAME as GENERATION_CONFIG
 
-from ..attention_card import reads_kernel, uses_projection
+from ..attention_card import states_kernel, uses_projection
 from ..modeling import modeling_performer
 from ..modeling.attention_methods import ATTENTION_METHODS, preset_under
 from ..modeling.configuration_performer import PerformerConfig
@@ -280,7 +280,7 @@ def fidelity_report(
 
 def attention_settings(config: PerformerConfig) -> dict[str, Any]:
     """The config fields that define the attention method (for the report and the card)."""
-    names = ["attention_kernel"] if reads_kernel(config) or config.attention_method == "exact" else []
+    names = ["attention_kernel"] if states_kernel(config) else []
     if config.attention_method != "exact":
         if config.attention_method == "favor" or uses_projection(config):
             names += ["nb_features", "feature_coupling", "feature_row_norms"]

@@ -13,7 +13,7 @@ from ..attention_card import (
     kernel_description,
     method_description,
     method_lines,
-    reads_kernel,
+    states_kernel,
     transfer_summary,
     uses_projection,
 )
@@ -93,7 +93,7 @@ def build_model_card(
         "## Attention settings",
         "",
     ]
-    if reads_kernel(config) or config.attention_method == "exact":  # (the sparse method reads neither)
+    if states_kernel(config):
         lines += [
             f"- attention kernel{' (far field)' if hybrid else ''}: `{config.attention_kernel}` "
             f"({kernel_description(config)})",

@@ -47,6 +47,11 @@ def padded(t: torch.Tensor, pad: tuple[int, ...], **kwargs) -> torch.Tensor:
     return F.pad(t.clone(memory_format=torch.contiguous_format) if torch.compiler.is_compiling() else t, pad, **kwargs)
 
 
+def traced() -> bool:
+    """Whether a graph is being compiled or exported: checks that read tensor values on the host are skipped."""
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
 def exported() -> bool:
     """Whether ``torch.export`` traces this call, with dynamo (``strict=True``) or without; not ``torch.compile``.
     Export's own flag: torch 2.11's dynamo answers ``torch.compiler.is_exporting()`` True under ``torch.compile`` too,

@@ -15,16 +15,12 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention_methods import ATTENTION_METHODS
+from .compiled_lengths import traced
 from .configuration_performer import PerformerConfig
 from .favor_projection import draw_projection
 from .implied_attention import implied_attention
 from .sink_order import sinks_first
 from .vocabulary_projection import plain_linear, vocabulary_logits
-
-
-def _tracing() -> bool:
-    """Whether a graph is being compiled or exported: checks that read tensor values on the host are skipped."""
-    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
 class PerformerEmbeddings(nn.Module):
@@ -68,7 +64,7 @@ class PerformerEmbeddings(nn.Module):
             )
 
     def _check_token_types(self, token_type_ids: torch.Tensor) -> None:
-        if not token_type_ids.numel() or _tracing():
+        if not token_type_ids.numel() or traced():
             return
         smallest, largest = (int(bound) for bound in torch.aminmax(token_type_ids))
         types = self.token_type_embeddings.num_embeddings
@@ -91,10 +87,10 @@ class PerformerEmbeddings(nn.Module):
             # take the rest): then the ids themselves (one host read, skipped while tracing)
             largest = past_length + length + self.position_offset - 1
             counts_real = self.position_offset > 0 and input_ids is not None
-            if largest >= self.max_positions and counts_real and not _tracing():
+            if largest >= self.max_positions and counts_real and not traced():
                 largest = int(position_ids.max())
             self._check_position(largest)
-        elif position_ids.numel() and not _tracing():
+        elif position_ids.numel() and not traced():
             smallest, largest = torch.aminmax(position_ids)  # data-dependent: skipped while tracing
             self._check_position(int(largest), int(smallest))
         embeddings = inputs_embeds + self.position_embeddings(position_ids)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .compiled_lengths import traced
 from .method_exact import read_per_mask, row_spans
 
 Tensor = torch.Tensor
@@ -111,7 +112,7 @@ def warn_of_short_padded_rows(key_mask: Tensor | None, count: int, method: str) 
     state's global tokens are fixed after the call (by position), so once those tokens leave the window the row
     decodes otherwise than alone and than a full forward over it (the key/value path, with gradients, moves them:
     :func:`sinks_first`). Not while traced (no host read)."""
-    if not count or key_mask is None or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+    if not count or key_mask is None or traced():
         return
     counts, _, _ = row_spans(key_mask)
     if any(real < count and real < key_mask.shape[1] for real in counts):
