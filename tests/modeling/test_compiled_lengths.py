@@ -97,15 +97,18 @@ def test_a_compiled_favor_model_trains_at_new_lengths_without_compiling():
     assert frames[0] > 0 and frames[1] > 0 and frames[2:] == [0] * (len(LENGTHS) - 2), frames
 
 
-def test_a_compiled_causal_favor_model_reads_new_lengths_without_compiling():
-    """The causal scan also looped over every chunk (a graph per chunk count): it now scans groups of chunks. (The
-    first length that is not a multiple of the chunk compiles once more: aot_autograd guards on whether the padded
-    output's slice is contiguous.)"""
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_a_compiled_causal_favor_model_reads_new_lengths_without_compiling(train):
+    """The causal scan also looped over every chunk (a graph per chunk count): it now scans groups of chunks. Lengths
+    that are multiples of the chunk and lengths that are not share the graph: the first unaligned one compiled once
+    more, as aot_autograd guarded on whether the padded output's slice back to the length was contiguous (compiled,
+    the scan now pads always)."""
     model = tiny_model(
         PerformerForCausalLM, max_position_embeddings=128, causal_chunk_size=8, num_hidden_layers=1, **METHODS["favor"]
     )
-    frames = _compiles_per_length(model, train=False)
-    assert frames[0] > 0 and frames[1] > 0 and frames[3:] == [0] * (len(LENGTHS) - 3), frames
+    model.train(train)
+    frames = _compiles_per_length(model, train=train)
+    assert frames[0] > 0 and frames[1] > 0 and frames[2:] == [0] * (len(LENGTHS) - 2), frames
 
 
 def test_a_compiled_hybrid_model_trains_at_new_lengths_with_few_graphs():
@@ -113,8 +116,9 @@ def test_a_compiled_hybrid_model_trains_at_new_lengths_with_few_graphs():
     views (a pad of 0 kept its input's strides), and inductor mispredicted a causal block temporary's strides in
     backward (max / min in the leaving keys' count). On a CPU a bidirectional hybrid now compiles a graph with a
     symbolic length, which later lengths reuse but for one branch (query blocks that the window's keys fill or
-    not). (A causal one compiles a graph per count of scan groups, as FAVOR+ does, and per alignment: about one per
-    length at these lengths, with 4-position chunks.)"""
+    not). (A causal one shares its graph between aligned and unaligned lengths, as FAVOR+ does: one more graph than
+    FAVOR+ at these lengths, with 8-position chunks.)
+    """
     model = random_centres(
         tiny_model(PerformerForMaskedLM, max_position_embeddings=128, num_hidden_layers=1, **HYBRID_BIDIRECTIONAL)
     )

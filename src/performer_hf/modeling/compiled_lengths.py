@@ -69,12 +69,17 @@ def exporting() -> bool:
 
 def chunking(length: int, chunk: int) -> tuple[int, int]:
     """(C, N): ``N`` chunks of ``C`` positions that cover ``length`` (a pad of ``N * C - length``): ``C = min(chunk,
-    length)`` and the fewest chunks. Under ``torch.export``, ``C = chunk`` and ``N = max(length // C + 1, 2)``, an
-    unbacked size (one the program reads at run time) that the shape environment knows only by ``N >= 2`` and ``N * C
-    > length``: with ``N`` a function of the length, the chunk views and the slice back to ``length`` positions guarded
-    on ``N == 1``, ``N * C == length`` and divisibility facts about floor divisions that it could not prove for every
-    length. (An export with a static length reads it so too, and pads by 1 to ``chunk`` positions: masked keys, the
-    same sums. ``torch.export(strict=True)`` traces with dynamo, which guards as before.)"""
+    length)`` and the fewest chunks. Under ``torch.compile``, ``C = chunk`` and ``N = length // C + 1``: at least
+    one padded position, so that aligned and unaligned lengths share a graph (with a pad that could be 0, slicing
+    the output back to ``length`` positions guarded on whether the slice was contiguous). Under ``torch.export``,
+    ``C = chunk`` and ``N = max(length // C + 1, 2)``, an unbacked size (one the program reads at run time) that the
+    shape environment knows only by ``N >= 2`` and ``N * C > length``: with ``N`` a function of the length, the
+    chunk views and the slice back to ``length`` positions guarded on ``N == 1``, ``N * C == length`` and
+    divisibility facts about floor divisions that it could not prove for every length. (An export with a static
+    length reads it so too, and pads by 1 to ``chunk`` positions: masked keys, the same sums.
+    ``torch.export(strict=True)`` traces with dynamo, which guards as before.)"""
+    if torch.compiler.is_compiling() and not exporting():
+        return chunk, length // chunk + 1
     if not exporting():
         size = min(chunk, length)
         return size, -(-length // size)
