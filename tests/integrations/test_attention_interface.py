@@ -5,6 +5,7 @@ source model, and save / load."""
 
 import copy
 import io
+import json
 import logging
 import pickle
 
@@ -559,6 +560,31 @@ def test_mistrals_sliding_window_cache_keeps_every_key_that_performer_attention_
 
 
 @pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
+def test_a_fresh_mistrals_left_padded_batch_decodes_with_its_padding(implementation, tmp_path):
+    """At a model's first call with a cache its layers register the hook that makes sliding-window cache layers keep
+    every key, after the next call's mask is built over the window only: a left-padded row's padding fell out of it.
+    A step after a prefill with gradients read the pads as tokens (0.085-0.11 from the full forward), and beam search
+    refused the cache generate() built. The mask now covers every key."""
+    config = transformers.MistralConfig(**{**DECODERS["mistral"].to_dict(), "sliding_window": 6})
+    _, folder = _source(config, tmp_path)
+    settings = {**SHORT_WINDOW[implementation], "select_budget": 0} if implementation == "performer_sparse" else {}
+    prompt, token = _ids(2, 24), _ids(2, 1, seed=2)
+    mask = torch.ones_like(prompt)
+    mask[1, :4] = 0  # the second row left-padded
+    whole = torch.cat([mask, torch.ones_like(token)], dim=1)
+    positions = (whole.cumsum(-1) - 1).clamp_min(0)
+    model = _load(folder, implementation, **(settings or SHORT_WINDOW[implementation]))
+    cache = model(prompt, attention_mask=mask, position_ids=positions[:, :-1], use_cache=True)[CACHE_KEYWORD]
+    with torch.no_grad():
+        step = model(token, attention_mask=whole, position_ids=positions[:, -1:], **{CACHE_KEYWORD: cache}).logits
+        expected = model(torch.cat([prompt, token], dim=1), attention_mask=whole, position_ids=positions).logits
+    torch.testing.assert_close(step[:, -1], expected[:, -1], rtol=1e-4, atol=1e-5)
+    fresh = _load(folder, implementation, **SHORT_WINDOW[implementation])
+    beams = fresh.generate(prompt, attention_mask=mask, max_new_tokens=3, num_beams=3, do_sample=False, pad_token_id=0)
+    assert beams.shape == (2, 27)
+
+
+@pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
 def test_decoding_continues_across_gradient_modes_copies_and_pickles(implementation, tmp_path):
     """A prefill under inference_mode then decoding under no_grad (FAVOR+ wrote into inference tensors), a no-grad
     prefill then a step with gradients (the sparse state grew with cat(out=) under autograd), a pickle of the model
@@ -685,6 +711,29 @@ def test_another_attn_implementation_than_the_saved_one_runs_its_own_method(save
     method = {"performer_sparse": "sparse", "performer_hybrid": "hybrid"}
     assert model.config.performer_attention["attention_method"] == method[wanted]
     assert [r.getMessage() for r in caplog.records if f"settings of the {method[saved]!r} method" in r.getMessage()]
+
+
+def test_switching_methods_and_back_keeps_each_methods_settings(tmp_path):
+    """set_attn_implementation to another Performer method runs that method's preset (as loading does); switching
+    back took the preset of the first too, the user's settings lost (5.7e-3 in the logits, and saved so): they are
+    set aside and taken back, as switching through SDPA keeps them."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, "performer_hybrid", **SHORT_WINDOW["performer_hybrid"])
+    ids = _ids(2, 40)
+    with torch.no_grad():
+        expected = model(ids).logits
+        model.set_attn_implementation("performer_sparse")
+        model(ids)
+        assert model.config.performer_attention["attention_method"] == "sparse"
+        model.set_attn_implementation("performer_hybrid")
+        logits = model(ids).logits
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    model.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())["performer_attention"]
+    assert (
+        saved["attention_method"] == "hybrid"
+        and saved["local_window"] == SHORT_WINDOW["performer_hybrid"]["local_window"]
+    )
 
 
 @pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
@@ -881,12 +930,13 @@ def test_training_step_and_bfloat16(implementation, tmp_path):
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "mistral, window 8"])
 def test_output_attentions_gives_the_implied_matrix(arch, tmp_path):
-    """In exact mode the matrix is the source's own (eager attention's weights); the sparse method's rows put weight
-    only on the keys it reads (its window, first token and two selected blocks of 4); each is row-stochastic and
-    causal, and the logits stay as they are."""
-    source, folder = _source(DECODERS[arch], tmp_path)
+    """In exact mode the matrix is the source's own (eager attention's weights; within Mistral's sliding window,
+    which it left out, 0.11 on keys out of it); the sparse method's rows put weight only on the keys it reads (its
+    window, first token and two selected blocks of 4); each is row-stochastic and causal, and the logits stay as
+    they are."""
+    source, folder = _source(EXACT_CASES[arch], tmp_path)
     ids = _ids(2, 40)
     eager = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     exact = _load(folder, "performer_sparse", attention_kernel="exact")
@@ -905,6 +955,22 @@ def test_output_attentions_gives_the_implied_matrix(arch, tmp_path):
     full = out.attentions[-1]  # the sparse model's last layer (a full-attention layer on Gemma3 too)
     read = (full > 0).sum(-1)  # keys each query reads: window 8 + its own block, the first token, 2 blocks of 4
     assert read[..., 30:].max() <= 8 + 4 + 1 + 2 * 4 and read[..., 30:].min() < 31
+
+
+def test_attention_logit_softcapping_is_refused_not_dropped(tmp_path):
+    """Gemma2 passes its attn_logit_softcapping to the attention function, which dropped it: exact mode 0.062 from
+    the source's logits at its default cap of 50 (0.67 at 2). It is refused, by name; without a cap it runs."""
+    shared = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    gemma2 = dict(num_key_value_heads=2, head_dim=16, layer_types=["full_attention"] * 2, query_pre_attn_scalar=24)
+    _, folder = _source(transformers.Gemma2Config(**shared, **gemma2, attn_logit_softcapping=50.0), tmp_path)
+    model = _load(folder, "performer", attention_kernel="exact")
+    with pytest.raises(ValueError, match=r"Gemma2Attention passes softcap .*soft-capping"):
+        model(_ids(1, 20))
+    source, folder = _source(transformers.Gemma2Config(**shared, **gemma2, attn_logit_softcapping=None), tmp_path)
+    with torch.no_grad():
+        expected = source(_ids(1, 20)).logits
+        logits = _load(folder, "performer", attention_kernel="exact")(_ids(1, 20)).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_output_attentions_is_refused_above_its_length(tmp_path):

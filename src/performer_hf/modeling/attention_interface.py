@@ -116,6 +116,10 @@ def performer_mask(*, attention_mask=None, kv_length: int, local_size: int | Non
     if attention_mask is None:
         return None
     batch_size = kwargs.get("batch_size", attention_mask.shape[0])
+    # every key's: a sliding-window cache layer's sizes start at its window (kv_offset), but Performer attention
+    # reads every key, and the layer keeps them all from the next call's hook on (a model's first call with a cache
+    # registers it after the mask of the call that follows is built)
+    kv_length = kv_length + kv_offset
     if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] < kv_length:
         raise ValueError(
             f"attention_mask has shape {tuple(attention_mask.shape)}, but the inputs are {batch_size} sequence(s) of "
@@ -152,6 +156,7 @@ def _performer_attention(implementation: str):
     ) -> tuple[Tensor, Tensor | None]:
         """q (B, H, Lq, D), k and v (B, H_kv, Lk, D) with rotary positions applied -> ((B, Lq, H, D), the attention
         weights (B, H, Lq, Lk) with ``output_attentions``, else None)."""
+        _check_no_logit_terms(module, kwargs)
         if keeps_own_attention(module.config, module.layer_idx):
             return _own_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
         causal = kwargs.get("is_causal", getattr(module, "is_causal", False))
@@ -194,6 +199,8 @@ def _performer_attention(implementation: str):
             context = transfer(state, attend, query, key, value, key_mask, causal, kwargs.get("sliding_window"))
         elif state.attention_method == "exact":
             window = kwargs.get("sliding_window")  # Mistral's, where its config names one
+            if key_mask is not None and key_mask.shape[1] > key.shape[2]:  # a sliding-window layer kept its window
+                key_mask = key_mask[:, -key.shape[2] :]
             context, _ = softmax_attention(
                 query, key, value, key_mask, causal, dropout if module.training else 0.0, window=window
             )
@@ -203,11 +210,31 @@ def _performer_attention(implementation: str):
             context = _over_cached_keys(attend, query, key, value, key_mask, causal)
         weights = None
         if kwargs.get("output_attentions"):  # the matrix the method implies (B, H, Lq, Lk): identity values
+            if state.attention_method == "exact":  # softmax's, within the sliding window where the model has one
+                window = kwargs.get("sliding_window")
+                attend = partial(softmax_attention, window=window)
             weights = implied_attention(lambda values: attend(query, key, values, key_mask, causal)[0], value, past)
         return context.transpose(1, 2).contiguous(), weights
 
     attention.__name__ = attention.__qualname__ = f"{implementation}_attention"
     return attention
+
+
+# what some architectures add to their attention logits, which neither Performer attention nor SDPA (its sliding
+# layers') applies: Gemma2's soft-capping (its config's attn_logit_softcapping), gpt-oss's attention sinks
+_LOGIT_TERMS = {"softcap": "soft-capping", "s_aux": "attention sinks", "sinks": "attention sinks"}
+
+
+def _check_no_logit_terms(module: nn.Module, kwargs: dict) -> None:
+    """Refuse a model whose attention adds terms to its logits (rather than drop them: other logits, silently)."""
+    given = [name for name in _LOGIT_TERMS if kwargs.get(name) is not None]
+    if given:
+        terms = " and ".join(sorted({_LOGIT_TERMS[name] for name in given}))
+        raise ValueError(
+            f"{type(module).__name__} passes {', '.join(given)} to its attention function ({terms} of its logits), "
+            "which Performer attention does not apply: load the model with another attn_implementation (a config "
+            "whose attn_logit_softcapping is None passes no softcap, with other outputs)."
+        )
 
 
 def _own_attention(module, query, key, value, attention_mask, scaling, dropout, output_attentions=False, **kwargs):

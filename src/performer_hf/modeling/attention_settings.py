@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import re
+import weakref
 from typing import Any
 
 import torch
@@ -59,29 +60,46 @@ METHOD_OF_IMPLEMENTATION = {"performer": "favor", "performer_hybrid": "hybrid", 
 IMPLEMENTATION_OF_METHOD = {method: name for name, method in METHOD_OF_IMPLEMENTATION.items()}
 
 
+# the settings a config held for another method, set aside as its model switched methods (set_attn_implementation)
+# and taken back when it switches back: {id(config): {method: settings}}, dropped with the config
+_SET_ASIDE: dict[int, dict[str, dict[str, Any]]] = {}
+
+
+def _set_aside(config, method: str, settings: dict[str, Any]) -> None:
+    if id(config) not in _SET_ASIDE:
+        _SET_ASIDE[id(config)] = {}
+        weakref.finalize(config, _SET_ASIDE.pop, id(config), None)
+    _SET_ASIDE[id(config)][method] = settings
+
+
 def resolved_settings(config, implementation: str, causal: bool) -> dict[str, Any]:
     """The attention fields for ``config``'s model under ``implementation``: the preset, overridden by
     ``config.performer_attention``; recorded on the config (with ``attn_implementation``) on first use. Settings
     that name another implementation's method (a converted folder loaded with another ``attn_implementation``) give
-    way to ``implementation``'s preset, with a warning."""
+    way to ``implementation``'s preset, with a warning, or to the settings the config held for that method before
+    its model switched to another (``set_attn_implementation``)."""
     given = getattr(config, CONFIG_ATTRIBUTE, None) or {}
     if not isinstance(given, dict):
         raise ValueError(
             f"config.{CONFIG_ATTRIBUTE} must be a dict of PerformerConfig's attention fields (e.g. "
             f"{{'local_window': 512}}), got {type(given).__name__} {given!r}."
         )
-    named = given.get("attention_method")
-    if named in METHOD_OF_IMPLEMENTATION.values() and named != METHOD_OF_IMPLEMENTATION[implementation]:
-        logger.warning(
-            "config.%s holds settings of the %r method, but the model was loaded with attn_implementation=%r: it "
-            "runs the %r method with its preset (load it with attn_implementation=%r to keep the saved settings).",
-            CONFIG_ATTRIBUTE,
-            named,
-            implementation,
-            METHOD_OF_IMPLEMENTATION[implementation],
-            IMPLEMENTATION_OF_METHOD[named],
-        )
-        given = {}
+    named, wanted = given.get("attention_method"), METHOD_OF_IMPLEMENTATION[implementation]
+    if named in METHOD_OF_IMPLEMENTATION.values() and named != wanted:
+        earlier = _SET_ASIDE.get(id(config), {}).get(wanted)
+        _set_aside(config, named, given)
+        if earlier is None:
+            logger.warning(
+                "config.%s holds settings of the %r method, but the model was loaded with attn_implementation=%r: "
+                "it runs the %r method with its preset (load it, or switch back, with attn_implementation=%r to "
+                "keep those settings).",
+                CONFIG_ATTRIBUTE,
+                named,
+                implementation,
+                wanted,
+                IMPLEMENTATION_OF_METHOD[named],
+            )
+        given = earlier or {}
     unknown = sorted(set(given) - set(ATTENTION_FIELDS))
     if unknown:
         raise ValueError(
@@ -102,7 +120,7 @@ def resolved_settings(config, implementation: str, causal: bool) -> dict[str, An
         # with the fix (PerformerConfig), not read as another method's
         exact = settings.get("attention_kernel") == "exact"
         settings["attention_method"] = "exact" if exact else METHOD_OF_IMPLEMENTATION[implementation]
-    if given != settings:
+    if getattr(config, CONFIG_ATTRIBUTE, None) != settings:
         setattr(config, CONFIG_ATTRIBUTE, settings)
     if getattr(config, "attn_implementation", None) != implementation:
         # a plain attribute: saved to config.json, where transformers reads it back as the implementation
