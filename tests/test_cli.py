@@ -195,6 +195,31 @@ def test_empty_output_folder_is_fine(tiny_bert, tmp_path):
     assert main(["convert", str(tiny_bert), str(tmp_path / "out"), "--no-fidelity", "-q"]) == 0
 
 
+def test_an_output_folder_that_is_a_link_is_written_where_it_links_with_its_permissions(tiny_bert, tmp_path):
+    """An output given as a symbolic link (to a larger disk) was replaced by a new folder beside it, the link's target
+    left empty; and an output folder took the staging folder's 0700 (``tempfile.mkdtemp``'s) whatever the umask,
+    where ``save_pretrained`` gives 0755. The link is kept and the checkpoint written through it, an existing folder
+    keeps its permissions and a new one takes the umask's."""
+    target, link = tmp_path / "disk" / "models", tmp_path / "work" / "out"
+    target.mkdir(parents=True)
+    link.parent.mkdir()
+    link.symlink_to(target)
+    previous = os.umask(0o022)
+    try:
+        assert main(["convert", str(tiny_bert), str(link), "--no-fidelity", "-q"]) == 0
+        assert link.is_symlink() and (target / "model.safetensors").is_file()
+        assert sorted(p.name for p in link.parent.iterdir()) == ["out"]  # no staging folder left beside it
+        assert (target.stat().st_mode & 0o777) == 0o755
+        assert main(["convert", str(tiny_bert), str(tmp_path / "new"), "--no-fidelity", "-q"]) == 0
+        assert ((tmp_path / "new").stat().st_mode & 0o777) == 0o755
+        shared = tmp_path / "shared"
+        shared.mkdir(mode=0o750)
+        assert main(["convert", str(tiny_bert), str(shared), "--no-fidelity", "-q"]) == 0
+        assert (shared.stat().st_mode & 0o777) == 0o750
+    finally:
+        os.umask(previous)
+
+
 def test_a_command_run_in_a_process_leaves_its_logging_as_it_was(tiny_bert, tmp_path, caplog):
     """main() prints the package's log records on stdout while a command runs (and turns transformers' progress bars
     off), then puts back what it changed, after a success and after an error: records logged later in the process

@@ -7,7 +7,9 @@ The converter and the zoo builder write into a staging folder beside the output 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -45,10 +47,28 @@ def _check_writable(output_dir: Path) -> None:
         ) from None
 
 
+def _in_place_of_link(output_dir: Path) -> Path:
+    """The folder a symbolic link ``output_dir`` names (a link to a larger disk: written there, the link kept), or
+    ``output_dir`` itself."""
+    return output_dir.resolve() if output_dir.is_symlink() else output_dir
+
+
+def _folder_mode(output_dir: Path) -> int:
+    """The permissions of the folder ``output_dir`` replaces, or of a new folder under the process's umask (the
+    staging folder's own, ``tempfile.mkdtemp``'s, are 0700)."""
+    if output_dir.is_dir():
+        return stat.S_IMODE(output_dir.stat().st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o777 & ~umask
+
+
 def staging_folder(output_dir: Path) -> Path:
-    """A new empty folder beside ``output_dir`` to write it in (:func:`publish` moves it into place). Staging folders
-    of earlier runs for the same output (a process killed before it could remove its own) are named in a warning:
-    another run may still be writing one, so they are not deleted here."""
+    """A new empty folder beside ``output_dir`` (beside the folder it links to, for a symbolic link) to write it in
+    (:func:`publish` moves it into place). Staging folders of earlier runs for the same output (a process killed
+    before it could remove its own) are named in a warning: another run may still be writing one, so they are not
+    deleted here."""
+    output_dir = _in_place_of_link(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     prefix = f".{output_dir.name}.tmp-"
     if leftovers := sorted(path.name for path in output_dir.parent.glob(f"{prefix}*") if path.is_dir()):
@@ -63,7 +83,10 @@ def staging_folder(output_dir: Path) -> Path:
 
 
 def publish(staging: Path, output_dir: Path) -> None:
-    """Move the finished ``staging`` folder to ``output_dir``, replacing what was there only now."""
+    """Move the finished ``staging`` folder to ``output_dir`` (to the folder it links to, for a symbolic link), with
+    the permissions of the folder it replaces or of a new one, replacing what was there only now."""
+    output_dir = _in_place_of_link(output_dir)
+    staging.chmod(_folder_mode(output_dir))
     if output_dir.exists():
         backup = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
         output_dir.rename(backup / output_dir.name)
