@@ -9,10 +9,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import performer_hf
-from performer_hf import PerformerCache
+from performer_hf import PerformerCache, PerformerForCausalLM
 from performer_hf.integrations import CACHE_KEYWORD
 
-from ..tiny_models import Logits
+from ..tiny_models import METHODS, Logits, tiny_model
 from .test_attention_interface import DECODERS, SHORT_WINDOW, _ids, _load, _source
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -96,6 +96,33 @@ def test_transfer_refuses_inputs_the_window_covers_and_models_without_performer_
         performer_hf.transfer_attention(model, _batches(), steps=2, progress=False)
     with pytest.raises(ValueError, match="runs no Performer attention"):
         performer_hf.transfer_attention(source, _batches(), steps=2, progress=False)
+
+
+def test_a_performer_family_model_is_refused_with_its_own_fix(tmp_path):
+    """A Performer-family model was told it "runs no Performer attention" and to convert it with performer_hf.convert
+    (which made it); its far field is calibrated at conversion."""
+    model = tiny_model(PerformerForCausalLM, **METHODS["hybrid"])
+    with pytest.raises(ValueError, match=r"Performer-family model .*--calibrate"):
+        performer_hf.transfer_attention(model, _batches(), steps=2, progress=False)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_transfer_trains_under_a_callers_no_grad_and_from_embeddings(mode, tmp_path):
+    """Under the caller's no_grad (an evaluation helper) the refusal blamed the inputs ("train on longer inputs");
+    batches of inputs_embeds trained a step, then a KeyError on 'input_ids'. Both train as input_ids do outside."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    expected = performer_hf.transfer_attention(
+        _load(folder, "performer_hybrid", **SHORT_WINDOW["performer_hybrid"]), _batches(), steps=2, progress=False
+    )
+    with mode():
+        report = performer_hf.transfer_attention(
+            _load(folder, "performer_hybrid", **SHORT_WINDOW["performer_hybrid"]), _batches(), steps=2, progress=False
+        )
+    assert report.error_first == expected.error_first and report.error_last == expected.error_last
+    model = _load(folder, "performer_hybrid", **SHORT_WINDOW["performer_hybrid"])
+    embedded = [{"inputs_embeds": model.get_input_embeddings()(b["input_ids"]).detach()} for b in _batches()]
+    report = performer_hf.transfer_attention(model, embedded, steps=2, progress=False)
+    assert report.steps == 2 and report.tokens == expected.tokens
 
 
 def test_a_refused_transfer_leaves_the_model_as_it_was(tmp_path):

@@ -51,6 +51,7 @@ from ..modeling.attention_settings import (
 from ..modeling.far_fields import get_far_field
 from ..modeling.favor_hybrid import fixed_centres
 from ..modeling.method_exact import softmax_attention
+from ..modeling.modeling_performer import PerformerPreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,13 @@ def _frozen(model: nn.Module):
         for parameter in trainable:
             parameter.requires_grad_(True)
         model.train(was_training)
+
+
+def _token_count(batch: Mapping[str, torch.Tensor]) -> int:
+    """The tokens of a batch of ``input_ids`` (B, L) or ``inputs_embeds`` (B, L, hidden)."""
+    if "input_ids" in batch:
+        return int(batch["input_ids"].numel())
+    return int(batch["inputs_embeds"].shape[:-1].numel())
 
 
 def _states(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
@@ -181,8 +189,8 @@ def transfer_attention(
 
     Args:
         model: the model; its own weights are frozen (and left untouched).
-        batches: model inputs (``input_ids`` and optionally ``attention_mask``); step ``i`` takes batch
-            ``i % len(batches)``.
+        batches: model inputs (``input_ids`` or ``inputs_embeds``, optionally ``attention_mask``); step ``i``
+            takes batch ``i % len(batches)``.
             Inputs longer than the hybrid's window, so that its far field is in use.
         steps: optimizer steps (Adam).
         learning_rate: Adam's learning rate.
@@ -204,7 +212,15 @@ def transfer_attention(
             "each batch is a dict of the model's inputs ({'input_ids': ..., 'attention_mask': ...}, as text_batches() "
             f"gives them), got a {type(next(b for b in batches if not isinstance(b, Mapping))).__name__}."
         )
-    with _frozen(model):  # the model's own parameters and mode come back however this ends
+    if isinstance(model, PerformerPreTrainedModel):
+        raise ValueError(
+            f"{type(model).__name__} is a Performer-family model (converted from BERT / RoBERTa / GPT-2): attention "
+            "transfer trains the attention of models that keep their class (Llama, Mistral, Qwen, Gemma3: "
+            "performer_hf.convert, or attn_implementation='performer_hybrid'); the family calibrates its far field "
+            "at conversion instead (performer-hf convert SRC OUT --calibrate)."
+        )
+    # (under the caller's no_grad or inference_mode too: the transfer trains)
+    with _frozen(model), torch.inference_mode(False), torch.enable_grad():
         with torch.no_grad():
             model(**batches[0])  # builds every layer's method state
         states = _states(model)
@@ -297,7 +313,7 @@ def _train(model: nn.Module, batches: list, steps: int, learning_rate: float, pr
             for state, log_gain in gains:
                 _use_gain(state, log_gain)
             errors.append({layer: float(e.detach()) for layer, e in layer_errors.items()})
-            tokens += int(batch["input_ids"].numel())
+            tokens += _token_count(batch)
             logger.debug("transfer step %d: summed relative error %.4f", step + 1, float(loss.detach()))
     return learned, errors, tokens, start
 
