@@ -160,6 +160,11 @@ ERROR_CASES = [
     ("invalid-kernel", None, ["--attention-kernel", "bogus"], "attention_kernel='bogus' is not supported"),
     ("bad-set-syntax", None, ["--set", "nb_features"], "--set expects FIELD=VALUE"),
     ("shrinking-positions", None, ["--max-position-embeddings", "8"], "can only grow"),
+    # were: a kernel the user never gave refused; the --set value taken silently; --calibrate ignored silently
+    ("method-set-as-field", None, ["--set", "attention_method=favor"], "convert with method='favor' (--method favor"),
+    ("field-given-twice", None, ["--set", "nb_features=8", "--nb-features", "16"], "nb_features is given twice"),
+    ("calibrate-favor", None, ["--method", "favor", "--calibrate"], "the favor method has none: leave it out"),
+    ("calibrate-exact", None, ["--attention-kernel", "exact", "--calibrate"], "exact attention has none"),
 ]
 
 

@@ -117,7 +117,12 @@ def _overrides(args: argparse.Namespace) -> dict:
         name, sep, value = item.partition("=")
         if not sep:
             raise ConversionError(f"--set expects FIELD=VALUE, got {item!r}.")
-        overrides[name.strip()] = _field_value(value)
+        name = name.strip()
+        if name in overrides:
+            raise ConversionError(
+                f"{name} is given twice, as --{name.replace('_', '-')} and as --set {name}=...: give it once."
+            )
+        overrides[name] = _field_value(value)
     return overrides
 
 

@@ -101,7 +101,12 @@ def _saved_dtype(asked, stored: torch.dtype) -> torch.dtype:
 
 def _method(method: str | None, overrides: dict[str, Any], default: str = DEFAULT_METHOD) -> str:
     """The attention method: ``method``, or by default ``default`` unless a kernel only FAVOR+ has is asked for."""
-    kernel = overrides.get("attention_kernel")
+    kernel, named = overrides.get("attention_kernel"), overrides.get("attention_method")
+    if named is not None and named != method:
+        raise ConversionError(
+            f"attention_method={named!r} is the method's own field: convert with method={named!r} (--method "
+            f"{named}), which also takes its settings."
+        )
     if method is None:
         default_kernels = ATTENTION_METHODS[default].kernels
         if kernel not in (None, "exact") and (default_kernels is None or kernel not in default_kernels):
@@ -118,6 +123,11 @@ def _method(method: str | None, overrides: dict[str, Any], default: str = DEFAUL
             + (", or convert with --method favor for plain FAVOR+." if method in ("hybrid", "sparse") else ".")
         )
     return method
+
+
+def _attention_named(config: PerformerConfig) -> str:
+    """How a message names ``config``'s attention: exact attention, or its method."""
+    return "exact attention" if config.attention_kernel == "exact" else f"the {config.attention_method} method"
 
 
 def is_causal(checkpoint: SourceCheckpoint) -> bool:
@@ -413,6 +423,11 @@ def convert(
     checkpoint = read_source(folder, repo_id)
     head = checkpoint.family.heads[checkpoint.architecture]
     config = performer_config(checkpoint, overrides, method)
+    if calibrate and config.attention_method != "hybrid":
+        raise ConversionError(
+            f"--calibrate measures the hybrid's centres on sample text; {_attention_named(config)} has none: leave "
+            "it out, or convert with --method hybrid."
+        )
 
     stored = read_tensors(folder)
     saved_dtype = _saved_dtype(overrides.get("dtype"), stored_dtype(stored))
