@@ -13,7 +13,7 @@ import itertools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .compiled_lengths import spans
+from .compiled_lengths import exported, spans
 
 # Elements of one slab's largest temporary, by device type ("cpu", or any accelerator) and use:
 #   blocks    hybrid attention's query blocks (B, H, n, block_q, C, X) and routing scores
@@ -58,7 +58,8 @@ def slabs(length: int, per_row: int, use: str, device: torch.device | str) -> li
 
 def recomputed(fn, *args):
     """``fn(*args)`` for one slab, with its intermediates recomputed in backward instead of stored
-    (``torch.utils.checkpoint``): a training step then keeps no slab's temporaries, only its inputs."""
-    if not torch.is_grad_enabled():
+    (``torch.utils.checkpoint``): a training step then keeps no slab's temporaries, only its inputs. Not in an
+    exported program (an inference graph: a strict export, which traces with dynamo, refuses the checkpoint)."""
+    if not torch.is_grad_enabled() or exported():
         return fn(*args)
     return checkpoint(fn, *args, use_reentrant=False)

@@ -24,6 +24,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from .compiled_lengths import exported
 from .cpu_kernels import hybrid_kernels
 from .method_exact import softmax_attention
 from .sparse_backward import walk_gradients
@@ -620,8 +621,10 @@ def _chosen_at(chosen: Tensor, union: Tensor) -> Tensor:
 
 
 def _records_gradient(*tensors: Tensor) -> bool:
-    """Whether autograd records a graph through any of these tensors."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    """Whether autograd records a graph through any of these tensors, outside an exported program (an inference
+    graph, whose strict export traced the custom backward with dynamo, which refuses its host reads): there the
+    plain operators, differentiable as they are."""
+    return torch.is_grad_enabled() and not exported() and any(t.requires_grad for t in tensors)
 
 
 class _WalkAttention(torch.autograd.Function):
