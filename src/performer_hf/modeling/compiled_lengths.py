@@ -90,6 +90,15 @@ def chunking(length: int, chunk: int) -> tuple[int, int]:
     return chunk, count
 
 
+def refuse_dynamic_length(length, what: str, fix: str) -> None:
+    """Refuse, by name, to export ``what`` with a dynamic ``length`` (a ``torch.export.Dim``), which it cannot hold
+    for every length (export's constraint check would fail on its guards, unexplained); ``fix``: what exports."""
+    if exporting() and not isinstance(length, int):
+        raise ValueError(
+            f"{what} exports one length at a time: export it without a Dim on the sequence (a static length), {fix}."
+        )
+
+
 def pin_length(length: int) -> None:
     """Make ``length`` a constant of the graph being compiled: the graph is guarded on its exact value (one graph per
     length). Nothing outside a compiled graph."""

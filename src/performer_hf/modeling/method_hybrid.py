@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .compiled_lengths import refuse_dynamic_length
 from .device_compile import call_compiled, call_compiled_attention, compiles, decode_step
 from .far_fields import get_far_field
 from .favor_hybrid import hybrid_attention, hybrid_prefill_state
@@ -53,6 +55,10 @@ def _hybrid(module: nn.Module, q, k, v, key_mask, causal, layer_cache=None, afte
     continuing from ``layer_cache``'s state, and updating it. Where calls compile (CUDA), a call without a cache, a
     prefill (its state computed apart) and a decoding step are compiled; a prefill in chunks after a cache's own
     state is not (each length of the past and of the chunk would compile its own graph)."""
+    if not causal:
+        refuse_dynamic_length(
+            q.shape[2], "the bidirectional hybrid", "or a range within exact_max_length (exact attention)"
+        )
     projection, kwargs = _call_settings(module, q.device, causal, key_mask, q.shape[2])
     spec = module.hybrid_spec
     with torch.autocast(q.device.type, enabled=False):  # float32 inside, as for FAVOR+
@@ -148,6 +154,12 @@ def _causal_exact_prefix(module: nn.Module, q, k, v, key_mask, layer_cache) -> t
     if past:
         k, v = torch.cat([prefix[0], k], dim=2), torch.cat([prefix[1], v], dim=2)  # (B, H, P + L, D)
     total = k.shape[2]
+    if not statically_known_true(total <= T):  # (a dynamic length within the prefix exports)
+        refuse_dynamic_length(
+            total,
+            "a causal hybrid with an exact prefix",
+            f"a range within its {T} exact positions, or set exact_max_length=0",
+        )
     exact_end = max(past, min(T, total))  # queries before it attend exactly
     attend = functools.partial(_exact_then_hybrid, module, layer_cache=layer_cache, past=past, exact_end=exact_end)
     count = module.hybrid_spec.num_global_tokens
