@@ -134,8 +134,6 @@ def summarise(records: list[dict], args) -> tuple[dict, dict]:
 
 def measure(args) -> dict:
     """Every (regime, seed, m, estimator) error, their summaries over seeds and the orderings."""
-    if args.quick:
-        args.length, args.features, args.seeds = 512, [16, 64], 3
     start = time.perf_counter()
     records = [r for s in args.qk_stds for r in run_regime(s, args)]
     summary, ordering = summarise(records, args)
@@ -219,11 +217,16 @@ def plot(payload: dict):
 
 
 def main(argv=None) -> dict:
-    parser = harness.parser(__doc__, quick="L = 512, m = 16 64, 3 seeds", threads=0)
-    parser.add_argument("--length", type=int, default=4096)
-    parser.add_argument("--head-dim", type=int, default=16)
-    parser.add_argument("--features", type=int, nargs="+", default=[16, 32, 64, 128, 256])
-    parser.add_argument("--seeds", type=int, default=15)
+    parser = harness.parser(
+        __doc__,
+        quick="L = 512, m = 16 64, 3 seeds",
+        quick_flags={"length": 512, "features": [16, 64], "seeds": 3},
+        threads=0,
+    )
+    parser.add_argument("--length", type=harness.at_least(1), default=4096)
+    parser.add_argument("--head-dim", type=harness.at_least(1), default=16)
+    parser.add_argument("--features", type=harness.at_least(1), nargs="+", default=[16, 32, 64, 128, 256])
+    parser.add_argument("--seeds", type=harness.at_least(1), default=15)
     parser.add_argument("--qk-stds", type=float, nargs="+", default=[0.5, 1.0], help="std of the q and k entries")
     return harness.main("approximation", parser, measure, markdown, plot, argv=argv)
 

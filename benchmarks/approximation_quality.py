@@ -605,9 +605,6 @@ def plot(result: dict):
 # ----------------------------------------------------------------------------- main
 def measure(args: argparse.Namespace) -> dict:
     """Speed of every method, then the quality runs by priority until the budget is spent."""
-    if args.quick:
-        args.sentences, args.docs, args.seeds, args.seeds_other, args.nb_features = 8, 2, 1, 1, [64, 256]
-        args.repeats, args.budget_minutes, args.speed_m = 1, 0.1, [256]
     torch.manual_seed(0)
     folder = minilm_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -676,28 +673,41 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> dict:
+    positive = harness.at_least(1)
     parser = harness.parser(
         __doc__,
         threads=1,
         quick=f"8 sentences, 2 docs, m = 64 256, 1 seed, a 6-second budget, lengths {QUICK_LENGTHS}",
+        quick_flags={
+            "sentences": 8,
+            "docs": 2,
+            "seeds": 1,
+            "seeds_other": 1,
+            "nb_features": [64, 256],
+            "repeats": 1,
+            "budget_minutes": 0.1,
+            "speed_m": [256],
+        },
     )
-    parser.add_argument("--sentences", type=int, default=200)
-    parser.add_argument("--docs", type=int, default=8)
-    parser.add_argument("--seeds", type=int, default=3, help=f"projection seeds at m = {SELECT_AT}")
+    parser.add_argument(
+        "--sentences", type=harness.at_least(3), default=200, help="at least 3: the pairwise Spearman's least"
+    )
+    parser.add_argument("--docs", type=positive, default=8)
+    parser.add_argument("--seeds", type=positive, default=3, help=f"projection seeds at m = {SELECT_AT}")
     parser.add_argument(
         "--speed-m",
-        type=int,
+        type=positive,
         nargs="+",
         default=[SELECT_AT],
         help="m at which every method is timed (CPU time is short)",
     )
-    parser.add_argument("--seeds-other", type=int, default=1, help="projection seeds at the other m")
+    parser.add_argument("--seeds-other", type=positive, default=1, help="projection seeds at the other m")
     parser.add_argument(
         "--budget-minutes", type=float, default=40, help="start no further quality run after this (runs go by priority)"
     )
-    parser.add_argument("--nb-features", type=int, nargs="+", default=[64, 128, 256, 512])
-    parser.add_argument("--repeats", type=int, default=1, help="timing repetitions, each paired with SDPA")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--nb-features", type=positive, nargs="+", default=[64, 128, 256, 512])
+    parser.add_argument("--repeats", type=positive, default=1, help="timing repetitions, each paired with SDPA")
+    parser.add_argument("--batch-size", type=positive, default=32)
     return harness.main("approximation_quality", parser, measure, markdown, plot, argv=argv)
 
 

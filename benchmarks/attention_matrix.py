@@ -30,8 +30,8 @@ SHOWN_HEAD = 0
 
 
 def _arguments():
-    arguments = harness.parser(__doc__, quick="64 tokens", threads=2)
-    arguments.add_argument("--tokens", type=int, default=256, help="passage length (at most 1,024)")
+    arguments = harness.parser(__doc__, quick="64 tokens", quick_flags={"tokens": 64}, threads=2)
+    arguments.add_argument("--tokens", type=harness.at_least(1), default=256, help="passage length (at most 1,024)")
     return arguments
 
 
@@ -53,11 +53,10 @@ def _agreement(candidate: torch.Tensor, reference: torch.Tensor) -> dict[str, fl
 
 
 def measure(args) -> dict:
-    tokens = 64 if args.quick else args.tokens
     source = minilm_folder()
     tokenizer = AutoTokenizer.from_pretrained(source)
     text = "\n\n".join(python_docs()[:5])
-    batch = tokenizer(text, return_tensors="pt", truncation=True, max_length=tokens)
+    batch = tokenizer(text, return_tensors="pt", truncation=True, max_length=args.tokens)
     workdir = Path(tempfile.mkdtemp(prefix="attention-matrix-"))
     try:
         matrices = {}

@@ -273,8 +273,6 @@ def flex_arms(mask):
 
 
 def measure(args) -> dict:
-    if args.quick:
-        args.lengths, args.reps = [512], 1
     modes = ("train", "inference") if args.device == "cuda" else ("inference",)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     rows = []
@@ -357,12 +355,14 @@ def plot(result: dict):
 
 
 def main(argv=None) -> dict:
-    parser = harness.parser(__doc__, quick="512 tokens, one run per arm")
+    parser = harness.parser(__doc__, quick="512 tokens, one run per arm", quick_flags={"lengths": [512], "reps": 1})
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--lengths", nargs="+", type=int, default=[8192, 32768])
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--lengths", nargs="+", type=harness.at_least(1), default=[8192, 32768])
+    parser.add_argument("--reps", type=harness.at_least(1), default=5)
     parser.add_argument("--arms", nargs="+", help="only these arms (and flash), by their names in the table")
-    parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="32: the encoder's (MiniLM); 64: GPT-2's")
+    parser.add_argument(
+        "--head-dim", type=harness.at_least(1), default=HEAD_DIM, help="32: the encoder's (MiniLM); 64: GPT-2's"
+    )
     return harness.main("attention_parts", parser, measure, markdown, plot, argv=argv)
 
 

@@ -169,10 +169,6 @@ def first_within(curve: list[dict], reference: float, tolerance: float = 0.05) -
 
 def measure(args: argparse.Namespace) -> dict:
     """Pretrain the softmax GPT-2, convert it, finetune every arm; curves, levels and the floor."""
-    if args.quick:
-        args.layers, args.hidden, args.heads, args.context, args.vocab_size = 2, 64, 2, 64, 512
-        args.pretrain_steps, args.eval_every, args.eval_blocks, args.warmup, args.batch_size = 40, 2, 8, 4, 8
-        args.redraw_interval, args.nb_features = 2, 32
     torch.manual_seed(args.seed)
     documents = python_docs(include_docstrings=True)
     split = seeded_split(documents, args.data_seed, {"train": 0.9, "validation": 0.1})
@@ -397,25 +393,44 @@ def plot(result: dict):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = harness.parser(__doc__, quick="a tiny model, 40 + 4 steps", threads=1)
+    positive, non_negative = harness.at_least(1), harness.at_least(0)
+    parser = harness.parser(
+        __doc__,
+        quick="a tiny model, 40 + 4 steps",
+        quick_flags={
+            "layers": 2,
+            "hidden": 64,
+            "heads": 2,
+            "context": 64,
+            "vocab_size": 512,
+            "pretrain_steps": 40,
+            "eval_every": 2,
+            "eval_blocks": 8,
+            "warmup": 4,
+            "batch_size": 8,
+            "redraw_interval": 2,
+            "nb_features": 32,
+        },
+        threads=1,
+    )
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--no-softmax-reference", action="store_true", help="skip the continued softmax GPT-2")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--pretrain-steps", type=int, default=1500)
+    parser.add_argument("--layers", type=positive, default=4)
+    parser.add_argument("--hidden", type=positive, default=128)
+    parser.add_argument("--heads", type=positive, default=4)
+    parser.add_argument("--context", type=positive, default=256)
+    parser.add_argument("--vocab-size", type=positive, default=4096)
+    parser.add_argument("--batch-size", type=positive, default=4)
+    parser.add_argument("--pretrain-steps", type=positive, default=1500)
     parser.add_argument("--finetune-fraction", type=float, default=0.1)
     parser.add_argument("--lr", type=float, default=1e-3, help="pretraining learning rate")
     parser.add_argument("--finetune-lr", type=float, default=5e-4)
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--finetune-warmup", type=int, default=10)
-    parser.add_argument("--redraw-interval", type=int, default=15)
-    parser.add_argument("--nb-features", type=int, default=256)
-    parser.add_argument("--eval-every", type=int, default=15, help="finetuning steps between evaluations")
-    parser.add_argument("--eval-blocks", type=int, default=48, help="held-out blocks evaluated")
+    parser.add_argument("--warmup", type=non_negative, default=100)
+    parser.add_argument("--finetune-warmup", type=non_negative, default=10)
+    parser.add_argument("--redraw-interval", type=non_negative, default=15, help="0: never")
+    parser.add_argument("--nb-features", type=positive, default=256)
+    parser.add_argument("--eval-every", type=positive, default=15, help="finetuning steps between evaluations")
+    parser.add_argument("--eval-blocks", type=positive, default=48, help="held-out blocks evaluated")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-seed", type=int, default=0)
     return harness.main("compat_causal", parser, measure, markdown, plot, argv=argv)

@@ -165,14 +165,12 @@ CONVERTED_ARMS = {"favor": "plain FAVOR+", "default": "default conversion"}
 
 
 def setup(args: argparse.Namespace) -> dict:
-    if args.quick:
-        return {"train": 64, "validation": 32, "test": 64, "epochs": 1, "max_steps": 4, "batch": 16, "eval_steps": 2}
     return {
         "train": args.train_size,
         "validation": args.validation_size,
-        "test": None,
+        "test": 64 if args.quick else None,
         "epochs": args.epochs,
-        "max_steps": None,
+        "max_steps": 4 if args.quick else None,
         "batch": args.batch_size,
         "eval_steps": args.eval_steps,
     }
@@ -426,7 +424,13 @@ def plot(result: dict):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = harness.parser(__doc__, quick="64 sentences, 4 steps", threads=1)
+    positive = harness.at_least(1)
+    parser = harness.parser(
+        __doc__,
+        quick="64 sentences, 4 steps",
+        quick_flags={"train_size": 64, "validation_size": 32, "epochs": 1, "batch_size": 16, "eval_steps": 2},
+        threads=1,
+    )
     parser.add_argument(
         "--arms",
         nargs="+",
@@ -434,16 +438,18 @@ def main(argv: list[str] | None = None) -> dict:
         choices=list(ARMS),
         help="'default' (the converter's current default settings) is optional",
     )
-    parser.add_argument("--train-size", type=int, default=2560, help="sentences used of the 8,454 in the train split")
-    parser.add_argument("--validation-size", type=int, default=500, help="validation sentences for the curves")
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-length", type=int, default=64)
+    parser.add_argument(
+        "--train-size", type=positive, default=2560, help="sentences used of the 8,454 in the train split"
+    )
+    parser.add_argument("--validation-size", type=positive, default=500, help="validation sentences for the curves")
+    parser.add_argument("--epochs", type=positive, default=1)
+    parser.add_argument("--batch-size", type=positive, default=32)
+    parser.add_argument("--max-length", type=positive, default=64)
     parser.add_argument("--lr", type=float, default=5e-5, help="learning rate of the pretrained arms")
     parser.add_argument("--lr-random", type=float, default=1e-4, help="learning rate of the random-init arm")
-    parser.add_argument("--warmup", type=int, default=20, help="warm-up optimizer steps")
-    parser.add_argument("--eval-steps", type=int, default=20)
-    parser.add_argument("--seeds", type=int, default=1, help="training seeds per arm (0, 1, ...)")
+    parser.add_argument("--warmup", type=harness.at_least(0), default=20, help="warm-up optimizer steps")
+    parser.add_argument("--eval-steps", type=positive, default=20)
+    parser.add_argument("--seeds", type=positive, default=1, help="training seeds per arm (0, 1, ...)")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the 80/10/10 split")
     return harness.main("compat_sentiment", parser, measure, markdown, plot, argv=argv)
 

@@ -176,8 +176,6 @@ def _count_bytes():
 
 
 def measure(args) -> dict:
-    if args.quick:
-        args.lengths, args.arms = [256], ["far field, PyTorch"]  # (the Triton kernels: their tests)
     _count_bytes()
     projection = draw_projection(FEATURES, HEAD_DIM, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     arm_calls = calls(projection)
@@ -230,8 +228,12 @@ def plot(result: dict):
 
 
 def main(argv=None) -> dict:
-    parser = harness.parser(__doc__, quick="the far field in PyTorch at 256 tokens")
-    parser.add_argument("--lengths", nargs="+", type=int, default=[4096])
+    parser = harness.parser(
+        __doc__,
+        quick="the far field in PyTorch at 256 tokens",
+        quick_flags={"lengths": [256], "arms": ["far field, PyTorch"]},  # (the Triton kernels: their tests)
+    )
+    parser.add_argument("--lengths", nargs="+", type=harness.at_least(1), default=[4096])
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     return harness.main("compiled_traffic", parser, measure, markdown, plot, argv=argv)
 

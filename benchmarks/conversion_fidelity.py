@@ -105,8 +105,6 @@ def performer_pytorch_attention(layers: dict[int, performer_pytorch.FastAttentio
 
 def measure(args) -> dict:
     """Embedding agreement with the source per method and seed, and the medians over seeds."""
-    if args.quick:
-        args.sentences, args.seeds = 50, 2
     num_sentences, seeds, batch_size = args.sentences, args.seeds, args.batch_size
     torch.manual_seed(0)
     folder = minilm_folder()
@@ -200,10 +198,12 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    parser = harness.parser(__doc__, quick="50 sentences, 2 seeds")
-    parser.add_argument("--sentences", type=int, default=200)
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser = harness.parser(__doc__, quick="50 sentences, 2 seeds", quick_flags={"sentences": 50, "seeds": 2})
+    parser.add_argument(
+        "--sentences", type=harness.at_least(3), default=200, help="at least 3: the pairwise Spearman's least"
+    )
+    parser.add_argument("--seeds", type=harness.at_least(1), default=5)
+    parser.add_argument("--batch-size", type=harness.at_least(1), default=32)
     return harness.main("conversion_fidelity", parser, measure, markdown, plot, argv=argv)
 
 

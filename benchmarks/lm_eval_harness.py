@@ -43,14 +43,20 @@ ARMS = {"source": None, "sparse": {}, "window": {"select_blocks": 0}}
 
 
 def _arguments():
+    positive = harness.at_least(1)
     arguments = harness.parser(
-        __doc__, quick="a tiny random Llama, the sparse arm, 1 NIAH prompt of 512 tokens, 1 page", threads=2
+        __doc__,
+        quick="a tiny random Llama, the sparse arm, 1 NIAH prompt of 512 tokens, 1 page",
+        quick_flags={"arms": ["sparse"], "niah_lengths": [512], "niah_samples": 1, "max_gen_toks": 4, "pages": 1},
+        threads=2,
     )
     arguments.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    arguments.add_argument("--niah-lengths", nargs="+", type=int, default=[2048, 4096])
-    arguments.add_argument("--niah-samples", type=int, default=10)
-    arguments.add_argument("--max-gen-toks", type=int, default=16, help="RULER's default is 128; the answer is short")
-    arguments.add_argument("--pages", type=int, default=4)
+    arguments.add_argument("--niah-lengths", nargs="+", type=positive, default=[2048, 4096])
+    arguments.add_argument("--niah-samples", type=positive, default=10)
+    arguments.add_argument(
+        "--max-gen-toks", type=positive, default=16, help="RULER's default is 128; the answer is short"
+    )
+    arguments.add_argument("--pages", type=positive, default=4)
     return arguments
 
 
@@ -95,13 +101,12 @@ def _evaluate(folder: Path, task: str, limit: int, metadata: dict | None = None,
 
 
 def measure(args) -> dict:
-    lengths = [512] if args.quick else args.niah_lengths
-    samples, pages, max_gen_toks = (1, 1, 4) if args.quick else (args.niah_samples, args.pages, args.max_gen_toks)
+    lengths, samples, pages, max_gen_toks = args.niah_lengths, args.niah_samples, args.pages, args.max_gen_toks
     workdir = Path(tempfile.mkdtemp(prefix="lm-eval-study-"))
     try:
         source = _tiny_source(workdir / "source") if args.quick else smollm2_checkpoint()
         arms = {}
-        for arm in ["sparse"] if args.quick else args.arms:
+        for arm in args.arms:
             if ARMS[arm] is None:
                 folder = source
             else:

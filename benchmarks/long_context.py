@@ -91,8 +91,6 @@ def run_config(args, kernel: str, direction: str, length: int) -> dict:
 
 def measure(args) -> dict:
     """Every (length, direction, kernel), each in its own process."""
-    if args.quick:  # each configuration is a fresh process (9 s, its imports mostly): one direction's pair
-        args.lengths, args.repeats, args.directions = [1024], 1, args.directions[:1]
     results = []
     for length in args.lengths:
         for direction in args.directions:
@@ -164,12 +162,18 @@ def plot(payload: dict):
 
 
 def main(argv=None) -> dict:
-    parser = harness.parser(__doc__, quick="L = 1024, 1 repeat, the first direction", threads=0)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser = harness.parser(
+        __doc__,
+        quick="L = 1024, 1 repeat, bidirectional only",
+        # each configuration is a fresh process (9 s, its imports mostly): one direction's pair
+        quick_flags={"lengths": [1024], "repeats": 1, "directions": ["bidirectional"]},
+        threads=0,
+    )
+    parser.add_argument("--lengths", type=harness.at_least(1), nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     parser.add_argument("--directions", nargs="+", default=["bidirectional", "causal"])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--nb-features", type=int, default=256)
+    parser.add_argument("--repeats", type=harness.at_least(1), default=3)
+    parser.add_argument("--nb-features", type=harness.at_least(1), default=256)
     parser.add_argument("--memory-limit-gb", type=float, default=16.0, help="address-space cap of each child")
     return harness.main("long_context", parser, measure, markdown, plot, child=child, argv=argv)
 

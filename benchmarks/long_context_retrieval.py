@@ -74,21 +74,36 @@ ARMS = {
 
 
 def _arguments():
-    arguments = harness.parser(__doc__, quick="768 tokens, the key first, 3 arms, one perplexity window", threads=2)
+    positive = harness.at_least(1)
+    arguments = harness.parser(
+        __doc__,
+        quick="768 tokens, the key first, 3 arms, one perplexity window",
+        # each path at the least work: prompts past the 512-token window, which the "window" arm reads alone
+        quick_flags={
+            "lengths": [768],
+            "trials": 1,
+            "arms": ["source", "window", "bounded-16"],
+            "ppl_length": 768,
+            "ppl_windows": 1,
+            "decode_contexts": [256],
+            "decode_rounds": 3,
+        },
+        threads=2,
+    )
     arguments.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     arguments.add_argument(
         "--lengths",
         nargs="+",
-        type=int,
+        type=positive,
         default=[2048, 4096, 8184],
         help="prompt tokens (8184 + the 8 answer tokens fill SmolLM2's 8192 positions)",
     )
-    arguments.add_argument("--trials", type=int, default=8, help="depths per length, from 0 to 100%%")
-    arguments.add_argument("--ppl-length", type=int, default=8192)
-    arguments.add_argument("--ppl-windows", type=int, default=2)
+    arguments.add_argument("--trials", type=positive, default=8, help="depths per length, from 0 to 100%%")
+    arguments.add_argument("--ppl-length", type=positive, default=8192)
+    arguments.add_argument("--ppl-windows", type=positive, default=2)
     arguments.add_argument("--seed", type=int, default=0)
-    arguments.add_argument("--decode-contexts", nargs="+", type=int, default=[1024, 4096, 8184])
-    arguments.add_argument("--decode-rounds", type=int, default=9)
+    arguments.add_argument("--decode-contexts", nargs="+", type=positive, default=[1024, 4096, 8184])
+    arguments.add_argument("--decode-rounds", type=positive, default=9)
     arguments.add_argument(
         "--decode-arms", nargs="*", default=[], choices=list(ARMS), help="arms timed for decoding only (no pass key)"
     )
@@ -187,11 +202,6 @@ def _perplexity(model, windows: list[torch.Tensor]) -> float | None:
 
 
 def measure(args) -> dict:
-    if args.quick:
-        # each path at the least work: prompts past the 512-token window, which the "window" arm reads alone
-        args.lengths, args.trials, args.arms = [768], 1, ["source", "window", "bounded-16"]
-        args.ppl_length, args.ppl_windows = 768, 1
-        args.decode_contexts, args.decode_rounds = [256], 3
     source = smollm2_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(source)
     filler = passkey.filler_tokens(tokenizer, bbc_news()["test"])

@@ -332,9 +332,6 @@ def cost(folder: Path, length: int, memory_cap_gb: float) -> dict:
 
 def measure(args: argparse.Namespace) -> dict:
     """Build the documents and every arm; probe the cost per step; train, test; per arm and seed."""
-    if args.quick:
-        args.length, args.evidence_tokens, args.train_docs, args.validation_docs, args.test_docs = 1024, 256, 8, 2, 4
-        args.probe_lengths, args.seeds = [1024], 1
     source = minilm_folder()
     tokenizer = AutoTokenizer.from_pretrained(source)
     splits = bbc_news(seed=args.data_seed)
@@ -609,23 +606,37 @@ def plot(result: dict):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = harness.parser(__doc__, quick="1,024 tokens, 8 training documents, 2 steps per arm, 1 seed", threads=2)
+    positive = harness.at_least(1)
+    parser = harness.parser(
+        __doc__,
+        quick="1,024 tokens, 8 training documents, 2 steps per arm, 1 seed",
+        quick_flags={
+            "length": 1024,
+            "evidence_tokens": 256,
+            "train_docs": 8,
+            "validation_docs": 2,
+            "test_docs": 4,
+            "probe_lengths": [1024],
+            "seeds": 1,
+        },
+        threads=2,
+    )
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--length", type=int, default=4096, help="tokens per document")
-    parser.add_argument("--evidence-tokens", type=int, default=1024, help="tokens of the passage of news articles")
-    parser.add_argument("--train-docs", type=int, default=256)
-    parser.add_argument("--validation-docs", type=int, default=20)
-    parser.add_argument("--test-docs", type=int, default=240)
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--length", type=positive, default=4096, help="tokens per document")
+    parser.add_argument("--evidence-tokens", type=positive, default=1024, help="tokens of the passage of news articles")
+    parser.add_argument("--train-docs", type=positive, default=256)
+    parser.add_argument("--validation-docs", type=positive, default=20)
+    parser.add_argument("--test-docs", type=positive, default=240)
+    parser.add_argument("--batch-size", type=positive, default=1)
     parser.add_argument("--lr", type=float, default=5e-5)
-    parser.add_argument("--warmup", type=int, default=16, help="warm-up optimizer steps")
-    parser.add_argument("--seeds", type=int, default=1, help="training seeds per arm (--first-seed, +1, ...)")
+    parser.add_argument("--warmup", type=harness.at_least(0), default=16, help="warm-up optimizer steps")
+    parser.add_argument("--seeds", type=positive, default=1, help="training seeds per arm (--first-seed, +1, ...)")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--merge-with", type=Path, help="an earlier results JSON whose seeds to pool with these")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of BBC News' 80/10/10 split")
     parser.add_argument(
         "--probe-lengths",
-        type=int,
+        type=positive,
         nargs="*",
         default=[512, 1024, 2048, 4096, 8192],
         help="lengths whose step time and memory to probe (none: keep those of --merge-with)",

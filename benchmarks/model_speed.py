@@ -580,11 +580,6 @@ def _attention_outputs(model):
 
 
 def measure(args) -> dict:
-    if args.quick:
-        args.lengths, args.reps = [128], 1
-        # the smoke test runs each path once: these arms are other settings of paths it runs (and the tiled
-        # support would compile a CPU kernel of its own, a minute)
-        args.arms = [arm for arm in args.arms if arm not in ("sdpa_fused", "exact", "approximation", "tiled")]
     if args.part == "decode":  # the encoder does not decode
         args.models = [kind for kind in args.models if kind != "encoder"]
     if args.device == "cpu" and "flash" in args.arms:
@@ -750,17 +745,27 @@ def plot(payload: dict):
 
 
 def main(argv=None) -> dict:
+    # the smoke test runs each path once: its arms leave out other settings of paths it runs (and the tiled support,
+    # which would compile a CPU kernel of its own, a minute)
+    quick_arms = [arm for arm in ARMS if arm not in ("sdpa_fused", "exact", "approximation", "tiled")]
     parser = harness.parser(
-        __doc__, quick="L = 128, 1 run each, arms sdpa hybrid favor bound, vocabularies of 1,024", threads=2
+        __doc__,
+        quick="L = 128, 1 run each, arms sdpa hybrid favor bound, vocabularies of 1,024",
+        quick_flags={"lengths": [128], "reps": 1, "arms": quick_arms},
+        threads=2,
     )
     parser.add_argument("--part", choices=tuple(PART_MODES), default="model")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--batch-tokens", type=int, default=0, help="tokens per batch (batch = this // L); 0: batch 1")
-    parser.add_argument("--reps", type=int, default=3, help="timed runs per configuration (median reported)")
+    parser.add_argument("--lengths", type=harness.at_least(1), nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument(
+        "--batch-tokens", type=harness.at_least(0), default=0, help="tokens per batch (batch = this // L); 0: batch 1"
+    )
+    parser.add_argument(
+        "--reps", type=harness.at_least(1), default=3, help="timed runs per configuration (median reported)"
+    )
     parser.add_argument("--time-cap", type=float, default=60.0, help="skip longer lengths past this median (s)")
     parser.add_argument(
         "--budget", type=float, default=0.0, help="per model: start no new length past this many seconds (0: no limit)"

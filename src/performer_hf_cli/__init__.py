@@ -24,6 +24,7 @@ from .options import (
 )
 
 _KINDS = {"bool": bool, "int": int, "float": float, "str": str}
+_DEMO_METHODS = ("favor", "hybrid")  # the methods of an encoder, which the demo converts (not the causal-only sparse)
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -32,6 +33,22 @@ class _OneLineErrors(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def at_least(minimum: int):
+    """The ``type=`` of a count option (here and in ``benchmarks/``): a whole number of at least ``minimum``, else a
+    usage error that says so."""
+
+    def whole_number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {value}")
+        return value
+
+    return whole_number
 
 
 def parser() -> argparse.ArgumentParser:
@@ -94,14 +111,23 @@ def parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="convert the real all-MiniLM-L6-v2 and compare it with the source at 8K")
     demo.add_argument("--output-dir", help="keep the converted checkpoint here (default: a temporary folder)")
     demo.add_argument("--overwrite", action="store_true", help="replace a non-empty --output-dir")
-    demo.add_argument("--length", type=int, default=8192, help="tokens for the speed / memory comparison")
-    demo.add_argument("--sentences", type=int, default=200, help="English sentences for the embedding comparison")
-    demo.add_argument("--repeats", type=int, default=3, help="timed forward passes per model")
+    demo.add_argument(
+        "--length",
+        type=at_least(2),
+        default=8192,
+        help="tokens for the speed / memory comparison (at least 2: [CLS] and [SEP])",
+    )
+    demo.add_argument(
+        "--sentences",
+        type=at_least(3),
+        default=200,
+        help="English sentences for the embedding comparison (at least 3: the pairwise-similarity Spearman's least)",
+    )
+    demo.add_argument("--repeats", type=at_least(1), default=3, help="timed forward passes per model")
     demo.add_argument(
         "--method",
-        choices=sorted(METHODS),
-        help=f"attention method of the conversion (default: {DEFAULT_METHOD}; {DEFAULT_IN_PLACE_METHOD} for the "
-        "decoders converted in place)",
+        choices=_DEMO_METHODS,
+        help=f"attention method of the conversion (default: {DEFAULT_METHOD})",
     )
 
     zoo = commands.add_parser("zoo", help="list or build the models of the performer-hf zoo")
