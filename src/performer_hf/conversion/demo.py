@@ -154,11 +154,15 @@ def run_demo(
 ) -> dict:
     """Run the demo; returns its figures (see :func:`format_demo`). ``output_dir`` keeps the converted
     checkpoint (default: a temporary folder, deleted at the end); ``method`` is the conversion's attention
-    method (``convert``'s default when None: the hybrid; ``"favor"``: plain FAVOR+)."""
+    method (``convert``'s default when None: the hybrid; ``"favor"``: plain FAVOR+). A ``length`` under 2 tokens,
+    fewer than 3 sentences (the pairwise Spearman's least) or ``repeats`` under 1 is refused before any work."""
     from transformers import AutoTokenizer
 
     from ..modeling.modeling_performer import PerformerModel
 
+    for name, value, least in (("length", length, 2), ("num_sentences", num_sentences, 3), ("repeats", repeats, 1)):
+        if not isinstance(value, int) or value < least:
+            raise ConversionError(f"the demo's {name} must be a whole number >= {least}, got {value!r}.")
     source_folder = minilm_folder()
     pretrained = json.loads((source_folder / "config.json").read_text())["max_position_embeddings"]
     positions = max(length, pretrained)
