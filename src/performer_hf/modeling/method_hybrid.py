@@ -154,13 +154,15 @@ def _causal_exact_prefix(module: nn.Module, q, k, v, key_mask, layer_cache) -> t
     if past:
         k, v = torch.cat([prefix[0], k], dim=2), torch.cat([prefix[1], v], dim=2)  # (B, H, P + L, D)
     total = k.shape[2]
-    if not statically_known_true(total <= T):  # (a dynamic length within the prefix exports)
+    within = statically_known_true(total <= T)  # every query in the prefix (a dynamic length within it exports)
+    if not within:
         refuse_dynamic_length(
             total,
             "a causal hybrid with an exact prefix",
             f"a range within its {T} exact positions, or set exact_max_length=0",
         )
-    exact_end = max(past, min(T, total))  # queries before it attend exactly
+    # queries before it attend exactly (within the prefix, no min: torch 2.11's export could not simplify it)
+    exact_end = total if within else max(past, min(T, total))
     attend = functools.partial(_exact_then_hybrid, module, layer_cache=layer_cache, past=past, exact_end=exact_end)
     count = module.hybrid_spec.num_global_tokens
     if exact_end < total and not past:  # (exact attention alone does not depend on the keys' order)
