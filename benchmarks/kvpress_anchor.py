@@ -122,6 +122,10 @@ def main() -> None:
     arguments.add_argument("--out-dir", type=Path, default=HERE / "results")
     arguments.add_argument("--threads", type=int, default=2)
     args = arguments.parse_args()
+    if args.threads < 1:
+        arguments.error(f"--threads takes a whole number >= 1, got {args.threads}")
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        arguments.error(f"--out-dir {args.out_dir} is a file; give a folder (created if missing)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)

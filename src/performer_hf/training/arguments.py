@@ -16,7 +16,7 @@ from pathlib import Path
 import huggingface_hub
 from transformers import SchedulerType
 
-from performer_hf_cli import output_replaces_source
+from performer_hf_cli import at_least, output_replaces_source
 
 TASKS = ("mlm", "clm", "classification")
 
@@ -30,13 +30,6 @@ CHECKPOINT_NAME = re.compile(r"^(step|epoch)_\d+$")  # the folders --checkpointi
 
 class TrainingInputError(ValueError):
     """Bad input (arguments, files, columns, lengths) found before any training starts."""
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
 
 
 def _non_negative_float(text: str) -> float:
@@ -69,7 +62,7 @@ def _add_data_arguments(parser: argparse.ArgumentParser, task: str) -> None:
         "--max_seq_length",
         "--block_size",
         dest="max_seq_length",
-        type=_positive_int,
+        type=at_least(1),
         help=(
             "Tokens per example: the block length texts are grouped into (language modeling) or the truncation "
             "length (classification). Default: the model's number of positions."
@@ -79,9 +72,9 @@ def _add_data_arguments(parser: argparse.ArgumentParser, task: str) -> None:
         group.add_argument(
             "--mlm_probability", type=float, default=0.15, help="Share of tokens masked for the MLM loss."
         )
-    group.add_argument("--max_train_samples", type=_positive_int, help="Keep only this many training examples.")
-    group.add_argument("--max_eval_samples", type=_positive_int, help="Keep only this many evaluation examples.")
-    group.add_argument("--preprocessing_num_workers", type=_positive_int, help="Processes for tokenization.")
+    group.add_argument("--max_train_samples", type=at_least(1), help="Keep only this many training examples.")
+    group.add_argument("--max_eval_samples", type=at_least(1), help="Keep only this many evaluation examples.")
+    group.add_argument("--preprocessing_num_workers", type=at_least(1), help="Processes for tokenization.")
     group.add_argument("--overwrite_cache", action="store_true", help="Redo tokenization instead of using the cache.")
 
 
@@ -108,7 +101,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--feature_redraw_interval",
-        type=_positive_int,
+        type=at_least(1),
         help=(
             "Redraw the FAVOR+ random features every N optimizer steps, seeded from the step so that all "
             "processes draw the same features (default: the config's feature_redraw_interval; never if unset)."
@@ -118,7 +111,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--gradient_checkpointing", action="store_true", help="Recompute activations in backward to save memory."
     )
     lora = parser.add_argument_group("LoRA (peft): train low-rank adapters of the attention, the rest frozen")
-    lora.add_argument("--lora_r", type=_positive_int, help="LoRA rank (default: no LoRA, every weight trains).")
+    lora.add_argument("--lora_r", type=at_least(1), help="LoRA rank (default: no LoRA, every weight trains).")
     lora.add_argument("--lora_alpha", type=float, help="LoRA scaling numerator (default: twice --lora_r).")
     lora.add_argument("--lora_dropout", type=_non_negative_float, default=0.0, help="Dropout on the LoRA input.")
     lora.add_argument(
@@ -131,15 +124,15 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_optimization_arguments(parser: argparse.ArgumentParser, task: str) -> None:
     group = parser.add_argument_group("optimization")
-    group.add_argument("--per_device_train_batch_size", type=_positive_int, default=8)
-    group.add_argument("--per_device_eval_batch_size", type=_positive_int, default=8)
+    group.add_argument("--per_device_train_batch_size", type=at_least(1), default=8)
+    group.add_argument("--per_device_eval_batch_size", type=at_least(1), default=8)
     group.add_argument("--learning_rate", type=float, default=5e-5 if task != "classification" else 2e-5)
     group.add_argument("--weight_decay", type=_non_negative_float, default=0.0)
-    group.add_argument("--num_train_epochs", type=_positive_int, default=3)
+    group.add_argument("--num_train_epochs", type=at_least(1), default=3)
     group.add_argument(
-        "--max_train_steps", type=_positive_int, help="Optimizer steps to run; overrides --num_train_epochs."
+        "--max_train_steps", type=at_least(1), help="Optimizer steps to run; overrides --num_train_epochs."
     )
-    group.add_argument("--gradient_accumulation_steps", type=_positive_int, default=1)
+    group.add_argument("--gradient_accumulation_steps", type=at_least(1), default=1)
     group.add_argument(
         "--lr_scheduler_type",
         type=SchedulerType,
@@ -190,7 +183,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--eval_steps",
-        type=_positive_int,
+        type=at_least(1),
         help="Evaluate every N optimizer steps (default: at the end of every epoch).",
     )
     group.add_argument(
