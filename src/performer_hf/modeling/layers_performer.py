@@ -19,7 +19,7 @@ from .compiled_lengths import traced
 from .configuration_performer import PerformerConfig
 from .favor_projection import draw_projection
 from .implied_attention import implied_attention
-from .sink_order import sinks_first
+from .sink_order import EVERY_REAL_KEY, sinks_first
 from .vocabulary_projection import plain_linear, vocabulary_logits
 
 
@@ -186,13 +186,16 @@ class AttentionMethodState(nn.Module):
 
     def sinks_moved_per_call(self, causal: bool) -> int:
         """How many first real keys of each left-padded row a call moves in front of its pads
-        (:func:`.sinks_first`): the hybrid's and the sparse method's global tokens, read exactly for every query (and,
-        bidirectionally, the hybrid's global queries, which move with them); none for FAVOR+ and exact attention, nor
-        for a causal hybrid with an exact prefix, which orders its keys itself where a call passes the prefix
+        (:func:`.sinks_first`): the hybrid's and the sparse method's global tokens, read exactly for every query;
+        bidirectionally, every real key (queries move with their keys), so that the hybrid's global tokens, window,
+        routed blocks and their groups are the row's as alone; none for FAVOR+ and exact attention, nor for a causal
+        hybrid with an exact prefix, which orders its keys itself where a call passes the prefix
         (:func:`.method_hybrid._causal_exact_prefix`)."""
         if self.attention_method == "sparse":
             return self.sparse_spec.num_global_tokens
-        if self.attention_method == "hybrid" and not (causal and self.exact_max_length):
+        if self.attention_method == "hybrid" and not causal:
+            return EVERY_REAL_KEY if self.hybrid_spec.num_global_tokens or self.hybrid_spec.routed_blocks else 0
+        if self.attention_method == "hybrid" and not self.exact_max_length:
             return self.hybrid_spec.num_global_tokens
         return 0
 

@@ -7,9 +7,9 @@ scored its tokens at loss 4.691 where the row alone scores 4.110 (logits 29.3 ap
 the order of the keys only through what comes before each query, so a row's first real keys can move in front of
 its pads: :func:`sinks_first` calls a method with each row's keys in that order, which gives the method the row's
 own global tokens, and its queries' outputs in their places. The rest keeps its positions (window and blocks go
-by position, as they do on each row alone, a whole number of pads apart). Bidirectional calls move their queries
-with their keys (the hybrid's global tokens are its global queries too), which softmax over the other keys does
-not notice.
+by position, as they do on each row alone, a whole number of pads apart). Bidirectional calls move every real key
+in front of the pads, and their queries with them (the hybrid's global tokens are its global queries too): the row is
+laid out as alone, so its window, routed blocks and routing groups are its own whatever the padding.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ from .method_exact import read_per_mask, row_spans
 Tensor = torch.Tensor
 
 logger = logging.getLogger(__name__)
+
+# a ``count`` that moves every real key of a left-padded row in front of its pads: a bidirectional call's row is then
+# laid out as alone (right-padded), whole blocks and routing groups included
+EVERY_REAL_KEY = 2**62
 
 # per padding mask: {count: the order or None} (:func:`.read_per_mask`: one host read per forward, not per layer)
 _ORDERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
