@@ -1252,3 +1252,23 @@ def test_masked_lm_gradient_accumulation_trains_as_the_larger_batch(assets, tmp_
     (one_batch, one_losses), (accumulated, accumulated_losses) = run("one", 8, 1), run("accumulated", 2, 4)
     assert accumulated_losses == pytest.approx(one_losses, rel=1e-6)
     assert accumulated["eval_loss"] == pytest.approx(one_batch["eval_loss"], rel=1e-6)
+
+
+def test_a_masked_lm_micro_batch_without_a_masked_token_adds_nothing_to_its_step(assets, tmp_path):
+    """At --mlm_probability 0.02, micro-batches of one block often mask no token: their mean loss (0/0) backpropagated
+    NaN into every weight (losses {1: 7.04, 2: nan, ...}). They now add nothing, so eight micro-batches of one train as
+    one batch of eight, none of whose steps is without a masked token."""
+
+    def run(name, batch, accumulation):
+        argv = lm_args(assets, tmp_path / name, "--mlm_probability", "0.02", steps=3)
+        argv += ["--gradient_accumulation_steps", str(accumulation)]
+        argv[argv.index("--per_device_train_batch_size") + 1] = str(batch)
+        metrics = train_language_model("mlm", argv)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        return metrics, train_losses(tmp_path / name)
+
+    (one_batch, one_losses), (accumulated, accumulated_losses) = run("one", 8, 1), run("accumulated", 1, 8)
+    assert all(math.isfinite(loss) and loss > 0 for loss in one_losses.values())
+    assert accumulated_losses == pytest.approx(one_losses, rel=1e-6)
+    assert accumulated["eval_loss"] == pytest.approx(one_batch["eval_loss"], rel=1e-6)
