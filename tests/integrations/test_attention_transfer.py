@@ -241,13 +241,13 @@ def test_a_favor_transfer_in_a_subfolder_does_not_run_its_roots_tensors(root, tm
         if name == "root/later" or root == "transferred":
             performer_hf.transfer_attention(model, _batches(), steps=steps, learning_rate=1e-2, progress=False)
         performer_hf.ship_remote_code(model).save_pretrained(tmp_path / name)
-    with pytest.raises(ValueError, match="is not the one it was loaded from .* trust_remote_code=True"):
-        with torch.no_grad():
-            AutoModelForCausalLM.from_pretrained(tmp_path / "root", subfolder="later")(_ids(1, 40))
     with torch.no_grad():  # from its own path, the same model loads its own tensors
         own = AutoModelForCausalLM.from_pretrained(tmp_path / "root/later")(_ids(1, 40)).logits
         remote = AutoModelForCausalLM.from_pretrained(tmp_path / "root", subfolder="later", trust_remote_code=True)
         torch.testing.assert_close(remote(_ids(1, 40)).logits, own, rtol=0, atol=0)
+        # the source's class finds the subfolder by the digest its config records
+        source = AutoModelForCausalLM.from_pretrained(tmp_path / "root", subfolder="later")
+        torch.testing.assert_close(source(_ids(1, 40)).logits, own, rtol=0, atol=0)
 
 
 def test_trained_tensors_reach_every_copy_and_only_their_own_checkpoints_model(tmp_path, caplog):
@@ -276,12 +276,31 @@ def test_trained_tensors_reach_every_copy_and_only_their_own_checkpoints_model(t
         assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(tmp_path / copy).eval()), trained["root/later"])
     from_subfolder = AutoModelForCausalLM.from_pretrained(tmp_path / "root", subfolder="later", trust_remote_code=True)
     assert torch.equal(logits(from_subfolder.eval()), trained["root/later"])
-    with pytest.raises(ValueError, match="is not the one it was loaded from .* trust_remote_code=True"):
-        logits(AutoModelForCausalLM.from_pretrained(tmp_path / "root", subfolder="later").eval())
+    source = AutoModelForCausalLM.from_pretrained(tmp_path / "root", subfolder="later").eval()
+    assert torch.equal(logits(source), trained["root/later"])
     other = AutoModelForCausalLM.from_pretrained(tmp_path / "root/later", attn_implementation="performer").eval()
     with caplog.at_level("WARNING"):
         assert torch.isfinite(logits(other)).all()
     assert "are another method's than the 'favor' it runs now" in caplog.text
+
+
+def test_a_transferred_model_in_a_subfolder_of_an_empty_folder_runs_its_own_tensors(tmp_path):
+    """transformers records the path alone: a model loaded with subfolder= from a folder holding nothing but that
+    subfolder failed at its first forward, saying the folder "cannot be read now" (it was there). It reads its tensors
+    from the subfolder whose config records them; with that subfolder gone, the refusal names both fixes."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, "performer_hybrid", local_window=8)
+    performer_hf.transfer_attention(model, _batches(), steps=4, progress=False)
+    ids = _ids(1, 40, seed=4)
+    with torch.no_grad():
+        expected = model.eval()(ids).logits
+        performer_hf.ship_remote_code(model).save_pretrained(tmp_path / "repo" / "sub")
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "repo", subfolder="sub").eval()
+        assert torch.equal(loaded(ids).logits, expected)
+        moved = AutoModelForCausalLM.from_pretrained(tmp_path / "repo", subfolder="sub").eval()
+        (tmp_path / "repo" / "sub").rename(tmp_path / "elsewhere")
+        with pytest.raises(ValueError, match="subfolder= .* trust_remote_code=True .* subfolder's own path"):
+            moved(ids)
 
 
 def test_torch_export_of_a_transferred_model_keeps_its_trained_tensors(tmp_path):

@@ -20,6 +20,7 @@ import copy
 import hashlib
 import json
 import logging
+import os
 import re
 import weakref
 from typing import Any
@@ -294,18 +295,19 @@ def _take_learned_tensors(module: nn.Module, state: AttentionMethodState) -> boo
     if learned is not None:
         tensors = learned.state_dict()
     else:
-        tensors = _checkpoint_tensors(config, module.layer_idx)
-        if config._name_or_path not in _REPORTED_CHECKPOINTS:  # once per checkpoint, not per layer
-            _REPORTED_CHECKPOINTS.add(config._name_or_path)
+        path = _checkpoint_path(config)
+        tensors = _checkpoint_tensors(config, path, module.layer_idx)
+        if path not in _REPORTED_CHECKPOINTS:  # once per checkpoint, not per layer
+            _REPORTED_CHECKPOINTS.add(path)
             logger.info(
                 "read the trained Performer attention tensors from %s (transformers' load report lists them as "
                 "unexpected keys: the model class does not declare them)",
-                config._name_or_path,
+                path,
             )
     if not _fits(state, tensors):
         return False
     if learned is None:
-        _check_same_checkpoint(config)
+        _check_same_checkpoint(config, path)
     state.load_state_dict(tensors)
     module.add_module(LEARNED_SUBMODULE, state)
     return True
@@ -368,17 +370,56 @@ _LEARNED_KEY = re.compile(rf"\.(?P<layer>\d+)\.(?:[^.]+\.)*?{LEARNED_SUBMODULE}\
 # the settings attention transfer trains beside the tensors: a checkpoint whose config holds others is another one
 _TRAINED_SETTINGS = ("far_field_parameter", "far_field_gain")
 
+# the checkpoint folder found under a model's recorded path: {id(config): (recorded path, folder)}, dropped with it
+_FOUND_CHECKPOINTS: dict[int, tuple[str, str]] = {}
 
-def _check_same_checkpoint(config) -> None:
-    """Refuse to read the trained tensors from a checkpoint at ``config._name_or_path`` whose trained settings are not
-    the model's: transformers records the path alone, so a model loaded from a subfolder or another revision of
-    it would run with the tensors of the checkpoint at the path's root, or of its main revision."""
+
+def _saved_config(path: str) -> dict[str, Any] | None:
+    """The config.json of the checkpoint at ``path`` (a folder or Hub id), or None where it cannot be read."""
     from transformers.utils import cached_file
 
     try:
-        with open(cached_file(str(config._name_or_path), "config.json")) as handle:
-            checkpoint = json.load(handle)
-    except (OSError, ValueError):  # out of reach now: reading its tensors says so
+        file = cached_file(path, "config.json")
+        if file is None:  # (a local folder without one)
+            return None
+        with open(file) as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return None
+
+
+def _checkpoint_path(config) -> str:
+    """The checkpoint that ``config``'s model was loaded from: ``config._name_or_path``, or, where that is a local
+    folder whose config.json does not record the model's trained tensors (their digest), the folder under it whose
+    config.json does. transformers records the path alone, not the ``subfolder=`` the model was loaded from."""
+    recorded, digest = str(config._name_or_path), getattr(config, LEARNED_DIGEST_ATTRIBUTE, None)
+    found = _FOUND_CHECKPOINTS.get(id(config))
+    if found is not None and found[0] == recorded:
+        return found[1]
+    if digest is None or not os.path.isdir(recorded) or _digest_at(recorded) == digest:
+        return recorded
+    for folder, subfolders, files in os.walk(recorded):
+        subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))  # (.git, caches)
+        if folder != recorded and "config.json" in files and _digest_at(folder) == digest:
+            if id(config) not in _FOUND_CHECKPOINTS:
+                weakref.finalize(config, _FOUND_CHECKPOINTS.pop, id(config), None)
+            _FOUND_CHECKPOINTS[id(config)] = (recorded, folder)
+            return folder
+    return recorded  # (no folder under it: reading it refuses with the reason)
+
+
+def _digest_at(path: str) -> str | None:
+    """The trained tensors' digest that the checkpoint at ``path`` records, if any."""
+    return (_saved_config(path) or {}).get(LEARNED_DIGEST_ATTRIBUTE)
+
+
+def _check_same_checkpoint(config, path: str) -> None:
+    """Refuse to read the trained tensors from the checkpoint at ``path`` (see :func:`_checkpoint_path`) whose trained
+    settings are not the model's: transformers records the path alone, so a model loaded from a subfolder of a Hub
+    repo or another revision of it would run with the tensors of the checkpoint at the path's root, or of its main
+    revision."""
+    checkpoint = _saved_config(path)
+    if checkpoint is None:  # out of reach now: reading its tensors says so
         return
     saved, own = checkpoint.get(CONFIG_ATTRIBUTE) or {}, getattr(config, CONFIG_ATTRIBUTE, None) or {}
     digest = getattr(config, LEARNED_DIGEST_ATTRIBUTE, None)  # (configs saved before it: the settings alone)
@@ -386,26 +427,31 @@ def _check_same_checkpoint(config) -> None:
     if other_tensors or any(name in saved and name in own and saved[name] != own[name] for name in _TRAINED_SETTINGS):
         raise ValueError(
             f"this model's trained attention tensors are read from its checkpoint at the first forward, but the "
-            f"checkpoint at {config._name_or_path!r} is not the one it was loaded from (another subfolder or "
+            f"checkpoint at {path!r} is not the one it was loaded from (another subfolder or "
             "revision: its trained tensors or settings differ). Load it with trust_remote_code=True (the folder's "
             "class loads the trained tensors with the weights), or from the checkpoint folder's own path."
         )
 
 
-def _checkpoint_tensors(config, layer_idx: int) -> dict[str, torch.Tensor]:
+def _checkpoint_tensors(config, path: str, layer_idx: int) -> dict[str, torch.Tensor]:
+    """Layer ``layer_idx``'s trained tensors in the checkpoint at ``path``, refused with the reason where it holds
+    none or cannot be read."""
     try:
-        tensors = _checkpoint_tensors_of(str(config._name_or_path), layer_idx)
-    except OSError as error:  # the folder moved or deleted since loading, or a Hub id out of reach
+        tensors = _checkpoint_tensors_of(path, layer_idx)
+    except OSError as error:  # the folder moved or deleted, a Hub id out of reach, or a Hub subfolder's model
         raise ValueError(
             f"this model's trained attention parameters are read from its checkpoint at the first forward, and "
-            f"{config._name_or_path!r} cannot be read now ({type(error).__name__}): load the model again from where "
-            "its folder is (or keep the folder until the model has run once)."
+            f"{path!r} cannot be read now ({type(error).__name__}). transformers records the path alone: a model "
+            "loaded with subfolder= (from a Hub repo, or from a folder whose copy of it has gone) loads with "
+            "trust_remote_code=True (the folder's class loads the trained tensors with the weights) or from the "
+            "subfolder's own path; otherwise load the model again from where its folder is (or keep the folder "
+            "until the model has run once)."
         ) from error
     if not tensors:
-        _check_same_checkpoint(config)  # a subfolder's model under an untransferred root: that says so
+        _check_same_checkpoint(config, path)  # a subfolder's model under an untransferred root: that says so
         raise ValueError(
             f"config.{LEARNED_ATTRIBUTE} says this model's attention parameters were trained, but its checkpoint "
-            f"({config._name_or_path!r}) holds no '{LEARNED_SUBMODULE}' tensors. Save the model with save_pretrained "
+            f"({path!r}) holds no '{LEARNED_SUBMODULE}' tensors. Save the model with save_pretrained "
             "after its first forward (or after transfer_attention) so that they are written."
         )
     return tensors
