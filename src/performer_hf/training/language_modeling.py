@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 from ..modeling.token_loss import IGNORE_INDEX
@@ -17,6 +18,15 @@ from .trainer import TrainingData, TrainingTask, create_accelerator, run_trainin
 MODEL_CLASSES = {"mlm": AutoModelForMaskedLM, "clm": AutoModelForCausalLM}
 
 
+def _score_a_token_if_none(batch: dict, items: torch.Tensor) -> dict:
+    """``batch`` with its first row's last token scored (labelled as itself) when it scores no token (``items`` 0:
+    a masked-LM micro-batch without a masked token), so that its mean loss is finite; the step weighs it by
+    ``items``, 0. Decided on the device (no sync); the last token is scored with or without the causal shift."""
+    labels = batch["labels"].clone()  # (batch, length)
+    labels[0, -1] = torch.where(items > 0, labels[0, -1], batch["input_ids"][0, -1])
+    return {**batch, "labels": labels}
+
+
 def _task(name: str) -> TrainingTask:
     shift = name == "clm"
     return TrainingTask(
@@ -24,6 +34,7 @@ def _task(name: str) -> TrainingTask:
         batch_statistics=lambda outputs, batch: token_statistics(outputs.logits, batch["labels"], shift=shift),
         compute_metrics=language_modeling_metrics,
         loss_items=lambda batch: (batch["labels"][:, int(shift) :] != IGNORE_INDEX).sum(),  # the labelled tokens
+        scorable=_score_a_token_if_none,
     )
 
 

@@ -58,13 +58,16 @@ class TrainingTask:
     ``batch_statistics(outputs, batch)`` returns per-example tensors (first dimension = batch) that
     are gathered across processes; ``compute_metrics`` reduces their concatenation to floats.
     ``loss_items(batch)`` counts what the batch's mean loss averages over (its labelled tokens; by default its
-    examples), so that an optimizer step weighs its micro-batches and processes by it.
+    examples), so that an optimizer step weighs its micro-batches and processes by it. ``scorable(batch, items)``
+    gives a batch of ``items`` 0 (nothing scored: its mean loss 0/0, whose gradient is NaN however it is weighed)
+    something to score, which the step then weighs 0 (by default the batch itself: every batch scores its examples).
     """
 
     name: str
     batch_statistics: Callable[[object, dict], dict[str, torch.Tensor]]
     compute_metrics: Callable[..., dict]
     loss_items: Callable[[dict], torch.Tensor] = lambda batch: torch.tensor(len(batch["labels"]))
+    scorable: Callable[[dict, torch.Tensor], dict] = lambda batch, items: batch
 
 
 def create_accelerator(args: argparse.Namespace) -> Accelerator:
@@ -236,7 +239,7 @@ class _StepWindow:
         items = items.to(device=loss.device, dtype=torch.float64)
         self.totals.append(torch.stack([items, loss.detach().double() * items]))
         if not self.reweigh:
-            return loss
+            return loss * (items > 0).to(loss.dtype)  # a micro-batch that scores nothing adds nothing
         return (
             loss * items.to(loss.dtype) * self.accelerator.gradient_accumulation_steps * self.accelerator.num_processes
         )
@@ -379,8 +382,9 @@ def run_training(
         tick = time.perf_counter()
         for batch in active:
             with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(window.weighed(loss, task.loss_items(batch)))
+                items = task.loss_items(batch)
+                loss = model(**task.scorable(batch, items)).loss
+                accelerator.backward(window.weighed(loss, items))
                 grad_norm = None
                 if accelerator.sync_gradients:
                     train_loss = window.close(model)
