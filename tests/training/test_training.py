@@ -1272,3 +1272,30 @@ def test_a_masked_lm_micro_batch_without_a_masked_token_adds_nothing_to_its_step
     assert all(math.isfinite(loss) and loss > 0 for loss in one_losses.values())
     assert accumulated_losses == pytest.approx(one_losses, rel=1e-6)
     assert accumulated["eval_loss"] == pytest.approx(one_batch["eval_loss"], rel=1e-6)
+
+
+def test_a_lora_masked_lm_on_an_encoder_without_its_head_is_given_back_by_its_adapter(assets, tmp_path):
+    """The README's --convert_from all-MiniLM-L6-v2 route starts from an encoder without a masked-LM head: the head was
+    drawn at random, frozen and not saved, so the documented restore depended on the torch seed (logits 8.38 apart).
+    The weights the load drew anew train and are saved with the adapter."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from performer_hf import PerformerModel
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(assets["tokenizer"])
+    fields = {key: int(value) for key, value in (item.split("=") for item in TINY.split(","))}
+    PerformerModel(PerformerConfig(vocab_size=len(tokenizer), **fields)).save_pretrained(tmp_path / "encoder")
+    out = tmp_path / "out"
+    base = ["--model_name_or_path", str(tmp_path / "encoder"), "--lora_r", "2"]
+    train_language_model("mlm", lm_args(assets, out, *base, steps=2))
+    saved = load_file(out / "adapter_model.safetensors")
+    assert any(".lm_head.dense." in name for name in saved) and any(".lm_head.layer_norm." in name for name in saved)
+    ids = torch.randint(5, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)  # the base's new head draws from it
+        model = AutoModelForMaskedLM.from_pretrained(tmp_path / "encoder")
+        with torch.no_grad():
+            logits.append(PeftModel.from_pretrained(model, out).eval()(input_ids=ids).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)

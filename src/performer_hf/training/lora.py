@@ -48,18 +48,45 @@ def target_modules(model: nn.Module, requested: list[str] | None) -> list[str]:
     return LORA_TARGET_MODULES[model_type]
 
 
-def _head_modules(model: nn.Module, task: str) -> list[str] | None:
-    """What a classifier trains and saves beside its ``classifier`` (peft's ``SEQ_CLS`` task keeps that one): its
-    pooler, which a masked LM's checkpoint does not have (it starts random), so that the adapter gives it back."""
-    if task != "classification":
-        return None
-    return ["pooler"] if any(name.split(".")[-1] == "pooler" for name, _ in model.named_modules()) else None
+def new_modules(model: nn.Module, new: set[str]) -> list[str] | None:
+    """The modules to train and save beside the adapter: those the base's load drew anew (``new``: its weights'
+    names), which a restore on the same base would draw again otherwise (a classifier's pooler, a masked LM's head
+    on an encoder without one). The topmost modules whose weights are all new; a new weight of a module that also
+    holds loaded ones (a masked LM's output bias beside the decoder tied to the embeddings) brings that module, unless
+    it is a constant (zeros, ones), which the restore draws alike."""
+    fresh = {
+        name
+        for name, module in model.named_modules()
+        if name
+        and (weights := {f"{name}.{p}" for p, _ in module.named_parameters(remove_duplicate=False)})
+        and weights <= new
+    }
+    chosen = {name for name in fresh if name.rpartition(".")[0] not in fresh}
+    for weight in sorted(new):
+        if any(weight.startswith(f"{name}.") for name in chosen):
+            continue
+        try:
+            value = model.get_parameter(weight).detach()
+        except AttributeError:  # a buffer: not trained
+            continue
+        if value.numel() == 0 or bool((value == value.flatten()[0]).all()):
+            continue  # a constant: drawn alike on restore
+        owner = weight.rpartition(".")[0]
+        if not owner:
+            raise TrainingInputError(
+                f"--lora_r: the base's {weight} is drawn anew at load and is no module's that the adapter could save. "
+                "Train every weight (no --lora_r), or start from a checkpoint that has it."
+            )
+        chosen.add(owner)
+    chosen = {name for name in chosen if not any(name.startswith(f"{other}.") for other in chosen)}
+    return sorted(chosen) or None
 
 
-def apply_lora(model: nn.Module, args: argparse.Namespace, task: str) -> nn.Module:
+def apply_lora(model: nn.Module, args: argparse.Namespace, task: str, new: set[str] = frozenset()) -> nn.Module:
     """``model`` wrapped by ``peft.get_peft_model`` with a LoRA of rank ``args.lora_r`` (alpha
-    ``args.lora_alpha``, default twice the rank; dropout ``args.lora_dropout``); classification keeps the new
-    head trainable and saves it with the adapter (peft's ``SEQ_CLS`` task: the classifier; and the pooler)."""
+    ``args.lora_alpha``, default twice the rank; dropout ``args.lora_dropout``). The modules of the weights its load
+    drew anew (``new``: a classifier's head and pooler, a masked LM's head) train and are saved with the adapter
+    (:func:`new_modules`; peft's ``SEQ_CLS`` task adds the classifier)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as error:
@@ -72,7 +99,7 @@ def apply_lora(model: nn.Module, args: argparse.Namespace, task: str) -> nn.Modu
         lora_dropout=args.lora_dropout,
         target_modules=target_modules(model, args.lora_target_modules),
         task_type=TASK_TYPES[task],
-        modules_to_save=_head_modules(model, task),
+        modules_to_save=new_modules(model, set(new)),
     )
     try:
         wrapped = get_peft_model(model, config)

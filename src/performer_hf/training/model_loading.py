@@ -116,9 +116,10 @@ def load_model(
     """
     overrides = parse_config_overrides(args.config_overrides)
     load_options = {"ignore_mismatched_sizes": True} if new_head else {}
+    loading: dict = {}
     if args.convert_from is not None:
         source = _convert_source(args, accelerator, overrides)
-        model = auto_class.from_pretrained(source, **config_kwargs, **load_options)
+        model, loading = auto_class.from_pretrained(source, output_loading_info=True, **config_kwargs, **load_options)
     elif args.model_name_or_path is not None:
         try:
             model, loading = auto_class.from_pretrained(
@@ -166,8 +167,16 @@ def load_model(
         )
         model.resize_token_embeddings(len(tokenizer))
     if args.lora_r is not None:
-        model = apply_lora(model, args, task)
+        model = apply_lora(model, args, task, new_weights(loading))
     return model
+
+
+def new_weights(loading: dict) -> set[str]:
+    """The weights a ``from_pretrained`` load drew anew (``output_loading_info``): those the checkpoint lacks (a
+    task head it does not have) and those whose shape it does not fit (a classifier with another number of
+    labels)."""
+    mismatched = {entry[0] if isinstance(entry, tuple) else entry for entry in loading.get("mismatched_keys") or ()}
+    return set(loading.get("missing_keys") or ()) | mismatched
 
 
 def _check_only_the_head_is_new(model: PreTrainedModel, loading: dict) -> None:
