@@ -208,6 +208,35 @@ def test_push_uploads_a_folder_converted_in_place_with_its_code(tmp_path, fake_h
     _assert_loadable_upload(fake_hub.commits[1]["files"], entry_points=("modeling_in_place.py",))
 
 
+def test_push_judges_the_weights_loading_reads_not_a_stale_shard_index(tmp_path, fake_hub):
+    """A folder saved sharded, then unsharded, keeps the first save's model.safetensors.index.json (transformers leaves
+    it); loading reads model.safetensors. The push read the stale index and refused a transferred model whose
+    model.safetensors holds its trained tensors (and would have uploaded the index): it is left out."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    import performer_hf
+
+    from .integrations.test_attention_interface import DECODERS, _ids, _load, _source
+
+    _, source = _source(DECODERS["llama"], tmp_path)
+    model = _load(source, "performer_hybrid", local_window=8)
+    performer_hf.transfer_attention(model, [{"input_ids": _ids(2, 48)}], steps=2, progress=False)
+    performer_hf.ship_remote_code(model).save_pretrained(tmp_path / "trained")
+    not_run = AutoModelForCausalLM.from_pretrained(tmp_path / "trained")
+    folder = tmp_path / "folder"
+    not_run.save_pretrained(folder, max_shard_size="60KB")  # before its first forward: no trained tensors
+    performer_hf.ship_remote_code(not_run).save_pretrained(folder)  # reads them: model.safetensors holds them
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not any(".performer_attention." in name for name in index)  # the stale index, left there
+    push_to_hub(folder, "org/llama-transferred")
+    files = fake_hub.commits[0]["files"]
+    _assert_loadable_upload(files, entry_points=("modeling_in_place.py",))
+    assert "model.safetensors.index.json" not in files and not any(name.startswith("model-") for name in files)
+    with safe_open(folder / "model.safetensors", framework="pt") as handle:
+        assert any(".performer_attention." in name for name in handle.keys())
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [

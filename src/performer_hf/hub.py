@@ -87,24 +87,38 @@ def remote_code_files(folder: Path, config: dict) -> list[str]:
     return sorted(found)
 
 
+def _stale_shards(folder: Path) -> list[str]:
+    """The sharded weights of an earlier save that a later unsharded one left beside its ``model.safetensors`` (the
+    index and the shards it names; transformers keeps them): loading reads ``model.safetensors`` alone."""
+    index = folder / WEIGHT_FILES[1]
+    if not (folder / WEIGHT_FILES[0]).is_file() or not index.is_file():
+        return []
+    try:
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+    except (json.JSONDecodeError, AttributeError):  # not an index: it is left out all the same
+        shards = set()
+    return sorted({index.name, *shards} - {WEIGHT_FILES[0]})
+
+
 def _holds_learned_tensors(folder: Path) -> bool:
-    """Whether the safetensors weights in ``folder`` hold attention transfer's trained tensors."""
+    """Whether the safetensors weights that loading reads in ``folder`` (``model.safetensors`` before an index, as
+    transformers reads them) hold attention transfer's trained tensors."""
     from safetensors import safe_open
 
-    index = folder / WEIGHT_FILES[1]
-    if index.is_file():
-        names = json.loads(index.read_text()).get("weight_map", {})
-    else:
+    if (folder / WEIGHT_FILES[0]).is_file():
         with safe_open(folder / WEIGHT_FILES[0], framework="pt") as handle:
             names = list(handle.keys())
+    else:
+        names = json.loads((folder / WEIGHT_FILES[1]).read_text()).get("weight_map", {})
     return any(f".{LEARNED_SUBMODULE}." in name for name in names)
 
 
 def checkpoint_files(folder: str | Path) -> list[str]:
     """The files of a Performer checkpoint folder to upload, as ``/``-separated paths relative to it: the
     top-level files and the module folders of a sentence-transformers pipeline (``1_Pooling/`` ...; see
-    ``conversion/sentence_pipeline.py``). Training state, checkpoints, other subfolders and hidden files stay
-    local. Raises PushError naming what is missing."""
+    ``conversion/sentence_pipeline.py``). Training state, checkpoints, other subfolders, hidden files and the
+    shards of an earlier sharded save beside ``model.safetensors`` stay local. Raises PushError naming what is
+    missing."""
     folder = Path(folder)
     if not folder.is_dir():
         raise PushError(f"{folder} is not a folder; pass the folder a Performer checkpoint was saved to.")
@@ -159,10 +173,13 @@ def checkpoint_files(folder: str | Path) -> list[str]:
         pipeline = sentence_pipeline_files(folder)
     except ConversionError as error:
         raise PushError(str(error)) from None
+    stale = _stale_shards(folder)
+    if stale:
+        logger.info("%s: left out %s, an earlier sharded save's (loading reads model.safetensors)", folder, stale)
     top_level = {
         path.name
         for path in folder.iterdir()
-        if path.is_file() and not path.name.startswith(".") and path.name not in SKIPPED_FILES
+        if path.is_file() and not path.name.startswith(".") and path.name not in (*SKIPPED_FILES, *stale)
     }
     return sorted(top_level.union(pipeline))
 
