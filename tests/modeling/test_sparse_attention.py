@@ -436,3 +436,25 @@ def test_growing_in_place_decodes_the_same_and_never_writes_the_callers_tensors(
     assert 2 <= len(storages) <= 3  # 110 new rows: a new buffer only when the 64 spare rows are used up
     for before, after in zip(inputs, (q, k, v, mask), strict=True):
         assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("spec", [LATEST, SPECS["bounded pool"]], ids=["latest ranking", "window ranking"])
+def test_a_sequence_that_starts_with_one_token_decodes_as_one_call(spec):
+    """A bounded state's first call holding one token (generate() from a one-token prompt): its keys and values, a
+    transposed (B, 1, Hkv, D) projection as models give them, stopped the compiled step ("takes keys and values
+    with contiguous rows"). The first output is that key's value (softmax over one key), and decoding on from it
+    equals a prefill of the first tokens (float32 on the CPU: the compiled kernels)."""
+    q, k, v, mask = (t.float() if t.is_floating_point() else t for t in _inputs(length=30))
+    mask = torch.ones_like(mask)
+    first = [t[:, :, :1].transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]  # (B, 1, H, D) memory
+    assert first[1].is_contiguous() and first[1].stride(2) != first[1].shape[3]
+    out, state = sparse_attention(*first, spec, mask[:, :1], return_state=True)
+    torch.testing.assert_close(out, v[:, :, :1].repeat_interleave(2, dim=1), rtol=0, atol=0)
+    prefill, steps = 2, []
+    for t in range(1, 30):
+        step, state = sparse_attention(*(x[:, :, t : t + 1] for x in (q, k, v)), spec, mask[:, t : t + 1], state, True)
+        steps.append(step)
+    _, reference = sparse_attention(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], spec, return_state=True)
+    for t in range(prefill, 30):
+        step, reference = sparse_attention(*(x[:, :, t : t + 1] for x in (q, k, v)), spec, None, reference, True)
+        torch.testing.assert_close(steps[t - 1], step, rtol=1e-6, atol=1e-6)

@@ -441,6 +441,7 @@ def _pooled_decode_step(q, keys, values, key_mask, globals_, state: SparseState,
     the pool is pruned. Returns the context (B, H, 1, Dv), the pool and the first block still stored."""
     B, H, _, D = q.shape
     Hkv, block, start = keys.shape[1], spec.block_size, state.start
+    keys, values = _packed_rows(keys), _packed_rows(values)  # a sequence's first token: the caller's view
     window_block = max(0, (start + keys.shape[2] - 1) // block - spec.window_blocks)
     left = window_block * block - start  # stored rows that leave the window at this step (whole blocks)
     pool = _Pool(state)
@@ -464,6 +465,15 @@ def _pooled_decode_step(q, keys, values, key_mask, globals_, state: SparseState,
         pool.score = scores
         pool.prune(spec.budget)
     return context.view(B, H, 1, -1), pool, window_block
+
+
+def _packed_rows(rows: Tensor) -> Tensor:
+    """Keys or values (B, Hkv, R, D) with the rows the compiled kernels read: each row's entries, and a head's rows,
+    one after another. A caller's single token (R = 1) from a (B, 1, Hkv, D) projection, transposed, has neither,
+    though PyTorch counts it contiguous (its strides along a dimension of size 1 do not count): copied then."""
+    if rows.stride(3) == 1 and rows.stride(2) == rows.shape[3]:
+        return rows
+    return rows.clone(memory_format=torch.contiguous_format)
 
 
 def _cpu_kernels(*tensors: Tensor):

@@ -1,0 +1,56 @@
+"""The sparse method's decoding at its edges, on transformers' own model classes and the Performer family: a
+sequence whose first call holds one token, left padding with the "window" ranking, a chunked prefill with the
+"latest" ranking, a state continued in another dtype, and the caches' crop and construction."""
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+import performer_hf
+from performer_hf import PerformerCache
+from performer_hf.integrations import CACHE_KEYWORD
+
+from .test_attention_interface import DECODERS, SPARSE, VOCAB, _ids, _load, _source
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+# the sparse preset's ranking and a budget that nothing below exceeds: cached decoding computes what a full forward
+# (every block kept) does
+LATEST = {**SPARSE, "select_budget": 16, "select_ranking": "latest"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3"])
+def test_generate_from_a_one_token_prompt_with_the_methods_cache_equals_a_full_forward(arch, tmp_path):
+    """A one-token prompt (a BOS alone) with PerformerCache: the first call's key, a transposed view of the
+    projection, stopped the compiled decoding step ("takes keys and values with contiguous rows"). The first logits
+    are the source model's (softmax over one key is exact), the later ones a full forward's; and Gemma3's forward
+    of one token without a cache (its layers keep a state all the same) stopped the same way."""
+    source, folder = _source(DECODERS[arch], tmp_path)
+    model = _load(folder, "performer_sparse", **LATEST)
+    prompt = _ids(2, 1)
+    options = dict(max_new_tokens=30, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    generated = model.generate(prompt, **options, **{CACHE_KEYWORD: PerformerCache(model.config)})
+    with torch.no_grad():
+        full = model(generated.sequences, use_cache=False).logits  # (2, 31, V)
+        torch.testing.assert_close(model(prompt, use_cache=False).logits, source(prompt).logits, rtol=1e-5, atol=1e-5)
+    for step, logits in enumerate(generated.logits):
+        torch.testing.assert_close(logits, full[:, step], rtol=1e-5, atol=1e-5)
+
+
+def test_a_performer_model_with_a_budget_generates_from_one_token(tmp_path):
+    """The Performer family converted from GPT-2 (a fused projection) with a bounded sparse method (budget 2,
+    selection among the blocks before the window from position 16 on), from a one-token prompt: plain generate()
+    (its own cache) computes what a full forward does while the pool holds every block that left the window."""
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128)
+    _, folder = _source(config, tmp_path)
+    settings = dict(local_window=8, select_block_size=4, select_blocks=1, select_budget=2, num_global_tokens=2)
+    out = performer_hf.convert(folder, tmp_path / "sparse", fidelity=False, method="sparse", **settings)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    prompt = _ids(2, 1)
+    options = dict(max_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    generated = model.generate(prompt, **options, pad_token_id=0)
+    with torch.no_grad():
+        full = model(generated.sequences, use_cache=False).logits
+    for step, logits in enumerate(generated.logits):
+        torch.testing.assert_close(logits, full[:, step], rtol=1e-5, atol=1e-5)
