@@ -1299,3 +1299,42 @@ def test_a_lora_masked_lm_on_an_encoder_without_its_head_is_given_back_by_its_ad
         with torch.no_grad():
             logits.append(PeftModel.from_pretrained(model, out).eval()(input_ids=ids).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
+
+def test_a_new_run_into_a_non_empty_folder_is_refused_and_overwrite_clears_it_only_before_training(assets, tmp_path):
+    """A folder with the user's files (or a LoRA run's adapter_config.json, which made the new model load as the old
+    base + adapter) was written into; --overwrite_output_dir removed the previous run before the checks that then
+    refused the new one, and left its final files. Resuming into the same folder still works."""
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "README.md").write_text("notes I wrote by hand")
+    (out / "adapter_config.json").write_text("{}")
+    with pytest.raises(TrainingInputError, match=r"exists and is not empty \(README.md, adapter_config.json\)"):
+        train_language_model("mlm", lm_args(assets, out, steps=1))
+    assert (out / "README.md").read_text() == "notes I wrote by hand"
+    with pytest.raises(TrainingInputError, match="--train_file .* is inside --output_dir"):
+        train_language_model("mlm", _inside(assets, out))
+    (out / "docs.txt").unlink()
+    # refused by a later check (the model's positions): nothing removed
+    overwrite = lm_args(assets, out, "--overwrite_output_dir", "--checkpointing_steps", "2", steps=4)
+    with pytest.raises(TrainingInputError, match="exceeds the model's 64 positions"):
+        train_language_model("mlm", [*overwrite, "--max_seq_length", "65"])
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert sorted(os.listdir(out)) == ["README.md", "adapter_config.json"]
+    train_language_model("mlm", overwrite)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert not (out / "adapter_config.json").exists() and "notes" not in (out / "README.md").read_text()
+    AutoModelForMaskedLM.from_pretrained(out)  # the new model, not an adapter on another base
+    # resuming into the same folder
+    resume = lm_args(assets, out, "--resume_from_checkpoint", "latest", steps=6)
+    train_language_model("mlm", resume)
+    assert sorted(train_losses(out)) == list(range(1, 7))
+
+
+def _inside(assets, out: Path) -> list[str]:
+    """A run with --overwrite_output_dir whose training text lies inside --output_dir."""
+    text = out / "docs.txt"
+    text.write_text(Path(assets["text"]).read_text())
+    argv = lm_args(assets, out, "--overwrite_output_dir", steps=1)
+    argv[argv.index("--train_file") + 1] = str(text)
+    return argv

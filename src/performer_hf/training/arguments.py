@@ -171,7 +171,10 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--overwrite_output_dir",
         action="store_true",
-        help="Start over in an --output_dir that holds a previous run: its log and checkpoints are removed.",
+        help=(
+            "Start over in an --output_dir that is not empty: everything in it (a previous run's model, log and "
+            "checkpoints) is removed, once every check has passed, just before training."
+        ),
     )
     group.add_argument(
         "--checkpointing_steps",
@@ -283,13 +286,7 @@ def validate_args(args: argparse.Namespace, task: str) -> None:
                 f"--checkpointing_steps must be a positive number of steps or 'epoch', got "
                 f"{args.checkpointing_steps!r}."
             )
-    previous = previous_run(args.output_dir)
-    if previous and args.resume_from_checkpoint is None and not args.overwrite_output_dir:
-        raise TrainingInputError(
-            f"--output_dir {args.output_dir!r} holds a previous run ({', '.join(previous[:3])}): a new run would "
-            "append to its log, and 'latest' would resume its checkpoints. Pass --resume_from_checkpoint latest to "
-            "continue it, --overwrite_output_dir to start over there, or another --output_dir."
-        )
+    _check_output_dir(args)
     if args.resume_from_checkpoint not in (None, "latest") and not os.path.isdir(args.resume_from_checkpoint):
         raise TrainingInputError(
             f"--resume_from_checkpoint {args.resume_from_checkpoint!r} is not a folder; pass a checkpoint folder "
@@ -311,6 +308,43 @@ def validate_args(args: argparse.Namespace, task: str) -> None:
             "--push_to_hub with HF_HUB_OFFLINE set: the run could not push its model at the end. Unset "
             "HF_HUB_OFFLINE, or drop --push_to_hub (and push the output folder later)."
         )
+
+
+def _check_output_dir(args: argparse.Namespace) -> None:
+    """A new run writes its model, tokenizer, card and log into ``--output_dir``: refuse a folder with anything in it
+    (a previous run, whose adapter_config.json would make the new model load as the old one; the user's own
+    README.md or config.json, which the run would overwrite) unless it resumes there or ``--overwrite_output_dir``
+    replaces its contents, which must then hold none of the run's inputs."""
+    output_dir = args.output_dir
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise TrainingInputError(f"--output_dir {output_dir!r} exists and is not a folder.")
+    if args.resume_from_checkpoint is not None:
+        return
+    if args.overwrite_output_dir:
+        output = Path(output_dir).expanduser().resolve()
+        for flag in ("train_file", "validation_file", "tokenizer_name", "config_name"):
+            value = getattr(args, flag, None)
+            if value is not None and output in Path(value).expanduser().resolve().parents:
+                raise TrainingInputError(
+                    f"--{flag} {value!r} is inside --output_dir {output_dir!r}, whose contents "
+                    "--overwrite_output_dir removes. Move it out, or choose another --output_dir."
+                )
+        return
+    contents = sorted(os.listdir(output_dir)) if os.path.isdir(output_dir) else []
+    if not contents:
+        return
+    previous = previous_run(output_dir)
+    held = (
+        f"holds a previous run ({', '.join(previous[:3])}): a new run would append to its log, and 'latest' would "
+        "resume its checkpoints"
+        if previous
+        else f"exists and is not empty ({', '.join(contents[:3])}{', ...' if len(contents) > 3 else ''}): the run "
+        "would write its model, tokenizer and card (README.md) among them, overwriting or mixing with what is there"
+    )
+    raise TrainingInputError(
+        f"--output_dir {output_dir!r} {held}. Pass --resume_from_checkpoint latest to continue a run there, "
+        "--overwrite_output_dir to replace its contents, or another --output_dir."
+    )
 
 
 def previous_run(output_dir: str) -> list[str]:

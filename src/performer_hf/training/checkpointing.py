@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 
-from .arguments import CHECKPOINT_NAME, LOG_FILE, TrainingInputError, previous_run
+from .arguments import CHECKPOINT_NAME, TrainingInputError
 
 TRAINER_STATE_FILE = "trainer_state.json"
 
@@ -27,14 +27,17 @@ def save_checkpoint(accelerator, path: str, state: dict) -> None:
     accelerator.wait_for_everyone()
 
 
-def clear_previous_run(output_dir: str) -> None:
-    """Remove a previous run's log and checkpoint folders from ``output_dir`` (``--overwrite_output_dir``)."""
-    for name in previous_run(output_dir):
+def clear_previous_run(output_dir: str, keep: tuple[str, ...] = ()) -> None:
+    """Remove everything in ``output_dir`` but the entries named in ``keep`` (this run's own, e.g. the folder
+    ``--convert_from`` converted into): ``--overwrite_output_dir``."""
+    for name in os.listdir(output_dir):
         path = os.path.join(output_dir, name)
-        if name == LOG_FILE:
-            os.remove(path)
-        else:
+        if name in keep:
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 def read_trainer_state(path: str) -> dict:

@@ -43,6 +43,7 @@ from .checkpointing import (
     save_checkpoint,
 )
 from .model_card import build_model_card, write_model_card
+from .model_loading import CONVERTED_SUBDIR
 from .redraw import check_redraw, projection_checksum, redraw_if_due
 from .tracking import select_trackers
 
@@ -94,10 +95,6 @@ def create_accelerator(args: argparse.Namespace) -> Accelerator:
         project_dir=args.output_dir,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
     )
-    if args.overwrite_output_dir and args.resume_from_checkpoint is None:
-        if accelerator.is_main_process:
-            clear_previous_run(args.output_dir)
-        accelerator.wait_for_everyone()
     if launched > 1 and accelerator.num_processes == 1:
         raise TrainingInputError(
             f"{launched} processes were launched but Accelerate set up {accelerator.num_processes}; each would "
@@ -296,6 +293,10 @@ def run_training(
         )
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if args.overwrite_output_dir and args.resume_from_checkpoint is None:  # every check has passed
+        if accelerator.is_main_process:
+            clear_previous_run(args.output_dir, keep=(CONVERTED_SUBDIR,) if args.convert_from else ())
+        accelerator.wait_for_everyone()
 
     # Explicit generators: iterating a DataLoader then draws its base seed from them, not from the
     # global RNG (which dropout uses), so evaluations and resumes leave the training RNG untouched.
