@@ -1338,3 +1338,51 @@ def _inside(assets, out: Path) -> list[str]:
     argv = lm_args(assets, out, "--overwrite_output_dir", steps=1)
     argv[argv.index("--train_file") + 1] = str(text)
     return argv
+
+
+def test_bad_arguments_stop_with_one_line_before_anything_runs(assets, tmp_path, monkeypatch, capsys):
+    """A classification tokenizer without a pad token failed at the first batch inside transformers, a negative
+    --learning_rate inside torch's optimizer, an unknown --report_to inside accelerate/tracking.py, and a tracker
+    whose package is missing was dropped silently."""
+    from accelerate.utils import imports
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(assets["tokenizer"])
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path / "no_pad")
+    argv = _classification_args(assets, tmp_path / "classification")
+    argv[argv.index("--tokenizer_name") + 1] = str(tmp_path / "no_pad")
+    with pytest.raises(TrainingInputError, match="no_pad' has no pad token, which classification batches"):
+        train_classifier(argv)
+    with pytest.raises(SystemExit):
+        train_language_model("mlm", lm_args(assets, tmp_path / "lr", "--learning_rate", "-1"))
+    assert "--learning_rate: expected a number > 0, got -1" in capsys.readouterr().err
+    with pytest.raises(TrainingInputError, match="--report_to 'json,nonsense': 'nonsense' is not a tracker"):
+        train_language_model("mlm", lm_args(assets, tmp_path / "typo", "--report_to", "json,nonsense"))
+    monkeypatch.setattr(imports, "is_wandb_available", lambda: False)
+    with pytest.raises(TrainingInputError, match="--report_to wandb: its package is not installed"):
+        train_language_model("mlm", lm_args(assets, tmp_path / "missing", "--report_to", "wandb"))
+    assert not any((tmp_path / name).exists() for name in ("lr", "typo", "missing"))
+
+
+def test_a_lora_adapter_as_the_model_to_train_is_refused_naming_its_base(assets, tmp_path):
+    """A LoRA run's output as --model_name_or_path loaded as base + adapter: a full run crashed at its first backward,
+    a --lora_r run silently replaced the adapter with a new one."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/base"}))
+    for extra in ((), ("--lora_r", "2")):
+        argv = [*lm_args(assets, tmp_path / "out", "--model_name_or_path", str(adapter), *extra, steps=1)]
+        with pytest.raises(TrainingInputError, match=r"is a LoRA adapter .*pass its base \(/models/base\).*merge_and"):
+            train_language_model("mlm", argv)
+
+
+def test_trainer_callback_refuses_to_redraw_the_frozen_base_of_a_peft_model(tmp_path, redraw_seeds):
+    """The scripts refuse --lora_r with redraws; the callback redrew the PeftModel's base silently (the trained model
+    and base + saved adapter 1.6e-3 apart in logits at interval 2)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_tiny_performer(), LoraConfig(r=2, target_modules=["query", "value"]))
+    with pytest.raises(ValueError, match="on a PEFT \\(LoRA\\) model, redrawing every 2 steps: the redrawn features"):
+        PerformerRedrawCallback(interval=2).on_train_begin(None, TrainerState(), None, model=model)
+    PerformerRedrawCallback(interval=0).on_train_begin(None, TrainerState(), None, model=model)  # no redraw: fine
+    assert redraw_seeds == []

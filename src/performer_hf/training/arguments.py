@@ -9,6 +9,7 @@ where those are loaded, all before the first training step.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from pathlib import Path
@@ -26,6 +27,7 @@ DATA_FILE_BUILDERS = {"txt": "text", "text": "text", "json": "json", "jsonl": "j
 REPORT_TO_JSON = "json"
 LOG_FILE = "train_log.jsonl"  # the JSON tracker's records of a run
 CHECKPOINT_NAME = re.compile(r"^(step|epoch)_\d+$")  # the folders --checkpointing_steps writes
+ADAPTER_CONFIG = "adapter_config.json"  # what marks a LoRA (peft) adapter folder
 
 
 class TrainingInputError(ValueError):
@@ -36,6 +38,13 @@ def _non_negative_float(text: str) -> float:
     value = float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
     return value
 
 
@@ -126,7 +135,7 @@ def _add_optimization_arguments(parser: argparse.ArgumentParser, task: str) -> N
     group = parser.add_argument_group("optimization")
     group.add_argument("--per_device_train_batch_size", type=at_least(1), default=8)
     group.add_argument("--per_device_eval_batch_size", type=at_least(1), default=8)
-    group.add_argument("--learning_rate", type=float, default=5e-5 if task != "classification" else 2e-5)
+    group.add_argument("--learning_rate", type=_positive_float, default=5e-5 if task != "classification" else 2e-5)
     group.add_argument("--weight_decay", type=_non_negative_float, default=0.0)
     group.add_argument("--num_train_epochs", type=at_least(1), default=3)
     group.add_argument(
@@ -263,6 +272,7 @@ def validate_args(args: argparse.Namespace, task: str) -> None:
         # Hub ids look like 'name' or 'org/name'; anything path-like must exist locally.
         if value is not None and value.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(value)):
             raise TrainingInputError(f"--{flag} {value!r} does not exist.")
+    _check_not_an_adapter(args.model_name_or_path)
     for flag in ("model_name_or_path", "convert_from"):
         start = getattr(args, flag)
         if start is not None and (replaced := output_replaces_source(Path(args.output_dir), Path(start).expanduser())):
@@ -303,11 +313,58 @@ def validate_args(args: argparse.Namespace, task: str) -> None:
             "from scratch would be lost. Pass --model_name_or_path or --convert_from, or train every weight (no "
             "--lora_r)."
         )
+    if args.with_tracking:
+        _check_trackers(args.report_to)
     if args.push_to_hub and huggingface_hub.constants.HF_HUB_OFFLINE:
         raise TrainingInputError(
             "--push_to_hub with HF_HUB_OFFLINE set: the run could not push its model at the end. Unset "
             "HF_HUB_OFFLINE, or drop --push_to_hub (and push the output folder later)."
         )
+
+
+def _check_not_an_adapter(model_name_or_path: str | None) -> None:
+    """Refuse a LoRA run's output (an adapter: ``adapter_config.json``) as the model to train: transformers loads it
+    as base + adapter, which a full run could not backpropagate through and ``--lora_r`` replaced with a new
+    adapter."""
+    if model_name_or_path is None:
+        return
+    adapter_config = Path(model_name_or_path).expanduser() / ADAPTER_CONFIG
+    if not adapter_config.is_file():
+        return
+    try:
+        base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError):
+        base = None
+    raise TrainingInputError(
+        f"--model_name_or_path {model_name_or_path!r} is a LoRA adapter ({ADAPTER_CONFIG}), not a model to train: "
+        f"pass its base ({base or 'the model it was trained on'}) as --model_name_or_path to train a new adapter, or "
+        f"merge it first (PeftModel.from_pretrained(base, {model_name_or_path!r}).merge_and_unload()"
+        ".save_pretrained(folder), with the tokenizer) and pass that folder."
+    )
+
+
+def _check_trackers(report_to: str) -> None:
+    """``--report_to``: known tracker names whose packages are installed (Accelerate dropped a missing one
+    silently and raised its own traceback for an unknown name)."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    names = [name.strip() for name in report_to.split(",") if name.strip()]
+    known = {REPORT_TO_JSON, "all", *LOGGER_TYPE_TO_CLASS}
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise TrainingInputError(
+            f"--report_to {report_to!r}: {', '.join(map(repr, unknown)) or 'no tracker'} is not a tracker; name "
+            f"{REPORT_TO_JSON!r}, 'all' or any of {', '.join(sorted(LOGGER_TYPE_TO_CLASS))}, comma-separated."
+        )
+    from accelerate.utils import imports
+
+    for name in names:
+        available = getattr(imports, f"is_{name}_available", None)
+        if name in LOGGER_TYPE_TO_CLASS and available is not None and not available():
+            raise TrainingInputError(
+                f"--report_to {name}: its package is not installed (pip install {name}); "
+                f"install it, or report to another tracker ({REPORT_TO_JSON!r} needs nothing)."
+            )
 
 
 def _check_output_dir(args: argparse.Namespace) -> None:

@@ -56,6 +56,12 @@ def train_classifier(argv: list[str] | None = None) -> dict:
             f"Column {args.label_column_name!r} has a single label {list(label2id)}; classification needs at least two."
         )
     tokenizer = load_tokenizer(args)
+    if tokenizer.pad_token is None:
+        raise TrainingInputError(
+            f"The tokenizer of {args.tokenizer_name or args.model_name_or_path or args.convert_from!r} has no pad "
+            "token, which classification batches are padded with. Give it one (e.g. tokenizer.pad_token = "
+            "tokenizer.eos_token; tokenizer.save_pretrained(folder)) and pass that folder as --tokenizer_name."
+        )
     model = load_model(
         args,
         AutoModelForSequenceClassification,

@@ -73,26 +73,38 @@ def _is_performer(model: torch.nn.Module) -> bool:
     return isinstance(model, PreTrainedModel) and callable(getattr(type(model), "redraw_projections", None))
 
 
-def find_performer(model: torch.nn.Module) -> PreTrainedModel:
-    """The Performer inside ``model``, unwrapped from DDP / DataParallel / DeepSpeed / FSDP
-    (``.module``), ``torch.compile`` (``._orig_mod``) and PEFT (``.get_base_model()``) wrappers.
+# why LoRA (an adapter saved without its base) and feature redraws do not go together
+ADAPTER_REDRAW_PROBLEM = (
+    "the redrawn features live in the frozen base model, which the adapter is saved without, so the base and "
+    "adapter would not give back the trained model"
+)
 
-    Raises ``ValueError`` when there is none.
-    """
-    current = model
+
+def _unwrap(model: torch.nn.Module) -> tuple[PreTrainedModel, bool]:
+    """:func:`find_performer`'s Performer, and whether a PEFT adapter wraps it."""
+    current, adapted = model, False
     while not _is_performer(current):
         if isinstance(getattr(current, "module", None), torch.nn.Module):
             current = current.module
         elif isinstance(getattr(current, "_orig_mod", None), torch.nn.Module):
             current = current._orig_mod
         elif callable(getattr(type(current), "get_base_model", None)):
-            current = current.get_base_model()
+            current, adapted = current.get_base_model(), True
         else:
             raise ValueError(
                 f"PerformerRedrawCallback needs a Performer model (one with redraw_projections), got "
                 f"{type(model).__name__}; train a performer_hf model or remove the callback."
             )
-    return current
+    return current, adapted
+
+
+def find_performer(model: torch.nn.Module) -> PreTrainedModel:
+    """The Performer inside ``model``, unwrapped from DDP / DataParallel / DeepSpeed / FSDP
+    (``.module``), ``torch.compile`` (``._orig_mod``) and PEFT (``.get_base_model()``) wrappers.
+
+    Raises ``ValueError`` when there is none.
+    """
+    return _unwrap(model)[0]
 
 
 class PerformerRedrawCallback(TrainerCallback):
@@ -109,8 +121,9 @@ class PerformerRedrawCallback(TrainerCallback):
             ``feature_redraw_interval``; 0 (or a config value of None) never redraws. The interval
             used is written to ``config.feature_redraw_interval``, so the saved config records it.
 
-    Raises ``ValueError`` at the start of training when the model is not a Performer, or when it
-    would redraw a model whose attention reads no random features (:func:`check_redraw`).
+    Raises ``ValueError`` at the start of training when the model is not a Performer, when it
+    would redraw a model whose attention reads no random features (:func:`check_redraw`), or when it would redraw
+    the frozen base of a PEFT (LoRA) model (its saved adapter would not give back the trained model).
 
     Example::
 
@@ -126,9 +139,15 @@ class PerformerRedrawCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         """Find the Performer in the Trainer's model and settle the interval."""
-        performer = find_performer(model)
+        performer, adapted = _unwrap(model)
         interval = performer.config.feature_redraw_interval if self.interval is None else self.interval
         check_redraw(performer.config, interval)
+        if interval and adapted:
+            raise ValueError(
+                f"PerformerRedrawCallback on a PEFT (LoRA) model, redrawing every {interval} steps: "
+                f"{ADAPTER_REDRAW_PROBLEM}. Pass interval=0 (and no feature_redraw_interval in the config), or train "
+                "every weight."
+            )
         performer.config.feature_redraw_interval = interval or None
         self._performer, self._active_interval = performer, interval
         if interval:

@@ -44,7 +44,7 @@ from .checkpointing import (
 )
 from .model_card import build_model_card, write_model_card
 from .model_loading import CONVERTED_SUBDIR
-from .redraw import check_redraw, projection_checksum, redraw_if_due
+from .redraw import ADAPTER_REDRAW_PROBLEM, check_redraw, projection_checksum, redraw_if_due
 from .tracking import select_trackers
 
 logger = get_logger(__name__)
@@ -279,9 +279,8 @@ def run_training(
             raise TrainingInputError(f"--feature_redraw_interval: {error}") from None
         if redraw_interval and args.lora_r is not None:
             raise TrainingInputError(
-                f"--lora_r with feature redraws (every {redraw_interval} steps): the redrawn features live in the "
-                "frozen base model, which the adapter is saved without, so the base and adapter would not give back "
-                "the trained model. Drop --feature_redraw_interval (a config that sets one: --config_overrides "
+                f"--lora_r with feature redraws (every {redraw_interval} steps): {ADAPTER_REDRAW_PROBLEM}. "
+                "Drop --feature_redraw_interval (a config that sets one: --config_overrides "
                 "feature_redraw_interval=None), or train every weight (no --lora_r)."
             )
         model.config.feature_redraw_interval = redraw_interval
