@@ -19,6 +19,7 @@ from transformers import AutoModel
 
 import performer_hf
 from performer_hf import PerformerConfig
+from performer_hf.cli import main
 from performer_hf.conversion import SUPPORTED_ARCHITECTURES, ConversionError, convert
 from performer_hf.conversion.convert import METHODS
 from performer_hf.conversion.fidelity import embedding_agreement, english_sentences, sample_passages, spearman
@@ -269,6 +270,13 @@ def test_a_bfloat16_checkpoint_stays_bfloat16(name, sources, tmp_path):
     )  # (the name with or without "torch.": it failed inside transformers' config)
     assert {t.dtype for t in load_file(widened / "model.safetensors").values()} == {torch.float32}
     assert json.loads((widened / "config.json").read_text())["dtype"] == "float32"
+    # "auto" is the source's dtype (it failed: "module 'torch' has no attribute 'auto'"), from the CLI's --set too
+    source_folder, auto = str(tmp_path / "source"), str(tmp_path / "auto")
+    arguments = ["convert", source_folder, auto, "--attention-kernel", "exact", "--no-fidelity", "--set", "dtype=auto"]
+    assert main(arguments) == 0
+    assert load_file(Path(auto) / "model.safetensors").keys() == written.keys()
+    assert all(t.dtype == written[n].dtype for n, t in load_file(Path(auto) / "model.safetensors").items())
+    assert json.loads((Path(auto) / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_a_gpt2_keeps_its_generation_config(sources, tmp_path):

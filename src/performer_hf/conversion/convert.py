@@ -160,7 +160,7 @@ def performer_config(
         source = checkpoint.config
         fields.update(id2label=dict(source.id2label), label2id=dict(source.label2id), problem_type=source.problem_type)
     overrides = dict(overrides)
-    if (dtype := _asked_dtype(overrides.get("dtype"))) is not None:  # the config takes its name
+    if (dtype := _asked_dtype(overrides.pop("dtype", None))) is not None:  # the config takes its name
         overrides["dtype"] = str(dtype).removeprefix("torch.")
     if (tokens := overrides.get("max_position_embeddings")) is not None:
         if not isinstance(tokens, int) or isinstance(tokens, bool):
