@@ -1386,3 +1386,38 @@ def test_trainer_callback_refuses_to_redraw_the_frozen_base_of_a_peft_model(tmp_
         PerformerRedrawCallback(interval=2).on_train_begin(None, TrainerState(), None, model=model)
     PerformerRedrawCallback(interval=0).on_train_begin(None, TrainerState(), None, model=model)  # no redraw: fine
     assert redraw_seeds == []
+
+
+def test_a_checkpoint_resumes_only_with_its_seed_samples_and_accumulation(assets, tmp_path):
+    """Resuming with another --seed (another data order and masks) or --max_train_samples (other examples) skipped
+    the batches of another run, silently; a checkpoint written before these were recorded still resumes."""
+    from argparse import Namespace
+
+    from performer_hf.training.checkpointing import batching
+
+    out = tmp_path / "run"
+    train_language_model("mlm", lm_args(assets, out, "--checkpointing_steps", "2", steps=2))
+    for flag, value in (("--seed", "8"), ("--max_train_samples", "40"), ("--gradient_accumulation_steps", "2")):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        argv = lm_args(assets, tmp_path / "resumed", "--resume_from_checkpoint", str(out / "step_2"), steps=4)
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+        with pytest.raises(TrainingInputError, match=f"written with {flag[2:]}=.*which this run changes"):
+            train_language_model("mlm", argv)
+
+    class Accelerator:
+        num_processes = 1
+
+        def load_state(self, path):
+            self.loaded = path
+
+    old = {"completed_steps": 2, "epoch": 0, "batches_in_epoch": 2, "per_device_train_batch_size": 8}
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "trainer_state.json").write_text(json.dumps({**old, "num_processes": 1}))
+    args = Namespace(per_device_train_batch_size=8, gradient_accumulation_steps=1, seed=9, max_train_samples=None)
+    accelerator = Accelerator()
+    assert load_checkpoint(accelerator, str(tmp_path / "old"), batching(args, accelerator, 50))["completed_steps"] == 2
+    assert accelerator.loaded == str(tmp_path / "old")

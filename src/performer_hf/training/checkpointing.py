@@ -64,22 +64,32 @@ def find_latest_checkpoint(output_dir: str) -> str:
     return max(candidates)[1]
 
 
-def batching(args, accelerator) -> dict:
-    """What a checkpoint's count of batches is in: the batch per device and the number of processes."""
-    return {"per_device_train_batch_size": args.per_device_train_batch_size, "num_processes": accelerator.num_processes}
+def batching(args, accelerator, train_examples: int) -> dict:
+    """What a checkpoint's count of batches and steps is in: the batch per device, the number of processes, the
+    batches per optimizer step, the seed of the data order (and masks) and the training examples (how many are kept,
+    how many there are)."""
+    return {
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "num_processes": accelerator.num_processes,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "seed": args.seed,
+        "max_train_samples": args.max_train_samples,
+        "train_examples": train_examples,
+    }
 
 
 def load_checkpoint(accelerator, path: str, current_batching: dict) -> dict:
     """Restore everything ``save_checkpoint`` saved; returns the trainer state. Refuses a checkpoint of other
-    batching (its batches of the epoch are another count of examples: the resumed run would skip others) and one
-    of another model."""
+    batching (its batches of the epoch are another count, order or set of examples: the resumed run would skip
+    others; a field an older checkpoint lacks is not compared) and one of another model."""
     state = read_trainer_state(path)
     other = {name: state[name] for name, value in current_batching.items() if state.get(name, value) != value}
     if other:
         saved = ", ".join(f"{name}={value}" for name, value in other.items())
         raise TrainingInputError(
             f"the checkpoint {path!r} was written with {saved}, which this run changes: its position in the epoch "
-            "counts batches of that size, so resuming would skip other examples. Resume with the same batching."
+            "counts batches of those examples, in that order and size, so resuming would skip other examples. "
+            "Resume with the same settings and data."
         )
     try:
         accelerator.load_state(path)

@@ -348,7 +348,7 @@ def run_training(
         redraw_interval,
     )
 
-    progress = _Progress(batching=batching(args, accelerator))
+    progress = _Progress(batching=batching(args, accelerator, len(data.train)))
     if args.resume_from_checkpoint:
         path = args.resume_from_checkpoint
         if path == "latest":
