@@ -1421,3 +1421,19 @@ def test_a_checkpoint_resumes_only_with_its_seed_samples_and_accumulation(assets
     accelerator = Accelerator()
     assert load_checkpoint(accelerator, str(tmp_path / "old"), batching(args, accelerator, 50))["completed_steps"] == 2
     assert accelerator.loaded == str(tmp_path / "old")
+
+
+def test_convert_from_takes_the_converters_method(assets, tiny_llama_performer, tmp_path):
+    """--config_overrides attention_method=hybrid with --convert_from was refused naming '--method hybrid', which the
+    scripts do not have: --convert_method passes the method to the converter."""
+    source = str(tiny_llama_performer.parent / "source")
+    argv = _lora_clm_args(assets, source, tmp_path / "out")
+    argv[argv.index("--model_name_or_path")] = "--convert_from"
+    argv = argv[: argv.index("--lora_r")] + ["--max_train_steps", "1", "--config_overrides"]
+    with pytest.raises(TrainingInputError, match="takes the method as --convert_method hybrid"):
+        train_language_model("clm", [*argv, "attention_method=hybrid,local_window=8"])
+    train_language_model("clm", [*argv, "local_window=8", "--convert_method", "hybrid"])
+    config = json.loads((tmp_path / "out" / "converted" / "config.json").read_text())
+    assert config["attn_implementation"] == "performer_hybrid" and config["performer_attention"]["local_window"] == 8
+    with pytest.raises(TrainingInputError, match="--convert_method .* pass --convert_from too"):
+        train_language_model("clm", lm_args(assets, tmp_path / "other", "--convert_method", "hybrid"))

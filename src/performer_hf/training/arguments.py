@@ -104,6 +104,13 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--convert_from",
         help="A BERT / RoBERTa / GPT-2 checkpoint (folder or Hub id) converted to a Performer before training.",
     )
+    group.add_argument(
+        "--convert_method",
+        help=(
+            "The attention method --convert_from converts to (`performer-hf convert --method`: e.g. hybrid, favor, "
+            "sparse; default: the converter's); its settings go in --config_overrides."
+        ),
+    )
     group.add_argument("--tokenizer_name", help="Tokenizer folder or Hub id (default: the model's).")
     group.add_argument(
         "--trust_remote_code", action="store_true", help="Allow custom code from the checkpoint when loading."
@@ -262,6 +269,8 @@ def validate_args(args: argparse.Namespace, task: str) -> None:
 
     if args.model_name_or_path is not None and args.convert_from is not None:
         raise TrainingInputError("Pass either --model_name_or_path or --convert_from, not both.")
+    if args.convert_method is not None and args.convert_from is None:
+        raise TrainingInputError("--convert_method is the method --convert_from converts to: pass --convert_from too.")
     if args.config_name is not None and (args.model_name_or_path or args.convert_from):
         raise TrainingInputError(
             "--config_name builds a new model from scratch; it cannot be combined with --model_name_or_path or "

@@ -86,11 +86,20 @@ def _convert_source(args: argparse.Namespace, accelerator, overrides: dict) -> s
             "--convert_from needs performer_hf.conversion, which this installation does not provide; convert "
             "with `performer-hf convert` first and pass the result as --model_name_or_path."
         ) from error
+    if "attention_method" in overrides and overrides["attention_method"] != args.convert_method:
+        raise TrainingInputError(
+            f"--config_overrides attention_method={overrides['attention_method']} with --convert_from: the converter "
+            f"takes the method as --convert_method {overrides['attention_method']} (its settings stay in "
+            "--config_overrides)."
+        )
+    overrides = {key: value for key, value in overrides.items() if key != "attention_method"}
     destination = os.path.join(args.output_dir, CONVERTED_SUBDIR)
     if accelerator.is_main_process:
         logger.info("Converting %s to a Performer in %s", args.convert_from, destination)
         try:
-            convert(args.convert_from, destination, overwrite=True, fidelity=False, **overrides)
+            convert(
+                args.convert_from, destination, overwrite=True, fidelity=False, method=args.convert_method, **overrides
+            )
         except ConversionError as error:
             raise TrainingInputError(f"--convert_from {args.convert_from!r}: {error}") from error
     accelerator.wait_for_everyone()
