@@ -314,6 +314,18 @@ def test_quick_sentiment_build_finetunes_the_model_and_its_softmax_reference(tmp
     assert card.data.datasets == ["cornell-movie-review-data/rotten_tomatoes"]
     assert _model_index_metrics(card) == pytest.approx({k: rows["this model"][k] for k in ("accuracy", "f1")}, abs=1e-4)
     assert f"| {entry.reference['label']} |" in card.text and "attention_kernel='exact'" in card.text
+    # the limits are this build's: they gave the full recipe's (40 steps of 16 sentences, 48 tokens) as its own
+    args = entry.finetune["args"]
+    assert card.text.count("The limits of the full build") == 1
+    limits, full_build = card.text.split("## Limits")[1].split("## Citation")[0].split("The limits of the full build")
+    assert (
+        f"finetuned for {args['max_train_steps']} optimizer steps of {args['per_device_train_batch_size']} examples "
+        f"of at most {args['max_seq_length']} tokens, at most {entry.data_limit} rows of each data split"
+    ) in limits
+    assert f"--max_train_steps {args['max_train_steps']}" in card.text
+    full = get_entry("performer-minilm-l6-rotten-tomatoes")
+    assert not any(limit in limits for limit in full.limits)
+    assert all(f"- {limit}" in full_build for limit in full.limits) and "without `--quick`" in full_build
 
 
 def test_quick_sparse_smollm2_build_keeps_the_source_and_reads_beyond_the_window(tmp_path):

@@ -152,6 +152,28 @@ def _steps(entry: ZooEntry, results: dict) -> list[str]:
     return steps
 
 
+def _smoke_limit(entry: ZooEntry, results: dict) -> str:
+    """The first limit of a ``--quick`` build: what its test budget was (the registry's limits are the full
+    build's)."""
+    budget = []
+    training = results["training"]
+    if training is not None:
+        args = training["args"]
+        finetune = f"finetuned for {training['metrics']['train_steps']} optimizer steps"
+        if "per_device_train_batch_size" in args:
+            finetune += f" of {args['per_device_train_batch_size']} examples"
+        if "max_seq_length" in args:
+            finetune += f" of at most {args['max_seq_length']} tokens"
+        budget.append(finetune)
+    if entry.data_limit is not None:
+        budget.append(f"at most {entry.data_limit} rows of each data split")
+    done = f": {', '.join(budget)}" if budget else ""
+    return (
+        f"A smoke build (`--quick`) on the recipe's test budget{done} (see how it was made). Its figures only show "
+        "that the recipe runs."
+    )
+
+
 def _table(evaluation: dict) -> dict:
     columns = list(dict.fromkeys(name for row in evaluation["rows"].values() for name in row))
     dataset = evaluation["dataset"]
@@ -230,7 +252,8 @@ def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard
         "pretrained": config.max_position_embeddings,
     }
     max_length = f"{positions['converted']} tokens"
-    limits = list(entry.limits)
+    # a quick build's limits are its own; the registry's describe the full build's checkpoint
+    limits = [_smoke_limit(entry, results)] if results["quick"] else list(entry.limits)
     if positions["converted"] > positions["pretrained"]:
         max_length += f" (the source was pretrained on {positions['pretrained']}; see the limits)"
         limits.append(
@@ -262,4 +285,5 @@ def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard
         exact_parity=results["conversion"].get("exact_parity_max_abs_diff"),
         repo_id=entry.name,
         limits=limits,
+        full_build_limits=entry.limits if results["quick"] else [],
     )
