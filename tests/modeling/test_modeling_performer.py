@@ -642,3 +642,81 @@ def test_a_performer_attn_implementation_is_refused_by_the_family_which_runs_its
             PerformerForCausalLM.from_pretrained(tmp_path, attn_implementation=implementation)
     exact = PerformerForCausalLM.from_pretrained(tmp_path, attention_kernel="exact")  # the fix the message names
     assert exact.config.attention_kernel == "exact"
+
+
+@pytest.mark.parametrize("field, value", [("exact_max_length", 0), ("local_window", 2), ("num_global_tokens", 0)])
+def test_attention_settings_changed_after_the_model_was_built_are_refused_before_they_are_saved(field, value, tmp_path):
+    """The attention modules read their settings when they are built: a config field set afterwards used to be
+    ignored by forward and written by save_pretrained (a hybrid encoder with exact_max_length=32 set to 0: its reload
+    1.9 from the saved model's logits). Forward and save refuse it, naming the fix, and write nothing."""
+    model = tiny_model(PerformerModel, **METHODS["hybrid"], exact_max_length=32)
+    ids = random_ids()
+    expected = model(ids).last_hidden_state
+    setattr(model.config, field, value)
+    with pytest.raises(ValueError, match=f"config.{field} changed after this model was built.*from_pretrained"):
+        model(ids)
+    with pytest.raises(ValueError, match=f"config.{field} changed after this model was built"):
+        model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+    setattr(model.config, field, {"exact_max_length": 32, "local_window": 4, "num_global_tokens": 1}[field])
+    torch.testing.assert_close(model(ids).last_hidden_state, expected, rtol=0, atol=0)  # set back: runs as built
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"exact_max_length": -5}, "exact_max_length must be >= 0"),
+        ({"layer_norm_position": "x"}, "layer_norm_position='x' is not supported"),
+        ({"hidden_dropout_prob": 1.5}, "hidden_dropout_prob is a probability"),
+        ({"hidden_act": "nope"}, "hidden_act='nope' is not an activation"),
+        ({"causal_chunk_size": 0}, "causal_chunk_size must be a positive integer"),
+        ({"attention_method": "bogus"}, "attention_method='bogus' is not supported"),
+    ],
+)
+def test_settings_given_to_from_pretrained_are_checked_as_the_configs_are(settings, message, tmp_path):
+    """from_pretrained sets its keyword arguments on the loaded config one by one, past the config's checks: they
+    loaded silently (exact_max_length=-5), or failed deep in torch, or at a later save after writing its code files."""
+    tiny_model(PerformerForMaskedLM, **METHODS["hybrid"]).save_pretrained(tmp_path)
+    for loader in (PerformerForMaskedLM, AutoModelForMaskedLM):
+        with pytest.raises(ValueError, match=message):
+            loader.from_pretrained(tmp_path, **settings)
+
+
+def test_a_causal_lm_checks_the_decoder_settings_whatever_is_decoder_says():
+    """PerformerForCausalLM attends causally with any config, so the decoders' checks apply: FAVOR+ with an exact
+    prefix, accepted with is_decoder=False and then ignored (the first 16 positions 4.85 from exact attention), is
+    refused as it is with is_decoder=True."""
+    for is_decoder in (True, False):
+        refused = (ValueError, StrictDataclassClassValidationError)  # the model's, or the config's (is_decoder=True)
+        with pytest.raises(refused, match="exact_max_length=16 with is_decoder=True needs the hybrid method"):
+            PerformerForCausalLM(tiny_config(**METHODS["favor"], exact_max_length=16, is_decoder=is_decoder))
+
+
+def test_a_stray_field_is_refused_with_a_method_that_takes_it():
+    """A sparse decoder given exact_max_length was told to set attention_method='favor', itself refused for decoders
+    with an exact prefix: the fix named is the hybrid, which takes it."""
+    sparse = {"attention_method": "sparse", "local_window": 8, "select_block_size": 4, "is_decoder": True}
+    with pytest.raises(StrictDataclassClassValidationError, match="set attention_method='hybrid'"):
+        PerformerConfig(**sparse, exact_max_length=16)
+    tiny_config(
+        attention_method="hybrid", attention_kernel="poly2", local_window=8, is_decoder=True, exact_max_length=16
+    )
+
+
+def test_question_answering_takes_positions_as_one_column_too():
+    """transformers' question-answering heads take (B, 1) start / end positions (a squeezed loss): so does ours,
+    with the loss of (B,) positions (it was torch's 'multi-target not supported')."""
+    model = tiny_model(PerformerForQuestionAnswering, **METHODS["favor"])
+    ids, starts, ends = random_ids(), torch.tensor([1, 3]), torch.tensor([4, 6])
+    flat = model(ids, start_positions=starts, end_positions=ends).loss
+    column = model(ids, start_positions=starts[:, None], end_positions=ends[:, None]).loss
+    torch.testing.assert_close(column, flat, rtol=0, atol=0)
+
+
+def test_input_ids_out_of_the_vocabulary_are_refused_by_name():
+    model = tiny_model(PerformerModel, **METHODS["favor"])
+    for bad in (VOCAB, -1):
+        ids = random_ids()
+        ids[1, 3] = bad
+        with pytest.raises(ValueError, match=f"input_ids hold {bad}, out of range: this model has vocab_size={VOCAB}"):
+            model(ids)

@@ -30,6 +30,7 @@ from ..modeling.favor_optimal import optimal_parameter
 from ..modeling.layers_performer import PerformerAttention
 from ..modeling.method_exact import exact_attention
 from ..modeling.method_hybrid import hybrid_method
+from ..modeling.modeling_performer import PerformerPreTrainedModel
 from .fidelity import approximation_only
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,9 @@ def calibrate(
                 errors.append(error)
     if optimise:
         config.far_field_parameter = parameters
+        for module in model.modules():  # what its attention modules now run (the config's A, set in both)
+            if isinstance(module, PerformerPreTrainedModel):
+                module.record_attention_settings()
     num_tokens = int(mask.sum())
     logger.info(
         "calibrated on %d tokens: %s%s",

@@ -233,12 +233,15 @@ class PerformerConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.attention_kernel == "exact" or self.attention_method is None:
             self.attention_method = infer_method(self.__dict__)  # recorded: saved configs name their method
-        if self.attention_method not in ATTENTION_METHODS:  # before any validator looks the method up
+        self._check_method_name()  # before any validator looks the method up
+        super().__post_init__(**kwargs)
+
+    def _check_method_name(self):
+        if self.attention_method not in ATTENTION_METHODS:
             raise ValueError(
                 f"attention_method={self.attention_method!r} is not supported; choose one of "
                 f"{tuple(ATTENTION_METHODS)}."
             )
-        super().__post_init__(**kwargs)
 
     @property
     def uses_hybrid_attention(self) -> bool:
@@ -392,6 +395,7 @@ class PerformerConfig(PreTrainedConfig):
         config was built is exact attention, as at construction."""
         if self.attention_kernel == "exact":
             self.attention_method = "exact"
+        self._check_method_name()
         self._validate_ranges()
         self._validate_method()
         self._validate_hybrid()
@@ -419,7 +423,10 @@ class PerformerConfig(PreTrainedConfig):
         every_field = dict.fromkeys(name for entry in ATTENTION_METHODS.values() for name in entry.fields)
         foreign = [name for name in every_field if name not in method.fields and getattr(self, name) != defaults[name]]
         if foreign:
-            owner = next(name for name, entry in ATTENTION_METHODS.items() if set(foreign) <= set(entry.fields))
+            owners = [name for name, entry in ATTENTION_METHODS.items() if set(foreign) <= set(entry.fields)]
+            if self.is_decoder and "exact_max_length" in foreign:  # a causal exact prefix is the hybrid's alone
+                owners = [name for name in owners if name != "favor"] or owners
+            owner = owners[0]
             raise ValueError(
                 f"{', '.join(foreign)} {'is' if len(foreign) == 1 else 'are'} not read by attention_method="
                 f"{self.attention_method!r} (the fields of {owner!r}): set attention_method={owner!r}, or leave "

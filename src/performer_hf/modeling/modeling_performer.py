@@ -8,10 +8,12 @@ to a checkpoint.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub.errors import StrictDataclassClassValidationError
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
@@ -28,9 +30,10 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput, logging
 
-from .attention_methods import ATTENTION_METHODS
+from .attention_methods import ATTENTION_FIELDS, ATTENTION_METHODS
 from .attention_settings import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from .cache_performer import check_no_static_layers, static_cache_refusal
+from .compiled_lengths import traced
 from .configuration_performer import PerformerConfig
 from .layers_performer import (
     PerformerAttention,
@@ -69,6 +72,23 @@ def _cache_argument(cache: Cache | None, past_key_values: Cache | None, kwargs: 
     return cache
 
 
+# the config fields a model's attention modules read when they are built (``AttentionMethodState``); the redraw
+# interval is the trainer's, read at each step
+BUILT_ATTENTION_FIELDS = tuple(name for name in ATTENTION_FIELDS if name != "feature_redraw_interval")
+
+
+def _attention_settings(config: PerformerConfig) -> dict:
+    return {name: getattr(config, name) for name in BUILT_ATTENTION_FIELDS}
+
+
+def _validate(config: PerformerConfig) -> None:
+    """The config's checks (``@strict``'s class validators), failing with the check's own ``ValueError``."""
+    try:
+        config.validate()
+    except StrictDataclassClassValidationError as error:
+        raise ValueError(str(error.__cause__ or error)) from error
+
+
 class PerformerPreTrainedModel(PreTrainedModel):
     config_class = PerformerConfig
     config: PerformerConfig
@@ -76,8 +96,15 @@ class PerformerPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["PerformerLayer"]
 
+    def __init__(self, config: PerformerConfig, *inputs, **kwargs):
+        # the config's checks again: settings applied after it was built (``from_pretrained(folder, **settings)``
+        # sets them one by one, unchecked) fail here, by name, not deep inside a layer or a later save
+        _validate(config)
+        super().__init__(config, *inputs, **kwargs)
+
     def post_init(self):
         super().post_init()
+        self.record_attention_settings()
         implementation = self.config._attn_implementation
         if implementation in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(
@@ -169,10 +196,34 @@ class PerformerPreTrainedModel(PreTrainedModel):
             if isinstance(module, PerformerAttention):  # a generator seed is below 2**63
                 module.redraw_projection((seed * 1_000_003 + module.layer_idx) % 2**63)
 
+    def record_attention_settings(self) -> None:
+        """Take the config's attention settings as the ones this model's attention modules run (done when it is
+        built; the converter's calibration, which sets both, calls it again)."""
+        self._attention_settings = _attention_settings(self.config)
+
+    def check_attention_settings_unchanged(self) -> None:
+        """Refuse a config whose attention settings were changed after the model was built: its attention modules
+        read them when they were built, so the model would compute with the old ones and save the new ones (a
+        checkpoint that loads as another model)."""
+        built = self._attention_settings
+        changed = {name: value for name, value in _attention_settings(self.config).items() if value != built[name]}
+        if changed:
+            then = ", ".join(f"{name}={built[name]!r}" for name in changed)
+            now = ", ".join(f"{name}={value!r}" for name, value in changed.items())
+            raise ValueError(
+                f"config.{' / '.join(changed)} changed after this model was built: its attention runs {then} (read "
+                f"when its layers were built), and would be saved as {now}. To run the new settings, load the model "
+                f"with them, from_pretrained(folder, {now}) (or build it from the config); to keep the model as it "
+                "runs, set them back."
+            )
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``PreTrainedModel.save_pretrained`` (safetensors + config + the modeling code), with every
         Performer class listed in ``config.auto_map``: any ``AutoModel*.from_pretrained(folder,
-        trust_remote_code=True)`` then loads the folder where ``performer_hf`` is not installed."""
+        trust_remote_code=True)`` then loads the folder where ``performer_hf`` is not installed. A config whose
+        attention settings were changed after the model was built is refused before anything is written."""
+        self.check_attention_settings_unchanged()
+        _validate(self.config)
         module = self.__class__.__module__.rsplit(".", 1)[-1]
         auto_map = dict(getattr(self.config, "auto_map", None) or {})
         auto_map.update({auto: f"{module}.{cls.__name__}" for cls, auto in AUTO_CLASSES.items()})
@@ -253,6 +304,8 @@ class PerformerModel(PerformerPreTrainedModel):
             past_key_values: the name of ``cache`` before transformers 5.24 (deprecated there).
         """
         cache = _cache_argument(cache, past_key_values, kwargs)
+        if not traced():
+            self.check_attention_settings_unchanged()
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         name, given = ("input_ids", input_ids) if input_ids is not None else ("inputs_embeds", inputs_embeds)
@@ -429,6 +482,14 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "performer.embeddings.word_embeddings.weight"}
 
     def __init__(self, config: PerformerConfig):
+        if not config.is_decoder:  # it attends causally all the same: the decoders' checks apply
+            as_decoder = copy.deepcopy(config)
+            as_decoder.is_decoder = True
+            _validate(as_decoder)
+            logger.warning_once(
+                "PerformerForCausalLM attends causally whatever its config says; this one has is_decoder=False, "
+                "which a PerformerModel loaded from it would take as bidirectional: set is_decoder=True."
+            )
         super().__init__(config)
         self.performer = PerformerModel(config, add_pooling_layer=False)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -622,12 +683,14 @@ class PerformerForQuestionAnswering(_BidirectionalHead):
         return_dict: bool | None = None,
         **kwargs,
     ) -> QuestionAnsweringModelOutput | tuple:
-        """``start_positions`` / ``end_positions``: (B,) token indices of the answer span."""
+        """``start_positions`` / ``end_positions``: (B,) token indices of the answer span (or (B, 1), as
+        transformers' question-answering heads take them)."""
         outputs = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(dim=-1)  # (B, L) each
         loss = None
         if start_positions is not None and end_positions is not None:
             length = start_logits.shape[1]
+            start_positions, end_positions = start_positions.reshape(-1), end_positions.reshape(-1)  # (B,)
             start_loss = F.cross_entropy(start_logits.float(), start_positions.clamp(0, length), ignore_index=length)
             end_loss = F.cross_entropy(end_logits.float(), end_positions.clamp(0, length), ignore_index=length)
             loss = (start_loss + end_loss) / 2
