@@ -10,6 +10,7 @@ from performer_hf.favor import (
     exact_attention,
     explicit_feature_attention,
     favor_attention,
+    hybrid_attention,
 )
 
 POSITIVE_KERNELS = [k for k in KERNELS if k != "softmax_trig"]
@@ -473,3 +474,24 @@ def test_one_position_after_a_state_equals_the_scan_over_everything(per_head, ma
 
     for ours, reference in zip(absolute(step, 0), absolute(whole, -1), strict=True):
         torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("scaling", [-0.5, 0.0, float("inf"), float("nan")])
+def test_a_logit_scale_that_is_not_positive_and_finite_is_refused_by_name(scaling):
+    """The kernels multiply queries and keys by the root of ``scaling``: a negative one failed deep in torch (complex
+    numbers), a NaN ran to NaN outputs."""
+    q = torch.randn(1, 2, 10, 8)
+    W = draw_projection(16, 8)
+    with pytest.raises(ValueError, match="favor_attention takes a positive, finite scaling"):
+        favor_attention(q, q, q, W, scaling=scaling)
+    with pytest.raises(ValueError, match="hybrid_attention takes a positive, finite scaling"):
+        hybrid_attention(q, q, q, None, far_field="poly2", local_window=3, scaling=scaling)
+
+
+def test_inputs_of_no_token_are_refused_by_name():
+    """A zero-length call divided by zero (causal FAVOR+) or failed in amax (the hybrid)."""
+    q = torch.randn(1, 2, 0, 8)
+    with pytest.raises(ValueError, match="favor_attention got no query"):
+        favor_attention(q, q, q, draw_projection(16, 8), causal=True)
+    with pytest.raises(ValueError, match=r"hybrid_attention \(self-attention\) got no query"):
+        hybrid_attention(q, q, q, None, far_field="poly2", local_window=3)

@@ -24,6 +24,7 @@ the plain autograd path below, which computes the same quantities.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -205,10 +206,23 @@ def check_attention_inputs(name: str, q, k, v, key_padding_mask, self_attention:
             f"key_padding_mask must have shape (batch, seq) = {(k.shape[0], k.shape[2])}; "
             f"got {tuple(key_padding_mask.shape)}."
         )
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        raise ValueError(
+            f"{name} got no {'query' if q.shape[2] == 0 else 'key'} (q {tuple(q.shape)}, k "
+            f"{tuple(k.shape)}): pass at least one token."
+        )
 
 
-def _check_inputs(q, k, v, projection, causal, key_padding_mask, state, return_state):
+def check_scaling(name: str, scaling: float | None) -> None:
+    """The logit scale of the attention function ``name``: None (``head_dim ** -0.5``) or a positive, finite number
+    (queries and keys are multiplied by its root)."""
+    if scaling is not None and not 0 < scaling < math.inf:
+        raise ValueError(f"{name} takes a positive, finite scaling (the logit scale) or None, got {scaling}.")
+
+
+def _check_inputs(q, k, v, projection, causal, key_padding_mask, state, return_state, scaling):
     check_attention_inputs("favor_attention", q, k, v, key_padding_mask, self_attention=causal)
+    check_scaling("favor_attention", scaling)
     if projection.dim() != 2 or projection.shape[1] != q.shape[-1]:
         raise ValueError(
             f"projection must have shape (nb_features, head_dim={q.shape[-1]}); got {tuple(projection.shape)}. "
@@ -265,7 +279,7 @@ def favor_attention(
     Returns:
         ``(B, H, Lq, dv)`` in the dtype of ``q``; with ``return_state`` a tuple ``(out, state)``.
     """
-    _check_inputs(q, k, v, projection, causal, key_padding_mask, initial_state, return_state)
+    _check_inputs(q, k, v, projection, causal, key_padding_mask, initial_state, return_state, scaling)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}.")
     out_dtype = q.dtype

@@ -46,7 +46,7 @@ import torch
 
 from .compiled_lengths import pin_length
 from .far_fields import FarField, get_far_field
-from .favor_attention import check_attention_inputs
+from .favor_attention import check_attention_inputs, check_scaling
 from .favor_optimal import optimal_parameter, pair_statistic
 from .hybrid_backends import choose_backend
 from .hybrid_causal import decoding_step, extra_keys, lagged_far_field, next_state, prefill_far_state
@@ -98,9 +98,10 @@ def _log_gain(gain: Tensor | float | list[float] | None, like: Tensor) -> Tensor
     return gain.log()[..., None, None]
 
 
-def _check(q, k, v, projection, far: FarField, key_padding_mask) -> None:
-    """Shapes of the tensor inputs (the settings are checked by :class:`HybridSpec`)."""
+def _check(q, k, v, projection, far: FarField, key_padding_mask, scaling) -> None:
+    """Shapes of the tensor inputs and the logit scale (the settings are checked by :class:`HybridSpec`)."""
     check_attention_inputs("hybrid_attention (self-attention)", q, k, v, key_padding_mask, self_attention=True)
+    check_scaling("hybrid_attention", scaling)
     if far.uses_projection and (projection is None or projection.dim() != 2 or projection.shape[1] != q.shape[-1]):
         raise ValueError(
             f"far_field={far.name!r} needs a projection of shape (nb_features, head_dim={q.shape[-1]}); got "
@@ -254,7 +255,7 @@ def hybrid_attention(
         spec = HybridSpec(**settings)
     elif settings:  # a model passes its spec alone: no copy (and no re-validation) per layer and call
         spec = dataclasses.replace(spec, **settings)
-    _check(q, k, v, projection, get_far_field(spec.far_field), key_padding_mask)
+    _check(q, k, v, projection, get_far_field(spec.far_field), key_padding_mask, scaling)
     if q.device.type != "cpu":  # compiled on a GPU, one graph per length: not yet run there with a symbolic length
         pin_length(q.shape[2])
     stateful = initial_state is not None or return_state

@@ -63,21 +63,26 @@ class PerformerEmbeddings(nn.Module):
                 "padding's -1 needs clamping to 0 where the attention mask leaves the token out)."
             )
 
-    def _check_token_types(self, token_type_ids: torch.Tensor) -> None:
-        if not token_type_ids.numel() or traced():
+    @staticmethod
+    def _check_ids(ids: torch.Tensor, name: str, table: nn.Embedding, field: str, hint: str = "") -> None:
+        """Ids out of an embedding table's range end here, by name, not in torch's index error (one host read,
+        skipped while tracing)."""
+        if not ids.numel() or traced():
             return
-        smallest, largest = (int(bound) for bound in torch.aminmax(token_type_ids))
-        types = self.token_type_embeddings.num_embeddings
-        if smallest < 0 or largest >= types:
+        smallest, largest = (int(bound) for bound in torch.aminmax(ids))
+        count = table.num_embeddings
+        if smallest < 0 or largest >= count:
             raise ValueError(
-                f"token_type_ids hold {smallest if smallest < 0 else largest}, out of range: this model has "
-                f"type_vocab_size={types} (ids 0 to {types - 1})."
+                f"{name} hold {smallest if smallest < 0 else largest}, out of range: this model has {field}={count} "
+                f"(ids 0 to {count - 1}).{hint}"
             )
 
     def forward(
         self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, past_length: int = 0
     ) -> torch.Tensor:
         if inputs_embeds is None:
+            hint = " Is the tokenizer the checkpoint's?"
+            self._check_ids(input_ids, "input_ids", self.word_embeddings, "vocab_size", hint)
             inputs_embeds = self.word_embeddings(input_ids)  # (B, L, hidden)
         batch, length = inputs_embeds.shape[:2]
         if position_ids is None:
@@ -98,7 +103,7 @@ class PerformerEmbeddings(nn.Module):
             if token_type_ids is None:
                 token_type_ids = torch.zeros_like(position_ids)
             else:
-                self._check_token_types(token_type_ids)
+                self._check_ids(token_type_ids, "token_type_ids", self.token_type_embeddings, "type_vocab_size")
             embeddings = embeddings + self.token_type_embeddings(token_type_ids)
         if self.LayerNorm is not None:
             embeddings = self.LayerNorm(embeddings)
