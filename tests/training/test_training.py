@@ -1437,3 +1437,36 @@ def test_convert_from_takes_the_converters_method(assets, tiny_llama_performer, 
     assert config["attn_implementation"] == "performer_hybrid" and config["performer_attention"]["local_window"] == 8
     with pytest.raises(TrainingInputError, match="--convert_method .* pass --convert_from too"):
         train_language_model("clm", lm_args(assets, tmp_path / "other", "--convert_method", "hybrid"))
+
+
+def test_a_classifier_trained_on_other_labels_of_the_same_count_gets_a_new_classifier(assets, tmp_path):
+    """ignore_mismatched_sizes redraws a classifier only when its shape changes: one trained on three other labels was
+    kept, its rows relabelled with the new names. Its own labels keep it."""
+    from safetensors.torch import load_file
+
+    first = tmp_path / "first"
+    train_classifier(_classification_args(assets, first, "--max_train_steps", "2"))
+    rename = {"debugger": "neg", "string-methods": "neu", "typesmapping": "pos"}
+    for name in ("train.csv", "dev.csv"):
+        rows = list(csv.DictReader((assets["root"] / name).open()))
+        with (tmp_path / name).open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=["sentence", "topic"])
+            writer.writeheader()
+            writer.writerows({"sentence": row["sentence"], "topic": rename[row["topic"]]} for row in rows)
+
+    def finetune(name, train, dev):  # a step too small to move any weight visibly
+        argv = _classification_args(assets, tmp_path / name, "--max_train_steps", "1", "--learning_rate", "1e-12")
+        argv[argv.index("--train_file") + 1], argv[argv.index("--validation_file") + 1] = str(train), str(dev)
+        del argv[argv.index("--config_overrides") : argv.index("--config_overrides") + 2]
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        train_classifier([*argv, "--model_name_or_path", str(first)])
+        return load_file(tmp_path / name / "model.safetensors")
+
+    before = load_file(first / "model.safetensors")
+    relabelled = finetune("relabelled", tmp_path / "train.csv", tmp_path / "dev.csv")
+    same = finetune("same", assets["root"] / "train.csv", assets["root"] / "dev.csv")
+    for name, tensor in before.items():
+        assert (relabelled[name] - tensor).abs().max() < 1e-6 or name.startswith("classifier.")
+        assert (same[name] - tensor).abs().max() < 1e-6
+    assert (relabelled["classifier.weight"] - before["classifier.weight"]).abs().max() > 1e-3

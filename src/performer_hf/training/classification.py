@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
@@ -14,6 +15,8 @@ from .data import build_label_mapping, classification_datasets, label_values, lo
 from .metrics import classification_metrics
 from .model_loading import load_model, load_tokenizer, resolve_sequence_length
 from .trainer import TrainingData, TrainingTask, create_accelerator, run_training
+
+logger = logging.getLogger(__name__)
 
 
 def _batch_statistics(outputs, batch) -> dict[str, torch.Tensor]:
@@ -50,7 +53,16 @@ def train_classifier(argv: list[str] | None = None) -> dict:
     args = parse_args("classification", argv)
     accelerator = create_accelerator(args)
     raw = load_raw_datasets(args)
-    label2id = build_label_mapping(label_values(raw["train"], args.label_column_name), _existing_label2id(args))
+    existing = _existing_label2id(args)
+    label2id = build_label_mapping(label_values(raw["train"], args.label_column_name), existing)
+    other_labels = existing is not None and set(existing) != set(label2id)
+    if other_labels:
+        logger.warning(
+            "%s was trained on the labels %s, this run's are %s: its classifier is drawn anew.",
+            args.model_name_or_path,
+            sorted(existing),
+            sorted(label2id),
+        )
     if len(label2id) < 2:
         raise TrainingInputError(
             f"Column {args.label_column_name!r} has a single label {list(label2id)}; classification needs at least two."
@@ -68,6 +80,7 @@ def train_classifier(argv: list[str] | None = None) -> dict:
         tokenizer,
         accelerator,
         new_head=True,
+        redraw_head=other_labels,
         task="classification",
         num_labels=len(label2id),
         label2id=label2id,

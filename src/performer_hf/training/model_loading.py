@@ -112,6 +112,7 @@ def load_model(
     tokenizer: PreTrainedTokenizerBase,
     accelerator,
     new_head: bool = False,
+    redraw_head: bool = False,
     task: str | None = None,
     **config_kwargs,
 ) -> PreTrainedModel:
@@ -121,7 +122,8 @@ def load_model(
     ``config_kwargs`` (e.g. ``num_labels``) are set on the config whatever the source; a model trained
     from scratch also takes its vocabulary size and padding id from the tokenizer unless
     ``--config_overrides`` sets them. ``new_head=True`` lets a loaded checkpoint's task head be
-    re-initialised when its shape differs (a classifier with another number of labels).
+    re-initialised when its shape differs (a classifier with another number of labels); ``redraw_head=True``
+    re-initialises it even when it fits (a classifier trained on other labels of the same count).
     """
     overrides = parse_config_overrides(args.config_overrides)
     load_options = {"ignore_mismatched_sizes": True} if new_head else {}
@@ -139,6 +141,8 @@ def load_model(
                 **load_options,
             )
             _check_only_the_head_is_new(model, loading)
+            if redraw_head:
+                loading = {**loading, "missing_keys": set(loading.get("missing_keys") or ()) | _redraw_head(model)}
         except OSError as error:
             raise TrainingInputError(f"Could not load a model from {args.model_name_or_path!r}: {error}") from error
         except (ValueError, TypeError, RuntimeError, StrictDataclassError) as error:  # what the overrides ask for
@@ -200,6 +204,18 @@ def _check_only_the_head_is_new(model: PreTrainedModel, loading: dict) -> None:
             f"the checkpoint's {', '.join(body[:3])}{' ...' if len(body) > 3 else ''} do not fit the model's shapes, "
             "and only the task head may be drawn anew"
         )
+
+
+def _redraw_head(model: PreTrainedModel) -> set[str]:
+    """Draw the task head's weights anew, as the model initialises a head its checkpoint lacks; returns their
+    names."""
+    head = _head_prefixes(model)
+    for name, module in model.named_modules():
+        if f"{name}.".startswith(head):
+            for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+                tensor._is_hf_initialized = False  # loaded: transformers' initialisers would leave it alone
+            model._init_weights(module)
+    return {name for name, _ in model.named_parameters() if name.startswith(head)}
 
 
 def _head_prefixes(model: PreTrainedModel) -> tuple[str, ...]:
