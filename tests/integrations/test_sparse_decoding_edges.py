@@ -54,3 +54,24 @@ def test_a_performer_model_with_a_budget_generates_from_one_token(tmp_path):
         full = model(generated.sequences, use_cache=False).logits
     for step, logits in enumerate(generated.logits):
         torch.testing.assert_close(logits, full[:, step], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["performer", "performer_hybrid", "performer_sparse"])
+def test_crop_of_no_token_is_a_no_op_and_assisted_decoding_accepting_every_draft_runs(implementation, tmp_path):
+    """transformers' Cache.crop(-n) removes n tokens and crop(0) none (DynamicCache's is a no-op); assisted
+    decoding calls crop(-0) when every draft token is accepted. The methods' layers read 0 as "keep 0 tokens" and
+    refused ("cannot be cropped from 22 back to 0 tokens"). An identical assistant, whose drafts are all accepted,
+    now generates what plain generate() does; a real rollback stays refused."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, implementation)
+    prompt = _ids(1, 20)
+    generated = model.generate(prompt, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    cache = generated[CACHE_KEYWORD]
+    for tokens in (0, -0, 22):
+        cache.crop(tokens)
+        assert cache.get_seq_length() == 22
+    with pytest.raises(ValueError, match="cannot be cropped from 22 back to 21 tokens"):
+        cache.crop(-1)
+    assistant = _load(folder, implementation)
+    assisted = model.generate(prompt, max_new_tokens=6, do_sample=False, assistant_model=assistant)
+    assert torch.equal(assisted, model.generate(prompt, max_new_tokens=6, do_sample=False))

@@ -105,11 +105,12 @@ class _BatchFirstState:
         self._select(lambda state: state[indices])
 
     def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` tokens (a negative one: drop that many), as assisted decoding rolls back
-        rejected draft tokens: refused past the tokens held, since the method's state sums or selects from every
-        earlier token and cannot give one back."""
+        """Keep the first ``max_length`` tokens, or with ``max_length <= 0`` drop ``-max_length`` from the end
+        (transformers' ``Cache.crop(-n)``; ``crop(0)``, which assisted decoding calls when every draft token was
+        accepted, drops none), as assisted decoding rolls back rejected draft tokens: refused past the tokens held,
+        since the method's state sums or selects from every earlier token and cannot give one back."""
         length = self.get_seq_length()
-        keep = max_length if max_length >= 0 else length + max_length
+        keep = max_length if max_length > 0 else length + max_length
         if keep >= length:
             return
         raise ValueError(
