@@ -5,7 +5,7 @@ sequence whose first call holds one token, left padding with the "window" rankin
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 import performer_hf
 from performer_hf import PerformerCache
@@ -18,6 +18,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 # the sparse preset's ranking and a budget that nothing below exceeds: cached decoding computes what a full forward
 # (every block kept) does
 LATEST = {**SPARSE, "select_budget": 16, "select_ranking": "latest"}
+# a GPT-2 that converts to the Performer family
+GPT2 = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3"])
@@ -42,8 +44,7 @@ def test_a_performer_model_with_a_budget_generates_from_one_token(tmp_path):
     """The Performer family converted from GPT-2 (a fused projection) with a bounded sparse method (budget 2,
     selection among the blocks before the window from position 16 on), from a one-token prompt: plain generate()
     (its own cache) computes what a full forward does while the pool holds every block that left the window."""
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128)
-    _, folder = _source(config, tmp_path)
+    _, folder = _source(GPT2, tmp_path)
     settings = dict(local_window=8, select_block_size=4, select_blocks=1, select_budget=2, num_global_tokens=2)
     out = performer_hf.convert(folder, tmp_path / "sparse", fidelity=False, method="sparse", **settings)
     model = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -75,3 +76,17 @@ def test_crop_of_no_token_is_a_no_op_and_assisted_decoding_accepting_every_draft
     assistant = _load(folder, implementation)
     assisted = model.generate(prompt, max_new_tokens=6, do_sample=False, assistant_model=assistant)
     assert torch.equal(assisted, model.generate(prompt, max_new_tokens=6, do_sample=False))
+
+
+def test_performer_cache_tells_a_performer_model_to_build_its_own(tmp_path):
+    """PerformerCache(model.config) of a Performer-family model told to load it with
+    attn_implementation='performer_hybrid', which the family then refuses. It now says the model builds its cache
+    itself, and the cache it names decodes as plain generate() does."""
+    _, folder = _source(GPT2, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(performer_hf.convert(folder, tmp_path / "hybrid", fidelity=False))
+    with pytest.raises(ValueError, match=r"Performer-family model .* DynamicCache\(config=model.config\)"):
+        PerformerCache(model.config)
+    prompt = _ids(1, 12)
+    plain = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    given = {CACHE_KEYWORD: DynamicCache(config=model.config)}
+    assert torch.equal(model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0, **given), plain)

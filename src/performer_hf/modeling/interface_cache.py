@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 
 from .attention_methods import ATTENTION_METHODS
 from .attention_settings import IMPLEMENTATIONS, METHOD_STATE_ATTRIBUTE, head_shape, keeps_own_attention, method_config
+from .configuration_performer import PerformerConfig
 
 CACHE_KEYWORD = "cache" if Version(transformers.__version__) >= Version("5.24.0") else "past_key_values"
 
@@ -48,6 +49,13 @@ class PerformerCache(Cache):
     def __init__(self, config):
         text_config = config.get_text_config(decoder=True)
         implementation = text_config._attn_implementation
+        if text_config.model_type == PerformerConfig.model_type:
+            raise ValueError(
+                "PerformerCache is for transformers models loaded with attn_implementation in "
+                f"{sorted(IMPLEMENTATIONS)}; a Performer-family model (model_type {PerformerConfig.model_type!r}) "
+                "builds its method's cache itself: call its generate() without a cache, or pass "
+                "DynamicCache(config=model.config)."
+            )
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"PerformerCache is for models loaded with attn_implementation in {sorted(IMPLEMENTATIONS)}; this "
