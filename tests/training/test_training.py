@@ -1470,3 +1470,25 @@ def test_a_classifier_trained_on_other_labels_of_the_same_count_gets_a_new_class
         assert (relabelled[name] - tensor).abs().max() < 1e-6 or name.startswith("classifier.")
         assert (same[name] - tensor).abs().max() < 1e-6
     assert (relabelled["classifier.weight"] - before["classifier.weight"]).abs().max() > 1e-3
+
+
+def test_a_lora_runs_card_says_it_is_an_adapter_and_how_to_restore_it(assets, tmp_path):
+    """The card of a LoRA run described a whole model (library_name: transformers, AutoModel.from_pretrained of the
+    folder, which loads no adapter), never naming the adapter, its settings or its base."""
+    from peft import PeftModel
+
+    base = _masked_lm_base(assets, tmp_path / "base")
+    out = tmp_path / "out"
+    train_language_model("mlm", lm_args(assets, out, "--model_name_or_path", base, "--lora_r", "2", steps=1))
+    card = (out / "README.md").read_text()
+    assert "library_name: peft" in card and "## LoRA adapter" in card and "trust_remote_code" not in card
+    assert f"base model `{base}`" in card and '"r": 2' in card and '"lora_alpha": 4' in card
+    snippet = card.split("## Usage")[1].split("```python")[1].split("```")[0]
+    namespace: dict = {}
+    exec(snippet.replace("path/to/this/folder", str(out)), namespace)  # the card's own restore
+    assert isinstance(namespace["model"], PeftModel) and namespace["base"].config.nb_features == 16
+    with torch.no_grad():
+        ids = torch.randint(5, 90, (1, 12), generator=torch.Generator().manual_seed(0))
+        restored = namespace["model"].eval()(input_ids=ids).logits
+        reference = PeftModel.from_pretrained(AutoModelForMaskedLM.from_pretrained(base), out).eval()(input_ids=ids)
+    torch.testing.assert_close(restored, reference.logits, rtol=0, atol=0)

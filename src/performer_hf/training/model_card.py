@@ -22,6 +22,11 @@ from ..modeling.configuration_performer import PerformerConfig
 logger = logging.getLogger(__name__)
 
 TASK_PIPELINES = {"mlm": "fill-mask", "clm": "text-generation", "classification": "text-classification"}
+TASK_AUTO_CLASSES = {
+    "mlm": "AutoModelForMaskedLM",
+    "clm": "AutoModelForCausalLM",
+    "classification": "AutoModelForSequenceClassification",
+}
 TASK_NAMES = {"mlm": "masked language modeling", "clm": "causal language modeling", "classification": "classification"}
 
 FAVOR_FIELDS = (
@@ -98,6 +103,68 @@ def _in_place_method(config, task: str) -> PerformerConfig | None:
     return method_config(text_config, implementation, causal, *head_shape(text_config))
 
 
+def _adapter_section(task: str, config, adapter: dict, performer: bool) -> list[str]:
+    """The card's "LoRA adapter" and "Usage" lines: the adapter's settings, the base it goes on, and the snippet that
+    restores the trained model (the folder holds the adapter, not a model that loads alone)."""
+    auto = TASK_AUTO_CLASSES[task]
+    labels = f", num_labels={config.num_labels}" if task == "classification" else ""
+    settings = {
+        key: adapter.get(key) for key in ("r", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save")
+    }
+    return [
+        "## LoRA adapter",
+        "",
+        f"This folder holds a LoRA adapter (peft), not a whole model: it goes on the base model `{adapter['base']}`, "
+        "which was frozen during training"
+        + (
+            ", but for the modules under `modules_to_save`, trained and saved here."
+            if adapter.get("modules_to_save")
+            else "."
+        ),
+        "",
+        "```json",
+        json.dumps(settings, indent=2, default=sorted),
+        "```",
+        "",
+        "## Usage",
+        "",
+        "```python",
+        *(
+            ["import performer_hf  # registers the Performer classes and attention with transformers"]
+            if performer
+            else []
+        ),
+        "from peft import PeftModel",
+        f"from transformers import {auto}",
+        "",
+        f'base = {auto}.from_pretrained("{adapter["base"]}"{labels})',
+        'model = PeftModel.from_pretrained(base, "path/to/this/folder")',
+        "# one model without peft: model.merge_and_unload().save_pretrained(...)",
+        "```",
+        "",
+    ]
+
+
+def _usage_section(method) -> list[str]:
+    """The card's "Usage" lines of a whole model."""
+    return [
+        "## Usage",
+        "",
+        "```python",
+        *(["import performer_hf  # registers the Performer classes and attention with transformers"] if method else []),
+        "from transformers import AutoModel",
+        "",
+        'model = AutoModel.from_pretrained("path/to/this/folder")',
+        *(
+            ['# without performer-hf: AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=True)']
+            if method
+            else []
+        ),
+        "```",
+        "",
+    ]
+
+
 def build_model_card(
     task: str,
     config,
@@ -106,20 +173,23 @@ def build_model_card(
     metrics: dict,
     args: dict,
     starting_folder: str | None = None,
+    adapter: dict | None = None,
 ) -> str:
     """Markdown with YAML metadata: lineage, FAVOR+ settings, architecture, training setup, final metrics. A model
     that is not a Performer (a baseline the scripts also train, e.g. BigBird) gets the same card without the
     attention settings.
 
     ``started_from`` names the checkpoint (or source converted) training began with (None: from
-    scratch); ``starting_folder`` is where it was loaded from, whose card metadata is inherited.
+    scratch); ``starting_folder`` is where it was loaded from, whose card metadata is inherited. ``adapter`` (a LoRA
+    run: its ``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``, ``modules_to_save`` and ``base``, the
+    folder or Hub id of the base it goes on) makes it the card of an adapter (peft).
     """
     performer = isinstance(config, PerformerConfig)
     method = config if performer else _in_place_method(config, task)  # its attention settings
     inherited = starting_card_metadata(starting_folder)
     hub_id = started_from if started_from and not os.path.isdir(started_from) else None
     card_data = ModelCardData(
-        library_name="transformers",
+        library_name="peft" if adapter else "transformers",
         pipeline_tag=TASK_PIPELINES[task],
         tags=["performer", "favor+", "linear-attention", "performer-hf"] if method else ["performer-hf"],
         base_model=inherited.get("base_model") or hub_id,
@@ -158,7 +228,8 @@ def build_model_card(
             if method
             else f"A transformers `{config.model_type}` model (its own attention; no Performer attention)"
         )
-        + f", trained with `training/run_{task}.py` of performer-hf.",
+        + f", trained with `training/run_{task}.py` of performer-hf"
+        + (" as a LoRA adapter." if adapter else "."),
         "",
         f"- started from: {started_from or 'random initialisation (trained from scratch)'}",
         f"- training data: {data_source}",
@@ -182,20 +253,7 @@ def build_model_card(
         "|---|---|",
         *rows,
         "",
-        "## Usage",
-        "",
-        "```python",
-        *(["import performer_hf  # registers the Performer classes and attention with transformers"] if method else []),
-        "from transformers import AutoModel",
-        "",
-        'model = AutoModel.from_pretrained("path/to/this/folder")',
-        *(
-            ['# without performer-hf: AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=True)']
-            if method
-            else []
-        ),
-        "```",
-        "",
+        *(_adapter_section(task, config, adapter, bool(method)) if adapter else _usage_section(method)),
     ]
     return ModelCard("\n".join(lines)).content
 

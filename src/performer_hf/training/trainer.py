@@ -469,6 +469,16 @@ def _log_eval(accelerator: Accelerator, args: argparse.Namespace, metrics: dict,
         accelerator.log({f"eval_{name}": value for name, value in metrics.items()}, step=step)
 
 
+def _adapter_settings(model) -> dict | None:
+    """A PEFT model's LoRA settings and the base it goes on (where its base was loaded from), for the model card;
+    None for a whole model."""
+    config = getattr(model, "peft_config", {}).get("default")
+    if config is None:
+        return None
+    settings = {key: getattr(config, key) for key in ("r", "lora_alpha", "lora_dropout", "target_modules")}
+    return {**settings, "modules_to_save": config.modules_to_save, "base": config.base_model_name_or_path}
+
+
 def _save_final(args, task: TrainingTask, accelerator: Accelerator, model, tokenizer, metrics, data_source) -> None:
     """save_pretrained + tokenizer + model card + all_results.json; push when asked."""
     accelerator.wait_for_everyone()
@@ -489,6 +499,7 @@ def _save_final(args, task: TrainingTask, accelerator: Accelerator, model, token
         metrics,
         {**_config_for_trackers(args), "num_processes": accelerator.num_processes},
         starting_folder=unwrapped.config._name_or_path or None,
+        adapter=_adapter_settings(unwrapped),
     )
     write_model_card(args.output_dir, card)
     logger.info("Saved the model, tokenizer and card to %s", args.output_dir)
