@@ -458,3 +458,22 @@ def test_a_sequence_that_starts_with_one_token_decodes_as_one_call(spec):
     for t in range(prefill, 30):
         step, reference = sparse_attention(*(x[:, :, t : t + 1] for x in (q, k, v)), spec, None, reference, True)
         torch.testing.assert_close(steps[t - 1], step, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("ranking", ["window", "latest"])
+def test_a_state_continues_in_the_dtype_its_model_was_cast_to(ranking):
+    """A float32 prefill's state continued by the model cast to bfloat16 (as FAVOR+ and the hybrid continue) stopped
+    inside torch ("expected scalar type Float but found BFloat16"). The state takes the new tokens' dtype: the steps
+    are bfloat16 and stay close to float32 decoding of the same (bfloat16-exact) inputs."""
+    spec = SparseSpec(local_window=8, num_global_tokens=2, block_size=4, select_blocks=3, budget=3, ranking=ranking)
+    q, k, v = (t.bfloat16().float() for t in _inputs(batch=1, length=60)[:3])  # values bfloat16 holds exactly
+    prompt = 40
+    with torch.no_grad():
+        _, state = sparse_attention(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], spec, return_state=True)
+        expected = state
+        for t in range(prompt, 60):
+            new = [x[:, :, t : t + 1] for x in (q, k, v)]
+            step, state = sparse_attention(*(x.bfloat16() for x in new), spec, None, state, True, grow_in_place=True)
+            reference, expected = sparse_attention(*new, spec, None, expected, True)
+            assert step.dtype == state.keys.dtype == state.pool_values.dtype == torch.bfloat16
+            torch.testing.assert_close(step.float(), reference, rtol=0.05, atol=0.05)

@@ -142,8 +142,9 @@ def sparse_attention(
         state = SparseState.empty(k, v, block)
         keys, values, key_mask = k, v, new_mask
     else:
-        keys = _append_rows(state.keys, k.to(state.keys.dtype), in_place)  # (B, Hkv, R, D): positions start...end-1
-        values = _append_rows(state.values, v.to(state.values.dtype), in_place)
+        state = _in_dtypes(state, k.dtype, v.dtype)
+        keys = _append_rows(state.keys, k, in_place)  # (B, Hkv, R, D): positions start ... end - 1
+        values = _append_rows(state.values, v, in_place)
         key_mask = _append_rows(state.key_mask, new_mask, in_place)  # (B, R)
     first, start = state.length + past, state.start
     end = first + L
@@ -198,6 +199,22 @@ def sparse_attention(
         length=end,
     )
     return context, new_state
+
+
+def _in_dtypes(state: SparseState, key_dtype: torch.dtype, value_dtype: torch.dtype) -> SparseState:
+    """The state with its keys in ``key_dtype`` and its values in ``value_dtype``, those of the new tokens': a model
+    cast between calls (``model.to(torch.bfloat16)``) continues its sequence in its new dtype. The masks, and the
+    float32 masses and scores, stay as they are."""
+    if (state.keys.dtype, state.values.dtype) == (key_dtype, value_dtype):
+        return state
+    return state._replace(
+        keys=state.keys.to(key_dtype),
+        values=state.values.to(value_dtype),
+        pool_keys=state.pool_keys.to(key_dtype),
+        pool_values=state.pool_values.to(value_dtype),
+        global_keys=state.global_keys.to(key_dtype),
+        global_values=state.global_values.to(value_dtype),
+    )
 
 
 SPARE_ROWS = 64  # rows a buffer of stored keys leaves free after them (grow_in_place)
