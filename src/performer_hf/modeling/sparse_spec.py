@@ -30,9 +30,12 @@ class SparseSpec:
       forward does. It cannot know what a later question will ask for.
     - ``"latest"``: the blocks that the last queries of each call attend to most (each call's last block of queries,
       softmax over the kept blocks; the sums accumulate over calls), pruned at the end of each call, as SnapKV
-      compresses a prompt by the attention of its last tokens. Within a call every block is kept, so a prefill
-      computes what keeping every block does; decoding then reads only the kept blocks, so its outputs depend on
-      where the prompt ended (they are not those of one full forward).
+      compresses a prompt by the attention of its last tokens. Within a call every block is kept, so a prefill in
+      one call computes what keeping every block does; decoding then reads only the kept blocks, so its outputs
+      depend on where the prompt ended (they are not those of one full forward). A prompt prefilled in chunks
+      (``generate(prefill_chunk_size=...)``) is pruned after each chunk like any call: once it passes the budget,
+      its later chunks read only the blocks the earlier chunks' last queries kept, and it decodes otherwise than
+      the prompt in one call.
 
     A model derives it from its config (:meth:`from_config`), under the names of :attr:`CONFIG_NAMES`.
     """
