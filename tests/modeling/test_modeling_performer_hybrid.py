@@ -647,3 +647,20 @@ def test_a_field_set_after_the_config_was_built_fails_when_the_model_is_built():
         PerformerModel(config)
     config.attention_method = "hybrid"
     assert PerformerModel(config).encoder.layer[0].attention.hybrid_spec.local_window == 5
+
+
+@torch.no_grad()
+def test_a_mask_buffer_refilled_between_calls_is_read_anew():
+    """A batch buffer reused for every batch (``torch.from_numpy`` over one array: numpy writes are no tensor
+    version): what the layers read from the mask once per forward (the rows' sink order) was kept for the next call,
+    which computed the first mask's answer (4.0e-3 from the new mask's)."""
+    numpy = pytest.importorskip("numpy")
+    model = random_centres(tiny_model(**{**CAUSAL, "num_global_tokens": 2}, exact_max_length=0))
+    ids = random_ids(2, 40, seed=1)
+    buffer = numpy.ones((2, 40), dtype=bool)
+    buffer[1, :6] = False
+    mask = torch.from_numpy(buffer)
+    model(ids, attention_mask=mask)
+    buffer[0, :9] = False  # the next batch, written into the same buffer
+    expected = model(ids, attention_mask=torch.from_numpy(buffer.copy())).logits
+    torch.testing.assert_close(model(ids, attention_mask=mask).logits, expected, rtol=0, atol=0)

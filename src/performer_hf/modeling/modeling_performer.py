@@ -355,7 +355,10 @@ class PerformerModel(PerformerPreTrainedModel):
             self._check_cache(cache)
         past_length = cache.get_seq_length() if cache is not None else 0
 
-        key_mask = None if attention_mask is None else attention_mask.to(torch.bool)  # (B, P + L)
+        # (B, P + L); a tensor of this forward's own (a view when the mask is bool already), so that what the layers
+        # read from it once per forward (read_per_mask) is not taken for a later call's, whose caller may have
+        # refilled the same buffer (numpy writes do not count as a version)
+        key_mask = None if attention_mask is None else attention_mask.to(torch.bool)[:]
         if key_mask is not None and tuple(key_mask.shape) != (batch, past_length + length):
             raise ValueError(
                 f"attention_mask must be 2D (batch, past + new tokens) = ({batch}, {past_length + length}) with 1 for "
