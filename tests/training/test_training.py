@@ -1492,3 +1492,53 @@ def test_a_lora_runs_card_says_it_is_an_adapter_and_how_to_restore_it(assets, tm
         restored = namespace["model"].eval()(input_ids=ids).logits
         reference = PeftModel.from_pretrained(AutoModelForMaskedLM.from_pretrained(base), out).eval()(input_ids=ids)
     torch.testing.assert_close(restored, reference.logits, rtol=0, atol=0)
+
+
+def _convert_clm_args(assets, tiny_llama_performer, output_dir, *extra) -> list[str]:
+    """One CLM step from the tiny Llama's source converted on the fly (in place, FAVOR+)."""
+    argv = _lora_clm_args(assets, tiny_llama_performer.parent / "source", output_dir)
+    argv[argv.index("--model_name_or_path")] = "--convert_from"
+    return [*argv[: argv.index("--lora_r")], "--max_train_steps", "1", "--convert_method", "favor", *extra]
+
+
+def test_redraws_of_a_model_without_family_features_are_refused_before_converting(
+    assets, tiny_llama_performer, tmp_path
+):
+    """--feature_redraw_interval with a Llama converted in place (no Performer-family features), or with --lora_r, was
+    refused only after converting into <output_dir>/converted, which then made the rerun without it refuse the
+    non-empty --output_dir; both are refused before anything is written."""
+    out = tmp_path / "out"
+    with pytest.raises(TrainingInputError, match="converts this LlamaForCausalLM in place.*Drop the argument"):
+        train_language_model(
+            "clm", _convert_clm_args(assets, tiny_llama_performer, out, "--feature_redraw_interval", "1")
+        )
+    assert not (out / "converted").exists()
+    lora = ["--lora_r", "2", "--feature_redraw_interval", "1"]
+    with pytest.raises(TrainingInputError, match="--lora_r with --feature_redraw_interval 1: the redrawn features"):
+        train_language_model("clm", _convert_clm_args(assets, tiny_llama_performer, tmp_path / "lora", *lora))
+    assert not (tmp_path / "lora").exists()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    train_language_model("clm", _convert_clm_args(assets, tiny_llama_performer, out))  # the rerun without it
+    assert (out / "converted" / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_a_run_refused_after_its_conversion_removes_the_folder_it_converted_into(
+    assets, tiny_llama_performer, tmp_path
+):
+    """A refusal that needs the converted model (here a --max_seq_length beyond its 64 positions) removes the
+    converted/ folder the run made, so that the corrected rerun finds the --output_dir as it was; a converted/ that was
+    there before the run stays."""
+    out = tmp_path / "out"
+    too_long = ["--max_seq_length", "65"]
+    with pytest.raises(TrainingInputError, match="--max_seq_length 65 exceeds"):
+        train_language_model("clm", _convert_clm_args(assets, tiny_llama_performer, out, *too_long))
+    assert out.is_dir() and not any(out.iterdir())
+    kept = tmp_path / "kept"
+    (kept / "converted").mkdir(parents=True)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    argv = _convert_clm_args(assets, tiny_llama_performer, kept, "--overwrite_output_dir", *too_long)
+    with pytest.raises(TrainingInputError, match="--max_seq_length 65 exceeds"):
+        train_language_model("clm", argv)
+    assert (kept / "converted" / "config.json").is_file()  # the user's folder (converted into anew), not removed

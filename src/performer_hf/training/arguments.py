@@ -19,6 +19,8 @@ from transformers import SchedulerType
 
 from performer_hf_cli import at_least, output_replaces_source
 
+from .redraw import ADAPTER_REDRAW_PROBLEM
+
 TASKS = ("mlm", "clm", "classification")
 
 # File extension -> `datasets` builder.
@@ -321,6 +323,11 @@ def validate_args(args: argparse.Namespace, task: str) -> None:
             "--lora_r adapts a pretrained model and saves the adapter alone, without the base weights: a base built "
             "from scratch would be lost. Pass --model_name_or_path or --convert_from, or train every weight (no "
             "--lora_r)."
+        )
+    if args.lora_r is not None and args.feature_redraw_interval:
+        raise TrainingInputError(
+            f"--lora_r with --feature_redraw_interval {args.feature_redraw_interval}: {ADAPTER_REDRAW_PROBLEM}. Drop "
+            "--feature_redraw_interval, or train every weight (no --lora_r)."
         )
     if args.with_tracking:
         _check_trackers(args.report_to)

@@ -13,8 +13,8 @@ from .arguments import TrainingInputError, parse_args
 from .collators import classification_collator
 from .data import build_label_mapping, classification_datasets, label_values, load_raw_datasets
 from .metrics import classification_metrics
-from .model_loading import load_model, load_tokenizer, resolve_sequence_length
-from .trainer import TrainingData, TrainingTask, create_accelerator, run_training
+from .model_loading import load_model, load_tokenizer, removing_a_refused_conversion, resolve_sequence_length
+from .trainer import TrainingData, TrainingTask, check_feature_redraws, create_accelerator, run_training
 
 logger = logging.getLogger(__name__)
 
@@ -74,25 +74,27 @@ def train_classifier(argv: list[str] | None = None) -> dict:
             "token, which classification batches are padded with. Give it one (e.g. tokenizer.pad_token = "
             "tokenizer.eos_token; tokenizer.save_pretrained(folder)) and pass that folder as --tokenizer_name."
         )
-    model = load_model(
-        args,
-        AutoModelForSequenceClassification,
-        tokenizer,
-        accelerator,
-        new_head=True,
-        redraw_head=other_labels,
-        task="classification",
-        num_labels=len(label2id),
-        label2id=label2id,
-        id2label={index: name for name, index in label2id.items()},
-        problem_type="single_label_classification",
-    )
-    max_length = resolve_sequence_length(args.max_seq_length, model.config)
-    args.max_seq_length = max_length
-    data = classification_datasets(raw, tokenizer, args, accelerator, label2id, max_length)
-    collator = classification_collator(tokenizer, accelerator.mixed_precision)
-    source = args.dataset_name or args.train_file
-    data = TrainingData(data["train"], data["validation"], collator, collator, source)
+    with removing_a_refused_conversion(args, accelerator):
+        model = load_model(
+            args,
+            AutoModelForSequenceClassification,
+            tokenizer,
+            accelerator,
+            new_head=True,
+            redraw_head=other_labels,
+            task="classification",
+            num_labels=len(label2id),
+            label2id=label2id,
+            id2label={index: name for name, index in label2id.items()},
+            problem_type="single_label_classification",
+        )
+        check_feature_redraws(args, model)
+        max_length = resolve_sequence_length(args.max_seq_length, model.config)
+        args.max_seq_length = max_length
+        data = classification_datasets(raw, tokenizer, args, accelerator, label2id, max_length)
+        collator = classification_collator(tokenizer, accelerator.mixed_precision)
+        source = args.dataset_name or args.train_file
+        data = TrainingData(data["train"], data["validation"], collator, collator, source)
     return run_training(args, CLASSIFICATION_TASK, accelerator, model, tokenizer, data)
 
 

@@ -12,8 +12,8 @@ from .arguments import TrainingInputError, parse_args
 from .collators import ReproducibleMaskingCollator, causal_lm_collate
 from .data import language_modeling_datasets, load_raw_datasets
 from .metrics import language_modeling_metrics, token_statistics
-from .model_loading import load_model, load_tokenizer, resolve_sequence_length
-from .trainer import TrainingData, TrainingTask, create_accelerator, run_training
+from .model_loading import load_model, load_tokenizer, removing_a_refused_conversion, resolve_sequence_length
+from .trainer import TrainingData, TrainingTask, check_feature_redraws, create_accelerator, run_training
 
 MODEL_CLASSES = {"mlm": AutoModelForMaskedLM, "clm": AutoModelForCausalLM}
 
@@ -44,19 +44,23 @@ def train_language_model(task: str, argv: list[str] | None = None) -> dict:
     args = parse_args(task, argv)
     accelerator = create_accelerator(args)
     tokenizer = load_tokenizer(args)
-    model = load_model(args, MODEL_CLASSES[task], tokenizer, accelerator, task=task)
-    block_size = resolve_sequence_length(args.max_seq_length, model.config)
-    args.max_seq_length = block_size
-    if task == "mlm":
-        train_collator = ReproducibleMaskingCollator(tokenizer, args.mlm_probability, args.seed)
-        # Evaluation: another seed, epoch 0 forever, so every evaluation masks the same tokens.
-        eval_collator = ReproducibleMaskingCollator(tokenizer, args.mlm_probability, args.seed + 1)
-    else:
-        train_collator = eval_collator = causal_lm_collate
-    raw = load_raw_datasets(args)
-    data = language_modeling_datasets(raw, tokenizer, args, accelerator, block_size, special_tokens_mask=task == "mlm")
-    source = args.dataset_name or args.train_file
-    data = TrainingData(data["train"], data["validation"], train_collator, eval_collator, source)
+    with removing_a_refused_conversion(args, accelerator):
+        model = load_model(args, MODEL_CLASSES[task], tokenizer, accelerator, task=task)
+        check_feature_redraws(args, model)
+        block_size = resolve_sequence_length(args.max_seq_length, model.config)
+        args.max_seq_length = block_size
+        if task == "mlm":
+            train_collator = ReproducibleMaskingCollator(tokenizer, args.mlm_probability, args.seed)
+            # Evaluation: another seed, epoch 0 forever, so every evaluation masks the same tokens.
+            eval_collator = ReproducibleMaskingCollator(tokenizer, args.mlm_probability, args.seed + 1)
+        else:
+            train_collator = eval_collator = causal_lm_collate
+        raw = load_raw_datasets(args)
+        data = language_modeling_datasets(
+            raw, tokenizer, args, accelerator, block_size, special_tokens_mask=task == "mlm"
+        )
+        source = args.dataset_name or args.train_file
+        data = TrainingData(data["train"], data["validation"], train_collator, eval_collator, source)
     return run_training(args, _task(task), accelerator, model, tokenizer, data)
 
 

@@ -8,13 +8,15 @@ RoBERTa / GPT-2 checkpoint converted on the fly (``--convert_from``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import shutil
 
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..conversion.errors import one_line
+from ..conversion.errors import ConversionError, one_line
 from ..integrations.remote_code import ship_remote_code
 from ..modeling.attention_settings import IMPLEMENTATIONS
 from ..modeling.configuration_performer import PerformerConfig
@@ -80,12 +82,18 @@ def _convert_source(args: argparse.Namespace, accelerator, overrides: dict) -> s
     evaluation measures the model.
     """
     try:
-        from performer_hf.conversion import ConversionError, convert  # lazily: only this path needs it
+        from performer_hf.conversion import convert  # lazily: only this path needs it
     except ImportError as error:
         raise TrainingInputError(
             "--convert_from needs performer_hf.conversion, which this installation does not provide; convert "
             "with `performer-hf convert` first and pass the result as --model_name_or_path."
         ) from error
+    if args.feature_redraw_interval and (architecture := _converted_in_place(args.convert_from)):
+        raise TrainingInputError(
+            f"--feature_redraw_interval redraws the random features of a Performer-family model; --convert_from "
+            f"converts this {architecture} in place, and it keeps its class, with no features to redraw (with "
+            "Performer attention, its features are fixed by projection_seed). Drop the argument."
+        )
     if "attention_method" in overrides and overrides["attention_method"] != args.convert_method:
         raise TrainingInputError(
             f"--config_overrides attention_method={overrides['attention_method']} with --convert_from: the converter "
@@ -104,6 +112,34 @@ def _convert_source(args: argparse.Namespace, accelerator, overrides: dict) -> s
             raise TrainingInputError(f"--convert_from {args.convert_from!r}: {error}") from error
     accelerator.wait_for_everyone()
     return destination
+
+
+def _converted_in_place(source: str) -> str | None:
+    """The architecture of ``source`` where the converter keeps its class (Llama & co.), else None (None too where
+    the source cannot be read: the conversion then says why)."""
+    from performer_hf.conversion.in_place import IN_PLACE_ARCHITECTURES
+    from performer_hf.conversion.source import resolve_source, source_architecture
+
+    try:
+        architecture = source_architecture(resolve_source(source)[0])
+    except ConversionError:
+        return None
+    return architecture if architecture in IN_PLACE_ARCHITECTURES else None
+
+
+@contextlib.contextmanager
+def removing_a_refused_conversion(args: argparse.Namespace, accelerator):
+    """Remove ``<output_dir>/converted`` when the run is refused (:class:`TrainingInputError`) after converting
+    into it, so that the corrected rerun finds the ``--output_dir`` as it was; a folder that was there before the run
+    is left alone."""
+    destination = os.path.join(args.output_dir, CONVERTED_SUBDIR)
+    made_here = args.convert_from is not None and not os.path.lexists(destination)
+    try:
+        yield
+    except TrainingInputError:
+        if made_here and accelerator.is_main_process:
+            shutil.rmtree(destination, ignore_errors=True)
+        raise
 
 
 def load_model(
@@ -237,11 +273,11 @@ def resolve_sequence_length(requested: int | None, config) -> int:
     if requested is None:
         return available
     if requested > available:
+        offset = config.max_position_embeddings - available
         raise TrainingInputError(
             f"--max_seq_length {requested} exceeds the model's {available} positions "
-            f"(max_position_embeddings={config.max_position_embeddings}, "
-            f"position_offset={getattr(config, 'position_offset', 0)}). "
+            f"(max_position_embeddings={config.max_position_embeddings}, position_offset={offset}). "
             "Lower --max_seq_length, or use a model with more positions (from scratch: --config_overrides "
-            f"max_position_embeddings={requested + config.position_offset})."
+            f"max_position_embeddings={requested + offset})."
         )
     return requested

@@ -265,11 +265,10 @@ class TrainingData:
     source: str
 
 
-def run_training(
-    args: argparse.Namespace, task: TrainingTask, accelerator: Accelerator, model, tokenizer, data: TrainingData
-) -> dict:
-    """Train, evaluate, checkpoint, save the final model (+ tokenizer, card, ``all_results.json``) and
-    optionally push it. Returns the final evaluation metrics (with ``train_*`` figures)."""
+def check_feature_redraws(args: argparse.Namespace, model) -> int | None:
+    """Refuse a redraw schedule that ``model`` cannot follow (it has no random features, or LoRA would save the
+    redrawn ones nowhere); on a Performer, set the schedule on its config, so that the saved config records it.
+    Returns the interval of the redraws (None: none)."""
     redraw_interval = None
     if isinstance(model.config, PerformerConfig):  # other models (a baseline such as BigBird) have no features
         redraw_interval = args.feature_redraw_interval or model.config.feature_redraw_interval
@@ -290,6 +289,15 @@ def run_training(
             f"{model.config.model_type} model has none to redraw (with Performer attention, its features are fixed "
             "by projection_seed). Drop the argument."
         )
+    return redraw_interval
+
+
+def run_training(
+    args: argparse.Namespace, task: TrainingTask, accelerator: Accelerator, model, tokenizer, data: TrainingData
+) -> dict:
+    """Train, evaluate, checkpoint, save the final model (+ tokenizer, card, ``all_results.json``) and
+    optionally push it. Returns the final evaluation metrics (with ``train_*`` figures)."""
+    redraw_interval = check_feature_redraws(args, model)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if args.overwrite_output_dir and args.resume_from_checkpoint is None:  # every check has passed
