@@ -478,5 +478,6 @@ def test_sparse_training_through_the_block_kernel_matches_the_reference(block_ke
         ours = _gradients(sparse_attention, SPECS[name], *(t.float() for t in (q, k, v)), mask)
         expected = _gradients(reference_sparse, SPECS[name], q, k, v, mask)
         for got, want in zip(ours, expected, strict=True):
-            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5, msg=name)
+            # float32 sums of gradients up to ~50: 1.2e-5 apart where they cancel, on an AVX-512 CPU
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4, msg=name)
     assert block_kernel_calls
