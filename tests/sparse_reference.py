@@ -46,5 +46,6 @@ def reference_sparse(q, k, v, spec, key_mask=None):
                         continue
                     window = probs[window_start : p + 1]
                     for offset, prob in enumerate(window):
-                        mass[b, h, (window_start + offset) // block] += prob
+                        if window_start + offset >= spec.num_global_tokens:  # a global token's is not its block's
+                            mass[b, h, (window_start + offset) // block] += prob
     return out

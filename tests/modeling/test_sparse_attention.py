@@ -477,3 +477,22 @@ def test_a_state_continues_in_the_dtype_its_model_was_cast_to(ranking):
             reference, expected = sparse_attention(*new, spec, None, expected, True)
             assert step.dtype == state.keys.dtype == state.pool_values.dtype == torch.bfloat16
             torch.testing.assert_close(step.float(), reference, rtol=0.05, atol=0.05)
+
+
+def test_the_window_ranking_gives_a_global_tokens_attention_to_no_block():
+    """A left-padded row's global token moves in front of its pads (:func:`.sinks_first`): a block of it and pads
+    collected its window attention and took a place of the budget without a key to select, and the block it shares
+    with real keys when the row is alone lost that attention (|diff| 0.144 in a Llama's logits). A global token's
+    attention is its block's no more: the row padded by whole blocks equals itself alone."""
+    spec = SparseSpec(local_window=4, num_global_tokens=1, block_size=4, select_blocks=1, budget=2, ranking="window")
+    q, k, v, _ = _inputs(batch=1, heads=2, kv_heads=1, length=80, dim=16)
+    sink = torch.randn(16, dtype=q.dtype, generator=torch.Generator().manual_seed(5))
+    q, k[:, :, 0] = q + sink, sink * 2  # the global token draws attention, as a sink does
+    pads = 8
+    # the global token first, then the pads, then the rest of the row
+    padded = [torch.cat([t[:, :, :1], torch.randn_like(t[:, :, :pads]), t[:, :, 1:]], dim=2) for t in (q, k, v)]
+    mask = torch.arange(80 + pads)[None] > pads
+    mask[:, 0] = True
+    alone = sparse_attention(q, k, v, spec)
+    context = sparse_attention(*padded, spec, mask)
+    torch.testing.assert_close(torch.cat([context[:, :, :1], context[:, :, pads + 1 :]], dim=2), alone)

@@ -394,6 +394,9 @@ class _BlockWalk:
         if self.by_window:  # the attention the window's keys received from real queries, for the pool's ranking
             real = key_mask[:, q_lo - start : q_hi - start, None].to(window_probs.dtype)  # (B, nq, 1): a pad's own
             received = (window_probs * real[:, None, None]).sum(dim=(2, 3))  # (B, Hkv, Kw)
+            # over selectable keys only: a global token's attention is not its block's (a left-padded row's global
+            # tokens move in front of its pads, out of the block they share when the row is alone)
+            received = received * selectable[:, None, window_lo:window_hi]
             ids = torch.arange(window_lo, window_hi, device=keys.device) // block
             self.mass.index_add_(2, ids, received.to(self.mass.dtype))
         return context.flatten(1, 2), chosen, lse  # (B, H, nq, Dv), (B, Hkv, nq, N), (B, Hkv, G, nq)
