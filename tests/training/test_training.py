@@ -1254,6 +1254,23 @@ def test_masked_lm_gradient_accumulation_trains_as_the_larger_batch(assets, tmp_
     assert accumulated["eval_loss"] == pytest.approx(one_batch["eval_loss"], rel=1e-6)
 
 
+def test_gradient_accumulation_trains_a_short_last_window_as_the_larger_batch(assets, tmp_path):
+    """10 blocks at a global batch of 4: the epoch's third step holds 2, one micro-batch of the two; it trains as one
+    batch of those 2, as step 4's loss (the next epoch's first) shows (training/README.md, 'Launching on several
+    processes')."""
+
+    def run(name, batch, accumulation):
+        argv = lm_args(assets, tmp_path / name, "--gradient_accumulation_steps", str(accumulation), steps=4)
+        argv[argv.index("--per_device_train_batch_size") + 1] = str(batch)
+        train_language_model("clm", [*argv, "--max_train_samples", "10"])
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        return train_losses(tmp_path / name)
+
+    one_batch, accumulated = run("one", 4, 1), run("accumulated", 2, 2)
+    assert len(one_batch) == 4 and accumulated == pytest.approx(one_batch, rel=1e-6)
+
+
 def test_a_masked_lm_micro_batch_without_a_masked_token_adds_nothing_to_its_step(assets, tmp_path):
     """At --mlm_probability 0.02, micro-batches of one block often mask no token: their mean loss (0/0) backpropagated
     NaN into every weight (losses {1: 7.04, 2: nan, ...}). They now add nothing, so eight micro-batches of one train as
