@@ -71,6 +71,15 @@ def test_failed_download_names_the_fix(tmp_path, monkeypatch):
         data_assets.fetch_vader_sdist(tmp_path / "cache")
 
 
+def test_a_data_cache_variable_naming_a_file_names_the_fix(tmp_path, monkeypatch):
+    """PERFORMER_HF_DATA set to a file raised FileExistsError from mkdir."""
+    (tmp_path / "a_file").write_text("x")
+    for value in (tmp_path / "a_file", tmp_path / "a_file" / "data"):
+        monkeypatch.setenv("PERFORMER_HF_DATA", str(value))
+        with pytest.raises(DataAssetError, match=f"{tmp_path / 'a_file'} is a file. Set PERFORMER_HF_DATA to a folder"):
+            data_assets.fetch_vader_sdist()
+
+
 def test_bbc_news_classes_and_split(articles):
     everything = [r for records in articles.values() for r in records]
     counts = Counter(BBC_LABELS[r["label"]] for r in everything)

