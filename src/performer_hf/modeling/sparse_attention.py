@@ -257,8 +257,12 @@ def _kept(rows: Tensor, spare: bool) -> Tensor:
     reads (the caller's keys, rows dropped from the front)."""
     if torch.compiler.is_compiling():  # traced: no storages to compare
         return rows.clone(memory_format=torch.contiguous_format)
-    if getattr(rows._base, "_sparse_rows_buffer", False) or rows.untyped_storage().nbytes() == rows.nbytes:
+    if getattr(rows._base, "_sparse_rows_buffer", False):
         return rows
+    if rows.untyped_storage().nbytes() == rows.nbytes:
+        # its storage, not the tensor it is a view of: a state kept for the caller's cache is dropped with the
+        # caller's keys (:func:`.adopt_on_next_call`), which a view's ``_base`` would keep alive (a leak per call)
+        return rows if rows.requires_grad else rows.detach()
     return _rows_buffer(rows) if spare else rows.clone(memory_format=torch.contiguous_format)
 
 
