@@ -108,3 +108,23 @@ def test_forwards_whose_outputs_are_dropped_keep_no_decoding_state(implementatio
             model(_ids(1, 40, seed=seed))  # a scoring request: its output and cache dropped
     gc.collect()
     assert [len(layer.self_attn.__dict__.get(_PENDING_LAYERS, {})) for layer in model.model.layers] == [0, 0]
+
+
+@pytest.mark.parametrize("implementation", ["performer_sparse", "performer_hybrid", "performer"])
+def test_a_model_switched_to_sdpa_continues_its_cache_as_sdpa_does(implementation, tmp_path):
+    """A prompt prefilled under a Performer method keeps the method's state for its cache; switched to SDPA, the
+    model's next call used to put that state in the cache's place, and SDPA attended over it: logits 0.56 from the
+    source's (scale 0.55), the new token not even cached. Switched, the states are dropped and SDPA reads the keys."""
+    source, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, implementation)
+    prompt, token = _ids(1, 30), _ids(1, 1, seed=2)
+    with torch.no_grad():
+        cache = model(prompt, use_cache=True)[CACHE_KEYWORD]
+        keys = DynamicCache()  # the same keys and values, for the source
+        for index, layer in enumerate(cache.layers):
+            keys.update(layer.keys.clone(), layer.values.clone(), index)
+        model.set_attn_implementation("sdpa")
+        continued = model(token, **{CACHE_KEYWORD: cache}).logits[:, -1]
+        expected = source(token, **{CACHE_KEYWORD: keys}).logits[:, -1]
+    torch.testing.assert_close(continued, expected, rtol=1e-5, atol=1e-5)
+    assert cache.get_seq_length() == 31

@@ -164,11 +164,17 @@ def adopt_on_next_call(module: nn.Module, layer: CacheLayerMixin, keys: Tensor, 
 def _prepare_cache_layer(module: nn.Module, args, kwargs) -> None:
     """Before a call of Performer attention ``module`` with a cache: the method's state in the place of the key/value
     layer it stands for (:func:`adopt_on_next_call`), and a sliding-window key/value layer made one that keeps
-    every key (:func:`_keep_every_key`)."""
+    every key (:func:`_keep_every_key`); nothing once its model has switched to another implementation (its kept
+    states dropped)."""
+    pending = module.__dict__.get(_PENDING_LAYERS)
+    if module.config._attn_implementation not in IMPLEMENTATIONS:  # switched to another (set_attn_implementation)
+        if pending is not None:  # its states stand for nothing it reads
+            pending.clear()
+            pending.orphan = None
+        return
     cache = kwargs.get(CACHE_KEYWORD)
     if not isinstance(cache, Cache) or module.layer_idx >= len(cache.layers):
         cache = None  # no cache layer for this module
-    pending = module.__dict__.get(_PENDING_LAYERS)
     # (traced, a guard on how many are pending and on the layer's type: a compiled decoding step that reads the state
     # it adopted has no call to run eagerly; ``len``, as torch 2.11 cannot trace the truth of a dict subclass)
     if pending is not None and (len(pending) > 0 or pending.orphan is not None or _plain(cache, module.layer_idx)):
