@@ -1236,18 +1236,24 @@ def test_the_trainers_label_smoothing_shifts_a_performer_decoders_labels(tmp_pat
     torch.testing.assert_close(loss, expected)
 
 
+def _train_in_micro_batches(task, assets, folder, batch, accumulation, *extra, steps):
+    """The metrics and logged losses of a language-modeling run into ``folder`` of micro-batches of ``batch``
+    blocks, ``accumulation`` of them per optimizer step (Accelerate's process state reset after it)."""
+    argv = lm_args(assets, folder, "--gradient_accumulation_steps", str(accumulation), *extra, steps=steps)
+    argv[argv.index("--per_device_train_batch_size") + 1] = str(batch)
+    metrics = train_language_model(task, argv)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return metrics, train_losses(folder)
+
+
 def test_masked_lm_gradient_accumulation_trains_as_the_larger_batch(assets, tmp_path):
     """An optimizer step weighs its micro-batches by their masked tokens: each micro-batch's mean weighed alike made
     gradient accumulation (and processes) train otherwise than one batch of the same examples (step 1's loss 6.93557
     against 6.93669; gradients 0.28 apart at 8 micro-batches of one)."""
 
     def run(name, batch, accumulation):
-        argv = lm_args(assets, tmp_path / name, "--gradient_accumulation_steps", str(accumulation), steps=3)
-        argv[argv.index("--per_device_train_batch_size") + 1] = str(batch)
-        metrics = train_language_model("mlm", argv)
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-        return metrics, train_losses(tmp_path / name)
+        return _train_in_micro_batches("mlm", assets, tmp_path / name, batch, accumulation, steps=3)
 
     (one_batch, one_losses), (accumulated, accumulated_losses) = run("one", 8, 1), run("accumulated", 2, 4)
     assert accumulated_losses == pytest.approx(one_losses, rel=1e-6)
@@ -1260,12 +1266,10 @@ def test_gradient_accumulation_trains_a_short_last_window_as_the_larger_batch(as
     processes')."""
 
     def run(name, batch, accumulation):
-        argv = lm_args(assets, tmp_path / name, "--gradient_accumulation_steps", str(accumulation), steps=4)
-        argv[argv.index("--per_device_train_batch_size") + 1] = str(batch)
-        train_language_model("clm", [*argv, "--max_train_samples", "10"])
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-        return train_losses(tmp_path / name)
+        folder = tmp_path / name
+        return _train_in_micro_batches(
+            "clm", assets, folder, batch, accumulation, "--max_train_samples", "10", steps=4
+        )[1]
 
     one_batch, accumulated = run("one", 4, 1), run("accumulated", 2, 2)
     assert len(one_batch) == 4 and accumulated == pytest.approx(one_batch, rel=1e-6)
@@ -1277,13 +1281,9 @@ def test_a_masked_lm_micro_batch_without_a_masked_token_adds_nothing_to_its_step
     one batch of eight, none of whose steps is without a masked token."""
 
     def run(name, batch, accumulation):
-        argv = lm_args(assets, tmp_path / name, "--mlm_probability", "0.02", steps=3)
-        argv += ["--gradient_accumulation_steps", str(accumulation)]
-        argv[argv.index("--per_device_train_batch_size") + 1] = str(batch)
-        metrics = train_language_model("mlm", argv)
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-        return metrics, train_losses(tmp_path / name)
+        return _train_in_micro_batches(
+            "mlm", assets, tmp_path / name, batch, accumulation, "--mlm_probability", "0.02", steps=3
+        )
 
     (one_batch, one_losses), (accumulated, accumulated_losses) = run("one", 8, 1), run("accumulated", 1, 8)
     assert all(math.isfinite(loss) and loss > 0 for loss in one_losses.values())
