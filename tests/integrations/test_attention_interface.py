@@ -736,6 +736,44 @@ def test_switching_methods_and_back_keeps_each_methods_settings(tmp_path):
     )
 
 
+def _pickled(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def _saved_and_loaded(model, folder):
+    model.save_pretrained(folder)
+    return _load(folder, "performer_sparse")
+
+
+@pytest.mark.parametrize("carry", ["deepcopy", "pickle", "save_pretrained"])
+def test_settings_set_aside_by_a_switch_survive_copies_and_saving(carry, tmp_path, caplog):
+    """The settings set aside as a model switched methods were kept beside the config object, not in it: a copy of
+    the switched model (deepcopy, pickle) or its saved folder switched back to the first method ran its preset, the
+    user's settings lost (5.6e-3 in the logits, with a warning). They travel with the config now."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, "performer_hybrid", **SHORT_WINDOW["performer_hybrid"])
+    ids = _ids(2, 40)
+    with torch.no_grad():
+        expected = model(ids).logits
+        model.set_attn_implementation("performer_sparse")
+        model(ids)
+        copies = {
+            "deepcopy": copy.deepcopy,
+            "pickle": _pickled,
+            "save_pretrained": lambda m: _saved_and_loaded(m, tmp_path / "saved"),
+        }
+        copied = copies[carry](model)
+        copied.set_attn_implementation("performer_hybrid")
+        caplog.clear()  # the switch to the sparse method warned that it runs its preset
+        with caplog.at_level(logging.WARNING, logger="performer_hf"):
+            logits = copied(ids).logits
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    assert not [r for r in caplog.records if "settings of the" in r.getMessage()]
+
+
 @pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
 def test_a_mask_that_does_not_cover_the_inputs_is_refused_by_shape(implementation, tmp_path):
     """A padding mask of another batch size, shorter than the sequence or of one dimension: one message naming its

@@ -61,16 +61,24 @@ METHOD_OF_IMPLEMENTATION = {"performer": "favor", "performer_hybrid": "hybrid", 
 IMPLEMENTATION_OF_METHOD = {method: name for name, method in METHOD_OF_IMPLEMENTATION.items()}
 
 
-# the settings a config held for another method, set aside as its model switched methods (set_attn_implementation)
-# and taken back when it switches back: {id(config): {method: settings}}, dropped with the config
-_SET_ASIDE: dict[int, dict[str, dict[str, Any]]] = {}
+# the config attribute holding the settings it had for other methods, set aside as its model switched methods
+# (set_attn_implementation) and taken back when it switches back: {method: settings}. A config attribute, so that
+# deepcopy, pickle and save_pretrained carry it (a folder saved after a switch loads back either method's settings).
+SET_ASIDE_ATTRIBUTE = "performer_attention_set_aside"
 
 
 def _set_aside(config, method: str, settings: dict[str, Any]) -> None:
-    if id(config) not in _SET_ASIDE:
-        _SET_ASIDE[id(config)] = {}
-        weakref.finalize(config, _SET_ASIDE.pop, id(config), None)
-    _SET_ASIDE[id(config)][method] = settings
+    setattr(config, SET_ASIDE_ATTRIBUTE, {**_settings_set_aside(config), method: settings})
+
+
+def _settings_set_aside(config) -> dict[str, dict[str, Any]]:
+    kept = getattr(config, SET_ASIDE_ATTRIBUTE, None) or {}
+    if not isinstance(kept, dict):
+        raise ValueError(
+            f"config.{SET_ASIDE_ATTRIBUTE} must be a dict of attention method name -> settings (written by "
+            f"set_attn_implementation), got {type(kept).__name__} {kept!r}; delete it to start from the presets."
+        )
+    return kept
 
 
 def resolved_settings(config, implementation: str, causal: bool) -> dict[str, Any]:
@@ -87,7 +95,7 @@ def resolved_settings(config, implementation: str, causal: bool) -> dict[str, An
         )
     named, wanted = given.get("attention_method"), METHOD_OF_IMPLEMENTATION[implementation]
     if named in METHOD_OF_IMPLEMENTATION.values() and named != wanted:
-        earlier = _SET_ASIDE.get(id(config), {}).get(wanted)
+        earlier = _settings_set_aside(config).get(wanted)
         _set_aside(config, named, given)
         if earlier is None:
             logger.warning(
