@@ -3,8 +3,12 @@ the class and the weights are kept, the config names the attention, exact mode r
 
 import json
 import logging
+import os
 import random
 import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -163,15 +167,27 @@ def test_an_output_folder_that_would_replace_the_source_is_refused(where, tmp_pa
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["source"]
 
 
-def test_staging_folders_left_by_a_killed_conversion_are_named_not_deleted(tmp_path, caplog):
-    """A conversion killed before it could remove its staging folder leaves it beside the output: the next one to the
-    same output names it in a warning (another run may still be writing it, so it stays)."""
+def test_staging_folders_left_by_a_killed_conversion_are_deleted_others_named(tmp_path, caplog):
+    """A conversion killed before it could remove its staging folder left it beside the output for good (a
+    SmolLM2-sized copy each time): the next one to the same output deletes it, as its process on this host is gone.
+    One whose process still runs, or made on another host sharing the folder, may still be written: named in a
+    warning, kept."""
     _save_source("LlamaForCausalLM", tmp_path / "source")
-    (tmp_path / ".out.tmp-killed").mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    killed = f".out.tmp-{host}-{gone.stdout.strip()}-abc123"
+    running = f".out.tmp-{host}-{os.getpid()}-def456"
+    elsewhere = f".out.tmp-otherhost-{gone.stdout.strip()}-ghi789"
+    for name in (killed, running, elsewhere, ".out.tmp-unnamed"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"partial")
     with caplog.at_level(logging.WARNING, logger="performer_hf.conversion"):
         performer_hf.convert(tmp_path / "source", tmp_path / "out", fidelity=False)
-    assert any(".out.tmp-killed" in record.getMessage() for record in caplog.records)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.tmp-killed", "out", "source"]
+    warned = " ".join(record.getMessage() for record in caplog.records)
+    assert all(name in warned for name in (running, elsewhere, ".out.tmp-unnamed")) and killed not in warned
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [running, elsewhere, ".out.tmp-unnamed", "out", "source"]
+    )
 
 
 def test_an_output_folder_under_a_file_is_refused_in_one_line(tmp_path, capsys):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import stat
 import tempfile
 from pathlib import Path
@@ -65,21 +66,42 @@ def _folder_mode(output_dir: Path) -> int:
 
 def staging_folder(output_dir: Path) -> Path:
     """A new empty folder beside ``output_dir`` (beside the folder it links to, for a symbolic link) to write it in
-    (:func:`publish` moves it into place). Staging folders of earlier runs for the same output (a process killed
-    before it could remove its own) are named in a warning: another run may still be writing one, so they are not
-    deleted here."""
+    (:func:`publish` moves it into place). Its name records this host and process: staging folders of earlier runs
+    for the same output whose process is gone (killed before it could remove its own) are deleted; others (another
+    run may still be writing one, here or on another host sharing the folder) are named in a warning."""
     output_dir = _in_place_of_link(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     prefix = f".{output_dir.name}.tmp-"
-    if leftovers := sorted(path.name for path in output_dir.parent.glob(f"{prefix}*") if path.is_dir()):
+    leftovers = sorted(path for path in output_dir.parent.glob(f"{prefix}*") if path.is_dir())
+    for leftover in [path for path in leftovers if _writer_is_gone(path.name.removeprefix(prefix))]:
+        logger.info("Deleting %s, left by a run that was killed before it finished.", leftover)
+        shutil.rmtree(leftover, ignore_errors=True)
+        leftovers.remove(leftover)
+    if leftovers:
         logger.warning(
             "%s holds staging folders of earlier conversions to %s that did not finish (%s): delete them if no "
             "conversion is running there.",
             output_dir.parent,
             output_dir.name,
-            ", ".join(leftovers),
+            ", ".join(path.name for path in leftovers),
         )
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=output_dir.parent))
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{socket.gethostname()}-{os.getpid()}-", dir=output_dir.parent))
+
+
+def _writer_is_gone(suffix: str) -> bool:
+    """Whether the staging folder named ``suffix`` (after its prefix: ``host-pid-random``) was made by a process of
+    this host that no longer runs."""
+    host_and_pid, _, _ = suffix.rpartition("-")
+    host, _, pid = host_and_pid.rpartition("-")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it runs, under another user
+        return False
+    return False
 
 
 def publish(staging: Path, output_dir: Path) -> None:
