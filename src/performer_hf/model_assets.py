@@ -48,7 +48,7 @@ def smollm2_checkpoint(cache_dir: str | Path | None = None) -> Path:
     fields.pop("quantization_config", None)  # a GGUF-loaded model refuses save_pretrained; a plain one does not
     model = LlamaForCausalLM(LlamaConfig.from_dict(fields))
     model.load_state_dict(loaded.state_dict())
-    staging = staging_folder(folder)  # names the staging folders of interrupted calls
+    staging = staging_folder(folder)  # deletes the staging folders of killed calls, names running ones
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
