@@ -253,6 +253,20 @@ class _StepWindow:
         return loss_sum / max(count, 1.0)
 
 
+def _epoch_examples_only(batch: dict, accelerator: Accelerator, per_device: int) -> tuple[dict, int]:
+    """``batch`` without the examples that Accelerate repeated from the start of the epoch's order to fill an epoch's
+    short last global batch on several processes (``even_batches``), which that step counted as its own; and 1, or 0
+    where all this process's rows are repeats (the batch still runs, since DDP needs every process's backward, and
+    weighs nothing). The global batch holds the epoch's ``remainder`` own examples first, process by process."""
+    state = accelerator.gradient_state
+    if accelerator.num_processes == 1 or not state.end_of_dataloader or state.remainder <= 0:
+        return batch, 1
+    own = min(max(state.remainder - accelerator.process_index * per_device, 0), per_device)
+    if own == 0:
+        return batch, 0
+    return {name: rows[:own] for name, rows in batch.items()}, 1
+
+
 @dataclass(frozen=True)
 class TrainingData:
     """What a run trains and evaluates on: the tokenized splits, a collator for each, and where the text came
@@ -390,7 +404,8 @@ def run_training(
         tick = time.perf_counter()
         for batch in active:
             with accelerator.accumulate(model):
-                items = task.loss_items(batch)
+                batch, counted = _epoch_examples_only(batch, accelerator, args.per_device_train_batch_size)
+                items = task.loss_items(batch) * counted
                 loss = model(**task.scorable(batch, items)).loss
                 accelerator.backward(window.weighed(loss, items))
                 grad_norm = None
