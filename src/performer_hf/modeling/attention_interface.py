@@ -48,7 +48,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_methods import ATTENTION_METHODS
-from .attention_settings import IMPLEMENTATIONS, keeps_own_attention, method_state
+from .attention_settings import IMPLEMENTATIONS, keeps_own_attention, method_state, mixes_sliding_and_full_layers
 from .cache_performer import static_cache_refusal
 from .implied_attention import implied_attention
 from .interface_cache import CACHE_KEYWORD, adopt_on_next_call, dropped_keys_refusal, watch_caches
@@ -90,18 +90,13 @@ def _transfer_hook() -> Callable | None:
     return TRANSFER_HOOK.get() if _open_transfer_blocks else None
 
 
-def _mixes_sliding_layers(config) -> bool:
-    layer_types = getattr(config, "layer_types", None) or ()
-    return "sliding_attention" in layer_types
-
-
 def performer_mask(*, attention_mask=None, kv_length: int, local_size: int | None = None, **kwargs):
     """The mask function of every name: the 2D ``(B, kv_length)`` bool padding mask (True: a real token) for
     Performer layers, None when nothing is padded (eager; traced, the mask as given: no host read, no graph break);
     SDPA's 4D mask for the sliding layers that keep their own attention (``local_size`` is the window the sliding
     mask builders pass)."""
     config = kwargs["config"]
-    if local_size is not None and _mixes_sliding_layers(config):
+    if local_size is not None and mixes_sliding_and_full_layers(config):
         return sdpa_mask(attention_mask=attention_mask, kv_length=kv_length, local_size=local_size, **kwargs)
     q_offset, q_length, kv_offset = kwargs.get("q_offset"), kwargs.get("q_length"), kwargs.get("kv_offset", 0)
     if q_offset is not None and q_length is not None and kv_offset + kv_length != int(q_offset) + q_length:

@@ -155,10 +155,18 @@ def _drop_shipped_class(config) -> None:
             del config.auto_map
 
 
+def mixes_sliding_and_full_layers(config) -> bool:
+    """Whether the model's ``layer_types`` name sliding-window layers beside full-attention ones (Gemma3, a Qwen2 with
+    ``max_window_layers`` between 0 and its depth). A model that slides on every layer (a Qwen2 with
+    ``max_window_layers=0``, a Mistral config that names ``layer_types``) has no full layer to convert beside them: all
+    its layers take Performer attention, as a Mistral whose config names only ``sliding_window``."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    return "sliding_attention" in layer_types and any(kind != "sliding_attention" for kind in layer_types)
+
+
 def keeps_own_attention(config, layer_idx: int) -> bool:
     """Whether the layer is a sliding-window layer of a model that mixes sliding and full layers."""
-    layer_types = getattr(config, "layer_types", None)
-    return bool(layer_types) and layer_types[layer_idx] == "sliding_attention"
+    return mixes_sliding_and_full_layers(config) and config.layer_types[layer_idx] == "sliding_attention"
 
 
 def head_shape(config) -> tuple[int, int]:
