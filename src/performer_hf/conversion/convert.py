@@ -357,8 +357,9 @@ def convert(
         output_dir: the folder to write: ``config.json``, ``model.safetensors``, the remote code, the
             tokenizer files, the source's sentence-transformers pipeline if it has one (``modules.json``
             and its module folders, see ``sentence_pipeline.py``), a ``README.md`` model card and
-            ``conversion_report.json``. It is written beside its final place and renamed when complete,
-            so a failure leaves nothing behind.
+            ``conversion_report.json``. It is written beside its final place and renamed when complete
+            (inside it for a mount point, a Docker volume: its entries moved up), so a failure leaves nothing
+            behind.
         overwrite: replace a non-empty ``output_dir`` (only once the conversion has succeeded).
         base_model: the Hub id named in the model card (default: the Hub id of ``source``, or the
             folder name for a local folder).

@@ -1,7 +1,9 @@
 """Writing an output folder all at once: checks before the work starts, one move after it succeeds.
 
 The converter and the zoo builder write into a staging folder beside the output and only then
-:func:`publish` it, so a failure never leaves a half-written output and never touches what was there.
+:func:`publish` it, so a failure never leaves a half-written output and never touches what was there. An output
+that is a mount point (a Docker volume, a mounted disk) cannot be renamed or replaced: the staging folder is made
+inside it, and its entries are moved up once the work is done (what was there set aside inside it first).
 """
 
 from __future__ import annotations
@@ -36,9 +38,13 @@ def check_output_dir(output_dir: Path, overwrite: bool, source: Path | None = No
 
 
 def _check_writable(output_dir: Path) -> None:
-    """Refuse, before any work, an output whose nearest existing folder takes no new folder (read-only, another
-    user's, a system tree): the staging folder is made there."""
-    nearest = next(folder for folder in output_dir.absolute().parents if folder.exists())
+    """Refuse, before any work, an output whose staging folder's home (its nearest existing parent, or itself for a
+    mount point) takes no new folder (read-only, another user's, a system tree)."""
+    output_dir = _in_place_of_link(output_dir.absolute())
+    if _is_mount(output_dir):
+        nearest = output_dir
+    else:
+        nearest = next(folder for folder in output_dir.parents if folder.exists())
     try:
         Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.probe-", dir=nearest)).rmdir()
     except OSError as error:
@@ -54,6 +60,17 @@ def _in_place_of_link(output_dir: Path) -> Path:
     return output_dir.resolve() if output_dir.is_symlink() else output_dir
 
 
+def _is_mount(output_dir: Path) -> bool:
+    """Whether ``output_dir`` is a mount point (a Docker volume, a mounted disk): a folder that cannot be renamed
+    away, nor replaced by one from its parent's filesystem."""
+    return output_dir.is_dir() and os.path.ismount(output_dir)
+
+
+def _staging_home(output_dir: Path) -> Path:
+    """Where the staging folder of ``output_dir`` is made: beside it, or inside it for a mount point."""
+    return output_dir if _is_mount(output_dir) else output_dir.parent
+
+
 def _folder_mode(output_dir: Path) -> int:
     """The permissions of the folder ``output_dir`` replaces, or of a new folder under the process's umask (the
     staging folder's own, ``tempfile.mkdtemp``'s, are 0700)."""
@@ -65,14 +82,16 @@ def _folder_mode(output_dir: Path) -> int:
 
 
 def staging_folder(output_dir: Path) -> Path:
-    """A new empty folder beside ``output_dir`` (beside the folder it links to, for a symbolic link) to write it in
-    (:func:`publish` moves it into place). Its name records this host and process: staging folders of earlier runs
-    for the same output whose process is gone (killed before it could remove its own) are deleted; others (another
-    run may still be writing one, here or on another host sharing the folder) are named in a warning."""
+    """A new empty folder beside ``output_dir`` (beside the folder it links to, for a symbolic link; inside it, for a
+    mount point) to write it in (:func:`publish` moves it into place). Its name records this host and process:
+    staging folders of earlier runs for the same output whose process is gone (killed before it could remove its
+    own) are deleted; others (another run may still be writing one, here or on another host sharing the folder) are
+    named in a warning."""
     output_dir = _in_place_of_link(output_dir)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    home = _staging_home(output_dir)
+    home.mkdir(parents=True, exist_ok=True)
     prefix = f".{output_dir.name}.tmp-"
-    leftovers = sorted(path for path in output_dir.parent.glob(f"{prefix}*") if path.is_dir())
+    leftovers = sorted(path for path in home.glob(f"{prefix}*") if path.is_dir())
     for leftover in [path for path in leftovers if _writer_is_gone(path.name.removeprefix(prefix))]:
         logger.info("Deleting %s, left by a run that was killed before it finished.", leftover)
         shutil.rmtree(leftover, ignore_errors=True)
@@ -81,11 +100,11 @@ def staging_folder(output_dir: Path) -> Path:
         logger.warning(
             "%s holds staging folders of earlier conversions to %s that did not finish (%s): delete them if no "
             "conversion is running there.",
-            output_dir.parent,
+            home,
             output_dir.name,
             ", ".join(path.name for path in leftovers),
         )
-    return Path(tempfile.mkdtemp(prefix=f"{prefix}{socket.gethostname()}-{os.getpid()}-", dir=output_dir.parent))
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{socket.gethostname()}-{os.getpid()}-", dir=home))
 
 
 def _writer_is_gone(suffix: str) -> bool:
@@ -106,13 +125,73 @@ def _writer_is_gone(suffix: str) -> bool:
 
 def publish(staging: Path, output_dir: Path) -> None:
     """Move the finished ``staging`` folder to ``output_dir`` (to the folder it links to, for a symbolic link), with
-    the permissions of the folder it replaces or of a new one, replacing what was there only now."""
+    the permissions of the folder it replaces or of a new one, replacing what was there only now. A mount point
+    keeps its folder: the staged entries are moved into it. A move the system refuses is undone (what was there is
+    put back, no backup left) and raised as a :class:`ConversionError`."""
     output_dir = _in_place_of_link(output_dir)
+    try:
+        if staging.parent == output_dir:  # made inside a mount point by staging_folder
+            _publish_into(staging, output_dir)
+        else:
+            _publish_beside(staging, output_dir)
+    except OSError as error:
+        raise ConversionError(
+            f"cannot move the finished checkpoint into {output_dir} ({error.strerror or error}); nothing there was "
+            "changed. Choose another output folder, e.g. a subfolder of it."
+        ) from None
+
+
+def _publish_beside(staging: Path, output_dir: Path) -> None:
+    """Rename ``staging`` (beside ``output_dir``) to ``output_dir``, the folder there renamed away first and deleted
+    after; a refused rename puts it back."""
     staging.chmod(_folder_mode(output_dir))
-    if output_dir.exists():
-        backup = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
+    if not output_dir.exists():
+        staging.rename(output_dir)
+        return
+    backup = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
+    try:
         output_dir.rename(backup / output_dir.name)
+    except OSError:
+        backup.rmdir()
+        raise
+    try:
         staging.rename(output_dir)
-        shutil.rmtree(backup)
-    else:
-        staging.rename(output_dir)
+    except OSError:
+        (backup / output_dir.name).rename(output_dir)
+        backup.rmdir()
+        raise
+    _delete(backup)
+
+
+def _publish_into(staging: Path, output_dir: Path) -> None:
+    """Move the entries of ``staging`` (made inside ``output_dir``) up into ``output_dir``, its other entries set aside
+    inside it first and deleted after (staging folders of other runs left alone); a refused move puts them back."""
+    backup = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir))
+    other_staging = f".{output_dir.name}.tmp-"
+    old = [entry for entry in output_dir.iterdir() if entry not in (staging, backup)]
+    old = [entry for entry in old if not entry.name.startswith(other_staging)]
+    new = list(staging.iterdir())
+    set_aside, moved = [], []
+    try:
+        for entry in old:
+            entry.rename(backup / entry.name)
+            set_aside.append(entry)
+        for entry in new:
+            entry.rename(output_dir / entry.name)
+            moved.append(entry)
+    except OSError:
+        for entry in moved:
+            (output_dir / entry.name).rename(entry)
+        for entry in set_aside:
+            (backup / entry.name).rename(entry)
+        backup.rmdir()
+        raise
+    staging.rmdir()
+    _delete(backup)
+
+
+def _delete(backup: Path) -> None:
+    """Delete the folder of replaced entries; one that resists is named, the new output being in place."""
+    shutil.rmtree(backup, ignore_errors=True)
+    if backup.exists():
+        logger.warning("could not delete %s, which holds the replaced output: delete it yourself.", backup)
