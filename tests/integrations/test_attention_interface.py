@@ -736,6 +736,32 @@ def test_switching_methods_and_back_keeps_each_methods_settings(tmp_path):
     )
 
 
+@pytest.mark.parametrize("implementation", DECODER_IMPLEMENTATIONS)
+def test_a_model_whose_layers_all_slide_takes_performer_attention_on_every_layer(implementation, tmp_path):
+    """A sliding layer keeps its own attention only beside full layers (Gemma3). A Qwen2 that slides on every layer
+    (max_window_layers=0) kept SDPA everywhere under every Performer name (logits 0.0 from SDPA's, and convert()
+    wrote a 'converted' copy of the source): it runs the method as the same weights without a window do, and its
+    cached decoding past the window agrees with decoding without a cache."""
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    sliding = transformers.Qwen2Config(**shape, num_key_value_heads=2, use_sliding_window=True, max_window_layers=0)
+    assert set(sliding.layer_types) == {"sliding_attention"}
+    source, folder = _source(sliding, tmp_path)
+    model = _load(folder, implementation, **SHORT_WINDOW[implementation])
+    config = transformers.AutoConfig.from_pretrained(folder, use_sliding_window=False)
+    config.performer_attention = SHORT_WINDOW[implementation]
+    unwindowed = AutoModelForCausalLM.from_pretrained(folder, config=config, attn_implementation=implementation).eval()
+    ids = _ids(2, 24)
+    with torch.no_grad():
+        logits = model(ids).logits
+        torch.testing.assert_close(logits, unwindowed(ids).logits, rtol=0, atol=1e-6)
+        assert (logits - source(ids).logits).abs().max() > 1e-3
+    config = transformers.AutoConfig.from_pretrained(folder, sliding_window=16)
+    config.performer_attention = SHORT_WINDOW[implementation]
+    windowed = AutoModelForCausalLM.from_pretrained(folder, config=config, attn_implementation=implementation).eval()
+    cached = windowed.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(cached, windowed.generate(ids, max_new_tokens=12, do_sample=False, use_cache=False))
+
+
 def _pickled(model):
     buffer = io.BytesIO()
     torch.save(model, buffer)
