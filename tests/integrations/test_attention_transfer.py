@@ -106,6 +106,22 @@ def test_a_performer_family_model_is_refused_with_its_own_fix(tmp_path):
         performer_hf.transfer_attention(model, _batches(), steps=2, progress=False)
 
 
+def test_a_model_with_peft_adapters_is_refused_with_the_fix_and_a_merged_one_transfers(tmp_path):
+    """On a LoRA model the transfer trained, but the adapter saved none of it (the learned tensors, A and the gains went
+    to the base's weights and config): PeftModel.from_pretrained(base, adapter) ran logits 0.13 from the trained
+    model's, without a word."""
+    peft = pytest.importorskip("peft")
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    wrapped = peft.get_peft_model(_load(folder, "performer_hybrid", local_window=8), lora)
+    for model in (wrapped, wrapped.base_model.model):  # the PeftModel, and the model peft injected the adapters into
+        with pytest.raises(ValueError, match=r"peft adapters.*Transfer the base model, save it.*then add LoRA"):
+            performer_hf.transfer_attention(model, _batches(), steps=2, progress=False)
+    merged = wrapped.merge_and_unload()  # plain weights again: its own save keeps everything
+    performer_hf.transfer_attention(merged, _batches(), steps=2, progress=False)
+    assert merged.config.performer_learned_attention
+
+
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
 def test_transfer_trains_under_a_callers_no_grad_and_from_embeddings(mode, tmp_path):
     """Under the caller's no_grad (an evaluation helper) the refusal blamed the inputs ("train on longer inputs");

@@ -219,6 +219,13 @@ def transfer_attention(
             "performer_hf.convert, or attn_implementation='performer_hybrid'); the family calibrates its far field "
             "at conversion instead (performer-hf convert SRC OUT --calibrate)."
         )
+    if getattr(model, "peft_config", None):  # a PeftModel, or a model peft injected adapters into
+        raise ValueError(
+            "this model carries peft adapters: their save (the adapter) would hold none of what the transfer learns "
+            "(the trained attention tensors, A and the far-field gains go to the base model's weights and config), "
+            "so PeftModel.from_pretrained(base, adapter) would run other attention. Transfer the base model, save it "
+            "(save_pretrained), then add LoRA on the saved model."
+        )
     # (under the caller's no_grad or inference_mode too: the transfer trains)
     with _frozen(model), torch.inference_mode(False), torch.enable_grad():
         with torch.no_grad():
