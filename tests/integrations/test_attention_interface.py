@@ -1021,6 +1021,31 @@ def test_output_attentions_gives_the_implied_matrix(arch, tmp_path):
     assert read[..., 30:].max() <= 8 + 4 + 1 + 2 * 4 and read[..., 30:].min() < 31
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_output_attentions_while_decoding_in_exact_mode_are_the_sources(arch, tmp_path):
+    """Exact mode's key/value cache holds every key (and a sliding layer that keeps its own attention, its window),
+    so generate(output_attentions=True) returns eager attention's weights at every step; it was refused at the
+    first decoding step, as if the keys were gone. A linear method's state, which keeps no keys, still refuses."""
+    _, folder = _source(EXACT_CASES[arch], tmp_path)
+    eager = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    exact = _load(folder, "performer", attention_kernel="exact")
+    ids = _ids(2, 12)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    options = dict(max_new_tokens=4, do_sample=False, output_attentions=True, return_dict_in_generate=True)
+    expected = eager.generate(ids, attention_mask=mask, **options)
+    out = exact.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(out.sequences, expected.sequences)
+    real_queries = mask.bool()[:, None, :, None]  # the prompt's pad queries attend as nothing asks (B, 1, Lq, 1)
+    for step, reference in zip(out.attentions, expected.attentions, strict=True):
+        for weights, layer_reference in zip(step, reference, strict=True):
+            if weights.shape[2] == ids.shape[1]:
+                weights, layer_reference = weights * real_queries, layer_reference * real_queries
+            torch.testing.assert_close(weights, layer_reference, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="decodes after 12 cached tokens"):
+        _load(folder, "performer").generate(ids, attention_mask=mask, **options)
+
+
 def test_attention_logit_softcapping_is_refused_not_dropped(tmp_path):
     """Gemma2 passes its attn_logit_softcapping to the attention function, which dropped it: exact mode 0.062 from
     the source's logits at its default cap of 50 (0.67 at 2). It is refused, by name; without a cap it runs."""

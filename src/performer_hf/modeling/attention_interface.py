@@ -205,10 +205,11 @@ def _performer_attention(implementation: str):
             context = _over_cached_keys(attend, query, key, value, key_mask, causal)
         weights = None
         if kwargs.get("output_attentions"):  # the matrix the method implies (B, H, Lq, Lk): identity values
+            held = past  # earlier tokens whose keys the method's state holds instead of this call's keys
             if state.attention_method == "exact":  # softmax's, within the sliding window where the model has one
                 window = kwargs.get("sliding_window")
-                attend = partial(softmax_attention, window=window)
-            weights = implied_attention(lambda values: attend(query, key, values, key_mask, causal)[0], value, past)
+                attend, held = partial(softmax_attention, window=window), 0  # over every cached key
+            weights = implied_attention(lambda values: attend(query, key, values, key_mask, causal)[0], value, held)
         return context.transpose(1, 2).contiguous(), weights
 
     attention.__name__ = attention.__qualname__ = f"{implementation}_attention"
@@ -234,7 +235,7 @@ def _check_no_logit_terms(module: nn.Module, kwargs: dict) -> None:
 
 def _own_attention(module, query, key, value, attention_mask, scaling, dropout, output_attentions=False, **kwargs):
     """The attention of a sliding layer that keeps its own: SDPA, and with ``output_attentions`` its weights (SDPA
-    forms none: its output for identity values, (B, H, Lq, Lk))."""
+    forms none: its output for identity values, (B, H, Lq, Lk); decoding too, as its key/value cache holds the keys)."""
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     context, _ = sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     weights = None
@@ -244,7 +245,6 @@ def _own_attention(module, query, key, value, attention_mask, scaling, dropout, 
                 1, 2
             ),
             value,
-            key.shape[2] - query.shape[2],
         )
     return context, weights
 
