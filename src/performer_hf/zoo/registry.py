@@ -16,6 +16,8 @@ REGISTRY_FILE = "registry.yaml"
 SOURCE_KINDS = ("package", "checkpoint", "pretrain", "asset")
 # source: {asset: NAME} -> the function of performer_hf.model_assets that writes the checkpoint folder
 MODEL_ASSETS = {"smollm2": "smollm2_checkpoint"}
+# ... and the one that names that folder without writing it
+MODEL_ASSET_FOLDERS = {"smollm2": "smollm2_folder"}
 FINETUNE_TASKS = ("classification", "mlm", "clm")
 EVALUATIONS = ("embeddings", "classification", "language_modeling")
 _FIELDS = {
