@@ -15,14 +15,20 @@ import torch
 import transformers
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
-from transformers import AutoModel
+from transformers import AutoModel, AutoModelForMaskedLM
 
 import performer_hf
 from performer_hf import PerformerConfig
 from performer_hf.cli import main
 from performer_hf.conversion import SUPPORTED_ARCHITECTURES, ConversionError, convert
 from performer_hf.conversion.convert import METHODS
-from performer_hf.conversion.fidelity import embedding_agreement, english_sentences, sample_passages, spearman
+from performer_hf.conversion.fidelity import (
+    embedding_agreement,
+    english_sentences,
+    sample_batch,
+    sample_passages,
+    spearman,
+)
 from performer_hf.conversion.in_place import IN_PLACE_ARCHITECTURES
 from performer_hf.conversion.mapping import FAMILIES, extend_positions, rules_markdown
 
@@ -277,6 +283,34 @@ def test_a_bfloat16_checkpoint_stays_bfloat16(name, sources, tmp_path):
     assert load_file(Path(auto) / "model.safetensors").keys() == written.keys()
     assert all(t.dtype == written[n].dtype for n, t in load_file(Path(auto) / "model.safetensors").items())
     assert json.loads((Path(auto) / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_fidelity_report_measures_the_weights_as_saved(dtype, sources, tmp_path, caplog):
+    """With dtype=bfloat16 the card and report gave the float32 model's figures (exact-kernel hidden states 1.2e-7
+    from the source, where the saved checkpoint is 4.5e-2 off) and never named the dtype. The report now measures
+    the saved weights, names their dtype, and keeps the mapping check in float32 (no spurious warning)."""
+    folder, source = sources["bert-mlm"]
+    out = convert(folder, tmp_path / "out", attention_kernel="exact", dtype=dtype)
+    report = json.loads((out / "conversion_report.json").read_text())
+    fidelity = report["fidelity"]
+    assert report["dtype"] == fidelity["dtype"] == dtype
+    assert fidelity["text"].startswith("random token ids")  # the batch rebuilt below
+    model = AutoModelForMaskedLM.from_pretrained(out).eval()
+    assert model.dtype == getattr(torch, dtype)
+    batch = sample_batch(model.config, None, max_length=64)
+    mask = batch["attention_mask"].bool()
+    with torch.no_grad():
+        saved = model(**batch, output_hidden_states=True).hidden_states[-1].float()
+        expected = source(**batch, output_hidden_states=True).hidden_states[-1]
+    measured = float((saved - expected)[mask].abs().max())
+    assert measured > 1e-3  # the rounding the figures must show
+    assert fidelity["exact_max_abs_diff"]["hidden states"] == pytest.approx(measured, rel=1e-3)
+    assert all(value < 1e-4 for value in fidelity["mapping_max_abs_diff"].values())
+    assert "check the mapping" not in caplog.text
+    card = (out / "README.md").read_text()
+    assert f"- weights: `{dtype}`" in card and f"Measured on the weights as saved (`{dtype}`)" in card
+    assert f"before the cast to `{dtype}` (the mapping check)" in card
 
 
 def test_a_gpt2_keeps_its_generation_config(sources, tmp_path):

@@ -22,7 +22,7 @@ from ..modeling.configuration_performer import PerformerConfig
 from ..modeling.far_fields import FAR_FIELDS
 from .calibration import calibrate as calibrate_model
 from .errors import ConversionError, one_line
-from .fidelity import FidelityReport, measure_fidelity, sample_batch
+from .fidelity import FidelityReport, mapping_check, measure_fidelity, sample_batch
 from .in_place import IN_PLACE_ARCHITECTURES, TransferSettings, convert_in_place
 from .mapping import POSITION_TABLE, MappingResult, extend_positions, map_weights
 from .model_card import CardSource, build_model_card, source_license
@@ -274,16 +274,26 @@ def exact_twin(model: torch.nn.Module, target_class: str, pooler: bool) -> torch
 
 
 def fidelity_report(
-    checkpoint: SourceCheckpoint, model: torch.nn.Module, target_class: str, pooler: bool, tokenizer
+    checkpoint: SourceCheckpoint,
+    model: torch.nn.Module,
+    target_class: str,
+    pooler: bool,
+    tokenizer,
+    saved_dtype: torch.dtype = torch.float32,
 ) -> FidelityReport:
-    """Measure ``model`` against the source checkpoint and against its own exact-kernel twin."""
+    """Measure the float32 ``model`` as it is saved, cast to ``saved_dtype`` (it is left so), against the source
+    checkpoint and against its own exact-kernel twin; for a dtype narrower than float32 the mapping check (the exact
+    twin against the source) is also made before the cast, where rounding does not hide a mapping mistake."""
     exact = exact_twin(model, target_class, pooler)
     source = _load_source_model(checkpoint)
     # the shorter of the two models' reaches: extended positions (--max-position-embeddings) are the converted one's
     source_reach = source.config.max_position_embeddings - model.config.position_offset
     batch = sample_batch(model.config, tokenizer, max_length=min(256, source_reach))
     text = "Python documentation text" if tokenizer is not None else "random token ids (no tokenizer in the source)"
-    report = measure_fidelity(source, model, exact, batch, text)
+    mapping = mapping_check(source, exact, batch) if saved_dtype != torch.float32 else {}
+    model.to(saved_dtype)  # the random-feature projections stay float32 (PerformerAttention._apply)
+    report = measure_fidelity(source, model, exact.to(saved_dtype), batch, text)
+    report.mapping_max_abs_diff = mapping
     report.attention = attention_settings(model.config)
     return report
 
@@ -469,10 +479,10 @@ def convert(
             parameter="far_field_parameter" not in overrides,
         )
         del exact
-    report = fidelity_report(checkpoint, model, head.target_class, pooler, tokenizer) if fidelity else None
+    report = fidelity_report(checkpoint, model, head.target_class, pooler, tokenizer, saved_dtype) if fidelity else None
     if report is not None:
         logger.info("%s", report.format_table())
-        worst = max(report.exact_max_abs_diff.values())
+        worst = max(report.mapping_check().values())
         if worst > 1e-3:
             logger.warning(
                 "with exact attention the converted model differs from the source by up to %.2e: check the mapping",
@@ -493,7 +503,13 @@ def convert(
             base_model, source_license(folder), checkpoint.architecture, pretrained_rows - config.position_offset
         )
         card = build_model_card(
-            card_source, head.target_class, config, mapping.dropped, report, sentence_pipeline=bool(sentence_pipeline)
+            card_source,
+            head.target_class,
+            config,
+            mapping.dropped,
+            report,
+            sentence_pipeline=bool(sentence_pipeline),
+            dtype=str(saved_dtype).removeprefix("torch."),
         )
         card.save(staging / "README.md")
         summary = {
@@ -501,6 +517,7 @@ def convert(
             "base_model": base_model,
             "source_architecture": checkpoint.architecture,
             "target_class": head.target_class,
+            "dtype": str(saved_dtype).removeprefix("torch."),
             "used": mapping.used,
             "dropped": mapping.dropped,
             "new": new,

@@ -9,6 +9,9 @@ Three views, all on the real (non-padding) tokens of a sample batch:
 - the final hidden states and head outputs (logits, labels) of the converted model against the source;
 - the exact-kernel Performer against the source: the check that the weights were mapped correctly.
 
+The converted model is measured in the dtype it is saved in (bfloat16, float16 or float32), the source in
+float32; the mapping check is made in float32 as well, where rounding to a narrower dtype would hide a mistake.
+
 The sample text is English prose from Python's own documentation (``pydoc_data.topics``), which
 every CPython ships: the report needs no download.
 """
@@ -150,6 +153,12 @@ class FidelityReport:
     exact_max_abs_diff: dict[str, float]  # exact-kernel Performer vs source
     head: dict[str, float] = field(default_factory=dict)  # top-1 agreement, label agreement, pooled cosine
     attention: dict = field(default_factory=dict)  # the attention settings measured (convert.attention_settings)
+    dtype: str = "float32"  # the converted model's, as saved and measured
+    mapping_max_abs_diff: dict[str, float] = field(default_factory=dict)  # exact-kernel vs source in float32
+
+    def mapping_check(self) -> dict[str, float]:
+        """The exact-kernel conversion's max abs differences from the source in float32: the mapping check."""
+        return self.mapping_max_abs_diff or self.exact_max_abs_diff
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -169,7 +178,8 @@ class FidelityReport:
         """The report as a plain-text table."""
         note = self.exact_dispatch_note()
         lines = [
-            f"Fidelity on {self.num_sequences} sequences ({self.num_tokens} tokens) of {self.text}",
+            f"Fidelity of the {self.dtype} weights on {self.num_sequences} sequences ({self.num_tokens} tokens) of "
+            f"{self.text}",
             *(["attention: " + ", ".join(f"{k}={v}" for k, v in self.attention.items())] if self.attention else []),
             *([f"({note})"] if note else []),
             "layer | attention rel. error, same input | attention rel. error, propagated",
@@ -185,6 +195,9 @@ class FidelityReport:
         lines += [f"{name.replace('_', ' ')} vs source: {value:.4f}" for name, value in self.head.items()]
         exact = ", ".join(f"{name} {value:.2e}" for name, value in self.exact_max_abs_diff.items())
         lines.append(f"exact-kernel conversion vs source, max |diff|: {exact}")
+        if self.mapping_max_abs_diff:
+            mapping = ", ".join(f"{name} {value:.2e}" for name, value in self.mapping_max_abs_diff.items())
+            lines.append(f"exact-kernel conversion in float32 vs source, max |diff| (the mapping check): {mapping}")
         return "\n".join(lines)
 
 
@@ -214,12 +227,36 @@ def _forward(model: nn.Module, batch: dict[str, torch.Tensor]):
     return model(**batch, output_hidden_states=True, return_dict=True, use_cache=False)
 
 
+def _exact_differences(out_source, out_exact, mask: torch.Tensor) -> dict[str, float]:
+    """Max abs differences of the exact-kernel Performer's outputs from the source's: final hidden states (real
+    tokens) and logits where the source has them; mask (B, L)."""
+    hidden_source, hidden_exact = (o.hidden_states[-1].float() for o in (out_source, out_exact))
+    diff = {"hidden states": float((hidden_exact - hidden_source)[mask].abs().max())}
+    logits = getattr(out_source, "logits", getattr(out_source, "prediction_logits", None))  # BertForPreTraining
+    if logits is not None:
+        exact_logits = out_exact.logits.float()
+        diff["logits"] = float(
+            ((exact_logits - logits)[mask] if logits.dim() == 3 else exact_logits - logits).abs().max()
+        )
+    return diff
+
+
+@torch.no_grad()
+def mapping_check(source: nn.Module, exact: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The max abs differences of the exact-kernel Performer ``exact`` from ``source`` on ``batch`` (both float32):
+    a mapping mistake shows above float32's rounding."""
+    mask = batch["attention_mask"].bool()  # (B, L)
+    if "token_type_ids" in batch and getattr(exact.config, "type_vocab_size", 0) == 0:
+        batch = {k: v for k, v in batch.items() if k != "token_type_ids"}
+    return _exact_differences(_forward(source, batch), _forward(exact, batch), mask)
+
+
 @torch.no_grad()
 def measure_fidelity(
     source: nn.Module, favor: nn.Module, exact: nn.Module, batch: dict[str, torch.Tensor], text: str
 ) -> FidelityReport:
-    """Compare the FAVOR+ Performer ``favor``, its exact-kernel twin ``exact`` (same weights) and the
-    ``source`` model on ``batch``. All three in eval mode. ``favor`` runs its approximation on every input
+    """Compare the FAVOR+ Performer ``favor``, its exact-kernel twin ``exact`` (same weights, same dtype) and the
+    ``source`` model (float32) on ``batch``. All three in eval mode. ``favor`` runs its approximation on every input
     (:func:`approximation_only`): the figures say what inputs longer than its ``exact_max_length`` get."""
     mask = batch["attention_mask"].bool()  # (B, L)
     if "token_type_ids" in batch and getattr(favor.config, "type_vocab_size", 0) == 0:
@@ -249,18 +286,16 @@ def measure_fidelity(
         for candidate, (_, _, reference) in zip(favor_outputs, exact_calls, strict=True)
     ]
 
-    hidden_source, hidden_exact, hidden_favor = (o.hidden_states[-1] for o in (out_source, out_exact, out_favor))
-    exact_diff = {"hidden states": float((hidden_exact - hidden_source)[mask].abs().max())}
+    hidden_source, hidden_favor = out_source.hidden_states[-1], out_favor.hidden_states[-1].float()
+    exact_diff = _exact_differences(out_source, out_exact, mask)
     head: dict[str, float] = {}
     logits = getattr(out_source, "logits", getattr(out_source, "prediction_logits", None))  # BertForPreTraining
     if logits is not None and logits.dim() == 3:  # token logits: masked / causal LM
-        exact_diff["logits"] = float((out_exact.logits - logits)[mask].abs().max())
         top1 = (out_favor.logits.argmax(-1) == logits.argmax(-1))[mask]
         head["top-1 token agreement"] = float(top1.double().mean())
     elif logits is not None:  # sequence classification
-        exact_diff["logits"] = float((out_exact.logits - logits).abs().max())
         head["label agreement"] = float((out_favor.logits.argmax(-1) == logits.argmax(-1)).double().mean())
-        head["logits max abs diff"] = float((out_favor.logits - logits).abs().max())
+        head["logits max abs diff"] = float((out_favor.logits.float() - logits).abs().max())
     else:
         pooled = embedding_agreement(mean_pool(hidden_source, mask), mean_pool(hidden_favor, mask))
         head["mean-pooled embedding cosine"] = pooled["mean_cosine"]
@@ -271,6 +306,7 @@ def measure_fidelity(
         attention_error_local=local,
         attention_error_propagated=propagated,
         hidden_cosine=_mean_cosine(hidden_favor, hidden_source, mask),
+        dtype=str(next(favor.parameters()).dtype).removeprefix("torch."),
         hidden_relative_error=_relative_error(hidden_favor, hidden_source, mask),
         exact_max_abs_diff=exact_diff,
         head=head,

@@ -56,10 +56,11 @@ def build_model_card(
     dropped: dict[str, str],
     report: FidelityReport | None,
     sentence_pipeline: bool = False,
+    dtype: str = "float32",
 ) -> ModelCard:
     """A model card whose metadata names the base model, license, library and tags, and whose text
-    states the FAVOR+ settings and the fidelity measured at conversion; ``sentence_pipeline``: the
-    folder carries the source's sentence-transformers pipeline (tagged, with its usage)."""
+    states the FAVOR+ settings, the dtype of the weights and the fidelity measured at conversion;
+    ``sentence_pipeline``: the folder carries the source's sentence-transformers pipeline (tagged, with its usage)."""
     base_model, license_name, source_architecture, pretrained_positions = (
         source.base_model,
         source.license_name,
@@ -107,6 +108,7 @@ def build_model_card(
         f"- causal: {'yes' if config.is_decoder or target_class == 'PerformerForCausalLM' else 'no'}",
         f"- positions: {positions} (pretrained: {pretrained_positions}"
         + (", extended by tiling the pretrained table)" if positions > pretrained_positions else ")"),
+        f"- weights: `{dtype}`",
         "",
         "## Usage",
         "",
@@ -143,8 +145,9 @@ def build_model_card(
     else:
         note = report.exact_dispatch_note()
         lines += [
-            f"Measured on {report.num_sequences} sequences ({report.num_tokens} tokens) of {report.text}, "
-            f"against {base_model} and against the same weights with exact softmax attention"
+            f"Measured on the weights as saved (`{report.dtype}`), on {report.num_sequences} sequences "
+            f"({report.num_tokens} tokens) of {report.text}, against {base_model} (float32) and against the same "
+            "weights with exact softmax attention"
             + (f" ({note}, where it computes what the source does)." if note else "."),
             "",
             "| layer | attention rel. error (same input) | attention rel. error (propagated) |",
@@ -162,6 +165,9 @@ def build_model_card(
         lines += [f"- {name} vs the source: {value:.4f}" for name, value in report.head.items()]
         exact = ", ".join(f"{name} {value:.1e}" for name, value in report.exact_max_abs_diff.items())
         lines.append(f'- same weights with `attention_kernel="exact"` vs the source, max abs difference: {exact}')
+        if report.mapping_max_abs_diff:
+            mapping = ", ".join(f"{name} {value:.1e}" for name, value in report.mapping_max_abs_diff.items())
+            lines.append(f"- the same in float32, before the cast to `{report.dtype}` (the mapping check): {mapping}")
         lines += [
             "",
             "The converted attention approximates softmax attention; a pretrained model swapped to it without "
