@@ -448,11 +448,12 @@ def convert(
         weights, checkpoint.family, checkpoint.architecture, config.hidden_size, config.tie_word_embeddings
     )
     pretrained_rows = mapping.tensors[POSITION_TABLE].shape[0] if POSITION_TABLE in mapping.tensors else 0
-    extended = overrides.get("max_position_embeddings") is not None and pretrained_rows > 0
-    if extended:
+    if overrides.get("max_position_embeddings") is not None and pretrained_rows > 0:  # refused if it shrinks it
         mapping.tensors[POSITION_TABLE] = extend_positions(
             mapping.tensors[POSITION_TABLE], config.max_position_embeddings, config.position_offset
         )
+    # only a table grown past the pretrained one raises the tokenizer's and sentence-transformers' lengths
+    extended = pretrained_rows > 0 and config.max_position_embeddings > pretrained_rows
     pooler = head.pooler and "performer.pooler.dense.weight" in mapping.tensors
     model = build_model(head.target_class, config, pooler)
     if model.base_model is model:
