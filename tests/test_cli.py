@@ -165,6 +165,14 @@ ERROR_CASES = [
     ("field-given-twice", None, ["--set", "nb_features=8", "--nb-features", "16"], "nb_features is given twice"),
     ("calibrate-favor", None, ["--method", "favor", "--calibrate"], "the favor method has none: leave it out"),
     ("calibrate-exact", None, ["--attention-kernel", "exact", "--calibrate"], "exact attention has none"),
+    # was: the default encoder conversion "calibrated" its centres, which bidirectional attention never reads
+    ("calibrate-encoder", None, ["--calibrate"], "encoders centre each sequence by its own means; --calibrate fits"),
+    (
+        "calibrate-set-a",
+        None,
+        ["--far-field", "softmax_opt", "--set", "far_field_parameter=-0.1", "--calibrate"],
+        "which far_field_parameter already sets",
+    ),
 ]
 
 

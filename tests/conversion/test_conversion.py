@@ -313,6 +313,22 @@ def test_the_fidelity_report_measures_the_weights_as_saved(dtype, sources, tmp_p
     assert f"before the cast to `{dtype}` (the mapping check)" in card
 
 
+def test_calibration_reports_only_what_the_model_reads(sources, tmp_path):
+    """An encoder's calibration reported fixed centres (``centres: True``) that bidirectional attention never reads
+    (its logits were those of the uncalibrated conversion, max |diff| 0.0); it fits only FAVOR++'s A there. A decoder
+    reads its fixed centres: calibrated and reported."""
+    folder, _ = sources["bert-mlm"]
+    out = convert(folder, tmp_path / "encoder", attention_kernel="softmax_opt", calibrate=True, fidelity=False)
+    calibration = json.loads((out / "conversion_report.json").read_text())["calibration"]
+    assert calibration["centres"] is False and len(calibration["far_field_parameter"]) == 2
+    folder, _ = sources["gpt2-lm"]
+    out = convert(folder, tmp_path / "decoder", fidelity=False)
+    calibration = json.loads((out / "conversion_report.json").read_text())["calibration"]
+    assert calibration["centres"] is True
+    centre = load_file(out / "model.safetensors")["performer.encoder.layer.0.attention.query_center"]
+    assert centre.abs().max() > 0
+
+
 def test_a_gpt2_keeps_its_generation_config(sources, tmp_path):
     """The source's generation_config.json (its decoding defaults) was rebuilt from the model config: in exact mode,
     with equal logits, generate() with no arguments repeated one token where the source did not."""

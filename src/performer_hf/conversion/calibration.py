@@ -94,8 +94,8 @@ def _select_parameter(module: PerformerAttention, qkv, mask, causal: bool, close
 def calibrate(
     model: nn.Module, exact: nn.Module, batch: dict[str, torch.Tensor], causal: bool, parameter: bool = True
 ) -> dict:
-    """Set ``model``'s fixed centres (if ``center_features``) and FAVOR++ ``A`` (if ``"softmax_opt"``
-    and ``parameter``).
+    """Set ``model``'s fixed centres (if ``causal`` and ``center_features``: bidirectional attention centres each
+    sequence by its own means) and FAVOR++ ``A`` (if ``"softmax_opt"`` and ``parameter``).
 
     The centres are the means of the scaled queries and keys over the sample's real tokens. For ``A``
     each head starts from the closed form of its statistic ``rho`` and keeps whichever of
@@ -118,15 +118,16 @@ def calibrate(
         batch = {k: v for k, v in batch.items() if k != "token_type_ids"}
     mask = batch["attention_mask"].bool()  # (B, L)
     optimise = parameter and get_far_field(config.attention_kernel).uses_parameter
+    centres = causal and config.center_features
     parameters, errors = [], []
     with approximation_only(model):  # A is chosen for the far field, which short inputs would skip
         for module, hidden in zip(_attention_modules(model), attention_inputs(exact, batch), strict=True):
             qkv = _heads(module, hidden)
             a, c = fixed_centres(*qkv[:2], mask)  # (H, d)
-            if config.center_features:
+            if centres:
                 module.query_center.copy_(a)
                 module.key_center.copy_(c)
-            else:
+            elif not config.center_features:
                 a = c = torch.zeros_like(a)
             if optimise:
                 root = module.head_dim**-0.25
@@ -147,11 +148,11 @@ def calibrate(
     logger.info(
         "calibrated on %d tokens: %s%s",
         num_tokens,
-        "centres" if config.center_features else "",
+        "centres" if centres else "",
         ", FAVOR++ A per layer and head" if optimise else "",
     )
     return {
-        "centres": bool(config.center_features),
+        "centres": bool(centres),
         "far_field_parameter": parameters if optimise else None,
         "far_field_error": errors if optimise else None,
         "num_tokens": num_tokens,

@@ -204,6 +204,31 @@ def needs_calibration(config: PerformerConfig, causal: bool) -> bool:
     return config.center_features or FAR_FIELDS[config.attention_kernel].uses_parameter
 
 
+def calibrated_statistics(config: PerformerConfig, causal: bool, overrides: dict[str, Any]) -> list[str]:
+    """What calibration fixes in a hybrid ``config``: the centres (causal attention with ``center_features``;
+    bidirectional attention centres each sequence by its own means) and FAVOR++'s ``A`` (unless ``overrides`` set
+    ``far_field_parameter``)."""
+    fitted = ["centres"] if causal and config.center_features else []
+    if FAR_FIELDS[config.attention_kernel].uses_parameter and "far_field_parameter" not in overrides:
+        fitted.append("FAVOR++'s A")
+    return fitted
+
+
+def _nothing_to_calibrate(config: PerformerConfig, causal: bool) -> str:
+    """Why --calibrate would change nothing in the hybrid ``config``, and what it fits, as one line."""
+    if FAR_FIELDS[config.attention_kernel].uses_parameter:
+        return "--calibrate fits FAVOR++'s A, which far_field_parameter already sets: leave out one of them."
+    if causal:
+        return (
+            f"--calibrate fits the centres (center_features) and FAVOR++'s A (--attention-kernel softmax_opt); the "
+            f"{config.attention_kernel} far field without centres has neither: leave it out."
+        )
+    return (
+        "--calibrate changes nothing here: encoders centre each sequence by its own means; --calibrate fits only "
+        "FAVOR++'s A (--attention-kernel softmax_opt)."
+    )
+
+
 def _fill_model(model: torch.nn.Module, mapping: MappingResult) -> list[str]:
     """Load the mapped tensors strictly; return the target names left to their fresh values (projections)."""
     expected = model.state_dict()
@@ -439,6 +464,8 @@ def convert(
             f"--calibrate measures the hybrid's centres on sample text; {_attention_named(config)} has none: leave "
             "it out, or convert with --method hybrid."
         )
+    if calibrate and not calibrated_statistics(config, is_causal(checkpoint), overrides):
+        raise ConversionError(_nothing_to_calibrate(config, is_causal(checkpoint)))
 
     stored = read_tensors(folder)
     saved_dtype = _saved_dtype(overrides.get("dtype"), stored_dtype(stored))
