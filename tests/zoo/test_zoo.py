@@ -186,6 +186,22 @@ def test_the_recipes_source_folder_is_never_the_output(tmp_path, monkeypatch):
                 build("smollm2-135m-performer-sparse", output, overwrite=True, quick=True)
 
 
+def test_an_unwritable_data_cache_is_one_error_line_before_the_conversion(tmp_path, monkeypatch, capsys):
+    """PERFORMER_HF_DATA where no folder can be made: `zoo build` converted the model, then printed a PermissionError
+    traceback; now one line naming the variable, before the conversion."""
+
+    def converted(*args, **kwargs):
+        raise AssertionError("converted before the data cache was checked")
+
+    monkeypatch.setattr(zoo_builder, "convert", converted)
+    monkeypatch.setenv("PERFORMER_HF_DATA", "/sys/performer_hf_data")
+    out = tmp_path / "out"
+    assert main(["zoo", "build", "performer-minilm-l6-rotten-tomatoes", str(out), "--quick"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "cannot be written" in error[0] and "set PERFORMER_HF_DATA to a folder" in error[0]
+    assert not out.exists()
+
+
 # ---------------------------------------------------------------- quick builds, end to end
 
 

@@ -24,6 +24,7 @@ from ..conversion import ConversionError, TransferSettings, convert
 from ..conversion.output_folder import check_output_dir, publish, staging_folder
 from ..conversion.sentence_pipeline import sentence_pipeline_files
 from ..conversion.source import resolve_source
+from ..data_assets import DataAssetError
 from ..training.arguments import TrainingInputError
 from .card import render_model_card
 from .data import write_data
@@ -90,7 +91,10 @@ def _source_folder(entry: ZooEntry, work: Path) -> tuple[Path, dict]:
     if "asset" in source:
         from .. import model_assets
 
-        return getattr(model_assets, MODEL_ASSETS[source["asset"]])(), dict(source)
+        try:
+            return getattr(model_assets, MODEL_ASSETS[source["asset"]])(), dict(source)
+        except DataAssetError as error:
+            raise ZooError(f"{entry.name} starts from the {source['asset']} checkpoint: {error}") from error
     if "checkpoint" in source:
         folder, _ = resolve_source(source["checkpoint"], source.get("revision"))
         return folder, dict(source)
@@ -208,6 +212,7 @@ def _run_recipe(entry: ZooEntry, work: Path, staging: Path, quick: bool) -> dict
     tick = time.perf_counter()
     source, source_info = _source_folder(entry, work)
     timings["source"] = time.perf_counter() - tick
+    data = _write_data(entry.data, work, entry.data_limit) if entry.data else {}  # (fails before the conversion)
 
     tick = time.perf_counter()
     converted = work / "converted"
@@ -216,7 +221,6 @@ def _run_recipe(entry: ZooEntry, work: Path, staging: Path, quick: bool) -> dict
     conversion = json.loads((converted / "conversion_report.json").read_text())
     timings["convert"] = time.perf_counter() - tick
 
-    data = _write_data(entry.data, work, entry.data_limit) if entry.data else {}
     final, training, reference = converted, None, None
     if entry.finetune:
         tick = time.perf_counter()
