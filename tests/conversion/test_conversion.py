@@ -198,6 +198,12 @@ def test_extend_positions_rejects_shrinking():
         ({"local_window": 8.5}, "local_window must be int, got float 8.5"),
         ({"dtype": "bogus"}, "dtype='bogus': the weights are saved in float32, bfloat16 or float16"),  # a traceback
         ({"id2label": 5}, "invalid Performer settings: AttributeError"),  # a traceback from transformers' config
+        # per layer, numbers instead of per-head lists: were "TypeError: object of type 'int' has no len()"
+        ({"far_field_gain": [1.5, 2.0]}, r"far_field_gain given per layer must be a list of num_hidden_layers=2 lists"),
+        (
+            {"attention_kernel": "softmax_opt", "far_field_parameter": [-0.1, -0.2]},
+            r"far_field_parameter given per layer must be a list of num_hidden_layers=2 lists of num_attention_heads=4",
+        ),
     ],
 )
 def test_settings_of_the_wrong_type_are_refused_by_name(overrides, message, sources, tmp_path):

@@ -489,7 +489,8 @@ class PerformerConfig(PreTrainedConfig):
         value = getattr(self, name)
         if not isinstance(value, list):
             return [value]
-        if len(value) != self.num_hidden_layers or any(len(row) != self.num_attention_heads for row in value):
+        rows_fit = all(isinstance(row, list) and len(row) == self.num_attention_heads for row in value)
+        if len(value) != self.num_hidden_layers or not rows_fit:
             raise ValueError(
                 f"{name} given per layer must be a list of num_hidden_layers={self.num_hidden_layers} lists of "
                 f"num_attention_heads={self.num_attention_heads} numbers."
