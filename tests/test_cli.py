@@ -17,8 +17,9 @@ import torch
 from transformers import BertConfig, BertForTokenClassification
 
 from performer_hf.cli import main
-from performer_hf.conversion import demo
+from performer_hf.conversion import ConversionError, demo
 from performer_hf.conversion.convert import METHODS
+from performer_hf.conversion.source import resolve_source
 
 from .conversion_sources import CASES, TINY_BERT, save_source
 
@@ -165,6 +166,8 @@ ERROR_CASES = [
     ("field-given-twice", None, ["--set", "nb_features=8", "--nb-features", "16"], "nb_features is given twice"),
     ("calibrate-favor", None, ["--method", "favor", "--calibrate"], "the favor method has none: leave it out"),
     ("calibrate-exact", None, ["--attention-kernel", "exact", "--calibrate"], "exact attention has none"),
+    # was: ignored silently, the folder converted as it is
+    ("revision-of-a-folder", None, ["--revision", "v1"], "--revision applies to Hub ids; check out that revision"),
     # was: the default encoder conversion "calibrated" its centres, which bidirectional attention never reads
     ("calibrate-encoder", None, ["--calibrate"], "encoders centre each sequence by its own means; --calibrate fits"),
     (
@@ -184,6 +187,13 @@ def test_errors_exit_cleanly(make, options, message, tiny_bert, tmp_path, capsys
     code = main(["convert", str(source), str(out), "--no-fidelity", *options])
     assert_failed_cleanly(code, capsys, out, message)
     assert not (Path(__file__).parent / "PWNED").exists()
+
+
+def test_a_revision_of_a_local_folder_is_refused(tiny_bert):
+    """A revision with a local folder was ignored (the folder converted as it is); resolve_source refuses it too."""
+    with pytest.raises(ConversionError, match="is a local folder: --revision applies to Hub ids"):
+        resolve_source(tiny_bert, "v1")
+    assert resolve_source(tiny_bert) == (tiny_bert.resolve(), None)
 
 
 def test_existing_output_needs_overwrite_and_is_replaced_only_on_success(tiny_bert, tmp_path, capsys):

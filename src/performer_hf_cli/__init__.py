@@ -188,6 +188,11 @@ def precheck(args: argparse.Namespace) -> str | None:
         if fixed:
             return f"{fixed} are fixed by the source weights and cannot be overridden."
         source = Path(args.source).expanduser()
+        if args.revision is not None and source.is_dir():
+            return (
+                f"source {args.source} is a local folder: "
+                "--revision applies to Hub ids; check out that revision in the folder, or pass the Hub id."
+            )
         looks_like_a_path = args.source.startswith((".", "/", "~")) or args.source.count("/") > 1
         if looks_like_a_path and not source.exists():
             return f"source {args.source!r} is neither an existing folder nor a valid Hub id."

@@ -26,8 +26,14 @@ _METADATA_PATTERNS = ["*.json", "*.txt", "*.model", "README.md"]
 
 def resolve_source(source: str | Path, revision: str | None = None) -> tuple[Path, str | None]:
     """A local folder, or a Hub id fetched with ``huggingface_hub.snapshot_download`` (so HF_ENDPOINT,
-    HF_HUB_OFFLINE and the local cache apply). Returns the folder and the Hub id (None for a folder)."""
+    HF_HUB_OFFLINE and the local cache apply). Returns the folder and the Hub id (None for a folder). A
+    ``revision`` with a folder is refused: the folder holds one revision only."""
     path = Path(source).expanduser()
+    if path.is_dir() and revision is not None:
+        raise ConversionError(
+            f"source {source} is a local folder: "
+            "--revision applies to Hub ids; check out that revision in the folder, or pass the Hub id."
+        )
     if path.is_dir():
         return path.resolve(), None
     if path.exists():
