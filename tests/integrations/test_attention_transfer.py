@@ -53,11 +53,44 @@ def test_transfer_lowers_the_error_and_touches_only_the_attention_parameters(imp
         assert state.far_field_gain == gains[0]  # what the model now runs with: plain numbers, no graph
 
 
+@pytest.mark.parametrize("kernel", ["poly2", "taylor2"])
+def test_a_transfer_that_ends_worse_keeps_the_model_as_it_was_and_reports_its_start(kernel, tmp_path, caplog):
+    """A near-exact far field: Adam at the default rate moved the centres and gains by ~lr a step on near-zero
+    gradients and left the logits further from the source (poly2 6.2e-5 -> 1.4e-3), while the report, whose first
+    figure was the mean of steps 1-10, said the error fell ~20x."""
+    source, folder = _source(DECODERS["llama"], tmp_path)
+    model = _load(folder, "performer_hybrid", local_window=8, attention_kernel=kernel, far_field_parameter=None)
+    held = _ids(2, 64, seed=99)
+    with torch.no_grad():
+        reference, before = source(held).logits, model(held).logits
+    batches = [{"input_ids": _ids(2, 64, seed=10 + i)} for i in range(4)]
+    with caplog.at_level("WARNING", logger="performer_hf"):
+        report = performer_hf.transfer_attention(model, batches, steps=40, progress=False)
+    assert report.restored and report.error_last == report.error_first
+    assert "keeps the attention it had" in caplog.text
+    assert not getattr(model.config, "performer_learned_attention", False)
+    with torch.no_grad():
+        after = model(held).logits
+    assert torch.equal(after, before)  # not only no worse: the very model it was
+    assert (after - reference).abs().max() < 1e-3
+    # the report's first figure is the error before any update: what a transfer that moves nothing measures
+    still = performer_hf.transfer_attention(model, batches[:1], steps=1, learning_rate=0.0, window=1, progress=False)
+    first = performer_hf.transfer_attention(
+        _load(folder, "performer_hybrid", local_window=8, attention_kernel=kernel, far_field_parameter=None),
+        batches[:1],
+        steps=1,
+        window=1,
+        progress=False,
+    )
+    assert first.error_first == pytest.approx(still.error_first, rel=1e-5)
+
+
 def test_a_transferred_model_saves_reloads_and_decodes_exactly(tmp_path):
     _, folder = _source(DECODERS["qwen2"], tmp_path)
     model = _load(folder, "performer_hybrid", local_window=8)
-    report = performer_hf.transfer_attention(model, _batches(), steps=5, progress=False)
-    assert report.error_last != report.error_first  # averaged over steps 1-2 and 4-5, not all five twice
+    # (at the default rate five steps overshoot and end above the start: the model would keep what it had)
+    report = performer_hf.transfer_attention(model, _batches(), steps=5, learning_rate=1e-3, progress=False)
+    assert not report.restored and sum(report.error_last.values()) < sum(report.error_first.values())
     ids = _ids(1, 40, seed=4)
     with torch.no_grad():
         expected = model(ids).logits
@@ -306,7 +339,7 @@ def test_a_transferred_model_in_a_subfolder_of_an_empty_folder_runs_its_own_tens
     from the subfolder whose config records them; with that subfolder gone, the refusal names both fixes."""
     _, folder = _source(DECODERS["llama"], tmp_path)
     model = _load(folder, "performer_hybrid", local_window=8)
-    performer_hf.transfer_attention(model, _batches(), steps=4, progress=False)
+    assert not performer_hf.transfer_attention(model, _batches(), steps=4, learning_rate=1e-3, progress=False).restored
     ids = _ids(1, 40, seed=4)
     with torch.no_grad():
         expected = model.eval()(ids).logits

@@ -330,7 +330,7 @@ def convert_in_place(
             implementation=implementation,
             parity=parity,
             method=method_config(text_config, implementation, True, *head_shape(text_config)),
-            transfer=transferred,
+            transfer=None if transferred is None or transferred["restored"] else transferred,  # (undone: zero-shot)
             fidelity=measured,
         )
         card.save(staging / "README.md")

@@ -67,14 +67,16 @@ _CONFIG_VALUES = (("far_field_parameter", "far_field_parameter", 0.0), ("far_fie
 
 @dataclass
 class TransferReport:
-    """What :func:`transfer_attention` did: steps, tokens, seconds, and the mean relative error per layer over
-    the first and the last ``window`` steps (at most half the steps each)."""
+    """What :func:`transfer_attention` did: steps, tokens, seconds, and the relative error per layer on the first
+    ``window`` batches before any update (``error_first``) and as the model ends (``error_last``); ``restored``
+    where the transfer ended above its start and the model kept the attention it had (then the two are equal)."""
 
     steps: int
     tokens: int
     seconds: float
     error_first: dict[int, float]
     error_last: dict[int, float]
+    restored: bool = False
 
     def to_dict(self) -> dict:
         return {
@@ -83,6 +85,7 @@ class TransferReport:
             "seconds": round(self.seconds, 1),
             "relative_error_first": self.error_first,
             "relative_error_last": self.error_last,
+            "restored": self.restored,
         }
 
 
@@ -194,7 +197,8 @@ def transfer_attention(
             Inputs longer than the hybrid's window, so that its far field is in use.
         steps: optimizer steps (Adam).
         learning_rate: Adam's learning rate.
-        window: steps averaged for the report's first and last errors (at most half the steps each).
+        window: the first ``window`` batches measure the report's errors, before any update and after the last
+            one. Where the error after is the larger, the model keeps its attention as it was, with a warning.
         progress: show a tqdm bar.
 
     Returns:
@@ -242,12 +246,29 @@ def transfer_attention(
                 f"attention transfer trains the far field's parts, and the {untrainable[0]!r} method has none: load "
                 "the model with attn_implementation='performer_hybrid' (or 'performer') to transfer."
             )
-        with _restored_on_failure(states):  # a refused, diverged or interrupted transfer leaves them as they were
-            learned, errors, tokens, start = _train(model, batches, steps, learning_rate, progress, states)
-    _record(model, states, learned)
-    span = max(1, min(window, len(errors) // 2))  # the first and last spans never overlap
+        measured = batches[: max(1, min(window, len(batches)))]
+        # a refused, diverged or interrupted transfer, or one that ends worse than it began, leaves them as they were
+        with _restored_on_failure(states) as restore:
+            before = _measure(model, measured)
+            learned, tokens, start = _train(model, batches, steps, learning_rate, progress, states)
+            after = _measure(model, measured)
+            worse = _overall(after) > _overall(before)
+            if worse:
+                restore()
+    if worse:
+        logger.warning(
+            "attention transfer ended with a larger error than it began with (mean relative error per layer %.3g -> "
+            "%.3g on the first %d batches): the model keeps the attention it had. Its far field may be near-exact "
+            "already; otherwise try fewer steps or a lower learning_rate (it was %g).",
+            _overall(before),
+            _overall(after),
+            len(measured),
+            learning_rate,
+        )
+    else:
+        _record(model, states, learned)
     report = TransferReport(
-        len(errors), tokens, time.perf_counter() - start, _mean(errors[:span]), _mean(errors[-span:])
+        steps, tokens, time.perf_counter() - start, before, before if worse else after, restored=worse
     )
     logger.info(
         "attention transfer: %d steps, %d tokens, %.0f s; mean relative error %.4f -> %.4f",
@@ -260,9 +281,35 @@ def transfer_attention(
     return report
 
 
+def _matching_softmax(layer_errors: dict[int, torch.Tensor]):
+    """The transfer hook: each layer's method against softmax attention on its inputs, its relative error recorded
+    in ``layer_errors`` by layer; the layer passes softmax attention's output on (teacher forcing)."""
+
+    def match_softmax(state, attend, q, k, v, key_mask, causal, window):
+        with torch.no_grad():  # (B, H, L, D): the source's attention (within Mistral's window, where it has one)
+            target, _ = softmax_attention(q, k, v, key_mask, causal, window=window)
+        prediction, _ = attend(q, k, v, key_mask, causal)  # the method as the model runs it
+        layer_errors[state.layer_idx] = _relative_error(prediction, target, key_mask)
+        return target
+
+    return match_softmax
+
+
+@torch.no_grad()
+def _measure(model: nn.Module, batches: list) -> dict[int, float]:
+    """Each layer's relative error on ``batches`` (their mean), as the transfer trains it, with no update."""
+    records, layer_errors = [], {}
+    with transfer_hooked(_matching_softmax(layer_errors)):
+        for batch in batches:
+            layer_errors.clear()
+            model(**batch)
+            records.append(dict(layer_errors))
+    return _mean([{layer: float(error) for layer, error in record.items()} for record in records])
+
+
 def _train(model: nn.Module, batches: list, steps: int, learning_rate: float, progress: bool, states):
-    """:func:`transfer_attention`'s optimisation: returns the learned tensors per state, the per-step errors, the
-    tokens read and the start time."""
+    """:func:`transfer_attention`'s optimisation: returns the learned tensors per state, the tokens read and the
+    start time."""
     _centre_on_the_source(model, batches[0], states)
     learned = [_learnable(state) for _, state in states]
     gains = [
@@ -281,18 +328,9 @@ def _train(model: nn.Module, batches: list, steps: int, learning_rate: float, pr
     far_field_parameters = [
         parameters["far_field_parameter"] for parameters in learned if "far_field_parameter" in parameters
     ]
-    errors: list[dict[int, float]] = []
     layer_errors: dict[int, torch.Tensor] = {}
-
-    def match_softmax(state, attend, q, k, v, key_mask, causal, window):
-        with torch.no_grad():  # (B, H, L, D): the source's attention (within Mistral's window, where it has one)
-            target, _ = softmax_attention(q, k, v, key_mask, causal, window=window)
-        prediction, _ = attend(q, k, v, key_mask, causal)  # the method as the model runs it
-        layer_errors[state.layer_idx] = _relative_error(prediction, target, key_mask)
-        return target
-
     start, tokens = time.perf_counter(), 0
-    with transfer_hooked(match_softmax):
+    with transfer_hooked(_matching_softmax(layer_errors)):
         for step in tqdm(range(steps), desc="attention transfer", disable=not progress):
             batch = batches[step % len(batches)]
             layer_errors.clear()
@@ -319,10 +357,9 @@ def _train(model: nn.Module, batches: list, steps: int, learning_rate: float, pr
                 )
             for state, log_gain in gains:
                 _use_gain(state, log_gain)
-            errors.append({layer: float(e.detach()) for layer, e in layer_errors.items()})
             tokens += _token_count(batch)
             logger.debug("transfer step %d: summed relative error %.4f", step + 1, float(loss.detach()))
-    return learned, errors, tokens, start
+    return learned, tokens, start
 
 
 _RESTORED_BUFFERS = ("projection", "query_center", "key_center")  # what the transfer may turn into parameters
@@ -332,7 +369,7 @@ _RESTORED_VALUES = ("far_field_parameter", "far_field_gain")  # and the plain va
 @contextmanager
 def _restored_on_failure(states):
     """The states' learnable tensors and values as they were, should the block raise (a refusal, a diverged loss, an
-    interruption): a retry starts from the model the user had."""
+    interruption): a retry starts from the model the user had. Yields the function that restores them."""
     saved = [
         (
             state,
@@ -341,9 +378,8 @@ def _restored_on_failure(states):
         )
         for _, state in states
     ]
-    try:
-        yield
-    except BaseException:
+
+    def restore() -> None:
         for state, buffers, values in saved:
             for name, tensor in buffers.items():
                 state._parameters.pop(name, None)
@@ -351,6 +387,11 @@ def _restored_on_failure(states):
             for name, value in values.items():
                 state._parameters.pop(name, None)
                 setattr(state, name, value)
+
+    try:
+        yield restore
+    except BaseException:
+        restore()
         raise
 
 
