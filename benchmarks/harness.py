@@ -17,7 +17,9 @@ Shared flags (``python benchmarks/<name>.py --help`` lists each study's own):
 
     --quick       a small configuration that runs in a minute or two: a smoke test, its figures say nothing. It
                   sets the study's ``quick_flags`` (``parser``) as their defaults: a flag given with it wins
-    --out-dir     where the three files go (default ``benchmarks/results/``)
+    --out-dir     where the three files go (default ``benchmarks/results/``, where the committed results are; a
+                  ``--quick`` run without it writes to a new temporary folder, which it logs, so that its smoke figures
+                  replace no committed result)
     --threads     torch threads, 0 for torch's default (only the studies that take it; their defaults differ,
                   $OMP_NUM_THREADS over them where it is set)
     --from-json   write the Markdown and the PNG again from this JSON (no measurement)
@@ -60,6 +62,7 @@ import re
 import resource
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -112,7 +115,12 @@ def parser(
     arguments = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     arguments.set_defaults(quick_flags=quick_flags)  # read, and taken out, by main()
     arguments.add_argument("--quick", action="store_true", help=_quick_help(quick, quick_flags))
-    arguments.add_argument("--out-dir", type=output_folder, default=RESULTS, help="where the JSON, Markdown and PNG go")
+    arguments.add_argument(
+        "--out-dir",
+        type=output_folder,
+        help="where the JSON, Markdown and PNG go; default benchmarks/results/ (the committed results), under --quick "
+        "a new temporary folder (logged)",
+    )
     if threads is not None:
         arguments.add_argument(
             "--threads",
@@ -366,6 +374,8 @@ def main(
     earlier = None if from_json is None else _earlier_payload(arguments, from_json)
     retained = vars(args).pop("retain_freed_memory") and retain_freed_memory()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.out_dir is None:
+        args.out_dir = _default_out_dir(name, args.quick)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the studies read installed models and data only
     if getattr(args, "threads", 0):
         import torch
@@ -401,6 +411,16 @@ def _parse(arguments: argparse.ArgumentParser, argv: list[str]) -> argparse.Name
         args = arguments.parse_args(argv, namespace=argparse.Namespace(**args.quick_flags))
     del args.quick_flags
     return args
+
+
+def _default_out_dir(name: str, quick: bool) -> Path:
+    """Where a run without ``--out-dir`` writes: the committed results (:data:`RESULTS`), or for a ``--quick`` run a new
+    temporary folder, logged (a smoke run replaced the committed JSON, Markdown and figure with its figures)."""
+    if not quick:
+        return RESULTS
+    folder = Path(tempfile.mkdtemp(prefix=f"{name}-quick-"))
+    logger.info("--quick without --out-dir: writing to %s (the committed results stay as they are)", folder)
+    return folder
 
 
 def _earlier_payload(arguments: argparse.ArgumentParser, path: Path) -> dict:

@@ -182,6 +182,25 @@ def test_flags_given_with_quick_win_over_its_settings(harness, tmp_path):
         harness.main("nothing", *misspelt, argv=["--quick", *out])
 
 
+def test_a_quick_run_without_out_dir_leaves_the_committed_results(harness, tmp_path, monkeypatch, caplog):
+    """``decode.py --quick`` without ``--out-dir`` replaced the committed decode.json, .md and .png with its smoke
+    figures, without a word; now a quick run writes to a new temporary folder, which it logs, and only a full run
+    writes to benchmarks/results/ by default."""
+    results, temporary = tmp_path / "results", tmp_path / "temporary"
+    temporary.mkdir()
+    monkeypatch.setattr(harness, "RESULTS", results)  # (before the parser: the default it gave was fixed there)
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    study = _study(harness, [], quick_flags={"steps": 2})
+    with caplog.at_level("INFO", logger="benchmarks.harness"):
+        harness.main("nothing", *study, argv=["--quick"])
+    assert not results.exists()
+    (written,) = temporary.iterdir()
+    assert sorted(path.name for path in written.iterdir()) == ["nothing.json", "nothing.md", "nothing.png"]
+    assert f"writing to {written}" in caplog.text
+    harness.main("nothing", *study, argv=[])  # a full run: the committed results, as before
+    assert (results / "nothing.md").read_text() == "# 8 steps\n" and len(list(temporary.iterdir())) == 1
+
+
 class _Measuring(Exception):
     """Raised by a stand-in ``measure`` with the settings it was given: the study stops there."""
 
