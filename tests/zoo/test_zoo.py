@@ -202,6 +202,41 @@ def test_an_unwritable_data_cache_is_one_error_line_before_the_conversion(tmp_pa
     assert not out.exists()
 
 
+def test_a_quick_cards_opening_marks_the_description_as_the_full_builds(tmp_path):
+    """A --quick card opened with the full build's attention ('exact softmax on a window of 512 keys ... 8 earlier
+    key blocks of 64') as its own, while its checkpoint has the quick settings (window 64, 2 blocks of 16)."""
+    from performer_hf import PerformerConfig
+    from performer_hf.zoo.card import render_model_card
+    from performer_hf.zoo.evaluation import THIS_MODEL
+
+    name = "smollm2-135m-performer-sparse"
+    results = {
+        "source": {"asset": "smollm2"},
+        "conversion": {"attn_implementation": "performer_sparse"},
+        "training": None,
+        "evaluation": {
+            "task": {"type": "text-generation", "name": "causal language modeling"},
+            "dataset": {"type": "python_docs", "name": "Python docs", "split": "test"},
+            "rows": {THIS_MODEL: {"perplexity": 2.0}},
+        },
+    }
+    openings = {}
+    for quick in (False, True):
+        entry = get_entry(name, quick=quick)
+        settings = {key: value for key, value in entry.convert.items() if key != "method"}
+        folder = tmp_path / str(quick)
+        PerformerConfig(num_hidden_layers=1, is_decoder=True, attention_method="sparse", **settings).save_pretrained(
+            folder
+        )
+        card = render_model_card(entry, folder, {**results, "quick": quick}).text
+        openings[quick] = card.split(f"# {name}\n\n", 1)[1].split("\n\n")[0]
+        assert "- exact local window: the query's block and 64 tokens before it" in card or not quick
+    assert openings[False] == get_entry(name).description + "."
+    mark, full = openings[True].split("The full build (without `--quick`), not this checkpoint, is: ")
+    assert mark.startswith(f"A smoke build (`--quick`) of {name}") and "window of 512 keys" not in mark
+    assert full == get_entry(name).description + "."
+
+
 # ---------------------------------------------------------------- quick builds, end to end
 
 

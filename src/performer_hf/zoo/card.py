@@ -174,6 +174,17 @@ def _smoke_limit(entry: ZooEntry, results: dict) -> str:
     )
 
 
+def _description(entry: ZooEntry, quick: bool) -> str:
+    """The card's opening sentence: the registry's description, which is the full build's; a ``--quick`` build's
+    attention settings are the test budget's (listed under its settings), so its card says whose it is."""
+    if not quick:
+        return entry.description
+    return (
+        f"A smoke build (`--quick`) of {entry.name}: its attention settings are the recipe's test budget's, listed "
+        f"below. The full build (without `--quick`), not this checkpoint, is: {entry.description}"
+    )
+
+
 def _table(evaluation: dict) -> dict:
     columns = list(dict.fromkeys(name for row in evaluation["rows"].values() for name in row))
     dataset = evaluation["dataset"]
@@ -269,7 +280,7 @@ def render_model_card(entry: ZooEntry, folder: Path, results: dict) -> ModelCard
         card_data,
         template_str=template_text(),
         name=entry.name,
-        description=entry.description,
+        description=_description(entry, results["quick"]),
         quick=results["quick"],
         favor_settings=favor_settings(config) if features else [],
         hybrid_lines=method_lines(config),
