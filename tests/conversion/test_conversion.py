@@ -152,6 +152,20 @@ def test_favor_conversion_writes_card_report_and_remote_code(sources, tmp_path):
         assert f"| {layer} | {error:.4f} |" in card.text
 
 
+def test_a_local_source_without_base_model_is_named_in_plain_text(sources, tmp_path, caplog):
+    """A local folder's name became the card's base_model and a huggingface.co link ("base_model: model",
+    "[model](https://huggingface.co/model)"); now the card names the folder in plain text, with no Hub metadata or
+    link, and the log says to pass --base-model."""
+    folder, _ = sources["bert-mlm"]
+    with caplog.at_level("INFO", logger="performer_hf.conversion.convert"):
+        out = convert(folder, tmp_path / "out", attention_kernel="exact", fidelity=False)
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model is None and "huggingface.co" not in card.content
+    assert f"This checkpoint is the local checkpoint `{folder.name}` (BertForMaskedLM)" in card.text
+    assert json.loads((out / "conversion_report.json").read_text())["base_model"] is None
+    assert "pass --base-model with the Hub id it came from" in caplog.text
+
+
 def test_unknown_license_and_dropped_tensors_in_card(sources, tmp_path):
     folder, _ = sources["bert-pretraining"]
     out = convert(folder, tmp_path / "out", fidelity=False)

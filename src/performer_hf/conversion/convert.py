@@ -396,8 +396,9 @@ def convert(
             (inside it for a mount point, a Docker volume: its entries moved up), so a failure leaves nothing
             behind.
         overwrite: replace a non-empty ``output_dir`` (only once the conversion has succeeded).
-        base_model: the Hub id named in the model card (default: the Hub id of ``source``, or the
-            folder name for a local folder).
+        base_model: the Hub id named in the model card (default: the Hub id of ``source``; a local folder
+            converted to a BERT / RoBERTa / GPT-2 Performer is named in plain text, with no ``base_model`` metadata
+            or Hub link: pass the Hub id it came from).
         fidelity: measure the fidelity report on sample text (see ``fidelity.py``) and put it in the card.
         method: the attention settings under ``overrides`` (see ``METHODS``): ``"hybrid"`` (exact local window,
             global token and, bidirectionally, routed key blocks, plus a centred ``poly2`` far field), ``"sparse"``
@@ -517,7 +518,13 @@ def convert(
                 worst,
             )
 
-    base_model = base_model or repo_id or folder.name
+    base_model = base_model or repo_id
+    if base_model is None:
+        logger.info(
+            "the model card names the local folder %s, with no base_model: pass --base-model with the Hub id it "
+            "came from to link it.",
+            folder.name,
+        )
     model.to(saved_dtype)  # the random-feature projections stay float32 (PerformerAttention._apply)
     if model.can_generate() and (folder / GENERATION_CONFIG).is_file():  # the source's decoding defaults
         model.generation_config = GenerationConfig.from_pretrained(folder)
@@ -528,7 +535,11 @@ def convert(
         copied = copy_tokenizer(folder, staging, positions if extended else None)
         sentence_pipeline = copy_sentence_pipeline(folder, staging, positions, extended)
         card_source = CardSource(
-            base_model, source_license(folder), checkpoint.architecture, pretrained_rows - config.position_offset
+            base_model,
+            source_license(folder),
+            checkpoint.architecture,
+            pretrained_rows - config.position_offset,
+            folder.name,
         )
         card = build_model_card(
             card_source,

@@ -40,13 +40,19 @@ def source_license(folder: Path) -> str:
 
 @dataclass(frozen=True)
 class CardSource:
-    """What a conversion card says about the source: the Hub id it names, its license, its architecture and
-    the positions it was pretrained with."""
+    """What a conversion card says about the source: the Hub id it names (None for a local folder, named in plain
+    text as ``folder``, with no Hub metadata or link), its license, its architecture and the positions it was
+    pretrained with."""
 
-    base_model: str
+    base_model: str | None
     license_name: str
     architecture: str
     pretrained_positions: int
+    folder: str = ""
+
+    def named(self) -> str:
+        """The source as the card's text names it."""
+        return self.base_model or f"the local checkpoint `{self.folder}`"
 
 
 def build_model_card(
@@ -84,9 +90,10 @@ def build_model_card(
     coupling = {"orthogonal": "orthogonal", "simplex": "simplex", "iid": "i.i.d."}[config.feature_coupling]
     hybrid = config.attention_method == "hybrid"
     lines = [
-        f"# Performer conversion of {base_model}",
+        f"# Performer conversion of {source.named()}",
         "",
-        f"This checkpoint is [{base_model}](https://huggingface.co/{base_model}) ({source_architecture}) converted "
+        f"This checkpoint is {source.named() if base_model is None else _hub_link(base_model)} ({source_architecture}) "
+        "converted "
         f"to a `{target_class}` by performer-hf: every pretrained "
         f"weight is kept and softmax attention is replaced by {method_description(config)}. "
         "It has **not** been finetuned after the swap.",
@@ -146,7 +153,7 @@ def build_model_card(
         note = report.exact_dispatch_note()
         lines += [
             f"Measured on the weights as saved (`{report.dtype}`), on {report.num_sequences} sequences "
-            f"({report.num_tokens} tokens) of {report.text}, against {base_model} (float32) and against the same "
+            f"({report.num_tokens} tokens) of {report.text}, against {source.named()} (float32) and against the same "
             "weights with exact softmax attention"
             + (f" ({note}, where it computes what the source does)." if note else "."),
             "",
@@ -181,6 +188,10 @@ def build_model_card(
             by_reason.setdefault(reason, []).append(f"`{name}`")
         lines += [f"- {reason}: {', '.join(names)}" for reason, names in by_reason.items()]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
+
+
+def _hub_link(repo_id: str) -> str:
+    return f"[{repo_id}](https://huggingface.co/{repo_id})"
 
 
 def _transfer_paragraph(transfer: dict | None) -> str:
