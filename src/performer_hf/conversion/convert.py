@@ -407,7 +407,8 @@ def convert(
             ``"favor"`` when ``attention_kernel`` names a FAVOR+-only kernel (``relu``, ``elu``, ``softmax_trig``).
         calibrate: measure fixed per-layer statistics (centres, FAVOR++ ``A`` per head) on sample text
             with the source as teacher (see ``calibration.py``). Causal hybrid models that centre or use
-            ``"softmax_opt"`` are always calibrated (they must not read later tokens).
+            ``"softmax_opt"`` are always calibrated (they must not read later tokens). Encoders centre each
+            sequence by its own means: there it fits only ``A``, and is refused where there is nothing to fit.
         transfer: models converted in place: train the attention's learnable parts (feature projection, centres,
             FAVOR++ ``A``, far-field gains) to match the source's attention on unlabelled text
             (:func:`performer_hf.transfer_attention`), as a :class:`TransferSettings`; None: no transfer.
