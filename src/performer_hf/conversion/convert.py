@@ -456,7 +456,7 @@ def convert(
         raise ConversionError(
             "attention transfer (--transfer-steps) is for the models converted in place "
             f"({', '.join(IN_PLACE_ARCHITECTURES)}); a {architecture} becomes a Performer model, whose hybrid "
-            "attention is calibrated with --calibrate."
+            "attention's fixed statistics are calibrated at conversion (--calibrate fits FAVOR++'s A)."
         )
     checkpoint = read_source(folder, repo_id)
     head = checkpoint.family.heads[checkpoint.architecture]
