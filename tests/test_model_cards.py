@@ -1,6 +1,8 @@
 """What the three model-card writers say about a checkpoint's attention, read from one place
 (``performer_hf.attention_card`` and the attention-method registry)."""
 
+import json
+
 import pytest
 
 from performer_hf import PerformerConfig
@@ -29,3 +31,37 @@ def test_the_training_card_says_whether_features_were_redrawn():
     assert "were never redrawn during training" in _training_card(None)
     assert "redrawn every 100 optimizer steps" in _training_card(100)
     assert "redrawn every" not in _training_card(None)
+
+
+@pytest.mark.parametrize(
+    ("attention", "kernel"),
+    [({"attention_method": "sparse", "is_decoder": True}, None), ({"attention_kernel": "elu"}, "elu")],
+)
+def test_the_training_card_states_no_random_features_a_method_does_not_use(attention, kernel):
+    """The sparse method and the deterministic elu kernel draw no random features, but the card listed
+    attention_kernel softmax (sparse), nb_features 256, the coupling and 'The random features were never redrawn'."""
+    card = _training_card(None, **attention)
+    section = card.split("## Attention settings")[1].split("## Architecture")[0]
+    settings = json.loads(section.split("```json")[1].split("```")[0])
+    expected = {"attention_method": attention.get("attention_method", "favor")}
+    if kernel:
+        expected["attention_kernel"] = kernel
+    assert settings == expected
+    assert "random features" not in section and "nb_features" not in section
+
+
+def test_the_training_card_of_a_classifier_loads_it_with_its_head(tmp_path):
+    """The Usage snippet of a trained classifier said AutoModel.from_pretrained, which drops the classification
+    head; run, it now restores the trained classifier."""
+    from performer_hf import PerformerForSequenceClassification
+
+    config = PerformerConfig(
+        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32, vocab_size=50, num_labels=3
+    )
+    PerformerForSequenceClassification(config).save_pretrained(tmp_path)
+    card = build_model_card("classification", config, None, "a test corpus", {"eval_accuracy": 0.9}, {})
+    snippet = card.split("## Usage")[1].split("```python")[1].split("```")[0]
+    namespace = {}
+    exec(snippet.replace("path/to/this/folder", str(tmp_path)), namespace)  # the card's own loading code
+    assert isinstance(namespace["model"], PerformerForSequenceClassification)
+    assert namespace["model"].config.num_labels == 3

@@ -14,7 +14,7 @@ import os
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from ..attention_card import method_description, method_lines
+from ..attention_card import method_description, method_lines, states_kernel, uses_projection
 from ..conversion.in_place import IN_PLACE_ARCHITECTURES
 from ..modeling.attention_settings import IMPLEMENTATIONS, head_shape, method_config
 from ..modeling.configuration_performer import PerformerConfig
@@ -29,14 +29,8 @@ TASK_AUTO_CLASSES = {
 }
 TASK_NAMES = {"mlm": "masked language modeling", "clm": "causal language modeling", "classification": "classification"}
 
-FAVOR_FIELDS = (
-    "attention_method",
-    "attention_kernel",
-    "nb_features",
-    "feature_coupling",
-    "feature_row_norms",
-    "feature_redraw_interval",
-)
+# the random projection's settings: stated only for a kernel that reads it (attention_card.uses_projection)
+PROJECTION_FIELDS = ("nb_features", "feature_coupling", "feature_row_norms", "feature_redraw_interval")
 SETUP_FIELDS = (
     "max_seq_length",
     "learning_rate",
@@ -75,18 +69,24 @@ def _redraw_sentence(interval: int | None) -> str:
 
 
 def _attention_section(config: PerformerConfig) -> list[str]:
-    """The card's "Attention settings" lines of a Performer."""
-    favor = {field: getattr(config, field, None) for field in FAVOR_FIELDS}
+    """The card's "Attention settings" lines of a Performer: the method, its kernel where it reads one (as the
+    conversion card, not for the sparse method) and the random features and their redraws where the kernel uses
+    them (not a deterministic kernel, nor exact or sparse attention)."""
+    settings = {"attention_method": config.attention_method}
+    if states_kernel(config):
+        settings["attention_kernel"] = config.attention_kernel
+    projection = uses_projection(config)
+    if projection:
+        settings.update({field: getattr(config, field, None) for field in PROJECTION_FIELDS})
     return [
         "## Attention settings",
         "",
         "```json",
-        json.dumps(favor, indent=2),
+        json.dumps(settings, indent=2),
         "```",
         "",
         *(lines + [""] if (lines := method_lines(config)) else []),
-        _redraw_sentence(config.feature_redraw_interval),
-        "",
+        *([_redraw_sentence(config.feature_redraw_interval), ""] if projection else []),
     ]
 
 
@@ -145,18 +145,20 @@ def _adapter_section(task: str, config, adapter: dict, performer: bool) -> list[
     ]
 
 
-def _usage_section(method) -> list[str]:
-    """The card's "Usage" lines of a whole model."""
+def _usage_section(task: str, method) -> list[str]:
+    """The card's "Usage" lines of a whole model, loaded with the task's Auto class (AutoModel would drop the trained
+    head)."""
+    auto = TASK_AUTO_CLASSES[task]
     return [
         "## Usage",
         "",
         "```python",
         *(["import performer_hf  # registers the Performer classes and attention with transformers"] if method else []),
-        "from transformers import AutoModel",
+        f"from transformers import {auto}",
         "",
-        'model = AutoModel.from_pretrained("path/to/this/folder")',
+        f'model = {auto}.from_pretrained("path/to/this/folder")',
         *(
-            ['# without performer-hf: AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=True)']
+            [f'# without performer-hf: {auto}.from_pretrained("path/to/this/folder", trust_remote_code=True)']
             if method
             else []
         ),
@@ -253,7 +255,7 @@ def build_model_card(
         "|---|---|",
         *rows,
         "",
-        *(_adapter_section(task, config, adapter, bool(method)) if adapter else _usage_section(method)),
+        *(_adapter_section(task, config, adapter, bool(method)) if adapter else _usage_section(task, method)),
     ]
     return ModelCard("\n".join(lines)).content
 
