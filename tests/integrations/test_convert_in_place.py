@@ -23,6 +23,7 @@ from performer_hf.cli import main
 from performer_hf.conversion import SUPPORTED_ARCHITECTURES, ConversionError, TransferSettings
 from performer_hf.conversion.in_place import IN_PLACE_ARCHITECTURES
 from performer_hf.integrations import text_batches
+from performer_hf.modeling.far_fields import FAR_FIELDS
 
 from .test_attention_interface import DECODERS, VOCAB, _ids
 
@@ -101,6 +102,49 @@ def test_cli_converts_with_favor_settings(tmp_path, capsys):
     config = json.loads((out / "config.json").read_text())
     assert config["attn_implementation"] == "performer"
     assert config["performer_attention"]["nb_features"] == 32
+
+
+@pytest.mark.parametrize("far_field", sorted(FAR_FIELDS))
+def test_a_hybrid_converts_with_every_far_field_and_reloads_as_loaded_directly(far_field, tmp_path):
+    """The in-place hybrid's causal preset set FAVOR++'s A (0.0) under every far field, which refused it for all but
+    softmax_opt ("set it to None"), and convert dropped far_field_parameter=None: no other far field converted."""
+    _save_source("LlamaForCausalLM", tmp_path / "source")
+    settings = {"attention_kernel": far_field, "local_window": 8}
+    out = performer_hf.convert(tmp_path / "source", tmp_path / "out", method="hybrid", fidelity=False, **settings)
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "source"),
+                str(tmp_path / "cli"),
+                "--method",
+                "hybrid",
+                "--far-field",
+                far_field,
+                "-q",
+            ]
+        )
+        == 0
+    )
+    # set to None explicitly: kept, not dropped (causal FAVOR++ then needs a fixed A, and says so)
+    none = {"far_field_parameter": None}
+    if FAR_FIELDS[far_field].uses_parameter:
+        with pytest.raises(ConversionError, match="needs a fixed far_field_parameter"):
+            performer_hf.convert(tmp_path / "source", tmp_path / "none", method="hybrid", **settings, **none)
+    else:
+        performer_hf.convert(
+            tmp_path / "source", tmp_path / "none", method="hybrid", fidelity=False, **settings, **none
+        )
+        saved = json.loads((tmp_path / "none" / "config.json").read_text())["performer_attention"]
+        assert saved["far_field_parameter"] is None
+    direct = AutoModelForCausalLM.from_pretrained(tmp_path / "source", attn_implementation="performer_hybrid").eval()
+    direct.config.performer_attention = settings
+    converted = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = _ids(1, 48)
+    with torch.no_grad():
+        assert torch.equal(converted(ids).logits, direct(ids).logits)
+    expected_a = 0.0 if FAR_FIELDS[far_field].uses_parameter else None  # FAVOR++'s A where its far field has one
+    assert converted.config.performer_attention["far_field_parameter"] == expected_a
 
 
 def test_fields_the_architecture_fixes_are_refused_before_anything_is_written(tmp_path):

@@ -105,10 +105,10 @@ def _auto_class(row: InPlace):
 
 def _attention_settings(folder: Path, implementation: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The attention fields given for ``folder``'s model, checked with its head shapes (as its first call would check
-    them) before any model is loaded; a folder converted already is refused."""
+    them) before any model is loaded; a folder converted already is refused. A field given as None is kept: it sets
+    the field to None (``far_field_parameter=None``), as in the Performer family's conversions."""
     from transformers import AutoConfig
 
-    overrides = {name: value for name, value in overrides.items() if value is not None}
     unknown = sorted(set(overrides) - set(ATTENTION_FIELDS))
     if unknown:
         raise ConversionError(

@@ -32,6 +32,7 @@ from torch import nn
 from .attention_methods import ATTENTION_FIELDS, ATTENTION_METHODS, preset_under
 from .compiled_lengths import exporting
 from .configuration_performer import PerformerConfig
+from .far_fields import FAR_FIELDS
 from .layers_performer import AttentionMethodState
 
 logger = logging.getLogger(__name__)
@@ -43,8 +44,9 @@ _DEFAULTS = {name: getattr(PerformerConfig(), name) for name in ATTENTION_FIELDS
 # attn_implementation name -> the method's presets for bidirectional and causal models. "performer": plain
 # FAVOR+ (PerformerConfig's defaults). "performer_hybrid": the converter's hybrid presets, except that causal
 # models get no exact prefix (exact_max_length=0), so that their decoding state is constant from the first
-# token, and FAVOR++'s A is 0 (plain positive features) with zero centres until calibrated. Settings that do
-# not name their attention_method take the name's.
+# token, and FAVOR++'s A is 0 (plain positive features) with zero centres until calibrated (A only where the far
+# field is FAVOR++'s: another kernel has none, see resolved_settings). Settings that do not name their
+# attention_method take the name's.
 # "performer_sparse": the sparse method (causal only), whose decoding state stays per key/value head.
 IMPLEMENTATIONS: dict[str, dict[str, dict[str, Any]]] = {
     "performer": ATTENTION_METHODS["favor"].presets,
@@ -124,6 +126,10 @@ def resolved_settings(config, implementation: str, causal: bool) -> dict[str, An
     preset = preset_under(IMPLEMENTATIONS[implementation][direction], given)
     # every field explicit, so that a later release's defaults cannot change a saved model
     settings = {**_DEFAULTS, **preset, **given}
+    far_field = FAR_FIELDS.get(settings.get("attention_kernel"))
+    if "far_field_parameter" not in given and (far_field is None or not far_field.uses_parameter):
+        # the preset's A is FAVOR++'s (softmax_opt): another far field takes none, and refuses one
+        settings["far_field_parameter"] = _DEFAULTS["far_field_parameter"]
     if "attention_method" not in given and "attention_method" not in preset:
         # the implementation's method (or exact attention, under any name): fields it does not read are refused
         # with the fix (PerformerConfig), not read as another method's
