@@ -98,6 +98,18 @@ tiny:
         (("{seed: 1}", "{output_dir: x}"), "must not set ['output_dir']"),
         (("kind: classification", "kind: bleu"), "evaluate.kind must be one of"),
         (("  license: mit\n", ""), "lacks 'license'"),
+        # a field of the wrong type crashed (AttributeError, TypeError) or passed
+        (("source: {package: some_package}", "source: package"), "source must be a mapping"),
+        (("evaluate: {kind: classification}", "evaluate: [classification]"), "evaluate must be a mapping"),
+        (("finetune: {task: classification, args: {seed: 1}}", "finetune: [classification]"), "finetune must be"),
+        (("args: {seed: 1}", "args: [seed]"), "finetune.args must be a mapping"),
+        (("data: rotten_tomatoes", "data: [rotten_tomatoes]"), "data must be a string"),
+        (("license: mit", "license: mit\n  convert: [favor]"), "convert must be a mapping"),
+        (("license: mit", "license: mit\n  quick: 5"), "quick must be a mapping"),
+        (("license: mit", "license: mit\n  limits: a limit"), "limits must be a list of strings"),
+        (("license: mit", "license: mit\n  data_limit: many"), "data_limit must be a positive integer"),
+        (("source: {package: some_package}", "source: {asset: [smollm2]}"), "unknown asset ['smollm2']"),
+        (("source: {package: some_package}", "source: {pretrain: gpt2, data: python_docs}"), "'pretrain: gpt2' needs"),
     ],
 )
 def test_registry_checks_name_the_bad_field(edit, message):
@@ -110,6 +122,8 @@ def test_registry_checks_name_the_bad_field(edit, message):
 def test_registry_checks_quick_values_too():
     with pytest.raises(ZooError, match="unknown data set 'imdb'"):
         load_registry(GOOD + "  quick: {data: imdb}\n")
+    with pytest.raises(ZooError, match="convert must be a mapping"):
+        load_registry(GOOD + "  convert: {nb_features: 16}\n  quick: {convert: [favor]}\n")
 
 
 # ---------------------------------------------------------------- command line

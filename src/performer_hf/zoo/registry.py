@@ -34,6 +34,10 @@ _FIELDS = {
     "limits",
     "reference",
 }
+# the type each field must have (YAML: a mapping is `key: value` lines or {...}, a list `- item` lines or [...])
+_MAPPINGS = ("source", "convert", "finetune", "evaluate", "quick", "reference")
+_STRINGS = ("description", "base_model", "license", "pipeline_tag", "data")
+_PRETRAIN = ("tokenizer", "model", "training")  # the mappings of `source: {pretrain: gpt2, data: ...}`
 _RESERVED_ARGS = ("model_name_or_path", "convert_from", "train_file", "validation_file", "output_dir")
 
 
@@ -65,6 +69,26 @@ def _merge(base: dict, update: dict) -> dict:
     return merged
 
 
+def _check_types(name: str, raw: dict) -> None:
+    """Raise ZooError naming the first field of entry ``name`` whose value has the wrong type (null is absent)."""
+    wrong = None
+    for key, value in raw.items():
+        if value is None:
+            continue
+        if key in _MAPPINGS and not isinstance(value, dict):
+            wrong = "a mapping (key: value)"
+        elif key in _STRINGS and not isinstance(value, str):
+            wrong = "a string"
+        elif key == "limits" and not (isinstance(value, list) and all(isinstance(item, str) for item in value)):
+            wrong = "a list of strings"
+        elif key == "data_limit" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            wrong = "a positive integer"
+        elif key == "finetune" and not isinstance(value.get("args", {}), dict):
+            key, value, wrong = "finetune.args", value["args"], "a mapping (flag: value)"
+        if wrong:
+            raise ZooError(f"zoo entry {name!r}: {key} must be {wrong}, got {value!r}.")
+
+
 def _check(name: str, raw: dict) -> None:
     """Raise ZooError naming the first malformed field of entry ``name``."""
     unknown = sorted(set(raw) - _FIELDS - {"data_limit"})
@@ -73,17 +97,24 @@ def _check(name: str, raw: dict) -> None:
     for required in ("description", "license", "pipeline_tag", "source", "evaluate"):
         if not raw.get(required):
             raise ZooError(f"zoo entry {name!r} lacks {required!r}.")
+    _check_types(name, raw)
     source = raw["source"]
     kinds = [kind for kind in SOURCE_KINDS if kind in source]
     if len(kinds) != 1:
         raise ZooError(f"zoo entry {name!r}: source needs exactly one of {', '.join(SOURCE_KINDS)}; got {source}.")
-    if "asset" in source and source["asset"] not in MODEL_ASSETS:
+    if "asset" in source and source["asset"] not in list(MODEL_ASSETS):  # (a list in the YAML: not hashable)
         raise ZooError(f"zoo entry {name!r}: unknown asset {source['asset']!r}; choose from {sorted(MODEL_ASSETS)}.")
     if "pretrain" in source and source["pretrain"] != "gpt2":
         raise ZooError(f"zoo entry {name!r}: only 'pretrain: gpt2' is supported, got {source['pretrain']!r}.")
-    data_names = [raw.get("data")] + ([source["data"]] if "pretrain" in source else [])
+    pretrain_fields = ("data" in source, *(isinstance(source.get(key), dict) for key in _PRETRAIN))
+    if "pretrain" in source and not all(pretrain_fields):
+        raise ZooError(
+            f"zoo entry {name!r}: 'pretrain: gpt2' needs data (a data set) and {', '.join(_PRETRAIN)} (mappings); "
+            f"got {source}."
+        )
+    data_names = [raw.get("data")] + ([source.get("data")] if "pretrain" in source else [])
     for data in data_names:
-        if data is not None and data not in DATA_SETS:
+        if data is not None and (not isinstance(data, str) or data not in DATA_SETS):
             raise ZooError(f"zoo entry {name!r}: unknown data set {data!r}; choose from {sorted(DATA_SETS)}.")
     finetune = raw.get("finetune")
     if finetune is not None:
