@@ -94,6 +94,16 @@ def test_an_unwritable_data_cache_names_the_variable_and_the_fix(tmp_path, monke
         data_assets.fetch_vader_sdist(tmp_path / "a_file")
 
 
+def test_a_tilde_in_the_data_cache_variable_is_the_home_folder(tmp_path, monkeypatch):
+    """PERFORMER_HF_DATA='~/performer-data' (no shell expands a quoted value) was used literally: the cache went into
+    a folder named '~' under the current directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PERFORMER_HF_DATA", "~/performer-data")
+    assert data_assets.data_cache_dir() == tmp_path / "home" / "performer-data"
+    assert data_assets.writable_cache_dir().is_dir() and not (tmp_path / "~").exists()
+
+
 def test_bbc_news_classes_and_split(articles):
     everything = [r for records in articles.values() for r in records]
     counts = Counter(BBC_LABELS[r["label"]] for r in everything)

@@ -60,12 +60,13 @@ class DataAssetError(RuntimeError):
 
 
 def data_cache_dir() -> Path:
-    """Where downloaded source distributions are kept: ``$PERFORMER_HF_DATA`` or ``~/.cache/performer-hf/data``.
+    """Where downloaded source distributions are kept: ``$PERFORMER_HF_DATA`` (``~`` expanded: a quoted value, a
+    ``.env`` file or a service unit passes it unexpanded) or ``~/.cache/performer-hf/data``.
 
     Raises:
         DataAssetError: if ``$PERFORMER_HF_DATA`` names a file (or a folder under one).
     """
-    folder = Path(os.environ.get("PERFORMER_HF_DATA") or Path.home() / ".cache" / "performer-hf" / "data")
+    folder = Path(os.environ.get("PERFORMER_HF_DATA") or Path.home() / ".cache" / "performer-hf" / "data").expanduser()
     if blocking := next((path for path in (folder, *folder.parents) if path.is_file()), None):
         raise DataAssetError(
             f"the data cache {folder} ($PERFORMER_HF_DATA, else ~/.cache/performer-hf/data) cannot be a folder: "
