@@ -359,11 +359,14 @@ def main(
     plot: Callable,
     *,
     child: Callable[..., dict] | None = None,
+    check: Callable[[argparse.ArgumentParser, argparse.Namespace], None] | None = None,
     argv: list[str] | None = None,
 ) -> dict:
     """Run the study ``name`` on the command line ``argv`` (default ``sys.argv[1:]``); returns its payload.
 
-    ``child`` is the study's function for :func:`in_fresh_process`, when it has one.
+    ``child`` is the study's function for :func:`in_fresh_process`, when it has one. ``check(arguments, args)`` checks
+    the study's flags together before it measures (not under ``--from-json``), ending a combination that cannot run
+    with ``arguments.error``; it may fill in defaults that depend on other flags.
     """
     argv = sys.argv[1:] if argv is None else argv
     if child is not None and argv[:1] == [FRESH_PROCESS]:
@@ -372,6 +375,8 @@ def main(
     args = _parse(arguments, argv)
     from_json = vars(args).pop("from_json")  # not a setting of the study
     earlier = None if from_json is None else _earlier_payload(arguments, from_json)
+    if earlier is None and check is not None:
+        check(arguments, args)
     retained = vars(args).pop("retain_freed_memory") and retain_freed_memory()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.out_dir is None:

@@ -101,6 +101,16 @@ PART_MODES = {"model": MODES, "attention": ("forward_backward", "forward"), "dec
 WARM_TOKENS = 3  # decoded before the timing: a compiled step's first graph, then its graph with dynamic sizes
 LAYERS, HIDDEN, HEADS = 6, 384, 12
 TILED = dict(local_window=257, routed_blocks=16, route_block_size=64, query_block_size=128, route_group_size=0)
+VOCABULARIES = {"encoder": 30522, "decoder": 50257, "llama": 49152}  # the source models' (their tokenizers')
+# the model each part cannot run, and why (a usage error where --models names it; left out of its default)
+PART_EXCLUDES = {
+    "decode": ("encoder", "the encoder does not decode: pass --models decoder llama"),
+    "attention": (
+        "llama",
+        "--part attention times the Performer family's attention call, which the llama model (converted in place) "
+        "has not: pass --models encoder decoder",
+    ),
+}
 QUICK_VOCABULARY = 1024  # a quick run's models: with the tokenizers' vocabularies its smoke run took 66 s, not 26
 
 
@@ -120,7 +130,7 @@ def source_model(kind: str, positions: int, attention_dropout: float = 0.1, voca
             intermediate_size=1536,
             num_attention_heads=9,
             num_key_value_heads=3,
-            vocab_size=vocabulary or 49152,
+            vocab_size=vocabulary or VOCABULARIES[kind],
             max_position_embeddings=positions,
             tie_word_embeddings=True,
         )
@@ -133,7 +143,7 @@ def source_model(kind: str, positions: int, attention_dropout: float = 0.1, voca
             intermediate_size=4 * HIDDEN,
             max_position_embeddings=positions,
             attention_probs_dropout_prob=attention_dropout,
-            vocab_size=vocabulary or 30522,
+            vocab_size=vocabulary or VOCABULARIES[kind],
         )
         return BertForMaskedLM._from_config(config, attn_implementation="sdpa")
     config = GPT2Config(
@@ -142,7 +152,7 @@ def source_model(kind: str, positions: int, attention_dropout: float = 0.1, voca
         n_head=HEADS,
         n_positions=positions,
         attn_pdrop=attention_dropout,
-        vocab_size=vocabulary or 50257,
+        vocab_size=vocabulary or VOCABULARIES[kind],
     )
     return GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
 
@@ -199,14 +209,8 @@ def build_models(
     source.save_pretrained(folder)
     models = {}
     for arm in arms:
-        if kind == "llama" and arm in FAMILY_ARMS:
-            logger.info("the %r arm is for the Performer family: not run on the llama model", arm)
-            continue
-        if kind == "encoder" and arm == "sparse":
-            logger.info("the sparse method is causal only: not run on the encoder")
-            continue
-        if kind != "encoder" and arm == "tiled":
-            logger.info("the tiled support routes key blocks, which causal models cannot: run on the encoder only")
+        if why := not_run(kind, arm):
+            logger.info("%s", why)
             continue
         if arm in SOURCE_ARMS:
             dropout = 0.0 if arm == "sdpa_fused" else 0.1
@@ -231,6 +235,17 @@ def build_models(
                 if hasattr(module, "attend"):
                     module.attend = _free_attention
     return models
+
+
+def not_run(kind: str, arm: str) -> str | None:
+    """Why ``arm`` is not run on the ``kind`` model (None: it is)."""
+    if kind == "llama" and arm in FAMILY_ARMS:
+        return f"the {arm!r} arm is for the Performer family: not run on the llama model"
+    if kind == "encoder" and arm == "sparse":
+        return "the sparse method is causal only: not run on the encoder"
+    if kind != "encoder" and arm == "tiled":
+        return "the tiled support routes key blocks, which causal models cannot: run on the encoder only"
+    return None
 
 
 def _free_attention(module, q, k, v, *args, **kwargs):
@@ -401,6 +416,11 @@ def _vocabulary(args) -> int | None:
     return QUICK_VOCABULARY if args.quick else None
 
 
+def _vocabulary_size(kind: str, args) -> int:
+    """The vocabulary of the ``kind`` models this run builds (the token ids' range)."""
+    return _vocabulary(args) or VOCABULARIES[kind]
+
+
 def measure_models(args, workdir: Path, record: Callable[[dict], None]) -> None:
     dtype = getattr(torch, args.dtype)
     for kind in args.models:
@@ -414,7 +434,7 @@ def measure_models(args, workdir: Path, record: Callable[[dict], None]) -> None:
                 # (the results so far are written as they come; this ends the run inside a time limit around it)
                 stopped.update({(a, m): f"past the run's {args.budget:g} s budget" for a in args.arms for m in MODES})
             batch = max(1, args.batch_tokens // length) if args.batch_tokens else 1
-            inputs = make_batch(kind, models[args.arms[0]].config.vocab_size, batch, length, args.device)
+            inputs = make_batch(kind, _vocabulary_size(kind, args), batch, length, args.device)
             for mode in MODES:
                 steps = {}
                 for arm, model in models.items():
@@ -454,7 +474,7 @@ def measure_decode(args, workdir: Path, record: Callable[[dict], None]) -> None:
         for model in models.values():
             model.to(device=args.device, dtype=dtype)
         for length in args.lengths:
-            prompt = make_batch(kind, models[next(iter(models))].config.vocab_size, 1, length, args.device)
+            prompt = make_batch(kind, _vocabulary_size(kind, args), 1, length, args.device)
             steps = {arm: decode_step(arm, model, prompt["input_ids"], args.device) for arm, model in models.items()}
             for arm, rec in time_arms(steps, args.reps).items():
                 rec.update(model=kind, arm=arm, mode="decode", length=length, batch=1)
@@ -481,8 +501,6 @@ def measure_attention(args, workdir: Path, record: Callable[[dict], None]) -> No
 
     dtype = getattr(torch, args.dtype)
     for kind in args.models:
-        if kind == "llama":
-            raise ValueError("--part attention times the Performer family's attention: pass --models encoder decoder.")
         causal = kind == "decoder"
         models = build_models(kind, 64, [a for a in args.arms if a not in SOURCE_ARMS], workdir, args.baseline)
         calls = {arm: AttentionCall(first_attention(m).to(args.device), causal) for arm, m in models.items()}
@@ -533,7 +551,7 @@ def measure_agreement(args, workdir: Path, length: int = CHECK_LENGTH) -> list[d
     rows = []
     for kind in args.models:
         models = build_models(kind, length, [a for a in args.arms if a != "flash"], workdir)
-        inputs = make_batch(kind, models[next(iter(models))].config.vocab_size, 2, length, "cpu")
+        inputs = make_batch(kind, VOCABULARIES[kind], 2, length, "cpu")
         for arm, model in models.items():
             model.eval()
             with torch.no_grad(), _attention_outputs(model) as reference_attention:
@@ -579,9 +597,27 @@ def _attention_outputs(model):
             handle.remove()
 
 
+def check(parser, args) -> None:
+    """Flags that cannot run together end in a usage error before any model is built (they ended in tracebacks: a
+    KeyError after the models were built, a plot of no rows after an empty Markdown, CUDA's missing driver); the
+    default ``--models`` of a part are the models it runs."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch finds no CUDA device here; run on a GPU machine, or pass --device cpu")
+    excluded, why = PART_EXCLUDES.get(args.part, (None, None))
+    if args.models is None:
+        args.models = [kind for kind in MODELS if kind != excluded]
+    elif excluded in args.models:
+        parser.error(f"--part {args.part} --models {' '.join(args.models)}: {why}")
+    for kind in args.models:
+        if not any(not_run(kind, arm) is None and (arm != "flash" or args.device == "cuda") for arm in args.arms):
+            parser.error(
+                f"--arms {' '.join(args.arms)}: none of them runs on the {kind} model on {args.device} "
+                "(sparse: causal models; tiled: the encoder; exact, approximation, bound: not llama; flash: CUDA); "
+                "add an arm that does, e.g. sdpa"
+            )
+
+
 def measure(args) -> dict:
-    if args.part == "decode":  # the encoder does not decode
-        args.models = [kind for kind in args.models if kind != "encoder"]
     if args.device == "cpu" and "flash" in args.arms:
         args.arms = [a for a in args.arms if a != "flash"]
     payload = {"settings": {k: v for k, v in vars(args).items() if k != "out_dir"}}
@@ -757,7 +793,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--part", choices=tuple(PART_MODES), default="model")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=MODELS,
+        help="default: every model the part runs (--part decode: decoder llama; --part attention: encoder decoder)",
+    )
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--lengths", type=harness.at_least(1), nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument(
@@ -776,7 +817,7 @@ def main(argv=None) -> dict:
     name = "model_speed" + ("" if args.part == "model" else f"_{args.part}")
     if (args.device, args.dtype) != ("cpu", "float32"):
         name += f"_{args.device}_{args.dtype}"
-    return harness.main(name, parser, measure, markdown, plot, argv=argv)
+    return harness.main(name, parser, measure, markdown, plot, check=check, argv=argv)
 
 
 if __name__ == "__main__":

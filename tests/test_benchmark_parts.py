@@ -15,6 +15,7 @@ import pytest
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+MODEL_KINDS = ["encoder", "decoder", "llama"]  # model_speed.py's
 
 PROBE = """
 import json, sys
@@ -103,6 +104,61 @@ def test_model_speed_writes_each_result_as_it_comes(model_speed, tmp_path, monke
     assert "partial" not in finished and len(finished["results"]) == 4
     assert "Partial results" not in (tmp_path / "model_speed.md").read_text()
     assert (tmp_path / "model_speed.png").exists() and not list(tmp_path.glob("*.tmp"))
+
+
+def test_model_speed_runs_when_its_first_arm_does_not_apply_to_the_model(model_speed, tmp_path, monkeypatch):
+    """``--models encoder --arms sparse favor`` ended in ``KeyError: 'sparse'`` once the models were built (the batch's
+    vocabulary was read from the first arm's model, which the encoder skips): a multi-model run died there. (The models
+    are built and each step runs once; the timing is not this test's.)"""
+
+    def run_once(steps, reps):
+        for step in steps.values():
+            step.work()
+        return {arm: {"median_s": 1.0, "finite": step.finite} for arm, step in steps.items()}
+
+    monkeypatch.setattr(model_speed, "time_arms", run_once)
+    flags = "--quick --models encoder --arms sparse favor --lengths 64 --out-dir".split()
+    payload = model_speed.main([*flags, str(tmp_path)])
+    assert {(r["arm"], r["mode"]) for r in payload["results"]} == {("favor", "train"), ("favor", "inference")}
+    assert all(r["finite"] for r in payload["results"]) and (tmp_path / "model_speed.png").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--models", "encoder", "--arms", "sparse"], "--arms sparse: none of them runs on the encoder model"),
+        (["--models", "decoder", "llama", "--arms", "tiled"], "--arms tiled: none of them runs on the decoder model"),
+        (["--models", "llama", "--arms", "exact", "bound"], "none of them runs on the llama model"),
+        (["--models", "encoder", "--arms", "flash"], "--arms flash: none of them runs on the encoder model on cpu"),
+        (["--part", "decode", "--models", "encoder"], "the encoder does not decode: pass --models decoder llama"),
+        (["--part", "attention", "--models", "llama"], "has not: pass --models encoder decoder"),
+        (["--device", "cuda"], "--device cuda: torch finds no CUDA device here"),
+    ],
+)
+def test_model_speed_refuses_flags_that_cannot_run_together(flags, message, model_speed, tmp_path, capsys, monkeypatch):
+    """Before, these measured nothing or crashed late: ``--part decode --models encoder`` wrote a JSON and an empty
+    Markdown, then its plot failed (no rows); ``--part attention --models llama`` raised a ValueError traceback, and
+    ``--device cuda`` without CUDA torch's "Found no NVIDIA driver"; an arm list no arm of which the model runs, a
+    KeyError after building the models. Now each is a usage error before any model is built."""
+    if flags[0] == "--device" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    monkeypatch.setattr(model_speed, "measure", _stop_measuring)
+    with pytest.raises(SystemExit) as stopped:
+        model_speed.main([*flags, "--out-dir", str(tmp_path)])
+    error = capsys.readouterr().err
+    assert stopped.value.code == 2 and message in error, error
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "part, models", [("model", MODEL_KINDS), ("decode", ["decoder", "llama"]), ("attention", MODEL_KINDS[:2])]
+)
+def test_model_speeds_default_models_are_those_its_part_runs(part, models, model_speed, tmp_path, monkeypatch):
+    """``--part attention`` with the default models raised its ValueError at llama, after the encoder and decoder."""
+    monkeypatch.setattr(model_speed, "measure", _stop_measuring)
+    with pytest.raises(_Measuring) as measuring:
+        model_speed.main(["--part", part, "--out-dir", str(tmp_path)])
+    assert measuring.value.args[0].models == models
 
 
 @pytest.fixture
