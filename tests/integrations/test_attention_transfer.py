@@ -13,7 +13,7 @@ from performer_hf import PerformerCache, PerformerForCausalLM
 from performer_hf.integrations import CACHE_KEYWORD
 
 from ..tiny_models import METHODS, Logits, tiny_model
-from .test_attention_interface import DECODERS, SHORT_WINDOW, _ids, _load, _source
+from .test_attention_interface import DECODERS, SHORT_WINDOW, _bert_config, _ids, _load, _source
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -129,6 +129,29 @@ def test_transfer_refuses_inputs_the_window_covers_and_models_without_performer_
         performer_hf.transfer_attention(model, _batches(), steps=2, progress=False)
     with pytest.raises(ValueError, match="runs no Performer attention"):
         performer_hf.transfer_attention(source, _batches(), steps=2, progress=False)
+
+
+def test_transfer_refusals_name_their_cause(tmp_path):
+    """Ids of another tokenizer ended in torch's IndexError; a batch of padding alone said the transfer "diverged ...
+    lower learning_rate"; an encoder under the bidirectional preset was told to "train on longer inputs", where its
+    exact_max_length (2048, above BERT's 512 positions) kept every input exact. The model is left untouched."""
+    _, folder = _source(DECODERS["llama"], tmp_path / "llama")  # vocabulary 96
+    model = _load(folder, "performer_hybrid", local_window=8)
+    with pytest.raises(ValueError, match=r"batch 1 holds token ids from .* outside the model's vocabulary \(0 to 95\)"):
+        performer_hf.transfer_attention(
+            model, [_batches()[0], {"input_ids": _ids(2, 48) + 200}], steps=2, progress=False
+        )
+    padding = {"input_ids": _ids(2, 48), "attention_mask": torch.zeros(2, 48, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"batch 0's attention_mask is all zeros: it has no real token"):
+        performer_hf.transfer_attention(model, [padding], steps=2, progress=False)
+    assert not getattr(model.config, "performer_learned_attention", False)
+    _, bert = _source(_bert_config(), tmp_path / "bert", encoder=True)
+    encoder = _load(bert, "performer_hybrid", encoder=True, local_window=8)
+    with pytest.raises(ValueError, match=r"exact_max_length=2048 keeps bidirectional inputs .* these have 48\. Set it"):
+        performer_hf.transfer_attention(encoder, _batches(), steps=2, progress=False)
+    encoder.config.performer_attention = {**encoder.config.performer_attention, "exact_max_length": 0}
+    report = performer_hf.transfer_attention(encoder, _batches(), steps=2, progress=False)  # the fix: it trains
+    assert report.steps == 2  # (its poly2 far field is near-exact already: the model keeps it, report.restored)
 
 
 def test_a_performer_family_model_is_refused_with_its_own_fix(tmp_path):

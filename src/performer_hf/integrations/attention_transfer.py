@@ -50,7 +50,7 @@ from ..modeling.attention_settings import (
 )
 from ..modeling.far_fields import get_far_field
 from ..modeling.favor_hybrid import fixed_centres
-from ..modeling.method_exact import softmax_attention
+from ..modeling.method_exact import exact_max_length, softmax_attention
 from ..modeling.modeling_performer import PerformerPreTrainedModel
 
 logger = logging.getLogger(__name__)
@@ -230,6 +230,7 @@ def transfer_attention(
             "so PeftModel.from_pretrained(base, adapter) would run other attention. Transfer the base model, save it "
             "(save_pretrained), then add LoRA on the saved model."
         )
+    _check_inputs(model, batches)
     # (under the caller's no_grad or inference_mode too: the transfer trains)
     with _frozen(model), torch.inference_mode(False), torch.enable_grad():
         with torch.no_grad():
@@ -307,6 +308,50 @@ def _measure(model: nn.Module, batches: list) -> dict[int, float]:
     return _mean([{layer: float(error) for layer, error in record.items()} for record in records])
 
 
+def _check_inputs(model: nn.Module, batches: list) -> None:
+    """Refuse, before any forward, batches that would fail with another reason: token ids outside the model's
+    vocabulary (another model's tokenizer), or a batch whose attention_mask leaves no real token (a row of padding
+    alone trains beside the others)."""
+    vocabulary = getattr(getattr(model, "config", None), "get_text_config", lambda: None)()
+    vocabulary = getattr(vocabulary, "vocab_size", None)
+    for index, batch in enumerate(batches):
+        ids = batch.get("input_ids")
+        if vocabulary is not None and ids is not None and ids.numel():
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= vocabulary:
+                raise ValueError(
+                    f"batch {index} holds token ids from {low} to {high}, outside the model's vocabulary (0 to "
+                    f"{vocabulary - 1}): tokenize the text with the model's own tokenizer."
+                )
+        mask = batch.get("attention_mask")
+        if mask is not None and not bool(mask.bool().any()):
+            raise ValueError(
+                f"batch {index}'s attention_mask is all zeros: it has no real token to train on. Leave it out, or give "
+                "it text."
+            )
+
+
+def _nothing_approximated(states, batch: Mapping[str, torch.Tensor]) -> str:
+    """Why no layer's approximation was in use on ``batch``: a bidirectional model's exact dispatch
+    (``exact_max_length``) or the hybrid's exact support, with the fix for each."""
+    length = (batch["input_ids"] if "input_ids" in batch else batch["inputs_embeds"]).shape[1]
+    bidirectional = [state for _, state in states if not state.performer_key[1]]
+    if bidirectional:
+        state = bidirectional[0]
+        reach = exact_max_length(state, state.projection.device)
+        if length <= reach:
+            field = "exact_max_length" if reach == state.exact_max_length else "accelerator_exact_max_length"
+            return (
+                f"no layer's approximation was in use: {field}={reach} keeps bidirectional inputs of at most {reach} "
+                f"tokens exact, and these have {length}. Set it to 0 in config.performer_attention to transfer (the "
+                "model then approximates at every length)."
+            )
+    return (
+        "no layer's approximation was in use (the inputs are within the hybrid's exact window, or attention_kernel "
+        "is 'exact'): train on longer inputs."
+    )
+
+
 def _train(model: nn.Module, batches: list, steps: int, learning_rate: float, progress: bool, states):
     """:func:`transfer_attention`'s optimisation: returns the learned tensors per state, the tokens read and the
     start time."""
@@ -337,10 +382,7 @@ def _train(model: nn.Module, batches: list, steps: int, learning_rate: float, pr
             model(**batch)
             loss = torch.stack(list(layer_errors.values())).sum()
             if not loss.requires_grad:
-                raise ValueError(
-                    "no layer's approximation was in use (the inputs are within the hybrid's exact window, or "
-                    "attention_kernel is 'exact'): train on longer inputs."
-                )
+                raise ValueError(_nothing_approximated(states, batch))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
