@@ -313,6 +313,23 @@ def _transfer_text(path, words=600):
     return path
 
 
+def test_text_batches_refuses_each_bad_argument_with_its_own_reason(tmp_path):
+    """A string as texts was read character by character ('h\\n\\ne\\n\\nl...'), count=0 said the text was shorter than
+    one window, length=0 raised ZeroDivisionError."""
+    text = _transfer_text(tmp_path / "text.txt").read_text()
+    _save_tokenizer(tmp_path / "tokenizer", text)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    assert [b["input_ids"].shape for b in text_batches(tokenizer, [text], 16, 3)] == [(1, 16)] * 3
+    with pytest.raises(ValueError, match=r"got a single string .* pass \[text\]"):
+        text_batches(tokenizer, text, 16, 3)
+    for length in (0, 1, 2.0, True):
+        with pytest.raises(ValueError, match=f"length is the tokens of a window, at least 2, got {length!r}"):
+            text_batches(tokenizer, [text], length, 3)
+    for count in (0, -1, None):
+        with pytest.raises(ValueError, match=f"count is the number of windows, at least 1, got {count!r}"):
+            text_batches(tokenizer, [text], 16, count)
+
+
 def test_convert_with_attention_transfer_equals_transfer_attention_on_the_text(tmp_path):
     source = _save_source("LlamaForCausalLM", tmp_path / "source")
     text_file = _transfer_text(tmp_path / "text.txt")

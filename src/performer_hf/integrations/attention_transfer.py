@@ -461,6 +461,14 @@ def _centre_on_the_source(model: nn.Module, batch: dict[str, torch.Tensor], stat
 def text_batches(tokenizer, texts: Iterable[str], length: int, count: int) -> list[dict[str, torch.Tensor]]:
     """Up to ``count`` batches for :func:`transfer_attention`: consecutive ``length``-token windows
     ``{"input_ids": (1, length)}`` of ``texts`` joined by blank lines (fewer when the text runs out)."""
+    if isinstance(texts, str | bytes):
+        raise ValueError(
+            "texts is a list of texts, got a single string (it would be read character by character): pass [text]."
+        )
+    if isinstance(length, bool) or not isinstance(length, int) or length < 2:
+        raise ValueError(f"length is the tokens of a window, at least 2, got {length!r}.")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count is the number of windows, at least 1, got {count!r}.")
     ids = tokenizer("\n\n".join(texts), return_tensors="pt", verbose=False).input_ids[0]  # (N,)
     windows = min(count, ids.numel() // length)
     if windows == 0:
