@@ -456,8 +456,14 @@ def summarise(records: list[dict], timings: list[dict], ms: list[int]) -> dict:
     return summary
 
 
+def _below(value: float, floor: float) -> bool:
+    """Whether ``value`` misses ``floor``: below it, or not a number at all (NaN compares False with everything)."""
+    return not value >= floor
+
+
 def select(summary: dict, m: int = SELECT_AT) -> dict:
-    """The most accurate method at ``m`` meeting every floor (by its worse set's cosine), and who fails where."""
+    """The most accurate method at ``m`` meeting every floor (by its worse set's cosine), and who fails where; a figure
+    that is not finite misses its floor."""
     passing, verdicts = [], {}
     for name, per_m in summary.items():
         entry = per_m.get(str(m), {})
@@ -467,9 +473,9 @@ def select(summary: dict, m: int = SELECT_AT) -> dict:
             f"{metric} {entry[s][metric]:.4f} < {floor} ({s})"
             for s in SETS
             for metric, floor in FLOORS.items()
-            if metric != "attention_speedup" and entry[s][metric] < floor
+            if metric != "attention_speedup" and _below(entry[s][metric], floor)
         ]
-        if entry["speed"]["attention_speedup"] < FLOORS["attention_speedup"]:
+        if _below(entry["speed"]["attention_speedup"], FLOORS["attention_speedup"]):
             misses.append(f"attention speedup {entry['speed']['attention_speedup']:.2f}x < 2x")
         verdicts[name] = misses
         if not misses:
@@ -677,10 +683,10 @@ def main(argv=None) -> dict:
     parser = harness.parser(
         __doc__,
         threads=1,
-        quick=f"8 sentences, 2 docs, m = 64 256, 1 seed, a 6-second budget, lengths {QUICK_LENGTHS}",
+        quick=f"8 sentences, 3 docs, m = 64 256, 1 seed, a 6-second budget, lengths {QUICK_LENGTHS}",
         quick_flags={
             "sentences": 8,
-            "docs": 2,
+            "docs": 3,
             "seeds": 1,
             "seeds_other": 1,
             "nb_features": [64, 256],
@@ -692,7 +698,9 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--sentences", type=harness.at_least(3), default=200, help="at least 3: the pairwise Spearman's least"
     )
-    parser.add_argument("--docs", type=positive, default=8)
+    parser.add_argument(
+        "--docs", type=harness.at_least(3), default=8, help="at least 3: the pairwise Spearman's least (as --sentences)"
+    )
     parser.add_argument("--seeds", type=positive, default=3, help=f"projection seeds at m = {SELECT_AT}")
     parser.add_argument(
         "--speed-m",

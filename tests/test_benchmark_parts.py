@@ -4,6 +4,7 @@ measurement) and the work folder of llm_linearization.py on a failed run."""
 
 import importlib
 import json
+import math
 import re
 import subprocess
 import sys
@@ -273,6 +274,7 @@ def _stop_measuring(args):
         ("decode", ["--steps", "1"], "argument --steps: expected a whole number >= 2, got 1"),
         ("decode", ["--quick", "--contexts", "0"], "argument --contexts: expected a whole number >= 1, got 0"),
         ("decode", ["--warmup", "-1"], "argument --warmup: expected a whole number >= 0, got -1"),
+        ("approximation_quality", ["--docs", "2"], "argument --docs: expected a whole number >= 3, got 2"),
     ],
 )
 def test_studies_refuse_bad_counts(study, flags, message, harness, tmp_path, capsys, monkeypatch):
@@ -293,6 +295,31 @@ def test_decode_quick_keeps_the_contexts_given(harness, tmp_path, monkeypatch):
         decode.main(["--quick", "--contexts", "512", "--out-dir", str(tmp_path)])
     args = measuring.value.args[0]
     assert args.contexts == [512] and (args.steps, args.rounds) == (16, 2)
+
+
+def test_approximation_quality_counts_a_nan_figure_as_a_miss(harness, tmp_path, monkeypatch):
+    """With 2 documents (the quick run's) the docs' pairwise Spearman is NaN (one pair), and ``select`` counted it as
+    meeting the 0.95 floor (``nan < 0.95`` is False): a method could be picked on a figure that was never measured.
+    Now --docs takes at least 3 (the quick run 3), and a figure that is not finite misses its floor."""
+    import approximation_quality
+
+    quality = {"mean_cosine": 0.99, "pairwise_spearman": 0.99}
+    entry = {
+        "sentences": quality,
+        "docs": {**quality, "pairwise_spearman": math.nan},
+        "speed": {"attention_speedup": 3},
+    }
+    summary = {"nan docs": {"256": entry}, "measured": {"256": {**entry, "docs": quality}}}
+    selection = approximation_quality.select(summary)
+    assert selection["best"] == "measured" and selection["passing"] == ["measured"]
+    assert selection["misses"]["nan docs"] == ["pairwise_spearman nan < 0.95 (docs)"]
+    no_speed = {"nan speed": {"256": {**entry, "docs": quality, "speed": {"attention_speedup": math.nan}}}}
+    assert approximation_quality.select(no_speed)["best"] is None
+
+    monkeypatch.setattr(approximation_quality, "measure", _stop_measuring)
+    with pytest.raises(_Measuring) as measuring:
+        approximation_quality.main(["--quick", "--out-dir", str(tmp_path)])
+    assert measuring.value.args[0].docs == 3
 
 
 @pytest.fixture
