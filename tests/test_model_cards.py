@@ -2,12 +2,16 @@
 (``performer_hf.attention_card`` and the attention-method registry)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from performer_hf import PerformerConfig
+from performer_hf.conversion.convert import _TRANSFER_KEYWORDS
 from performer_hf.modeling.attention_methods import ATTENTION_METHODS
 from performer_hf.training.model_card import build_model_card
+from performer_hf.zoo import get_entry, model_names
+from performer_hf.zoo.card import _steps
 
 HYBRID = {"attention_kernel": "poly2", "center_features": True, "local_window": 5, "num_global_tokens": 1}
 
@@ -65,3 +69,22 @@ def test_the_training_card_of_a_classifier_loads_it_with_its_head(tmp_path):
     exec(snippet.replace("path/to/this/folder", str(tmp_path)), namespace)  # the card's own loading code
     assert isinstance(namespace["model"], PerformerForSequenceClassification)
     assert namespace["model"].config.num_labels == 3
+
+
+CARDS = Path(__file__).parents[1] / "model_cards"
+
+
+@pytest.mark.parametrize("name", model_names())
+def test_the_stored_zoo_cards_are_those_the_registry_and_their_results_render(name):
+    """The stored cards drifted from the registry: the SmolLM2 hybrid's said it was made with
+    performer_hf.convert(..., transfer_steps=50, transfer_length=2048), keywords that now warn (deprecated). How it
+    was made (rendered from the registry and the build's stored zoo_results.json), the description and the limits
+    must be the current renderer's."""
+    card = (CARDS / f"{name}.md").read_text()
+    entry = get_entry(name)
+    steps = _steps(entry, json.loads((CARDS / f"{name}.json").read_text()))
+    made = card.split("## How it was made\n")[1].split("\n## ")[0]
+    assert made == "".join(f"\n{index}. {step}" for index, step in enumerate(steps, 1)) + "\n"
+    assert not any(f"{keyword}=" in made for keyword in _TRANSFER_KEYWORDS)  # the deprecated keywords
+    assert f"\n{entry.description}.\n" in card
+    assert all(f"- {limit}\n" in card for limit in entry.limits)

@@ -47,11 +47,12 @@ def _value(value) -> str:
 
 
 def _call(function: str, options: dict) -> str:
-    """The Python call of a recipe's options (a ``transfer`` mapping as the TransferSettings it becomes)."""
+    """The Python call of a recipe's options (a ``transfer`` mapping as the TransferSettings it becomes, named where
+    it is imported from, so that the call runs as shown)."""
 
     def shown(key, value) -> str:
         if key == "transfer":
-            return f"TransferSettings({', '.join(f'{k}={v!r}' for k, v in value.items())})"
+            return f"performer_hf.conversion.TransferSettings({', '.join(f'{k}={v!r}' for k, v in value.items())})"
         return repr(value)
 
     return f"`{function}({', '.join(f'{key}={shown(key, value)}' for key, value in options.items())})`"
