@@ -221,7 +221,10 @@ def test_push_judges_the_weights_loading_reads_not_a_stale_shard_index(tmp_path,
 
     _, source = _source(DECODERS["llama"], tmp_path)
     model = _load(source, "performer_hybrid", local_window=8)
-    performer_hf.transfer_attention(model, [{"input_ids": _ids(2, 48)}], steps=2, progress=False)
+    report = performer_hf.transfer_attention(
+        model, [{"input_ids": _ids(2, 48)}], steps=2, learning_rate=1e-3, progress=False
+    )
+    assert not report.restored  # the trained tensors are the model's
     performer_hf.ship_remote_code(model).save_pretrained(tmp_path / "trained")
     not_run = AutoModelForCausalLM.from_pretrained(tmp_path / "trained")
     folder = tmp_path / "folder"
