@@ -59,7 +59,9 @@ def test_convert_keeps_the_class_and_weights_and_names_the_attention(architectur
     assert report["exact_parity_max_abs_diff"] <= 1e-5
     assert report["attn_implementation"] == "performer_sparse"  # decoders convert to the sparse method
     card = (out / "README.md").read_text()
-    assert "base_model: source" in card and "performer_sparse" in card and "| `local_window` | `512` |" in card
+    # a local folder given no Hub id: named in plain text, no base_model metadata (it was "base_model: source")
+    assert "base_model" not in card.split("---")[1] and "The local checkpoint `source`" in card
+    assert "performer_sparse" in card and "| `local_window` | `512` |" in card
     before, after = load_file(tmp_path / "source" / "model.safetensors"), load_file(out / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     converted = AutoModelForCausalLM.from_pretrained(out).eval()

@@ -368,6 +368,17 @@ def _deprecated_keywords(overrides: dict[str, Any], transfer: TransferSettings |
     return transfer, given.get("revision")
 
 
+def _card_base_model(base_model: str | None, folder: Path) -> str | None:
+    """The Hub id the model card names as its base model; None for a local folder given none (logged)."""
+    if base_model is None:
+        logger.info(
+            "the model card names the local folder %s, with no base_model: pass --base-model with the Hub id it "
+            "came from to link it.",
+            folder.name,
+        )
+    return base_model
+
+
 def convert(
     source: str | Path,
     output_dir: str | Path,
@@ -396,9 +407,8 @@ def convert(
             (inside it for a mount point, a Docker volume: its entries moved up), so a failure leaves nothing
             behind.
         overwrite: replace a non-empty ``output_dir`` (only once the conversion has succeeded).
-        base_model: the Hub id named in the model card (default: the Hub id of ``source``; a local folder
-            converted to a BERT / RoBERTa / GPT-2 Performer is named in plain text, with no ``base_model`` metadata
-            or Hub link: pass the Hub id it came from).
+        base_model: the Hub id named in the model card (default: the Hub id of ``source``; a local folder is
+            named in plain text, with no ``base_model`` metadata or Hub link: pass the Hub id it came from).
         fidelity: measure the fidelity report on sample text (see ``fidelity.py``) and put it in the card.
         method: the attention settings under ``overrides`` (see ``METHODS``): ``"hybrid"`` (exact local window,
             global token and, bidirectionally, routed key blocks, plus a centred ``poly2`` far field), ``"sparse"``
@@ -449,7 +459,7 @@ def convert(
             method,
             overrides,
             fidelity,
-            base_model or repo_id or folder.name,
+            _card_base_model(base_model or repo_id, folder),
             transfer,
         )
     if transfer is not None:
@@ -519,13 +529,7 @@ def convert(
                 worst,
             )
 
-    base_model = base_model or repo_id
-    if base_model is None:
-        logger.info(
-            "the model card names the local folder %s, with no base_model: pass --base-model with the Hub id it "
-            "came from to link it.",
-            folder.name,
-        )
+    base_model = _card_base_model(base_model or repo_id, folder)
     model.to(saved_dtype)  # the random-feature projections stay float32 (PerformerAttention._apply)
     if model.can_generate() and (folder / GENERATION_CONFIG).is_file():  # the source's decoding defaults
         model.generation_config = GenerationConfig.from_pretrained(folder)

@@ -277,12 +277,13 @@ def convert_in_place(
     method: str,
     overrides: dict[str, Any],
     fidelity: bool,
-    base_model: str,
+    base_model: str | None,
     transfer: TransferSettings | None = None,
 ) -> Path:
     """Write ``folder``'s model with Performer attention to ``output_dir`` (already checked): the same weights,
     the config naming the attention implementation and its settings, the tokenizer, a model card
-    (``README.md``, naming ``base_model``) and ``conversion_report.json``. With ``transfer``, the attention's
+    (``README.md``, naming ``base_model``, or the folder for a local source without one) and
+    ``conversion_report.json``. With ``transfer``, the attention's
     learnable parts are first trained to match the source's attention (the weights stay the source's)."""
     row = IN_PLACE_ARCHITECTURES[architecture]
     implementation = IMPLEMENTATION_OF_METHOD[method]
@@ -325,6 +326,7 @@ def convert_in_place(
         text_config = model.config.get_text_config()
         card = build_in_place_card(
             base_model=base_model,
+            source_folder=folder.name,
             license_name=source_license(folder),
             architecture=architecture,
             implementation=implementation,

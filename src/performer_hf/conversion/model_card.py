@@ -232,7 +232,8 @@ def _fidelity_paragraph(fidelity: dict | None) -> str:
 
 def build_in_place_card(
     *,
-    base_model: str,
+    base_model: str | None,
+    source_folder: str,
     license_name: str,
     architecture: str,
     implementation: str,
@@ -243,7 +244,8 @@ def build_in_place_card(
 ) -> ModelCard:
     """The card of a model converted in place (``in_place.py``): the source class with Performer attention;
     ``method``: the ``PerformerConfig`` that carries its attention settings; ``transfer``: attention transfer's
-    record in ``conversion_report.json``, if it ran."""
+    record in ``conversion_report.json``, if it ran; ``base_model``: the source's Hub id (None: a local checkpoint,
+    named ``source_folder`` in plain text, with no Hub metadata)."""
     data = ModelCardData(
         base_model=base_model,
         license=license_name,
@@ -255,9 +257,10 @@ def build_in_place_card(
     rows = [f"| `{name}` | {_field_value(getattr(method, name))} |" for name in ATTENTION_FIELDS if name in read]
     fields = "\n".join(rows)
     decoding = "model.generate(**inputs)  # decodes from the method's own state, kept in generate()'s cache"
-    text = f"""# {base_model} with Performer attention
+    named = f"The local checkpoint `{source_folder}`" if base_model is None else f"`{base_model}`"
+    text = f"""# {base_model or source_folder} with Performer attention
 
-`{base_model}` ({architecture}) with its softmax attention replaced by the `performer-hf` attention implementation
+{named} ({architecture}) with its softmax attention replaced by the `performer-hf` attention implementation
 `{implementation}`: {method_description(method)}. Every weight is the source's, unchanged; the config names the
 attention (`attn_implementation`, `performer_attention`).
 
