@@ -214,6 +214,11 @@ def test_an_unwritable_data_cache_is_one_error_line_before_the_conversion(tmp_pa
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "cannot be written" in error[0] and "set PERFORMER_HF_DATA to a folder" in error[0]
     assert not out.exists()
+    (tmp_path / "a_file").write_text("x")  # a file: the SmolLM2 recipe's source folder cannot even be named
+    monkeypatch.setenv("PERFORMER_HF_DATA", str(tmp_path / "a_file"))
+    assert main(["zoo", "build", "smollm2-135m-performer-sparse", str(out), "--quick"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "is a file. Set PERFORMER_HF_DATA to a folder" in error[0]
 
 
 def test_a_quick_cards_opening_marks_the_description_as_the_full_builds(tmp_path):

@@ -65,7 +65,10 @@ def _source_path(entry: ZooEntry) -> Path | None:
     if "asset" in source:
         from .. import model_assets
 
-        return getattr(model_assets, MODEL_ASSET_FOLDERS[source["asset"]])()
+        try:
+            return getattr(model_assets, MODEL_ASSET_FOLDERS[source["asset"]])()
+        except DataAssetError as error:  # a data cache that cannot be a folder
+            raise ZooError(f"{entry.name} starts from the {source['asset']} checkpoint: {error}") from error
     if "checkpoint" in source and (folder := Path(source["checkpoint"]).expanduser()).is_dir():
         return folder
     return None
