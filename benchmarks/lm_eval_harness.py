@@ -17,6 +17,10 @@ SDPA attention):
 - ``window``: the same without selected blocks (``select_blocks=0``): what the window and first tokens alone read.
 
 Seconds per arm and task are recorded, arms run one after another: not a speed comparison.
+
+Writes lm_eval_harness.{json,md,png} to --out-dir; the committed run's are in benchmarks/results/lm_eval/:
+
+    python benchmarks/lm_eval_harness.py --out-dir benchmarks/results/lm_eval
 """
 
 from __future__ import annotations

@@ -786,7 +786,8 @@ def main(argv=None) -> dict:
     quick_arms = [arm for arm in ARMS if arm not in ("sdpa_fused", "exact", "approximation", "tiled")]
     parser = harness.parser(
         __doc__,
-        quick="L = 128, 1 run each, arms sdpa hybrid favor bound, vocabularies of 1,024",
+        quick="L = 128, 1 run each, the three models, arms sdpa hybrid favor sparse (causal models) bound (and "
+        "flash on CUDA), vocabularies of 1,024",
         quick_flags={"lengths": [128], "reps": 1, "arms": quick_arms},
         threads=2,
     )
