@@ -1,5 +1,7 @@
 """favor_attention against the O(L^2) references in performer_hf.favor_reference."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from performer_hf.favor import (
     favor_attention,
     hybrid_attention,
 )
+from performer_hf.modeling.favor_features import FEATURE_MAPS
 
 POSITIVE_KERNELS = [k for k in KERNELS if k != "softmax_trig"]
 
@@ -495,3 +498,76 @@ def test_inputs_of_no_token_are_refused_by_name():
         favor_attention(q, q, q, draw_projection(16, 8), causal=True)
     with pytest.raises(ValueError, match=r"hybrid_attention \(self-attention\) got no query"):
         hybrid_attention(q, q, q, None, far_field="poly2", local_window=3)
+
+
+# The exponential maps' query stabilizer is added after each query's row-max shift m_i (exp(log phi - m_i) + 1e-6):
+# the output depends on m_i. Their gradients held m_i constant; at the logits a real model reaches (q and k times 3
+# here) the query Jacobian was off by 8e-4 (bidirectional) to 2e-3 (causal) of its size, 5.5e-2 at times 4.
+EXP_KERNELS = ["softmax", "softmax_hyperbolic"]
+
+
+def _large_logit_inputs(length=8, seed=0):
+    """q, k, v (1, 2, length, 4) float64 with q and k times 3 (logits of a real model), a (8, 4) projection and a key
+    mask with one padded key, all leaves."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, length, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    W = draw_projection(8, 4, generator=g, dtype=torch.float64)
+    mask = torch.ones(1, length, dtype=torch.bool)
+    mask[0, 2] = False
+    return (q * 3).requires_grad_(), (k * 3).requires_grad_(), v.requires_grad_(), W, mask
+
+
+@pytest.mark.parametrize("kernel", EXP_KERNELS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_are_the_derivative_of_the_output_through_the_query_stabilizer(kernel, causal):
+    # Finite differences of favor_attention itself (the stabilizer included), over several causal chunks.
+    q, k, v, W, mask = _large_logit_inputs()
+
+    def fn(q, k, v):
+        return favor_attention(q, k, v, W, causal=causal, kernel=kernel, key_padding_mask=mask, chunk_size=3)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-8, rtol=1e-6, fast_mode=True)
+
+
+@pytest.mark.parametrize("kernel", EXP_KERNELS)
+def test_gradients_through_the_initial_state_are_the_derivative_of_the_output(kernel):
+    q, k, v, W, _ = _large_logit_inputs(length=9, seed=1)
+
+    def fn(q, k, v):
+        first, state = favor_attention(
+            q[:, :, :4], k[:, :, :4], v[:, :, :4], W, causal=True, kernel=kernel, return_state=True, chunk_size=2
+        )
+        second = favor_attention(
+            q[:, :, 4:], k[:, :, 4:], v[:, :, 4:], W, causal=True, kernel=kernel, initial_state=state, chunk_size=2
+        )
+        return torch.cat([first, second], dim=2)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-8, rtol=1e-6, fast_mode=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_plain_autograd_path_differentiates_through_the_query_stabilizer(causal, monkeypatch):
+    # The maps without an exponential form take _features; the softmax map sent there (its exp_directions removed)
+    # has a stabilizer, whose row max must stay in the graph there too.
+    monkeypatch.setitem(FEATURE_MAPS, "softmax", dataclasses.replace(FEATURE_MAPS["softmax"], exp_directions=None))
+    q, k, v, W, mask = _large_logit_inputs()
+
+    def fn(q, k, v):
+        return favor_attention(q, k, v, W, causal=causal, key_padding_mask=mask, chunk_size=3)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-8, rtol=1e-6, fast_mode=True)
+
+
+@pytest.mark.parametrize("kernel", EXP_KERNELS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_detached_key_shifts_cancel_exactly(kernel, causal):
+    # Keys whose norms rise along the sequence move the causal running shift at most positions (and set the
+    # bidirectional one): the key shifts stay constants for autograd, and the keys' and values' gradients are still
+    # the derivative of the output.
+    q, k, v, W, mask = _large_logit_inputs(length=10, seed=1)
+    rising = (k.detach() * torch.linspace(0.3, 1.5, 10, dtype=torch.float64)[:, None]).requires_grad_()
+
+    def fn(k, v):
+        return favor_attention(q, k, v, W, causal=causal, kernel=kernel, key_padding_mask=mask, chunk_size=3)
+
+    assert torch.autograd.gradcheck(fn, (rising, v), eps=1e-6, atol=1e-8, rtol=1e-6, fast_mode=True)

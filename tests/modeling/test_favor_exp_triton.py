@@ -235,6 +235,28 @@ def test_causal_favor_through_the_kernels_matches_pytorch(kernels_serve):
     assert len(kernels_serve) == 3
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_kernels_differentiate_through_the_query_stabilizer(causal, monkeypatch):
+    """FAVOR+ at the logits a real model reaches (q and k times 3: a query's features spread over orders of magnitude,
+    so its 1e-6 stabilizer, relative to the largest, weighs) through the kernels in float32 against the PyTorch form
+    in float64, whose gradients gradcheck (test_favor_attention). The kernels held each query's largest log-feature
+    constant: the queries' gradients were 2.4e-2 (bidirectional) and 0.56 (causal) of their largest off. Each
+    query's largest feature may lie past the first block of 64 (96 features)."""
+    calls = []
+    monkeypatch.setattr(favor_exp, "triton_serves", lambda q, *args: calls.append(q.dtype) or q.dtype == torch.float32)
+    q, k, v = random_qkv(length=75, head_dim=16, scale=3.0)  # (v too: the ratio does not mind)
+    W = draw_projection(96, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    probe = torch.randn(2, 2, 75, 16, generator=torch.Generator().manual_seed(3)).double()
+
+    def favor(q, k, v):
+        return favor_attention(q, k, v, W.to(q.dtype).to(q.device), causal=causal)
+
+    got = _outputs_and_gradients(favor, _float_leaves(q, k, v), probe.float().to(DEVICE))
+    want = _outputs_and_gradients(favor, [t.clone().requires_grad_() for t in (q, k, v)], probe)
+    assert calls == [torch.float32, torch.float64]  # the kernels, then PyTorch
+    _assert_relatively_close(got, want)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("segment", [None, 32], ids=["one walk", "segments of 32"])
 def test_the_key_state_is_the_scans_state_after_every_key(case, segment, monkeypatch):
@@ -358,23 +380,24 @@ def test_the_operators_take_rows_of_any_strides(monkeypatch):
     q, k = (torch.randn(B, H, L, d, generator=g) * 0.3 for _ in range(2))
     v1, grad = (torch.randn(B, H, L, E, generator=g) for _ in range(2))
     q_off, k_off = (torch.randn(B, H, L, generator=g) - 1 for _ in range(2))
+    q_top = torch.randint(m, (B, H, L), generator=g, dtype=torch.int32)
     directions, bias = torch.randn(m, d, generator=g) * 0.3, torch.randn(H, 1, m, generator=g) * 0.1
     kv0, shift0, shifts = torch.rand(B, H, m, E, generator=g), torch.zeros(B, H), torch.zeros(B, H, L)
-    q, k, v1, grad, q_off, k_off, directions, bias, kv0, shift0, shifts = (
-        t.to(DEVICE) for t in (q, k, v1, grad, q_off, k_off, directions, bias, kv0, shift0, shifts)
+    q, k, v1, grad, q_off, q_top, k_off, directions, bias, kv0, shift0, shifts = (
+        t.to(DEVICE) for t in (q, k, v1, grad, q_off, q_top, k_off, directions, bias, kv0, shift0, shifts)
     )
     ops, features = torch.ops.performer_hf, (directions, bias)
     assert_strides_do_not_matter(ops.exp_row_max.default, [q, *features, "pytorch"])
-    scan = [q, k, v1, q_off, k_off, shifts, *features, kv0, shift0, 1e-3, "pytorch"]
+    scan = [q, k, v1, q_off, q_top, k_off, shifts, *features, kv0, shift0, 1e-3, "pytorch"]
     assert_strides_do_not_matter(ops.causal_exp_scan.default, scan)
     starts = ops.causal_exp_scan(*scan)[2]
     assert starts.shape[2] == 3
-    scan_backward = [grad, kv0, q, k, v1, q_off, k_off, shifts, *features, starts, shift0, 1e-3, "pytorch"]
+    scan_backward = [grad, kv0, q, k, v1, q_off, q_top, k_off, shifts, *features, starts, shift0, 1e-3, "pytorch"]
     assert_strides_do_not_matter(ops.causal_exp_scan_backward.default, scan_backward)
-    sums = [q, k, v1, q_off, k_off, *features, 1e-3, "pytorch"]
+    sums = [q, k, v1, q_off, q_top, k_off, *features, 1e-3, "pytorch"]
     assert_strides_do_not_matter(ops.bidirectional_exp_sums.default, sums)
     kv = ops.bidirectional_exp_sums(*sums)[1]
-    sums_backward = [grad, q, k, v1, q_off, k_off, *features, kv, 1e-3, "pytorch"]
+    sums_backward = [grad, q, k, v1, q_off, q_top, k_off, *features, kv, 1e-3, "pytorch"]
     assert_strides_do_not_matter(ops.bidirectional_exp_sums_backward.default, sums_backward)
     assert_strides_do_not_matter(ops.exp_key_state.default, [k, k_off, v1, *features, "pytorch"])
 

@@ -5,13 +5,17 @@ All arithmetic is done in float32 (float64 for float64 inputs) and the output is
 to the input dtype.
 
 Numerical safety without leaking the future:
-- query features are shifted by their own row max (a per-query constant: cancels exactly);
+- query features are shifted by their own row max ``m_i``, then the map's ``query_stabilizer`` is added:
+  ``exp(log phi_r(q_i) - m_i) + stabilizer``, so that no normaliser is zero. The stabilizer is relative to the
+  query's largest feature, so the output depends on ``m_i`` and its gradient goes through ``m_i`` (to the query's
+  largest log-feature);
 - key features are shifted by ``s_j``, the running max of the key log-features over
   positions ``<= j``. Query ``i`` sees every key ``j <= i`` rescaled to the common shift
   ``s_i`` through the factor ``exp(s_j - s_i) <= 1`` (the online-softmax trick), so no
   position after ``i`` influences output ``i``, not even through a stabilizer;
 - bidirectional attention uses one shift per (batch, head): the max over all real keys.
-Shifts are constants for autograd (``detach``): they cancel in the attention ratio.
+The key shifts are constants for autograd (``detach``): each query's numerator and normaliser carry the same factor
+``exp(-s_i)`` (``exp(-s)`` bidirectionally), which cancels exactly in the attention ratio.
 
 The causal prefix sums run chunk by chunk: exact masked products inside a chunk and a
 running ``(m, d + 1)`` state across chunks. Nothing of size ``L x m x d`` is ever stored.
@@ -61,25 +65,26 @@ class FavorState(NamedTuple):
 
 
 # --------------------------------------------------------------------------------------------
-# Shifts: detached functions of the log-features (..., L, m) -> a tensor broadcastable to them.
+# Shifts: functions of the log-features (..., L, m) -> a tensor broadcastable to them. The keys' are detached (they
+# cancel exactly in the attention ratio); the queries' row max is not (the stabilizer added after it is relative to it).
 
 
 def _row_shift(log_features: Tensor) -> Tensor:
-    """Per-row max (queries): (B, H, L, m) -> (B, H, L, 1)."""
+    """Per-row max (queries), differentiable: (B, H, L, m) -> (B, H, L, 1)."""
     return log_features.amax(dim=-1, keepdim=True)
 
 
 def _global_shift(log_features: Tensor) -> Tensor:
-    """One max over all real keys per (batch, head): (B, H, L, m) -> (B, H, 1, 1); 0 if none."""
-    shift = log_features.amax(dim=(-2, -1), keepdim=True)
+    """One max over all real keys per (batch, head), detached: (B, H, L, m) -> (B, H, 1, 1); 0 if none."""
+    shift = log_features.detach().amax(dim=(-2, -1), keepdim=True)
     return torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
 
 
 def _running_shift(prev_shift: Tensor) -> ShiftFn:
-    """Running max over positions <= j, continuing from ``prev_shift`` (B, H): -> (B, H, L, 1)."""
+    """Running max over positions <= j, continuing from ``prev_shift`` (B, H), detached: -> (B, H, L, 1)."""
 
     def shift_of(log_features: Tensor) -> Tensor:
-        row_max = log_features.amax(dim=-1).nan_to_num(neginf=EMPTY_SHIFT)  # (B, H, L)
+        row_max = log_features.detach().amax(dim=-1).nan_to_num(neginf=EMPTY_SHIFT)  # (B, H, L)
         row_max = row_max.maximum(prev_shift.unsqueeze(-1))
         return torch.cummax(row_max, dim=-1).values.unsqueeze(-1)
 
@@ -91,8 +96,8 @@ def _features(
 ) -> tuple[Tensor, Tensor | None]:
     """Features of any registered map, through autograd: (B, H, L, d) -> ((B, H, L, m'), shift or None).
 
-    ``keep`` (B, 1, L, 1) zeroes the features of padded keys. The shift (detached) is ``None``
-    for maps without an exponential part (relu, elu), which need none.
+    ``keep`` (B, 1, L, 1) zeroes the features of padded keys. The shift (``shift_of``'s: detached for keys, not for
+    queries) is ``None`` for maps without an exponential part (relu, elu), which need none.
     """
     base, log_scale = get_feature_map(kernel).compute(x, projection)
     shift = None
@@ -101,7 +106,7 @@ def _features(
     else:
         if keep is not None:
             log_scale = log_scale.masked_fill(~keep, float("-inf"))
-        shift = shift_of(log_scale.detach())
+        shift = shift_of(log_scale)
         features = torch.exp(log_scale - shift)
         features = features if base is None else base * features
     return (features + stabilizer if stabilizer else features), shift

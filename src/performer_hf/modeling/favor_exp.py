@@ -58,7 +58,8 @@ class ScanResult(NamedTuple):
     """What :func:`causal_exp_sums` returns.
 
     Attributes:
-        sums: (B, H, L, dv + 1), query i's relative to ``exp(q_shifts_i + shifts_i)``.
+        sums: (B, H, L, dv + 1), query i's relative to ``exp(q_shifts_i + shifts_i)``; its stabilizer relative to
+            query i's largest feature, through which the stabilizer's gradient goes.
         q_shifts, shifts: (B, H, L) the query and key shifts (constants for autograd).
         kv, shift: the state after the last position, (B, H, m', dv + 1) relative to ``exp(shift)`` (B, H).
     """
@@ -95,6 +96,20 @@ def _exp_query_features(x: Tensor, directions: Tensor, bias=None) -> tuple[Tenso
         log_phi.add_(bias)
     top = log_phi.amax(dim=-1, keepdim=True)
     return log_phi.sub_(top).exp_(), top
+
+
+def _add_stabilizer_grad(g: Tensor, phi: Tensor, grad_phi_sum: Tensor, stabilizer: float) -> Tensor:
+    """The stabilizer's share of d loss / d log phi of queries, added into ``g`` (B, H, S, m') in place.
+
+    The queries' features are ``exp(log phi_r - shift) + stabilizer * exp(max_s log phi_s - shift)``: the stabilizer
+    is relative to each query's largest feature. With the shift held constant (the sums are relative to it), that
+    largest log-feature gets ``stabilizer * sum_r d loss / d phi_r`` (``grad_phi_sum`` (B, H, S, 1), overwritten);
+    through ``g`` it reaches the queries, directions and bias. ``phi``: the features relative to the largest
+    (:func:`_exp_query_features`), overwritten: ``floor`` keeps their 1 at the largest and zeroes the rest (exact ties
+    share, as autograd's ``amax`` splits its gradient), at a third of the cost of ``max``'s indices on CPU.
+    """
+    top = phi.floor_()  # (B, H, S, m'): 1 at each query's largest feature, 0 elsewhere
+    return g.addcmul_(top, grad_phi_sum.mul_(stabilizer).div_(top.sum(dim=-1, keepdim=True)))
 
 
 def _exp_input_grad(g: Tensor, x: Tensor, directions: Tensor) -> Tensor:
@@ -162,12 +177,16 @@ class _BidirectionalExp(torch.autograd.Function):
         grad_q, grad_k, grad_v1 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v1)
         grad_kv = torch.zeros_like(kv)
         grad_directions = torch.zeros_like(directions) if want_directions else None
+        # (B, H, dv + 1, 1): g1 kv_rows = sum_r d loss / d phi_r, the stabilizer's gradient
+        kv_rows = kv.sum(dim=-2, keepdim=True).transpose(-2, -1)
         for a, b in spans(q.shape[2], slab):
             x, g1 = q[:, :, a:b], grad_out1[:, :, a:b]
             phi, _ = _exp_query_features(x, directions)  # without the stabilizer
             g = g1 @ kv.transpose(-2, -1)  # (B, H, S, m'): d loss / d phi
             grad_kv.add_((phi + stabilizer if stabilizer else phi).transpose(-2, -1) @ g1)
             g.mul_(phi)  # d loss / d log phi
+            if stabilizer:
+                _add_stabilizer_grad(g, phi, g1 @ kv_rows, stabilizer)
             grad_q[:, :, a:b] = _exp_input_grad(g, x, directions)
             if want_directions:
                 grad_directions.add_(_exp_directions_grad(g, x, directions))
@@ -187,7 +206,8 @@ class _CausalExp(torch.autograd.Function):
 
     Features: ``phi(x) = exp(x D^T + bias - |x|^2 / 2 + row) / sqrt(m')`` with directions D (m', d) or per head
     (.., H, m', d), an optional per-feature ``bias`` (.., H, 1, m') (FAVOR++) and, for keys, an optional per-key
-    ``key_row`` (B, H, L, 1) (hybrid attention's centering term). Queries are normalised by their row max.
+    ``key_row`` (B, H, L, 1) (hybrid attention's centering term). Queries are normalised by their row max, then get
+    the stabilizer (its gradient: :func:`_add_stabilizer_grad`).
 
     Inside a slab everything is batched over its chunks: exact masked (C, C) products within each
     chunk, and each chunk's start state (m' x (dv + 1), relative to the running key shift) from a
@@ -316,7 +336,10 @@ class _CausalExp(torch.autograd.Function):
             grad_v.add_((kc @ after).mul_(to_end))
             grad_v1[:, :, a:b] = grad_v.view(B, H, b - a, d1)
 
+            grad_phi_sum = grad_phi_q.sum(dim=-1, keepdim=True).view(B, H, b - a, 1) if stabilizer else None
             g_q = grad_phi_q.mul_(qc).view(B, H, b - a, m)  # d loss / d log phi
+            if stabilizer:
+                _add_stabilizer_grad(g_q, phi_q, grad_phi_sum, stabilizer)
             g_k = grad_phi_k.mul_(kc).view(B, H, b - a, m)
             grad_q[:, :, a:b] = _exp_input_grad(g_q, xq, directions)
             grad_k[:, :, a:b] = _exp_input_grad(g_k, xk, directions)

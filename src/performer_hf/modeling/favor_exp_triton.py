@@ -94,21 +94,40 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
 
     @triton.jit
     def _row_max_kernel(
-        X, DIR, BIAS, OUT, H, L, M, dir_b, dir_h, bias_b, bias_h,
+        X, DIR, BIAS, OUT, TOP, H, L, M, dir_b, dir_h, bias_b, bias_h,
         D: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        # program (bh, tile): max_r (x . D_r + bias_r) for the tile's C rows
+        # program (bh, tile): max_r (x . D_r + bias_r) for the tile's C rows, and its r (the first of equal ones)
         bh, tile = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # int64 offsets: B H L d passes 2^31
         b, h = bh // H, bh % H
         rows = tile * C + tl.arange(0, C)
         live = rows < L
         x = tl.load(X + (bh * L + rows)[:, None] * D + tl.arange(0, D)[None, :], mask=live[:, None], other=0.0)
         best = tl.full((C,), float("-inf"), dtype=tl.float32)
+        top = tl.zeros((C,), dtype=tl.int32)
         for f0 in range(0, M, BM):
             feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, f0, M, dir_b, dir_h, bias_b, bias_h, D, BM)
             logits = tl.dot(x, tl.trans(dirs), input_precision=PRECISION) + bias[None, :]
-            best = tl.maximum(best, tl.max(tl.where(exists[None, :], logits, float("-inf")), axis=1))
+            block_best, block_top = tl.max(
+                tl.where(exists[None, :], logits, float("-inf")), axis=1, return_indices=True
+            )
+            top = tl.where(block_best > best, block_top + f0, top)
+            best = tl.maximum(best, block_best)
         tl.store(OUT + bh * L + rows, best, mask=live)
+        tl.store(TOP + bh * L + rows, top, mask=live)
+
+    @triton.jit
+    def _stabilizer_grads(TOP, DIR, b, h, bh, rows, live, L, dir_b, dir_h, stabilizer, d_phi_sum, D: tl.constexpr):
+        # The stabilizer's share of the query rows' gradients (C, D) and of their offsets' (C,): it is relative to
+        # each query's largest feature (index TOP's, direction D_top), stabilizer * exp(x . D_top + bias_top + offset),
+        # whose log gets stabilizer * sum_r d loss / d phi_r (d_phi_sum (C,))
+        top = tl.load(TOP + bh * L + rows, mask=live, other=0)
+        dims = tl.arange(0, D)
+        top_dirs = tl.load(
+            DIR + b * dir_b + h * dir_h + top[:, None] * D + dims[None, :], mask=live[:, None], other=0.0
+        )
+        d_top = stabilizer * d_phi_sum
+        return d_top[:, None] * top_dirs, d_top
 
     @triton.jit
     def _row_features(X, OFF, bh, rows, live, dirs, bias, exists, L, D: tl.constexpr, PRECISION: tl.constexpr):
@@ -208,14 +227,15 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
 
     @triton.jit
     def _rows_kernel(
-        X, OFF, G, S, DIR, BIAS, OUT, DX, DOFF,
+        X, OFF, TOP, G, S, DIR, BIAS, OUT, DX, DOFF,
         H, L, M, E, dir_b, dir_h, bias_b, bias_h, stabilizer,
         D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
         PRECISION: tl.constexpr, GRADIENT: tl.constexpr,
     ):  # fmt: skip
         # program (bh, tile): for the tile's C rows, over every block of features of the state S (B, H, M, E):
         # OUT = (phi(x) + stabilizer) S (the sums, or the values' gradient); with GRADIENT, from G (C, E):
-        # d log phi = (G S^T) phi, DX = d log phi D and DOFF = its row sums (the rows' and their offsets' gradients)
+        # d log phi = (G S^T) phi, DX = d log phi D and DOFF = its row sums (the rows' and their offsets' gradients),
+        # with TOP (queries: the index of each row's largest feature) the stabilizer's share (:func:`_stabilizer_grads`)
         bh, tile = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         b, h = bh // H, bh % H
         rows = tile * C + tl.arange(0, C)
@@ -229,6 +249,7 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
         acc_tail = tl.zeros((C,), dtype=tl.float32)
         d_x = tl.zeros((C, D), dtype=tl.float32)
         d_off = tl.zeros((C,), dtype=tl.float32)
+        d_phi_sum = tl.zeros((C,), dtype=tl.float32)
         for f0 in range(0, M, BM):
             feats, exists, dirs, bias = _directions(DIR, BIAS, b, h, f0, M, dir_b, dir_h, bias_b, bias_h, D, BM)
             state, state_tail = _load_state(S, bh, feats, exists, M, E, EP, TAIL)  # (BM, EP), (BM,)
@@ -240,12 +261,19 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
                 d_log = d_phi * phi
                 d_x += tl.dot(d_log, dirs, input_precision=PRECISION)
                 d_off += tl.sum(d_log, axis=1)
+                d_phi_sum += tl.sum(d_phi, axis=1)
             else:
                 phi = tl.where(exists[None, :], phi + stabilizer, 0.0)
                 acc += tl.dot(phi, state, input_precision=PRECISION)
                 if TAIL:
                     acc_tail += tl.sum(phi * state_tail[None, :], axis=1)
         if GRADIENT:
+            if TOP is not None:
+                d_x_top, d_off_top = _stabilizer_grads(
+                    TOP, DIR, b, h, bh, rows, live, L, dir_b, dir_h, stabilizer, d_phi_sum, D
+                )
+                d_x += d_x_top
+                d_off += d_off_top
             tl.store(DX + (bh * L + rows)[:, None] * D + dims[None, :], d_x, mask=live[:, None])
             tl.store(DOFF + bh * L + rows, d_off, mask=live)
         else:
@@ -425,21 +453,23 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
 
     @triton.jit
     def _chunk_query_grad_kernel(
-        GRAD, Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, SHIFT0, CHUNKS, DQ, DQOFF,
-        H, L, M, E, dir_b, dir_h, bias_b, bias_h,
+        GRAD, Q, K, V1, QOFF, KOFF, SHIFTS, DIR, BIAS, SHIFT0, CHUNKS, QTOP, DQ, DQOFF,
+        H, L, M, E, dir_b, dir_h, bias_b, bias_h, stabilizer,
         D: tl.constexpr, EP: tl.constexpr, TAIL: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
         PRECISION: tl.constexpr,
     ):  # fmt: skip
         # program (bh, chunk): the chunk's queries' gradients, from its keys and the state before it (CHUNKS'), over
-        # every block of features. d phi_q = (g v^T * decay) phi_k + exp(prev - s) g S^T; d log phi_q = d phi_q phi_q
+        # every block of features. d phi_q = (g v^T * decay) phi_k + exp(prev - s) g S^T; d log phi_q = d phi_q phi_q;
+        # and the stabilizer's share (:func:`_stabilizer_grads`, QTOP: the index of each query's largest feature)
         chunks, bh, b, h, n, rows, live, v, v_tail, s, end, g, g_tail, decay, d_scores = _chunk_grad_rows(
             GRAD, V1, SHIFTS, L, H, E, EP, TAIL, C, PRECISION
         )
         to_query = tl.exp(_start_shift(SHIFTS, SHIFT0, bh, L, n * C) - s)  # (C,)
         d_q = tl.zeros((C, D), dtype=tl.float32)
         d_q_off = tl.zeros((C,), dtype=tl.float32)
+        d_phi_sum = tl.zeros((C,), dtype=tl.float32)
         for f0 in range(0, M, BM):
-            # (the query features' own, without the stabilizer, which has no gradient)
+            # (the query features' own, without the stabilizer: its gradient follows the loop)
             dirs, phi_q, phi_k, state, state_tail = _chunk_block(
                 Q, K, QOFF, KOFF, DIR, BIAS, CHUNKS, bh * chunks + n, bh, b, h, f0, rows, live, L, M, E,
                 dir_b, dir_h, bias_b, bias_h, 0.0, D, EP, TAIL, BM, PRECISION,
@@ -451,7 +481,11 @@ if triton is not None:  # defined at import, when Triton reads TRITON_INTERPRET 
             d_log = d_phi * phi_q  # (C, BM)
             d_q += tl.dot(d_log, dirs, input_precision=PRECISION)
             d_q_off += tl.sum(d_log, axis=1)
-        _store_row_grads(DQ, DQOFF, bh, rows, live, d_q, d_q_off, L, D)
+            d_phi_sum += tl.sum(d_phi, axis=1)
+        d_q_top, d_q_off_top = _stabilizer_grads(
+            QTOP, DIR, b, h, bh, rows, live, L, dir_b, dir_h, stabilizer, d_phi_sum, D
+        )
+        _store_row_grads(DQ, DQOFF, bh, rows, live, d_q + d_q_top, d_q_off + d_q_off_top, L, D)
 
     @triton.jit
     def _chunk_key_grad_kernel(
@@ -523,15 +557,16 @@ def _settings(q: Tensor, width: int, precision: str) -> dict:
     return dict(D=q.shape[-1], EP=tile, TAIL=tail, BM=FEATURES_PER_PROGRAM, C=CHUNK, PRECISION=precision)
 
 
-def _row_max(x: Tensor, directions: Tensor, bias: Tensor | None, precision: str) -> Tensor:
-    """``max_r (x . D_r + bias_r)`` (B, H, L) of rows x (B, H, L, d)."""
+def _row_max(x: Tensor, directions: Tensor, bias: Tensor | None, precision: str) -> tuple[Tensor, Tensor]:
+    """``max_r (x . D_r + bias_r)`` (B, H, L) of rows x (B, H, L, d), and its index r (B, H, L) int32 (the first of
+    equal ones)."""
     (x,) = contiguous_rows(x)
     B, H, L, _ = x.shape
     dirs, bias, *strides = _features_args(x, directions, bias)
-    out = x.new_empty(B, H, L)
+    out, top = x.new_empty(B, H, L), x.new_empty(B, H, L, dtype=torch.int32)
     settings = dict(D=x.shape[-1], C=64, BM=FEATURES_PER_PROGRAM, PRECISION=input_precision(precision))
-    _row_max_kernel[(B * H, triton.cdiv(L, 64))](x, dirs, bias, out, H, L, dirs.shape[-2], *strides, **settings)
-    return out
+    _row_max_kernel[(B * H, triton.cdiv(L, 64))](x, dirs, bias, out, top, H, L, dirs.shape[-2], *strides, **settings)
+    return out, top
 
 
 def segments(batch_heads: int, features: int, length: int) -> tuple[int, int]:
@@ -562,10 +597,11 @@ def _keys_walk(
 
 
 def _forward(
-    q: Tensor, k: Tensor, v1: Tensor, q_off: Tensor, k_off: Tensor, shifts: Tensor, directions: Tensor,
+    q: Tensor, k: Tensor, v1: Tensor, q_off: Tensor, q_top: Tensor, k_off: Tensor, shifts: Tensor, directions: Tensor,
     bias: Tensor | None, kv0: Tensor, shift0: Tensor, stabilizer: float, precision: str,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The sums (B, H, L, E), the state after the call (B, H, m, E) and each segment's start state (B, H, S, m, E).
+    """The sums (B, H, L, E), the state after the call (B, H, m, E) and each segment's start state (B, H, S, m, E)
+    (``q_top``, the index of each query's largest feature, is backward's).
 
     The keys' walk gives the state before every chunk of :data:`CHUNK` positions (its segments in parallel, each from
     its start state: the segments' own states, then their scan); then each chunk's sums, every chunk in parallel, from
@@ -597,8 +633,9 @@ def _forward(
 
 
 def _backward(
-    grad: Tensor, grad_kv: Tensor, q: Tensor, k: Tensor, v1: Tensor, q_off: Tensor, k_off: Tensor, shifts: Tensor,
-    directions: Tensor, bias: Tensor | None, starts: Tensor, shift0: Tensor, stabilizer: float, precision: str,
+    grad: Tensor, grad_kv: Tensor, q: Tensor, k: Tensor, v1: Tensor, q_off: Tensor, q_top: Tensor, k_off: Tensor,
+    shifts: Tensor, directions: Tensor, bias: Tensor | None, starts: Tensor, shift0: Tensor, stabilizer: float,
+    precision: str,
 ) -> list[Tensor]:  # fmt: skip
     """The gradients of q, k, v1, q_off, k_off and the state before the call, from each segment's start state.
 
@@ -606,8 +643,8 @@ def _backward(
     and the gradient of the state after every chunk (the queries' walk in reverse: each segment's own, then the
     segments' scan's adjoint); then every chunk's gradients in parallel, its queries' from the one, its keys' and
     values' from the other."""
-    tensors = contiguous_rows(grad, grad_kv, q, k, v1, q_off, k_off, shifts, starts, shift0)
-    grad, grad_kv, q, k, v1, q_off, k_off, shifts, starts, shift0 = tensors
+    tensors = contiguous_rows(grad, grad_kv, q, k, v1, q_off, q_top, k_off, shifts, starts, shift0)
+    grad, grad_kv, q, k, v1, q_off, q_top, k_off, shifts, starts, shift0 = tensors
     B, H, L, _ = q.shape
     E, M = v1.shape[-1], directions.shape[-2]
     dirs, bias, *strides = _features_args(q, directions, bias)
@@ -635,7 +672,7 @@ def _backward(
     d_q, d_k, d_v1, d_q_off, d_k_off = (torch.empty_like(t) for t in (q, k, v1, q_off, k_off))
     rows = (grad, q, k, v1, q_off, k_off, shifts, dirs, bias)
     chunks, settings = (B * H * triton.cdiv(L, CHUNK),), {**settings, "BM": SUM_FEATURES}
-    args = (*rows, shift0, chunk_states, d_q, d_q_off, H, L, M, E, *strides)
+    args = (*rows, shift0, chunk_states, q_top, d_q, d_q_off, H, L, M, E, *strides, stabilizer)
     launch_fitting(_chunk_query_grad_kernel, chunks, args, settings, TILES)
     args = (*rows, d_chunk_states, d_k, d_k_off, d_v1, H, L, M, E, *strides, stabilizer)
     launch_fitting(_chunk_key_grad_kernel, chunks, args, settings, TILES)
@@ -661,17 +698,20 @@ def rows_per_program(head_dim: int) -> int:
 
 
 def _rows(
-    x: Tensor, off: Tensor, state: Tensor, features: tuple, stabilizer: float, precision: str, g: Tensor | None = None
-) -> Tensor | tuple[Tensor, Tensor]:
+    x: Tensor, off: Tensor, state: Tensor, features: tuple, stabilizer: float, precision: str, g: Tensor | None = None,
+    top: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """For rows x (B, H, L, d) with offsets (B, H, L) and a state (B, H, M, E): ``(phi(x) + stabilizer) state``
-    (B, H, L, E); or with ``g`` (B, H, L, E), the gradients of x and of the offsets of ``sum g . phi(x) state``."""
+    (B, H, L, E); or with ``g`` (B, H, L, E), the gradients of x and of the offsets of ``sum g . phi(x) state``,
+    with ``top`` (B, H, L) (queries: the index of each row's largest feature) also the stabilizer's, which is
+    relative to that feature."""
     B, H, L, d = x.shape
     M, E = state.shape[-2:]
     dirs, bias, *strides = features
     gradient = g is not None
     out = None if gradient else x.new_empty(B, H, L, E)
     d_x, d_off = (x.new_empty(B, H, L, d), x.new_empty(B, H, L)) if gradient else (None, None)
-    args = (x, off, g, state, dirs, bias, out, d_x, d_off, H, L, M, E, *strides, stabilizer)
+    args = (x, off, top, g, state, dirs, bias, out, d_x, d_off, H, L, M, E, *strides, stabilizer)
     rows = rows_per_program(d)
     settings = {**_settings(x, E, precision), "C": rows, "GRADIENT": gradient}
     launch_fitting(_rows_kernel, (B * H, triton.cdiv(L, rows)), args, settings, TILES)
@@ -679,10 +719,11 @@ def _rows(
 
 
 def _bidirectional_forward(
-    q: Tensor, k: Tensor, v1: Tensor, q_off: Tensor, k_off: Tensor, directions: Tensor, bias: Tensor | None,
-    stabilizer: float, precision: str,
+    q: Tensor, k: Tensor, v1: Tensor, q_off: Tensor, q_top: Tensor, k_off: Tensor, directions: Tensor,
+    bias: Tensor | None, stabilizer: float, precision: str,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """The sums (B, H, Lq, E) and the keys' state (B, H, M, E)."""
+    """The sums (B, H, Lq, E) and the keys' state (B, H, M, E) (``q_top``, the index of each query's largest
+    feature, is backward's)."""
     q, k, v1, q_off, k_off = contiguous_rows(q, k, v1, q_off, k_off)
     features = _features_args(q, directions, bias)
     kv = q.new_zeros(*q.shape[:2], directions.shape[-2], v1.shape[-1])  # added into, a share per segment
@@ -691,15 +732,15 @@ def _bidirectional_forward(
 
 
 def _bidirectional_backward(
-    grad: Tensor, q: Tensor, k: Tensor, v1: Tensor, q_off: Tensor, k_off: Tensor, directions: Tensor,
+    grad: Tensor, q: Tensor, k: Tensor, v1: Tensor, q_off: Tensor, q_top: Tensor, k_off: Tensor, directions: Tensor,
     bias: Tensor | None, kv: Tensor, stabilizer: float, precision: str,
 ) -> list[Tensor]:  # fmt: skip
     """The gradients of q, k, v1, q_off and k_off."""
-    grad, q, k, v1, q_off, k_off, kv = contiguous_rows(grad, q, k, v1, q_off, k_off, kv)
+    grad, q, k, v1, q_off, q_top, k_off, kv = contiguous_rows(grad, q, k, v1, q_off, q_top, k_off, kv)
     features = _features_args(q, directions, bias)
     d_kv = torch.zeros_like(kv)
     _sum(q, q_off, grad, features, d_kv, stabilizer, precision)
-    d_q, d_q_off = _rows(q, q_off, kv, features, stabilizer, precision, g=grad)
+    d_q, d_q_off = _rows(q, q_off, kv, features, stabilizer, precision, g=grad, top=q_top)
     d_v1 = _rows(k, k_off, d_kv, features, 0.0, precision)
     d_k, d_k_off = _rows(k, k_off, d_kv, features, 0.0, precision, g=v1)
     return [d_q, d_k, d_v1, d_q_off, d_k_off]
@@ -727,33 +768,33 @@ def _register() -> None:
 
     @row_max.register_fake
     def _(x, directions, bias, precision):
-        return x.new_empty(x.shape[:3])
+        return x.new_empty(x.shape[:3]), x.new_empty(x.shape[:3], dtype=torch.int32)
 
     @forward.register_fake
-    def _(q, k, v1, q_off, k_off, shifts, directions, bias, kv0, shift0, stabilizer, precision):
+    def _(q, k, v1, q_off, q_top, k_off, shifts, directions, bias, kv0, shift0, stabilizer, precision):
         S = segments(q.shape[0] * q.shape[1], directions.shape[-2], q.shape[2])[0]
         starts = kv0.new_empty(*kv0.shape[:2], S, *kv0.shape[2:])
         return q.new_empty(*q.shape[:3], v1.shape[-1]), kv0.new_empty(kv0.shape), starts
 
     @backward.register_fake
-    def _(grad, grad_kv, q, k, v1, q_off, k_off, shifts, directions, bias, starts, *rest):
+    def _(grad, grad_kv, q, k, v1, q_off, q_top, k_off, shifts, directions, bias, starts, *rest):
         return [t.new_empty(t.shape) for t in (q, k, v1, q_off, k_off, grad_kv)]
 
     def setup_context(ctx, inputs, output):
-        q, k, v1, q_off, k_off, shifts, directions, bias, _, shift0, ctx.stabilizer, ctx.precision = inputs
+        q, k, v1, q_off, q_top, k_off, shifts, directions, bias, _, shift0, ctx.stabilizer, ctx.precision = inputs
         ctx.has_bias = bias is not None
-        tensors = (q, k, v1, q_off, k_off, shifts, directions, output[2], shift0)
+        tensors = (q, k, v1, q_off, q_top, k_off, shifts, directions, output[2], shift0)
         ctx.save_for_backward(*tensors, *((bias,) if ctx.has_bias else ()))
 
     def gradients(ctx, grad, grad_kv, _grad_starts):
-        q, k, v1, q_off, k_off, shifts, directions, starts, shift0, *bias = ctx.saved_tensors
+        q, k, v1, q_off, q_top, k_off, shifts, directions, starts, shift0, *bias = ctx.saved_tensors
         bias = bias[0] if ctx.has_bias else None
         grad_kv = starts.new_zeros(*starts.shape[:2], *starts.shape[3:]) if grad_kv is None else grad_kv
         d_q, d_k, d_v1, d_q_off, d_k_off, d_kv0 = torch.ops.performer_hf.causal_exp_scan_backward(
-            grad, grad_kv, q, k, v1, q_off, k_off, shifts, directions, bias, starts, shift0,
+            grad, grad_kv, q, k, v1, q_off, q_top, k_off, shifts, directions, bias, starts, shift0,
             ctx.stabilizer, ctx.precision,
         )  # fmt: skip
-        return d_q, d_k, d_v1, d_q_off, d_k_off, None, None, None, d_kv0, None, None, None
+        return d_q, d_k, d_v1, d_q_off, None, d_k_off, None, None, None, d_kv0, None, None, None
 
     library.register_autograd("performer_hf::causal_exp_scan", gradients, setup_context=setup_context)
 
@@ -769,25 +810,26 @@ def _register_bidirectional() -> None:
     )
 
     @forward.register_fake
-    def _(q, k, v1, q_off, k_off, directions, bias, stabilizer, precision):
+    def _(q, k, v1, q_off, q_top, k_off, directions, bias, stabilizer, precision):
         return q.new_empty(*q.shape[:3], v1.shape[-1]), q.new_empty(*q.shape[:2], directions.shape[-2], v1.shape[-1])
 
     @backward.register_fake
-    def _(grad, q, k, v1, q_off, k_off, *rest):
+    def _(grad, q, k, v1, q_off, q_top, k_off, *rest):
         return [t.new_empty(t.shape) for t in (q, k, v1, q_off, k_off)]
 
     def setup_context(ctx, inputs, output):
-        q, k, v1, q_off, k_off, directions, bias, ctx.stabilizer, ctx.precision = inputs
+        q, k, v1, q_off, q_top, k_off, directions, bias, ctx.stabilizer, ctx.precision = inputs
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(q, k, v1, q_off, k_off, directions, output[1], *((bias,) if ctx.has_bias else ()))
+        tensors = (q, k, v1, q_off, q_top, k_off, directions, output[1])
+        ctx.save_for_backward(*tensors, *((bias,) if ctx.has_bias else ()))
 
     def gradients(ctx, grad, _grad_kv):
-        q, k, v1, q_off, k_off, directions, kv, *bias = ctx.saved_tensors
+        q, k, v1, q_off, q_top, k_off, directions, kv, *bias = ctx.saved_tensors
         bias = bias[0] if ctx.has_bias else None
         d_q, d_k, d_v1, d_q_off, d_k_off = torch.ops.performer_hf.bidirectional_exp_sums_backward(
-            grad, q, k, v1, q_off, k_off, directions, bias, kv, ctx.stabilizer, ctx.precision
+            grad, q, k, v1, q_off, q_top, k_off, directions, bias, kv, ctx.stabilizer, ctx.precision
         )
-        return d_q, d_k, d_v1, d_q_off, d_k_off, None, None, None, None
+        return d_q, d_k, d_v1, d_q_off, None, d_k_off, None, None, None, None
 
     library.register_autograd("performer_hf::bidirectional_exp_sums", gradients, setup_context=setup_context)
 
@@ -814,13 +856,13 @@ def _constants(directions: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor 
     return directions.detach(), None if bias is None else bias.detach()
 
 
-def _offsets(x: Tensor, directions: Tensor, bias: Tensor | None, precision: str) -> tuple[Tensor, Tensor]:
-    """For rows x (B, H, L, d): ``-|x|^2 / 2 - log sqrt(m)`` (differentiable) and ``max_r log phi_r(x)`` (a
-    constant), each (B, H, L)."""
+def _offsets(x: Tensor, directions: Tensor, bias: Tensor | None, precision: str) -> tuple[Tensor, Tensor, Tensor]:
+    """For rows x (B, H, L, d): ``-|x|^2 / 2 - log sqrt(m)`` (differentiable), ``max_r log phi_r(x)`` (a constant)
+    and that r (int32), each (B, H, L)."""
     with torch.no_grad():
-        top = torch.ops.performer_hf.exp_row_max(x.detach(), directions, bias, precision)
+        top, index = torch.ops.performer_hf.exp_row_max(x.detach(), directions, bias, precision)
     base = -0.5 * x.pow(2).sum(-1) - 0.5 * math.log(directions.shape[-2])
-    return base, (top + base).detach()
+    return base, (top + base).detach(), index
 
 
 def _key_terms(
@@ -828,7 +870,7 @@ def _key_terms(
 ) -> tuple[Tensor, Tensor]:
     """Keys' offsets before any shift (differentiable) and their largest log-features (constants, ``EMPTY_SHIFT``
     for keys left out): k (B, H, L, d), key_row (B, H, L, 1) or None, mask (B, L) bool or None -> each (B, H, L)."""
-    base, top = _offsets(k, directions, bias, precision)
+    base, top, _ = _offsets(k, directions, bias, precision)
     if key_row is not None:
         base, top = base + key_row.squeeze(-1), top + key_row.squeeze(-1).detach()
     if mask is not None:
@@ -872,7 +914,7 @@ def causal_exp_sums(
     B, H, L, _ = q.shape
     m = directions.shape[-2]
     directions, bias = _constants(directions, bias)
-    q_base, q_shifts = _offsets(q, directions, bias, precision)
+    q_base, q_shifts, q_top = _offsets(q, directions, bias, precision)
     k_base, k_max = _key_terms(k, directions, bias, key_row, mask, precision)
     if state is None:
         kv0, shift0 = q.new_zeros(B, H, m, v1.shape[-1]), q.new_full((B, H), EMPTY_SHIFT)
@@ -881,8 +923,9 @@ def causal_exp_sums(
     shifts = torch.cummax(torch.maximum(k_max, shift0.detach()[..., None]), dim=-1).values  # s_j: running max
     k_off = _shifted(k_base, shifts, mask)
     out1, kv, _ = torch.ops.performer_hf.causal_exp_scan(
-        q, k, v1, q_base - q_shifts, k_off, shifts, directions, bias, kv0, shift0.detach(), float(stabilizer), precision
-    )
+        q, k, v1, q_base - q_shifts, q_top, k_off, shifts, directions, bias, kv0, shift0.detach(), float(stabilizer),
+        precision,
+    )  # fmt: skip
     shift = shifts[..., -1] if L else shift0.detach()
     return out1, q_shifts, shifts, kv, shift
 
@@ -901,10 +944,10 @@ def bidirectional_exp_sums(
     v1 (B, H, Lk, E), the :class:`.favor_exp.ExpFeatures` (directions, bias, stabilizer), mask (B, Lk) bool or None
     -> ``phi(q_i) . sum_j phi(k_j) v1_j`` (B, H, Lq, E), float32, each query's row relative to a scale of its own."""
     directions, bias = _constants(directions, bias)
-    q_base, q_top = _offsets(q, directions, bias, precision)
+    q_base, q_shifts, q_top = _offsets(q, directions, bias, precision)
     k_off, _ = _key_offsets(k, directions, bias, None, mask, precision)
     out, _ = torch.ops.performer_hf.bidirectional_exp_sums(
-        q, k, v1, q_base - q_top, k_off, directions, bias, float(stabilizer), precision
+        q, k, v1, q_base - q_shifts, q_top, k_off, directions, bias, float(stabilizer), precision
     )
     return out
 

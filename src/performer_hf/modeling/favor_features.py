@@ -32,11 +32,10 @@ class FeatureMap:
     Attributes:
         name: registry key (the ``kernel`` argument of ``favor_attention``).
         compute: ``(x, projection) -> (base, log_scale)``.
-        query_stabilizer: added to each query feature after the per-query max shift, so that
-            the attention normaliser can never be zero (relative to the largest feature).
         description: what the map computes, as model cards say it.
         query_stabilizer: added to each query feature after the per-query max shift, so that
-            the attention normaliser can never be zero (relative to the largest feature).
+            the attention normaliser can never be zero (relative to the largest feature: the output depends on that
+            max, and its gradient goes through it).
         uses_projection: whether the map reads the random projection at all.
         nonnegative: whether the features are guaranteed >= 0 (a valid attention distribution).
         exp_directions: for maps of the form ``exp(x D^T - |x|^2 / 2) / sqrt(rows of D)``, the rows ``D`` as a
