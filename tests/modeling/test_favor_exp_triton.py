@@ -387,18 +387,18 @@ def test_the_operators_take_rows_of_any_strides(monkeypatch):
         t.to(DEVICE) for t in (q, k, v1, grad, q_off, q_top, k_off, directions, bias, kv0, shift0, shifts)
     )
     ops, features = torch.ops.performer_hf, (directions, bias)
-    assert_strides_do_not_matter(ops.exp_row_max.default, [q, *features, "pytorch"])
+    assert_strides_do_not_matter(ops.exp_row_max_v2.default, [q, *features, "pytorch"])
     scan = [q, k, v1, q_off, q_top, k_off, shifts, *features, kv0, shift0, 1e-3, "pytorch"]
-    assert_strides_do_not_matter(ops.causal_exp_scan.default, scan)
-    starts = ops.causal_exp_scan(*scan)[2]
+    assert_strides_do_not_matter(ops.causal_exp_scan_v2.default, scan)
+    starts = ops.causal_exp_scan_v2(*scan)[2]
     assert starts.shape[2] == 3
     scan_backward = [grad, kv0, q, k, v1, q_off, q_top, k_off, shifts, *features, starts, shift0, 1e-3, "pytorch"]
-    assert_strides_do_not_matter(ops.causal_exp_scan_backward.default, scan_backward)
+    assert_strides_do_not_matter(ops.causal_exp_scan_backward_v2.default, scan_backward)
     sums = [q, k, v1, q_off, q_top, k_off, *features, 1e-3, "pytorch"]
-    assert_strides_do_not_matter(ops.bidirectional_exp_sums.default, sums)
-    kv = ops.bidirectional_exp_sums(*sums)[1]
+    assert_strides_do_not_matter(ops.bidirectional_exp_sums_v2.default, sums)
+    kv = ops.bidirectional_exp_sums_v2(*sums)[1]
     sums_backward = [grad, q, k, v1, q_off, q_top, k_off, *features, kv, 1e-3, "pytorch"]
-    assert_strides_do_not_matter(ops.bidirectional_exp_sums_backward.default, sums_backward)
+    assert_strides_do_not_matter(ops.bidirectional_exp_sums_backward_v2.default, sums_backward)
     assert_strides_do_not_matter(ops.exp_key_state.default, [k, k_off, v1, *features, "pytorch"])
 
 

@@ -758,13 +758,15 @@ def _key_state(k: Tensor, k_off: Tensor, v1: Tensor, directions: Tensor, bias: T
 def _register() -> None:
     """The kernels as custom operators (opaque to ``torch.compile``, which calls them between its own kernels), with
     their shapes for tracing and the scan's gradients. A second copy of this module (remote code beside the installed
-    package) finds them registered and uses them."""
-    if hasattr(torch.ops.performer_hf, "causal_exp_scan"):
+    package) finds them registered and uses them. Their names carry the version of their signatures (``_v2``: with
+    the index of each query's largest feature, for the stabilizer's gradient), so that a copy of an older version
+    (a folder converted before) registers its own rather than call these with other arguments."""
+    if hasattr(torch.ops.performer_hf, "causal_exp_scan_v2"):
         return
     library = torch.library
-    row_max = library.custom_op("performer_hf::exp_row_max", mutates_args=())(_row_max)
-    forward = library.custom_op("performer_hf::causal_exp_scan", mutates_args=())(_forward)
-    backward = library.custom_op("performer_hf::causal_exp_scan_backward", mutates_args=())(_backward)
+    row_max = library.custom_op("performer_hf::exp_row_max_v2", mutates_args=())(_row_max)
+    forward = library.custom_op("performer_hf::causal_exp_scan_v2", mutates_args=())(_forward)
+    backward = library.custom_op("performer_hf::causal_exp_scan_backward_v2", mutates_args=())(_backward)
 
     @row_max.register_fake
     def _(x, directions, bias, precision):
@@ -790,22 +792,22 @@ def _register() -> None:
         q, k, v1, q_off, q_top, k_off, shifts, directions, starts, shift0, *bias = ctx.saved_tensors
         bias = bias[0] if ctx.has_bias else None
         grad_kv = starts.new_zeros(*starts.shape[:2], *starts.shape[3:]) if grad_kv is None else grad_kv
-        d_q, d_k, d_v1, d_q_off, d_k_off, d_kv0 = torch.ops.performer_hf.causal_exp_scan_backward(
+        d_q, d_k, d_v1, d_q_off, d_k_off, d_kv0 = torch.ops.performer_hf.causal_exp_scan_backward_v2(
             grad, grad_kv, q, k, v1, q_off, q_top, k_off, shifts, directions, bias, starts, shift0,
             ctx.stabilizer, ctx.precision,
         )  # fmt: skip
         return d_q, d_k, d_v1, d_q_off, None, d_k_off, None, None, None, d_kv0, None, None, None
 
-    library.register_autograd("performer_hf::causal_exp_scan", gradients, setup_context=setup_context)
+    library.register_autograd("performer_hf::causal_exp_scan_v2", gradients, setup_context=setup_context)
 
 
 def _register_bidirectional() -> None:
     """The bidirectional sums as custom operators, as :func:`_register` does the scan."""
-    if hasattr(torch.ops.performer_hf, "bidirectional_exp_sums"):
+    if hasattr(torch.ops.performer_hf, "bidirectional_exp_sums_v2"):
         return
     library = torch.library
-    forward = library.custom_op("performer_hf::bidirectional_exp_sums", mutates_args=())(_bidirectional_forward)
-    backward = library.custom_op("performer_hf::bidirectional_exp_sums_backward", mutates_args=())(
+    forward = library.custom_op("performer_hf::bidirectional_exp_sums_v2", mutates_args=())(_bidirectional_forward)
+    backward = library.custom_op("performer_hf::bidirectional_exp_sums_backward_v2", mutates_args=())(
         _bidirectional_backward
     )
 
@@ -826,12 +828,12 @@ def _register_bidirectional() -> None:
     def gradients(ctx, grad, _grad_kv):
         q, k, v1, q_off, q_top, k_off, directions, kv, *bias = ctx.saved_tensors
         bias = bias[0] if ctx.has_bias else None
-        d_q, d_k, d_v1, d_q_off, d_k_off = torch.ops.performer_hf.bidirectional_exp_sums_backward(
+        d_q, d_k, d_v1, d_q_off, d_k_off = torch.ops.performer_hf.bidirectional_exp_sums_backward_v2(
             grad, q, k, v1, q_off, q_top, k_off, directions, bias, kv, ctx.stabilizer, ctx.precision
         )
         return d_q, d_k, d_v1, d_q_off, None, d_k_off, None, None, None, None
 
-    library.register_autograd("performer_hf::bidirectional_exp_sums", gradients, setup_context=setup_context)
+    library.register_autograd("performer_hf::bidirectional_exp_sums_v2", gradients, setup_context=setup_context)
 
 
 def _register_key_state() -> None:
@@ -860,7 +862,7 @@ def _offsets(x: Tensor, directions: Tensor, bias: Tensor | None, precision: str)
     """For rows x (B, H, L, d): ``-|x|^2 / 2 - log sqrt(m)`` (differentiable), ``max_r log phi_r(x)`` (a constant)
     and that r (int32), each (B, H, L)."""
     with torch.no_grad():
-        top, index = torch.ops.performer_hf.exp_row_max(x.detach(), directions, bias, precision)
+        top, index = torch.ops.performer_hf.exp_row_max_v2(x.detach(), directions, bias, precision)
     base = -0.5 * x.pow(2).sum(-1) - 0.5 * math.log(directions.shape[-2])
     return base, (top + base).detach(), index
 
@@ -922,7 +924,7 @@ def causal_exp_sums(
         kv0, shift0 = state[0].to(q.dtype), state[1].to(q.dtype)
     shifts = torch.cummax(torch.maximum(k_max, shift0.detach()[..., None]), dim=-1).values  # s_j: running max
     k_off = _shifted(k_base, shifts, mask)
-    out1, kv, _ = torch.ops.performer_hf.causal_exp_scan(
+    out1, kv, _ = torch.ops.performer_hf.causal_exp_scan_v2(
         q, k, v1, q_base - q_shifts, q_top, k_off, shifts, directions, bias, kv0, shift0.detach(), float(stabilizer),
         precision,
     )  # fmt: skip
@@ -946,7 +948,7 @@ def bidirectional_exp_sums(
     directions, bias = _constants(directions, bias)
     q_base, q_shifts, q_top = _offsets(q, directions, bias, precision)
     k_off, _ = _key_offsets(k, directions, bias, None, mask, precision)
-    out, _ = torch.ops.performer_hf.bidirectional_exp_sums(
+    out, _ = torch.ops.performer_hf.bidirectional_exp_sums_v2(
         q, k, v1, q_base - q_shifts, q_top, k_off, directions, bias, float(stabilizer), precision
     )
     return out
