@@ -119,7 +119,7 @@ def _scan_kernels(bias: bool) -> list:
     walk = {**_rows("K V1 KOFF SHIFTS DIR"), "BIAS": bias_type, **_rows("KV0 SHIFT0 KV CHUNKS")}
     grad_walk = {**_rows("GRAD GKV Q QOFF SHIFTS DIR"), "BIAS": bias_type, **_rows("SHIFT0 DKV0 DCHUNKS")}
     sums = {**with_bias, **_rows("SHIFT0 CHUNKS OUT")}
-    queries = {"GRAD": "*fp32", **with_bias, **_rows("SHIFT0 CHUNKS DQ DQOFF")}
+    queries = {"GRAD": "*fp32", **with_bias, **_rows("SHIFT0 CHUNKS"), "QTOP": "*i32", **_rows("DQ DQOFF")}
     keys = {"GRAD": "*fp32", **with_bias, **_rows("DCHUNKS DK DKOFF DV1")}
     per_chunk = [name for name in SCAN_INTS if name not in ("S", "SEG")]
     walks, stabilizer, kernels = {"WRITE_CHUNKS": True}, ("stabilizer",), favor_exp_triton
@@ -127,7 +127,7 @@ def _scan_kernels(bias: bool) -> list:
         ("causal scan keys' walk", kernels._state_walk_kernel, walk, SCAN_INTS, (), walks),
         ("causal scan chunks' sums", kernels._chunk_sums_kernel, sums, per_chunk, stabilizer, {}),
         ("causal scan queries' walk", kernels._state_grad_walk_kernel, grad_walk, SCAN_INTS, stabilizer, walks),
-        ("causal scan query gradients", kernels._chunk_query_grad_kernel, queries, per_chunk, (), {}),
+        ("causal scan query gradients", kernels._chunk_query_grad_kernel, queries, per_chunk, stabilizer, {}),
         ("causal scan key gradients", kernels._chunk_key_grad_kernel, keys, per_chunk, stabilizer, {}),
     ]
 
@@ -139,12 +139,18 @@ def _bidirectional_kernels(bias: bool, constants: dict, options: dict):
     ints = ("H", "L", "M", "E", "SEG", "dir_b", "dir_h", "bias_b", "bias_h")
     sums = {**_rows("X OFF W DIR"), **with_bias, "OUT": "*fp32"}
     yield "bidirectional sums", favor_exp_triton._sum_kernel, sums, ints, ("stabilizer",), constants, options
-    for gradient, unused in ((False, ("G", "DX", "DOFF")), (True, ("OUT",))):
-        rows = {**_rows("X OFF G S DIR"), **with_bias, **_rows("OUT DX DOFF")}
+    # the rows (no gradient), the keys' gradients, the queries' (with TOP: each row's largest feature)
+    modes = ((False, ("TOP", "G", "DX", "DOFF")), (True, ("TOP", "OUT")), (True, ("OUT",)))
+    for gradient, unused in modes:
+        rows = {**_rows("X OFF"), "TOP": "*i32", **_rows("G S DIR"), **with_bias, **_rows("OUT DX DOFF")}
         rows.update(dict.fromkeys(unused, "constexpr"))
         per_program = favor_exp_triton.rows_per_program(constants["D"])
         settings = {**constants, "C": per_program, "GRADIENT": gradient, **dict.fromkeys(unused)}
-        name = "bidirectional rows' gradients" if gradient else "bidirectional rows"
+        name = (
+            "bidirectional rows"
+            if not gradient
+            else "bidirectional rows' gradients" + (" (queries)" if "TOP" not in unused else "")
+        )
         row_ints = [n for n in ints if n != "SEG"]
         yield name, favor_exp_triton._rows_kernel, rows, row_ints, ("stabilizer",), settings, options
 
@@ -169,7 +175,7 @@ def scan_configurations(widest: bool):
                 writes = {"BM": favor_exp_triton.SUM_FEATURES}
             yield name, kernel, tensors, ints, floats, {**constants, "EP": tile, "TAIL": tail, **writes}, options
         yield from _bidirectional_kernels(bias, {**constants, "EP": tile, "TAIL": tail}, options)
-        row_max = {**_rows("X DIR"), "BIAS": "*fp32" if bias else "constexpr", "OUT": "*fp32"}
+        row_max = {**_rows("X DIR"), "BIAS": "*fp32" if bias else "constexpr", "OUT": "*fp32", "TOP": "*i32"}
         ints = [name for name in SCAN_INTS if name not in ("E", "S", "SEG")]
         yield "causal scan row max", favor_exp_triton._row_max_kernel, row_max, ints, (), {**constants, "C": 64}, {}
 
