@@ -77,12 +77,15 @@ def _source(config, tmp_path, encoder=False):
     return model, folder
 
 
-def _load(folder, implementation, encoder=False, **settings):
+def _load(folder, implementation, encoder=False, config_overrides=None, **settings):
+    """The saved model under ``implementation``, its config changed by ``config_overrides`` and, given any, its
+    Performer settings replaced by ``settings``."""
     auto = AutoModel if encoder else AutoModelForCausalLM
-    if not settings:
+    if not settings and not config_overrides:
         return auto.from_pretrained(folder, attn_implementation=implementation).eval()
-    config = transformers.AutoConfig.from_pretrained(folder)
-    config.performer_attention = settings
+    config = transformers.AutoConfig.from_pretrained(folder, **(config_overrides or {}))
+    if settings:
+        config.performer_attention = settings
     return auto.from_pretrained(folder, config=config, attn_implementation=implementation).eval()
 
 
@@ -713,10 +716,9 @@ def test_another_attn_implementation_than_the_saved_one_runs_its_own_method(save
     assert [r.getMessage() for r in caplog.records if f"settings of the {method[saved]!r} method" in r.getMessage()]
 
 
-def test_switching_methods_and_back_keeps_each_methods_settings(tmp_path):
-    """set_attn_implementation to another Performer method runs that method's preset (as loading does); switching
-    back took the preset of the first too, the user's settings lost (5.7e-3 in the logits, and saved so): they are
-    set aside and taken back, as switching through SDPA keeps them."""
+def _hybrid_switched_to_sparse(tmp_path):
+    """A Llama loaded as a short-window hybrid, run, then switched to the sparse method and run; returns (model, ids,
+    the hybrid's logits)."""
     _, folder = _source(DECODERS["llama"], tmp_path)
     model = _load(folder, "performer_hybrid", **SHORT_WINDOW["performer_hybrid"])
     ids = _ids(2, 40)
@@ -724,7 +726,16 @@ def test_switching_methods_and_back_keeps_each_methods_settings(tmp_path):
         expected = model(ids).logits
         model.set_attn_implementation("performer_sparse")
         model(ids)
-        assert model.config.performer_attention["attention_method"] == "sparse"
+    return model, ids, expected
+
+
+def test_switching_methods_and_back_keeps_each_methods_settings(tmp_path):
+    """set_attn_implementation to another Performer method runs that method's preset (as loading does); switching
+    back took the preset of the first too, the user's settings lost (5.7e-3 in the logits, and saved so): they are
+    set aside and taken back, as switching through SDPA keeps them."""
+    model, ids, expected = _hybrid_switched_to_sparse(tmp_path)
+    assert model.config.performer_attention["attention_method"] == "sparse"
+    with torch.no_grad():
         model.set_attn_implementation("performer_hybrid")
         logits = model(ids).logits
     torch.testing.assert_close(logits, expected, rtol=0, atol=0)
@@ -747,17 +758,15 @@ def test_a_model_whose_layers_all_slide_takes_performer_attention_on_every_layer
     assert set(sliding.layer_types) == {"sliding_attention"}
     source, folder = _source(sliding, tmp_path)
     model = _load(folder, implementation, **SHORT_WINDOW[implementation])
-    config = transformers.AutoConfig.from_pretrained(folder, use_sliding_window=False)
-    config.performer_attention = SHORT_WINDOW[implementation]
-    unwindowed = AutoModelForCausalLM.from_pretrained(folder, config=config, attn_implementation=implementation).eval()
+    unwindowed = _load(
+        folder, implementation, config_overrides={"use_sliding_window": False}, **SHORT_WINDOW[implementation]
+    )
     ids = _ids(2, 24)
     with torch.no_grad():
         logits = model(ids).logits
         torch.testing.assert_close(logits, unwindowed(ids).logits, rtol=0, atol=1e-6)
         assert (logits - source(ids).logits).abs().max() > 1e-3
-    config = transformers.AutoConfig.from_pretrained(folder, sliding_window=16)
-    config.performer_attention = SHORT_WINDOW[implementation]
-    windowed = AutoModelForCausalLM.from_pretrained(folder, config=config, attn_implementation=implementation).eval()
+    windowed = _load(folder, implementation, config_overrides={"sliding_window": 16}, **SHORT_WINDOW[implementation])
     cached = windowed.generate(ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(cached, windowed.generate(ids, max_new_tokens=12, do_sample=False, use_cache=False))
 
@@ -779,13 +788,8 @@ def test_settings_set_aside_by_a_switch_survive_copies_and_saving(carry, tmp_pat
     """The settings set aside as a model switched methods were kept beside the config object, not in it: a copy of
     the switched model (deepcopy, pickle) or its saved folder switched back to the first method ran its preset, the
     user's settings lost (5.6e-3 in the logits, with a warning). They travel with the config now."""
-    _, folder = _source(DECODERS["llama"], tmp_path)
-    model = _load(folder, "performer_hybrid", **SHORT_WINDOW["performer_hybrid"])
-    ids = _ids(2, 40)
+    model, ids, expected = _hybrid_switched_to_sparse(tmp_path)
     with torch.no_grad():
-        expected = model(ids).logits
-        model.set_attn_implementation("performer_sparse")
-        model(ids)
         copies = {
             "deepcopy": copy.deepcopy,
             "pickle": _pickled,
