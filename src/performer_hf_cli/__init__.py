@@ -164,6 +164,17 @@ def output_replaces_source(output_dir: Path, source: Path) -> str | None:
     )
 
 
+def staging_prefix(output_dir: Path) -> str:
+    """How the names of the staging folders a conversion to ``output_dir`` writes in begin."""
+    return f".{output_dir.name}.tmp-"
+
+
+def output_entries(output_dir: Path) -> list[Path]:
+    """The entries of the folder ``output_dir``, less the staging folders of conversions to it (inside it for a mount
+    point: one left by a killed run does not make the volume look taken; the next conversion deletes it)."""
+    return [entry for entry in output_dir.iterdir() if not entry.name.startswith(staging_prefix(output_dir))]
+
+
 def precheck(args: argparse.Namespace) -> str | None:
     """A problem with the command line that shows without loading anything (a missing folder, a folder in the way, an
     option that needs another), as the one line to print; None when there is none to see here."""
@@ -173,7 +184,7 @@ def precheck(args: argparse.Namespace) -> str | None:
             return f"output {output_dir} exists and is not a folder."
         if replaced := output_replaces_source(output_dir, Path(args.source).expanduser()):
             return replaced
-        if output_dir.is_dir() and any(output_dir.iterdir()) and not args.overwrite:
+        if output_dir.is_dir() and output_entries(output_dir) and not args.overwrite:
             return f"output folder {output_dir} exists and is not empty; pass --overwrite to replace it."
         if args.transfer_text is not None and not args.transfer_steps:
             return "a transfer text was given without transfer steps: set --transfer-steps too."

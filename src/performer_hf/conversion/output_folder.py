@@ -16,7 +16,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from performer_hf_cli import output_replaces_source
+from performer_hf_cli import output_entries, output_replaces_source, staging_prefix
 
 from .errors import ConversionError
 
@@ -32,7 +32,7 @@ def check_output_dir(output_dir: Path, overwrite: bool, source: Path | None = No
         raise ConversionError(f"output folder {output_dir} cannot be made: {blocking} is a file, not a folder.")
     if source is not None and (replaced := output_replaces_source(output_dir, source)):
         raise ConversionError(replaced)
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
+    if output_dir.is_dir() and output_entries(output_dir) and not overwrite:
         raise ConversionError(f"output folder {output_dir} exists and is not empty; pass --overwrite to replace it.")
     _check_writable(output_dir)
 
@@ -90,7 +90,7 @@ def staging_folder(output_dir: Path) -> Path:
     output_dir = _in_place_of_link(output_dir)
     home = _staging_home(output_dir)
     home.mkdir(parents=True, exist_ok=True)
-    prefix = f".{output_dir.name}.tmp-"
+    prefix = staging_prefix(output_dir)
     leftovers = sorted(path for path in home.glob(f"{prefix}*") if path.is_dir())
     for leftover in [path for path in leftovers if _writer_is_gone(path.name.removeprefix(prefix))]:
         logger.info("Deleting %s, left by a run that was killed before it finished.", leftover)
@@ -167,9 +167,7 @@ def _publish_into(staging: Path, output_dir: Path) -> None:
     """Move the entries of ``staging`` (made inside ``output_dir``) up into ``output_dir``, its other entries set aside
     inside it first and deleted after (staging folders of other runs left alone); a refused move puts them back."""
     backup = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir))
-    other_staging = f".{output_dir.name}.tmp-"
-    old = [entry for entry in output_dir.iterdir() if entry not in (staging, backup)]
-    old = [entry for entry in old if not entry.name.startswith(other_staging)]
+    old = [entry for entry in output_entries(output_dir) if entry != backup]
     new = list(staging.iterdir())
     set_aside, moved = [], []
     try:
