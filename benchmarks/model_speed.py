@@ -609,12 +609,21 @@ def check(parser, args) -> None:
     elif excluded in args.models:
         parser.error(f"--part {args.part} --models {' '.join(args.models)}: {why}")
     for kind in args.models:
-        if not any(not_run(kind, arm) is None and (arm != "flash" or args.device == "cuda") for arm in args.arms):
+        if not any(_runs(kind, arm, args) for arm in args.arms):
             parser.error(
                 f"--arms {' '.join(args.arms)}: none of them runs on the {kind} model on {args.device} "
-                "(sparse: causal models; tiled: the encoder; exact, approximation, bound: not llama; flash: CUDA); "
-                "add an arm that does, e.g. sdpa"
+                "(sparse: causal models; tiled: the encoder; exact, approximation, bound: not llama; flash: CUDA; "
+                "sdpa_fused: not --part attention, whose bare SDPA call is sdpa's); add an arm that does, e.g. sdpa"
             )
+
+
+def _runs(kind: str, arm: str, args) -> bool:
+    """Whether ``arm`` is timed on the ``kind`` model by this command line."""
+    if arm == "flash" and args.device != "cuda":
+        return False
+    if arm == "sdpa_fused" and args.part == "attention":  # the same bare call as sdpa: not timed twice
+        return False
+    return not_run(kind, arm) is None
 
 
 def measure(args) -> dict:

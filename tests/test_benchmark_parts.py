@@ -131,6 +131,7 @@ def test_model_speed_runs_when_its_first_arm_does_not_apply_to_the_model(model_s
         (["--models", "decoder", "llama", "--arms", "tiled"], "--arms tiled: none of them runs on the decoder model"),
         (["--models", "llama", "--arms", "exact", "bound"], "none of them runs on the llama model"),
         (["--models", "encoder", "--arms", "flash"], "--arms flash: none of them runs on the encoder model on cpu"),
+        (["--part", "attention", "--arms", "sdpa_fused"], "--arms sdpa_fused: none of them runs on the encoder"),
         (["--part", "decode", "--models", "encoder"], "the encoder does not decode: pass --models decoder llama"),
         (["--part", "attention", "--models", "llama"], "has not: pass --models encoder decoder"),
         (["--device", "cuda"], "--device cuda: torch finds no CUDA device here"),
@@ -140,7 +141,8 @@ def test_model_speed_refuses_flags_that_cannot_run_together(flags, message, mode
     """Before, these measured nothing or crashed late: ``--part decode --models encoder`` wrote a JSON and an empty
     Markdown, then its plot failed (no rows); ``--part attention --models llama`` raised a ValueError traceback, and
     ``--device cuda`` without CUDA torch's "Found no NVIDIA driver"; an arm list no arm of which the model runs, a
-    KeyError after building the models. Now each is a usage error before any model is built."""
+    KeyError after building the models (``--part attention --arms sdpa_fused``: a run that timed nothing). Now each
+    is a usage error before any model is built."""
     if flags[0] == "--device" and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     monkeypatch.setattr(model_speed, "measure", _stop_measuring)
