@@ -8,6 +8,7 @@ distributed run, which goes through `accelerate launch` with two gloo processes.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
@@ -41,7 +42,7 @@ from performer_hf.training.arguments import TrainingInputError
 from performer_hf.training.checkpointing import find_latest_checkpoint, load_checkpoint, resume_position
 from performer_hf.training.classification import train_classifier
 from performer_hf.training.collators import ReproducibleMaskingCollator
-from performer_hf.training.data import build_label_mapping, group_into_blocks
+from performer_hf.training.data import build_label_mapping, group_into_blocks, load_raw_datasets
 from performer_hf.training.language_modeling import main as lm_main
 from performer_hf.training.language_modeling import train_language_model
 from performer_hf.training.metrics import language_modeling_metrics, macro_f1, token_statistics
@@ -901,6 +902,47 @@ def test_bad_input_stops_before_training(assets, tmp_path, case, message):
         assert (out / "model.safetensors").read_text() == "the model trained on"
     else:
         assert not (out / "model.safetensors").exists()
+
+
+def _numbered_csv(path: Path, rows: int) -> str:
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["sentence", "label"])
+        writer.writerows([f"sentence {row}", "pos" if row % 2 else "neg"] for row in range(rows))
+    return str(path)
+
+
+def _data_args(train_file: str, validation_file: str | None = None, percent: int = 5) -> argparse.Namespace:
+    return argparse.Namespace(
+        dataset_name=None,
+        dataset_config_name=None,
+        train_file=train_file,
+        validation_file=validation_file,
+        validation_split_percentage=percent,
+    )
+
+
+@pytest.mark.parametrize(("rows", "percent"), [(30, 5), (50, 5), (70, 5), (7, 20)])
+def test_the_held_out_split_is_the_first_percent_of_the_rows_as_datasets_slices_them(tmp_path, rows, percent):
+    """Without --validation_file, the first --validation_split_percentage % of the rows are held out: the same rows
+    as datasets' own 'train[:P%]' / 'train[P%:]' slices (rounded to the nearest: 50 rows -> 2, 70 -> 4)."""
+    path = _numbered_csv(tmp_path / "rows.csv", rows)
+    raw = load_raw_datasets(_data_args(path, percent=percent))
+    for split, instruction in (("validation", f"train[:{percent}%]"), ("train", f"train[{percent}%:]")):
+        reference = datasets.load_dataset("csv", data_files={"train": path}, split=instruction)
+        assert raw[split]["sentence"] == reference["sentence"] and len(raw[split]) > 0
+
+
+@pytest.mark.parametrize("rows", [2, 9, 10])
+def test_a_training_file_too_small_to_hold_out_a_validation_row_is_told_so(tmp_path, rows):
+    """A CSV of 2 to 10 rows without --validation_file was told it 'has no examples' (datasets refuses the slice of
+    no rows that 5% of it rounds to); it is told that the validation set is empty and how to get one."""
+    path = _numbered_csv(tmp_path / "rows.csv", rows)
+    with pytest.raises(TrainingInputError, match=f"The validation set is empty: 5% of the {rows} training examples "):
+        load_raw_datasets(_data_args(path))
+    assert len(load_raw_datasets(_data_args(path, percent=50))["validation"]) == round(rows / 2)
+    with pytest.raises(TrainingInputError, match=r"The validation data \(--validation_file .*header.csv'\) has no"):
+        load_raw_datasets(_data_args(path, _write(tmp_path / "header.csv", "sentence,label\n")))
 
 
 def test_bad_classification_input_and_cli_message(assets, tmp_path, capsys):

@@ -35,16 +35,9 @@ def load_raw_datasets(args: argparse.Namespace) -> DatasetDict:
     Without a validation set, the first ``--validation_split_percentage`` % of the training data is
     held out. Raises :class:`TrainingInputError` when a split is empty or a file cannot be read.
     """
-    percent = args.validation_split_percentage
     try:
         if args.dataset_name is not None:
             raw = load_dataset(args.dataset_name, args.dataset_config_name)
-            if "validation" not in raw:
-                name, config = args.dataset_name, args.dataset_config_name
-                raw = DatasetDict(
-                    train=load_dataset(name, config, split=f"train[{percent}%:]"),
-                    validation=load_dataset(name, config, split=f"train[:{percent}%]"),
-                )
         else:
             builder = DATA_FILE_BUILDERS[args.train_file.rsplit(".", 1)[-1].lower()]
             options = {"keep_linebreaks": True} if builder == "text" else {}
@@ -52,27 +45,48 @@ def load_raw_datasets(args: argparse.Namespace) -> DatasetDict:
             if args.validation_file is not None:
                 data_files["validation"] = args.validation_file
             raw = load_dataset(builder, data_files=data_files, **options)
-            if "validation" not in raw:
-                raw = DatasetDict(
-                    train=load_dataset(builder, data_files=data_files, split=f"train[{percent}%:]", **options),
-                    validation=load_dataset(builder, data_files=data_files, split=f"train[:{percent}%]", **options),
-                )
     except (DatasetGenerationError, DatasetNotFoundError, ConnectionError) as error:
         cause = error.__cause__ or error
         raise TrainingInputError(f"Could not read the data of {_describe_source(args)}: {cause}") from error
-    except ValueError as error:  # a held-out split of no data: the file has no examples
+    except ValueError as error:  # a split of no data (a header-only CSV): datasets refuses to read it
         if "corresponds to no data" not in str(error):
             raise
+        if '"validation"' in str(error):
+            raise TrainingInputError(
+                f"The validation data (--validation_file {args.validation_file!r}) has no examples."
+            ) from error
         raise TrainingInputError(f"The training data ({_describe_source(args)}) has no examples.") from error
 
+    if "train" not in raw:
+        raise TrainingInputError(f"{_describe_source(args)} has no 'train' split (its splits: {sorted(raw)}).")
     if len(raw["train"]) == 0:
         raise TrainingInputError(f"The training data ({_describe_source(args)}) has no examples.")
+    if "validation" not in raw:
+        return _hold_out(raw["train"], args.validation_split_percentage)
     if len(raw["validation"]) == 0:
         raise TrainingInputError(
             "The validation set is empty: pass a --validation_file with examples, or raise "
-            f"--validation_split_percentage (now {percent})."
+            f"--validation_split_percentage (now {args.validation_split_percentage})."
         )
     return DatasetDict(train=raw["train"], validation=raw["validation"])
+
+
+def _hold_out(train: Dataset, percent: int) -> DatasetDict:
+    """The first ``percent`` % of ``train``'s rows as the validation split, the rest as the training split: the rows
+    ``datasets``' ``train[:percent%]`` / ``train[percent%:]`` slices name (their count rounded to the nearest, as
+    ``datasets`` rounds), without its refusal of a slice of no rows, which a file of a few rows gets."""
+    held_out = round(len(train) * percent / 100)
+    if held_out == 0:
+        raise TrainingInputError(
+            f"The validation set is empty: {percent}% of the {len(train)} training examples rounds to none. Pass a "
+            f"--validation_file with examples, or raise --validation_split_percentage (now {percent})."
+        )
+    if held_out == len(train):
+        raise TrainingInputError(
+            f"No training data is left: {percent}% of the {len(train)} training examples rounds to all of them. "
+            f"Pass a --validation_file, or lower --validation_split_percentage (now {percent})."
+        )
+    return DatasetDict(train=train.select(range(held_out, len(train))), validation=train.select(range(held_out)))
 
 
 def check_column(dataset: Dataset, name: str, flag: str) -> None:
