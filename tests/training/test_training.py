@@ -13,6 +13,7 @@ import csv
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -1391,6 +1392,26 @@ def test_a_new_run_into_a_non_empty_folder_is_refused_and_overwrite_clears_it_on
     resume = lm_args(assets, out, "--resume_from_checkpoint", "latest", steps=6)
     train_language_model("mlm", resume)
     assert sorted(train_losses(out)) == list(range(1, 7))
+
+
+def test_the_help_shows_choices_as_typed_and_names_every_source_convert_from_takes():
+    """--help listed --lr_scheduler_type's choices as enum reprs ({SchedulerType.LINEAR,...}), which typed were
+    refused; and --convert_from named BERT / RoBERTa / GPT-2 only, though the decoders converted in place are taken."""
+    from transformers import get_scheduler
+
+    from performer_hf.conversion.in_place import IN_PLACE_ARCHITECTURES
+    from performer_hf.training.arguments import build_parser
+
+    help_text = " ".join(build_parser("clm").format_help().split())
+    shown = re.search(r"--lr_scheduler_type \{([^}]*)\}", help_text).group(1).split(",")
+    assert len(shown) == 7
+    for name in shown:
+        args = build_parser("clm").parse_args(["--output_dir", "out", "--lr_scheduler_type", name])
+        parameter = torch.zeros(1, requires_grad=True)
+        get_scheduler(args.lr_scheduler_type, torch.optim.SGD([parameter], lr=1.0), 1, 2)  # transformers builds it
+    convert_from = help_text.split("--convert_from CONVERT_FROM ")[1].split(" --")[0]
+    for architecture in ("BERT", "RoBERTa", "GPT-2", *IN_PLACE_ARCHITECTURES):
+        assert architecture.removesuffix("ForCausalLM") in convert_from
 
 
 def _inside(assets, out: Path) -> list[str]:

@@ -15,7 +15,6 @@ import re
 from pathlib import Path
 
 import huggingface_hub
-from transformers import SchedulerType
 
 from performer_hf_cli import at_least, output_replaces_source
 
@@ -25,6 +24,17 @@ TASKS = ("mlm", "clm", "classification")
 
 # File extension -> `datasets` builder.
 DATA_FILE_BUILDERS = {"txt": "text", "text": "text", "json": "json", "jsonl": "json", "csv": "csv"}
+
+# the schedules transformers' get_scheduler builds from the arguments alone (a str, as typed on the command line)
+LR_SCHEDULER_TYPES = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+)
 
 REPORT_TO_JSON = "json"
 LOG_FILE = "train_log.jsonl"  # the JSON tracker's records of a run
@@ -104,7 +114,11 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--convert_from",
-        help="A BERT / RoBERTa / GPT-2 checkpoint (folder or Hub id) converted to a Performer before training.",
+        help=(
+            "A softmax checkpoint (folder or Hub id) converted into OUTPUT_DIR/converted before training, as "
+            "`performer-hf convert` does: BERT / RoBERTa / GPT-2 to a Performer, Llama / Mistral / Qwen2 / Qwen3 / "
+            "Gemma3 in place (its own class with Performer attention)."
+        ),
     )
     group.add_argument(
         "--convert_method",
@@ -153,20 +167,9 @@ def _add_optimization_arguments(parser: argparse.ArgumentParser, task: str) -> N
     group.add_argument("--gradient_accumulation_steps", type=at_least(1), default=1)
     group.add_argument(
         "--lr_scheduler_type",
-        type=SchedulerType,
         default="linear",
-        choices=[
-            SchedulerType(name)
-            for name in (
-                "linear",
-                "cosine",
-                "cosine_with_restarts",
-                "polynomial",
-                "constant",
-                "constant_with_warmup",
-                "inverse_sqrt",
-            )
-        ],
+        choices=LR_SCHEDULER_TYPES,
+        help="The learning-rate schedule after the warm-up (transformers' get_scheduler).",
     )
     group.add_argument("--num_warmup_steps", type=int, default=0, help="Optimizer steps of linear warm-up.")
     group.add_argument(
