@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -1023,6 +1024,23 @@ def tiny_llama_performer(assets, tmp_path_factory) -> Path:
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(root / "source")
     return convert(root / "source", root / "hybrid", method="hybrid", local_window=8, fidelity=False)
+
+
+def test_the_readmes_lora_example_converts_to_the_method_its_folders_name(tiny_llama_performer, tmp_path):
+    """training/README's LoRA example converted a Llama into out/llama-hybrid without --method: the converter's
+    default for Llama, the sparse method, not the hybrid the folder (and the LoRA run) is named after."""
+    from performer_hf.cli import main as cli_main
+
+    section = (REPO / "training" / "README.md").read_text().split("## LoRA (peft)")[1].split("\n## ")[0]
+    block = section.split("```bash\n")[1].split("```")[0]
+    command = next(line for line in block.splitlines() if line.startswith("performer-hf convert"))
+    argv = shlex.split(command.split("#")[0])[1:]
+    source = str(tiny_llama_performer.parent / "source")
+    argv = [source if arg == "path/to/llama" else arg.replace("out/", f"{tmp_path}/") for arg in argv]
+    assert cli_main([*argv, "--no-fidelity", "-q"]) == 0
+    output = Path(argv[2])
+    settings = json.loads((output / "config.json").read_text())["performer_attention"]
+    assert settings["attention_method"] == output.name.split("-")[-1] == "hybrid"
 
 
 def _lora_clm_args(assets, model, output_dir, *extra) -> list[str]:
