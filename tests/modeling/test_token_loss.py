@@ -4,8 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from performer_hf.modeling import slabs
+from performer_hf.modeling import modeling_performer, slabs
 from performer_hf.modeling.token_loss import token_cross_entropy
+
+from ..tiny_models import random_ids, tiny_model
 
 
 def _logits_and_labels(dtype, rows=37, classes=53, ignored=0.3, seed=0):
@@ -56,11 +58,32 @@ def test_no_scored_token_gives_nan_as_cross_entropy():
     assert torch.isnan(F.cross_entropy(logits, labels)) and torch.isnan(token_cross_entropy(logits, labels))
 
 
-def test_a_label_outside_the_vocabulary_is_an_error():
-    logits, labels = _logits_and_labels(torch.float32, rows=5, ignored=0.0)
-    labels[2] = logits.shape[-1]
-    with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
+@pytest.mark.parametrize("label", [53, -1, -101])
+def test_a_label_outside_the_vocabulary_is_an_error_naming_it(label):
+    """A label past the vocabulary or negative (but -100) is a ValueError naming the label, the range and the likely
+    cause (it ended in torch's 'index 53 is out of bounds for dimension 1 with size 53' inside the loss)."""
+    logits, labels = _logits_and_labels(torch.float32, rows=5, classes=53)
+    labels[2] = label
+    with pytest.raises(
+        ValueError, match=rf"labels hold {label}, out of range: .* 53 classes \(labels 0 to 52, or -100"
+    ):
         token_cross_entropy(logits, labels)
+    labels[2] = -100  # not scored: no error
+    token_cross_entropy(logits, labels)
+
+
+@pytest.mark.parametrize("head", ["PerformerForMaskedLM", "PerformerForCausalLM", "PerformerForTokenClassification"])
+def test_a_models_labels_outside_its_vocabulary_are_named(head):
+    """Through the heads: a collator's -1 for ignored tokens, or a label at vocab_size."""
+    cls = getattr(modeling_performer, head)
+    model = tiny_model(cls, attention_kernel="exact", is_decoder=head == "PerformerForCausalLM")
+    ids = random_ids(2, 11)
+    classes = model.config.num_labels if head == "PerformerForTokenClassification" else model.config.vocab_size
+    for label in (classes, -1):
+        labels = ids.clone() % classes
+        labels[0, 3] = label
+        with pytest.raises(ValueError, match=rf"labels hold {label}, out of range: .*-1 \(not -100\)"):
+            model(input_ids=ids, labels=labels)
 
 
 def test_backward_keeps_no_float32_copy_of_the_logits():

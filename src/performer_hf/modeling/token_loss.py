@@ -24,6 +24,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .compiled_lengths import traced
 from .device_compile import call_compiled, compiles
 from .slabs import slabs
 from .vocabulary_projection import padded_rows
@@ -106,8 +107,24 @@ def token_cross_entropy(logits: Tensor, labels: Tensor, num_items_in_batch=None)
             f"labels must be integer token ids of shape {tuple(logits.shape[:-1])} (one per logits row, -100 where "
             f"not scored), got {labels.dtype} labels of shape {tuple(labels.shape)}."
         )
+    _check_label_range(labels, logits.shape[-1])
     labels = labels.to(logits.device, torch.long).reshape(-1)
     total = _CrossEntropySum.apply(padded_rows(logits), labels, logits.shape[-1])
     if num_items_in_batch is None:
         return total / (labels != IGNORE_INDEX).sum()
     return total / num_items_in_batch
+
+
+def _check_label_range(labels: Tensor, classes: int) -> None:
+    """Labels (...) outside ``0 .. classes - 1`` (but -100) end here, by name, not in torch's index error inside the
+    loss (one host read, skipped while tracing)."""
+    if not labels.numel() or traced():
+        return
+    scored = torch.where(labels == IGNORE_INDEX, 0, labels)  # (...): -100 read as a valid label
+    smallest, largest = (int(bound) for bound in torch.aminmax(scored))
+    if smallest < 0 or largest >= classes:
+        raise ValueError(
+            f"labels hold {smallest if smallest < 0 else largest}, out of range: the logits have {classes} classes "
+            f"(labels 0 to {classes - 1}, or {IGNORE_INDEX} for a token not scored). A collator that marks ignored "
+            f"tokens with -1 (not {IGNORE_INDEX}), or labels from another tokenizer, does this."
+        )
