@@ -1116,6 +1116,42 @@ def test_lora_on_a_llama_with_performer_attention_trains_only_adapters(assets, t
     assert "## Attention settings" in card and "layer_norm_position" not in card and "its own attention" not in card
 
 
+def _card_usage(card: str, adapter_dir: Path, merged_dir: Path) -> tuple[dict, str]:
+    """A LoRA card's Usage block run (the trained model restored from ``adapter_dir``: ``model``), and its commented
+    merge line typed in (saving the model merged into ``merged_dir``), to run next in the returned names."""
+    snippet = card.split("## Usage")[1].split("```python")[1].split("```")[0]
+    paths = {"path/to/this/folder": str(adapter_dir), "path/to/merged": str(merged_dir)}
+    for placeholder, path in paths.items():
+        snippet = snippet.replace(placeholder, path)
+    merge = [line for line in snippet.splitlines() if line.startswith("# ") and "save_pretrained(" in line]
+    assert len(merge) == 1
+    namespace: dict = {}
+    exec(snippet, namespace)
+    return namespace, merge[0].removeprefix("# ")
+
+
+def test_a_lora_cards_merge_of_a_decoder_converted_in_place_reloads_with_its_performer_attention(
+    assets, tiny_llama_performer, tmp_path
+):
+    """The card's merge line (model.merge_and_unload().save_pretrained(...)), typed in for a Llama converted in
+    place, saved a copy that reloaded with SDPA (logits 0.165 apart at 1,500 tokens, window 256); the card passes
+    the merged model to performer_hf.ship_remote_code first, and the copy reloads as the model it was."""
+    out = tmp_path / "out"
+    train_language_model("clm", _lora_clm_args(assets, tiny_llama_performer, out, "--max_train_steps", "1"))
+    card = (out / "README.md").read_text()
+    assert "performer_hf.ship_remote_code(merged)" in card
+    namespace, merge = _card_usage(card, out, tmp_path / "merged")
+    ids = torch.randint(5, 900, (1, 64), generator=torch.Generator().manual_seed(0))  # far field beyond the 8 tokens
+    with torch.no_grad():
+        restored = namespace["model"].eval()(ids).logits
+        exec(merge, namespace)
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        assert reloaded.config._attn_implementation == "performer_hybrid"
+        torch.testing.assert_close(reloaded(ids).logits, restored, rtol=0, atol=1e-5)
+        sdpa = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="sdpa").eval()
+        assert (sdpa(ids).logits - restored).abs().max() > 1e-3  # the comparison tells the two apart
+
+
 def test_lora_resume_reproduces_uninterrupted_losses(assets, tiny_llama_performer, tmp_path):
     def argv(output_dir, *more):
         return _lora_clm_args(assets, tiny_llama_performer, output_dir, *more)
@@ -1584,15 +1620,17 @@ def test_a_lora_runs_card_says_it_is_an_adapter_and_how_to_restore_it(assets, tm
     card = (out / "README.md").read_text()
     assert "library_name: peft" in card and "## LoRA adapter" in card and "trust_remote_code" not in card
     assert f"base model `{base}`" in card and '"r": 2' in card and '"lora_alpha": 4' in card
-    snippet = card.split("## Usage")[1].split("```python")[1].split("```")[0]
-    namespace: dict = {}
-    exec(snippet.replace("path/to/this/folder", str(out)), namespace)  # the card's own restore
+    assert "ship_remote_code" not in card  # a Performer-family model ships its code by itself
+    namespace, merge = _card_usage(card, out, tmp_path / "merged")  # the card's own restore, and its merge
     assert isinstance(namespace["model"], PeftModel) and namespace["base"].config.nb_features == 16
     with torch.no_grad():
         ids = torch.randint(5, 90, (1, 12), generator=torch.Generator().manual_seed(0))
         restored = namespace["model"].eval()(input_ids=ids).logits
         reference = PeftModel.from_pretrained(AutoModelForMaskedLM.from_pretrained(base), out).eval()(input_ids=ids)
+        exec(merge, namespace)
+        merged = AutoModelForMaskedLM.from_pretrained(tmp_path / "merged").eval()(input_ids=ids).logits
     torch.testing.assert_close(restored, reference.logits, rtol=0, atol=0)
+    torch.testing.assert_close(merged, restored, rtol=0, atol=1e-5)
 
 
 def _convert_clm_args(assets, tiny_llama_performer, output_dir, *extra) -> list[str]:

@@ -103,9 +103,30 @@ def _in_place_method(config, task: str) -> PerformerConfig | None:
     return method_config(text_config, implementation, causal, *head_shape(text_config))
 
 
-def _adapter_section(task: str, config, adapter: dict, performer: bool) -> list[str]:
+def _merge_lines(task: str, config, method) -> list[str]:
+    """The Usage block's (commented) lines that save the adapted model as one model without peft. A decoder converted
+    in place (its source's causal-LM class with a Performer ``attn_implementation``: ``method``) is passed to
+    ``performer_hf.ship_remote_code`` first, without which the saved copy reloads with softmax attention (transformers
+    does not save the implementation a model was loaded with); a Performer-family model records its attention and
+    ships its code by itself."""
+    decoders = {row.model_type for row in IN_PLACE_ARCHITECTURES.values()}
+    if (
+        method is not None
+        and not isinstance(config, PerformerConfig)
+        and task == "clm"
+        and config.model_type in decoders
+    ):
+        return [
+            "# one model without peft (ship_remote_code keeps its Performer attention in the saved copy):",
+            "# merged = model.merge_and_unload(); performer_hf.ship_remote_code(merged); "
+            'merged.save_pretrained("path/to/merged")',
+        ]
+    return ["# one model without peft:", '# model.merge_and_unload().save_pretrained("path/to/merged")']
+
+
+def _adapter_section(task: str, config, adapter: dict, method) -> list[str]:
     """The card's "LoRA adapter" and "Usage" lines: the adapter's settings, the base it goes on, and the snippet that
-    restores the trained model (the folder holds the adapter, not a model that loads alone)."""
+    restores the trained model (the folder holds the adapter, not a model that loads alone) and merges it."""
     auto = TASK_AUTO_CLASSES[task]
     labels = f", num_labels={config.num_labels}" if task == "classification" else ""
     settings = {
@@ -129,17 +150,13 @@ def _adapter_section(task: str, config, adapter: dict, performer: bool) -> list[
         "## Usage",
         "",
         "```python",
-        *(
-            ["import performer_hf  # registers the Performer classes and attention with transformers"]
-            if performer
-            else []
-        ),
+        *(["import performer_hf  # registers the Performer classes and attention with transformers"] if method else []),
         "from peft import PeftModel",
         f"from transformers import {auto}",
         "",
         f'base = {auto}.from_pretrained("{adapter["base"]}"{labels})',
         'model = PeftModel.from_pretrained(base, "path/to/this/folder")',
-        "# one model without peft: model.merge_and_unload().save_pretrained(...)",
+        *_merge_lines(task, config, method),
         "```",
         "",
     ]
@@ -255,7 +272,7 @@ def build_model_card(
         "|---|---|",
         *rows,
         "",
-        *(_adapter_section(task, config, adapter, bool(method)) if adapter else _usage_section(task, method)),
+        *(_adapter_section(task, config, adapter, method) if adapter else _usage_section(task, method)),
     ]
     return ModelCard("\n".join(lines)).content
 
