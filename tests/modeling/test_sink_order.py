@@ -7,6 +7,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from performer_hf.modeling.sink_order import sink_order, sinks_first
 
+from ..integrations.test_attention_interface import DECODERS, SPARSE, _ids, _load, _source
+
 
 def _written_out(row: list[int], count: int, in_place: int) -> list[int]:
     """One row's order: its first ``count`` real keys among all but the last ``in_place`` first, then the rest."""
@@ -64,3 +66,56 @@ def test_a_compiled_chunked_prefill_is_refused_in_the_graph(backend):
         accepted[0, cached - 4 :] = 1  # row 0's 4 global tokens were cached
         torch.testing.assert_close(prefill_chunk(q, k, accepted), q * 2)
     assert counter.frame_count <= 2  # the first length's graph, then one dynamic graph
+
+
+def test_a_prefill_in_one_token_chunks_is_refused_at_its_second_call():
+    """A call of one query passes unread (a decoding step), but for the second of a sequence: its state was built by
+    one key, which a row starting with a pad fixed as its global token (generate(prefill_chunk_size=1) on a
+    left-padded batch ran, logits 0.12 from the one-call prefill, where chunks of 2 were refused)."""
+
+    def attend(q, k, v, mask):
+        return (q,)
+
+    for mask in ([[1, 1], [0, 1]], [[1, 1], [0, 0]]):  # its first real token now, or later
+        with pytest.raises(ValueError, match=r"Row 1 .* starts with a padding token, .* fixed by its first position"):
+            sinks_first(attend, 1, torch.tensor(mask), 1, 2)
+    sinks_first(attend, 4, torch.ones(2, 2, dtype=torch.long), 1, 2)  # no padding
+    # decoding a row shorter than its global tokens (1 real one of 4), after a prompt of 5: carried, as before
+    sinks_first(attend, 4, torch.tensor([[1] * 6, [0] * 4 + [1] * 2]), 1, 6)
+
+
+def test_a_compiled_prefill_in_one_token_chunks_is_refused_in_the_graph():
+    torch._dynamo.reset()
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def second_call(q, k, mask):
+        return sinks_first(lambda q, k, v, mask: (q * 2,), 1, mask, q.shape[2], k.shape[2])(q, k, k, mask)[0]
+
+    q, k = torch.ones(2, 1, 1, 2), torch.ones(2, 1, 2, 2)
+    with pytest.raises(RuntimeError, match=r"A row .* starts with a padding token.*prefill_chunk_size=None"):
+        second_call(q, k, torch.tensor([[1, 1], [0, 1]]))
+    torch.testing.assert_close(second_call(q, k, torch.ones(2, 2, dtype=torch.long)), q * 2)
+
+
+@pytest.mark.usefixtures("single_thread")
+@pytest.mark.parametrize("implementation", ["performer_hybrid", "performer_sparse"])
+def test_generate_refuses_a_left_padded_batch_prefilled_in_one_token_chunks(implementation, tmp_path):
+    """generate(prefill_chunk_size=1), row 1 after 4 pads: refused, naming the fix, as chunks of 2 and 4 are (it ran,
+    logits 0.117 (sparse) and 9.8e-4 (hybrid) from the one-call prefill, with the short-prompt warning, whose advice
+    did not fit a row of 26 real tokens). Unpadded, one-token chunks prefill what one call does."""
+    _, folder = _source(DECODERS["llama"], tmp_path)
+    settings = {"performer_hybrid": {"local_window": 8}, "performer_sparse": {**SPARSE, "select_ranking": "window"}}
+    model = _load(folder, implementation, **settings[implementation])
+    ids = _ids(2, 30)
+    options = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    padded = torch.ones_like(ids)
+    padded[1, :4] = 0
+    with torch.no_grad():
+        for chunk in (1, 2):
+            with pytest.raises(ValueError, match=r"Row 1 .* starts with (a|4) padding token.*prefill_chunk_size=None"):
+                model.generate(ids, attention_mask=padded, prefill_chunk_size=chunk, **options)
+        chunked = model.generate(ids, prefill_chunk_size=1, **options)
+        whole = model.generate(ids, **options)
+    assert torch.equal(chunked.sequences, whole.sequences)
+    for ours, theirs in zip(chunked.logits, whole.logits, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

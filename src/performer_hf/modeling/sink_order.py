@@ -96,9 +96,16 @@ def check_sinks_in_place(key_mask: Tensor, count: int, fixed: int) -> None:
     and the cache cannot take them back. Traced (``torch.compile``), the refusal is an assertion in the graph
     (``torch._assert_async``: no host read, no graph break), raised with the same advice on a CPU; on CUDA a device
     assertion (inductor keeps them by default, on NVIDIA GPUs; untested here: no GPU), which ends the
-    process's CUDA context."""
+    process's CUDA context.
+
+    A call of one query is a decoding step (a row shorter than its global tokens reads its later ones in the window),
+    and passes unread (no host read per step), but for the one after a state built by one key: a prefill in one-token
+    chunks (``prefill_chunk_size=1``), whose rows that start with a pad fixed it as their global token, whatever real
+    tokens come later (the mask of a chunk covers no later ones)."""
     if key_mask.shape[1] - fixed < 2:
-        return  # a decoding step: a row shorter than its global tokens reads its later ones in the window
+        if fixed == 1:
+            _check_first_key_real(key_mask, count)
+        return
     if torch.compiler.is_compiling():
         # (the message names no length: formatting a dynamic one would pin the graph to it)
         message = _refusal("A row", "padding tokens", "positions", count)
@@ -110,13 +117,27 @@ def check_sinks_in_place(key_mask: Tensor, count: int, fixed: int) -> None:
             raise ValueError(_refusal(f"Row {row}", f"{first} padding tokens", f"{fixed} positions", count))
 
 
+def _check_first_key_real(key_mask: Tensor, count: int) -> None:
+    """Refuse the second call of a sequence (one query after one cached key) where a row of ``key_mask`` (B, 2)
+    starts with a pad: the state built by the first call fixed that pad as the row's global token (as an assertion
+    in the graph where traced: :func:`check_sinks_in_place`)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(key_mask[:, 0].bool().all(), _refusal("A row", "a padding token", "position", count))
+        return
+    _, firsts, _ = row_spans(key_mask)  # (2 for a row of pads only)
+    padded = [row for row, first in enumerate(firsts) if first > 0]
+    if padded:
+        raise ValueError(_refusal(f"Row {padded[0]}", "a padding token", "position", count))
+
+
 def warn_of_short_padded_rows(key_mask: Tensor | None, count: int, method: str) -> None:
     """Warn (once per method and count) where a decoding state is built from a call whose ``key_mask`` (B, L) has a
     padded row of fewer than ``count`` real tokens. Alone, such a row's next tokens become its global tokens; the
     state's global tokens are fixed after the call (by position), so once those tokens leave the window the row
     decodes otherwise than alone and than a full forward over it (the key/value path, with gradients, moves them:
-    :func:`sinks_first`). Not while traced (no host read)."""
-    if not count or key_mask is None or traced():
+    :func:`sinks_first`). Not while traced (no host read), nor for a call of one token: its padded rows are refused
+    at the next call (a prefill in one-token chunks: :func:`check_sinks_in_place`), not short prompts."""
+    if not count or key_mask is None or key_mask.shape[1] < 2 or traced():
         return
     counts, _, _ = row_spans(key_mask)
     if any(real < count and real < key_mask.shape[1] for real in counts):
