@@ -14,7 +14,8 @@ the PyTorch paths, with the same outputs).
 import transformers
 
 from .attention_interface import register_attention_implementations
-from .attention_settings import IMPLEMENTATIONS, attach_learned_attention, resolved_settings
+from .attention_methods import ATTENTION_FIELDS
+from .attention_settings import CONFIG_ATTRIBUTE, IMPLEMENTATIONS, attach_learned_attention, resolved_settings
 
 register_attention_implementations(replace=False)
 
@@ -27,11 +28,31 @@ def record_attention(config) -> None:
         resolved_settings(config, config._attn_implementation, causal=True)
 
 
+def _refuse_settings_as_keywords(name: str, config, kwargs: dict) -> None:
+    """Refuse Performer settings given as ``from_pretrained`` keywords (``local_window=16``, as the Performer family
+    takes them), which the source's config has no fields for: transformers hands them to the model's constructor,
+    whose ``TypeError`` named neither the config's dict nor how to change it."""
+    given = {key: value for key, value in kwargs.items() if key in ATTENTION_FIELDS}
+    if not given:
+        return
+    current = getattr(config, CONFIG_ATTRIBUTE, None) or {}
+    update = ", ".join(f"{key}={value!r}" for key, value in given.items())
+    replaced = {key: current[key] for key in ("attention_method",) if key in current} | given
+    raise ValueError(
+        f"{name} (converted in place) keeps its Performer settings in config.{CONFIG_ATTRIBUTE}, not as fields of "
+        f"its own: {', '.join(given)} cannot be given as keywords. Change them in the folder's settings: "
+        f"config = AutoConfig.from_pretrained(folder); config.{CONFIG_ATTRIBUTE}.update({update}); "
+        f"AutoModelForCausalLM.from_pretrained(folder, config=config). (The keyword {CONFIG_ATTRIBUTE}={replaced!r} "
+        "replaces them whole: the settings it does not name take the method's preset.)"
+    )
+
+
 class _RecordsItsAttention:
     """Records the config's Performer attention on construction (:func:`record_attention`), and declares the
     tensors attention transfer trained, so that ``from_pretrained`` loads them with the other weights."""
 
     def __init__(self, config, *args, **kwargs):
+        _refuse_settings_as_keywords(type(self).__name__, config, kwargs)
         super().__init__(config, *args, **kwargs)
         record_attention(config)
         attach_learned_attention(self, read=False)
