@@ -571,3 +571,12 @@ def test_detached_key_shifts_cancel_exactly(kernel, causal):
         return favor_attention(q, k, v, W, causal=causal, kernel=kernel, key_padding_mask=mask, chunk_size=3)
 
     assert torch.autograd.gradcheck(fn, (rising, v), eps=1e-6, atol=1e-8, rtol=1e-6, fast_mode=True)
+
+
+def test_integer_inputs_are_refused_by_name():
+    """Integer q, k, v ran and the output was cast back to their dtype: truncated (-1 for -1.43)."""
+    q = (torch.randn(1, 2, 6, 8) * 3).round().long()
+    with pytest.raises(ValueError, match="favor_attention takes floating-point q, k, v"):
+        favor_attention(q, q, q, draw_projection(16, 8))
+    with pytest.raises(ValueError, match=r"hybrid_attention \(self-attention\) takes floating-point q, k, v"):
+        hybrid_attention(q, q, q, None, far_field="poly2", local_window=3)

@@ -198,6 +198,11 @@ def check_attention_inputs(name: str, q, k, v, key_padding_mask, self_attention:
             f"{name} expects q, k, v of shape (batch, heads, seq, head_dim); got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}."
         )
+    if not (q.is_floating_point() and k.is_floating_point() and v.is_floating_point()):
+        raise ValueError(
+            f"{name} takes floating-point q, k, v (the output has q's dtype); got {q.dtype}, {k.dtype}, {v.dtype}. "
+            "Convert them, e.g. q.float()."
+        )
     matched = q.shape[:3] == k.shape[:3] if self_attention else q.shape[:2] == k.shape[:2]
     if not matched or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
         need = (
