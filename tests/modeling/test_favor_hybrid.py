@@ -598,3 +598,33 @@ def test_causal_far_field_across_many_chunks_matches_dense_reference(far_field):
     g_fast = torch.autograd.grad((fast * probe).sum(), (q, k, v))
     g_ref = torch.autograd.grad((ref * probe).sum(), (q, k, v))
     torch.testing.assert_close(g_fast, g_ref, rtol=1e-8, atol=1e-9)
+
+
+# (junk, dtype): 1e30's square overflows float32
+JUNK = [(float("nan"), torch.float64), (float("inf"), torch.float64), (1e30, torch.float32)]
+# (far_field, causal, CPU kernels): the compiled kernels serve the bidirectional polynomial far fields
+PADDED_CASES = [(far, False, "0") for far in sorted(FAR_FIELDS)] + [(far, True, "0") for far in sorted(FAR_FIELDS)]
+PADDED_CASES += [(far, False, "1") for far in sorted(QUADRATIC)]
+
+
+@pytest.mark.parametrize("far_field,causal,cpu_kernels", PADDED_CASES)
+@pytest.mark.parametrize("junk,dtype", JUNK, ids=["nan", "inf", "1e30-float32"])
+def test_padded_tokens_may_hold_anything(far_field, causal, cpu_kernels, junk, dtype, monkeypatch):
+    """Padding was applied by multiplication: a NaN, inf or huge number at a padded position (0 * inf) made the real
+    queries' outputs NaN, bidirectionally and in causal left-padded rows; the padded tokens must not count at all."""
+    monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", cpu_kernels)
+    q, k, v = random_qkv()
+    W = _projection()
+    mask = right_padding(2, 45, real=(45, 3))
+    if causal:  # left padding: the row's real tokens last
+        mask = mask.flip(-1)
+        config = _kwargs(far_field, True, dict(local_window=5, num_global_tokens=1))
+    else:
+        config = dict(far_field=far_field, local_window=5, num_global_tokens=1, routed_blocks=1, center=True)
+        config.update(route_block_size=4, query_block_size=4)
+    real = mask[:, None, :, None]
+    junked = [torch.where(real, t, junk).to(dtype) for t in (q, k, v)]
+    out = hybrid_attention(*junked, W.to(dtype), key_padding_mask=mask, chunk_size=8, **config).double()
+    ref = reference(q, k, v, W, mask=mask, **config)
+    tolerance = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.where(real, out, 0.0), torch.where(real, ref, 0.0), **tolerance)

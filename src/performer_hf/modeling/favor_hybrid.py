@@ -135,9 +135,12 @@ def _prepare(q, k, v, projection, spec: HybridSpec, causal: bool, options: dict,
     B, H, L, d = q.shape
     scaling = options["scaling"]
     root = (d**-0.5 if scaling is None else scaling) ** 0.5
-    x, y = q.to(dtype) * root, k.to(dtype) * root
     padding = options["key_padding_mask"]
     mask = torch.ones(B, L, dtype=torch.bool, device=q.device) if padding is None else padding.to(q.device, torch.bool)
+    if padding is not None:  # padded tokens may hold anything (inf, NaN): zeros before any product or mean
+        padded = ~mask[:, None, :, None]  # (B, 1, L, 1)
+        q, k, v = q.masked_fill(padded, 0.0), k.masked_fill(padded, 0.0), v.masked_fill(padded, 0.0)
+    x, y = q.to(dtype) * root, k.to(dtype) * root
     if projection is not None:
         projection = projection.to(device=q.device, dtype=dtype)
 
