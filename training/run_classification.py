@@ -9,6 +9,8 @@ Arguments follow transformers' run_glue_no_trainer.py; see training/README.md an
 """
 
 from performer_hf.training.classification import main
+from performer_hf.training.trainer import configure_script_logging
 
 if __name__ == "__main__":
+    configure_script_logging()
     main()

@@ -9,6 +9,8 @@ Arguments follow transformers' run_mlm_no_trainer.py; see training/README.md and
 """
 
 from performer_hf.training.language_modeling import main
+from performer_hf.training.trainer import configure_script_logging
 
 if __name__ == "__main__":
+    configure_script_logging()
     main("mlm")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import logging
 import math
 import os
 import re
@@ -1466,6 +1467,43 @@ def test_the_help_shows_choices_as_typed_and_names_every_source_convert_from_tak
     convert_from = help_text.split("--convert_from CONVERT_FROM ")[1].split(" --")[0]
     for architecture in ("BERT", "RoBERTa", "GPT-2", *IN_PLACE_ARCHITECTURES):
         assert architecture.removesuffix("ForCausalLM") in convert_from
+
+
+def _logging_state() -> dict:
+    import transformers
+
+    return {
+        "root handlers": logging.getLogger().handlers[:],
+        "levels": {
+            name: logging.getLogger(name).level for name in ("", "performer_hf", "performer_hf.training.trainer")
+        },
+        "transformers verbosity": transformers.utils.logging.get_verbosity(),
+        "datasets verbosity": datasets.utils.logging.get_verbosity(),
+        "bars": (transformers.utils.logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()),
+    }
+
+
+def test_a_quiet_zoo_build_that_finetunes_prints_its_folder_and_leaves_the_logging_as_it_was(assets, tmp_path, capfd):
+    """`performer-hf zoo build performer-gpt2-tiny --quick -q` printed 31 lines (the Accelerate setup, tokenizing and
+    training bars, evaluations, the builder's INFO lines): the trainer, called in-process, set up the process's
+    logging as its scripts do, and left a root handler and its logger at INFO behind. The scripts alone set it up."""
+    from performer_hf.cli import main as cli_main
+
+    before = _logging_state()
+    assert cli_main(["zoo", "build", "performer-gpt2-tiny", str(tmp_path / "m"), "--quick", "-q"]) == 0
+    assert _logging_state() == before
+    out, err = capfd.readouterr()
+    assert out.splitlines() == [str(tmp_path / "m")]
+    assert not [line for line in err.splitlines() if "it/s" in line or "examples/s" in line or "eval_" in line]
+    # the script itself still logs its run
+    script = subprocess.run(
+        [sys.executable, str(REPO / "training" / "run_clm.py"), *lm_args(assets, tmp_path / "script", steps=1)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache")},
+    )
+    assert script.returncode == 0, script.stderr[-2000:]
+    assert "- INFO - performer_hf.training.trainer - [RANK 0] ***** Running training *****" in script.stderr
 
 
 def _inside(assets, out: Path) -> list[str]:

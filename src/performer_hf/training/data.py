@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+from contextlib import contextmanager
 
+import datasets as hf_datasets
 import numpy as np
 from datasets import ClassLabel, Dataset, DatasetDict, Value, load_dataset
 from datasets.exceptions import DatasetGenerationError, DatasetNotFoundError
@@ -29,34 +31,28 @@ def _describe_source(args: argparse.Namespace) -> str:
     return f"--dataset_name {args.dataset_name!r}" if args.dataset_name else f"--train_file {args.train_file!r}"
 
 
+@contextmanager
+def _progress_bars_as_transformers():
+    """datasets' progress bars (reading, tokenizing) off while transformers' are (``transformers.utils.logging.
+    disable_progress_bar()``, as `performer-hf` commands turn them off), and as they were after."""
+    hide = not hf_logging.is_progress_bar_enabled() and hf_datasets.is_progress_bar_enabled()
+    if hide:
+        hf_datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if hide:
+            hf_datasets.enable_progress_bars()
+
+
 def load_raw_datasets(args: argparse.Namespace) -> DatasetDict:
     """``train`` and ``validation`` splits from local files or a Hub dataset.
 
     Without a validation set, the first ``--validation_split_percentage`` % of the training data is
     held out. Raises :class:`TrainingInputError` when a split is empty or a file cannot be read.
     """
-    try:
-        if args.dataset_name is not None:
-            raw = load_dataset(args.dataset_name, args.dataset_config_name)
-        else:
-            builder = DATA_FILE_BUILDERS[args.train_file.rsplit(".", 1)[-1].lower()]
-            options = {"keep_linebreaks": True} if builder == "text" else {}
-            data_files = {"train": args.train_file}
-            if args.validation_file is not None:
-                data_files["validation"] = args.validation_file
-            raw = load_dataset(builder, data_files=data_files, **options)
-    except (DatasetGenerationError, DatasetNotFoundError, ConnectionError) as error:
-        cause = error.__cause__ or error
-        raise TrainingInputError(f"Could not read the data of {_describe_source(args)}: {cause}") from error
-    except ValueError as error:  # a split of no data (a header-only CSV): datasets refuses to read it
-        if "corresponds to no data" not in str(error):
-            raise
-        if '"validation"' in str(error):
-            raise TrainingInputError(
-                f"The validation data (--validation_file {args.validation_file!r}) has no examples."
-            ) from error
-        raise TrainingInputError(f"The training data ({_describe_source(args)}) has no examples.") from error
-
+    with _progress_bars_as_transformers():
+        raw = _read_splits(args)
     if "train" not in raw:
         raise TrainingInputError(f"{_describe_source(args)} has no 'train' split (its splits: {sorted(raw)}).")
     if len(raw["train"]) == 0:
@@ -69,6 +65,30 @@ def load_raw_datasets(args: argparse.Namespace) -> DatasetDict:
             f"--validation_split_percentage (now {args.validation_split_percentage})."
         )
     return DatasetDict(train=raw["train"], validation=raw["validation"])
+
+
+def _read_splits(args: argparse.Namespace) -> DatasetDict:
+    """The splits of the Hub dataset or of the local files, as ``datasets`` reads them."""
+    try:
+        if args.dataset_name is not None:
+            return load_dataset(args.dataset_name, args.dataset_config_name)
+        builder = DATA_FILE_BUILDERS[args.train_file.rsplit(".", 1)[-1].lower()]
+        options = {"keep_linebreaks": True} if builder == "text" else {}
+        data_files = {"train": args.train_file}
+        if args.validation_file is not None:
+            data_files["validation"] = args.validation_file
+        return load_dataset(builder, data_files=data_files, **options)
+    except (DatasetGenerationError, DatasetNotFoundError, ConnectionError) as error:
+        cause = error.__cause__ or error
+        raise TrainingInputError(f"Could not read the data of {_describe_source(args)}: {cause}") from error
+    except ValueError as error:  # a split of no data (a header-only CSV): datasets refuses to read it
+        if "corresponds to no data" not in str(error):
+            raise
+        if '"validation"' in str(error):
+            raise TrainingInputError(
+                f"The validation data (--validation_file {args.validation_file!r}) has no examples."
+            ) from error
+        raise TrainingInputError(f"The training data ({_describe_source(args)}) has no examples.") from error
 
 
 def _hold_out(train: Dataset, percent: int) -> DatasetDict:
@@ -133,7 +153,7 @@ class _QuietLengthWarning:
 def _tokenize_splits(raw: DatasetDict, fn, args, accelerator) -> DatasetDict:
     """``fn`` mapped (batched) over every split, replacing the raw columns; the main process tokenizes
     first, so the other processes read its cache."""
-    with accelerator.main_process_first():
+    with accelerator.main_process_first(), _progress_bars_as_transformers():
         return DatasetDict(
             {
                 split: dataset.map(

@@ -24,7 +24,13 @@ import torch
 import transformers
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType, get_int_from_env, parse_flag_from_env, set_seed
+from accelerate.utils import (
+    DistributedType,
+    get_cpu_distributed_information,
+    get_int_from_env,
+    parse_flag_from_env,
+    set_seed,
+)
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -71,8 +77,25 @@ class TrainingTask:
     scorable: Callable[[dict, torch.Tensor], dict] = lambda batch, items: batch
 
 
+def configure_script_logging() -> None:
+    """The logging of a process that a training script (``training/run_*.py``) runs, as transformers' example scripts
+    set it up: timestamped records on stderr, performer_hf's INFO records on the main process (only errors on the
+    others), transformers' and datasets' warnings on each machine's main process (only errors on the others). The
+    scripts call it before training; the trainer called as a library (the zoo builder, a notebook) leaves the
+    caller's logging as it was. The process's rank is read from the launcher's environment, as Accelerate reads it.
+    """
+    place = get_cpu_distributed_information()
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S")
+    logging.getLogger("performer_hf").setLevel(logging.INFO if place.rank == 0 else logging.ERROR)
+    logging.getLogger(__name__).setLevel(logging.INFO)  # every process states its Accelerate setup
+    verbosity = logging.WARNING if place.local_rank == 0 else logging.ERROR
+    datasets.utils.logging.set_verbosity(verbosity)
+    transformers.utils.logging.set_verbosity(verbosity)
+
+
 def create_accelerator(args: argparse.Namespace) -> Accelerator:
-    """The Accelerator for a run, with logging configured and the seed set.
+    """The Accelerator for a run, with the seed set (the logging is the caller's: :func:`configure_script_logging`
+    for the scripts).
 
     The seedable sampler makes the shuffled order a function of (seed, epoch) on every process.
     """
@@ -100,16 +123,6 @@ def create_accelerator(args: argparse.Namespace) -> Accelerator:
             f"{launched} processes were launched but Accelerate set up {accelerator.num_processes}; each would "
             "train on its own. Check the launcher's distributed settings (`accelerate env`)."
         )
-    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S")
-    # Library modules log with `logging`; only the main process speaks above errors.
-    logging.getLogger("performer_hf").setLevel(logging.INFO if accelerator.is_main_process else logging.ERROR)
-    logger.setLevel(logging.INFO)
-    if accelerator.is_local_main_process:
-        datasets.utils.logging.set_verbosity_warning()
-        transformers.utils.logging.set_verbosity_warning()
-    else:
-        datasets.utils.logging.set_verbosity_error()
-        transformers.utils.logging.set_verbosity_error()
     logger.info(accelerator.state, main_process_only=False)
     if accelerator.device.type == "cpu" and retain_freed_memory():
         logger.info("CPU training: freed memory stays in the process for reuse (performer_hf.cpu_memory).")
@@ -381,8 +394,10 @@ def run_training(
         progress.epoch, progress.batches_in_epoch = resume_position(state, plan.batches_per_epoch)
 
     unwrapped = accelerator.unwrap_model(model)
-    progress_bar = tqdm(
-        total=max_train_steps, initial=progress.completed_steps, disable=not accelerator.is_local_main_process
+    progress_bar = tqdm(  # off where transformers' progress bars are (as `performer-hf` commands turn them off)
+        total=max_train_steps,
+        initial=progress.completed_steps,
+        disable=not (accelerator.is_local_main_process and transformers.utils.logging.is_progress_bar_enabled()),
     )
     metrics: dict = {}
     evaluated_at = -1
