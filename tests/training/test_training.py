@@ -1506,6 +1506,18 @@ def test_a_quiet_zoo_build_that_finetunes_prints_its_folder_and_leaves_the_loggi
     assert "- INFO - performer_hf.training.trainer - [RANK 0] ***** Running training *****" in script.stderr
 
 
+@pytest.mark.parametrize("quiet", [False, True])
+def test_a_performer_hf_command_shows_the_training_bar_unless_quiet(quiet):
+    """`performer-hf` commands turn transformers' progress bars off; a zoo build that finetunes for an hour still
+    shows its training bar, and ``-q`` hides it with the INFO records."""
+    from performer_hf.cli import _command_logging
+    from performer_hf.training.trainer import _shows_training_progress
+
+    with _command_logging(quiet):
+        assert _shows_training_progress() is not quiet
+    assert _shows_training_progress()  # transformers' bars on again, as in a script or a notebook
+
+
 def _inside(assets, out: Path) -> list[str]:
     """A run with --overwrite_output_dir whose training text lies inside --output_dir."""
     text = out / "docs.txt"

@@ -93,6 +93,15 @@ def configure_script_logging() -> None:
     transformers.utils.logging.set_verbosity(verbosity)
 
 
+def _shows_training_progress() -> bool:
+    """Whether the training run shows its progress bar: where transformers' bars are on (a script, a notebook), or
+    where performer_hf's INFO records are shown (`performer-hf` commands turn transformers' bars off, and ``-q``
+    their INFO records too: a quiet ``zoo build`` prints its folder alone)."""
+    return transformers.utils.logging.is_progress_bar_enabled() or logging.getLogger("performer_hf").isEnabledFor(
+        logging.INFO
+    )
+
+
 def create_accelerator(args: argparse.Namespace) -> Accelerator:
     """The Accelerator for a run, with the seed set (the logging is the caller's: :func:`configure_script_logging`
     for the scripts).
@@ -394,10 +403,10 @@ def run_training(
         progress.epoch, progress.batches_in_epoch = resume_position(state, plan.batches_per_epoch)
 
     unwrapped = accelerator.unwrap_model(model)
-    progress_bar = tqdm(  # off where transformers' progress bars are (as `performer-hf` commands turn them off)
+    progress_bar = tqdm(
         total=max_train_steps,
         initial=progress.completed_steps,
-        disable=not (accelerator.is_local_main_process and transformers.utils.logging.is_progress_bar_enabled()),
+        disable=not (accelerator.is_local_main_process and _shows_training_progress()),
     )
     metrics: dict = {}
     evaluated_at = -1
