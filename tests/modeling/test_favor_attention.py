@@ -580,3 +580,34 @@ def test_integer_inputs_are_refused_by_name():
         favor_attention(q, q, q, draw_projection(16, 8))
     with pytest.raises(ValueError, match=r"hybrid_attention \(self-attention\) takes floating-point q, k, v"):
         hybrid_attention(q, q, q, None, far_field="poly2", local_window=3)
+
+
+@pytest.mark.parametrize("kernel", sorted(FEATURE_MAPS))
+def test_every_maps_state_continues_its_own_calls(kernel):
+    """The state check reads each map's feature width from the map: a state continues calls of its own settings."""
+    q, k, v = _qkv(length=20)
+    W = _projection()
+    full = favor_attention(q, k, v, W, causal=True, kernel=kernel)
+    first, state = favor_attention(*(t[:, :, :12] for t in (q, k, v)), W, causal=True, kernel=kernel, return_state=True)
+    rest = favor_attention(*(t[:, :, 12:] for t in (q, k, v)), W, causal=True, kernel=kernel, initial_state=state)
+    torch.testing.assert_close(torch.cat([first, rest], dim=2), full, rtol=1e-10, atol=1e-12)
+
+
+def test_a_state_of_other_calls_is_refused_by_name():
+    """A state of other heads or another projection ended in torch's size errors; one of other value widths too."""
+    q, k, v = _qkv()
+    W = _projection()
+
+    def state_of(q, k, v, W):
+        return favor_attention(q, k, v, W, causal=True, return_state=True)[1]
+
+    for state, what in (
+        (state_of(q[:, :1], k[:, :1], v[:, :1], W), r"batch x heads is \(2, 1\), this call needs \(2, 3\)"),
+        (state_of(q[:1], k[:1], v[:1], W), r"batch x heads is \(1, 3\), this call needs \(2, 3\)"),
+        (state_of(q, k, v, _projection(m=32)), r"features \(kernel='softmax' with 48 projection rows\) is 32"),
+        (state_of(q, k, v[..., :3], W), "value width \\+ 1 is 4, this call needs 17"),
+    ):
+        with pytest.raises(ValueError, match=f"initial_state does not continue this favor_attention call: its {what}"):
+            favor_attention(q, k, v, W, causal=True, initial_state=state)
+    with pytest.raises(ValueError, match="features"):  # the hyperbolic map has twice the features of the positive one
+        favor_attention(q, k, v, W, causal=True, kernel="softmax_hyperbolic", initial_state=state_of(q, k, v, W))

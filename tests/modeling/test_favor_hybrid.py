@@ -628,3 +628,37 @@ def test_padded_tokens_may_hold_anything(far_field, causal, cpu_kernels, junk, d
     ref = reference(q, k, v, W, mask=mask, **config)
     tolerance = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(torch.where(real, out, 0.0), torch.where(real, ref, 0.0), **tolerance)
+
+
+def test_a_state_of_other_settings_is_refused_by_name():
+    """A state continued under another window or number of global tokens ran to wrong outputs (0.38 and 1.47 off);
+    one of another batch or far field ended in torch's size errors."""
+    q, k, v = random_qkv(length=24)
+    W = _projection()
+    settings = dict(far_field="softmax", causal=True, local_window=5, num_global_tokens=1)
+
+    def state_of(length=16, batch=2, **changed):
+        part = [t[:batch, :, :length] for t in (q, k, v)]
+        return hybrid_attention(*part, W, return_state=True, **{**settings, **changed})[1]
+
+    rest = [t[:, :, 16:] for t in (q, k, v)]
+    for state, changed, what in (
+        (
+            state_of(local_window=3),
+            {},
+            r"window buffer \(local_window=5: min\(16 tokens, 4\)\) is 2, this call needs 4",
+        ),
+        (state_of(num_global_tokens=0), {"num_global_tokens": 2}, r"global keys \(num_global_tokens=2\) is 0"),
+        (state_of(batch=1), {}, r"batch x heads is \(1, 2\), this call needs \(2, 2\)"),
+        (state_of(), {"far_field": "poly2"}, r"far-field features \(far_field='poly2'\) is 24, this call needs 45"),
+    ):
+        with pytest.raises(ValueError, match=f"initial_state does not continue this hybrid_attention call: its {what}"):
+            hybrid_attention(*rest, W, initial_state=state, **{**settings, **changed})
+    # a short prefix holds as much of a longer window as it has tokens: it continues either window alike
+    short = state_of(length=2, local_window=3)
+    torch.testing.assert_close(
+        hybrid_attention(*rest, W, initial_state=short, **settings),
+        hybrid_attention(*rest, W, initial_state=state_of(length=2), **settings),
+        rtol=0,
+        atol=0,
+    )

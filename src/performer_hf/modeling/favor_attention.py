@@ -28,6 +28,7 @@ the plain autograd path below, which computes the same quantities.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -45,7 +46,7 @@ from .favor_exp import (
     causal_exp_sums,
     pad_to_chunks,
 )
-from .favor_features import FeatureMap, get_feature_map
+from .favor_features import FeatureMap, feature_map, get_feature_map
 
 Tensor = torch.Tensor
 ShiftFn = Callable[[Tensor], Tensor]
@@ -230,7 +231,40 @@ def check_scaling(name: str, scaling: float | None) -> None:
         raise ValueError(f"{name} takes a positive, finite scaling (the logit scale) or None, got {scaling}.")
 
 
-def _check_inputs(q, k, v, projection, causal, key_padding_mask, state, return_state, scaling):
+def refuse_other_state(name: str, differences: list[tuple[str, object, object]], fix: str) -> None:
+    """Refuse a causal ``initial_state`` that was built for other calls of the attention function ``name``:
+    ``differences`` holds (what, the state's, this call's) for each thing a state is made for; ``fix`` says what to
+    pass instead."""
+    wrong = [f"{what} is {held}, this call needs {need}" for what, held, need in differences if held != need]
+    if wrong:
+        raise ValueError(f"initial_state does not continue this {name} call: its {'; its '.join(wrong)}. {fix}")
+
+
+@functools.cache
+def feature_width(kernel: str, rows: int, head_dim: int) -> int:
+    """How many features the map ``kernel`` gives with a projection of ``rows`` rows of width ``head_dim``: what a
+    causal state holds per value column. Read from the map itself, on zeros on the CPU, once per shape."""
+    probe = torch.zeros(1, head_dim, dtype=torch.float64)
+    return feature_map(probe, torch.zeros(rows, head_dim, dtype=torch.float64), kernel).shape[-1]
+
+
+def _check_state(state: FavorState, q: Tensor, v: Tensor, projection: Tensor, kernel: str) -> None:
+    """The causal ``state`` continues this call: built for the same batch and heads, feature map and projection
+    (its features) and value width. Shapes alone, read eagerly (a traced graph takes its state as it comes)."""
+    if torch.compiler.is_compiling():
+        return
+    B, H = q.shape[:2]
+    width = feature_width(kernel, *projection.shape)
+    differences = [
+        ("batch x heads", tuple(state.kv.shape[:2]), (B, H)),
+        (f"features (kernel={kernel!r} with {projection.shape[0]} projection rows)", state.kv.shape[-2], width),
+        ("value width + 1", state.kv.shape[-1], v.shape[-1] + 1),
+    ]
+    fix = "Continue a state with the batch, heads, kernel, projection and values it was built with, or start anew."
+    refuse_other_state("favor_attention", differences, fix)
+
+
+def _check_inputs(q, k, v, projection, kernel, causal, key_padding_mask, state, return_state, scaling):
     check_attention_inputs("favor_attention", q, k, v, key_padding_mask, self_attention=causal)
     check_scaling("favor_attention", scaling)
     if projection.dim() != 2 or projection.shape[1] != q.shape[-1]:
@@ -240,6 +274,8 @@ def _check_inputs(q, k, v, projection, causal, key_padding_mask, state, return_s
         )
     if (state is not None or return_state) and not causal:
         raise ValueError("initial_state / return_state only apply to causal attention (causal=True).")
+    if state is not None:
+        _check_state(state, q, v, projection, kernel)
 
 
 def _prepared(q, k, v, projection, scaling: float | None, key_padding_mask: Tensor | None):
@@ -289,7 +325,7 @@ def favor_attention(
     Returns:
         ``(B, H, Lq, dv)`` in the dtype of ``q``; with ``return_state`` a tuple ``(out, state)``.
     """
-    _check_inputs(q, k, v, projection, causal, key_padding_mask, initial_state, return_state, scaling)
+    _check_inputs(q, k, v, projection, kernel, causal, key_padding_mask, initial_state, return_state, scaling)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}.")
     out_dtype = q.dtype

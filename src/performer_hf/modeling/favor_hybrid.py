@@ -263,6 +263,8 @@ def hybrid_attention(
         pin_length(q.shape[2])
     stateful = initial_state is not None or return_state
     spec.check_direction(causal, query_center is not None and key_center is not None, stateful)
+    if initial_state is not None:
+        spec.check_state(initial_state, k, v, projection)
     options = {
         "scaling": scaling,
         "key_padding_mask": key_padding_mask,
@@ -317,5 +319,7 @@ def hybrid_prefill_state(
         "far_field_gain": far_field_gain,
     }
     spec.check_direction(True, query_center is not None and key_center is not None, True)
+    if initial_state is not None:
+        spec.check_state(initial_state, k, v, projection)
     call = _prepare(q, k, v, projection, spec, True, options)
     return next_state(initial_state, prefill_far_state(call, initial_state), call)

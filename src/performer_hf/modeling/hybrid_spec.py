@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from .far_fields import get_far_field
+from .favor_attention import refuse_other_state
 
 Tensor = torch.Tensor
 
@@ -111,6 +113,47 @@ class HybridSpec:
             )
         if stateful and not causal:
             raise ValueError("initial_state / return_state only apply to causal attention (causal=True).")
+
+    def check_state(self, state: HybridState, k: Tensor, v: Tensor, projection: Tensor | None) -> None:
+        """The causal ``state`` continues a call of these settings on keys k (B, H, L, d) and values v (.., dv): built
+        for the same batch and heads, far field (its features), key and value widths, window and global tokens (what
+        it holds of them after ``state.length`` tokens). Shapes alone, read eagerly (a traced graph takes its state
+        as it comes)."""
+        if torch.compiler.is_compiling():
+            return
+        B, H, _, d = k.shape
+        n, keep, globals_ = state.length, max(self.local_window - 1, 0), self.num_global_tokens
+        features = far_width(self.far_field, projection.shape[0] if self.uses_projection else 0, d)
+        differences = [
+            ("batch x heads", tuple(state.far_kv.shape[:2]), (B, H)),
+            (f"far-field features (far_field={self.far_field!r})", state.far_kv.shape[-2], features),
+            ("value width + 1", state.far_kv.shape[-1], v.shape[-1] + 1),
+            ("key width", state.keys.shape[-1], d),
+            (
+                f"window buffer (local_window={self.local_window}: min({n} tokens, {keep}))",
+                state.keys.shape[2],
+                min(n, keep),
+            ),
+            (f"global keys (num_global_tokens={globals_})", state.global_keys.shape[2], min(n, globals_)),
+        ]
+        fix = (
+            "Continue a state with the batch, heads, far_field, projection, local_window and num_global_tokens it was "
+            "built with, or start anew (initial_state=None)."
+        )
+        refuse_other_state("hybrid_attention", differences, fix)
+
+
+@functools.cache
+def far_width(far_field: str, rows: int, head_dim: int) -> int:
+    """How many features the far field ``far_field`` gives on keys of width ``head_dim`` (with a projection of
+    ``rows`` rows where it takes one): what a causal state holds per value column. Read from the far field itself, on
+    zeros on the CPU, once per shape."""
+    far = get_far_field(far_field)
+    probe = torch.zeros(1, head_dim, dtype=torch.float64)
+    projection = torch.zeros(rows, head_dim, dtype=torch.float64) if far.uses_projection else None
+    parameter = torch.zeros((), dtype=torch.float64) if far.uses_parameter else None
+    base, log = far.features(probe, projection, parameter)
+    return (log if base is None else base).shape[-1]
 
 
 class HybridState(NamedTuple):
