@@ -137,19 +137,25 @@ def _prepare(q, k, v, projection, spec: HybridSpec, causal: bool, options: dict,
     root = (d**-0.5 if scaling is None else scaling) ** 0.5
     padding = options["key_padding_mask"]
     mask = torch.ones(B, L, dtype=torch.bool, device=q.device) if padding is None else padding.to(q.device, torch.bool)
-    if padding is not None:  # padded tokens may hold anything (inf, NaN): zeros before any product or mean
-        padded = ~mask[:, None, :, None]  # (B, 1, L, 1)
-        q, k, v = q.masked_fill(padded, 0.0), k.masked_fill(padded, 0.0), v.masked_fill(padded, 0.0)
+    padded = None if padding is None else ~mask[:, None, :, None]  # (B, 1, L, 1)
+    if padded is not None:  # padded tokens may hold anything (inf, NaN): keys and values zeroed before any product;
+        # a padded query keeps its own output (as before), less what is not finite, which would reach the real ones
+        k, v = k.masked_fill(padded, 0.0), v.masked_fill(padded, 0.0)
+        q = q.masked_fill(padded & ~q.isfinite(), 0.0)
     x, y = q.to(dtype) * root, k.to(dtype) * root
+    real_x = x if padded is None else x.masked_fill(padded, 0.0)  # the queries the statistics read
     if projection is not None:
         projection = projection.to(device=q.device, dtype=dtype)
 
     # Centres a (queries) and c (keys): exp(x.y) = exp(x.c + a.y - a.c) exp((x - a).(y - c)).
     zero = x.new_zeros(1, 1, 1, d)
     query_center, key_center = options["query_center"], options["key_center"]
-    a = _as_center(query_center, x) if query_center is not None else (_masked_mean(x, mask) if spec.center else zero)
+    if query_center is not None:
+        a = _as_center(query_center, x)
+    else:
+        a = _masked_mean(real_x, mask) if spec.center else zero
     c = _as_center(key_center, y) if key_center is not None else (_masked_mean(y, mask) if spec.center else zero)
-    parameter = _far_field_parameter(far, options["far_field_parameter"], x, lambda: (x - a, y - c), mask, causal)
+    parameter = _far_field_parameter(far, options["far_field_parameter"], x, lambda: (real_x - a, y - c), mask, causal)
     exp_form = None if far.exp_form is None else far.exp_form(projection, parameter)  # directions, bias
     ctx = FarContext(root, a, c, far, projection, parameter, dtype, exp_form)
     # Causal: the support's keys need no far-field features (the far field never holds them); bidirectional: the
