@@ -488,7 +488,15 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
         if not config.is_decoder:  # it attends causally all the same: the decoders' checks apply
             as_decoder = copy.deepcopy(config)
             as_decoder.is_decoder = True
-            _validate(as_decoder)
+            try:
+                _validate(as_decoder)
+            except ValueError as error:  # an encoder's settings (e.g. a converted BERT's), which causal attention refuses
+                raise ValueError(
+                    "PerformerForCausalLM attends causally, and this config is a bidirectional encoder's "
+                    f"(is_decoder=False) with a setting that causal attention refuses: {error} To use the encoder, load "
+                    "it with AutoModel, AutoModelForMaskedLM or AutoModelForSequenceClassification; to make a "
+                    "decoder of it, set is_decoder=True and the causal settings this names."
+                ) from error
             logger.warning_once(
                 "PerformerForCausalLM attends causally whatever its config says; this one has is_decoder=False, "
                 "which a PerformerModel loaded from it would take as bidirectional: set is_decoder=True."
