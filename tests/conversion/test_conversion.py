@@ -644,3 +644,16 @@ def test_a_causal_hybrid_conversion_attends_exactly_at_its_first_positions(sourc
     config = PerformerConfig.from_pretrained(out)
     assert config.exact_max_length == METHODS["hybrid"]["causal"]["exact_max_length"] > 0
     assert f"the first {config.exact_max_length} positions attend exactly" in (out / "README.md").read_text()
+
+
+def test_a_converted_folder_is_refused_as_a_source_and_python_is_told_its_keyword(sources, tmp_path):
+    """Converting a Performer folder again was refused as an unsupported architecture ('PerformerModel' is not
+    supported), as if the library did not know its own; and the Python API's refusal of a non-empty output named the
+    command line's flag only (--overwrite), not the keyword it takes."""
+    folder, _ = sources["bert-mlm"]
+    converted = convert(folder, tmp_path / "converted", fidelity=False)
+    with pytest.raises(ConversionError, match="model_type 'performer'.*converted already.*Convert the original"):
+        convert(converted, tmp_path / "again", fidelity=False)
+    assert not (tmp_path / "again").exists()
+    with pytest.raises(ConversionError, match=r"not empty; pass overwrite=True \(on the command line: --overwrite\)"):
+        convert(folder, converted, fidelity=False)

@@ -150,7 +150,7 @@ def test_existing_output_needs_overwrite(tmp_path, capsys):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     assert main(["zoo", "build", "performer-minilm-l6", str(out), "--quick"]) == 1
-    assert "pass --overwrite" in capsys.readouterr().err
+    assert "--overwrite) to replace it" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 

@@ -33,7 +33,10 @@ def check_output_dir(output_dir: Path, overwrite: bool, source: Path | None = No
     if source is not None and (replaced := output_replaces_source(output_dir, source)):
         raise ConversionError(replaced)
     if output_dir.is_dir() and output_entries(output_dir) and not overwrite:
-        raise ConversionError(f"output folder {output_dir} exists and is not empty; pass --overwrite to replace it.")
+        raise ConversionError(
+            f"output folder {output_dir} exists and is not empty; pass overwrite=True (on the command line: "
+            "--overwrite) to replace it."
+        )
     _check_writable(output_dir)
 
 

@@ -97,6 +97,13 @@ def read_source(folder: Path, repo_id: str | None) -> SourceCheckpoint:
 
     raw = _config_json(folder)
     architecture = _one_architecture(raw)
+    if raw.get("model_type") == "performer":
+        raise ConversionError(
+            f"{folder} holds a {architecture} (model_type 'performer'): it was converted already. A conversion starts "
+            "from the source's own softmax attention, which it measures against and which this folder no longer runs. "
+            "Convert the original checkpoint (its card names it), or load this one and change its attention settings "
+            "with from_pretrained(folder, attention_method=..., ...)."
+        )
     family = find_family(architecture)
     if raw.get("model_type") != family.model_type:
         raise ConversionError(
