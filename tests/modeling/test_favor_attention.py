@@ -86,6 +86,31 @@ def test_padding_gives_the_unpadded_outputs():
         torch.testing.assert_close(out[:, :, :29], alone, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("kernel", sorted(FEATURE_MAPS))
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("junk", [float("nan"), float("inf"), 1e200], ids=["nan", "inf", "1e200"])
+def test_padded_tokens_may_hold_anything(kernel, causal, junk):
+    """Padded keys were left out by multiplying their features by zero: a NaN or inf there made every real output
+    of relu, elu and softmax_trig NaN; and a padded query whose features overflow (0 * inf in the backward pass)
+    made the real keys' gradients NaN. Real outputs and gradients equal those of zero padding."""
+    q, k, v = _qkv(length=20)
+    W = _projection()
+    mask = torch.arange(20)[None] < torch.tensor([20, 12])[:, None]  # (B, L): the second row padded from 12 on
+    mask = mask.flip(-1) if causal else mask  # causal rows are left-padded
+    real = mask[:, None, :, None]
+    probe = torch.randn(2, 3, 20, 16, dtype=torch.float64).masked_fill(~real, 0.0)  # a loss on real outputs only
+
+    def outputs_and_gradients(fill):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        inputs = [torch.where(real, t, fill) for t in leaves]
+        out = favor_attention(*inputs, W, kernel=kernel, causal=causal, key_padding_mask=mask, chunk_size=8)
+        grads = torch.autograd.grad((out * probe).sum(), leaves)
+        return [torch.where(real, t, 0.0) for t in (out, *grads)]
+
+    for got, clean in zip(outputs_and_gradients(junk), outputs_and_gradients(0.0), strict=True):
+        torch.testing.assert_close(got, clean, rtol=1e-9, atol=1e-10)
+
+
 def test_incremental_decoding_with_state_matches_full_pass():
     q, k, v = _qkv(length=33)
     W = _projection()

@@ -611,7 +611,9 @@ PADDED_CASES += [(far, False, "1") for far in sorted(QUADRATIC)]
 @pytest.mark.parametrize("junk,dtype", JUNK, ids=["nan", "inf", "1e30-float32"])
 def test_padded_tokens_may_hold_anything(far_field, causal, cpu_kernels, junk, dtype, monkeypatch):
     """Padding was applied by multiplication: a NaN, inf or huge number at a padded position (0 * inf) made the real
-    queries' outputs NaN, bidirectionally and in causal left-padded rows; the padded tokens must not count at all."""
+    queries' outputs NaN, bidirectionally and in causal left-padded rows; and a padded query whose polynomial features
+    overflow (1e20 in float32) made the real keys' gradients NaN (0 * inf in the backward pass). The padded tokens
+    must not count at all, in the outputs or the gradients."""
     monkeypatch.setenv("PERFORMER_HF_CPU_KERNELS", cpu_kernels)
     q, k, v = random_qkv()
     W = _projection()
@@ -623,11 +625,25 @@ def test_padded_tokens_may_hold_anything(far_field, causal, cpu_kernels, junk, d
         config = dict(far_field=far_field, local_window=5, num_global_tokens=1, routed_blocks=1, center=True)
         config.update(route_block_size=4, query_block_size=4)
     real = mask[:, None, :, None]
-    junked = [torch.where(real, t, junk).to(dtype) for t in (q, k, v)]
-    out = hybrid_attention(*junked, W.to(dtype), key_padding_mask=mask, chunk_size=8, **config).double()
+    probe = torch.randn(q.shape, dtype=dtype).masked_fill(~real, 0.0)  # a loss on the real outputs only
+
+    def outputs_and_gradients(fill):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        inputs = [torch.where(real, t, fill) for t in leaves]
+        out = hybrid_attention(*inputs, W.to(dtype), key_padding_mask=mask, chunk_size=8, **config)
+        grads = torch.autograd.grad((out * probe).sum(), leaves)
+        return [torch.where(real, t, 0.0).double() for t in (out, *grads)]
+
+    # (the naive reference's own gradients are NaN: a causal padded query before its row's first real token sees no
+    # key, 0 / 0; so the gradients are compared with those of zero padding)
+    out, *grads = outputs_and_gradients(junk)
+    clean_out, *clean_grads = outputs_and_gradients(0.0)
     ref = reference(q, k, v, W, mask=mask, **config)
     tolerance = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(torch.where(real, out, 0.0), torch.where(real, ref, 0.0), **tolerance)
+    torch.testing.assert_close(out, torch.where(real, ref, 0.0), **tolerance)
+    torch.testing.assert_close(clean_out, torch.where(real, ref, 0.0), **tolerance)
+    for got, clean in zip(grads, clean_grads, strict=True):
+        torch.testing.assert_close(got, clean, **tolerance)
 
 
 def test_a_state_of_other_settings_is_refused_by_name():

@@ -692,7 +692,6 @@ def test_a_causal_lm_checks_the_decoder_settings_whatever_is_decoder_says():
             PerformerForCausalLM(tiny_config(**METHODS["favor"], exact_max_length=16, is_decoder=is_decoder))
 
 
-
 def test_a_causal_lm_of_an_encoder_config_names_the_encoder_loaders(tmp_path):
     """A converted encoder's folder (the default hybrid, routed, exact on accelerators up to 8K) loaded with
     AutoModelForCausalLM (its auto_map offers it) was refused one causal setting at a time, without saying that the
@@ -701,6 +700,7 @@ def test_a_causal_lm_of_an_encoder_config_names_the_encoder_loaders(tmp_path):
     encoder.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"bidirectional encoder's \(is_decoder=False\).*AutoModelForMaskedLM"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
+
 
 def test_a_stray_field_is_refused_with_a_method_that_takes_it():
     """A sparse decoder given exact_max_length was told to set attention_method='favor', itself refused for decoders

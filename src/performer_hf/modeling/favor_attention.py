@@ -278,16 +278,33 @@ def _check_inputs(q, k, v, projection, kernel, causal, key_padding_mask, state, 
         _check_state(state, q, v, projection, kernel)
 
 
+# A padded query's entries beyond this magnitude (or not finite) are zeroed before any product: its own features
+# would overflow (the polynomial far fields square its logits: 1e20 did in float32), and in the backward pass their
+# inf times its output's zero gradient is NaN in the key sums every real query shares. Far above a real query's
+# entries, so that ordinary padding keeps its outputs.
+PADDED_QUERY_LIMIT = 1e4
+
+
+def scrub_padded_queries(q: Tensor, padded: Tensor) -> Tensor:
+    """``q`` (B, H, L, d) with the entries of its padded rows (``padded``: (B, 1, L, 1), True at padding) that are not
+    finite or exceed :data:`PADDED_QUERY_LIMIT` in magnitude zeroed: padded tokens may hold anything."""
+    return q.masked_fill(padded & ~(q.abs() <= PADDED_QUERY_LIMIT), 0.0)
+
+
 def _prepared(q, k, v, projection, scaling: float | None, key_padding_mask: Tensor | None):
     """The inputs in the compute dtype (float64 stays float64, the rest computes in float32): q and k scaled by the
-    root of the logit scale, the values with a ones column (padded ones zeroed), the projection, the mask as bool.
+    root of the logit scale (padded keys zeroed, padded queries scrubbed), the values with a ones column (padded ones
+    zeroed), the projection, the mask as bool.
     -> q, k (B, H, L, d), v1 (B, H, Lk, dv + 1), projection (m, d), mask (B, Lk) or None"""
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = (q.shape[-1] ** -0.5 if scaling is None else scaling) ** 0.5
     q, k, v = (t.to(compute_dtype) for t in (q, k, v))
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
-    if mask is not None:
-        v = v.masked_fill(~mask[:, None, :, None], 0.0)  # padded values may hold anything
+    if mask is not None:  # padded tokens may hold anything: their keys' features are left out, yet 0 * inf is NaN
+        padded = ~mask[:, None, :, None]  # (B, 1, Lk, 1)
+        k, v = k.masked_fill(padded, 0.0), v.masked_fill(padded, 0.0)
+        if q.shape[2] == k.shape[2]:  # self-attention: the padded tokens' own queries
+            q = scrub_padded_queries(q, padded)
     v1 = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)  # (B, H, Lk, dv + 1)
     return q * scale, k * scale, v1, projection.to(compute_dtype), mask
 

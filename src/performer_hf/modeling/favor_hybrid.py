@@ -46,7 +46,7 @@ import torch
 
 from .compiled_lengths import pin_length
 from .far_fields import FarField, get_far_field
-from .favor_attention import check_attention_inputs, check_scaling
+from .favor_attention import check_attention_inputs, check_scaling, scrub_padded_queries
 from .favor_optimal import optimal_parameter, pair_statistic
 from .hybrid_backends import choose_backend
 from .hybrid_causal import decoding_step, extra_keys, lagged_far_field, next_state, prefill_far_state
@@ -139,9 +139,9 @@ def _prepare(q, k, v, projection, spec: HybridSpec, causal: bool, options: dict,
     mask = torch.ones(B, L, dtype=torch.bool, device=q.device) if padding is None else padding.to(q.device, torch.bool)
     padded = None if padding is None else ~mask[:, None, :, None]  # (B, 1, L, 1)
     if padded is not None:  # padded tokens may hold anything (inf, NaN): keys and values zeroed before any product;
-        # a padded query keeps its own output (as before), less what is not finite, which would reach the real ones
+        # a padded query keeps its own output (as before), less what would reach the real ones (scrubbed)
         k, v = k.masked_fill(padded, 0.0), v.masked_fill(padded, 0.0)
-        q = q.masked_fill(padded & ~q.isfinite(), 0.0)
+        q = scrub_padded_queries(q, padded)
     x, y = q.to(dtype) * root, k.to(dtype) * root
     real_x = x if padded is None else x.masked_fill(padded, 0.0)  # the queries the statistics read
     if projection is not None:

@@ -490,11 +490,11 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
             as_decoder.is_decoder = True
             try:
                 _validate(as_decoder)
-            except ValueError as error:  # an encoder's settings (e.g. a converted BERT's), which causal attention refuses
+            except ValueError as error:  # an encoder's settings (a converted BERT's), which causal attention refuses
                 raise ValueError(
                     "PerformerForCausalLM attends causally, and this config is a bidirectional encoder's "
-                    f"(is_decoder=False) with a setting that causal attention refuses: {error} To use the encoder, load "
-                    "it with AutoModel, AutoModelForMaskedLM or AutoModelForSequenceClassification; to make a "
+                    f"(is_decoder=False) with a setting that causal attention refuses: {error} To use the encoder, "
+                    "load it with AutoModel, AutoModelForMaskedLM or AutoModelForSequenceClassification; to make a "
                     "decoder of it, set is_decoder=True and the causal settings this names."
                 ) from error
             logger.warning_once(
