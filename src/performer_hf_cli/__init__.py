@@ -165,8 +165,9 @@ def output_replaces_source(output_dir: Path, source: Path) -> str | None:
 
 
 def staging_prefix(output_dir: Path) -> str:
-    """How the names of the staging folders a conversion to ``output_dir`` writes in begin."""
-    return f".{output_dir.name}.tmp-"
+    """How the names of the staging folders a conversion to ``output_dir`` writes in begin (named after the folder a
+    symbolic link names: the conversion writes there)."""
+    return f".{(output_dir.resolve() if output_dir.is_symlink() else output_dir).name}.tmp-"
 
 
 def output_entries(output_dir: Path) -> list[Path]:

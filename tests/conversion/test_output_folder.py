@@ -91,21 +91,28 @@ def test_a_refused_move_into_a_mount_point_puts_its_entries_back(tmp_path, monke
     assert sorted(path.name for path in volume.iterdir()) == sorted([staging.name, "keep.txt"])
 
 
+@pytest.mark.parametrize("via_link", [False, True], ids=["volume", "link-to-volume"])
 def test_a_mount_point_left_with_a_killed_runs_staging_folder_takes_a_new_conversion(
-    tiny_bert, tmp_path, monkeypatch, capsys
+    via_link, tiny_bert, tmp_path, monkeypatch, capsys
 ):
     """A conversion into a mount point killed before it finished leaves its staging folder inside the volume: the next
     conversion refused the volume as not empty (pass --overwrite) though it held nothing of the user's. The staging
-    folder of a run that is gone is not an entry of the output: the conversion goes ahead and deletes it."""
+    folder of a run that is gone is not an entry of the output: the conversion goes ahead and deletes it. So through a
+    symbolic link to the volume (a link to a larger disk), whose staging folders are named after the volume (they
+    were looked for under the link's name)."""
     volume = tmp_path / "volume"
     volume.mkdir()
+    output = volume
+    if via_link:
+        output = tmp_path / "models"
+        output.symlink_to(volume)
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     killed = volume / f".volume.tmp-{socket.gethostname()}-{finished.stdout.strip()}-abc123"
     killed.mkdir()
     (killed / "model.safetensors").write_text("half written")
     monkeypatch.setattr(output_folder.os.path, "ismount", lambda path: Path(path) == volume)
     refuse_renames(monkeypatch, lambda source, target: volume in (source, target))
-    assert main(["convert", str(tiny_bert), str(volume), "--no-fidelity", "-q"]) == 0, capsys.readouterr().err
+    assert main(["convert", str(tiny_bert), str(output), "--no-fidelity", "-q"]) == 0, capsys.readouterr().err
     written = sorted(path.name for path in volume.iterdir())
     assert {"config.json", "model.safetensors", "README.md"} <= set(written)
     assert not [name for name in written if name.startswith(".")]
