@@ -410,8 +410,9 @@ def convert(
         base_model: the Hub id named in the model card (default: the Hub id of ``source``; a local folder is
             named in plain text, with no ``base_model`` metadata or Hub link: pass the Hub id it came from).
         fidelity: measure the fidelity report on sample text (see ``fidelity.py``) and put it in the card.
-        method: the attention settings under ``overrides`` (see ``METHODS``): ``"hybrid"`` (exact local window,
-            global token and, bidirectionally, routed key blocks, plus a centred ``poly2`` far field), ``"sparse"``
+        method: the attention settings under ``overrides`` (``performer_hf.conversion.convert.METHODS``): ``"hybrid"``
+            (exact local window, global token and, bidirectionally, routed key blocks, plus a centred ``poly2`` far
+            field), ``"sparse"``
             (causal only: exact window, first tokens and the earlier key blocks each query selects) or ``"favor"``
             (plain FAVOR+). Default: ``"sparse"`` for the decoders converted in place, ``"hybrid"`` otherwise;
             ``"favor"`` when ``attention_kernel`` names a FAVOR+-only kernel (``relu``, ``elu``, ``softmax_trig``).
