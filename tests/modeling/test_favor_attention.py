@@ -91,8 +91,9 @@ def test_padding_gives_the_unpadded_outputs():
 @pytest.mark.parametrize("junk", [float("nan"), float("inf"), 1e200], ids=["nan", "inf", "1e200"])
 def test_padded_tokens_may_hold_anything(kernel, causal, junk):
     """Padded keys were left out by multiplying their features by zero: a NaN or inf there made every real output
-    of relu, elu and softmax_trig NaN; and a padded query whose features overflow (0 * inf in the backward pass)
-    made the real keys' gradients NaN. Real outputs and gradients equal those of zero padding."""
+    of relu, elu and softmax_trig NaN; and, causally, a padded query whose features overflow (0 * inf in the backward
+    pass) made the real keys' gradients NaN. Real outputs and gradients equal those of zero padding. (Bidirectionally
+    the mask marks keys only: q may be another sequence's, whose queries are used as given.)"""
     q, k, v = _qkv(length=20)
     W = _projection()
     mask = torch.arange(20)[None] < torch.tensor([20, 12])[:, None]  # (B, L): the second row padded from 12 on
@@ -103,12 +104,31 @@ def test_padded_tokens_may_hold_anything(kernel, causal, junk):
     def outputs_and_gradients(fill):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         inputs = [torch.where(real, t, fill) for t in leaves]
+        inputs[0] = inputs[0] if causal else leaves[0]  # bidirectionally the queries are used as given
         out = favor_attention(*inputs, W, kernel=kernel, causal=causal, key_padding_mask=mask, chunk_size=8)
         grads = torch.autograd.grad((out * probe).sum(), leaves)
         return [torch.where(real, t, 0.0) for t in (out, *grads)]
 
     for got, clean in zip(outputs_and_gradients(junk), outputs_and_gradients(0.0), strict=True):
         torch.testing.assert_close(got, clean, rtol=1e-9, atol=1e-10)
+
+
+def test_cross_attention_queries_are_used_as_given_whatever_the_key_mask():
+    """Bidirectionally the key mask marks keys only: a real query at the index of a padded key (cross-attention of
+    equal lengths) was scrubbed as if it were a padded token's (entries over 1e4 zeroed: 0.177 off with a small
+    scaling). The output equals that of the same keys with one more padded key, and the naive reference."""
+    q, k, v = _qkv(batch=1, length=6)
+    q = q * 4e4  # real queries of large entries, which a small logit scale makes ordinary
+    W = _projection()
+    mask = torch.tensor([[True, True, True, True, False, False]])
+    out = favor_attention(q, k, v, W, kernel="relu", key_padding_mask=mask, scaling=1e-5)
+    longer = [torch.cat([t, t[:, :, :1]], dim=2) for t in (k, v)]
+    out_longer = favor_attention(
+        q, *longer, W, kernel="relu", key_padding_mask=torch.cat([mask, mask[:, :1] & False], 1), scaling=1e-5
+    )
+    torch.testing.assert_close(out, out_longer, rtol=1e-9, atol=1e-10)
+    reference = explicit_feature_attention(q, k, v, W, kernel="relu", key_padding_mask=mask, scaling=1e-5)
+    torch.testing.assert_close(out, reference, rtol=1e-7, atol=1e-9)
 
 
 def test_incremental_decoding_with_state_matches_full_pass():

@@ -291,10 +291,10 @@ def scrub_padded_queries(q: Tensor, padded: Tensor) -> Tensor:
     return q.masked_fill(padded & ~(q.abs() <= PADDED_QUERY_LIMIT), 0.0)
 
 
-def _prepared(q, k, v, projection, scaling: float | None, key_padding_mask: Tensor | None):
+def _prepared(q, k, v, projection, scaling: float | None, key_padding_mask: Tensor | None, causal: bool):
     """The inputs in the compute dtype (float64 stays float64, the rest computes in float32): q and k scaled by the
-    root of the logit scale (padded keys zeroed, padded queries scrubbed), the values with a ones column (padded ones
-    zeroed), the projection, the mask as bool.
+    root of the logit scale (padded keys zeroed; causally, padded queries scrubbed), the values with a ones column
+    (padded ones zeroed), the projection, the mask as bool.
     -> q, k (B, H, L, d), v1 (B, H, Lk, dv + 1), projection (m, d), mask (B, Lk) or None"""
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = (q.shape[-1] ** -0.5 if scaling is None else scaling) ** 0.5
@@ -303,7 +303,7 @@ def _prepared(q, k, v, projection, scaling: float | None, key_padding_mask: Tens
     if mask is not None:  # padded tokens may hold anything: their keys' features are left out, yet 0 * inf is NaN
         padded = ~mask[:, None, :, None]  # (B, 1, Lk, 1)
         k, v = k.masked_fill(padded, 0.0), v.masked_fill(padded, 0.0)
-        if q.shape[2] == k.shape[2]:  # self-attention: the padded tokens' own queries
+        if causal:  # self-attention: the padded tokens' own queries (bidirectionally q may be another sequence's)
             q = scrub_padded_queries(q, padded)
     v1 = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)  # (B, H, Lk, dv + 1)
     return q * scale, k * scale, v1, projection.to(compute_dtype), mask
@@ -333,7 +333,9 @@ def favor_attention(
         causal: query ``i`` attends to keys ``j <= i`` only (prefix sums, computed in chunks).
         kernel: feature map name: ``"softmax"``, ``"softmax_hyperbolic"``, ``"softmax_trig"``,
             ``"relu"`` or ``"elu"``.
-        key_padding_mask: ``(B, Lk)``, True/1 for real tokens; padded keys get zero features.
+        key_padding_mask: ``(B, Lk)``, True/1 for real tokens; padded keys get zero features and may hold
+            anything. Causally (self-attention) the padded tokens' queries may too; bidirectionally ``q`` may be
+            another sequence's, so the queries are used as given.
         scaling: logit scale; defaults to ``d ** -0.5``. q and k are each multiplied by its root.
         chunk_size: positions per chunk of the causal scan (memory/speed trade-off only).
         initial_state: causal only: the :class:`FavorState` of the preceding tokens (decoding).
@@ -346,7 +348,7 @@ def favor_attention(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}.")
     out_dtype = q.dtype
-    q, k, v1, projection, mask = _prepared(q, k, v, projection, scaling, key_padding_mask)
+    q, k, v1, projection, mask = _prepared(q, k, v, projection, scaling, key_padding_mask, causal)
 
     # The kernels compute in compute_dtype on purpose; autocast must not lower their matmuls
     # (the autograd functions' saved tensors would disagree in dtype with their backward).
