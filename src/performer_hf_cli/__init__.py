@@ -164,10 +164,16 @@ def output_replaces_source(output_dir: Path, source: Path) -> str | None:
     )
 
 
+def in_place_of_link(output_dir: Path) -> Path:
+    """The folder a symbolic link ``output_dir`` names (a link to a larger disk: written there, the link kept), or
+    ``output_dir`` itself."""
+    return output_dir.resolve() if output_dir.is_symlink() else output_dir
+
+
 def staging_prefix(output_dir: Path) -> str:
     """How the names of the staging folders a conversion to ``output_dir`` writes in begin (named after the folder a
     symbolic link names: the conversion writes there)."""
-    return f".{(output_dir.resolve() if output_dir.is_symlink() else output_dir).name}.tmp-"
+    return f".{in_place_of_link(output_dir).name}.tmp-"
 
 
 def output_entries(output_dir: Path) -> list[Path]:

@@ -412,10 +412,10 @@ def convert(
         fidelity: measure the fidelity report on sample text (see ``fidelity.py``) and put it in the card.
         method: the attention settings under ``overrides`` (``performer_hf.conversion.convert.METHODS``): ``"hybrid"``
             (exact local window, global token and, bidirectionally, routed key blocks, plus a centred ``poly2`` far
-            field), ``"sparse"``
-            (causal only: exact window, first tokens and the earlier key blocks each query selects) or ``"favor"``
-            (plain FAVOR+). Default: ``"sparse"`` for the decoders converted in place, ``"hybrid"`` otherwise;
-            ``"favor"`` when ``attention_kernel`` names a FAVOR+-only kernel (``relu``, ``elu``, ``softmax_trig``).
+            field), ``"sparse"`` (causal only: exact window, first tokens and the earlier key blocks each query
+            selects) or ``"favor"`` (plain FAVOR+). Default: ``"sparse"`` for the decoders converted in place,
+            ``"hybrid"`` otherwise; ``"favor"`` when ``attention_kernel`` names a FAVOR+-only kernel (``relu``,
+            ``elu``, ``softmax_trig``).
         calibrate: measure fixed per-layer statistics (centres, FAVOR++ ``A`` per head) on sample text
             with the source as teacher (see ``calibration.py``). Causal hybrid models that centre or use
             ``"softmax_opt"`` are always calibrated (they must not read later tokens). Encoders centre each

@@ -16,7 +16,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from performer_hf_cli import output_entries, output_replaces_source, staging_prefix
+from performer_hf_cli import in_place_of_link, output_entries, output_replaces_source, staging_prefix
 
 from .errors import ConversionError
 
@@ -43,7 +43,7 @@ def check_output_dir(output_dir: Path, overwrite: bool, source: Path | None = No
 def _check_writable(output_dir: Path) -> None:
     """Refuse, before any work, an output whose staging folder's home (its nearest existing parent, or itself for a
     mount point) takes no new folder (read-only, another user's, a system tree)."""
-    output_dir = _in_place_of_link(output_dir.absolute())
+    output_dir = in_place_of_link(output_dir.absolute())
     if _is_mount(output_dir):
         nearest = output_dir
     else:
@@ -55,12 +55,6 @@ def _check_writable(output_dir: Path) -> None:
             f"output folder {output_dir} cannot be written ({error.strerror or error} in {nearest}): choose a "
             "writable location."
         ) from None
-
-
-def _in_place_of_link(output_dir: Path) -> Path:
-    """The folder a symbolic link ``output_dir`` names (a link to a larger disk: written there, the link kept), or
-    ``output_dir`` itself."""
-    return output_dir.resolve() if output_dir.is_symlink() else output_dir
 
 
 def _is_mount(output_dir: Path) -> bool:
@@ -90,7 +84,7 @@ def staging_folder(output_dir: Path) -> Path:
     staging folders of earlier runs for the same output whose process is gone (killed before it could remove its
     own) are deleted; others (another run may still be writing one, here or on another host sharing the folder) are
     named in a warning."""
-    output_dir = _in_place_of_link(output_dir)
+    output_dir = in_place_of_link(output_dir)
     home = _staging_home(output_dir)
     home.mkdir(parents=True, exist_ok=True)
     prefix = staging_prefix(output_dir)
@@ -131,7 +125,7 @@ def publish(staging: Path, output_dir: Path) -> None:
     the permissions of the folder it replaces or of a new one, replacing what was there only now. A mount point
     keeps its folder: the staged entries are moved into it. A move the system refuses is undone (what was there is
     put back, no backup left) and raised as a :class:`ConversionError`."""
-    output_dir = _in_place_of_link(output_dir)
+    output_dir = in_place_of_link(output_dir)
     try:
         if staging.parent == output_dir:  # made inside a mount point by staging_folder
             _publish_into(staging, output_dir)
